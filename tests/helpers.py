@@ -1,0 +1,46 @@
+"""Shared test fixtures: tiny Hugging Face Llama checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Tiny configurations that together cover what the TP rules must handle.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # GQA: 8 query heads, 4 kv heads -> split at TP 1/2/4, replicated at TP 8
+    "gqa": dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                vocab_size=256, num_hidden_layers=2),
+    # kv replication already at TP 4 and 8; vocab not a multiple of anything (padding); llama3 rope
+    "rope_pad": dict(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=2,
+                     vocab_size=250, num_hidden_layers=2,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # tied embeddings, MHA, explicit head_dim different from hidden/heads
+    "tied": dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=8,
+                 head_dim=16, vocab_size=300, num_hidden_layers=2, tie_word_embeddings=True),
+}
+
+
+def make_hf_llama(path: Path, name: str = "gqa", dtype: torch.dtype = torch.float32, seed: int = 0,
+                  max_shard_size: str | None = None, **overrides: Any) -> Path:
+    """Writes a randomly initialised LlamaForCausalLM with transformers' own save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs: dict[str, Any] = dict(max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kwargs.update(TINY_CONFIGS[name])
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs))
+    with torch.no_grad():  # HF's init leaves norms at exactly 1.0; perturb so tests see them
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(dtype)
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kwargs)
+    return path

@@ -1,0 +1,195 @@
+"""Model configuration read from a Hugging Face Llama `config.json`, and the TP divisibility rules."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tprt.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """HF `rope_scaling`; only the fields the supported rope types use."""
+
+    rope_type: str  # "default", "llama3" (Llama 3.1+) or "linear"
+    factor: float = 1.0  # how much the context was stretched
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original/low_freq_factor are scaled
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original/high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # llama3: context length before stretching
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama model, independent of how it is sharded."""
+
+    vocab_size: int  # true vocabulary size, before any TP padding
+    hidden_size: int  # model width
+    intermediate_size: int  # SwiGLU inner width
+    num_hidden_layers: int  # transformer blocks
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # kv heads (GQA when fewer than query heads)
+    head_dim: int  # per-head width; HF defaults it to hidden_size // num_attention_heads
+    rms_norm_eps: float  # epsilon inside every RMSNorm
+    rope_theta: float  # RoPE base frequency
+    max_position_embeddings: int  # context length
+    tie_word_embeddings: bool  # lm_head shares embed_tokens' weight
+    rope_scaling: RopeScaling | None = None  # None means plain RoPE
+    bos_token_id: int | None = None  # beginning-of-sequence token
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation
+    torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Validates an HF Llama config dict; errors name `source` and the offending field."""
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        if d.get("model_type", "llama") not in ("llama", "mistral") or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: unsupported architecture {archs[0]!r} (model_type {d.get('model_type')!r}); "
+                f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if not isinstance(d.get(key), int) or d[key] <= 0:
+                raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {d.get(key)!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: field 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ConfigError(f"{source}: field {key!r}=true is not supported (Llama has no biases)")
+        heads = d["num_attention_heads"]
+        kv_heads = d.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = d.get("head_dim") or d["hidden_size"] // heads
+        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling`.
+        rope = d.get("rope_parameters") or d.get("rope_scaling")
+        rope_theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            rope_scaling=_parse_rope_scaling(rope, source),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            raw=dict(d),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: not found; expected a Hugging Face config.json") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(d, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("raw")
+        return d
+
+
+def _parse_rope_scaling(rs: Any, source: str) -> RopeScaling | None:
+    if rs is None:
+        return None
+    if not isinstance(rs, dict):
+        raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {rs!r}")
+    rope_type = rs.get("rope_type") or rs.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{source}: rope_scaling type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "default":
+        return None
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(rs.get("factor", 1.0)),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How a model is split over `tp` ranks: the one place that checks divisibility."""
+
+    tp: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    padded_vocab_size: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, tp: int, vocab_align: int = 64) -> TPLayout:
+        """Refuses a TP degree the heads do not allow; pads the vocabulary to `vocab_align * tp`."""
+        if tp < 1:
+            raise ConfigError(f"--tp must be at least 1, got {tp}")
+        if vocab_align < 1:
+            raise ConfigError(f"--vocab-align must be at least 1, got {vocab_align}")
+        h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if h % tp:
+            allowed = [d for d in range(1, h + 1) if h % d == 0 and (kv % d == 0 or d % kv == 0)]
+            raise ConfigError(
+                f"--tp {tp} does not divide num_attention_heads={h}; allowed TP degrees: {allowed}"
+            )
+        if kv % tp and tp % kv:
+            raise ConfigError(
+                f"--tp {tp} neither divides num_key_value_heads={kv} nor is a multiple of it; "
+                "kv heads can be split or replicated but not both"
+            )
+        multiple = vocab_align * tp
+        padded = -(-cfg.vocab_size // multiple) * multiple
+        return cls(tp=tp, num_heads=h, num_kv_heads=kv, vocab_size=cfg.vocab_size, padded_vocab_size=padded)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tp
+
+    @property
+    def kv_replication(self) -> int:
+        """How many ranks hold the same kv head (1 when kv heads are split)."""
+        return max(1, self.tp // self.num_kv_heads)
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp)
+
+    def kv_head_start(self, rank: int) -> int:
+        """First global kv head held by `rank`."""
+        if self.kv_replication > 1:
+            return rank // self.kv_replication
+        return rank * self.local_kv_heads
+
+    @property
+    def local_vocab(self) -> int:
+        return self.padded_vocab_size // self.tp

@@ -1,0 +1,13 @@
+"""Errors meant for people: each message is one line naming the file, tensor, field or flag."""
+
+
+class TprtError(Exception):
+    """Base class; the command-line tools print the message alone and exit non-zero."""
+
+
+class ConfigError(TprtError):
+    """A config.json field, a flag or their combination is not acceptable."""
+
+
+class CheckpointError(TprtError):
+    """A checkpoint file, tensor or manifest is missing, malformed or inconsistent."""

@@ -1,0 +1,64 @@
+"""Atomic outputs: write under a temporary sibling name, fsync, rename; never a half-written DST."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tprt.errors import TprtError
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST") -> Iterator[Path]:
+    """Yields an empty temporary sibling of `dst`; on success it replaces `dst` (fsynced), on any
+    error it is deleted and `dst` is untouched. An existing `dst` is refused unless `force`."""
+    dst = Path(dst)
+    if dst.exists() and not force:
+        raise TprtError(f"{dst}: {flag} already exists; choose another path or pass --force to replace it")
+    parent = dst.parent if str(dst.parent) else Path(".")
+    if not parent.is_dir():
+        raise TprtError(f"{parent}: parent directory of {flag} does not exist")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
+    try:
+        yield tmp
+        for child in tmp.iterdir():  # files were fsynced by their writers; directories here
+            if child.is_file():
+                with open(child, "rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if dst.exists():
+            old = parent / f".{dst.name}.old-{os.getpid()}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+        fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

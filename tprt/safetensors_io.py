@@ -1,0 +1,299 @@
+"""Low-level safetensors: a validating header reader, zero-copy mmapped views, a streaming writer.
+
+The format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
+N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}},
+then the raw little-endian tensor bytes. We parse it ourselves so that a corrupt file gets an
+error naming the file and the tensor, and so the converter can copy raw byte ranges without
+ever materialising a tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from tprt.errors import CheckpointError
+
+# safetensors dtype name -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+# numpy has no bfloat16: raw bytes are viewed through an unsigned type of the same width.
+_RAW_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_TO_ST[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives inside a safetensors file."""
+
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parses and validates the header: every offset inside the file and consistent with its shape."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    f"{path}: corrupt safetensors header (declares {n} header bytes, file has {size})"
+                )
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (b, e) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        if e - b != expected or b < 0:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} spans {e - b} bytes but shape {list(shape)} {dtype} needs {expected}"
+            )
+        if data_start + e > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name!r} ends at byte {data_start + e}, file has {size}"
+            )
+        tensors[name] = TensorInfo(name, dtype, shape, data_start + b, data_start + e)
+    return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+class SafetensorsFile:
+    """A read-only, memory-mapped safetensors file; views share memory with the page cache."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.tensors, self.metadata = read_header(self.path)
+        self._file = open(self.path, "rb")
+        size = os.fstat(self._file.fileno()).st_size
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} not found") from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as an unsigned-integer array of its shape (zero-copy)."""
+        t = self.info(name)
+        assert self._mmap is not None
+        arr = np.frombuffer(self._mmap, dtype=_RAW_NP[t.itemsize], count=t.nbytes // t.itemsize, offset=t.begin)
+        return arr.reshape(t.shape)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A zero-copy torch view; copy it before the file is closed if it must outlive it."""
+        t = self.info(name)
+        if t.nbytes == 0:
+            return torch.empty(t.shape, dtype=t.torch_dtype)
+        assert self._mmap is not None
+        flat = torch.frombuffer(self._mmap, dtype=t.torch_dtype, count=t.nbytes // t.itemsize, offset=t.begin)
+        return flat.view(t.shape)
+
+    def close(self) -> None:
+        # Views handed out keep the mmap alive; closing only drops our references.
+        self._mmap = None
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None) -> bytes:
+    """Header bytes (length prefix included) for tensors laid out back to back in `entries` order."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape in entries:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class HashingWriter:
+    """Writes a file on a background thread, hashing it (sha256) on the way, so that the caller's
+    reading and gathering overlap the hashing and the write. hashlib and file writes release the
+    GIL, so this uses the second core. Buffers are queued by reference: do not reuse them."""
+
+    def __init__(self, path: Path, max_queued: int = 4) -> None:
+        self.path = path
+        self._file = open(path, "wb")
+        self._sha = hashlib.sha256()
+        self.bytes_written = 0
+        self._queue: queue.Queue[memoryview | bytes | None] = queue.Queue(maxsize=max_queued)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"write:{path.name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            buf = self._queue.get()
+            if buf is None:
+                return
+            if self._error is not None:
+                continue  # drain so the producer never blocks on a dead writer
+            try:
+                self._sha.update(buf)
+                self._file.write(buf)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+
+    def write(self, buf: bytes | memoryview | np.ndarray) -> None:
+        if self._error is not None:
+            self._raise()
+        mv: bytes | memoryview = buf if isinstance(buf, bytes) else memoryview(buf).cast("B")  # type: ignore[arg-type]
+        self.bytes_written += len(mv)
+        self._queue.put(mv)
+
+    def _raise(self) -> None:
+        err = self._error
+        assert err is not None
+        if isinstance(err, OSError):
+            raise CheckpointError(f"{self.path}: write failed: {err.strerror or err}") from err
+        raise err
+
+    def close(self) -> str:
+        """Flushes and fsyncs; returns the sha256 hex digest."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is None:
+            try:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError as e:
+                self._error = e
+        self._file.close()
+        if self._error is not None:
+            self._raise()
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        self._error = self._error or RuntimeError("aborted")
+        self._queue.put(None)
+        self._thread.join()
+        self._file.close()
+
+    def __enter__(self) -> HashingWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file whose header is known up front and whose data arrives in order,
+    chunk by chunk, so no tensor is ever held whole. `close()` checks every byte arrived."""
+
+    def __init__(
+        self,
+        path: Path,
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = path
+        self.entries = entries
+        self._header = build_header(entries, metadata)
+        self._expected = len(self._header) + sum(
+            int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1] for _, dtype, shape in entries
+        )
+        self._writer = HashingWriter(path)
+        self._writer.write(self._header)
+
+    def write(self, buf: bytes | memoryview | np.ndarray) -> None:
+        self._writer.write(buf)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._writer.bytes_written
+
+    def close(self) -> tuple[int, str]:
+        """Returns (size, sha256)."""
+        digest = self._writer.close()
+        if self._writer.bytes_written != self._expected:
+            raise CheckpointError(
+                f"{self.path}: wrote {self._writer.bytes_written} bytes, header promises {self._expected}"
+            )
+        return self._expected, digest
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
