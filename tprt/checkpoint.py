@@ -226,6 +226,11 @@ class RankFiles:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def locate(self, name: str) -> tuple[Path, TensorInfo]:
+        """The file holding `name` and where inside it (for byte-range readers)."""
+        info = self._info(name)
+        return self._where[name].path, info
+
     def tensor(self, name: str) -> torch.Tensor:
         self._info(name)
         return self._where[name].tensor(name)

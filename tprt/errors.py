@@ -11,3 +11,7 @@ class ConfigError(TprtError):
 
 class CheckpointError(TprtError):
     """A checkpoint file, tensor or manifest is missing, malformed or inconsistent."""
+
+
+class OutputError(CheckpointError):
+    """Writing the output failed (disk full, permissions): not the input's fault."""

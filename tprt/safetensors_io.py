@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tprt.errors import CheckpointError
+from tprt.errors import CheckpointError, OutputError
 
 # safetensors dtype name -> (torch dtype, bytes per element)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -218,7 +218,7 @@ class HashingWriter:
         err = self._error
         assert err is not None
         if isinstance(err, OSError):
-            raise CheckpointError(f"{self.path}: write failed: {err.strerror or err}") from err
+            raise OutputError(f"{self.path}: write failed: {err.strerror or err}") from err
         raise err
 
     def close(self) -> str:
@@ -259,6 +259,7 @@ class StreamingSafetensorsWriter:
         path: Path,
         entries: list[tuple[str, str, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
+        max_queued: int = 4,
     ) -> None:
         self.path = path
         self.entries = entries
@@ -266,7 +267,7 @@ class StreamingSafetensorsWriter:
         self._expected = len(self._header) + sum(
             int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1] for _, dtype, shape in entries
         )
-        self._writer = HashingWriter(path)
+        self._writer = HashingWriter(path, max_queued=max_queued)
         self._writer.write(self._header)
 
     def write(self, buf: bytes | memoryview | np.ndarray) -> None:
@@ -275,6 +276,11 @@ class StreamingSafetensorsWriter:
     @property
     def bytes_written(self) -> int:
         return self._writer.bytes_written
+
+    @property
+    def size(self) -> int:
+        """The file's final size in bytes, known from the header."""
+        return self._expected
 
     def close(self) -> tuple[int, str]:
         """Returns (size, sha256)."""
