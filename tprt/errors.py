@@ -15,3 +15,11 @@ class CheckpointError(TprtError):
 
 class OutputError(CheckpointError):
     """Writing the output failed (disk full, permissions): not the input's fault."""
+
+
+class ValidationError(ConfigError):
+    """A request or sampling field is out of range; `field` names it (e.g. "top_p") for flags and gRPC."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
