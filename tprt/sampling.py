@@ -1,0 +1,239 @@
+"""Per-request sampling parameters and a batched sampler over true-vocabulary logits.
+
+Processing follows Hugging Face `generate` (order and arithmetic): repetition penalty, temperature,
+top-k, top-p, min-p; greedy rows (temperature 0) take the argmax after the repetition penalty.
+
+Reported log-probabilities are the *raw* model distribution, `log_softmax(logits)` before any
+processor (the OpenAI API and vLLM's default): they do not depend on the sampling settings.
+
+Reproducibility: each row draws exactly one uniform number per sampled step from its own
+`torch.Generator`, and every other operation is row-wise and deterministic. So the same seed and the
+same logits give the same token whatever else is in the batch (bit-exact on CPU; on GPU reductions can
+differ in the last bit with the batch shape, which changes a token only when a draw lands on a boundary).
+Across TP ranks: with bit-identical logits (the vocab-parallel head gathers, it does not reduce) and
+generators seeded identically, every rank picks the same token. Rows without a generator use the global
+RNG, whose state may differ between ranks: the engine must either give every row a generator seeded
+the same on all ranks, or sample on rank 0 and broadcast the ids (the safe default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tprt.errors import ValidationError
+
+MAX_TOP_LOGPROBS = 20
+_SEED_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops. Off values: top_k 0, top_p 1, min_p 0, penalty 1."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # keep the k most likely tokens (ties at the k-th kept, like HF)
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability
+    repetition_penalty: float = 1.0  # HF: positive logits / p, negative * p, for tokens in prompt+output
+    seed: int | None = None  # per-request generator seed; None uses the global RNG
+    max_new_tokens: int = 256  # generated tokens at most
+    stop_token_ids: tuple[int, ...] = ()  # ids that end generation besides EOS
+    stop_strings: tuple[str, ...] = ()  # texts that end generation; removed from the output
+    ignore_eos: bool = False  # keep going past EOS
+    logprobs: bool = False  # report the chosen token's log-probability
+    top_logprobs: int = 0  # also report the n most likely tokens (0..20); needs logprobs
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers (JSON, protobuf) while staying hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int) -> SamplingParams:
+        """Raises ValidationError (with `.field`) for the first field out of range; returns self.
+
+        Messages start with the field name, so a caller can substitute its own spelling of it
+        (`--top-p`, a protobuf field path)."""
+        _check_float("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0 (0 = greedy)")
+        _check_int("top_k", self.top_k, 0, vocab_size, f"an integer in [0, {vocab_size}] (0 = off)")
+        _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1] (1 = off)", low_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1] (0 = off)")
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
+                     "a finite number > 0 (1 = off)", low_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _SEED_MAX, f"an integer in [0, {_SEED_MAX}] or unset")
+        _check_int("max_new_tokens", self.max_new_tokens, 1, 2**31 - 1, "an integer >= 1")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, vocab_size - 1, f"token ids in [0, {vocab_size - 1}]")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise ValidationError("stop_strings", f"stop_strings must be non-empty strings, got {s!r}")
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValidationError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS,
+                   f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise ValidationError("top_logprobs", "top_logprobs requires logprobs to be enabled")
+        return self
+
+
+def _check_int(field: str, value: object, low: int, high: int, allowed: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValidationError(field, f"{field} must be {allowed}, got {value!r}")
+
+
+def _check_float(field: str, value: object, low: float, high: float, allowed: str,
+                 low_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        assert isinstance(value, (int, float))
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        raise ValidationError(field, f"{field} must be {allowed}, got {value!r}")
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one request; seed it identically on every rank that samples."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One step's choice for each row. `top_*` have n = the largest top_logprobs asked for in the batch
+    (rows that asked for fewer read a prefix; n = 0 when nobody asked)."""
+
+    token_ids: Tensor  # [B] long
+    logprobs: Tensor  # [B] float32: raw log_softmax(logits) of the chosen token
+    top_ids: Tensor  # [B, n] long, most likely first
+    top_logprobs: Tensor  # [B, n] float32, raw
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           history: Sequence[Sequence[int] | Tensor]) -> SampleResult:
+    """Picks one token per row of `logits` [B, V].
+
+    V must be the true vocabulary (slice TP padding off first). `history[i]` is row i's prompt and
+    generated ids, read only when its repetition_penalty is not 1. Computes in float32."""
+    batch, vocab = logits.shape
+    if not len(params) == len(generators) == len(history) == batch:
+        raise ValueError(f"sample: {batch} logits rows but {len(params)} params, {len(generators)} "
+                         f"generators, {len(history)} histories")
+    raw = logits.float()  # [B, V]
+    scores = process_logits(raw, params, history)  # [B, V], -inf where filtered
+    tokens = torch.empty(batch, dtype=torch.long, device=raw.device)
+    greedy = torch.tensor([p.greedy for p in params], device=raw.device)
+    if bool(greedy.any()):
+        tokens[greedy] = scores[greedy].argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=raw.device)
+        u = _uniforms([generators[i] for i in rows], raw.device)
+        tokens[index] = _inverse_cdf(torch.softmax(scores[index], dim=-1), u)
+    lse = torch.logsumexp(raw, dim=-1)  # [B]
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [B]
+    n = max([p.top_logprobs for p in params if p.logprobs], default=0)
+    top_vals, top_ids = raw.topk(n, dim=-1) if n else (raw.new_empty(batch, 0), tokens.new_empty(batch, 0))
+    return SampleResult(tokens, chosen, top_ids, top_vals - lse[:, None])
+
+
+def process_logits(logits: Tensor, params: Sequence[SamplingParams],
+                   history: Sequence[Sequence[int] | Tensor]) -> Tensor:
+    """HF's processor chain, row-wise: float32 [B, V] scores with filtered tokens at -inf.
+
+    Greedy rows get the repetition penalty only (the filters always keep the argmax)."""
+    scores = logits.float()
+    device = scores.device
+    if any(p.repetition_penalty != 1.0 for p in params):
+        scores = _repetition_penalty(scores, params, history)
+    if any(p.temperature not in (0.0, 1.0) for p in params):
+        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        scores = scores / temp[:, None]
+    sampled = [not p.greedy for p in params]
+    if any(s and (p.top_k > 0 or p.top_p < 1.0) for s, p in zip(sampled, params)):
+        scores = _top_k_top_p(scores, params, sampled)
+    if any(s and p.min_p > 0 for s, p in zip(sampled, params)):
+        min_p = torch.tensor([p.min_p if s else 0.0 for s, p in zip(sampled, params)], device=device)
+        probs = torch.softmax(scores, dim=-1)  # [B, V]
+        remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(remove, -math.inf)
+    return scores
+
+
+def _repetition_penalty(scores: Tensor, params: Sequence[SamplingParams],
+                        history: Sequence[Sequence[int] | Tensor]) -> Tensor:
+    """Divides positive / multiplies negative scores of every id seen in a row's history."""
+    batch, vocab = scores.shape
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    ids = [torch.as_tensor(history[i], dtype=torch.long, device=scores.device).reshape(-1) for i in rows]
+    longest = max([len(t) for t in ids], default=0)
+    padded = torch.full((len(rows), longest), vocab, dtype=torch.long, device=scores.device)  # [R, L]
+    for r, t in enumerate(ids):
+        padded[r, : len(t)] = t.clamp(0, vocab)  # out-of-range ids land in the spare column
+    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=scores.device)
+    seen.scatter_(1, padded, True)  # [R, V + 1]
+    index = torch.tensor(rows, device=scores.device)
+    penalty = torch.tensor([params[i].repetition_penalty for i in rows], device=scores.device)[:, None]
+    sub = scores[index]  # [R, V]
+    penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
+    out = scores.clone()
+    out[index] = torch.where(seen[:, :vocab], penalised, sub)
+    return out
+
+
+def _top_k_top_p(scores: Tensor, params: Sequence[SamplingParams], sampled: Sequence[bool]) -> Tensor:
+    """Top-k then top-p in one ascending sort, with HF's thresholds (ties at the k-th value kept;
+    top-p drops the low tail whose cumulative probability is <= 1 - top_p, always keeping the top)."""
+    batch, vocab = scores.shape
+    device = scores.device
+    k = torch.tensor([min(p.top_k, vocab) if s and p.top_k > 0 else vocab for s, p in zip(sampled, params)],
+                     device=device)
+    ascending, order = torch.sort(scores, dim=-1)  # [B, V]
+    kth = ascending.gather(1, (vocab - k)[:, None])  # [B, 1]: k-th largest value
+    drop = ascending < kth
+    ascending = ascending.masked_fill(drop, -math.inf)  # still ascending: the smallest were dropped
+    use_p = [s and p.top_p < 1.0 for s, p in zip(sampled, params)]
+    if any(use_p):
+        # 1 - top_p in double then float32, as HF compares against the Python float.
+        tail = torch.tensor([1.0 - p.top_p if u else -1.0 for u, p in zip(use_p, params)], device=device)
+        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)  # [B, V]
+        drop_p = cumulative <= tail[:, None]
+        drop_p[:, -1] = False
+        drop = drop | drop_p
+    remove = torch.zeros_like(drop).scatter(1, order, drop)  # back to vocab order
+    return scores.masked_fill(remove, -math.inf)
+
+
+def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
+    """One float64 uniform in [0, 1) per row, each from the row's own generator."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand((), generator=g, dtype=torch.float64, device=g.device).item()
+    return u.to(device)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Row-wise inverse-CDF draw: the first token whose cumulative probability exceeds u * total.
+
+    `right=True` never lands on a zero-probability token; a draw past the end takes the last
+    token with non-zero probability."""
+    vocab = probs.shape[-1]
+    cdf = probs.double().cumsum(dim=-1)  # [R, V]
+    target = (u * cdf[:, -1])[:, None]  # [R, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
+    last_nonzero = (vocab - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.where(tokens >= vocab, last_nonzero, tokens)
