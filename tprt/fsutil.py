@@ -33,6 +33,12 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST") -> Iterator[Path]:
     """Yields an empty temporary sibling of `dst`; on success it replaces `dst` (fsynced), on any
@@ -45,6 +51,7 @@ def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST") -> Iter
         raise TprtError(f"{parent}: parent directory of {flag} does not exist")
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the result is an ordinary directory
         yield tmp
         for child in tmp.iterdir():  # files were fsynced by their writers; directories here
             if child.is_file():

@@ -1,0 +1,61 @@
+"""The converter's Python API; `tprt-convert` is a thin layer over these functions.
+
+Every function writes its output atomically (a temporary sibling directory renamed into place
+at the end), refuses an existing `dst` unless `force`, and raises `tprt.errors.TprtError` with a
+one-line message for anything wrong with the input or the output location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from convert import engine
+from convert.verify import verify as _verify
+from tprt.checkpoint import Manifest
+from tprt.errors import ConfigError
+
+__all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]
+
+
+def hf_to_tp(
+    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
+    force: bool = False, progress: bool = False,
+) -> Manifest:
+    """HF directory (or .gguf file) -> TP checkpoint with `tp` ranks. `dtype`: bf16, fp16 or fp32
+    (None keeps the source's); the vocabulary is zero-padded to a multiple of vocab_align * tp."""
+    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress)
+
+
+def reshard(
+    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
+    force: bool = False, progress: bool = False,
+) -> Manifest:
+    """TP checkpoint -> TP checkpoint with `tp` ranks, straight from the rank files. vocab_align
+    None keeps the source checkpoint's."""
+    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress)
+
+
+def tp_to_hf(
+    src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
+    max_shard_size: int | str | None = None,
+) -> list[str]:
+    """TP checkpoint -> HF directory loadable by transformers. The source HF shard layout (kept in
+    the manifest) is reproduced unless `max_shard_size` ("5GB", "500MB" or bytes) is given; without
+    either, shards of at most 5GB. Returns the safetensors file names written."""
+    return engine.convert_to_hf(Path(src), Path(dst), dtype, force, progress, max_shard_size)
+
+
+def gguf_to_hf(
+    src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
+    max_shard_size: int | str | None = None,
+) -> list[str]:
+    """.gguf file -> HF directory (dequantised; q/k rows back in HF's rotate-half order)."""
+    if Path(src).suffix.lower() != ".gguf":
+        raise ConfigError(f"{src}: SRC must be a .gguf file")
+    return engine.convert_to_hf(Path(src), Path(dst), dtype, force, progress, max_shard_size)
+
+
+def verify(path: Path) -> list[str]:
+    """Re-reads every file (sha256, size, header) and checks shapes against the manifest and
+    config.json; returns the problems found, one line each (empty when sound)."""
+    return _verify(Path(path))

@@ -1,0 +1,176 @@
+"""The conversions: open and validate the source, plan the output, check the disk, stream the
+copy into an atomic temporary directory, then write config, tokenizer files and manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from convert.copy import execute
+from convert.plan import TORCH_NAMES, Plan, parse_dtype, parse_size, plan_hf, plan_tp
+from convert.progress import Progress
+from convert.rules import check_tensor_set, expected_shapes
+from convert.sources import TensorSource, TPSource, open_source
+from tprt.checkpoint import FileEntry, Manifest, write_manifest
+from tprt.config import TPLayout
+from tprt.errors import ConfigError, OutputError
+from tprt.fsutil import atomic_output_dir, write_bytes_atomic
+
+TOOL = "tprt-convert 0.1.0"
+SPACE_MARGIN = 16 << 20  # headroom for the small files and the filesystem's own bookkeeping
+
+
+@contextmanager
+def opened(src: Path) -> Iterator[TensorSource]:
+    source = open_source(Path(src))
+    try:
+        yield source
+    finally:
+        source.close()
+
+
+def validated_names(source: TensorSource) -> list[str]:
+    """The tensors to convert, in the source's storage order, after checking the set against
+    config.json (missing, unexpected or mis-shaped tensors are errors)."""
+    shapes = source.shapes()
+    check_tensor_set(shapes, source.config, str(source.path))
+    wanted = expected_shapes(source.config)
+    order = getattr(source, "order", None)
+    names: list[str] = order() if callable(order) else sorted(shapes)
+    return [n for n in names if n in wanted]
+
+
+def _refuse_existing(dst: Path, force: bool) -> None:
+    """Fail before reading anything (atomic_output_dir checks again at the end)."""
+    if Path(dst).exists() and not force:
+        raise ConfigError(f"{dst}: DST already exists; choose another path or pass --force to replace it")
+
+
+def check_free_space(dst: Path, nbytes: int) -> None:
+    parent = Path(dst).resolve().parent
+    free = shutil.disk_usage(parent).free
+    if nbytes + SPACE_MARGIN > free:
+        raise OutputError(
+            f"{parent}: not enough free space for {Path(dst).name}: need {_gb(nbytes + SPACE_MARGIN)}, "
+            f"{_gb(free)} available"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def output_config(source: TensorSource, dtype: str | None) -> dict[str, Any]:
+    """The source's config.json, with its dtype field(s) updated when --dtype changes it."""
+    cfg = dict(source.config_json)
+    if dtype is not None:
+        keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+        for k in keys:
+            cfg[k] = TORCH_NAMES[dtype]
+    return cfg
+
+
+def _write_small_files(directory: Path, source: TensorSource, dtype: str | None) -> dict[str, FileEntry]:
+    files = dict(source.aux_files())
+    files["config.json"] = (json.dumps(output_config(source, dtype), indent=2) + "\n").encode()
+    entries = {}
+    for name, data in sorted(files.items()):
+        write_bytes_atomic(directory / name, data)
+        entries[name] = FileEntry(-1, len(data), hashlib.sha256(data).hexdigest())
+    return entries
+
+
+def _small_files_size(source: TensorSource) -> int:
+    return sum(len(b) for b in source.aux_files().values()) + 64 * 1024
+
+
+def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str) -> dict[str, FileEntry]:
+    with Progress(plan.total_bytes, progress, desc) as bar:
+        done = execute(plan, source, tmp, bar, dst)
+    return {f.name: FileEntry(f.rank, *done[f.name]) for f in plan.files}
+
+
+def convert_to_tp(
+    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
+    force: bool = False, progress: bool = False,
+) -> Manifest:
+    """Any source -> a TP checkpoint with `tp` ranks. vocab_align None: the source checkpoint's
+    (when it is a TP checkpoint), else 64."""
+    out_dtype = parse_dtype(dtype)
+    _refuse_existing(dst, force)
+    with opened(src) as source:
+        names = validated_names(source)
+        if vocab_align is None:
+            vocab_align = _source_vocab_align(source)
+        layout = TPLayout.for_model(source.config, tp, vocab_align)
+        shapes = source.shapes()
+        dtypes = {n: source.dtype(n) for n in names}
+        plan, manifest = plan_tp(names, shapes, dtypes, source.config, layout, out_dtype)
+        manifest.hf_weight_map = _weight_map(source, names)
+        manifest.extra = {"tool": TOOL, "source": str(src), "source_format": _format_of(source),
+                          "vocab_align": vocab_align}
+        check_free_space(dst, plan.total_bytes + _small_files_size(source))
+        with atomic_output_dir(dst, force) as tmp:
+            files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}")
+            files.update(_write_small_files(tmp, source, out_dtype))
+            manifest.files = files
+            write_manifest(tmp, manifest)
+    return manifest
+
+
+def _source_vocab_align(source: TensorSource) -> int:
+    if isinstance(source, TPSource):
+        align = source.manifest.extra.get("vocab_align")
+        if isinstance(align, int) and align > 0:
+            return align
+    return 64
+
+
+def _format_of(source: TensorSource) -> str:
+    if isinstance(source, TPSource):
+        return "tp"
+    return "gguf" if source.path.suffix.lower() == ".gguf" else "hf"
+
+
+def _weight_map(source: TensorSource, names: list[str]) -> dict[str, str] | None:
+    wm = source.weight_map
+    if wm is None:
+        return None
+    return {n: wm[n] for n in names if n in wm}
+
+
+def convert_to_hf(
+    src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
+    max_shard_size: int | str | None = None,
+) -> list[str]:
+    """Any source -> an HF directory; returns the safetensors file names written. The source's
+    shard layout is reproduced unless `max_shard_size` is given (default grouping: 5GB shards)."""
+    out_dtype = parse_dtype(dtype)
+    max_shard = None if max_shard_size is None else parse_size(max_shard_size)
+    _refuse_existing(dst, force)
+    with opened(src) as source:
+        names = validated_names(source)
+        shapes = source.shapes()
+        dtypes = {n: source.dtype(n) for n in names}
+        plan = plan_hf(names, shapes, dtypes, out_dtype, source.weight_map, max_shard)
+        check_free_space(dst, plan.total_bytes + _small_files_size(source))
+        with atomic_output_dir(dst, force) as tmp:
+            files = _run_plan(plan, source, tmp, Path(dst), progress, "HF")
+            _write_small_files(tmp, source, out_dtype)
+            if [f.name for f in plan.files] != ["model.safetensors"]:
+                _write_index(tmp, plan)
+    return [f.name for f in plan.files]
+
+
+def _write_index(directory: Path, plan: Plan) -> None:
+    weight_map = {n: f.name for f in plan.files for n, _, _ in f.entries}
+    index = {
+        "metadata": {"total_size": sum(f.data_bytes for f in plan.files)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    write_bytes_atomic(directory / "model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
