@@ -16,6 +16,7 @@ import os
 import queue
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -149,7 +150,9 @@ class SafetensorsFile:
         if t.nbytes == 0:
             return torch.empty(t.shape, dtype=t.torch_dtype)
         assert self._mmap is not None
-        flat = torch.frombuffer(self._mmap, dtype=t.torch_dtype, count=t.nbytes // t.itemsize, offset=t.begin)
+        with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about it
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self._mmap, dtype=t.torch_dtype, count=t.nbytes // t.itemsize, offset=t.begin)
         return flat.view(t.shape)
 
     def close(self) -> None:
