@@ -1,0 +1,250 @@
+"""Parallel layers, mappings, RoPE, RMSNorm, the KV cache and the launcher.
+
+Multi-rank checks run in one gloo world of 2 ranks (tests/mp.py) and compare against the same
+computation done whole in a single process.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp import Checks, WorldResults, names, run_world
+from tprt.config import ModelConfig, RopeScaling
+from tprt.dist import TPContext, init_distributed
+from tprt.kv_cache import CacheFullError, KVCache
+from tprt.launch import LaunchError, launch_local
+from tprt.model import RMSNorm
+from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tprt.parallel.mappings import gather_from_region, scatter_to_region
+from tprt.rope import apply_rope, inv_frequencies, rope_angles
+
+
+def _shard(t: torch.Tensor, dim: int, ctx: TPContext) -> torch.Tensor:
+    """This rank's contiguous chunk of `t` along `dim`."""
+    return t.chunk(ctx.world_size, dim=dim)[ctx.rank].contiguous()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-5) -> None:
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+# ----------------------------------------------------------------------------- multi-rank checks
+
+
+def check_mlp_grads(ctx: TPContext, workdir: Path) -> None:
+    """Column -> SiLU -> row MLP: output and every gradient equal the single-process ones."""
+    g = torch.Generator().manual_seed(0)  # same full weights and data on every rank
+    w1, w2 = torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g)
+    x, target = torch.randn(3, 5, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    xf, w1f, w2f = (t.clone().requires_grad_() for t in (x, w1, w2))
+    ((F.linear(F.silu(F.linear(xf, w1f)), w2f) * target).sum()).backward()
+
+    col, row = ColumnParallelLinear(16, 32 // ctx.world_size, ctx), RowParallelLinear(32 // ctx.world_size, 16, ctx)
+    with torch.no_grad():
+        col.weight.copy_(_shard(w1, 0, ctx))
+        row.weight.copy_(_shard(w2, 1, ctx))
+    xp = x.clone().requires_grad_()
+    y = row(F.silu(col(xp)))
+    (y * target).sum().backward()
+    _close(y.detach(), F.linear(F.silu(F.linear(x, w1)), w2), "output")
+    assert xp.grad is not None and col.weight.grad is not None and row.weight.grad is not None
+    _close(xp.grad, xf.grad, "input grad (copy_to_region backward all-reduce)")  # type: ignore[arg-type]
+    _close(col.weight.grad, _shard(w1f.grad, 0, ctx), "column weight grad")  # type: ignore[arg-type]
+    _close(row.weight.grad, _shard(w2f.grad, 1, ctx), "row weight grad")  # type: ignore[arg-type]
+
+
+def check_gather_scatter_grads(ctx: TPContext, workdir: Path) -> None:
+    """scatter -> per-feature scale -> gather: forward and input gradient equal the whole computation."""
+    g = torch.Generator().manual_seed(1)
+    x, scale, target = torch.randn(4, 8, generator=g), torch.randn(8, generator=g), torch.randn(4, 8, generator=g)
+    xf = x.clone().requires_grad_()
+    ((xf * scale) ** 2 * target).sum().backward()
+    xp = x.clone().requires_grad_()
+    local = scatter_to_region(xp, ctx) * _shard(scale, 0, ctx)  # [4, 8 / tp]
+    y = gather_from_region(local**2, ctx)  # [4, 8]
+    (y * target).sum().backward()
+    _close(y.detach(), (x * scale) ** 2, "gathered output")
+    assert xp.grad is not None and xf.grad is not None
+    _close(xp.grad, xf.grad, "input grad through scatter/gather")
+
+
+def check_embedding(ctx: TPContext, workdir: Path) -> None:
+    """Ids of every rank's range, padding ids included: rows and weight gradients equal F.embedding's."""
+    g = torch.Generator().manual_seed(2)
+    weight, ids = torch.randn(64, 8, generator=g), torch.randint(0, 64, (3, 7), generator=g)
+    ids[0, :3] = torch.tensor([0, 31, 63])  # both ends of both ranks' ranges
+    wf = weight.clone().requires_grad_()
+    target = torch.randn(3, 7, 8, generator=g)
+    (F.embedding(ids, wf) * target).sum().backward()
+    emb = VocabParallelEmbedding(64, 8, ctx)
+    with torch.no_grad():
+        emb.weight.copy_(_shard(weight, 0, ctx))
+    out = emb(ids)
+    (out * target).sum().backward()
+    _close(out.detach(), F.embedding(ids, weight), "embedding rows")
+    assert emb.weight.grad is not None and wf.grad is not None
+    _close(emb.weight.grad, _shard(wf.grad, 0, ctx), "embedding weight grad")
+
+
+def check_lm_head(ctx: TPContext, workdir: Path, vocab: int) -> None:
+    """Padded vocabulary (64 rows for `vocab` true ones): gathered logits equal the full matmul,
+    padding is -inf locally and never appears after gather; the parallel argmax matches."""
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(64, 8, generator=g), torch.randn(5, 8, generator=g)
+    weight[vocab:] = 0.0
+    x[0] = 0.0  # every real logit 0: ties resolve to the lowest id, as torch.argmax does
+    head = VocabParallelLMHead(8, 64, vocab, ctx)
+    with torch.no_grad():
+        assert head.weight is not None
+        head.weight.copy_(_shard(weight, 0, ctx))
+    local = head(x)  # [5, 64 / tp]
+    start = ctx.rank * head.local_vocab
+    n_pad_local = max(0, min(head.local_vocab, start + head.local_vocab - max(vocab, start)))
+    assert bool(torch.isneginf(local[:, head.local_vocab - n_pad_local :]).all()), "padding logits are not -inf"
+    assert not torch.isinf(local[:, : head.local_vocab - n_pad_local]).any(), "real logits are infinite"
+    full = head.gather(local)
+    assert full.shape == (5, vocab), f"gathered shape {tuple(full.shape)}, expected {(5, vocab)}"
+    _close(full, x @ weight[:vocab].T, "gathered logits")
+    assert torch.equal(head.argmax(local), full.argmax(-1)), "vocab-parallel argmax differs from full argmax"
+
+
+WORLD2: Checks = [
+    ("mlp_grads", check_mlp_grads),
+    ("gather_scatter_grads", check_gather_scatter_grads),
+    ("embedding", check_embedding),
+    ("lm_head_pad_last_rank", partial(check_lm_head, vocab=50)),
+    ("lm_head_pad_whole_rank", partial(check_lm_head, vocab=20)),
+]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> WorldResults:
+    return run_world(2, WORLD2, tmp_path_factory.mktemp("layers"))
+
+
+@pytest.mark.parametrize("name", names(WORLD2))
+def test_tp2(world2: WorldResults, name: str) -> None:
+    world2.assert_ok(name)
+
+
+@pytest.mark.parametrize("name", names(WORLD2))
+def test_tp1(tmp_path: Path, name: str) -> None:
+    dict(WORLD2)[name](TPContext.single(), tmp_path)
+
+
+# ----------------------------------------------------------------------------- single-process
+
+
+def _cfg(rope_scaling: dict[str, object] | None) -> ModelConfig:
+    d: dict[str, object] = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                rope_theta=500000.0)
+    if rope_scaling is not None:
+        d["rope_scaling"] = rope_scaling
+    return ModelConfig.from_dict(d)
+
+
+ROPES: dict[str, dict[str, object] | None] = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_matches_transformers(rope: str) -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = _cfg(ROPES[rope])
+    assert (cfg.rope_scaling is None) == (rope == "default")
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.raw.items()})
+    positions = torch.tensor([[0, 1, 2, 3, 4], [1000, 1001, 3000, 7, 9]])  # [batch 2, seq 5], uneven
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)  # HF layout [batch, heads, seq, head_dim]
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(q, positions)
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    c, s = rope_angles(positions, inv_frequencies(cfg), torch.float32)
+    q_ours = apply_rope(q.transpose(1, 2), c, s).transpose(1, 2)  # ours is [batch, seq, heads, head_dim]
+    k_ours = apply_rope(k.transpose(1, 2), c, s).transpose(1, 2)
+    _close(q_ours, q_ref, "q", 1e-6)
+    _close(k_ours, k_ref, "k", 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_transformers(dtype: torch.dtype) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    ref = LlamaRMSNorm(64, eps=1e-5)
+    ours = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(64))
+        ours.weight.copy_(ref.weight)
+    ref, ours = ref.to(dtype), ours.to(dtype)
+    x = (torch.randn(3, 5, 64) * 3).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    _close(ours(x).float(), ref(x).float(), f"rmsnorm {dtype}", tol)
+
+
+def test_kv_cache_slots_and_bounds() -> None:
+    cache = KVCache(n_layers=1, n_slots=2, n_kv_heads=1, max_seq_len=8, head_dim=4, dtype=torch.float32)
+    a, b = cache.allocate(), cache.allocate()
+    assert {a, b} == {0, 1} and cache.n_free == 0
+    with pytest.raises(CacheFullError, match="all 2 slots"):
+        cache.allocate()
+    cache.release(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.release(a)
+    assert cache.allocate() == a
+    with pytest.raises(CacheFullError, match="max_seq_len=8"):
+        cache.prepare(torch.tensor([[7, 8]]))
+
+
+def test_kv_cache_write_and_read() -> None:
+    """Rows land at (slot, position) and read back per row's slot; the mask is position-causal."""
+    cache = KVCache(n_layers=2, n_slots=3, n_kv_heads=2, max_seq_len=6, head_dim=4, dtype=torch.float32)
+    k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # [batch, seq, kv_heads, head_dim]
+    positions = torch.tensor([[0, 1], [3, 4]])
+    step = cache.prepare(positions, slots=torch.tensor([2, 0]))
+    keys, values = cache.update(1, k, v, step)  # [batch, kv_heads, kv_len 5, head_dim]
+    assert keys.shape == (2, 2, 5, 4)
+    assert torch.equal(cache.k[1, 2, :, 1], k[0, 1]) and torch.equal(cache.v[1, 0, :, 4], v[1, 1])
+    assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])
+    assert not cache.k[0].any(), "layer 0 was written"
+    assert step.mask[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    assert step.mask[1, 0, 0].tolist() == [True, True, True, True, False]
+
+
+def _ranks_fail(fail_rank: int) -> int:
+    ctx = init_distributed()
+    if ctx.rank == fail_rank:
+        raise ValueError(f"boom on rank {ctx.rank}\nsecond line")
+    dist.barrier()  # the others wait here for a rank that never comes
+    return ctx.rank
+
+
+def _ranks_ok(base: int) -> int:
+    ctx = init_distributed()
+    t = torch.tensor([ctx.rank + base])
+    dist.all_reduce(t)
+    return int(t.item()) * 10 + ctx.rank
+
+
+def test_launch_local_returns_rank_results() -> None:
+    assert launch_local(2, _ranks_ok, (1,), timeout_s=120) == [30, 31]  # (1 + 2) * 10 + rank
+
+
+def test_launch_local_tears_down_on_failure() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"^rank 1 failed: ValueError: boom on rank 1$") as info:
+        launch_local(2, _ranks_fail, (1,), timeout_s=120)
+    assert info.value.rank == 1 and "Traceback" in info.value.details
+    assert time.monotonic() - t0 < 60, "the waiting rank was not torn down promptly"

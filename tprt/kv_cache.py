@@ -1,0 +1,112 @@
+"""A preallocated KV cache for continuous batching: one slot per live sequence.
+
+Layout per layer: k and v of [n_slots, n_local_kv_heads, max_seq_len, head_dim] (this rank's kv
+heads only). A sequence owns a slot from `allocate()` until `release()`; the token at position p
+of the sequence in slot s has its k/v at [s, :, p]. Nothing records lengths: the model writes
+each token at its position before attending, and a query at position p sees cache positions
+<= p only, so whatever an earlier owner (or a padding token) left beyond a sequence's length is
+never read before it is overwritten. The engine keeps lengths (it knows them anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tprt.errors import TprtError
+
+
+class CacheFullError(TprtError):
+    """Every slot is taken, or a position is past the cache's max_seq_len."""
+
+
+class KVCache:
+    """k/v storage for `n_slots` sequences of up to `max_seq_len` tokens, for every layer."""
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_slots: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (n_layers, n_slots, n_kv_heads, max_seq_len, head_dim)
+        # Zeros, not empty: masked-out entries still enter SDPA's weighted sum (with weight 0),
+        # and 0 * NaN from uninitialised memory would poison the output.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layer, slot, kv_head, position, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layer, slot, kv_head, position, head_dim]
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        # Key positions 0..max_seq_len-1, sliced each step to build the attention mask.
+        self.key_positions = torch.arange(max_seq_len, device=device)
+        self._free = list(range(n_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
+
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A free slot for a new sequence."""
+        if not self._free:
+            raise CacheFullError(f"KV cache full: all {self.n_slots} slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Returns `slot` to the pool; its contents need no clearing."""
+        if not 0 <= slot < self.n_slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not allocated")
+        self._free.append(slot)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def prepare(self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+        """What every layer needs for one forward step, built once: the write indices and the mask.
+
+        positions [batch, seq]: each token's position in its sequence (right padding continues
+        the count; padding must stay below max_seq_len). slots [batch]: each row's slot, None for
+        row b -> slot b. kv_len: 1 + the largest position in the batch (computed, with a host
+        sync, when not given; the engine knows it).
+        """
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        if kv_len > self.max_seq_len:
+            raise CacheFullError(f"position {kv_len - 1} is past the KV cache's max_seq_len={self.max_seq_len}")
+        if slots is None:
+            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [batch, 1]
+        else:
+            rows = slots[:, None]  # [batch, 1]: broadcasts against positions [batch, seq]
+        keys = self.key_positions[:kv_len]  # [kv_len]
+        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=mask)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes k, v [batch, seq, n_kv_heads, head_dim] at each token's (slot, position) and
+        returns each row's keys and values up to kv_len, [batch, n_kv_heads, kv_len, head_dim]."""
+        kc, vc = self.k[layer], self.v[layer]  # [slot, kv_head, position, head_dim]
+        kc[step.rows, :, step.positions] = k
+        vc[step.rows, :, step.positions] = v
+        if step.slots is None:
+            batch = k.shape[0]
+            return kc[:batch, :, : step.kv_len], vc[:batch, :, : step.kv_len]  # views, no copy
+        return (
+            kc[:, :, : step.kv_len].index_select(0, step.slots),
+            vc[:, :, : step.kv_len].index_select(0, step.slots),
+        )
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One forward step's view of the cache, shared by every layer."""
+
+    rows: torch.Tensor  # [batch, 1] slot of each row, for writing
+    slots: torch.Tensor | None  # [batch] slot of each row; None: row b is slot b
+    positions: torch.Tensor  # [batch, seq] position of each token
+    kv_len: int  # keys 0..kv_len-1 are read
+    mask: torch.Tensor  # [batch, 1, seq, kv_len] bool: True where attention is allowed

@@ -1,0 +1,197 @@
+"""The tensor-parallel Llama causal LM. Reads like the single-device model: the parallel layers
+hide the TP (one all-reduce after attention, one after the MLP, one in the embedding).
+
+Per rank: q heads [r * H/TP, (r+1) * H/TP); kv heads as the manifest places them (split, or with
+TP > n_kv each rank holds kv head r // (TP / n_kv)). q/k/v and gate/up are fused per rank at load
+time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tprt.config import ModelConfig, TPLayout
+from tprt.dist import TPContext
+from tprt.kv_cache import CacheStep, KVCache
+from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tprt.rope import apply_rope, inv_frequencies, rope_angles
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 and scaled in the input dtype (as transformers)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Step:
+    """What every layer needs for one forward call, computed once: RoPE angles and the cache view."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None):
+        self.cos = cos  # [batch, seq, 1, head_dim / 2]
+        self.sin = sin  # [batch, seq, 1, head_dim / 2]
+        self.cache = cache
+        self.cache_step = cache_step
+
+
+class Attention(nn.Module):
+    """GQA self-attention over this rank's heads; the o_proj all-reduce completes it."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = layout.local_heads
+        self.n_kv = layout.local_kv_heads
+        self.head_dim = cfg.head_dim
+        self.gqa = self.n_heads != self.n_kv
+        qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
+        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
+        batch, seq, _ = x.shape
+        nh, nkv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
+        qk = apply_rope(qkv[:, :, : nh + nkv], step.cos, step.sin)  # [batch, seq, nh + nkv, head_dim]
+        q = qk[:, :, :nh].transpose(1, 2)  # [batch, nh, seq, head_dim]
+        k = qk[:, :, nh:]  # [batch, seq, nkv, head_dim]
+        v = qkv[:, :, nh + nkv :]  # [batch, seq, nkv, head_dim]
+        if step.cache is None or step.cache_step is None:
+            out = F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), is_causal=seq > 1, enable_gqa=self.gqa
+            )  # [batch, nh, seq, head_dim]
+        else:
+            keys, values = step.cache.update(self.layer, k, v, step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=step.cache_step.mask, enable_gqa=self.gqa
+            )  # [batch, nh, seq, head_dim]
+        out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU over this rank's slice of the intermediate features; down_proj all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype | None):
+        super().__init__()
+        local = cfg.intermediate_size // ctx.world_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * local, ctx, dtype)
+        self.down_proj = RowParallelLinear(local, cfg.hidden_size, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [batch, seq, intermediate / TP] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, ctx, dtype)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TPLlamaForCausalLM(nn.Module):
+    """This rank's shard of a Llama causal LM; build on the meta device and load with
+    `tprt.loading.load_model`."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, dtype: torch.dtype | None = None):
+        super().__init__()
+        if layout.tp != ctx.world_size:
+            raise ValueError(f"layout is for TP={layout.tp}, context has {ctx.world_size} ranks")
+        if cfg.intermediate_size % ctx.world_size:
+            raise ValueError(f"intermediate_size={cfg.intermediate_size} does not split over TP={ctx.world_size}")
+        self.config = cfg
+        self.layout = layout
+        self.tp = ctx
+        self.embed_tokens = VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype)
+        # Derived, never loaded: a plain float32 attribute on the real device even under meta.
+        self.inv_freq = inv_frequencies(cfg, device=ctx.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, n_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A zeroed KV cache for this rank's kv heads."""
+        return KVCache(
+            self.config.num_hidden_layers, n_slots, self.layout.local_kv_heads, max_seq_len,
+            self.config.head_dim, dtype or self.dtype, self.tp.device,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
+
+        Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
+        With `cache`: `positions` is required; see `KVCache.prepare` for `slots` and `kv_len`.
+        """
+        batch, seq = input_ids.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required with a KV cache")
+            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)  # [batch, seq]
+        h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
+        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
+        cache_step = cache.prepare(positions, slots, kv_len) if cache is not None else None
+        step = Step(cos, sin, cache, cache_step)
+        for layer in self.layers:
+            h = layer(h, step)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        kv_len: int | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's logits over its vocabulary rows (padding rows -inf).
+
+        Returns [batch, seq, local_vocab], or [batch, local_vocab] for the tokens at
+        `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
+        not build logits it does not need. `gather_logits` turns them into full-vocab logits.
+        """
+        h = self.forward_hidden(input_ids, positions, cache, slots, kv_len)  # [batch, seq, hidden]
+        if logits_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
+        return self.lm_head(self.norm(h))
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [..., vocab_size] on every rank (padding stripped); all-gathers."""
+        return self.lm_head.gather(local_logits)
+
+    def greedy(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [...] argmax token ids over the whole vocabulary, exchanging only
+        each rank's best (value, id); all-gathers."""
+        return self.lm_head.argmax(local_logits)

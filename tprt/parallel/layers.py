@@ -1,0 +1,132 @@
+"""Tensor-parallel layers: the only callers of `tprt.parallel.mappings`.
+
+Weights are stored as in Hugging Face, [out, in], holding this rank's slice:
+
+- ColumnParallelLinear: rows [out_local, in]; input copied to every rank, output stays split.
+- RowParallelLinear: columns [out, in_local]; input already split, partial outputs all-reduced.
+- VocabParallelEmbedding: vocabulary rows [vocab_local, hidden] of the padded vocabulary.
+- VocabParallelLMHead: vocabulary rows [vocab_local, hidden]; logits of padding rows are -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tprt.dist import TPContext
+from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
+
+
+def _empty(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype))
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T, where W_local is this rank's block of output rows (no bias).
+
+    The output stays split over the TP group; a fused layer's rows are whatever the loader put
+    there (e.g. [q_r; k_r; v_r]), each part a whole block of this rank's features.
+    """
+
+    def __init__(self, in_features: int, local_out_features: int, ctx: TPContext, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp = ctx
+        self.weight = _empty(local_out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_region(x, self.tp), self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_local @ W_local^T, where W_local is this rank's block of input columns."""
+
+    def __init__(self, local_in_features: int, out_features: int, ctx: TPContext, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp = ctx
+        self.weight = _empty(out_features, local_in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """All-reduces the partial products over the TP group."""
+        return reduce_from_region(F.linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding of a vocabulary split by rows: each rank looks up the ids it holds, gives zeros
+    for the others, and the all-reduce assembles every id's row from the one rank holding it."""
+
+    def __init__(self, padded_vocab_size: int, hidden_size: int, ctx: TPContext, dtype: torch.dtype | None = None):
+        super().__init__()
+        if padded_vocab_size % ctx.world_size:
+            raise ValueError(f"padded vocabulary {padded_vocab_size} does not split over TP={ctx.world_size}")
+        self.tp = ctx
+        self.local_vocab = padded_vocab_size // ctx.world_size
+        self.vocab_start = ctx.rank * self.local_vocab
+        self.weight = _empty(self.local_vocab, hidden_size, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[...] token ids -> [..., hidden]; all-reduces over the TP group."""
+        if self.tp.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)  # a fresh tensor; the backward needs only the ids
+        return reduce_from_region(out, self.tp)
+
+
+class VocabParallelLMHead(nn.Module):
+    """Local logits over this rank's rows of the padded vocabulary; padding rows give -inf.
+
+    When `tied`, the weight is the embedding's (same split, same rows) and owns no parameter here.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        padded_vocab_size: int,
+        vocab_size: int,
+        ctx: TPContext,
+        tied: VocabParallelEmbedding | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        self.tp = ctx
+        self.vocab_size = vocab_size
+        self.local_vocab = padded_vocab_size // ctx.world_size
+        self.vocab_start = ctx.rank * self.local_vocab
+        # Columns of this rank's logits that are real tokens; the rest is padding.
+        self.local_valid = max(0, min(self.local_vocab, vocab_size - self.vocab_start))
+        self._tied = [tied] if tied is not None else []  # a list, so the embedding is not a submodule
+        self.weight: nn.Parameter | None = None if tied else _empty(self.local_vocab, hidden_size, dtype=dtype)
+
+    def head_weight(self) -> torch.Tensor:
+        if self._tied:
+            return self._tied[0].weight
+        assert self.weight is not None
+        return self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
+        logits = F.linear(copy_to_region(x, self.tp), self.head_weight())
+        if self.local_valid < self.local_vocab:
+            logits[..., self.local_valid :] = float("-inf")
+        return logits
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [..., vocab_size]: all-gathers over the TP group, drops padding."""
+        return gather_from_region(local_logits, self.tp)[..., : self.vocab_size]
+
+    def argmax(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [...] global token ids of the largest logit (the lowest id on a
+        tie, like torch.argmax over the full vocabulary); all-gathers one (value, id) per rank."""
+        idx = local_logits.argmax(dim=-1)  # [...]
+        if self.tp.world_size == 1:
+            return idx
+        value = local_logits.gather(-1, idx.unsqueeze(-1)).to(torch.float64)  # [..., 1]
+        gid = (idx + self.vocab_start).unsqueeze(-1).to(torch.float64)  # [..., 1], exact below 2**53
+        pairs = gather_from_region(torch.cat((value, gid), dim=-1), self.tp)  # [..., 2 * tp]
+        pairs = pairs.unflatten(-1, (self.tp.world_size, 2))  # [..., tp, 2]
+        best = pairs[..., 0].argmax(dim=-1, keepdim=True)  # [..., 1]: first rank holding the max
+        return pairs[..., 1].gather(-1, best).squeeze(-1).to(torch.long)

@@ -1,0 +1,132 @@
+"""The four communication operators of tensor parallelism, as autograd functions.
+
+Each is a pair (forward collective, backward collective) over the TP group of a `TPContext`:
+
+- copy_to_region:     fwd identity       / bwd all-reduce      (input of a column-parallel layer)
+- reduce_from_region: fwd all-reduce     / bwd identity        (output of a row-parallel layer)
+- gather_from_region: fwd all-gather(-1) / bwd split(-1)       (column-parallel output made whole)
+- scatter_to_region:  fwd split(-1)      / bwd all-gather(-1)  (whole input made column-parallel)
+
+With one rank every operator is the identity. When autograd is off (inference) the collective
+runs directly, without the cost of an autograd.Function. Only `tprt.parallel.layers` calls these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tprt.dist import TPContext
+
+
+def _all_reduce(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Sums `x` over the TP group, in place."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=ctx.group)
+    return x
+
+
+def _all_gather_last(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Concatenates every rank's `x` along the last dim, in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, x, group=ctx.group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """This rank's chunk of the last dim (which must divide evenly)."""
+    size = x.shape[-1]
+    if size % ctx.world_size:
+        raise ValueError(f"last dim {size} does not split over {ctx.world_size} ranks")
+    n = size // ctx.world_size
+    return x[..., ctx.rank * n : (ctx.rank + 1) * n].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.clone(), fctx.tp), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        return _all_reduce(x.clone(), ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return _all_gather_last(x, ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_last(grad, fctx.tp), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return _split_last(x, ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_last(grad, fctx.tp), None
+
+
+def _tracked(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def copy_to_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Forward: identity. Backward: all-reduce the gradient over the TP group."""
+    if ctx.world_size == 1 or not _tracked(x):
+        return x
+    out: torch.Tensor = _CopyToRegion.apply(x, ctx)
+    return out
+
+
+def reduce_from_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Forward: all-reduce (sum) over the TP group. Backward: identity.
+
+    Without autograd the sum is taken in place in `x` (a fresh matmul output in every caller).
+    """
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _all_reduce(x, ctx)
+    out: torch.Tensor = _ReduceFromRegion.apply(x, ctx)
+    return out
+
+
+def gather_from_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Forward: all-gather along the last dim (rank order). Backward: keep this rank's split."""
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _all_gather_last(x, ctx)
+    out: torch.Tensor = _GatherFromRegion.apply(x, ctx)
+    return out
+
+
+def scatter_to_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Forward: keep this rank's split of the last dim. Backward: all-gather along the last dim."""
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _split_last(x, ctx)
+    out: torch.Tensor = _ScatterToRegion.apply(x, ctx)
+    return out

@@ -1,0 +1,57 @@
+"""Rotary position embedding in the rotate-half form (HF's q/k row order; no permute needed).
+
+The frequencies follow transformers' rope types "default", "linear" and "llama3" exactly, and
+the angles are computed in float32 from the positions at each step (no [max_positions, dim]
+table: Llama 3.1's 128K context would make that table larger than a small model).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tprt.config import ModelConfig
+
+
+def inv_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, scaled as `cfg.rope_scaling` says."""
+    dim = cfg.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+    inv_freq = 1.0 / (cfg.rope_theta**exponents)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs.rope_type == "linear":
+        return inv_freq / rs.factor
+    if rs.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
+                             rs.original_max_position_embeddings)
+    raise ValueError(f"rope type {rs.rope_type!r} is not supported")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    low_freq_wavelen = original / low
+    high_freq_wavelen = original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [batch, seq, 1, head_dim / 2], for positions [batch, seq]."""
+    freqs = positions[..., None].to(torch.float32) * inv_freq  # [batch, seq, head_dim / 2]
+    freqs = freqs.unsqueeze(2)  # [batch, seq, 1, head_dim / 2]: broadcasts over heads
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [batch, seq, heads, head_dim] by the angles of `rope_angles` (rotate-half pairs
+    feature i with i + head_dim / 2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [batch, seq, heads, head_dim / 2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
