@@ -101,14 +101,14 @@ class GGUFSource:
             if hf is None:
                 continue
             qtype = GGMLQuantizationType(int(t.tensor_type))
-            check_supported(qtype, f"{self.path}: {name}")
+            check_supported(qtype, name, str(self.path))
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             heads = 0
             if hf.endswith("self_attn.q_proj.weight"):
                 heads = cfg["num_attention_heads"]
             elif hf.endswith("self_attn.k_proj.weight"):
                 heads = cfg["num_key_value_heads"]
-            n_bytes = row_nbytes(qtype, shape[-1], f"{self.path}: {name}")
+            n_bytes = row_nbytes(qtype, shape[-1], name, str(self.path))
             row_bytes = n_bytes * (1 if len(shape) == 1 else int(np.prod(shape[1:-1], dtype=np.int64)))
             out[hf] = GGUFTensor(name, qtype, shape, int(t.data_offset), row_bytes, heads)
         return out
@@ -126,6 +126,10 @@ class GGUFSource:
     def dtype(self, name: str) -> str:
         return output_dtype(self._tensor(name).qtype)
 
+    @staticmethod
+    def _dtype_of(t: GGUFTensor) -> torch.dtype:
+        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(output_dtype(t.qtype), torch.float32)
+
     def info(self, name: str) -> GGUFTensor:
         """The GGUF-side record of an HF tensor name (type, offset, permutation)."""
         return self._tensor(name)
@@ -141,6 +145,8 @@ class GGUFSource:
         t = self._tensor(name)
         if not 0 <= start <= stop <= t.shape[0]:
             raise CheckpointError(f"{self.path}: rows [{start}, {stop}) out of range for {name!r} {list(t.shape)}")
+        if start == stop:
+            return torch.empty((0, *t.shape[1:]), dtype=self._dtype_of(t))
         if len(t.shape) == 1:  # a whole norm vector is a few KiB; blocks need not align to `start`
             return self._dequant(t, 0, 1)[0, start:stop].contiguous()
         if not t.rope_heads:

