@@ -62,7 +62,10 @@ def make_case(seed: int) -> tuple[torch.Tensor, list[list[int]]]:
 @pytest.mark.parametrize("seed", range(4))
 def test_filtered_distribution_matches_hf(seed: int) -> None:
     logits, history = make_case(seed)
+    before = logits.clone()
     ours = process_logits(logits, MIXED, history)
+    sample(logits, MIXED, [None] * len(MIXED), history)
+    assert torch.equal(logits, before)  # the caller's logits are not modified
     for i, p in enumerate(MIXED):
         ref = hf_process(logits[i], history[i], p)
         assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), f"row {i}: different tokens kept"

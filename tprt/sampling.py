@@ -125,19 +125,16 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
 
     V must be the true vocabulary (slice TP padding off first). `history[i]` is row i's prompt and
     generated ids, read only when its repetition_penalty is not 1. Computes in float32."""
-    batch, vocab = logits.shape
+    batch = logits.shape[0]
     if not len(params) == len(generators) == len(history) == batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params, {len(generators)} "
                          f"generators, {len(history)} histories")
     raw = logits.float()  # [B, V]
     scores = process_logits(raw, params, history)  # [B, V], -inf where filtered
-    tokens = torch.empty(batch, dtype=torch.long, device=raw.device)
-    greedy = torch.tensor([p.greedy for p in params], device=raw.device)
-    if bool(greedy.any()):
-        tokens[greedy] = scores[greedy].argmax(dim=-1)
+    tokens = scores.argmax(dim=-1)  # [B]; kept for greedy rows
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        index = torch.tensor(rows, device=raw.device)
+        index = _index(rows, raw.device)
         u = _uniforms([generators[i] for i in rows], raw.device)
         tokens[index] = _inverse_cdf(torch.softmax(scores[index], dim=-1), u)
     lse = torch.logsumexp(raw, dim=-1)  # [B]
@@ -159,21 +156,34 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams],
     if any(p.temperature not in (0.0, 1.0) for p in params):
         temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         scores = scores / temp[:, None]
-    sampled = [not p.greedy for p in params]
-    if any(s and (p.top_k > 0 or p.top_p < 1.0) for s, p in zip(sampled, params)):
-        scores = _top_k_top_p(scores, params, sampled)
-    if any(s and p.min_p > 0 for s, p in zip(sampled, params)):
-        min_p = torch.tensor([p.min_p if s else 0.0 for s, p in zip(sampled, params)], device=device)
-        probs = torch.softmax(scores, dim=-1)  # [B, V]
+    rows = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)]
+    if rows:  # sorting is the expensive part: only the rows that filter
+        scores = _on_rows(scores, rows, _top_k_top_p(scores[_index(rows, device)], [params[i] for i in rows]))
+    rows = [i for i, p in enumerate(params) if not p.greedy and p.min_p > 0]
+    if rows:
+        sub = scores[_index(rows, device)]  # [R, V]
+        min_p = torch.tensor([params[i].min_p for i in rows], device=device)
+        probs = torch.softmax(sub, dim=-1)  # [R, V]
         remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        scores = scores.masked_fill(remove, -math.inf)
+        scores = _on_rows(scores, rows, sub.masked_fill(remove, -math.inf))
     return scores
+
+
+def _index(rows: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _on_rows(scores: Tensor, rows: list[int], values: Tensor) -> Tensor:
+    """`scores` with `values` [R, V] in place of the listed rows (a copy unless every row is replaced)."""
+    if len(rows) == scores.shape[0] and rows == list(range(len(rows))):
+        return values
+    return scores.index_copy(0, _index(rows, scores.device), values)
 
 
 def _repetition_penalty(scores: Tensor, params: Sequence[SamplingParams],
                         history: Sequence[Sequence[int] | Tensor]) -> Tensor:
     """Divides positive / multiplies negative scores of every id seen in a row's history."""
-    batch, vocab = scores.shape
+    vocab = scores.shape[1]
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     ids = [torch.as_tensor(history[i], dtype=torch.long, device=scores.device).reshape(-1) for i in rows]
     longest = max([len(t) for t in ids], default=0)
@@ -182,31 +192,26 @@ def _repetition_penalty(scores: Tensor, params: Sequence[SamplingParams],
         padded[r, : len(t)] = t.clamp(0, vocab)  # out-of-range ids land in the spare column
     seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=scores.device)
     seen.scatter_(1, padded, True)  # [R, V + 1]
-    index = torch.tensor(rows, device=scores.device)
     penalty = torch.tensor([params[i].repetition_penalty for i in rows], device=scores.device)[:, None]
-    sub = scores[index]  # [R, V]
+    sub = scores[_index(rows, scores.device)]  # [R, V]
     penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
-    out = scores.clone()
-    out[index] = torch.where(seen[:, :vocab], penalised, sub)
-    return out
+    return _on_rows(scores, rows, torch.where(seen[:, :vocab], penalised, sub))
 
 
-def _top_k_top_p(scores: Tensor, params: Sequence[SamplingParams], sampled: Sequence[bool]) -> Tensor:
+def _top_k_top_p(scores: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Top-k then top-p in one ascending sort, with HF's thresholds (ties at the k-th value kept;
     top-p drops the low tail whose cumulative probability is <= 1 - top_p, always keeping the top)."""
-    batch, vocab = scores.shape
+    vocab = scores.shape[-1]
     device = scores.device
-    k = torch.tensor([min(p.top_k, vocab) if s and p.top_k > 0 else vocab for s, p in zip(sampled, params)],
-                     device=device)
-    ascending, order = torch.sort(scores, dim=-1)  # [B, V]
-    kth = ascending.gather(1, (vocab - k)[:, None])  # [B, 1]: k-th largest value
+    k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+    ascending, order = torch.sort(scores, dim=-1)  # [R, V]
+    kth = ascending.gather(1, (vocab - k)[:, None])  # [R, 1]: k-th largest value
     drop = ascending < kth
     ascending = ascending.masked_fill(drop, -math.inf)  # still ascending: the smallest were dropped
-    use_p = [s and p.top_p < 1.0 for s, p in zip(sampled, params)]
-    if any(use_p):
+    if any(p.top_p < 1.0 for p in params):
         # 1 - top_p in double then float32, as HF compares against the Python float.
-        tail = torch.tensor([1.0 - p.top_p if u else -1.0 for u, p in zip(use_p, params)], device=device)
-        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)  # [B, V]
+        tail = torch.tensor([1.0 - p.top_p if p.top_p < 1.0 else -1.0 for p in params], device=device)
+        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)  # [R, V]
         drop_p = cumulative <= tail[:, None]
         drop_p[:, -1] = False
         drop = drop | drop_p
@@ -215,15 +220,16 @@ def _top_k_top_p(scores: Tensor, params: Sequence[SamplingParams], sampled: Sequ
 
 
 def _uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:
-    """One float64 uniform in [0, 1) per row, each from the row's own generator."""
-    u = torch.empty(len(generators), dtype=torch.float64)
+    """One float64 uniform in [0, 1) per row, each from the row's own generator (no host sync)."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
     shared = [i for i, g in enumerate(generators) if g is None]
     if shared:
-        u[shared] = torch.rand(len(shared), dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand((), generator=g, dtype=torch.float64, device=g.device).item()
-    return u.to(device)
+        u[torch.tensor(shared, device=device)] = torch.rand(len(shared), dtype=torch.float64, device=device)
+    own = [(i, g) for i, g in enumerate(generators) if g is not None]
+    if own:
+        draws = [torch.rand((), generator=g, dtype=torch.float64, device=g.device).to(device) for _, g in own]
+        u[torch.tensor([i for i, _ in own], device=device)] = torch.stack(draws)
+    return u
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
