@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -214,8 +215,9 @@ def test_top_logprobs_needs_logprobs() -> None:
 
 
 def test_valid_params_pass_and_lists_become_tuples() -> None:
-    p = SamplingParams(temperature=0, top_k=VOCAB, top_p=1.0, min_p=1.0, seed=2**64 - 1, stop_token_ids=[1, 2],  # type: ignore[arg-type]
-                       stop_strings=["x"], logprobs=True, top_logprobs=20)  # type: ignore[arg-type]
+    lists: dict[str, Any] = {"stop_token_ids": [1, 2], "stop_strings": ["x"]}
+    p = SamplingParams(temperature=0, top_k=VOCAB, top_p=1.0, min_p=1.0, seed=2**64 - 1, logprobs=True,
+                       top_logprobs=20, **lists)
     assert p.validate(VOCAB) is p
     assert p.stop_token_ids == (1, 2) and p.stop_strings == ("x",)
     hash(p)
