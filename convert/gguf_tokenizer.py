@@ -172,13 +172,12 @@ def tokenizer_files(meta: dict[str, Any], model_max_length: int, source: str) ->
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [int(TokenType.NORMAL)] * len(tokens)
     _add_vocab_tokens(tok, tokens, types)
-    named = {k: _token(meta, tokens, k) for k in ("bos", "eos", "unk", "padding")}
+    named = {k: _token(meta, tokens, k) for k in ("bos", "eos", "unknown", "padding")}
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     _post_processor(tok, named["bos"] if add_bos else None, named["eos"] if add_eos else None, kind == "gpt2")
-    special_map = {f"{k}_token": v for k, v in named.items() if v is not None and k != "padding"}
-    if named["padding"] is not None:
-        special_map["pad_token"] = named["padding"]
+    hf_keys = {"bos": "bos_token", "eos": "eos_token", "unknown": "unk_token", "padding": "pad_token"}
+    special_map = {hf_keys[k]: v for k, v in named.items() if v is not None}
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": add_bos,
