@@ -1,11 +1,16 @@
-"""The streaming copy: one pass over the source, tensor by tensor in bounded row chunks, each
-chunk fanned out to the output files that hold a piece of it.
+"""The streaming copy: one pass over the source, tensor by tensor, each output file receiving its
+piece of every tensor in header order.
 
-Every output file has its own writer thread (hash + write, see HashingWriter), so reading and
-gathering on this thread overlap hashing and writing. Chunks are read with positioned reads into
-fresh buffers rather than through a mapping, so page-cache pages never count towards our RSS; a
-buffer is freed once every writer it was queued to has written it. Memory is therefore bounded by
-CHUNK_BYTES times the writers' queue depth, whatever the model's size.
+Two paths, chosen per tensor:
+- rows: the dtype is unchanged and every piece is a row range (dim-0 splits, replicated tensors,
+  whole tensors for HF shards): the source's byte ranges are copied in the kernel
+  (FileSink.copy_from), CHUNK_BYTES at a time, and never enter this process.
+- chunks: dim-1 splits (o_proj, down_proj) or a dtype change: CHUNK_BYTES of rows are read with
+  positioned reads into a fresh buffer (converted if needed), and each piece takes its columns.
+
+Each output file hashes on its own thread (FileSink), so hashing overlaps the copy. Memory is
+bounded by CHUNK_BYTES times the sinks' queue depth, whatever the size of the model or of its
+largest tensor, and no page cache is ever mapped into the process.
 """
 
 from __future__ import annotations
@@ -14,55 +19,98 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from convert.plan import Piece, Plan, TensorPlan
 from convert.progress import Progress
+from convert.sink import FileSink
 from convert.sources import RawSource, TensorSource
 from tprt.errors import CheckpointError, OutputError
-from tprt.safetensors_io import DTYPES, StreamingSafetensorsWriter
+from tprt.safetensors_io import build_header
 
-CHUNK_BYTES = 16 << 20  # source bytes read per step
-QUEUE_DEPTH = 3  # chunks queued per writer thread
+CHUNK_BYTES = 16 << 20  # bytes handled per step
 
 
 def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, dst: Path) -> dict[str, tuple[int, str]]:
     """Writes every file of `plan` under `outdir`; returns file name -> (size, sha256).
-    `dst` is only used to name the output in error messages."""
+    `dst` names the output in error messages."""
     remaining = Counter(p.file for t in plan.tensors for p in t.pieces)
-    writers: dict[int, StreamingSafetensorsWriter] = {}
+    sinks: dict[int, FileSink] = {}
     done: dict[str, tuple[int, str]] = {}
     try:
         for t in plan.tensors:
             for p in t.pieces:
-                if p.file not in writers:
+                if p.file not in sinks:
                     f = plan.files[p.file]
-                    writers[p.file] = StreamingSafetensorsWriter(outdir / f.name, f.entries, f.metadata, QUEUE_DEPTH)
-                    progress.update(writers[p.file].bytes_written)
-            copy_tensor(t, source, writers, progress)
+                    sinks[p.file] = FileSink(outdir / f.name, build_header(f.entries, f.metadata), f.size)
+                    progress.update(sinks[p.file].written)
+            copy_tensor(t, source, sinks, progress)
             for p in t.pieces:
                 remaining[p.file] -= 1
                 if remaining[p.file] == 0:
-                    done[plan.files[p.file].name] = writers.pop(p.file).close()
+                    done[plan.files[p.file].name] = sinks.pop(p.file).close()
     except OutputError as e:
-        _abort(writers)
-        cause = e.__cause__
-        why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+        _abort(sinks)
+        why = str(e).rsplit(": write failed: ", 1)[-1]
         raise OutputError(f"{dst}: writing the output failed: {why}") from e
     except BaseException:
-        _abort(writers)
+        _abort(sinks)
         raise
     return done
 
 
-def _abort(writers: dict[int, StreamingSafetensorsWriter]) -> None:
-    for w in writers.values():
-        w.abort()
-    writers.clear()
+def _abort(sinks: dict[int, FileSink]) -> None:
+    for s in sinks.values():
+        s.abort()
+    sinks.clear()
 
 
-def copy_tensor(t: TensorPlan, source: TensorSource, writers: dict[int, StreamingSafetensorsWriter], progress: Progress) -> None:
-    """Streams tensor `t` to its pieces' writers, CHUNK_BYTES of source at a time."""
+def copy_tensor(t: TensorPlan, source: TensorSource, sinks: dict[int, FileSink], progress: Progress) -> None:
+    """Streams tensor `t` to the sinks of its pieces."""
+    if _kernel_copyable(t, source):
+        for p in t.pieces:
+            _copy_rows(t, p, source, sinks[p.file], progress)
+    else:
+        _copy_chunks(t, source, sinks, progress)
+
+
+def _kernel_copyable(t: TensorPlan, source: TensorSource) -> bool:
+    if t.src_dtype != t.out_dtype or not isinstance(source, RawSource) or any(p.split_dim == 1 for p in t.pieces):
+        return False
+    return source.byte_ranges(t.name, 0, min(1, t.real_rows)) is not None
+
+
+def _row_range(t: TensorPlan, p: Piece) -> tuple[int, int]:
+    return (0, t.shape[0]) if p.split_dim is None else (p.lo, p.hi)
+
+
+def _copy_rows(t: TensorPlan, p: Piece, source: TensorSource, sink: FileSink, progress: Progress) -> None:
+    """Kernel-side copy of piece `p`'s rows, then its zero padding."""
+    lo, hi = _row_range(t, p)
+    real_hi = min(hi, t.real_rows)
+    ranges = source.byte_ranges(t.name, lo, real_hi) if lo < real_hi else []  # type: ignore[attr-defined]
+    if ranges is None:
+        raise CheckpointError(f"{source.path}: tensor {t.name!r}: rows {lo}:{real_hi} are not stored contiguously")
+    for fd, offset, nbytes in ranges:
+        for start in range(offset, offset + nbytes, CHUNK_BYTES):
+            n = min(CHUNK_BYTES, offset + nbytes - start)
+            sink.copy_from(fd, start, n, source.path)
+            progress.update(n)
+    pad_lo = max(lo, t.real_rows)
+    if pad_lo < hi:
+        _write_zeros(sink, (hi - pad_lo) * t.row_bytes, progress)
+
+
+def _write_zeros(sink: FileSink, nbytes: int, progress: Progress) -> None:
+    zeros = np.zeros(min(nbytes, CHUNK_BYTES), dtype=np.uint8)  # read-only: safe to queue repeatedly
+    while nbytes:
+        n = min(nbytes, zeros.size)
+        sink.write(zeros[:n])
+        progress.update(n)
+        nbytes -= n
+
+
+def _copy_chunks(t: TensorPlan, source: TensorSource, sinks: dict[int, FileSink], progress: Progress) -> None:
+    """Reads CHUNK_BYTES of rows at a time and hands each piece its part."""
     rows = t.shape[0]
     step = max(1, CHUNK_BYTES // max(t.row_bytes, t.src_row_bytes, 1))
     col = t.row_bytes // t.shape[1] if len(t.shape) > 1 else 0  # bytes per index along dim 1
@@ -81,7 +129,7 @@ def copy_tensor(t: TensorPlan, source: TensorSource, writers: dict[int, Streamin
         for p in t.pieces:
             part = _part(block, p, a, b, col)
             if part is not None and part.size:
-                writers[p.file].write(part)
+                sinks[p.file].write(part)
                 progress.update(part.nbytes)
         a = b
 
@@ -103,6 +151,8 @@ def _read(source: TensorSource, t: TensorPlan, a: int, b: int, raw: bool) -> np.
         if block.shape != (b - a, t.row_bytes):
             raise CheckpointError(f"{source.path}: tensor {t.name!r}: rows {a}:{b} read back as {block.shape} bytes")
         return block
+    from tprt.safetensors_io import DTYPES
+
     x = source.read_rows(t.name, a, b)
     want = (b - a, *t.shape[1:])
     if tuple(x.shape) != want:
@@ -112,4 +162,4 @@ def _read(source: TensorSource, t: TensorPlan, a: int, b: int, raw: bool) -> np.
     out = DTYPES[t.out_dtype][0]
     if x.dtype != out:
         x = x.to(out)
-    return x.contiguous().reshape(-1).view(torch.uint8).numpy().reshape(b - a, t.row_bytes)
+    return x.contiguous().reshape(-1).view(DTYPES["U8"][0]).numpy().reshape(b - a, t.row_bytes)

@@ -12,7 +12,7 @@ from convert.rules import tp_entry
 from tprt.checkpoint import Manifest, rank_file_name
 from tprt.config import ModelConfig, TPLayout
 from tprt.errors import ConfigError
-from tprt.safetensors_io import DTYPES, build_header
+from tprt.safetensors_io import DTYPE_SIZES, build_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 DTYPE_ALIASES = {
@@ -74,11 +74,11 @@ class TensorPlan:
 
     @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * DTYPES[self.out_dtype][1]
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * DTYPE_SIZES[self.out_dtype]
 
     @property
     def src_row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * DTYPES[self.src_dtype][1]
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * DTYPE_SIZES[self.src_dtype]
 
 
 @dataclass
@@ -90,7 +90,7 @@ class OutFile:
 
     @property
     def data_bytes(self) -> int:
-        return sum(int(np.prod(s, dtype=np.int64)) * DTYPES[d][1] for _, d, s in self.entries)
+        return sum(int(np.prod(s, dtype=np.int64)) * DTYPE_SIZES[d] for _, d, s in self.entries)
 
     @property
     def size(self) -> int:
@@ -184,7 +184,7 @@ def plan_hf(
 ) -> Plan:
     """HF shard files; each tensor whole in exactly one of them."""
     out_dtypes = {n: out_dtype_of(dtypes[n], dtype) for n in names}
-    nbytes = {n: int(np.prod(shapes[n], dtype=np.int64)) * DTYPES[out_dtypes[n]][1] for n in names}
+    nbytes = {n: int(np.prod(shapes[n], dtype=np.int64)) * DTYPE_SIZES[out_dtypes[n]] for n in names}
     files, plans = [], []
     for k, (fname, group) in enumerate(hf_groups(names, nbytes, weight_map, max_shard).items()):
         files.append(OutFile(fname, -1, [(n, out_dtypes[n], shapes[n]) for n in group], dict(HF_METADATA)))

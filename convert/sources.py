@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
 from convert.rules import VOCAB_TENSORS, is_ignored
 from tprt.checkpoint import TOKENIZER_FILES, TPCheckpoint, is_tp_checkpoint
 from tprt.config import ModelConfig
 from tprt.errors import CheckpointError
-from tprt.safetensors_io import DTYPES, read_header, st_dtype
+from tprt.safetensors_io import DTYPE_SIZES, read_header
+
+if TYPE_CHECKING:
+    import torch  # imported where needed: byte-level conversions never load it
 
 
 @runtime_checkable
@@ -52,12 +54,21 @@ class TensorSource(Protocol):
 
 
 
+ByteRange = tuple[int, int, int]  # (open file descriptor, offset, nbytes)
+
+
 @runtime_checkable
 class RawSource(Protocol):
-    """Optional fast path: the stored bytes of a row range, for copies without a dtype change."""
+    """Optional fast paths for copies without a dtype change."""
 
     def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
-        """uint8 array [stop - start, bytes per row], freshly allocated: the caller may keep it."""
+        """The stored bytes of rows [start, stop): uint8 [stop - start, bytes per row], freshly
+        allocated, so the caller may keep it."""
+        ...
+
+    def byte_ranges(self, name: str, start: int, stop: int) -> list[ByteRange] | None:
+        """File ranges whose concatenation is the bytes of rows [start, stop), for kernel-side
+        copies; None when those rows are not stored contiguously (then use raw_rows)."""
         ...
 
 
@@ -66,10 +77,10 @@ def row_bytes(shape: tuple[int, ...], itemsize: int) -> int:
     return int(np.prod(shape[1:], dtype=np.int64)) * itemsize
 
 
-def pread_exact(fd: int, out: np.ndarray, offset: int, path: Path) -> None:
+def pread_exact(fd: int, out: np.ndarray | memoryview, offset: int, path: Path | str) -> None:
     """Fills `out` (contiguous) from `offset` with positioned reads; no page cache is mapped, so
     nothing read this way counts towards the process's resident memory once `out` is freed."""
-    mv = memoryview(out).cast("B")  # type: ignore[arg-type]
+    mv = memoryview(out).cast("B") if isinstance(out, np.ndarray) else out  # type: ignore[arg-type]
     done = 0
     while done < len(mv):
         n = os.preadv(fd, [mv[done:]], offset + done)
@@ -96,8 +107,13 @@ class _PreadFile:
 
     def rows_into(self, name: str, start: int, out: np.ndarray) -> None:
         """Rows [start, start + len(out)) into the contiguous uint8 array `out`."""
+        fd, offset, _ = self.span(name, start, start + len(out))
+        pread_exact(fd, out, offset, self.path)
+
+    def span(self, name: str, start: int, stop: int) -> ByteRange:
         info = self.tensors[name]
-        pread_exact(self.fd, out, info.begin + start * row_bytes(info.shape, info.itemsize), self.path)
+        rb = row_bytes(info.shape, info.itemsize)
+        return self.fd, info.begin + start * rb, (stop - start) * rb
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -107,6 +123,10 @@ class _PreadFile:
 
 def as_torch(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Reinterprets uint8 rows as a tensor of `dtype` with trailing dims `shape[1:]` (zero-copy)."""
+    import torch
+
+    from tprt.safetensors_io import DTYPES
+
     torch_dtype = DTYPES[dtype][0]
     if raw.size == 0:
         return torch.empty((raw.shape[0], *shape[1:]), dtype=torch_dtype)
@@ -171,6 +191,9 @@ class HFSafetensorsSource:
     def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         return self._where[name].rows(name, start, stop)
 
+    def byte_ranges(self, name: str, start: int, stop: int) -> list[ByteRange] | None:
+        return [self._where[name].span(name, start, stop)]
+
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         info = self._where[name].tensors[name]
         return as_torch(self.raw_rows(name, start, stop), info.dtype, info.shape)
@@ -188,6 +211,8 @@ class HFTorchBinSource:
     only the rows asked for are ever paged in."""
 
     def __init__(self, path: Path, files: list[str], weight_map: dict[str, str] | None) -> None:
+        import torch
+
         self.path = path
         self.config, self.config_json = _read_config(path)
         self.weight_map = weight_map
@@ -210,10 +235,13 @@ class HFTorchBinSource:
         return {n: tuple(t.shape) for n, t in self._tensors.items()}
 
     def dtype(self, name: str) -> str:
+        from tprt.safetensors_io import st_dtype
+
         return st_dtype(self._tensors[name].dtype)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        return self._tensors[name][start:stop].clone(memory_format=torch.contiguous_format)
+        rows = self._tensors[name][start:stop]
+        return rows.clone() if rows.is_contiguous() else rows.contiguous()  # never a view of the mmap
 
     def aux_files(self) -> dict[str, bytes]:
         return _aux_files(self.path)
@@ -317,11 +345,24 @@ class TPSource:
             seen.setdefault(rng[0], (rank, *rng))
         return list(seen.values())
 
+    def byte_ranges(self, name: str, start: int, stop: int) -> list[ByteRange] | None:
+        e = self.manifest.tensors[name]
+        if e.split_dim is None:
+            return [self._loc[name, 0].span(name, start, stop)]
+        if e.split_dim != 0:
+            return None
+        out = []
+        for rank, lo, hi in self._holders(name):
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                out.append(self._loc[name, rank].span(name, a - lo, b - lo))
+        return out
+
     def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         e = self.manifest.tensors[name]
         if e.split_dim is None:
             return self._loc[name, 0].rows(name, start, stop)
-        rb = row_bytes(e.shape, DTYPES[e.dtype][1])
+        rb = row_bytes(e.shape, DTYPE_SIZES[e.dtype])
         out = np.empty((stop - start, rb), dtype=np.uint8)
         if e.split_dim == 0:
             for rank, lo, hi in self._holders(name):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from convert import api, copy
+from convert import api, copy, sink
 from convert.cli import main
 from helpers import TINY_CONFIGS, make_hf_llama
 from tprt.checkpoint import MANIFEST_NAME, TPCheckpoint, rank_file_name
@@ -223,6 +223,28 @@ def test_tiny_chunks_give_identical_files(models: dict[str, Path], tmp_path: Pat
     api.reshard(tmp_path / "chunked", tmp_path / "tp8", tp=8)
     api.tp_to_hf(tmp_path / "tp8", tmp_path / "hf")
     assert_same_hf(src, tmp_path / "hf")
+
+
+def test_without_kernel_copies(models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_file_range refused (EXDEV, as across filesystems on old kernels): buffered fallback."""
+    import errno
+
+    api.hf_to_tp(models["gqa_sharded"], tmp_path / "kernel", tp=8)
+    calls = []
+
+    def refuse(*args: object) -> int:
+        calls.append(1)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(sink, "_copy_file_range_ok", True)
+    monkeypatch.setattr(sink.os, "copy_file_range", refuse)
+    monkeypatch.setattr(copy, "CHUNK_BYTES", 1000)
+    m = api.hf_to_tp(models["gqa_sharded"], tmp_path / "buffered", tp=8)
+    assert calls and not sink._copy_file_range_ok
+    for name in m.files:
+        assert (tmp_path / "kernel" / name).read_bytes() == (tmp_path / "buffered" / name).read_bytes()
+    api.tp_to_hf(tmp_path / "buffered", tmp_path / "hf")
+    assert_same_hf(models["gqa_sharded"], tmp_path / "hf")
 
 
 def test_tokenizer_files_travel(models: dict[str, Path], tmp_path: Path) -> None:

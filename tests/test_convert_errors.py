@@ -13,9 +13,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import convert.engine
-import tprt.safetensors_io
-from convert import api, copy
+from convert import api, copy, sink
 from convert.cli import main
+from convert.sink import FileSink
 from helpers import make_hf_llama
 
 
@@ -145,32 +145,29 @@ def test_not_enough_space_up_front(model: Path, tmp_path: Path, capsys: pytest.C
     fails(capsys, to_tp(model, tmp_path / "out"), 1, "not enough free space", "out")
 
 
-class _FullDisk:
-    """A file whose writes fail with ENOSPC once `budget` bytes have gone through."""
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_disk_full_mid_stream(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, kernel_copy: bool) -> None:
+    """Writes (and kernel copies) fail with ENOSPC once 150 kB have gone through."""
+    budget = [150_000]
+    real_write, real_copy = FileSink._os_write, FileSink._os_copy
 
-    budget = 150_000
-
-    def __init__(self, f: Any) -> None:
-        self._f = f
-
-    def write(self, buf: Any) -> int:
-        n = memoryview(buf).nbytes
-        if _FullDisk.budget < n:
+    def spend(n: int) -> None:
+        if budget[0] < n:
             raise OSError(errno.ENOSPC, "No space left on device")
-        _FullDisk.budget -= n
-        return self._f.write(buf)
+        budget[0] -= n
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
+    def write(self: FileSink, mv: memoryview) -> int:
+        spend(len(mv))
+        return real_write(self, mv)
 
+    def copy_range(self: FileSink, fd: int, count: int, pos: int) -> int:
+        spend(count)
+        return real_copy(self, fd, count, pos)
 
-def test_disk_full_mid_stream(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copy, "CHUNK_BYTES", 4096)
-    def fake_open(path: Any, mode: str = "r", *args: Any) -> Any:
-        f = open(path, mode, *args)  # noqa: SIM115
-        return _FullDisk(f) if "w" in mode else f
-
-    monkeypatch.setattr(tprt.safetensors_io, "open", fake_open, raising=False)
+    monkeypatch.setattr(sink, "_copy_file_range_ok", kernel_copy)
+    monkeypatch.setattr(FileSink, "_os_write", write)
+    monkeypatch.setattr(FileSink, "_os_copy", copy_range)
     fails(capsys, to_tp(model, tmp_path / "out"), 1, "No space left on device", "out")
 
 

@@ -16,14 +16,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tprt.config import ModelConfig
 from tprt.errors import CheckpointError
 from tprt.fsutil import write_text_atomic
 from tprt.safetensors_io import SafetensorsFile, TensorInfo
+
+if TYPE_CHECKING:
+    import torch  # only for annotations: the converter reads rank files without importing torch
 
 MANIFEST_NAME = "tprt_manifest.json"
 FORMAT_NAME = "tprt-tp-checkpoint"

@@ -9,6 +9,7 @@ ever materialising a tensor.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import mmap
@@ -20,35 +21,56 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tprt.errors import CheckpointError, OutputError
 
-# safetensors dtype name -> (torch dtype, bytes per element)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
+if TYPE_CHECKING:
+    import torch
+
+# safetensors dtype name -> bytes per element. torch is imported only when a torch dtype is asked
+# for (DTYPES, TORCH_TO_ST, SafetensorsFile.tensor), so byte-level tools such as the converter
+# start without paying torch's import time.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}
+_TORCH_NAMES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
 }
 # numpy has no bfloat16: raw bytes are viewed through an unsigned type of the same width.
 _RAW_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-TORCH_TO_ST = {t: name for name, (t, _) in DTYPES.items()}
+
+if TYPE_CHECKING:
+    # safetensors dtype name -> (torch dtype, bytes per element); built on first use
+    DTYPES: dict[str, tuple[torch.dtype, int]]
+    TORCH_TO_ST: dict[torch.dtype, str]
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, tuple[torch.dtype, int]], dict[torch.dtype, str]]:
+    import torch
+
+    dtypes = {k: (getattr(torch, v), DTYPE_SIZES[k]) for k, v in _TORCH_NAMES.items()}
+    return dtypes, {t: name for name, (t, _) in dtypes.items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DTYPES":
+        return _torch_tables()[0]
+    if name == "TORCH_TO_ST":
+        return _torch_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def st_dtype(dtype: torch.dtype) -> str:
     try:
-        return TORCH_TO_ST[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
 
@@ -65,7 +87,7 @@ class TensorInfo:
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +95,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        return _torch_tables()[0][self.dtype][0]
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -106,9 +128,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             dtype, shape, (b, e) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPES:
+        if dtype not in DTYPE_SIZES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         if e - b != expected or b < 0:
             raise CheckpointError(
                 f"{path}: tensor {name!r} spans {e - b} bytes but shape {list(shape)} {dtype} needs {expected}"
@@ -146,6 +168,8 @@ class SafetensorsFile:
 
     def tensor(self, name: str) -> torch.Tensor:
         """A zero-copy torch view; copy it before the file is closed if it must outlive it."""
+        import torch
+
         t = self.info(name)
         if t.nbytes == 0:
             return torch.empty(t.shape, dtype=t.torch_dtype)
@@ -174,7 +198,7 @@ def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict
         header["__metadata__"] = metadata
     offset = 0
     for name, dtype, shape in entries:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -268,7 +292,7 @@ class StreamingSafetensorsWriter:
         self.entries = entries
         self._header = build_header(entries, metadata)
         self._expected = len(self._header) + sum(
-            int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][1] for _, dtype, shape in entries
+            int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype] for _, dtype, shape in entries
         )
         self._writer = HashingWriter(path, max_queued=max_queued)
         self._writer.write(self._header)
