@@ -216,6 +216,11 @@ def _get_int(meta: dict[str, Any], key: str, source: str, default: int | None = 
     return int(value)
 
 
+def _f32(value: Any) -> float:
+    """A GGUF float32 back to the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
 def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, Any]:
     """An HF LlamaForCausalLM config.json dict from GGUF metadata (and the embedding's shape)."""
     p = f"{meta.get('general.architecture')}."
@@ -241,8 +246,8 @@ def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "rms_norm_eps": float(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get(p + "rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(meta.get(p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta.get(p + "rope.freq_base", 10000.0)),
         "max_position_embeddings": _get_int(meta, p + "context_length", source, 2048),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in shapes,
@@ -274,13 +279,13 @@ def rope_scaling(meta: dict[str, Any], rope_freqs: np.ndarray | None, cfg: dict[
     if kind in (None, "none") and factor and rope_freqs is None:
         kind = "linear"
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(factor or 1.0)}
+        return {"rope_type": "linear", "factor": _f32(factor or 1.0)}
     if kind == "llama3":
         return {
             "rope_type": "llama3",
-            "factor": float(factor or 1.0),
-            "low_freq_factor": float(meta.get(p + "low_freq_factor", 1.0)),
-            "high_freq_factor": float(meta.get(p + "high_freq_factor", 4.0)),
+            "factor": _f32(factor or 1.0),
+            "low_freq_factor": _f32(meta.get(p + "low_freq_factor", 1.0)),
+            "high_freq_factor": _f32(meta.get(p + "high_freq_factor", 4.0)),
             "original_max_position_embeddings": int(meta.get(p + "original_context_length", 8192)),
         }
     if kind not in (None, "none"):
@@ -306,7 +311,7 @@ def llama3_from_rope_freqs(factors: np.ndarray, theta: float, head_dim: int, sou
     factors = factors.astype(np.float64)
     if factors.shape != (head_dim // 2,):
         raise CheckpointError(f"{source}: GGUF tensor 'rope_freqs.weight' has {factors.size} entries, expected {head_dim // 2}")
-    factor = float(factors.max())
+    factor = _f32(factors.max())
     if abs(factor - 1.0) < 1e-6 and float(factors.min()) > 1 - 1e-6:
         return None
     medium = (factors > 1 + 1e-4) & (factors < factor * (1 - 1e-4))

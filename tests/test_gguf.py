@@ -153,7 +153,7 @@ def test_tiny_config(tmp_path: Path) -> None:
         assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (4, 2, 64)
         assert c["vocab_size"] == 80 and c["tie_word_embeddings"] is True
         assert c["max_position_embeddings"] == 256 and c["rope_theta"] == 10000.0
-        assert c["rms_norm_eps"] == pytest.approx(1e-5) and c["torch_dtype"] == "float32"
+        assert c["rms_norm_eps"] == 1e-5 and c["torch_dtype"] == "float32"
         assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (1, [2, 7], 0)
         assert "lm_head.weight" not in src.shapes() and src.weight_map is None
         assert src.config == ModelConfig.from_dict(c) and src.config.eos_token_ids == (2, 7)
@@ -267,6 +267,7 @@ def test_smollm2_config(smol_src: GGUFSource) -> None:
     assert (c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers) == (9, 3, 30)
     assert (c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size) == (576, 1536, 64, 49152)
     assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert c.rms_norm_eps == 1e-5 and c.rope_scaling is None
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
     assert len(smol_src.shapes()) == 272 and "lm_head.weight" not in smol_src.shapes()
 
@@ -346,13 +347,16 @@ def smol_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
-def _batch(tokenizer: Any) -> dict[str, torch.Tensor]:
-    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-               [{"role": "user", "content": "Hi"}]]
-    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
-    ids = [x["input_ids"] if isinstance(x, dict) or hasattr(x, "keys") else x for x in ids]
+def _batch(tokenizer_json: Path) -> dict[str, torch.Tensor]:
+    """Two chat prompts of different lengths, right-padded, tokenised with the converted tokenizer."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    prompts = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"]
+    ids = [tok.encode(p).ids for p in prompts]
     width = max(len(x) for x in ids)
-    assert len({len(x) for x in ids}) == 2  # uneven lengths, right-padded
+    assert len({len(x) for x in ids}) == 2 and ids[1][0] == 1  # uneven lengths; specials parsed
     input_ids = torch.tensor([x + [2] * (width - len(x)) for x in ids])
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
     return {"input_ids": input_ids, "attention_mask": mask}
@@ -360,10 +364,12 @@ def _batch(tokenizer: Any) -> dict[str, torch.Tensor]:
 
 @needs_smol
 def test_e2e_gguf_to_hf_logits_equal_transformers_gguf(smol_hf_dir: Path, hf_gguf_model: Any) -> None:
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {
+        p.name for p in smol_hf_dir.iterdir()}
     model = LlamaForCausalLM.from_pretrained(smol_hf_dir).eval()
-    batch = _batch(AutoTokenizer.from_pretrained(smol_hf_dir))
+    batch = _batch(smol_hf_dir / "tokenizer.json")
     with torch.no_grad():
         ours = model(**batch).logits
         ref = hf_gguf_model(**batch).logits
