@@ -339,11 +339,12 @@ def test_smollm2_aux_files(smol_src: GGUFSource) -> None:
 
 @pytest.fixture(scope="module")
 def smol_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from convert import api
+    """`tprt-convert gguf-to-hf SmolLM2.gguf DST`, through the command-line entry point."""
+    from convert.cli import main
 
     assert SMOL is not None
     dst = tmp_path_factory.mktemp("smol") / "hf"
-    api.gguf_to_hf(SMOL, dst)
+    assert main(["gguf-to-hf", str(SMOL), str(dst)]) == 0
     return dst
 
 
@@ -388,7 +389,7 @@ def test_e2e_hf_to_tp_from_gguf(tmp_path: Path) -> None:
     assert manifest.tp_size == 3 and manifest.vocab_size == 49152
     assert sorted(p.name for p in (tmp_path / "tp3").glob("rank-*.safetensors")) == [
         f"rank-0000{r}-of-00003.safetensors" for r in range(3)]
-    assert (tmp_path / "tp3" / "tokenizer.json").is_file()
+    assert (tmp_path / "tp3" / "tokenizer.json").is_file() and api.verify(tmp_path / "tp3") == []
     with pytest.raises(ConfigError, match="--tp 2 does not divide num_attention_heads=9"):
         api.hf_to_tp(SMOL, tmp_path / "tp2", 2)
     assert not (tmp_path / "tp2").exists()
