@@ -127,12 +127,18 @@ def _merge(world_size: int, results_dir: Path, error: str) -> WorldResults:
 
 
 def run_single(checks: Checks, workdir: Path) -> WorldResults:
-    """The same checks in this process at TP=1, with no process group."""
+    """The same checks in this process at TP=1, with no process group, on one thread (tiny
+    models on a shared machine: more threads only spin against other processes)."""
     ctx = TPContext.single()
     results: dict[str, tuple[bool, str]] = {}
     seconds: dict[str, float] = {}
-    for name, check in checks:
-        t0 = time.perf_counter()
-        results[name] = run_one(ctx, name, check, workdir)
-        seconds[name] = time.perf_counter() - t0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, check in checks:
+            t0 = time.perf_counter()
+            results[name] = run_one(ctx, name, check, workdir)
+            seconds[name] = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
     return WorldResults(1, results, seconds)

@@ -23,7 +23,7 @@ from tprt.launch import LaunchError, launch_local
 from tprt.model import RMSNorm
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from tprt.parallel.mappings import gather_from_region, scatter_to_region
-from tprt.rope import apply_rope, inv_frequencies, rope_angles
+from tprt.rope import apply_rope_, inv_frequencies, rope_angles
 
 
 def _shard(t: torch.Tensor, dim: int, ctx: TPContext) -> torch.Tensor:
@@ -173,8 +173,8 @@ def test_rope_matches_transformers(rope: str) -> None:
     cos, sin = LlamaRotaryEmbedding(hf_cfg)(q, positions)
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
     c, s = rope_angles(positions, inv_frequencies(cfg), torch.float32)
-    q_ours = apply_rope(q.transpose(1, 2), c, s).transpose(1, 2)  # ours is [batch, seq, heads, head_dim]
-    k_ours = apply_rope(k.transpose(1, 2), c, s).transpose(1, 2)
+    q_ours = apply_rope_(q.transpose(1, 2).clone(), c, s).transpose(1, 2)  # ours is [batch, seq, heads, head_dim]
+    k_ours = apply_rope_(k.transpose(1, 2).clone(), c, s).transpose(1, 2)
     _close(q_ours, q_ref, "q", 1e-6)
     _close(k_ours, k_ref, "k", 1e-6)
 
@@ -214,7 +214,7 @@ def test_kv_cache_write_and_read() -> None:
     k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # [batch, seq, kv_heads, head_dim]
     positions = torch.tensor([[0, 1], [3, 4]])
     step = cache.prepare(positions, slots=torch.tensor([2, 0]))
-    keys, values = cache.update(1, k, v, step)  # [batch, kv_heads, kv_len 5, head_dim]
+    keys, values = cache.update(1, torch.stack((k, v), dim=2), step)  # [batch, kv_heads, kv_len 5, head_dim]
     assert keys.shape == (2, 2, 5, 4)
     assert torch.equal(cache.k[1, 2, :, 1], k[0, 1]) and torch.equal(cache.v[1, 0, :, 4], v[1, 1])
     assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])

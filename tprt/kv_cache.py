@@ -1,7 +1,7 @@
 """A preallocated KV cache for continuous batching: one slot per live sequence.
 
-Layout per layer: k and v of [n_slots, n_local_kv_heads, max_seq_len, head_dim] (this rank's kv
-heads only). A sequence owns a slot from `allocate()` until `release()`; the token at position p
+Layout: one tensor [n_layers, n_slots, 2 (k, v), n_local_kv_heads, max_seq_len, head_dim] (this
+rank's kv heads only), so one indexed write stores a step's k and v and one gather reads them. A sequence owns a slot from `allocate()` until `release()`; the token at position p
 of the sequence in slot s has its k/v at [s, :, p]. Nothing records lengths: the model writes
 each token at its position before attending, and a query at position p sees cache positions
 <= p only, so whatever an earlier owner (or a padding token) left beyond a sequence's length is
@@ -34,11 +34,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layers, n_slots, n_kv_heads, max_seq_len, head_dim)
         # Zeros, not empty: masked-out entries still enter SDPA's weighted sum (with weight 0),
         # and 0 * NaN from uninitialised memory would poison the output.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layer, slot, kv_head, position, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [layer, slot, kv_head, position, head_dim]
+        self.kv = torch.zeros(
+            (n_layers, n_slots, 2, n_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device
+        )  # [layer, slot, k/v, kv_head, position, head_dim]
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
         # Key positions 0..max_seq_len-1, sliced each step to build the attention mask.
@@ -61,8 +61,18 @@ class KVCache:
             raise ValueError(f"slot {slot} is not allocated")
         self._free.append(slot)
 
+    @property
+    def k(self) -> torch.Tensor:
+        """[layer, slot, kv_head, position, head_dim] view of the keys."""
+        return self.kv[:, :, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        """[layer, slot, kv_head, position, head_dim] view of the values."""
+        return self.kv[:, :, 1]
+
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
     def prepare(self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None) -> CacheStep:
         """What every layer needs for one forward step, built once: the write indices and the mask.
@@ -84,21 +94,17 @@ class KVCache:
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [batch, 1, seq, kv_len]
         return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=mask)
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: CacheStep
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes k, v [batch, seq, n_kv_heads, head_dim] at each token's (slot, position) and
-        returns each row's keys and values up to kv_len, [batch, n_kv_heads, kv_len, head_dim]."""
-        kc, vc = self.k[layer], self.v[layer]  # [slot, kv_head, position, head_dim]
-        kc[step.rows, :, step.positions] = k
-        vc[step.rows, :, step.positions] = v
+    def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
+        (slot, position) and returns each row's keys and values up to kv_len, each
+        [batch, n_kv_heads, kv_len, head_dim]."""
+        cache = self.kv[layer]  # [slot, k/v, kv_head, position, head_dim]
+        cache[step.rows, :, :, step.positions] = kv
         if step.slots is None:
-            batch = k.shape[0]
-            return kc[:batch, :, : step.kv_len], vc[:batch, :, : step.kv_len]  # views, no copy
-        return (
-            kc[:, :, : step.kv_len].index_select(0, step.slots),
-            vc[:, :, : step.kv_len].index_select(0, step.slots),
-        )
+            both = cache[: kv.shape[0], :, :, : step.kv_len]  # a view, no copy
+        else:
+            both = cache[:, :, :, : step.kv_len].index_select(0, step.slots)  # [batch, k/v, kv_head, kv_len, head_dim]
+        return both[:, 0], both[:, 1]
 
 
 @dataclass(frozen=True)

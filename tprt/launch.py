@@ -83,6 +83,16 @@ def _rank_main(
                 pass
 
 
+def _mp_context() -> Any:
+    """forkserver where available: one server process imports torch once and every rank is a
+    fork of it (starting N ranks costs one torch import, not N). spawn elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _stop_all(procs: Sequence[Any]) -> None:
     for p in procs:
         if p.is_alive():
@@ -111,7 +121,7 @@ def launch_local(
     if nprocs < 1:
         raise LaunchError(f"--nprocs must be at least 1, got {nprocs}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     results = ctx.Queue()
     port = free_port()
     procs = [

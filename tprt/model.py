@@ -16,7 +16,7 @@ from tprt.config import ModelConfig, TPLayout
 from tprt.dist import TPContext
 from tprt.kv_cache import CacheStep, KVCache
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
-from tprt.rope import apply_rope, inv_frequencies, rope_angles
+from tprt.rope import apply_rope_, inv_frequencies, rope_angles
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +39,8 @@ class Step:
     """What every layer needs for one forward call, computed once: RoPE angles and the cache view."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None):
-        self.cos = cos  # [batch, seq, 1, head_dim / 2]
-        self.sin = sin  # [batch, seq, 1, head_dim / 2]
+        self.cos = cos  # [batch, seq, 1, head_dim]
+        self.sin = sin  # [batch, seq, 1, head_dim], first half negated (see rope_angles)
         self.cache = cache
         self.cache_step = cache_step
 
@@ -64,19 +64,15 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
-        qk = apply_rope(qkv[:, :, : nh + nkv], step.cos, step.sin)  # [batch, seq, nh + nkv, head_dim]
-        q = qk[:, :, :nh].transpose(1, 2)  # [batch, nh, seq, head_dim]
-        k = qk[:, :, nh:]  # [batch, seq, nkv, head_dim]
-        v = qkv[:, :, nh + nkv :]  # [batch, seq, nkv, head_dim]
+        apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)  # q and k rotated in place
+        q = qkv[:, :, :nh].transpose(1, 2)  # [batch, nh, seq, head_dim]
+        kv = qkv[:, :, nh:].unflatten(2, (2, nkv))  # [batch, seq, k/v, nkv, head_dim]
         if step.cache is None or step.cache_step is None:
-            out = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), is_causal=seq > 1, enable_gqa=self.gqa
-            )  # [batch, nh, seq, head_dim]
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [batch, nkv, seq, head_dim]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
         else:
-            keys, values = step.cache.update(self.layer, k, v, step.cache_step)  # [batch, nkv, kv_len, head_dim]
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=step.cache_step.mask, enable_gqa=self.gqa
-            )  # [batch, nh, seq, head_dim]
+            k, v = step.cache.update(self.layer, kv, step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
         out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
         return self.o_proj(out)
 

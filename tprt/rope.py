@@ -43,15 +43,21 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [batch, seq, 1, head_dim / 2], for positions [batch, seq]."""
+    """cos and signed sin, each [batch, seq, 1, head_dim], for positions [batch, seq].
+
+    cos is transformers' cos(cat(freqs, freqs)); the sin's first half is negated so that
+    rotate-half becomes one roll: x * cos + roll(x, head_dim / 2) * sin.
+    """
     freqs = positions[..., None].to(torch.float32) * inv_freq  # [batch, seq, head_dim / 2]
     freqs = freqs.unsqueeze(2)  # [batch, seq, 1, head_dim / 2]: broadcasts over heads
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    cos = torch.cat((cos, cos), dim=-1)  # [batch, seq, 1, head_dim]
+    sin = torch.cat((-sin, sin), dim=-1)  # [batch, seq, 1, head_dim]
+    return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates x [batch, seq, heads, head_dim] by the angles of `rope_angles` (rotate-half pairs
-    feature i with i + head_dim / 2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # [batch, seq, heads, head_dim / 2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [batch, seq, heads, head_dim] in place by the angles of `rope_angles` (rotate-half:
+    feature i pairs with i + head_dim / 2) and returns it. x may be a view (e.g. of a fused qkv)."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1], a copy taken before x changes
+    return x.mul_(cos).addcmul_(rotated, sin)

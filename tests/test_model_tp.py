@@ -1,0 +1,254 @@
+"""The TP model against transformers' LlamaForCausalLM at TP 1, 2, 4 and 8.
+
+One module-scoped setup writes three tiny HF checkpoints (gqa, rope_pad, tied), converts each to
+TP 1/2/4/8 with `convert.api.hf_to_tp`, and records transformers' logits (per prompt, fp32) and
+greedy generations. Each TP world (tests/mp.py: one gloo world per size) then runs every check:
+uneven batched prompts, cached prefill/decode with continuous-batching slots, recomputation
+without the cache, bf16 loading and a TP mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import make_hf_llama
+from mp import Checks, WorldResults, names, run_single, run_world
+from tprt.config import ModelConfig
+from tprt.dist import TPContext
+from tprt.errors import CheckpointError
+from tprt.kv_cache import KVCache
+from tprt.loading import load_model
+from tprt.model import TPLlamaForCausalLM
+
+CONFIGS = ("gqa", "rope_pad", "tied")
+TPS = (1, 2, 4, 8)
+PROMPT_LENS = (7, 12, 4)  # uneven on purpose
+N_NEW = 32
+TOL = 1e-4  # max |ours - transformers| relative to max |transformers logit|
+
+
+# ----------------------------------------------------------------------------- setup (parent only)
+
+
+def _reference(hf_dir: Path, vocab: int) -> dict[str, Any]:
+    """transformers' fp32 logits of each prompt and its greedy continuation of N_NEW tokens."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # always N_NEW tokens
+    model.generation_config.pad_token_id = 0
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    logits, generated = [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            logits.append(model(ids).logits[0])  # [len, vocab]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False)
+            generated.append(out[0, len(p) :].tolist())
+    return {"prompts": prompts, "logits": logits, "generated": generated}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from convert.api import hf_to_tp
+
+    root = tmp_path_factory.mktemp("model_tp")
+    for i, name in enumerate(CONFIGS):
+        hf_dir = make_hf_llama(root / f"{name}-hf", name, seed=i)
+        for tp in TPS:
+            hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
+        vocab = ModelConfig.from_file(hf_dir / "config.json").vocab_size
+        torch.save(_reference(hf_dir, vocab), root / f"{name}-ref.pt")
+    return root
+
+
+# ----------------------------------------------------------------------------- helpers (every rank)
+
+_MODELS: dict[tuple[str, str, int, str], TPLlamaForCausalLM] = {}
+
+
+def _model(ctx: TPContext, workdir: Path, name: str, dtype: str = "fp32") -> TPLlamaForCausalLM:
+    """This rank's model for `name` at this TP size, loaded once per process."""
+    key = (str(workdir), name, ctx.world_size, dtype)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, dtype=dtype)
+    return _MODELS[key]
+
+
+def _ref(workdir: Path, name: str) -> dict[str, Any]:
+    ref: dict[str, Any] = torch.load(workdir / f"{name}-ref.pt")
+    return ref
+
+
+def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """Right-padded ids [batch, max_len] (pad id 0) and each row's length."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows]), [len(r) for r in rows]
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
+    err = (ours.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.2e} of the logit scale > {tol:.0e}"
+
+
+@dataclass
+class _Seq:
+    """A sequence being generated: its prompt, slot, greedy tokens and their full logits."""
+
+    prompt: list[int]
+    slot: int
+    out: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _step(model: TPLlamaForCausalLM, cache: KVCache, seqs: list[_Seq]) -> None:
+    """One engine-like step: new sequences feed their prompt (prefill), running ones their last
+    token (decode), all in one right-padded batch; each gets one greedy token."""
+    chunks = [[s.out[-1]] if s.out else s.prompt for s in seqs]
+    starts = [len(s.prompt) + len(s.out) - 1 if s.out else 0 for s in seqs]
+    ids, lens = _pad(chunks)  # [batch, seq]
+    positions = torch.tensor(starts)[:, None] + torch.arange(ids.shape[1])  # [batch, seq]; padding continues
+    with torch.inference_mode():
+        local = model(
+            ids, positions, cache, slots=torch.tensor([s.slot for s in seqs]),
+            kv_len=int(positions.max()) + 1, logits_index=torch.tensor(lens) - 1,
+        )  # [batch, local_vocab]
+        full = model.gather_logits(local)  # [batch, vocab]
+    for s, t, row in zip(seqs, full.argmax(-1).tolist(), full):
+        s.out.append(t)
+        s.logits.append(row)
+
+
+def _garbage_cache(model: TPLlamaForCausalLM, n_slots: int) -> KVCache:
+    """A cache whose every entry holds (finite) junk, as slots left by earlier sequences do."""
+    cache = model.new_cache(n_slots, max_seq_len=64)
+    cache.k.normal_()
+    cache.v.normal_()
+    return cache
+
+
+# ----------------------------------------------------------------------------- checks (every rank)
+
+
+def check_logits(ctx: TPContext, workdir: Path, name: str) -> None:
+    """Uneven right-padded prompts in one batch, no cache: every real position's logits match."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    ids, lens = _pad(ref["prompts"])
+    with torch.inference_mode():
+        full = model.gather_logits(model(ids))  # [batch, seq, vocab]
+    assert full.shape[-1] == model.config.vocab_size, "padding leaked into gathered logits"
+    for b, n in enumerate(lens):
+        _assert_close(full[b, :n], ref["logits"][b], f"prompt {b}")
+
+
+def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
+    """Prefill into a cache (rows -> slots 0..B-1) with last-position logits only; the
+    vocab-parallel greedy pick equals the argmax of the gathered logits."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    ids, lens = _pad(ref["prompts"])
+    positions = torch.arange(ids.shape[1]).expand_as(ids)  # [batch, seq]
+    cache = _garbage_cache(model, n_slots=len(lens))
+    with torch.inference_mode():
+        local = model(ids, positions, cache, logits_index=torch.tensor(lens) - 1)  # [batch, local_vocab]
+        full = model.gather_logits(local)
+    assert full.shape == (len(lens), model.config.vocab_size)
+    with torch.inference_mode():
+        greedy = model.greedy(local)
+    assert torch.equal(greedy, full.argmax(-1)), "vocab-parallel greedy differs from argmax of gathered logits"
+    for b, n in enumerate(lens):
+        _assert_close(full[b], ref["logits"][b][n - 1], f"prompt {b} last position")
+
+
+def check_greedy(ctx: TPContext, workdir: Path, name: str) -> None:
+    """32 greedy tokens for the whole batch (cache slots out of order) equal transformers'
+    generate(); every cached decode step's logits equal a recomputation without the cache."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    cache = _garbage_cache(model, n_slots=4)
+    seqs = [_Seq(p, slot) for p, slot in zip(ref["prompts"], (3, 0, 1))]
+    for _ in range(N_NEW):
+        _step(model, cache, seqs)
+    for b, s in enumerate(seqs):
+        assert s.out == ref["generated"][b], f"prompt {b}: greedy tokens differ from transformers' generate"
+    ids, _ = _pad([s.prompt + s.out[:-1] for s in seqs])
+    with torch.inference_mode():
+        full = model.gather_logits(model(ids))  # [batch, seq, vocab]
+    for b, s in enumerate(seqs):
+        n = len(s.prompt)
+        _assert_close(torch.stack(s.logits), full[b, n - 1 : n - 1 + N_NEW], f"prompt {b} cached vs recomputed", 1e-5)
+
+
+def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:
+    """Sequences join and leave: A leaves, C takes A's slot (stale keys beyond C's length) and
+    prefills alone while B decodes, D joins in a step that mixes its prefill with decodes."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    prompts, want = ref["prompts"], ref["generated"]
+    cache = _garbage_cache(model, n_slots=3)
+    a, b = _Seq(prompts[0], cache.allocate()), _Seq(prompts[1], cache.allocate())
+    for _ in range(7):
+        _step(model, cache, [a, b])
+    cache.release(a.slot)
+    c = _Seq(prompts[2], cache.allocate())
+    assert c.slot == a.slot
+    _step(model, cache, [c])
+    for _ in range(5):
+        _step(model, cache, [c, b])
+    d = _Seq(prompts[0], cache.allocate())
+    for _ in range(6):
+        _step(model, cache, [b, d, c])
+    for label, s, w in (("A", a, want[0]), ("B", b, want[1]), ("C", c, want[2]), ("D", d, want[0])):
+        assert s.out == w[: len(s.out)], f"sequence {label}: tokens differ from transformers' generate"
+
+
+def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
+    """Cast to bf16 on load: every parameter bf16, logits near the fp32 reference."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name, dtype="bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids, lens = _pad(ref["prompts"])
+    with torch.inference_mode():
+        full = model.gather_logits(model(ids))  # [batch, seq, vocab]
+    for b, n in enumerate(lens):
+        _assert_close(full[b, :n], ref["logits"][b], f"bf16 prompt {b}", 5e-2)
+
+
+def check_wrong_tp(ctx: TPContext, workdir: Path) -> None:
+    """A checkpoint sharded for another TP size is refused with a one-line message."""
+    other = 2 if ctx.world_size != 2 else 4
+    with pytest.raises(CheckpointError) as info:
+        load_model(workdir / f"gqa-tp{other}", ctx)
+    msg = str(info.value)
+    assert "\n" not in msg and f"tp_size={other}" in msg and f"has {ctx.world_size} TP rank" in msg, msg
+
+
+CHECKS: Checks = [
+    *((f"{n}-logits", partial(check_logits, name=n)) for n in CONFIGS),
+    *((f"{n}-cached_prefill", partial(check_cached_prefill, name=n)) for n in CONFIGS),
+    *((f"{n}-greedy", partial(check_greedy, name=n)) for n in CONFIGS),
+    ("gqa-continuous", partial(check_continuous, name="gqa")),
+    ("tied-bf16", partial(check_bf16, name="tied")),
+    ("wrong_tp", check_wrong_tp),
+]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def worlds(workdir: Path) -> dict[int, WorldResults]:
+    """Every check at every TP size: TP 1 in this process, the others in one gloo world each."""
+    out = {1: run_single(CHECKS, workdir)}
+    for tp in TPS[1:]:
+        out[tp] = run_world(tp, CHECKS, workdir)
+    return out
+
+
+@pytest.mark.parametrize("check", names(CHECKS))
+@pytest.mark.parametrize("tp", TPS)
+def test_model(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
+    worlds[tp].assert_ok(check)
