@@ -3,7 +3,7 @@
 Two kinds of data go in: buffers (gathered columns, converted dtypes, padding) are written with
 os.write; byte ranges of a source file are copied inside the kernel with copy_file_range, the
 way `cp` does, so unchanged bytes never pass through Python. The hashing thread reads those
-same ranges back from the source into one small reusable buffer. Copying and hashing thus run on
+same ranges through short-lived mappings of the source (at most one chunk mapped at a time). Copying and hashing thus run on
 the two cores in parallel, and page-cache pages are never mapped into this process.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -102,15 +103,33 @@ class FileSink:
                 if isinstance(item, memoryview):
                     self._sha.update(item)
                     continue
-                fd, pos, left = item
-                buf = buf or memoryview(bytearray(HASH_READ_BYTES))
-                while left:
-                    n = min(left, len(buf))
-                    pread_exact(fd, buf[:n], pos, f"fd {fd}")
-                    self._sha.update(buf[:n])
-                    pos, left = pos + n, left - n
+                if not self._hash_mapped(*item):
+                    buf = buf or memoryview(bytearray(HASH_READ_BYTES))
+                    self._hash_read(*item, buf)
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 self._error = e
+
+    def _hash_mapped(self, fd: int, pos: int, nbytes: int) -> bool:
+        """Hashes a source range through a temporary mapping (no copy); the mapping is dropped at
+        once, so its page-cache pages leave our RSS with it. False if the file cannot be mapped."""
+        base = pos - pos % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(fd, nbytes + pos - base, access=mmap.ACCESS_READ, offset=base)
+        except (OSError, ValueError):
+            return False
+        try:
+            with memoryview(m) as view:
+                self._sha.update(view[pos - base :])
+        finally:
+            m.close()
+        return True
+
+    def _hash_read(self, fd: int, pos: int, left: int, buf: memoryview) -> None:
+        while left:
+            n = min(left, len(buf))
+            pread_exact(fd, buf[:n], pos, f"fd {fd}")
+            self._sha.update(buf[:n])
+            pos, left = pos + n, left - n
 
     def _check(self) -> None:
         if self._error is not None:

@@ -247,6 +247,18 @@ def test_without_kernel_copies(models: dict[str, Path], tmp_path: Path, monkeypa
     assert_same_hf(models["gqa_sharded"], tmp_path / "hf")
 
 
+def test_hash_without_mappings(models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source ranges that cannot be mapped are hashed through reads; the manifest stays right."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no mmap here")
+
+    monkeypatch.setattr(sink.mmap, "mmap", refuse)
+    monkeypatch.setattr(sink, "HASH_READ_BYTES", 1000)
+    api.hf_to_tp(models["rope_pad"], tmp_path / "tp", tp=4)
+    assert api.verify(tmp_path / "tp") == []
+
+
 def test_tokenizer_files_travel(models: dict[str, Path], tmp_path: Path) -> None:
     src = tmp_path / "src"
     shutil.copytree(models["gqa"], src)
