@@ -81,6 +81,10 @@ class WorldResults:
     seconds: dict[str, float]  # name -> slowest rank's time
     setup_error: str = ""  # why checks without a result did not run
 
+    def __repr__(self) -> str:  # pytest prints fixtures' values on failure: keep it short
+        failed = [n for n, (ok, _) in self.results.items() if not ok]
+        return f"WorldResults(tp={self.world_size}, ran={len(self.results)}, failed={failed})"
+
     def assert_ok(self, name: str) -> None:
         if name not in self.results:
             raise AssertionError(f"check {name!r} did not run at TP={self.world_size}: {self.setup_error}")

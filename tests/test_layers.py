@@ -238,6 +238,20 @@ def _ranks_ok(base: int) -> int:
     return int(t.item()) * 10 + ctx.rank
 
 
+def _mesh_sums() -> tuple[int, int, int, int]:
+    """In a [2 dp, 2 tp] mesh: sums of global ranks over this rank's TP group and DP group."""
+    ctx = init_distributed(tp_size=2)
+    t, d = torch.tensor([ctx.global_rank]), torch.tensor([ctx.global_rank])
+    dist.all_reduce(t, group=ctx.group)
+    dist.all_reduce(d, group=ctx.dp_group)
+    return ctx.rank, ctx.dp_rank, int(t.item()), int(d.item())
+
+
+def test_mesh_groups() -> None:
+    """TP ranks are consecutive global ranks; DP groups hold the same TP rank of every replica."""
+    assert launch_local(4, _mesh_sums, timeout_s=120) == [(0, 0, 1, 2), (1, 0, 1, 4), (0, 1, 5, 2), (1, 1, 5, 4)]
+
+
 def test_launch_local_returns_rank_results() -> None:
     assert launch_local(2, _ranks_ok, (1,), timeout_s=120) == [30, 31]  # (1 + 2) * 10 + rank
 

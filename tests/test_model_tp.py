@@ -21,7 +21,7 @@ from helpers import make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.config import ModelConfig
 from tprt.dist import TPContext
-from tprt.errors import CheckpointError
+from tprt.errors import CheckpointError, ConfigError
 from tprt.kv_cache import KVCache
 from tprt.loading import load_model
 from tprt.model import TPLlamaForCausalLM
@@ -252,3 +252,24 @@ def worlds(workdir: Path) -> dict[int, WorldResults]:
 @pytest.mark.parametrize("tp", TPS)
 def test_model(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
     worlds[tp].assert_ok(check)
+
+
+def test_load_refuses_config_that_disagrees_with_tensors(workdir: Path, tmp_path: Path) -> None:
+    """config.json edited after conversion: the tensor that does not fit is named in one line."""
+    import json
+    import shutil
+
+    ckpt = tmp_path / "edited"
+    shutil.copytree(workdir / "gqa-tp1", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["intermediate_size"] = 96  # the files hold 128 rows each of gate and up
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    want = r"'model.layers.0.mlp.up_proj.weight' has rank-0 shape \[128, 64\].*\[192, 64\]"
+    with pytest.raises(CheckpointError, match=want) as info:
+        load_model(ckpt, TPContext.single())
+    assert "\n" not in str(info.value)
+
+
+def test_load_refuses_unknown_dtype(workdir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--dtype 'int8' is not supported; expected fp32, bf16 or fp16"):
+        load_model(workdir / "gqa-tp1", TPContext.single(), dtype="int8")

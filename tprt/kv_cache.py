@@ -1,8 +1,9 @@
 """A preallocated KV cache for continuous batching: one slot per live sequence.
 
 Layout: one tensor [n_layers, n_slots, 2 (k, v), n_local_kv_heads, max_seq_len, head_dim] (this
-rank's kv heads only), so one indexed write stores a step's k and v and one gather reads them. A sequence owns a slot from `allocate()` until `release()`; the token at position p
-of the sequence in slot s has its k/v at [s, :, p]. Nothing records lengths: the model writes
+rank's kv heads only), so one indexed write stores a step's k and v and one gather reads them.
+A sequence owns a slot from `allocate()` until `release()` (or the engine's own bookkeeping);
+the token at position p of the sequence in slot s has its k and v at [layer, s, :, :, p]. Nothing records lengths: the model writes
 each token at its position before attending, and a query at position p sees cache positions
 <= p only, so whatever an earlier owner (or a padding token) left beyond a sequence's length is
 never read before it is overwritten. The engine keeps lengths (it knows them anyway).
@@ -74,7 +75,9 @@ class KVCache:
     def nbytes(self) -> int:
         return self.kv.nbytes
 
-    def prepare(self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None) -> CacheStep:
+    def prepare(
+        self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None
+    ) -> CacheStep:
         """What every layer needs for one forward step, built once: the write indices and the mask.
 
         positions [batch, seq]: each token's position in its sequence (right padding continues

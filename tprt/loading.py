@@ -126,7 +126,8 @@ def _rank_state(
             row += rows
         if row != param.shape[0]:
             raise CheckpointError(
-                f"{path}: tensors {hf_sources(name)} give {row} rows on rank {files.rank}; {name} needs {param.shape[0]}"
+                f"{path}: tensors {hf_sources(name)} give {row} rows on rank {files.rank}; "
+                f"{name} needs {param.shape[0]}"
             )
         state[name] = out
     return state

@@ -14,6 +14,7 @@ from torch import nn
 
 from tprt.config import ModelConfig, TPLayout
 from tprt.dist import TPContext
+from tprt.errors import ConfigError
 from tprt.kv_cache import CacheStep, KVCache
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from tprt.rope import apply_rope_, inv_frequencies, rope_angles
@@ -112,9 +113,11 @@ class TPLlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, dtype: torch.dtype | None = None):
         super().__init__()
         if layout.tp != ctx.world_size:
-            raise ValueError(f"layout is for TP={layout.tp}, context has {ctx.world_size} ranks")
+            raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
         if cfg.intermediate_size % ctx.world_size:
-            raise ValueError(f"intermediate_size={cfg.intermediate_size} does not split over TP={ctx.world_size}")
+            raise ConfigError(
+                f"config.json: intermediate_size={cfg.intermediate_size} does not split over TP={ctx.world_size}"
+            )
         self.config = cfg
         self.layout = layout
         self.tp = ctx

@@ -42,7 +42,9 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin, each [batch, seq, 1, head_dim], for positions [batch, seq].
 
     cos is transformers' cos(cat(freqs, freqs)); the sin's first half is negated so that
