@@ -219,8 +219,10 @@ def test_kv_cache_write_and_read() -> None:
     assert torch.equal(cache.k[1, 2, :, 1], k[0, 1]) and torch.equal(cache.v[1, 0, :, 4], v[1, 1])
     assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])
     assert not cache.k[0].any(), "layer 0 was written"
-    assert step.mask[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
-    assert step.mask[1, 0, 0].tolist() == [True, True, True, True, False]
+    allowed = step.mask == 0  # additive mask: 0 where allowed, -inf elsewhere
+    assert allowed[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    assert allowed[1, 0, 0].tolist() == [True, True, True, True, False]
+    assert bool(torch.isneginf(step.mask[~allowed]).all())
 
 
 def _ranks_fail(fail_rank: int) -> int:

@@ -94,7 +94,10 @@ class KVCache:
         else:
             rows = slots[:, None]  # [batch, 1]: broadcasts against positions [batch, seq]
         keys = self.key_positions[:kv_len]  # [kv_len]
-        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        hidden = keys[None, None, None, :] > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        # Additive, in the cache dtype: SDPA would otherwise convert a bool mask in every layer.
+        mask = torch.zeros(hidden.shape, dtype=self.kv.dtype, device=hidden.device)
+        mask.masked_fill_(hidden, float("-inf"))
         return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=mask)
 
     def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,4 +121,4 @@ class CacheStep:
     slots: torch.Tensor | None  # [batch] slot of each row; None: row b is slot b
     positions: torch.Tensor  # [batch, seq] position of each token
     kv_len: int  # keys 0..kv_len-1 are read
-    mask: torch.Tensor  # [batch, 1, seq, kv_len] bool: True where attention is allowed
+    mask: torch.Tensor  # [batch, 1, seq, kv_len] additive: 0 where attention is allowed, -inf elsewhere
