@@ -57,7 +57,7 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileEntry:
-    rank: int
+    rank: int  # -1 for the shared small files (config.json, tokenizer files): not a rank file
     size: int  # bytes
     sha256: str
 
