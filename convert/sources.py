@@ -52,8 +52,6 @@ class TensorSource(Protocol):
     def close(self) -> None: ...
 
 
-
-
 ByteRange = tuple[int, int, int]  # (open file descriptor, offset, nbytes)
 
 
