@@ -1,0 +1,87 @@
+"""Executes a `StepPlan` on one rank: identical on every rank of the TP group.
+
+The runner owns this rank's model and KV cache. For each batch of the plan it runs one forward
+call (prefill: right-padded chunks, logits of each row's last real token only; decode: one token
+per row) and returns, identically on every rank, either the full-vocabulary logits (gathered over
+the TP group) or just the argmax ids (which exchange one (value, id) pair per row and rank).
+
+Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
+through views, without copying every row's keys and values each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tprt.kv_cache import KVCache
+from tprt.model import TPLlamaForCausalLM
+from tprt.plan import BatchPlan, StepPlan
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """A batch's output: `logits` [rows, vocab] float32 when the plan asked for them, else `ids` [rows]."""
+
+    ids: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    prefill: BatchResult | None
+    decode: BatchResult | None
+
+
+class ModelRunner:
+    """This rank's model and KV cache, driven by plans."""
+
+    def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
+                 cache_dtype: torch.dtype | None = None) -> None:
+        self.model = model
+        self.device = model.tp.device
+        self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
+        self._arange = torch.arange(max_seq_len, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs the plan's KV moves, prefill and decode; collective over the TP group."""
+        for src, dst, n in plan.moves:
+            self._move(src, dst, n)
+        prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
+        decode = self._decode(plan.decode) if plan.decode is not None else None
+        return StepResult(prefill, decode)
+
+    def _move(self, src: int, dst: int, n: int) -> None:
+        """Copies the first n positions of slot src's keys and values to slot dst."""
+        if n > 0 and src != dst:
+            self.cache.k[:, dst, :, :n].copy_(self.cache.k[:, src, :, :n])
+            self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
+
+    def _prefill(self, batch: BatchPlan) -> BatchResult:
+        width = batch.width
+        rows = [list(t) + [0] * (width - len(t)) for t in batch.tokens]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [rows, width]
+        starts = torch.tensor(batch.starts, dtype=torch.long, device=self.device)
+        positions = starts[:, None] + self._arange[:width]  # [rows, width]; padding continues the count
+        last = torch.tensor([len(t) - 1 for t in batch.tokens], dtype=torch.long, device=self.device)
+        slots = torch.tensor(batch.slots, dtype=torch.long, device=self.device)
+        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len,
+                           logits_index=last)  # [rows, local_vocab]
+        return self._finish(local, batch.full_logits)
+
+    def _decode(self, batch: BatchPlan) -> BatchResult:
+        n = len(batch.slots)
+        ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
+        positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
+        packed = batch.slots == tuple(range(n))
+        slots = None if packed else torch.tensor(batch.slots, dtype=torch.long, device=self.device)
+        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len)  # [rows, 1, local_vocab]
+        return self._finish(local[:, 0], batch.full_logits)
+
+    def _finish(self, local: torch.Tensor, full: bool) -> BatchResult:
+        """local [rows, local_vocab] -> gathered float32 logits, or argmax ids; collective."""
+        if full:
+            return BatchResult(None, self.model.gather_logits(local).float())
+        return BatchResult(self.model.greedy(local), None)
