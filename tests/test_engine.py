@@ -1,0 +1,367 @@
+"""The engine against transformers' generate() at TP 1 (in this process) and TP 2 (one gloo world).
+
+One module-scoped setup writes a tiny random Llama with a byte-level tokenizer (tests/tiny_chat.py),
+converts it to TP 1 and 2, and records transformers' greedy continuations of uneven prompts (plain
+and with a repetition penalty) and the log-softmax at every generated position. Each check then
+drives an Engine from rank 0 while the other rank follows: batched greedy decoding, chunked
+prefill under a small token budget, sequences joining mid-run, cancellation, stop ids / strings /
+EOS / max_new_tokens, logprobs, and seeded sampling (reproducible, batch-independent, and the
+same ids fed to the model on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp import Checks, WorldResults, names, run_single, run_world
+from tiny_chat import make_tiny_chat_model
+from tprt.dist import TPContext
+from tprt.engine import Completion, Engine, EngineConfig, run_to_completion
+from tprt.errors import ValidationError
+from tprt.loading import load_model
+from tprt.model import TPLlamaForCausalLM
+from tprt.plan import BatchPlan, StepPlan
+from tprt.sampling import SamplingParams
+from tprt.tokenizer import Tokenizer
+
+TPS = (1, 2)
+TEXTS = ("Hello there", "The quick brown fox jumps", "Hi", "Tensor par")  # uneven prompt lengths
+N_NEW = 6
+PENALTY = 1.3
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- setup (parent only)
+
+
+def _reference(root: Path) -> dict[str, Any]:
+    from transformers import LlamaForCausalLM
+
+    tok = Tokenizer.from_dir(root / "hf")
+    model = LlamaForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompts = [tok.encode(t) for t in TEXTS]
+    greedy, penalised, logprobs = [], [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            kw: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=N_NEW, do_sample=False)
+            out = model.generate(ids, **kw)[0, len(p):].tolist()
+            greedy.append(out)
+            penalised.append(model.generate(ids, repetition_penalty=PENALTY, **kw)[0, len(p):].tolist())
+            full = torch.tensor([p + out[:-1]])
+            logprobs.append(torch.log_softmax(model(full).logits[0, len(p) - 1:].float(), dim=-1))  # [N_NEW, vocab]
+    return {"prompts": prompts, "greedy": greedy, "penalised": penalised, "logprobs": logprobs}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = make_tiny_chat_model(tmp_path_factory.mktemp("engine"), TPS)
+    torch.save(_reference(root), root / "ref.pt")
+    return root
+
+
+# ----------------------------------------------------------------------------- helpers (every rank)
+
+_MODELS: dict[tuple[str, int], TPLlamaForCausalLM] = {}
+
+
+def _model(ctx: TPContext, wd: Path) -> TPLlamaForCausalLM:
+    key = (str(wd), ctx.world_size)
+    if key not in _MODELS:
+        _MODELS[key] = load_model(wd / f"tp{ctx.world_size}", ctx)
+    return _MODELS[key]
+
+
+def _ref(wd: Path) -> dict[str, Any]:
+    ref: dict[str, Any] = torch.load(wd / "ref.pt")
+    return ref
+
+
+def _greedy(n: int = N_NEW, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def _share(ctx: TPContext, value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    if ctx.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=ctx.group, group_src=0)
+    return box[0]
+
+
+def _drive(ctx: TPContext, wd: Path, config: EngineConfig, fn: Callable[[Engine], T],
+           plans: list[StepPlan] | None = None, **kw: Any) -> T:
+    """Runs fn(engine) on rank 0 while the other ranks follow; returns rank 0's result everywhere.
+    `plans` collects every plan this rank executed. A failure on rank 0 fails every rank."""
+    engine = Engine(_model(ctx, wd), Tokenizer.from_dir(wd / "hf"), config, **kw)
+    if plans is not None:
+        execute = engine.runner.execute
+        engine.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]  # type: ignore[method-assign]
+    outcome: tuple[str, Any] = ("ok", None)
+    if engine.is_driver:
+        with engine:
+            try:
+                outcome = ("ok", fn(engine))
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                outcome = ("error", f"{type(e).__name__}: {e}")
+    else:
+        engine.follow()
+    status, value = _share(ctx, outcome)
+    if status != "ok":
+        raise AssertionError(f"rank 0: {value}")
+    return value  # type: ignore[no-any-return]
+
+
+def _ids(done: dict[str, Completion]) -> dict[str, list[int]]:
+    return {k: c.token_ids for k, c in done.items()}
+
+
+# ----------------------------------------------------------------------------- checks (every rank)
+
+
+def check_greedy_batch(ctx: TPContext, wd: Path) -> None:
+    """Uneven prompts in one batch: each equals transformers' greedy generate() alone."""
+    ref = _ref(wd)
+
+    def fn(engine: Engine) -> dict[str, list[int]]:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, _greedy(), str(i))
+        return _ids(run_to_completion(engine))
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn)
+    for i, want in enumerate(ref["greedy"]):
+        assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != transformers' {want}"
+
+
+def check_small_budget(ctx: TPContext, wd: Path) -> None:
+    """2 slots and 5 tokens per step: prompts prefill in chunks and wait for slots, finished
+    sequences' slots are compacted (KV moves), and every output still equals transformers'."""
+    ref, plans = _ref(wd), []
+
+    def fn(engine: Engine) -> dict[str, list[int]]:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, _greedy(N_NEW - i), str(i))  # different lengths: sequences leave at different steps
+        return _ids(run_to_completion(engine))
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64, token_budget=5), fn, plans)
+    for i, want in enumerate(ref["greedy"]):
+        assert out[str(i)] == want[: N_NEW - i], f"prompt {i}: {out[str(i)]} != {want[: N_NEW - i]}"
+    assert any(p.prefill and max(map(len, p.prefill.tokens)) < 5 and p.decode for p in plans), "no mixed step"
+    assert any(p.moves for p in plans), "no slot was compacted"
+    assert all(p.prefill is None or sum(map(len, p.prefill.tokens)) + len(p.decode.slots if p.decode else ()) <= 5
+               for p in plans), "token budget exceeded"
+
+
+def check_join_midrun(ctx: TPContext, wd: Path) -> None:
+    """Sequences added while others are decoding give the same tokens as alone."""
+    ref = _ref(wd)
+    prompts = ref["prompts"]
+
+    def fn(engine: Engine) -> dict[str, list[int]]:
+        done: dict[str, Completion] = {}
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                for ev in engine.step():
+                    done.setdefault(ev.request_id, Completion(ev.request_id)).add(ev)
+
+        engine.add(prompts[0], _greedy(), "a")
+        engine.add(prompts[1], _greedy(), "b")
+        steps(2)
+        engine.add(prompts[2], _greedy(), "c")
+        steps(2)
+        engine.add(prompts[3], _greedy(), "d")
+        steps(1)
+        engine.add(prompts[0], _greedy(), "e")
+        while engine.has_work:
+            steps(1)
+        return _ids(done)
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn)
+    want = dict(zip("abcde", [ref["greedy"][i] for i in (0, 1, 2, 3, 0)]))
+    assert out == want, f"{out} != {want}"
+
+
+def check_cancel(ctx: TPContext, wd: Path) -> None:
+    """Cancelling a running request frees its slot for a waiting one; a waiting one can be cancelled."""
+    ref = _ref(wd)
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        prompts = ref["prompts"]
+        for rid, i in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
+            engine.add(prompts[i], _greedy(), rid)
+        first = engine.step() + engine.step()
+        assert engine.cancel("b") and engine.cancel("d") and not engine.cancel("zz")
+        assert not engine.cancel("b"), "cancelled twice"
+        events = engine.step()
+        cancelled = sorted(e.request_id for e in events if e.finish_reason == "cancelled")
+        assert all(e.token_id is None for e in events if e.finish_reason == "cancelled")
+        done = run_to_completion(engine)
+        assert engine.num_unfinished == 0 and not engine.has_work
+        return {"cancelled": cancelled, "b": [e.token_id for e in first if e.request_id == "b"],
+                "a": [e.token_id for e in first + events if e.request_id == "a"] + done["a"].token_ids,
+                "c": [e.token_id for e in events if e.request_id == "c"] + done["c"].token_ids,
+                "free": engine._slots.count(None)}
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn)
+    assert out["cancelled"] == ["b", "d"]
+    assert out["b"] == ref["greedy"][1][:2]
+    assert out["a"] == ref["greedy"][0] and out["c"] == ref["greedy"][2], out
+    assert out["free"] == 2, "slots not released"
+
+
+def check_stops(ctx: TPContext, wd: Path) -> None:
+    """Stop ids, stop strings, EOS and max_new_tokens end a request with the right reason and text."""
+    ref = _ref(wd)
+    prompt, full = ref["prompts"][1], ref["greedy"][1]
+    tok = Tokenizer.from_dir(wd / "hf")
+    text = tok.decode(full, skip_special_tokens=True)
+    k = next(i for i in range(2, len(full)) if tok.decode([full[i]]).isalnum() and tok.decode([full[i]]) not in text[:i])
+    stop_str = tok.decode([full[k]])
+
+    def fn(engine: Engine) -> dict[str, Completion]:
+        engine.add(prompt, _greedy(stop_token_ids=(full[2],)), "id")
+        engine.add(prompt, _greedy(stop_strings=(stop_str,)), "str")
+        engine.add(prompt, _greedy(3), "len")
+        engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=N_NEW), "eos")
+        return run_to_completion(engine)
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn, eos_token_ids=(full[1],))
+    c = out["id"]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == (full[:3], "stop", full[2]), c
+    assert c.text == tok.decode(full[:2], skip_special_tokens=True)
+    c = out["str"]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == (full[: k + 1], "stop", stop_str), c
+    assert c.text == text[: text.index(stop_str)]
+    c = out["len"]
+    assert (c.token_ids, c.finish_reason) == (full[:3], "length") and c.usage and c.usage.completion_tokens == 3
+    c = out["eos"]
+    assert (c.token_ids, c.finish_reason, c.stop_reason) == (full[:2], "stop", None), c
+
+
+def check_logprobs(ctx: TPContext, wd: Path) -> None:
+    """Reported logprobs and top alternatives equal transformers' log-softmax; the repetition
+    penalty follows transformers' generate()."""
+    ref = _ref(wd)
+
+    def fn(engine: Engine) -> dict[str, Completion]:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, _greedy(logprobs=True, top_logprobs=3), str(i))
+            engine.add(p, _greedy(repetition_penalty=PENALTY), f"rp{i}")
+        return run_to_completion(engine)
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn)
+    for i, lp in enumerate(ref["logprobs"]):
+        c = out[str(i)]
+        assert c.token_ids == ref["greedy"][i]
+        want = lp.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+        top = lp.topk(3, dim=-1)
+        assert [[t for t, _ in row] for row in c.top_logprobs] == top.indices.tolist()
+        torch.testing.assert_close(torch.tensor([[v for _, v in row] for row in c.top_logprobs]), top.values,
+                                   atol=1e-4, rtol=0)
+        assert out[f"rp{i}"].token_ids == ref["penalised"][i], f"repetition penalty, prompt {i}"
+
+
+def check_seeded(ctx: TPContext, wd: Path) -> None:
+    """Seeded sampling is reproducible and independent of the rest of the batch; every rank feeds
+    the model the ids rank 0 sampled."""
+    ref, plans = _ref(wd), []
+    prompts = ref["prompts"]
+    params = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=11, max_new_tokens=N_NEW, ignore_eos=True)
+
+    def alone(engine: Engine) -> list[int]:
+        engine.add(prompts[0], params, "x")
+        return run_to_completion(engine)["x"].token_ids
+
+    def batched(engine: Engine) -> dict[str, list[int]]:
+        engine.add(prompts[1], _greedy(), "g")
+        engine.add(prompts[2], SamplingParams(temperature=1.2, seed=5, max_new_tokens=3, ignore_eos=True), "s")
+        engine.add(prompts[0], params, "x")
+        engine.add(prompts[3], SamplingParams(temperature=1.0, max_new_tokens=N_NEW, ignore_eos=True), "u")
+        return _ids(run_to_completion(engine))
+
+    cfg = EngineConfig(max_batch=4, max_seq_len=64, seed=3)
+    x = _drive(ctx, wd, cfg, alone, plans)
+    fed = [p.decode.tokens[0][0] for p in plans if p.decode is not None]
+    assert fed == x[:-1], f"rank {ctx.rank} fed {fed}, rank 0 sampled {x}"
+    assert _drive(ctx, wd, cfg, alone) == x, "not reproducible"
+    b1, b2 = _drive(ctx, wd, cfg, batched), _drive(ctx, wd, cfg, batched)
+    assert b1["x"] == x, "depends on the rest of the batch"
+    assert b1 == b2, "unseeded requests not reproducible from the engine's base seed"
+    assert b1["g"] == ref["greedy"][1]
+
+
+CHECKS: Checks = [
+    ("greedy_batch", check_greedy_batch),
+    ("small_budget", check_small_budget),
+    ("join_midrun", check_join_midrun),
+    ("cancel", check_cancel),
+    ("stops", check_stops),
+    ("logprobs", check_logprobs),
+    ("seeded", check_seeded),
+]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def worlds(workdir: Path) -> dict[int, WorldResults]:
+    return {1: run_single(CHECKS, workdir), 2: run_world(2, CHECKS, workdir)}
+
+
+@pytest.mark.parametrize("check", names(CHECKS))
+@pytest.mark.parametrize("tp", TPS)
+def test_engine(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
+    worlds[tp].assert_ok(check)
+
+
+def test_validation(workdir: Path) -> None:
+    """Requests that cannot be served are refused with a ValidationError naming the field."""
+    engine = Engine(_model(TPContext.single(), workdir), Tokenizer.from_dir(workdir / "hf"),
+                    EngineConfig(max_batch=2, max_seq_len=32))
+    bad: list[tuple[str, list[int], SamplingParams]] = [
+        ("prompt", [5] * 32, _greedy(1)),
+        ("prompt", [], _greedy(1)),
+        ("prompt", [5, 400], _greedy(1)),
+        ("max_new_tokens", [5] * 20, _greedy(13)),
+        ("temperature", [5], SamplingParams(temperature=-1.0)),
+        ("top_p", [5], SamplingParams(top_p=0.0, max_new_tokens=4)),
+    ]
+    for field, prompt, params in bad:
+        with pytest.raises(ValidationError) as info:
+            engine.add(prompt, params, "r")
+        assert info.value.field == field and "\n" not in str(info.value), (field, str(info.value))
+    engine.add([5] * 20, _greedy(12), "r")  # exactly fills the context
+    with pytest.raises(ValidationError) as info:
+        engine.add([5], _greedy(1), "r")
+    assert info.value.field == "request_id"
+    no_tok = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=1, max_seq_len=32))
+    with pytest.raises(ValidationError) as info:
+        no_tok.add([5], _greedy(1, stop_strings=("x",)), "r")
+    assert info.value.field == "stop_strings"
+    with pytest.raises(RuntimeError):
+        engine.follow()
+
+
+def test_plan_roundtrip() -> None:
+    """A plan survives its wire encoding."""
+    plan = StepPlan(
+        moves=((3, 0, 17), (2, 1, 0)),
+        prefill=BatchPlan((0, 4), (0, 16), ((5, 6, 7), (8,)), full_logits=True),
+        decode=BatchPlan((1, 2), (9, 30), ((3,), (4,)), full_logits=False),
+    )
+    assert StepPlan.decode_from(plan.encode()) == plan
+    assert StepPlan.decode_from(StepPlan(stop=True).encode()) == StepPlan(stop=True)
+    assert StepPlan.decode_from(StepPlan(decode=plan.decode).encode()).prefill is None
