@@ -3,10 +3,11 @@
 Layout: one tensor [n_layers, n_slots, 2 (k, v), n_local_kv_heads, max_seq_len, head_dim] (this
 rank's kv heads only), so one indexed write stores a step's k and v and one gather reads them.
 A sequence owns a slot from `allocate()` until `release()` (or the engine's own bookkeeping);
-the token at position p of the sequence in slot s has its k and v at [layer, s, :, :, p]. Nothing records lengths: the model writes
-each token at its position before attending, and a query at position p sees cache positions
-<= p only, so whatever an earlier owner (or a padding token) left beyond a sequence's length is
-never read before it is overwritten. The engine keeps lengths (it knows them anyway).
+the token at position p of the sequence in slot s has its k and v at [layer, s, :, :, p].
+Nothing records lengths: the model writes each token at its position before attending, and a
+query at position p sees cache positions <= p only, so whatever an earlier owner (or a padding
+token) left beyond a sequence's length is never read before it is overwritten. The engine keeps
+lengths (it knows them anyway).
 """
 
 from __future__ import annotations
