@@ -96,10 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", type=Path, required=True, metavar="TEXT_OR_JSONL", help=".txt (one document) or .jsonl")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--json", action="store_true", help="print per-token results as JSON")
+    from tprt.train.cli import add_parsers as add_train_parsers  # finetune, merge-lora
+
+    add_train_parsers(sub)
     return ap
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("finetune", "merge-lora"):
+        from tprt.train.cli import run as run_train
+
+        return run_train(args)
     if args.command == "demo":
         from tprt.demo import DemoArgs, run_demo
 
