@@ -1,0 +1,325 @@
+"""The fine-tuning loop: full or LoRA, DP x TP, accumulation, clipping, eval, checkpoints.
+
+One `Trainer` per rank. A step takes the next global batch (`BatchStream`: batch_size x
+grad_accum x dp rows), of which this DP rank computes its contiguous share, micro-batch by
+micro-batch; each micro-batch's loss sum is scaled by dp_size / (target tokens of the whole
+global batch) before its backward, so after `sync_gradients` (TP sums, DP average) the gradient
+is that of the token mean over the global batch, whatever the accumulation and DP split. Then
+the gradients are clipped by their global norm and AdamW (fp32 masters) steps.
+
+A non-finite loss or gradient norm stops the run before the optimizer touches the weights: the
+error names the step and the last good checkpoint, and every rank raises it (the loss is
+all-reduced, so they agree).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tprt.checkpoint import TPCheckpoint
+from tprt.dist import TPContext, init_distributed
+from tprt.errors import TprtError
+from tprt.loading import load_model
+from tprt.train import checkpointing as ckpt
+from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
+from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
+
+log = logging.getLogger("tprt")
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class TrainingDiverged(TprtError):
+    """The loss or the gradient norm became NaN/inf."""
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Everything `tprt finetune` was asked to do (one field per flag)."""
+
+    model: Path
+    data: Path
+    out: Path
+    full: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    steps: int | None = None
+    epochs: float | None = None
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    batch_size: int = 4  # rows per micro-batch per DP rank
+    grad_accum: int = 1
+    seq_len: int = 512
+    max_grad_norm: float = 1.0
+    save_every: int = 0  # 0: no intermediate checkpoints
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # 0: evaluate at the end only (when there is eval data)
+    eval_fraction: float = 0.0
+    eval_data: Path | None = None
+    seed: int = 0
+    dtype: str = "fp32"
+    activation_checkpointing: bool = False
+    resume: bool = False
+    truncate: bool = True
+    progress: bool = True
+
+    @property
+    def method(self) -> str:
+        return "full" if self.full else "lora"
+
+
+def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]:
+    """The JSON-able run description stored in checkpoints (and compared on resume)."""
+    d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    d["lora_targets"] = list(cfg.lora_targets)
+    if cfg.full:
+        d.update(lora_rank=None, lora_alpha=None, lora_targets=None)
+    d.update(tp=tp, method=cfg.method, data_digest=data_digest,
+             model_fingerprint=ckpt.model_fingerprint(Path(cfg.model)))
+    return d
+
+
+def total_steps(cfg: FinetuneConfig, n_rows: int, dp_size: int) -> int:
+    """--steps, else ceil(--epochs (default 1) x rows / rows per step)."""
+    if cfg.steps is not None:
+        return cfg.steps
+    rows_per_step = cfg.batch_size * cfg.grad_accum * dp_size
+    return max(1, math.ceil((cfg.epochs or 1.0) * n_rows / rows_per_step))
+
+
+def watch_parent(pid: int | None, poll_s: float = 1.0) -> None:
+    """Exits this process when the process `pid` (the launcher) is gone, so that no orphaned
+    rank trains on after its parent was killed."""
+    if pid is None:
+        return
+
+    def run() -> None:
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+
+    threading.Thread(target=run, name="tprt-parent-watch", daemon=True).start()
+
+
+def train_rank(cfg: FinetuneConfig, dataset: Dataset, launcher_pid: int | None = None) -> dict[str, Any]:
+    """One rank of `tprt finetune` (under torchrun or tprt's launcher); returns a summary."""
+    watch_parent(launcher_pid)
+    tp = TPCheckpoint(cfg.model).tp_size
+    ctx = init_distributed(tp_size=tp)
+    return Trainer(cfg, ctx, dataset).run()
+
+
+class Trainer:
+    """The training state of one rank and the loop over it."""
+
+    def __init__(self, cfg: FinetuneConfig, ctx: TPContext, dataset: Dataset) -> None:
+        from tprt.train.optim import AdamW, warmup_cosine
+        from tprt.train.step import enable_activation_checkpointing
+
+        self.cfg, self.ctx, self.data = cfg, ctx, dataset
+        self.out = Path(cfg.out)
+        self.run_cfg = run_config(cfg, ctx.world_size, dataset.digest)
+        self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
+        self.params = self._trainable()
+        self.model.train()
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        self.steps = total_steps(cfg, len(dataset.train), ctx.dp_size)
+        self.optimizer = AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.steps, cfg.min_lr_ratio)
+        self.stream = BatchStream(len(dataset.train), cfg.seed, cfg.batch_size * cfg.grad_accum * ctx.dp_size)
+        self.step = 0
+        self.last_saved: Path | None = None
+        self.metrics = MetricsLog(self.out)
+        torch.manual_seed(cfg.seed + 7919 * (1 + ctx.dp_rank))  # dropout: the same over TP, not over DP
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        if self.cfg.full:
+            return [p for p in self.model.parameters() if p.requires_grad]
+        from tprt.train.lora import apply_lora
+
+        return apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
+                          self.cfg.lora_dropout, seed=self.cfg.seed)
+
+    def named_trainable(self) -> dict[str, torch.Tensor]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------------ resume and save
+
+    def resume(self) -> None:
+        """Restores the newest complete checkpoint under --out, if any (every rank)."""
+        if self.ctx.is_main:
+            ckpt.remove_partial(self.out)
+        path = ckpt.latest_checkpoint(self.out)
+        if path is None:
+            return
+        state = ckpt.read_train_state(path)
+        ckpt.check_resume(path, state.run, self.run_cfg)
+        weights, optim, rng = ckpt.load_rank_state(path, self.ctx)
+        with torch.no_grad():
+            for name, p in self.named_trainable().items():
+                if name not in weights:
+                    raise TprtError(f"{path}: no value for trainable parameter {name} (TP rank {self.ctx.rank})")
+                p.copy_(weights[name])
+        self.optimizer.load_state_dict(optim)
+        self.scheduler.load_state_dict(state.scheduler)
+        self.stream.load_state_dict(state.data)
+        self.step = state.step
+        self.last_saved = path
+        if rng is not None:
+            ckpt.set_rng_state(rng)
+        if self.ctx.is_main:
+            self.metrics.truncate_after(self.step)
+            log.info("resumed from %s (step %d)", path, self.step)
+
+    def save(self) -> None:
+        state = ckpt.TrainState(self.step, self.stream.state_dict(), self.run_cfg, self.scheduler.state_dict())
+        self.last_saved = ckpt.save_checkpoint(self.out, self.ctx, state, self.named_trainable(),
+                                               self.optimizer.state_dict(), self.cfg.keep_checkpoints)
+
+    # ------------------------------------------------------------------ steps
+
+    def _micro_loss(self, rows: PackedRows, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        from tprt.train.step import compute_loss
+
+        sel = torch.tensor(idx, dtype=torch.long)
+        ids = rows.input_ids[sel].to(self.ctx.device)
+        labels = rows.labels[sel].to(self.ctx.device)
+        return compute_loss(self.model, ids, labels)
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ctx.dp_group is not None and self.ctx.dp_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.dp_group)
+        return t
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step; returns (mean loss over the global batch, gradient norm)."""
+        from tprt.train.grads import clip_grad_norm, sync_gradients
+
+        rows = self.stream.next_step()
+        train = self.data.train
+        n_global = max(1, int((train.labels[torch.tensor(rows)][:, 1:] != -100).sum()))
+        scale = self.ctx.dp_size / n_global
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for micro in rank_share(rows, self.ctx.dp_rank, self.ctx.dp_size, self.cfg.batch_size):
+            ls, _ = self._micro_loss(train, micro)
+            (ls * scale).backward()
+            loss_sum += ls.detach()
+        loss = float(self._dp_sum(loss_sum)) / n_global
+        sync_gradients(self.model, self.ctx)
+        grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm, self.ctx)
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            kept = f"the last good checkpoint is {self.last_saved}" if self.last_saved else "no checkpoint was saved"
+            raise TrainingDiverged(
+                f"step {self.step + 1}: {what}; training stopped before the update ({kept}; "
+                "resume with --resume and a lower --lr)"
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return loss, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss per target token over the eval rows (each DP rank its share)."""
+        rows = self.data.eval
+        if rows is None:
+            return None
+        self.model.eval()
+        try:
+            idx = list(range(self.ctx.dp_rank, len(rows), self.ctx.dp_size))
+            sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+            for i in range(0, len(idx), self.cfg.batch_size):
+                ls, n = self._micro_loss(rows, idx[i : i + self.cfg.batch_size])
+                sums += torch.stack((ls.double(), n.double()))
+            self._dp_sum(sums)
+        finally:
+            self.model.train()
+        return float(sums[0] / sums[1].clamp(min=1))
+
+    # ------------------------------------------------------------------ the loop
+
+    def _progress(self) -> Any:
+        from tqdm import tqdm
+
+        return tqdm(total=self.steps, initial=self.step, desc="finetune", unit="step", file=sys.stderr,
+                    disable=not (self.ctx.is_main and self.cfg.progress), dynamic_ncols=True)
+
+    def _log_step(self, loss: float, grad_norm: float, lr: float, seconds: float, eval_loss: float | None) -> float:
+        tokens = self.cfg.batch_size * self.cfg.grad_accum * self.ctx.dp_size * self.data.train.seq_len
+        tok_s = tokens / max(seconds, 1e-9)
+        if self.ctx.is_main:
+            self.metrics.write({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                "tokens_per_s": round(tok_s, 1), "eval_loss": eval_loss})
+        return tok_s
+
+    def _due(self, every: int) -> bool:
+        return self.step == self.steps or (every > 0 and self.step % every == 0)
+
+    def run(self) -> dict[str, Any]:
+        """Trains to the last step, then writes the outputs; returns a summary (rank 0's is printed)."""
+        if self.ctx.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if dist.is_initialized():
+            dist.barrier()
+        if self.cfg.resume:
+            self.resume()
+        loss, eval_loss = float("nan"), None
+        with self._progress() as bar:
+            while self.step < self.steps:
+                t0 = time.perf_counter()
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step()
+                seconds = time.perf_counter() - t0
+                step_eval = self.evaluate() if self._due(self.cfg.eval_every) else None
+                eval_loss = step_eval if step_eval is not None else eval_loss
+                tok_s = self._log_step(loss, grad_norm, lr, seconds, step_eval)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}", refresh=False)
+                bar.update(1)
+                if self.cfg.save_every > 0 and self._due(self.cfg.save_every):
+                    self.save()
+        return self.finish(loss, eval_loss)
+
+    def finish(self, loss: float, eval_loss: float | None) -> dict[str, Any]:
+        """Writes the fine-tuned model (TP checkpoint) or the adapter, and the loss curve."""
+        from tprt.train.export import write_adapter, write_tp_checkpoint
+
+        if self.cfg.full:
+            output = write_tp_checkpoint(self.model, self.ctx, Path(self.cfg.model), self.out / "model",
+                                         {"finetune": {"steps": self.step, "lr": self.cfg.lr}})
+        else:
+            output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
+        summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
+                   "metrics": str(self.out / METRICS_FILE), "plot": None}
+        if self.ctx.is_main:
+            summary["plot"] = str(plot_loss(self.out / METRICS_FILE, self.out / PLOT_FILE))
+        return summary
+
+    def adapter_config(self) -> dict[str, Any]:
+        from tprt.train.lora import adapter_config
+
+        return dict(adapter_config(self.cfg.lora_targets, self.cfg.lora_rank, self.cfg.lora_alpha,
+                                   self.cfg.lora_dropout, str(self.cfg.model)))
