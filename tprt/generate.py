@@ -28,6 +28,7 @@ from tprt.sampling import SamplingParams
 from tprt.sequence import TokenEvent
 from tprt.tokenizer import Tokenizer
 
+DEFAULT_MAX_NEW_TOKENS = 128
 MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot
 FLAGS = {"stop_strings": "--stop", "stop_token_ids": "--stop-token-id"}  # request field -> flag, where not --field
 
@@ -41,7 +42,7 @@ class GenerateArgs:
     prompts_file: Path | None = None
     chat: bool = False
     system: str | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = None  # None: DEFAULT_MAX_NEW_TOKENS, or less where the context ends
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -101,10 +102,10 @@ def _encode(tok: Tokenizer, text: str, args: GenerateArgs) -> list[int]:
     return tok.encode_chat(messages + [{"role": "user", "content": text}])
 
 
-def _sampling(args: GenerateArgs, vocab_size: int) -> SamplingParams:
+def _sampling(args: GenerateArgs, vocab_size: int, max_new_tokens: int) -> SamplingParams:
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, max_new_tokens=max_new_tokens,
         stop_token_ids=args.stop_token_ids, stop_strings=args.stop,
         logprobs=args.logprobs or args.top_logprobs > 0, top_logprobs=args.top_logprobs,
     )
@@ -122,19 +123,20 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat")
     tok = Tokenizer.from_dir(args.model)
-    base = _sampling(args, ckpt.config.vocab_size)
     context = ckpt.config.max_position_embeddings
-    prompts, params = [], []
-    for i, text in enumerate(_read_prompts(args)):
-        ids = _encode(tok, text, args)
+    prompts = [_encode(tok, text, args) for text in _read_prompts(args)]
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default shrinks to what the context leaves, the flag does not
+        max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, context - max(len(p) for p in prompts)))
+    base = _sampling(args, ckpt.config.vocab_size, max_new)
+    for i, ids in enumerate(prompts):
         try:
             if not ids:
                 raise ValidationError("prompt", "prompt is empty (it encodes to no tokens)")
             check_length(len(ids), base.max_new_tokens, context, "the model's max_position_embeddings")
         except ValidationError as e:
             raise flag_error(e, f"prompt {i + 1}: ") from None
-        prompts.append(ids)
-        params.append(replace(base, seed=base.seed + i) if base.seed is not None else base)
+    params = [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(len(prompts))]
     max_seq_len = max(len(p) for p in prompts) + base.max_new_tokens
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json)
 

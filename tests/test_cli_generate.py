@@ -1,0 +1,174 @@
+"""`tprt generate` and `tprt score` end to end: subprocesses on a tiny TP=2 checkpoint started by the
+local launcher, compared with transformers; bad input gives one line on stderr and a non-zero exit,
+and a rank failing after the start takes the others down (no hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tiny_chat import make_tiny_chat_model
+from tprt.cli import main
+from tprt.tokenizer import Tokenizer
+
+PROMPTS = ("Hello there", "The quick brown fox", "Hi")
+SYSTEM = "Be brief."
+N_NEW = 6
+TIMEOUT = 120  # a hang fails the test instead of blocking the suite
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_chat_model(tmp_path_factory.mktemp("cli"), (1, 2))
+
+
+@pytest.fixture(scope="module")
+def hf(root: Path) -> Any:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _hf_greedy(hf: Any, ids: list[int]) -> list[int]:
+    """transformers' greedy continuation, stopping at EOS (id 2) like tprt."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, do_sample=False, eos_token_id=2)
+    return out[0, len(ids):].tolist()  # type: ignore[no-any-return]
+
+
+def _hf_logprobs(hf: Any, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1, from transformers' logits."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def _tprt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tprt.cli", *args]
+    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    full_env.update(env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=full_env)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0, proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tprt"), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_generate_json_tp2(root: Path, hf: Any, tmp_path: Path) -> None:
+    """Three uneven prompts (flags and a file) in one TP=2 batch: ids, text and logprobs as transformers'."""
+    (tmp_path / "prompts.txt").write_text(f"{PROMPTS[1]}\n\n{PROMPTS[2]}\n")
+    proc = _tprt("generate", "--model", str(root / "tp2"), "--prompt", PROMPTS[0], "--prompts-file",
+                 str(tmp_path / "prompts.txt"), "--max-new-tokens", str(N_NEW), "--logprobs", "--json")
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    tok = Tokenizer.from_dir(root / "tp2")
+    assert [r["index"] for r in results] == [0, 1, 2]
+    for r, text in zip(results, PROMPTS):
+        ids = tok.encode(text)
+        want = _hf_greedy(hf, ids)
+        assert r["token_ids"] == want, (text, r["token_ids"], want)
+        assert r["finish_reason"] == ("stop" if 2 in want else "length")
+        assert r["text"] == tok.decode(want, skip_special_tokens=True)
+        assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want)}
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), _hf_logprobs(hf, ids + want)[len(ids) - 1:],
+                                   atol=1e-4, rtol=0)
+    assert "TP=2" in proc.stderr
+
+
+def test_generate_chat_streams_text(root: Path, hf: Any) -> None:
+    """--chat --system: the chat template's prompt, the text streamed to stdout."""
+    proc = _tprt("generate", "--model", str(root / "tp2"), "--chat", "--system", SYSTEM, "--prompt", PROMPTS[0],
+                 "--max-new-tokens", str(N_NEW))
+    assert proc.returncode == 0, proc.stderr
+    tok = Tokenizer.from_dir(root / "tp2")
+    ids = tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[0]}])
+    assert proc.stdout == tok.decode(_hf_greedy(hf, ids), skip_special_tokens=True) + "\n"
+
+
+def test_score_tp2_jsonl(root: Path, hf: Any, tmp_path: Path) -> None:
+    """Per-token logprobs equal transformers' log-softmax of the targets; perplexities follow."""
+    docs = ["The quick brown fox jumps over the lazy dog.", "Tensor parallel!"]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    proc = _tprt("score", "--model", str(root / "tp2"), "--file", str(path), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    tok = Tokenizer.from_dir(root / "tp2")
+    total_lp, total_n = 0.0, 0
+    for d, text in zip(out["documents"], docs):
+        ids = tok.encode(text)
+        want = _hf_logprobs(hf, ids)
+        assert [t["id"] for t in d["tokens"]] == ids and d["tokens"][0]["logprob"] is None
+        torch.testing.assert_close(torch.tensor([t["logprob"] for t in d["tokens"][1:]]), want, atol=1e-4, rtol=0)
+        assert d["num_tokens"] == len(ids) - 1
+        assert abs(d["perplexity"] - torch.exp(-want.mean()).item()) < 1e-3 * d["perplexity"]
+        total_lp, total_n = total_lp + want.sum().item(), total_n + len(ids) - 1
+    assert out["overall"]["num_tokens"] == total_n
+    assert abs(out["overall"]["logprob"] - total_lp) < 1e-3
+
+
+def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A .txt file is one document; the text report has a line per document and an overall line."""
+    (tmp_path / "doc.txt").write_text("Hello world, hello tensor parallel world.\n")
+    assert main(["score", "--model", str(root / "tp1"), "--file", str(tmp_path / "doc.txt")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("document 1: ") and lines[1].startswith("overall: ") and len(lines) == 2
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["generate", "--model", "{root}/nope", "--prompt", "hi"], ["nope", "not a directory"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "x" * 200], ["prompt 1", "200 tokens", "96"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--max-new-tokens", "95"], ["--max-new-tokens 95"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--top-p", "2"], ["--top-p", "got 2.0"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--temperature", "hot"], ["--temperature", "hot"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--stop-token-id", "999"], ["--stop-token-id"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--dtype", "int8"], ["--dtype", "int8"]),
+    (["generate", "--model", "{root}/tp2"], ["no prompt"]),
+    (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
+    (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),
+])
+def test_bad_input(root: Path, argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any rank starts: one line naming the flag, file or prompt; exit status 2."""
+    (root / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n')
+    try:
+        rc = main([a.format(root=root) for a in argv])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code  # type: ignore[assignment]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("tprt"), err
+    for n in needles:
+        assert n in err[0], err[0]
+
+
+def test_subprocess_errors_exit_fast(root: Path, tmp_path: Path) -> None:
+    """As a command: a wrong directory, a torchrun world of the wrong size, and a rank that fails
+    after the launch (its file deleted) each give one line and a non-zero exit, without hanging."""
+    _one_line_error(_tprt("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"), "nope")
+    env = {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    _one_line_error(_tprt("generate", "--model", str(root / "tp2"), "--prompt", "hi", env=env),
+                    "tp_size=2", "WORLD_SIZE=3")
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "tp2", broken)
+    (broken / "rank-00001-of-00002.safetensors").unlink()
+    _one_line_error(_tprt("generate", "--model", str(broken), "--prompt", "hi"), "rank 1", "missing")
+
+
+def test_help_has_examples() -> None:
+    proc = _tprt("generate", "--help")
+    assert proc.returncode == 0 and "examples:" in proc.stdout and "--top-logprobs" in proc.stdout
