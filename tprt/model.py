@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tprt.config import ModelConfig, TPLayout
 from tprt.dist import TPContext
@@ -128,6 +129,8 @@ class TPLlamaForCausalLM(nn.Module):
         self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype)
         # Derived, never loaded: a plain float32 attribute on the real device even under meta.
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
+        # Training: recompute each block's activations in the backward (tprt.train.step).
+        self.checkpoint_layers = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,7 +166,10 @@ class TPLlamaForCausalLM(nn.Module):
         cache_step = cache.prepare(positions, slots, kv_len) if cache is not None else None
         step = Step(cos, sin, cache, cache_step)
         for layer in self.layers:
-            h = layer(h, step)
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                h = checkpoint(layer, h, step, use_reentrant=False)
+            else:
+                h = layer(h, step)
         return h
 
     def forward(

@@ -34,9 +34,13 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = ctx
         self.weight = _empty(local_out_features, in_features, dtype=dtype)
+        # Optional `adapter(x, y) -> y'` (e.g. LoRA): x as copied to this rank, y this rank's rows.
+        self.adapter: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_region(x, self.tp), self.weight)
+        x = copy_to_region(x, self.tp)
+        y = F.linear(x, self.weight)
+        return y if self.adapter is None else self.adapter(x, y)
 
 
 class RowParallelLinear(nn.Module):
@@ -46,10 +50,16 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = ctx
         self.weight = _empty(out_features, local_in_features, dtype=dtype)
+        # Optional `adapter(x, y) -> y'` (e.g. LoRA) on this rank's split input and partial output,
+        # so its own partial product joins the same all-reduce.
+        self.adapter: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduces the partial products over the TP group."""
-        return reduce_from_region(F.linear(x, self.weight), self.tp)
+        y = F.linear(x, self.weight)
+        if self.adapter is not None:
+            y = self.adapter(x, y)
+        return reduce_from_region(y, self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
