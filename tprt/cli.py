@@ -10,6 +10,8 @@ from typing import NoReturn
 
 from tprt.errors import TprtError
 
+DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
+
 EPILOG = """examples:
   tprt demo                              convert the bundled SmolLM2 model, chat with it at TP=3
   tprt generate --model ./smollm2-tp3 --chat --prompt "What is the capital of France?"
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run the pipeline on the real SmolLM2-135M-Instruct model")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (default: demo-out)")
     demo.add_argument("--tp", type=int, default=3, help="TP degree of the demo checkpoint (default: 3)")
+    demo.add_argument("--prompt", default=DEMO_QUESTION, help="the chat question to answer")
     _generate_parser(sub)
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of text", epilog=SCORE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -111,7 +114,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from tprt.demo import DemoArgs, run_demo
 
-        return run_demo(DemoArgs(out=args.out, tp=args.tp))
+        return run_demo(DemoArgs(out=args.out, tp=args.tp, question=args.prompt))
     if args.command == "generate":
         from tprt.generate import GenerateArgs, run_generate
 

