@@ -1,0 +1,77 @@
+"""The training loss of the TP model and the knobs of its forward/backward.
+
+`compute_loss` scores next-token predictions with the vocab-parallel cross-entropy: each rank
+keeps the logits of its vocabulary block and the full-vocabulary logits are never gathered.
+Labels follow transformers' convention: aligned with `input_ids` (labels[:, t] is the token at
+t, -100 where it is not a target), and the logits at position t are scored against labels[:, t + 1].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tprt.dist import TPContext
+from tprt.model import TPLlamaForCausalLM
+from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+
+
+def compute_loss(
+    model: TPLlamaForCausalLM,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the per-token cross-entropy, number of target tokens) of a batch.
+
+    input_ids, labels [batch, seq]; positions [batch, seq] or None for 0..seq-1. The LM head runs
+    only on positions whose next label is a target. `loss_sum / n_tokens` equals transformers'
+    `LlamaForCausalLM(input_ids, labels=labels).loss`. loss_sum is a float32 scalar (identical on
+    every TP rank), n_tokens an int64 scalar. Collective over the TP group (forward and backward).
+    """
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels {list(labels.shape)} and input_ids {list(input_ids.shape)} differ in shape")
+    h = model.forward_hidden(input_ids, positions)  # [batch, seq, hidden]
+    target = labels[:, 1:].reshape(-1)  # [batch * (seq - 1)]
+    keep = target != IGNORE_INDEX
+    n_tokens = keep.sum()
+    hidden = h[:, :-1].reshape(-1, h.shape[-1])[keep]  # [n_tokens, hidden]
+    if hidden.shape[0] == 0:  # no target in the batch: a zero that still reaches every parameter
+        return h.sum() * 0.0, n_tokens
+    local_logits = model.lm_head(model.norm(hidden))  # [n_tokens, local_vocab]
+    loss = vocab_parallel_cross_entropy(local_logits, target[keep], model.tp, vocab_size=model.config.vocab_size)
+    return loss.sum(), n_tokens
+
+
+def global_token_count(n_tokens: torch.Tensor, dp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`n_tokens` summed over the DP group (all-reduce; a copy of it without one)."""
+    total = n_tokens.detach().clone()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+    return total
+
+
+def dp_loss(
+    loss_sum: torch.Tensor, n_tokens: torch.Tensor, ctx: TPContext, dp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to call backward on, mean loss over the whole DP batch, detached).
+
+    The first is `loss_sum * dp_size / global_tokens`: once `sync_gradients` averages the DP
+    replicas' gradients, they are the gradient of the token mean over the whole batch (every
+    token weighted alike, however unevenly the batch split). `dp_group` defaults to
+    `ctx.dp_group`; all-reduces two scalars over it.
+    """
+    group = dp_group if dp_group is not None else ctx.dp_group
+    dp_size = dist.get_world_size(group) if group is not None else 1
+    total = global_token_count(n_tokens, group).clamp(min=1).to(loss_sum.dtype)
+    mean = loss_sum.detach().clone()
+    if group is not None and dp_size > 1:
+        dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=group)
+    return loss_sum * dp_size / total, mean / total
+
+
+def enable_activation_checkpointing(model: TPLlamaForCausalLM, enabled: bool = True) -> None:
+    """Recompute each decoder block's activations during the backward (torch.utils.checkpoint,
+    non-reentrant) instead of keeping them: memory per block drops to its input. The recomputation
+    repeats the block's collectives in the backward, in the same order on every rank."""
+    model.checkpoint_layers = enabled
