@@ -103,10 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     from tprt.train.cli import add_parsers as add_train_parsers  # finetune, merge-lora
 
     add_train_parsers(sub)
+    from serve.cli import add_parsers as add_serve_parsers  # serve, client
+
+    add_serve_parsers(sub)
     return ap
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command in ("serve", "client"):
+        from serve.cli import run as run_serve
+
+        return run_serve(args)
     if args.command in ("finetune", "merge-lora"):
         from tprt.train.cli import run as run_train
 
