@@ -1,0 +1,79 @@
+"""Bearer-token authentication: every method but the health check needs `authorization: Bearer <token>`.
+
+The token is read once from --auth-token-file (surrounding whitespace stripped) and compared in
+constant time. A refused call raises `Unauthenticated` inside the method handler, so the error
+interceptor (outermost) gives it its status and counts it like any other outcome.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from serve.errors import Unauthenticated
+from tprt.errors import ConfigError
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+MAX_TOKEN_BYTES = 4096
+
+
+def load_token(path: str | Path) -> str:
+    """The token in `path`; a one-line ConfigError when it is unreadable, empty or not one line."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--auth-token-file {p}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ConfigError(f"--auth-token-file {p}: {len(raw)} bytes; a token is at most {MAX_TOKEN_BYTES}")
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--auth-token-file {p}: the token must be printable ASCII") from None
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(f"--auth-token-file {p}: expected one token (printable, no spaces) on one line")
+    return token
+
+
+def bearer(metadata: Any) -> str | None:
+    """The token of an `authorization: Bearer <token>` header among `metadata`, if any."""
+    for key, value in metadata or ():
+        if key.lower() == "authorization" and isinstance(value, str):
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without the right bearer token (health checks exempt)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def _ok(self, details: Any) -> bool:
+        got = bearer(details.invocation_metadata)
+        return got is not None and hmac.compare_digest(got.encode(), self._token)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES) or self._ok(details):
+            return handler
+        why = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            raise Unauthenticated(why)
+
+        def deny_stream(request: Any, context: grpc.ServicerContext) -> Any:
+            raise Unauthenticated(why)
+            yield  # a generator, like the method it replaces
+
+        kw = dict(request_deserializer=handler.request_deserializer,
+                  response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
+        return grpc.unary_unary_rpc_method_handler(deny, **kw)

@@ -1,0 +1,152 @@
+"""`tprt serve` and `tprt client ...`: argument parsing into ServeConfig / client calls."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+COMMANDS = ("serve", "client")
+
+SERVE_EPILOG = """examples:
+  tprt serve --model ./smollm2-tp3 --port 50051 --metrics-port 9400 --data-dir ./tprt-data
+  tprt serve --model ./llama-tp2 --auth-token-file token.txt --tls-cert srv.pem --tls-key srv.key
+  torchrun --nproc-per-node 2 -m tprt.cli serve --model ./llama-tp2
+
+Without torchrun the checkpoint's TP number of local ranks is started (this process is rank 0
+and hosts gRPC). Port 0 picks a free port; the line "tprt serve: listening on HOST:PORT ..." is
+printed to stdout when the server is ready. SIGTERM/SIGINT: stop accepting, drain for up to
+--drain-timeout seconds, checkpoint a running fine-tuning job, exit 0.
+"""
+
+CLIENT_EPILOG = """examples:
+  tprt client generate "Once upon a time" --max-new-tokens 32
+  tprt client generate --chat "What is the capital of France?" --temperature 0.7 --seed 1
+  tprt client complete "2 + 2 =" --logprobs --top-logprobs 3 --json
+  tprt client jobs create --inline-file train.jsonl --steps 20 --adapter-id my-lora
+  tprt client jobs watch job-0123456789ab
+  tprt client jobs list --state running
+"""
+
+
+def _serve_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="serve a TP checkpoint over gRPC (generation, fine-tuning jobs, /metrics)",
+                       epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--model", type=Path, required=True, metavar="DIR", help="TP checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 = any free port)")
+    s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (9400; 0 = any; -1 = off)")
+    s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="sequences per engine step (16)")
+    s.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests waiting for the batch; more are refused with RESOURCE_EXHAUSTED (256)")
+    s.add_argument("--auth-token-file", type=Path, metavar="FILE", help="require 'authorization: Bearer <token>'")
+    s.add_argument("--tls-cert", type=Path, metavar="PEM", help="TLS certificate chain (with --tls-key)")
+    s.add_argument("--tls-key", type=Path, metavar="PEM", help="TLS private key")
+    s.add_argument("--data-dir", type=Path, default=Path("tprt-data"), metavar="DIR",
+                   help="job store, fine-tuning datasets and outputs (./tprt-data)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="seconds to drain on SIGTERM (30)")
+    s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
+    s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
+    s.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
+    s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")
+    s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds before a stuck collective marks the ranks broken (120)")
+    s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="prompt text (or --chat TEXT, or --ids)")
+    p.add_argument("--chat", metavar="TEXT", help="send TEXT as a user message through the chat template")
+    p.add_argument("--system", metavar="TEXT", help="a system message before --chat")
+    p.add_argument("--ids", type=int, nargs="+", metavar="ID", help="prompt token ids")
+    p.add_argument("--adapter-id", default="", help="serve with this LoRA adapter")
+    p.add_argument("--max-new-tokens", type=int)
+    for name in ("temperature", "top-p", "min-p", "repetition-penalty"):
+        p.add_argument(f"--{name}", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", metavar="ID")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--logprobs", action="store_true", default=None)
+    p.add_argument("--top-logprobs", type=int)
+    p.add_argument("--json", action="store_true", help="print the response as JSON")
+
+
+def _client_parser(sub: Any) -> None:
+    c = sub.add_parser("client", help="call a running `tprt serve`", epilog=CLIENT_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--server", default=os.environ.get("TPRT_SERVER", "127.0.0.1:50051"),
+                   help="HOST:PORT ($TPRT_SERVER or 127.0.0.1:50051)")
+    c.add_argument("--token-file", type=Path, help="bearer token file ($TPRT_TOKEN holds the token otherwise)")
+    c.add_argument("--tls-ca", type=Path, help="CA certificate for a TLS server")
+    c.add_argument("--timeout", type=float, help="deadline per call, seconds")
+    cs = c.add_subparsers(dest="client_command", required=True, metavar="CALL")
+    for name, text in (("generate", "stream generated text"), ("complete", "the whole completion at once")):
+        _sampling_flags(cs.add_parser(name, help=text))
+    t = cs.add_parser("tokenize", help="token ids of a prompt")
+    t.add_argument("prompt")
+    cs.add_parser("info", help="model, TP degree, context length, adapters")
+    cs.add_parser("health", help="the health status")
+    jobs = cs.add_parser("jobs", help="fine-tuning jobs")
+    js = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
+    create = js.add_parser("create", help="start a fine-tuning job")
+    create.add_argument("--dataset", metavar="PATH", help="JSONL path under the server's --data-dir")
+    create.add_argument("--inline-file", type=Path, metavar="FILE", help="send this local JSONL file inline")
+    create.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
+    create.add_argument("--adapter-id", default="")
+    for name in ("steps", "batch-size", "max-seq-len", "lora-rank", "warmup-steps", "seed", "checkpoint-every"):
+        create.add_argument(f"--{name}", type=int)
+    for name in ("learning-rate", "lora-alpha", "weight-decay"):
+        create.add_argument(f"--{name}", type=float)
+    for action in ("get", "cancel", "watch"):
+        js.add_parser(action, help=f"{action} a job").add_argument("job_id")
+    lst = js.add_parser("list", help="list jobs, newest first")
+    lst.add_argument("--state", choices=("queued", "running", "succeeded", "failed", "cancelled"))
+    lst.add_argument("--limit", type=int, default=0)
+
+
+def add_parsers(sub: Any) -> None:
+    """Registers `serve` and `client` on the `tprt` subcommand parser."""
+    _serve_parser(sub)
+    _client_parser(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs a parsed `serve` or `client` command; errors are raised as TprtError / grpc.RpcError."""
+    if args.command == "serve":
+        return _run_serve(args)
+    from serve.client_cli import run_client
+
+    return run_client(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from serve.server import ServeConfig, run_serve
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s tprt serve [%(process)d] %(levelname)s %(message)s")
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level")}
+    return run_serve(ServeConfig(**fields))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serve.cli ...` (the same as `tprt serve|client ...`)."""
+    from tprt.errors import TprtError
+
+    ap = argparse.ArgumentParser(prog="tprt")
+    add_parsers(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except TprtError as e:
+        print(f"tprt: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Errors the server raises, and the one interceptor that turns every exception into a gRPC status.
+
+Handlers never call `context.abort` themselves: they raise. `ErrorInterceptor` wraps every method
+(unary and streaming) and maps what escapes:
+
+    ServeError subclasses          -> their own code (INVALID_ARGUMENT, NOT_FOUND, OUT_OF_RANGE, ...)
+    tprt.errors.ValidationError    -> INVALID_ARGUMENT naming the field
+    anything else                  -> INTERNAL, logged with its traceback (a server bug, never a
+                                      client mistake)
+
+An INVALID_ARGUMENT / OUT_OF_RANGE status message starts with the field's path
+(e.g. "sampling.top_p: ...") and the field is also sent as trailing metadata `tprt-field`.
+The interceptor reports every call's outcome (the status code's name) to a callback, which the
+server points at the Prometheus request counter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tprt.errors import TprtError, ValidationError
+
+log = logging.getLogger("tprt.serve")
+
+FIELD_METADATA_KEY = "tprt-field"
+
+Outcome = Callable[[str, str, float], None]  # (method, status code name, seconds)
+
+
+class ServeError(TprtError):
+    """An error with a gRPC status; `field` names the request field at fault, when one is."""
+
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field and not message.startswith(field) else message)
+        self.field = field
+
+
+class InvalidArgument(ServeError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServeError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServeError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class OutOfRange(ServeError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class QueueFull(ServeError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(ServeError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(ServeError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unauthenticated(ServeError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Cancelled(ServeError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceeded(ServeError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def invalid(e: ValidationError, prefix: str = "") -> InvalidArgument:
+    """A ValidationError from tprt (field "top_p") as INVALID_ARGUMENT on the wire's field path."""
+    field = f"{prefix}{e.field}"
+    return InvalidArgument(f"{field}: {e}", field)
+
+
+def status_of(e: BaseException) -> tuple[grpc.StatusCode, str, str | None]:
+    """(code, message, field) for an exception that escaped a handler."""
+    if isinstance(e, ServeError):
+        return e.code, str(e), e.field
+    if isinstance(e, ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}", e.field
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", None
+
+
+def _log_and_tag(context: grpc.ServicerContext, method: str, e: Exception) -> tuple[grpc.StatusCode, str]:
+    code, message, field = status_of(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    else:
+        log.debug("%s: %s %s", method, code.name, message)
+    if field:
+        context.set_trailing_metadata(((FIELD_METADATA_KEY, field),))
+    return code, message
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions to status codes for every method, and reports each call's outcome."""
+
+    def __init__(self, on_outcome: Outcome | None = None) -> None:
+        self._on_outcome = on_outcome
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # no client-streaming methods in tprt's API
+
+    def _report(self, method: str, code: grpc.StatusCode, t0: float) -> None:
+        if self._on_outcome is not None:
+            self._on_outcome(method, code.name.lower(), time.perf_counter() - t0)
+
+    def _unary(self, method: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            t0 = time.perf_counter()
+            try:
+                response = fn(request, context)
+            except Exception as e:  # noqa: BLE001 - every exception becomes a status
+                code, message = _log_and_tag(context, method, e)
+                self._report(method, code, t0)
+                context.abort(code, message)  # raises: grpc ends the call with this status
+            self._report(method, grpc.StatusCode.OK, t0)
+            return response
+
+        return wrapped
+
+    def _stream(self, method: str, fn: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            t0 = time.perf_counter()
+            code = grpc.StatusCode.CANCELLED  # if the generator is closed early (client gone)
+            message = ""
+            try:
+                yield from fn(request, context)
+                code = grpc.StatusCode.OK
+            except Exception as e:  # noqa: BLE001 - every exception becomes a status
+                code, message = _log_and_tag(context, method, e)
+            finally:
+                self._report(method, code, t0)
+            if code != grpc.StatusCode.OK:
+                context.abort(code, message)
+
+        return wrapped

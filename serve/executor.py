@@ -1,0 +1,176 @@
+"""What every serving rank does besides generation steps: fine-tuning steps and LoRA adapters.
+
+`RankExecutor.execute(Command)` runs on every rank in the same order (rank 0 from the scheduler
+thread, the followers from `follower_loop`). After each command the ranks exchange a one-line
+error or None (`all_gather_object`): if any rank failed, every rank knows it, drops what the
+command started, and rank 0 raises `CommandFailed` (the job fails; the server keeps serving).
+A rank that fails *inside* a collective leaves its peers waiting until the collective timeout;
+the scheduler then marks the world broken (NOT_SERVING).
+
+Fine-tuning uses its own copy of the base weights (`tprt.train.trainer.Trainer` loads the
+checkpoint again), so the served model is never touched by a training step: generation and
+training can interleave step by step with no state to swap. The price is one more copy of the
+rank's shard (plus optimizer state) while a job runs.
+
+Adapters: a finished LoRA job's adapter is loaded into the *served* model on every rank
+(`load_adapter`) and kept detached; `activate_adapter` attaches one adapter's modules to the
+base layers (or none). The scheduler switches adapters only between batches (see
+serve/scheduler.py): a batch runs with one adapter (or the base model) at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from serve.ranks import Command
+from tprt.errors import TprtError
+from tprt.launch import one_line
+from tprt.model import TPLlamaForCausalLM
+
+log = logging.getLogger("tprt.serve")
+
+
+class CommandFailed(TprtError):
+    """A command failed on at least one rank; the message names the rank and its error."""
+
+
+class RankExecutor:
+    """One rank's side of every non-generation command (see the module docstring)."""
+
+    def __init__(self, model: TPLlamaForCausalLM, engine: Any, model_dir: Path, data_dir: Path) -> None:
+        self.model = model
+        self.engine = engine
+        self.ctx = model.tp
+        self.model_dir = Path(model_dir)
+        self.data_dir = Path(data_dir)
+        self.trainer: Any = None
+        self.adapters: dict[str, list[tuple[Any, nn.Module]]] = {}  # id -> [(base layer, LoRA)]
+        self.active = ""
+
+    def execute(self, cmd: Command) -> Any:
+        """Runs `cmd` here; collective. Raises CommandFailed on rank 0 if any rank failed."""
+        fn = getattr(self, f"_cmd_{cmd.kind}", None)
+        error: str | None = None
+        result: Any = None
+        try:
+            if fn is None:
+                raise TprtError(f"unknown command {cmd.kind!r}")
+            result = fn(**cmd.args)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            error = one_line(e)
+            log.debug("command %s failed on rank %d", cmd.kind, self.ctx.rank, exc_info=True)
+        errors = self._gather(error)
+        failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
+        if failed:
+            self._drop_trainer()
+            if self.ctx.rank == 0:
+                r, msg = failed[0]
+                raise CommandFailed(msg if r == 0 else f"rank {r}: {msg}")
+            return None
+        return result
+
+    def _gather(self, error: str | None) -> list[str | None]:
+        if self.ctx.world_size == 1:
+            return [error]
+        out: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(out, error, group=self.ctx.group)
+        return out
+
+    # ----------------------------------------------------------------- fine-tuning
+
+    def _cmd_train_start(self, config: Any, dataset: Any, resume: bool) -> tuple[int, int]:
+        """Builds this rank's trainer (its own copy of the base weights); resumes if asked."""
+        from tprt.train.trainer import Trainer
+
+        self._drop_trainer()
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        self.trainer = Trainer(config, self.ctx, dataset)
+        if resume:
+            self.trainer.resume()
+        return int(self.trainer.step), int(self.trainer.steps)
+
+    def _cmd_train_step(self) -> dict[str, float]:
+        """One optimizer step; (loss, grad norm, seconds, tokens)."""
+        t = self._need_trainer()
+        lr = float(t.optimizer.param_groups[0]["lr"])
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            loss, grad_norm = t.train_step()
+        seconds = time.perf_counter() - t0
+        cfg = t.cfg
+        tokens = cfg.batch_size * cfg.grad_accum * self.ctx.dp_size * t.data.train.seq_len
+        if self.ctx.rank == 0:
+            t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": None})
+        return {"step": t.step, "loss": loss, "grad_norm": grad_norm, "seconds": seconds, "tokens": tokens}
+
+    def _cmd_train_save(self) -> str:
+        t = self._need_trainer()
+        t.save()
+        return str(t.last_saved)
+
+    def _cmd_train_finish(self, loss: float) -> str:
+        """Writes the adapter (LoRA) or the TP checkpoint (full); frees the trainer."""
+        t = self._need_trainer()
+        summary = t.finish(loss, None)
+        self._drop_trainer()
+        return str(summary["output"])
+
+    def _cmd_train_abort(self) -> None:
+        self._drop_trainer()
+
+    def _need_trainer(self) -> Any:
+        if self.trainer is None:
+            raise TprtError("no fine-tuning job is running on this rank")
+        return self.trainer
+
+    def _drop_trainer(self) -> None:
+        if self.trainer is not None:
+            self.trainer = None
+            gc.collect()
+
+    # ----------------------------------------------------------------- adapters
+
+    def _cmd_load_adapter(self, adapter_id: str, path: str) -> tuple[int, float]:
+        """Loads a PEFT LoRA adapter into the served model, detached; returns (rank, alpha)."""
+        from tprt.train.lora import load_adapter, lora_modules, read_adapter_config
+
+        active = self.active
+        self._attach("")
+        try:
+            load_adapter(self.model, path, self.ctx)
+        finally:  # keep the new modules, detached (or drop them after a failure)
+            mods: list[tuple[Any, nn.Module]] = [(s.linear, a) for s, a in lora_modules(self.model)]
+            for linear, _ in mods:
+                linear.adapter = None
+        for _, ad in mods:
+            ad.eval().requires_grad_(False)
+            ad.to(dtype=self.model.dtype)
+        self.adapters[adapter_id] = mods
+        self._attach(active)
+        _, rank, alpha, _ = read_adapter_config(json.loads((Path(path) / "adapter_config.json").read_text()))
+        return rank, alpha
+
+    def _cmd_activate_adapter(self, adapter_id: str) -> None:
+        self._attach(adapter_id)
+
+    def _attach(self, adapter_id: str) -> None:
+        """Puts one adapter's modules on the base layers ("" = none)."""
+        for mods in self.adapters.values():
+            for linear, _ in mods:
+                linear.adapter = None
+        if adapter_id:
+            if adapter_id not in self.adapters:
+                raise TprtError(f"adapter {adapter_id!r} is not loaded on rank {self.ctx.rank}")
+            for linear, ad in self.adapters[adapter_id]:
+                linear.adapter = ad
+        self.active = adapter_id

@@ -1,0 +1,239 @@
+"""Fine-tuning jobs on the serving ranks: the job manager (rank 0) and the FineTuning service.
+
+One job runs at a time, one optimizer step per turn the scheduler gives it (serve/scheduler.py:
+whenever generation is idle, and at least once a second while it is busy), each step a
+`Command` every rank executes (serve/executor.py). Jobs live in the SQLite store
+(serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holding its inline dataset, its
+training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and the output.
+
+A finished LoRA job's adapter is loaded into the served model on every rank and registered under
+its adapter id: servable at once, no restart (and again at every start-up). A full fine-tune
+writes a TP checkpoint (`output_path`) to serve with `tprt serve --model`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve.adapters import AdapterInfo, AdapterRegistry
+from serve.errors import FailedPrecondition, NotFound, Unavailable
+from serve.executor import CommandFailed, RankExecutor
+from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
+from serve.jobspec import JobSpec, finetune_config, load_dataset
+from serve.metrics import Metrics
+from serve.ranks import Command, RankGroup
+
+log = logging.getLogger("tprt.serve")
+
+
+@dataclass
+class _Active:
+    job_id: str
+    total: int
+    step: int
+    loss: float = 0.0
+
+
+class JobManager:
+    """Rank 0's view of the jobs; `has_work`/`step` are the scheduler's side-work interface."""
+
+    def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterRegistry,
+                 model_dir: Path, tokenizer: Any, context_length: int, wake: Any) -> None:
+        self.store = store
+        self.data_dir = Path(data_dir)
+        self.metrics = metrics
+        self.adapters = adapters
+        self.model_dir = Path(model_dir)
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self._wake = wake
+        self._active: _Active | None = None
+        self._accepting = True
+        self._queued = store.next_queued() is not None
+        self._pause = threading.Event()
+        self._paused = threading.Event()
+        self._datasets: dict[str, Any] = {}  # job id -> prepared Dataset (created in this process)
+        self._lock = threading.Lock()
+        self._update_gauges()
+
+    # ----------------------------------------------------------------- API side (handler threads)
+
+    def create(self, spec: JobSpec) -> JobRecord:
+        """Stores a checked job as QUEUED and wakes the scheduler."""
+        if not self._accepting:
+            raise Unavailable("the server is shutting down; no new jobs")
+        with self._lock:
+            rec = self.store.create(spec.record)
+            self._datasets[rec.id] = spec.dataset
+            self._queued = True
+        self._update_gauges()
+        self._wake()
+        return rec
+
+    def get(self, job_id: str) -> JobRecord:
+        rec = self.store.get(job_id) if job_id else None
+        if rec is None:
+            raise NotFound(f"no job {job_id!r}", "job_id")
+        return rec
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """A queued job is cancelled at once; a running one at its next step."""
+        rec = self.get(job_id)
+        if rec.state == CANCELLED:
+            return rec
+        if rec.terminal:
+            raise FailedPrecondition(f"job {job_id} has already {rec.state}", "job_id")
+        if rec.state == QUEUED:
+            rec = self.store.update(job_id, state=CANCELLED, finished_ms=now_ms(), cancel_requested=True)
+        else:
+            rec = self.store.update(job_id, cancel_requested=True)
+            self._wake()
+        self._update_gauges()
+        return rec
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def pause_for_shutdown(self, timeout_s: float) -> None:
+        """Checkpoints the running job and re-queues it (it resumes at the next start)."""
+        if self._active is None:
+            return
+        self._pause.set()
+        self._wake()
+        if not self._paused.wait(timeout_s):
+            log.warning("the running job did not checkpoint within %.0fs", timeout_s)
+
+    # ----------------------------------------------------------------- start-up
+
+    def restore_adapters(self, ranks: RankGroup) -> None:
+        """Loads every succeeded LoRA job's adapter (before the scheduler thread starts)."""
+        for rec in self.store.select(SUCCEEDED, limit=1_000_000):
+            if rec.method == "lora" and rec.output_path:
+                try:
+                    self._load_adapter(ranks, rec)
+                except CommandFailed as e:
+                    log.error("job %s: adapter %s not loaded: %s", rec.id, rec.adapter_id, e)
+
+    def _load_adapter(self, ranks: RankGroup, rec: JobRecord) -> None:
+        path = self.data_dir / rec.output_path
+        rank, alpha = ranks.run(Command("load_adapter", {"adapter_id": rec.adapter_id, "path": str(path)}))
+        self.adapters.add(AdapterInfo(rec.adapter_id, path, int(rank), float(alpha), rec.id))
+
+    # ----------------------------------------------------------------- scheduler side
+
+    def has_work(self) -> bool:
+        if self._active is not None:
+            return True
+        return self._queued and self._accepting
+
+    def step(self, ranks: RankGroup) -> None:
+        """One turn: start the next job, or run one step of the running one (or end it)."""
+        if self._active is None:
+            self._start_next(ranks)
+            return
+        job = self._active
+        try:
+            if self._pause.is_set():
+                self._checkpoint_and_requeue(ranks, job)
+            elif self.get(job.job_id).cancel_requested:
+                ranks.run(Command("train_abort"))
+                self._end(job, CANCELLED, "")
+            else:
+                self._train_step(ranks, job)
+        except CommandFailed as e:
+            self._end(job, FAILED, str(e))
+
+    def _start_next(self, ranks: RankGroup) -> None:
+        rec = self.store.next_queued()
+        self._queued = rec is not None
+        if rec is None:
+            return
+        try:
+            dataset = self._datasets.pop(rec.id, None) or load_dataset(rec, self.data_dir, self.tokenizer)
+            resume = bool(rec.checkpoint) and (self.data_dir / rec.checkpoint).exists()
+            config = finetune_config(rec, self.model_dir, self.data_dir)
+            self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
+            step, total = ranks.run(Command("train_start", {"config": config, "dataset": dataset, "resume": resume}))
+        except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
+            if not isinstance(e, (CommandFailed,)) and not _is_user_error(e):
+                raise
+            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=str(e))
+            self._update_gauges()
+            return
+        self._active = _Active(rec.id, total, step)
+        self.store.update(rec.id, step=step, total_steps=total, error="")
+        self._update_gauges()
+        log.info("job %s: started at step %d of %d", rec.id, step, total)
+
+    def _train_step(self, ranks: RankGroup, job: _Active) -> None:
+        out = ranks.run(Command("train_step"))
+        job.step, job.loss = int(out["step"]), float(out["loss"])
+        tok_s = out["tokens"] / max(out["seconds"], 1e-9)
+        self.metrics.ft_steps.inc()
+        self.metrics.ft_tokens.inc(out["tokens"])
+        self.metrics.ft_loss.set(job.loss)
+        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s)
+        every = int(rec.hyperparameters.get("checkpoint_every", 0))
+        if job.step >= job.total:
+            self._finish(ranks, job, rec)
+        elif every and job.step % every == 0:
+            ranks.run(Command("train_save"))
+            self.store.update(job.job_id, checkpoint=_job_dir(job.job_id))
+
+    def _finish(self, ranks: RankGroup, job: _Active, rec: JobRecord) -> None:
+        output = Path(ranks.run(Command("train_finish", {"loss": job.loss})))
+        rel = str(output.relative_to(self.data_dir)) if output.is_relative_to(self.data_dir) else str(output)
+        rec = self.store.update(job.job_id, output_path=rel)
+        if rec.method == "lora":
+            self._load_adapter(ranks, rec)
+        self._end(job, SUCCEEDED, "")
+
+    def _checkpoint_and_requeue(self, ranks: RankGroup, job: _Active) -> None:
+        try:
+            ranks.run(Command("train_save"))
+            ranks.run(Command("train_abort"))
+            self.store.update(job.job_id, state=QUEUED, checkpoint=_job_dir(job.job_id),
+                              error=f"checkpointed at step {job.step} for a server shutdown; resumes at the next start")
+        finally:
+            self._active = None
+            self._update_gauges()
+            self._paused.set()
+
+    def _end(self, job: _Active, state: str, error: str) -> None:
+        self.store.update(job.job_id, state=state, finished_ms=now_ms(), error=error)
+        self._active = None
+        self._queued = self.store.next_queued() is not None
+        self._update_gauges()
+        log.info("job %s: %s%s", job.job_id, state, f" ({error})" if error else "")
+
+    def _update_gauges(self) -> None:
+        self.metrics.set_jobs(self.store.counts())
+
+
+def _job_dir(job_id: str) -> str:
+    return f"jobs/{job_id}"
+
+
+def _is_user_error(e: Exception) -> bool:
+    from tprt.errors import TprtError
+
+    return isinstance(e, TprtError)
+
+
+def wait_until(pred: Any, timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Polls `pred()` until true or the timeout; returns its last value."""
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return bool(pred())
+        time.sleep(poll_s)
+    return True

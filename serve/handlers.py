@@ -1,0 +1,228 @@
+"""The Generation and FineTuning services: thin translation between protobuf and the scheduler's tickets.
+
+A handler checks the request (serve/validation.py), queues a ticket, and turns the engine's
+events into responses. The RPC's end, whatever the reason (done, client cancel, disconnect,
+deadline), cancels its ticket through a gRPC callback: the sequence leaves the batch at the next
+step and its KV slot is freed. A handler waits on its ticket's queue with a timeout and rechecks,
+so it never blocks forever even if the scheduler is stuck; the scheduler (or the rank watcher)
+ends every ticket with an event or an error.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from serve.adapters import AdapterRegistry
+from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from serve.finetune import JobManager
+from serve.jobspec import PB_STATE, check_create, job_pb, progress_pb
+from serve.pb import finetuning_pb2 as ft_pb
+from serve.pb import finetuning_pb2_grpc as ft_grpc
+from serve.pb import generation_pb2 as pb
+from serve.pb import generation_pb2_grpc as pb_grpc
+from serve.scheduler import Scheduler, Ticket, new_request_id
+from serve.validation import prompt_ids, sampling_params
+from tprt.config import ModelConfig
+from tprt.sampling import MAX_TOP_LOGPROBS
+from tprt.sequence import TokenEvent
+from tprt.tokenizer import Tokenizer
+
+GenerationServicer: Any = pb_grpc.GenerationServicer
+FineTuningServicer: Any = ft_grpc.FineTuningServicer
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What ModelInfo reports and the handlers check against."""
+
+    name: str
+    config: ModelConfig
+    tp_size: int
+    context_length: int
+    max_batch_size: int
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+
+
+class GenerationService(GenerationServicer):
+    """tprt.v1.Generation on rank 0."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, facts: ModelFacts,
+                 adapters: AdapterRegistry) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.facts = facts
+        self.adapters = adapters
+
+    # ----------------------------------------------------------------- RPCs
+
+    def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        ticket = self._submit(request, context)
+        for ev in self._events(ticket, context):
+            yield self._response(ticket, ev)
+
+    def Complete(self, request: Any, context: grpc.ServicerContext) -> Any:
+        ticket = self._submit(request, context)
+        out = pb.CompleteResponse(request_id=ticket.request_id)
+        text = []
+        for ev in self._events(ticket, context):
+            text.append(ev.text)
+            if ev.token_id is not None:
+                out.tokens.append(self._token(ev))
+            if ev.finish_reason is not None:
+                self._finish(out, ev)
+        out.text = "".join(text)
+        return out
+
+    def Tokenize(self, request: Any, context: grpc.ServicerContext) -> Any:
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, add_special_tokens=add)
+        tok = self.tokenizer
+        tokens = [(tok.id_to_token(i) or "") if tok is not None else "" for i in ids]
+        return pb.TokenizeResponse(ids=ids, tokens=tokens)
+
+    def ModelInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        f, c = self.facts, self.facts.config
+        config = pb.ModelConfig(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
+            tie_word_embeddings=c.tie_word_embeddings)
+        adapters = [pb.Adapter(id=a.id, rank=a.rank, alpha=a.alpha, source_job_id=a.source_job_id)
+                    for a in self.adapters.list()]
+        return pb.ModelInfoResponse(
+            model=f.name, config=config, tp_size=f.tp_size, context_length=f.context_length,
+            max_batch_size=f.max_batch_size, dtype=f.dtype, eos_token_ids=list(f.eos_token_ids),
+            has_chat_template=bool(self.tokenizer is not None and self.tokenizer.chat_template),
+            adapters=adapters, max_top_logprobs=MAX_TOP_LOGPROBS)
+
+    # ----------------------------------------------------------------- helpers
+
+    def _submit(self, request: Any, context: grpc.ServicerContext) -> Ticket:
+        """Checks the request and queues it; the RPC's end cancels it."""
+        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size)
+        params = sampling_params(request.sampling, len(ids), self.facts.context_length,
+                                 self.facts.config.vocab_size, self.tokenizer is not None)
+        if request.adapter_id and not self.adapters.has(request.adapter_id):
+            raise NotFound(f"no adapter {request.adapter_id!r} is loaded (see ModelInfo)", "adapter_id")
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        ticket = Ticket(new_request_id(), ids, params, request.adapter_id, deadline)
+        self.scheduler.submit(ticket)
+        context.add_callback(lambda: self._ended(ticket, context))
+        return ticket
+
+    def _ended(self, ticket: Ticket, context: grpc.ServicerContext) -> None:
+        """gRPC's end-of-call callback: cancels the ticket unless it already finished."""
+        if not ticket.done:
+            remaining = context.time_remaining()
+            reason = "deadline" if remaining is not None and remaining <= 0 else "client"
+            self.scheduler.cancel(ticket.request_id, reason)
+
+    def _events(self, ticket: Ticket, context: grpc.ServicerContext) -> Iterator[TokenEvent]:
+        """The ticket's events up to its last; raises for an error or a client-side cancellation."""
+        while True:
+            try:
+                ev = ticket.events.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not context.is_active() and not ticket.cancel_requested:
+                    self._ended(ticket, context)  # the callback may not have run yet
+                    ticket.cancel_requested = True
+                continue
+            if isinstance(ev, BaseException):
+                ticket.done = True
+                raise ev
+            if ev.finish_reason is not None:
+                ticket.done = True
+                if ev.finish_reason == "cancelled" and ticket.cancel_reason == "client":
+                    raise Cancelled("the client cancelled the request")
+                if ev.finish_reason == "cancelled" and ticket.cancel_reason == "deadline":
+                    raise DeadlineExceeded("the request's deadline passed")
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def _token(self, ev: TokenEvent) -> Any:
+        assert ev.token_id is not None
+        tok = self.tokenizer
+        text = tok.decode([ev.token_id]) if tok is not None else ""
+        token = pb.Token(id=ev.token_id, text=text)
+        if ev.logprob is not None:
+            token.logprob = ev.logprob
+        for tid, lp in ev.top_logprobs:
+            token.top_logprobs.append(pb.TopLogprob(token_id=tid, logprob=lp,
+                                                    text=tok.decode([tid]) if tok is not None else ""))
+        return token
+
+    @staticmethod
+    def _finish(out: Any, ev: TokenEvent) -> None:
+        out.finish_reason = _FINISH[ev.finish_reason or "stop"]
+        if ev.stop_reason is not None:
+            out.stop_reason = str(ev.stop_reason)
+        if ev.usage is not None:
+            out.usage.prompt_tokens = ev.usage.prompt_tokens
+            out.usage.completion_tokens = ev.usage.completion_tokens
+
+    def _response(self, ticket: Ticket, ev: TokenEvent) -> Any:
+        out = pb.GenerateResponse(request_id=ticket.request_id, text=ev.text)
+        if ev.token_id is not None:
+            out.token.CopyFrom(self._token(ev))
+        if ev.finish_reason is not None:
+            self._finish(out, ev)
+        return out
+
+
+class FineTuningService(FineTuningServicer):
+    """tprt.v1.FineTuning on rank 0: the job store through the job manager."""
+
+    def __init__(self, jobs: JobManager, tokenizer: Tokenizer | None, context_length: int,
+                 adapters: AdapterRegistry) -> None:
+        self.jobs = jobs
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.adapters = adapters
+
+    def CreateJob(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if not self.jobs.accepting:
+            raise Unavailable("the server is shutting down; no new jobs")
+        spec = check_create(request, self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
+                            self.adapters.has)
+        return job_pb(self.jobs.create(spec))
+
+    def GetJob(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return job_pb(self.jobs.get(request.job_id))
+
+    def ListJobs(self, request: Any, context: grpc.ServicerContext) -> Any:
+        if request.limit < 0:
+            raise InvalidArgument(f"must be >= 0, got {request.limit}", "limit")
+        if request.state and request.state not in PB_STATE:
+            raise InvalidArgument(f"unknown state {request.state}", "state")
+        state = PB_STATE.get(request.state) if request.state else None
+        recs = self.jobs.store.select(state, limit=min(request.limit or 100, 10_000))
+        return ft_pb.ListJobsResponse(jobs=[job_pb(r) for r in recs])
+
+    def CancelJob(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return job_pb(self.jobs.cancel(request.job_id))
+
+    def WatchJob(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        rec = self.jobs.get(request.job_id)
+        store = self.jobs.store
+        version, last = store.version, None
+        while context.is_active():
+            key = (rec.state, rec.step, rec.loss, rec.error)
+            if key != last:
+                yield progress_pb(rec)
+                last = key
+            if rec.terminal or not self.jobs.accepting:
+                return
+            version = store.wait(version, _POLL_S)
+            rec = self.jobs.get(request.job_id)

@@ -1,0 +1,202 @@
+"""The fine-tuning job store: one SQLite database under --data-dir (jobs.sqlite3).
+
+Every state change is committed before the server acts on it, so after a crash or restart the
+store says what each job was doing. `recover()` runs at start-up: a job that was RUNNING is
+re-queued to resume from its last checkpoint when it has one, or marked FAILED with the reason.
+`JobStore` is thread-safe (one connection behind a lock) and `wait()` lets a watcher sleep until
+a job changes.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+DB_NAME = "jobs.sqlite3"
+SCHEMA_VERSION = 1
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(6)
+
+
+@dataclass
+class JobRecord:
+    """One fine-tuning job, as stored."""
+
+    id: str
+    method: str  # "lora" or "full"
+    dataset: str  # path of the JSONL file, relative to --data-dir
+    adapter_id: str
+    hyperparameters: dict[str, Any] = field(default_factory=dict)  # every default filled in
+    state: str = QUEUED
+    created_ms: int = field(default_factory=now_ms)
+    started_ms: int = 0
+    finished_ms: int = 0
+    step: int = 0
+    total_steps: int = 0
+    loss: float = 0.0
+    tokens_per_second: float = 0.0
+    error: str = ""
+    output_path: str = ""  # the adapter or checkpoint written, relative to --data-dir
+    checkpoint: str = ""  # the latest resumable training checkpoint, relative to --data-dir
+    cancel_requested: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+_COLUMNS = [f.name for f in fields(JobRecord)]
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, method TEXT NOT NULL, dataset TEXT NOT NULL, adapter_id TEXT NOT NULL,
+    hyperparameters TEXT NOT NULL, state TEXT NOT NULL CHECK (state IN {STATES!r}),
+    created_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL,
+    step INTEGER NOT NULL, total_steps INTEGER NOT NULL, loss REAL NOT NULL,
+    tokens_per_second REAL NOT NULL, error TEXT NOT NULL, output_path TEXT NOT NULL,
+    checkpoint TEXT NOT NULL, cancel_requested INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, created_ms);
+"""
+
+
+def _to_row(rec: JobRecord) -> tuple[Any, ...]:
+    d = asdict(rec)
+    d["hyperparameters"] = json.dumps(rec.hyperparameters, sort_keys=True)
+    d["cancel_requested"] = int(rec.cancel_requested)
+    return tuple(d[c] for c in _COLUMNS)
+
+
+def _from_row(row: sqlite3.Row) -> JobRecord:
+    d = {c: row[c] for c in _COLUMNS}
+    d["hyperparameters"] = json.loads(d["hyperparameters"])
+    d["cancel_requested"] = bool(d["cancel_requested"])
+    return JobRecord(**d)
+
+
+class JobStore:
+    """Jobs in `data_dir/jobs.sqlite3`; every method commits before it returns."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.path = Path(data_dir) / DB_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def create(self, rec: JobRecord) -> JobRecord:
+        marks = ", ".join("?" for _ in _COLUMNS)
+        with self._lock:
+            self._db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({marks})", _to_row(rec))
+            self._bump()
+        return rec
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _from_row(row) if row is not None else None
+
+    def select(self, state: str | None = None, limit: int = 100) -> list[JobRecord]:
+        """Newest first."""
+        where, args = ("WHERE state = ?", [state]) if state else ("", [])
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM jobs {where} ORDER BY created_ms DESC, id DESC LIMIT ?", (*args, limit)
+            ).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def update(self, job_id: str, **changes: Any) -> JobRecord:
+        """Sets the given fields; returns the job as stored afterwards. KeyError if unknown."""
+        bad = (set(changes) - set(_COLUMNS)) | ({"id"} & set(changes))
+        if bad:
+            raise ValueError(f"JobStore.update: unknown or read-only fields {sorted(bad)}")
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            rec = _from_row(row)
+            for k, v in changes.items():
+                setattr(rec, k, v)
+            sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
+            self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*_to_row(rec)[1:], job_id))
+            self._bump()
+        return rec
+
+    def next_queued(self) -> JobRecord | None:
+        """The oldest queued job."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM jobs WHERE state = ? ORDER BY created_ms, id LIMIT 1", (QUEUED,)
+            ).fetchone()
+        return _from_row(row) if row is not None else None
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {state: int(n) for state, n in rows}
+
+    def adapter_taken(self, adapter_id: str) -> bool:
+        """Whether a job that has not failed or been cancelled already produces `adapter_id`."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1",
+                (adapter_id, QUEUED, RUNNING, SUCCEEDED),
+            ).fetchone()
+        return row is not None
+
+    def recover(self, data_dir: Path) -> list[JobRecord]:
+        """After a restart: RUNNING jobs are re-queued when their checkpoint exists (they resume
+        from it), otherwise marked FAILED with the reason. Returns the jobs it changed."""
+        changed = []
+        for rec in self.select(RUNNING, limit=1_000_000):
+            if rec.checkpoint and (data_dir / rec.checkpoint).exists():
+                changed.append(self.update(rec.id, state=QUEUED,
+                                           error=f"resumed from step {rec.step} after a server restart"))
+            else:
+                changed.append(self.update(
+                    rec.id, state=FAILED, finished_ms=now_ms(),
+                    error="the server stopped while the job was running and it had no checkpoint to resume from"))
+        return changed
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._changed.notify_all()
+
+    def wait(self, version: int, timeout: float) -> int:
+        """Blocks until some job changes after `version` (or `timeout` s); returns the new version."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version != version, timeout)
+            return self._version
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def __iter__(self) -> Iterator[JobRecord]:
+        return iter(self.select(limit=1_000_000))

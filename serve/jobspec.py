@@ -1,0 +1,178 @@
+"""CreateJob requests -> checked job records; job records <-> protobuf; training configs.
+
+Every hyper-parameter is range-checked (INVALID_ARGUMENT naming `hyperparameters.<name>`,
+OUT_OF_RANGE for a max_seq_len beyond the served context). Dataset paths are resolved inside
+--data-dir (symlinks included) and refused outside it; inline JSONL is written into the job's
+directory. The dataset is read, tokenized and packed before the job is accepted, so a bad line
+is an INVALID_ARGUMENT naming the line, not a failed job later.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
+from serve.pb import finetuning_pb2 as pb
+from tprt.errors import TprtError
+
+ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+DATASET_FILE = "dataset.jsonl"
+STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "succeeded": pb.JOB_STATE_SUCCEEDED,
+            "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
+PB_STATE = {v: k for k, v in STATE_PB.items()}
+METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
+
+# name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
+_HP: dict[str, tuple[Any, Any, float, float, bool]] = {
+    "steps": (100, 100, 1, 1_000_000, True),
+    "learning_rate": (1e-4, 1e-5, 0.0, 1.0, False),
+    "batch_size": (4, 4, 1, 1024, True),
+    "max_seq_len": (None, None, 2, 1 << 20, True),
+    "lora_rank": (8, None, 1, 1024, True),
+    "lora_alpha": (16.0, None, 0.0, 1e6, False),
+    "weight_decay": (0.0, 0.0, 0.0, 10.0, False),
+    "warmup_steps": (0, 0, 0, 1_000_000, True),
+    "seed": (0, 0, 0, 2**63 - 1, True),
+    "checkpoint_every": (50, 50, 1, 1_000_000, True),
+}
+_LOW_OPEN = {"learning_rate", "lora_alpha"}
+
+
+@dataclass
+class JobSpec:
+    """A checked CreateJob: the record to store and the prepared dataset."""
+
+    record: JobRecord
+    dataset: Any
+
+
+def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
+    """The Hyperparameters message with every default filled in, range-checked."""
+    out: dict[str, Any] = {}
+    for name, (d_lora, d_full, low, high, integer) in _HP.items():
+        given = hp.HasField(name)
+        if method == "full" and name.startswith("lora_"):
+            if given:
+                raise InvalidArgument("LoRA settings do not apply to METHOD_FULL", f"hyperparameters.{name}")
+            continue
+        value = getattr(hp, name) if given else (d_lora if method == "lora" else d_full)
+        if name == "max_seq_len" and not given:
+            value = min(512, context)
+        ok = (math.isfinite(value) and (value > low if name in _LOW_OPEN else value >= low) and value <= high)
+        if not ok:
+            span = f"({low}, {high}]" if name in _LOW_OPEN else f"[{low}, {high}]"
+            raise InvalidArgument(f"must be in {span}, got {value}", f"hyperparameters.{name}")
+        out[name] = int(value) if integer else float(value)
+    if out["max_seq_len"] > context:
+        raise OutOfRange(f"{out['max_seq_len']} is beyond the served context of {context} tokens",
+                         "hyperparameters.max_seq_len")
+    if out["warmup_steps"] > out["steps"]:
+        raise InvalidArgument(f"{out['warmup_steps']} is more than steps={out['steps']}", "hyperparameters.warmup_steps")
+    return out
+
+
+def resolve_dataset(data_dir: Path, given: str) -> Path:
+    """`given` (relative to --data-dir, or absolute) as a regular file inside --data-dir."""
+    if not given:
+        raise InvalidArgument("empty path", "dataset_path")
+    root = data_dir.resolve()
+    path = (root / given).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidArgument(f"{given!r} is outside the server's --data-dir", "dataset_path")
+    if not path.exists():
+        raise NotFound(f"{given!r} does not exist under the server's --data-dir", "dataset_path")
+    if not path.is_file():
+        raise InvalidArgument(f"{given!r} is not a regular file", "dataset_path")
+    return path
+
+
+def _adapter_id(request: Any, method: str, job_id: str, store: JobStore, taken: Any) -> str:
+    if method == "full":
+        if request.adapter_id:
+            raise InvalidArgument("a full fine-tune produces a model, not an adapter", "adapter_id")
+        return ""
+    aid = request.adapter_id or job_id
+    if not ADAPTER_ID.match(aid):
+        raise InvalidArgument("1-64 characters: letters, digits, '.', '_', '-' (starting with a letter or digit)",
+                              "adapter_id")
+    if taken(aid) or store.adapter_taken(aid):
+        raise AlreadyExists(f"adapter id {aid!r} is already used", "adapter_id")
+    return aid
+
+
+def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
+                 adapter_taken: Any) -> JobSpec:
+    """Everything about a CreateJob request, checked; writes inline data into the job's directory."""
+    data_dir = data_dir.resolve()
+    if tokenizer is None:
+        raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
+    method = "full" if request.method == pb.METHOD_FULL else "lora"
+    hp = hyperparameters(request.hyperparameters, method, context)
+    job_id = new_job_id()
+    aid = _adapter_id(request, method, job_id, store, adapter_taken)
+    which = request.WhichOneof("dataset")
+    job_dir = data_dir / "jobs" / job_id
+    if which is None:
+        raise InvalidArgument("set dataset_path or inline_jsonl", "dataset")
+    if which == "dataset_path":
+        path = resolve_dataset(data_dir, request.dataset_path)
+    else:
+        if not request.inline_jsonl.strip():
+            raise InvalidArgument("empty dataset", "inline_jsonl")
+        job_dir.mkdir(parents=True, exist_ok=True)
+        path = job_dir / DATASET_FILE
+        path.write_text(request.inline_jsonl)
+    rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
+                    hyperparameters=hp)
+    try:
+        dataset = load_dataset(rec, data_dir, tokenizer)
+    except TprtError as e:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        raise InvalidArgument(f"{e}", which) from None
+    rec.total_steps = hp["steps"]
+    return JobSpec(rec, dataset)
+
+
+def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:
+    """Reads, tokenizes and packs the job's JSONL (tprt.train.data)."""
+    from tprt.train.data import prepare_data
+
+    hp = rec.hyperparameters
+    return prepare_data(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]))
+
+
+def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
+    """The trainer's configuration for a stored job (outputs in --data-dir/jobs/<id>/)."""
+    from tprt.train.trainer import FinetuneConfig
+
+    hp = rec.hyperparameters
+    lora = rec.method == "lora"
+    return FinetuneConfig(
+        model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
+        lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
+        steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
+        weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
+        save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,
+    )
+
+
+def job_pb(rec: JobRecord) -> Any:
+    """The stored job as a Job message."""
+    hp = pb.Hyperparameters(**rec.hyperparameters)
+    return pb.Job(id=rec.id, state=STATE_PB[rec.state], method=METHOD_PB.get(rec.method, pb.METHOD_LORA),
+                  adapter_id=rec.adapter_id, dataset=rec.dataset, hyperparameters=hp,
+                  created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
+                  step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,
+                  error=rec.error, output_path=rec.output_path)
+
+
+def progress_pb(rec: JobRecord) -> Any:
+    return pb.JobProgress(job_id=rec.id, state=STATE_PB[rec.state], step=rec.step, total_steps=rec.total_steps,
+                          loss=rec.loss, tokens_per_second=rec.tokens_per_second, error=rec.error,
+                          time_unix_ms=now_ms())

@@ -1,0 +1,82 @@
+"""Every Prometheus object of the server, in its own registry, served over HTTP at /metrics.
+
+Names follow Prometheus conventions: the `tprt_` prefix, base units (seconds, tokens, ratios),
+counters ending in `_total`. Latency histograms use token-latency buckets (milliseconds to
+minutes). docs/grafana-dashboard.json plots them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+# Time to first token, end-to-end and queue time: 5 ms .. 2 min.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Inter-token latency: 1 ms .. 2.5 s.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+class Metrics:
+    """The server's metrics. One instance per server; tests may make several (own registries)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("tprt_requests", "RPCs finished, by method and outcome (status code)",
+                                ["method", "outcome"], registry=r)
+        self.prompt_tokens = Counter("tprt_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("tprt_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("tprt_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=REQUEST_BUCKETS, registry=r)
+        self.itl = Histogram("tprt_inter_token_latency_seconds", "Time between consecutive tokens of a request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("tprt_request_duration_seconds", "Arrival to last token of a generation request",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("tprt_queue_time_seconds", "Arrival to joining the running batch",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.running = Gauge("tprt_running_requests", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("tprt_waiting_requests", "Requests queued for the batch", registry=r)
+        self.batch_size = Histogram("tprt_batch_size", "Sequences in each engine step", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.steps = Counter("tprt_engine_steps", "Engine steps run", registry=r)
+        self.step_time = Histogram("tprt_engine_step_duration_seconds", "Wall time of one engine step",
+                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.kv_usage = Gauge("tprt_kv_cache_usage_ratio", "KV cache positions in use / capacity", registry=r)
+        self.kv_slots = Gauge("tprt_kv_cache_slots_used", "KV cache slots held by sequences", registry=r)
+        self.jobs = Gauge("tprt_finetune_jobs", "Fine-tuning jobs by state", ["state"], registry=r)
+        self.ft_tokens = Counter("tprt_finetune_tokens", "Tokens trained on", registry=r)
+        self.ft_steps = Counter("tprt_finetune_steps", "Fine-tuning optimizer steps", registry=r)
+        self.ft_loss = Gauge("tprt_finetune_loss", "Training loss of the latest fine-tuning step", registry=r)
+        self.healthy = Gauge("tprt_serving", "1 while every rank is up and the server accepts requests",
+                             registry=r)
+        self.info = Info("tprt_model", "The served model", registry=r)
+        for state in JOB_STATES:
+            self.jobs.labels(state=state).set(0)
+        self._http: Any = None
+        self._lock = threading.Lock()
+
+    def outcome(self, method: str, outcome: str, seconds: float) -> None:
+        """Counts a finished RPC (the error interceptor's callback)."""
+        self.requests.labels(method=method.rsplit("/", 1)[-1], outcome=outcome).inc()
+
+    def set_jobs(self, counts: dict[str, int]) -> None:
+        """Sets the per-state job gauges from a {state: count} snapshot."""
+        for state in JOB_STATES:
+            self.jobs.labels(state=state).set(counts.get(state, 0))
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""
+        with self._lock:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+            self._http = server
+            return int(server.server_port)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
+                self._http = None

@@ -1,0 +1,344 @@
+"""The scheduler thread on rank 0: the only thread that touches the engine and the other ranks.
+
+gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler thread, in a loop:
+
+1. applies cancellations (client gone, deadline passed) - the engine frees the KV slot and the
+   sequence leaves the batch at the next step;
+2. moves queued tickets into the engine while it has fewer than `max_batch` sequences (the
+   engine prefills them within its per-step token budget, next to the running decodes);
+3. runs one engine step (a collective: the plan is broadcast to every rank) and hands each
+   event to its ticket's queue;
+   Tickets join in arrival order; a batch runs with one LoRA adapter (or none): a ticket for
+   another adapter waits at the head of the queue until the batch drains, then every rank
+   switches adapters (a command) and the tickets for it join;
+4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
+   generation is idle, and at least every `side_every_s` while it is busy;
+5. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
+   followers every `keepalive_s`.
+
+The queue is bounded: `submit()` raises QueueFull (RESOURCE_EXHAUSTED) at once when `max_queue`
+tickets are waiting. If a step fails (a rank died, a collective timed out) the world is
+*broken*: every ticket fails with UNAVAILABLE, new ones are refused, and the thread stops
+issuing collectives.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from serve.errors import QueueFull, Unavailable
+from serve.executor import CommandFailed
+from serve.metrics import Metrics
+from serve.ranks import Command, RankGroup
+from tprt.errors import ValidationError
+from tprt.sampling import SamplingParams
+from tprt.sequence import TokenEvent
+
+log = logging.getLogger("tprt.serve")
+
+
+class SideWork(Protocol):
+    """Work that shares the ranks with generation (fine-tuning): one short collective step at a time."""
+
+    def has_work(self) -> bool: ...
+
+    def step(self, ranks: RankGroup) -> None: ...
+
+
+@dataclass
+class Ticket:
+    """One generation request between its handler thread and the scheduler."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    adapter_id: str = ""
+    deadline: float | None = None  # time.monotonic() after which it is cancelled
+    events: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    last_token: float | None = None
+    n_generated: int = 0
+    cancel_reason: str = ""  # why the server cancelled it ("client", "deadline", "shutdown")
+    cancel_requested: bool = False  # the handler asked for a cancellation (handler thread only)
+    done: bool = False  # the handler saw its last event or error (handler thread only)
+
+
+_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    return f"req-{next(_ids)}-{time.monotonic_ns() % 1_000_000:06d}"
+
+
+class Scheduler:
+    """Owns the engine on rank 0 (see the module docstring)."""
+
+    def __init__(self, engine: Any, ranks: RankGroup, metrics: Metrics, max_queue: int,
+                 max_batch: int, keepalive_s: float = 2.0, side_every_s: float = 1.0,
+                 on_broken: Callable[[str], None] | None = None) -> None:
+        self.engine = engine
+        self.ranks = ranks
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.keepalive_s = keepalive_s
+        self.side_every_s = side_every_s
+        self.side: SideWork | None = None
+        self._on_broken = on_broken
+        self._cv = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._cancels: list[tuple[str, str]] = []  # (request_id, reason)
+        self._live: dict[str, Ticket] = {}  # in the engine
+        self._tokens_in_cache = 0
+        self._accepting = True
+        self._stop = False
+        self.broken: str | None = None
+        self._last_side = 0.0
+        self._thread = threading.Thread(target=self._run, name="tprt-scheduler", daemon=True)
+        self._side_wake = False
+        self.active_adapter = ""  # the LoRA adapter attached on every rank ("" = the base model)
+
+    # ----------------------------------------------------------------- handler side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, ticket: Ticket) -> None:
+        """Queues a ticket; QueueFull when the queue is full, Unavailable when shutting down or broken."""
+        with self._cv:
+            if self.broken is not None:
+                raise Unavailable(f"the server cannot generate: {self.broken}")
+            if not self._accepting:
+                raise Unavailable("the server is shutting down; retry on another replica")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(ticket)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cv.notify()
+
+    def cancel(self, request_id: str, reason: str = "client") -> None:
+        """Takes the request out of the queue or the batch at the next step (no-op when finished)."""
+        with self._cv:
+            self._cancels.append((request_id, reason))
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """Side work is waiting (e.g. a new fine-tuning job)."""
+        with self._cv:
+            self._side_wake = True
+            self._cv.notify()
+
+    @property
+    def in_flight(self) -> int:
+        with self._cv:
+            return len(self._waiting) + len(self._live)
+
+    def stop_accepting(self) -> None:
+        with self._cv:
+            self._accepting = False
+
+    def drain(self, timeout_s: float) -> bool:
+        """Stops accepting and waits up to `timeout_s` for queued and running requests to finish;
+        cancels whatever is left (reason "shutdown"). True when everything finished in time."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline and self.broken is None:
+            time.sleep(0.02)
+        clean = self.in_flight == 0
+        if not clean:
+            with self._cv:
+                ids = [t.request_id for t in self._waiting] + list(self._live)
+            for rid in ids:
+                self.cancel(rid, "shutdown")
+            end = time.monotonic() + 5.0
+            while self.in_flight and time.monotonic() < end and self.broken is None:
+                time.sleep(0.02)
+        return clean
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stops the thread after its current step; it then sends "exit" to the followers."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+
+    def mark_broken(self, reason: str) -> None:
+        """The world is unusable: fail every ticket with UNAVAILABLE and refuse new ones."""
+        with self._cv:
+            if self.broken is not None:
+                return
+            self.broken = reason
+            tickets = list(self._waiting) + list(self._live.values())
+            self._waiting.clear()
+            self._live.clear()
+            self._cv.notify()
+        log.error("serving stopped: %s", reason)
+        for t in tickets:
+            t.events.put(Unavailable(f"the server cannot generate: {reason}"))
+        self.metrics.waiting.set(0)
+        self.metrics.running.set(0)
+        if self._on_broken is not None:
+            self._on_broken(reason)
+
+    # ----------------------------------------------------------------- scheduler thread
+
+    def _run(self) -> None:
+        try:
+            while self._iteration():
+                pass
+            if self.broken is None:
+                self.ranks.run(Command("exit"))
+        except Exception as e:  # noqa: BLE001 - a failed collective: the world is broken
+            log.exception("scheduler stopped")
+            self.mark_broken(f"{type(e).__name__}: {e}".splitlines()[0])
+
+    def _iteration(self) -> bool:
+        """One pass of the loop; False when the thread should end."""
+        cancels, admitted, switch = self._take_work()
+        if self.broken is not None:
+            return False
+        if switch is not None:
+            self._switch_adapter(switch)
+        for t in admitted:  # before the cancellations, which may name a ticket admitted just now
+            self._admit(t)
+        for rid, reason in cancels:
+            self._apply_cancel(rid, reason)
+        self._expire_deadlines()
+        ran = False
+        if self.engine.has_work:
+            self._step()
+            ran = True
+        side = self.side
+        if side is not None and side.has_work():
+            due = time.monotonic() - self._last_side >= self.side_every_s
+            if not ran or due:
+                side.step(self.ranks)
+                self._last_side = time.monotonic()
+                ran = True
+        if not ran and time.monotonic() - self.ranks.last_collective >= self.keepalive_s:
+            self.ranks.keepalive()
+        with self._cv:
+            return not (self._stop and not self._live and not self._waiting)
+
+    def _take_work(self) -> tuple[list[tuple[str, str]], list[Ticket], str | None]:
+        """Waits for something to do (bounded by the keepalive); takes cancellations and admissions."""
+        with self._cv:
+            idle = not (self._waiting or self._cancels or self._stop or self._side_wake or self.engine.has_work)
+            side_busy = self.side is not None and self.side.has_work()
+            if idle and not side_busy:
+                self._cv.wait(self.keepalive_s)
+            self._side_wake = False
+            cancels, self._cancels = self._cancels, []
+            admitted = []
+            room = self.max_batch - self.engine.num_unfinished
+            while self._waiting and room > 0 and self._waiting[0].adapter_id == self.active_adapter:
+                admitted.append(self._waiting.popleft())
+                room -= 1
+            for t in admitted:
+                self._live[t.request_id] = t
+            switch = None
+            if self._waiting and not self._live and self._waiting[0].adapter_id != self.active_adapter:
+                switch = self._waiting[0].adapter_id  # the batch has drained: change adapters
+            self.metrics.waiting.set(len(self._waiting))
+            return cancels, admitted, switch
+
+    def _switch_adapter(self, adapter_id: str) -> None:
+        """Attaches another LoRA adapter (or none) on every rank; the batch is empty."""
+        try:
+            self.ranks.run(Command("activate_adapter", {"adapter_id": adapter_id}))
+        except CommandFailed as e:
+            with self._cv:
+                failed = [t for t in self._waiting if t.adapter_id == adapter_id]
+                for t in failed:
+                    self._waiting.remove(t)
+            for t in failed:
+                t.events.put(Unavailable(f"adapter {adapter_id!r} could not be activated: {e}"))
+            return
+        self.active_adapter = adapter_id
+        log.info("adapter %r active", adapter_id)
+
+    def _admit(self, t: Ticket) -> None:
+        try:
+            self.engine.add(t.prompt, t.params, t.request_id)
+        except ValidationError as e:  # checked by the handler already; a race or a bug
+            with self._cv:
+                self._live.pop(t.request_id, None)
+            t.events.put(e)
+            return
+        t.admitted = time.monotonic()
+        self.metrics.queue_time.observe(t.admitted - t.arrival)
+        self.metrics.prompt_tokens.inc(len(t.prompt))
+        self._tokens_in_cache += len(t.prompt)
+
+    def _apply_cancel(self, rid: str, reason: str) -> None:
+        with self._cv:
+            for t in self._waiting:
+                if t.request_id == rid:
+                    self._waiting.remove(t)
+                    t.cancel_reason = reason
+                    t.events.put(TokenEvent(rid, None, "", finish_reason="cancelled"))
+                    return
+            t2 = self._live.get(rid)
+        if t2 is not None:
+            t2.cancel_reason = reason
+            self.engine.cancel(rid)  # its "cancelled" event comes with the next step
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            late = [t.request_id for t in [*self._waiting, *self._live.values()]
+                    if t.deadline is not None and now > t.deadline and not t.cancel_reason]
+        for rid in late:
+            self._apply_cancel(rid, "deadline")
+
+    def _step(self) -> None:
+        t0 = time.monotonic()
+        running = self.engine.num_unfinished
+        events = self.engine.step()
+        now = time.monotonic()
+        self.ranks.stepped()
+        self.metrics.steps.inc()
+        self.metrics.step_time.observe(now - t0)
+        if running:
+            self.metrics.batch_size.observe(running)
+        for ev in events:
+            self._deliver(ev, now)
+        self._update_gauges()
+
+    def _deliver(self, ev: TokenEvent, now: float) -> None:
+        with self._cv:
+            t = self._live.get(ev.request_id)
+            if t is not None and ev.finish_reason is not None:
+                del self._live[ev.request_id]
+        if t is None:
+            return
+        if ev.token_id is not None:
+            self.metrics.generated_tokens.inc()
+            self._tokens_in_cache += 1
+            if t.last_token is None:
+                self.metrics.ttft.observe(now - t.arrival)
+            else:
+                self.metrics.itl.observe(now - t.last_token)
+            t.last_token = now
+            t.n_generated += 1
+        if ev.finish_reason is not None:
+            self._tokens_in_cache -= len(t.prompt) + t.n_generated
+            if ev.finish_reason != "cancelled":
+                self.metrics.e2e.observe(now - t.arrival)
+        t.events.put(ev)
+
+    def _update_gauges(self) -> None:
+        n = self.engine.num_unfinished
+        self.metrics.running.set(n)
+        self.metrics.kv_slots.set(n)
+        capacity = self.max_batch * self.engine.max_seq_len
+        self.metrics.kv_usage.set(max(0, self._tokens_in_cache) / capacity if capacity else 0.0)

@@ -1,0 +1,311 @@
+"""`tprt serve`: the ranks, and on rank 0 the gRPC server, the scheduler thread and /metrics.
+
+Start-up (rank 0): check the flags and files (one-line errors, before anything starts), open
+the job store (recovering jobs a previous run left RUNNING), bind the gRPC port, start the
+follower ranks (local launcher) or join torchrun's world, load the model shard, start the
+scheduler and serve. Every other rank loads its shard and follows (serve/ranks.py).
+
+Shutdown (SIGTERM or SIGINT on rank 0): health goes NOT_SERVING and new requests are refused
+with UNAVAILABLE; in-flight requests get up to --drain-timeout seconds to finish (the rest are
+cancelled); a running fine-tuning job is checkpointed and re-queued; the followers are released;
+exit status 0. If a rank dies, health goes NOT_SERVING and every request fails with UNAVAILABLE
+until the process is stopped (exit status 1): a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from serve.adapters import AdapterRegistry
+from serve.auth import AuthInterceptor, load_token
+from serve.errors import ErrorInterceptor
+from serve.executor import RankExecutor
+from serve.finetune import JobManager
+from serve.handlers import FineTuningService, GenerationService, ModelFacts
+from serve.jobs import JobStore
+from serve.metrics import Metrics
+from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
+from serve.ranks import RankGroup, follower_loop, start_local_followers, stop_followers, watch
+from serve.scheduler import Scheduler
+from tprt.checkpoint import TPCheckpoint
+from tprt.dist import TPContext, in_distributed_env, init_distributed, shutdown
+from tprt.engine import Engine, EngineConfig
+from tprt.errors import ConfigError
+from tprt.launch import free_port
+from tprt.loading import load_model, parse_dtype
+from tprt.model import TPLlamaForCausalLM
+from tprt.tokenizer import Tokenizer
+
+log = logging.getLogger("tprt.serve")
+
+SERVICES = (
+    generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+    finetuning_pb2.DESCRIPTOR.services_by_name["FineTuning"].full_name,
+)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`tprt serve`'s flags."""
+
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (printed)
+    metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
+    max_batch_size: int = 16
+    max_queue: int = 256
+    auth_token_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    data_dir: Path = Path("tprt-data")
+    drain_timeout: float = 30.0
+    dtype: str | None = None
+    max_seq_len: int | None = None
+    token_budget: int = 2048
+    max_message_bytes: int = 16 * 1024 * 1024
+    collective_timeout: float = 120.0
+    threads: int | None = None  # torch threads per rank
+
+
+def check_config(cfg: ServeConfig) -> TPCheckpoint:
+    """Every flag and file, checked before anything starts; one-line ConfigErrors."""
+    ckpt = TPCheckpoint(cfg.model)
+    if cfg.dtype is not None:
+        parse_dtype(cfg.dtype)
+    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("port", "metrics_port"):
+        if not -1 <= getattr(cfg, name) <= 65535:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a port number, got {getattr(cfg, name)}")
+    if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
+        raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key)):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    if cfg.auth_token_file is not None:
+        load_token(cfg.auth_token_file)
+    try:
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--data-dir {cfg.data_dir}: cannot create it ({e.strerror})") from None
+    if not os.access(cfg.data_dir, os.W_OK):
+        raise ConfigError(f"--data-dir {cfg.data_dir}: not writable")
+    return ckpt
+
+
+def engine_config(cfg: ServeConfig) -> EngineConfig:
+    return EngineConfig(max_batch=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget)
+
+
+def run_serve(cfg: ServeConfig) -> int:
+    """The `tprt serve` entry point: this process is rank 0 (or torchrun's rank)."""
+    ckpt = check_config(cfg)
+    cfg = replace(cfg, model=Path(cfg.model).resolve(), data_dir=Path(cfg.data_dir).resolve())
+    if in_distributed_env():
+        return serve_rank(cfg, [])
+    app = App(cfg)  # binds the ports before any rank starts: a busy port fails fast
+    procs: list[Any] = []
+    try:
+        if ckpt.tp_size > 1:
+            threads = cfg.threads or max(1, (os.cpu_count() or 1) // ckpt.tp_size)
+            procs = start_local_followers(ckpt.tp_size, free_port(), follower_main, (cfg,), threads)
+        return app.run(procs)
+    finally:
+        stop_followers(procs, grace_s=0 if app.broken else 10)
+
+
+def follower_main(cfg: ServeConfig) -> None:
+    """A follower rank of a local launch (a picklable entry point)."""
+    serve_rank(cfg, [])
+
+
+def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
+    """Every rank under torchrun; followers of a local launch. Rank 0 serves, the others follow."""
+    if os.environ.get("RANK", "0") == "0":
+        return App(cfg).run(procs)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop (after draining)
+        signal.signal(sig, signal.SIG_IGN)
+    ctx = init_distributed(timeout_s=cfg.collective_timeout)
+    try:
+        model = load_model(cfg.model, ctx, cfg.dtype)
+        engine = Engine(model, None, engine_config(cfg))
+        follower_loop(engine.follow, ctx, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)).execute)
+    finally:
+        shutdown()
+    return 0
+
+
+class App:
+    """Rank 0: gRPC, health, metrics, job store and the scheduler around one engine."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.store = JobStore(cfg.data_dir)
+        for rec in self.store.recover(Path(cfg.data_dir)):
+            log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._set_health(False)
+        self.server = self._grpc_server()
+        self.port = self._bind()
+        self.stop = threading.Event()
+        self.broken = False
+        self.scheduler: Scheduler | None = None
+        self.jobs: JobManager | None = None
+
+    # ----------------------------------------------------------------- set-up
+
+    def _grpc_server(self) -> grpc.Server:
+        cfg = self.cfg
+        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome)]
+        if cfg.auth_token_file is not None:
+            interceptors.append(AuthInterceptor(load_token(cfg.auth_token_file)))
+        workers = cfg.max_batch_size + cfg.max_queue + 32  # a streaming RPC holds a thread throughout
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", cfg.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        return grpc.server(ThreadPoolExecutor(workers, thread_name_prefix="tprt-grpc"), interceptors=interceptors,
+                           options=options, maximum_concurrent_rpcs=workers)
+
+    def _bind(self) -> int:
+        cfg = self.cfg
+        address = f"{cfg.host}:{cfg.port}"
+        try:
+            if cfg.tls_cert is not None and cfg.tls_key is not None:
+                creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+                port = self.server.add_secure_port(address, creds)
+            else:
+                port = self.server.add_insecure_port(address)
+        except RuntimeError as e:
+            raise ConfigError(f"--host/--port {address}: cannot listen there ({e})") from None
+        if not port:
+            raise ConfigError(f"--host/--port {address}: cannot listen there (in use?)")
+        return port
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICES):
+            self.health.set(name, status)
+        self.metrics.healthy.set(1 if serving else 0)
+
+    def _on_broken(self, reason: str) -> None:
+        self.broken = True
+        self._set_health(False)
+
+    def _load(self, ctx: TPContext) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
+        model = load_model(self.cfg.model, ctx, self.cfg.dtype)
+        tokenizer = _tokenizer(Path(self.cfg.model))
+        engine = Engine(model, tokenizer, engine_config(self.cfg))
+        return model, engine, tokenizer
+
+    def _services(self, ctx: TPContext, model: TPLlamaForCausalLM, engine: Engine, tokenizer: Tokenizer | None) -> None:
+        cfg = self.cfg
+        executor = RankExecutor(model, engine, cfg.model, Path(cfg.data_dir))
+        ranks = RankGroup(ctx, executor.execute)
+        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, cfg.max_batch_size,
+                                   keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
+        adapters = AdapterRegistry()
+        self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, adapters, Path(cfg.model), tokenizer,
+                               engine.max_seq_len, self.scheduler.wake)
+        self.scheduler.side = self.jobs
+        self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
+        facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
+                           context_length=engine.max_seq_len, max_batch_size=cfg.max_batch_size,
+                           dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(self.scheduler, tokenizer, facts, adapters), self.server)
+        finetuning_pb2_grpc.add_FineTuningServicer_to_server(
+            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
+                                "context_length": str(facts.context_length)})
+
+    # ----------------------------------------------------------------- life
+
+    def run(self, procs: list[Any]) -> int:
+        """Serves until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
+        self._install_signals()
+        stop_watch = threading.Event()
+        if procs:
+            watch(procs, self._rank_died, stop_watch)
+        ctx = init_distributed(timeout_s=self.cfg.collective_timeout)
+        try:
+            model, engine, tokenizer = self._load(ctx)
+            self._services(ctx, model, engine, tokenizer)
+            assert self.scheduler is not None and self.jobs is not None
+            self.scheduler.start()
+            metrics_port = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else -1
+            self.server.start()
+            self._set_health(not self.broken)
+            _announce(self.cfg.host, self.port, metrics_port, ctx, procs)
+            while not self.stop.wait(0.5):
+                pass
+            return self._drain()
+        finally:
+            stop_watch.set()
+            self.server.stop(0)
+            self.metrics.close()
+            self.store.close()
+            if not self.broken:
+                shutdown()
+
+    def _rank_died(self, reason: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.mark_broken(reason)
+        else:
+            self._on_broken(reason)
+        log.error("%s; health is NOT_SERVING (stop this server and start it again)", reason)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.stop.set())
+
+    def _drain(self) -> int:
+        """SIGTERM: refuse new work, finish or cancel what runs, checkpoint jobs, release the ranks."""
+        t0 = time.monotonic()
+        log.info("shutting down: draining for up to %.0fs", self.cfg.drain_timeout)
+        self._set_health(False)
+        assert self.scheduler is not None and self.jobs is not None
+        self.jobs.stop_accepting()
+        clean = self.scheduler.drain(self.cfg.drain_timeout)
+        if not self.broken:
+            self.jobs.pause_for_shutdown(max(5.0, self.cfg.drain_timeout - (time.monotonic() - t0)))
+        self.server.stop(grace=1.0).wait(5.0)
+        self.scheduler.shutdown(timeout_s=self.cfg.collective_timeout)
+        log.info("stopped (%s)", "drained" if clean else "cancelled requests still running at the drain timeout")
+        return 1 if self.broken else 0
+
+
+def _tokenizer(path: Path) -> Tokenizer | None:
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        log.warning("%s: no tokenizer; requests must send prompt_ids", path)
+        return None
+    return Tokenizer.from_dir(path)
+
+
+def _announce(host: str, port: int, metrics_port: int, ctx: TPContext, procs: list[Any]) -> None:
+    """The one line scripts and tests wait for (stdout), plus the ranks' pids (log)."""
+    pids = [os.getpid(), *(p.pid for p in procs)]
+    log.info("rank pids: %s", pids)
+    metrics = f", metrics http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
+    print(f"tprt serve: listening on {host}:{port} (TP {ctx.world_size}{metrics}; rank pids {pids})", flush=True)
+    sys.stdout.flush()
