@@ -46,11 +46,15 @@ def write_tokenizer(d: Path, template: str = CHATML) -> Path:
 
 
 def make_tiny_model(root: Path, tp: int, name: str = "gqa", seed: int = 0) -> tuple[Path, Path]:
-    """(HF dir, TP dir) of a tiny fp32 Llama with the test tokenizer, converted to `tp` ranks."""
+    """(HF dir, TP dir) of a tiny fp32 Llama with the test tokenizer, converted to `tp` ranks.
+
+    Weights are drawn 10x wider than HF's default (std 0.2): with std 0.02 the logits of a
+    64-wide model cannot leave the neighbourhood of a uniform distribution without training the
+    LM head, so a LoRA run could not show a falling loss."""
     from convert.api import hf_to_tp
 
     hf = make_hf_llama(root / f"{name}-hf", name, seed=seed, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
-                       pad_token_id=0)
+                       pad_token_id=0, initializer_range=0.2)
     write_tokenizer(hf)
     tp_dir = root / f"{name}-tp{tp}"
     hf_to_tp(hf, tp_dir, tp)

@@ -14,14 +14,16 @@ import logging
 import math
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tprt.checkpoint import TPCheckpoint
-from tprt.dist import in_distributed_env, shutdown
 from tprt.errors import ConfigError
-from tprt.train.trainer import ALL_TARGETS, FinetuneConfig
+
+if TYPE_CHECKING:  # torch is imported only when a command runs: `tprt --help` stays fast
+    from tprt.train.trainer import FinetuneConfig
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 COMMANDS = ("finetune", "merge-lora")
 
@@ -89,6 +91,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
     f.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
+    f.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps down
     g = sub.add_parser("merge-lora", help="merge a LoRA adapter into a TP checkpoint", epilog=MERGE_EPILOG,
                        formatter_class=raw, description="Write base + LoRA adapter as a new TP checkpoint.")
     g.add_argument("--model", type=Path, required=True, metavar="DIR", help="base TP checkpoint")
@@ -133,6 +136,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
     rank = a.lora_rank if a.lora_rank is not None else 8
     import torch
 
+    from tprt.train.trainer import FinetuneConfig
+
     cfg = FinetuneConfig(
         model=a.model, data=a.data, out=a.out, full=a.full, lora_rank=rank,
         lora_alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
@@ -143,7 +148,7 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress,
+        progress=not a.no_progress, step_delay_s=a.step_delay,
     )
     validate(cfg)
     return cfg
@@ -194,6 +199,7 @@ def _check_resume_early(cfg: FinetuneConfig, tp: int, digest: str) -> None:
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Checks the model, data and --out, then trains on the local ranks or torchrun's world;
     returns rank 0's summary (None-valued fields on other torchrun ranks)."""
+    from tprt.dist import in_distributed_env, shutdown
     from tprt.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
     from tprt.train.trainer import train_rank
@@ -241,6 +247,7 @@ def merge_rank(model_dir: str, adapter: str, out: str) -> None:
 
 def run_merge_lora(model: Path, adapter: Path, out: Path, force: bool = False) -> Path:
     """Checks the inputs, then merges on the checkpoint's TP ranks; returns `out`."""
+    from tprt.dist import in_distributed_env, shutdown
     from tprt.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
     ckpt = TPCheckpoint(model)
@@ -288,11 +295,13 @@ def write_demo_data(path: Path) -> Path:
 def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 24) -> Path:
     """A short LoRA fine-tune of the demo model on `write_demo_data`; returns the adapter directory
     (use it with `load_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
+    from tprt.train.trainer import FinetuneConfig
+
     out_dir.mkdir(parents=True, exist_ok=True)
     data = write_demo_data(out_dir / "demo-chats.jsonl")
     cfg = FinetuneConfig(model=tp_dir, data=data, out=out_dir / "run", lora_rank=8, lora_alpha=16.0,
                          lora_targets=ALL_TARGETS, steps=steps, lr=2e-3, warmup_steps=2, batch_size=2,
                          seq_len=128, dtype="fp32", progress=sys.stderr.isatty())
     validate(cfg)
-    summary = run_finetune(replace(cfg))
+    summary = run_finetune(cfg)
     return Path(summary["output"])

@@ -37,8 +37,6 @@ from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
 
 log = logging.getLogger("tprt")
 
-ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
 
 class TrainingDiverged(TprtError):
     """The loss or the gradient norm became NaN/inf."""
@@ -77,6 +75,7 @@ class FinetuneConfig:
     resume: bool = False
     truncate: bool = True
     progress: bool = True
+    step_delay_s: float = 0.0  # test hook (hidden flag --step-delay): sleep after each step
 
     @property
     def method(self) -> str:
@@ -301,6 +300,8 @@ class Trainer:
                 bar.update(1)
                 if self.cfg.save_every > 0 and self._due(self.cfg.save_every):
                     self.save()
+                if self.cfg.step_delay_s:
+                    time.sleep(self.cfg.step_delay_s)
         return self.finish(loss, eval_loss)
 
     def finish(self, loss: float, eval_loss: float | None) -> dict[str, Any]:

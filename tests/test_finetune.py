@@ -1,0 +1,239 @@
+"""`tprt finetune` / `tprt merge-lora` end to end on a tiny model at TP 2 (the local launcher).
+
+LoRA and full runs on a tiny memorisable dataset: the loss goes down, the outputs are written
+and load (the adapter in PEFT, giving the logits of our model with the adapter; the full
+fine-tune through `tp_to_hf` in transformers, giving our model's logits; the merged checkpoint
+like PEFT). A run killed with SIGKILL and resumed logs exactly the losses of an uninterrupted
+run (fp32). --lr 1e30 stops with the step named and the last good checkpoint kept. Bad input:
+one line on stderr, exit non-zero, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tprt.cli import main
+from tprt.dist import TPContext
+from tprt.loading import load_model
+from tprt.train import checkpointing as ckpt
+from tprt.train.plot import read_metrics
+from train_fixtures import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSWER = "The capital of France is Paris."
+QUESTIONS = ["What is the capital of France?", "Which city is the capital of France?", "France's capital?",
+             "Name the capital of France.", "Tell me the capital of France."]
+PROMPTS = ([5, 17, 42, 99, 3, 250, 7], [11, 12, 13, 200])  # uneven on purpose
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from convert.api import hf_to_tp
+
+    root = tmp_path_factory.mktemp("finetune")
+    hf, tp2 = make_tiny_model(root, tp=2)
+    tp1 = root / "gqa-tp1"
+    hf_to_tp(hf, tp1, 1)
+    data = root / "data.jsonl"
+    recs = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": ANSWER}]} for q in QUESTIONS]
+    recs += [{"prompt": "Hello there!", "completion": " Hello world."}, {"text": "The quick brown fox jumps."}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return {"root": root, "hf": hf, "tp1": tp1, "tp2": tp2, "data": data}
+
+
+def _args(s: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--model", str(s["tp2"]), "--data", str(s["data"]), "--out", str(out), "--seq-len", "64",
+            "--batch-size", "2", "--no-progress", *extra]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+
+
+def _logits(model: torch.nn.Module, vocab: int) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(torch.tensor([p]))[0, :, :vocab].float() for p in PROMPTS]
+
+
+def _hf_logits(model: torch.nn.Module) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], tol: float = 1e-4) -> bool:
+    return all(float((x - y).abs().max()) <= tol * float(y.abs().max()) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_run(setup: dict[str, Path]) -> Path:
+    out = setup["root"] / "lora"
+    rc = main(_args(setup, out, "--lora-rank", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--lr", "3e-2",
+                    "--steps", "12", "--save-every", "4", "--keep-checkpoints", "2", "--eval-fraction", "0.2",
+                    "--eval-every", "6"))
+    assert rc == 0
+    return out
+
+
+def test_lora_run_learns_and_writes_its_outputs(lora_run: Path) -> None:
+    losses = _losses(lora_run)
+    assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.5 * losses[0], losses
+    records = read_metrics(lora_run / "metrics.jsonl")
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "eval_loss"} <= set(records[0])
+    assert [r["step"] for r in records if r["eval_loss"] is not None] == [6, 12]
+    assert (lora_run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [s for s, _ in ckpt.complete_checkpoints(lora_run)] == [8, 12]  # --keep-checkpoints 2
+    assert {p.name for p in (lora_run / "adapter").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+
+
+def test_peft_loads_the_adapter_with_our_logits(setup: dict[str, Path], lora_run: Path) -> None:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from convert.api import tp_to_hf
+    from tprt.train.lora import load_adapter
+
+    base_hf = setup["root"] / "base-export-hf"
+    if not base_hf.exists():
+        tp_to_hf(setup["tp2"], base_hf)
+    peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base_hf, dtype=torch.float32),
+                                     str(lora_run / "adapter")).eval()
+    ours = load_model(setup["tp1"], TPContext.single(), dtype="fp32")
+    base_logits = _logits(ours, ours.config.vocab_size)
+    load_adapter(ours, lora_run / "adapter", TPContext.single())
+    theirs = _hf_logits(peft)
+    assert _close(_logits(ours, ours.config.vocab_size), theirs)
+    assert not _close(base_logits, theirs, 1e-2)  # the adapter changed something
+
+
+def test_merge_lora_matches_peft(setup: dict[str, Path], lora_run: Path) -> None:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from convert.api import tp_to_hf, verify
+
+    merged = setup["root"] / "merged-tp2"
+    assert main(["merge-lora", "--model", str(setup["tp2"]), "--adapter", str(lora_run / "adapter"),
+                 "--out", str(merged)]) == 0
+    assert verify(merged) == []
+    tp_to_hf(merged, setup["root"] / "merged-hf")
+    merged_hf = LlamaForCausalLM.from_pretrained(setup["root"] / "merged-hf", dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32),
+                                     str(lora_run / "adapter")).eval()
+    assert _close(_hf_logits(merged_hf), _hf_logits(peft))
+
+
+# ----------------------------------------------------------------------------- full
+
+
+def test_full_finetune_exports_a_tp_checkpoint_transformers_loads(setup: dict[str, Path]) -> None:
+    from transformers import LlamaForCausalLM
+
+    from convert.api import reshard, tp_to_hf, verify
+
+    out = setup["root"] / "full"
+    assert main(_args(setup, out, "--full", "--lr", "3e-3", "--steps", "8", "--grad-accum", "2")) == 0
+    losses = _losses(out)
+    assert len(losses) == 8 and sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
+    assert verify(out / "model") == []
+    reshard(out / "model", setup["root"] / "full-tp1", 1)
+    ours = load_model(setup["root"] / "full-tp1", TPContext.single())
+    tp_to_hf(out / "model", setup["root"] / "full-hf")
+    hf = LlamaForCausalLM.from_pretrained(setup["root"] / "full-hf", dtype=torch.float32).eval()
+    base = LlamaForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32).eval()
+    assert _close(_logits(ours, ours.config.vocab_size), _hf_logits(hf))
+    assert not _close(_hf_logits(base), _hf_logits(hf), 1e-2)
+
+
+# ----------------------------------------------------------------------------- resume, NaN
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tprt.cli", *args]
+
+
+def test_resume_after_sigkill_repeats_the_loss_curve_exactly(setup: dict[str, Path]) -> None:
+    common = ["--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "5e-3", "--steps", "14", "--save-every", "3",
+              "--seed", "3"]
+    ref = setup["root"] / "ref"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(_cli(*_args(setup, ref, *common)), check=True, env=env, capture_output=True, timeout=180)
+    out = setup["root"] / "killed"
+    proc = subprocess.Popen(_cli(*_args(setup, out, *common, "--step-delay", "0.15")), env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(read_metrics(out / "metrics.jsonl")) < 8 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    assert not (out / "adapter").exists(), "the run finished before it was killed"
+    assert ckpt.latest_checkpoint(out) is not None
+    assert main(_args(setup, out, *common, "--resume")) == 0
+    assert _losses(out) == _losses(ref)
+    assert len(_losses(ref)) == 14
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(
+        setup: dict[str, Path], capfd: pytest.CaptureFixture[str]) -> None:
+    out = setup["root"] / "nan"
+    rc = main(_args(setup, out, "--full", "--lr", "1e30", "--steps", "6", "--save-every", "1"))
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert rc != 0
+    assert "step 2: " in err and ("nan" in err or "inf" in err) and "step-00000001" in err, err
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [1]
+    assert not (out / "model").exists()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("line, extra, match", [
+    ('{"text": "ok"}\n{"text": "broken\n', [], r"data\.jsonl:2: not valid JSON"),
+    ('{"title": "x"}\n', [], r"data\.jsonl:1: expected a 'text'"),
+    ("\n", [], r"data\.jsonl: no examples"),
+    ('{"text": "' + "The quick brown fox " * 20 + '"}\n', ["--no-truncate"], r"more than --seq-len 64.*--no-truncate"),
+    ('{"text": "ok"}\n', ["--lora-targets", "q,x"], r"--lora-targets must be"),
+    ('{"text": "ok"}\n', ["--full", "--lora-alpha", "4"], r"--lora-alpha cannot be used with --full"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(setup: dict[str, Path], tmp_path: Path, line: str,
+                                                  extra: list[str], match: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(line)
+    out = tmp_path / "out"
+    args = _args(setup, out, *extra)
+    args[args.index("--data") + 1] = str(data)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(match, err), err
+    assert not out.exists()
+
+
+def test_resume_into_another_model_or_tp_is_refused(setup: dict[str, Path], lora_run: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args(setup, lora_run, "--lora-rank", "4", "--lora-targets", "q,k,v,o,gate,up,down", "--resume")
+    other = list(args)
+    other[other.index("--model") + 1] = str(setup["tp1"])
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert "--resume:" in err and "TP degree 2, this run has 1" in err, err
+    _, other_tp2 = make_tiny_model(setup["root"] / "other", tp=2, seed=5)
+    args[args.index("--model") + 1] = str(other_tp2)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "was trained from model" in err and str(setup["tp2"]) in err, err
