@@ -237,3 +237,54 @@ def test_resume_into_another_model_or_tp_is_refused(setup: dict[str, Path], lora
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "was trained from model" in err and str(setup["tp2"]) in err, err
+
+
+# ----------------------------------------------------------------------------- DP x TP
+
+
+def _cli_rank(args: list[str]) -> int:
+    """One rank of a torchrun-style world (RANK/WORLD_SIZE set by the launcher) running the CLI."""
+    return main(args)
+
+
+def test_dp2_x_tp2_equals_tp2_with_accumulation(setup: dict[str, Path]) -> None:
+    """World 4 = dp 2 x tp 2, one row per rank and micro-batch, against dp 1 accumulating two
+    micro-batches of one row: the same global batches, so the same losses and adapter."""
+    from safetensors.torch import load_file
+
+    from tprt.launch import launch_local
+
+    common = ["--lora-rank", "4", "--lr", "1e-2", "--steps", "4", "--batch-size", "1"]
+    dp = setup["root"] / "dp2"
+    assert launch_local(4, _cli_rank, (_args(setup, dp, *common),), timeout_s=240) == [0, 0, 0, 0]
+    acc = setup["root"] / "accum2"
+    assert main(_args(setup, acc, *common, "--grad-accum", "2")) == 0
+    assert torch.allclose(torch.tensor(_losses(dp)), torch.tensor(_losses(acc)), rtol=1e-5, atol=0)
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (dp, acc))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+
+
+def test_checkpoints_are_complete_or_invisible_and_pruned(tmp_path: Path) -> None:
+    ctx = TPContext.single()
+    w = {"a": torch.arange(4.0)}
+    for step in (1, 2, 3):
+        state = ckpt.TrainState(step, {"epoch": 0, "cursor": step, "n_rows": 9, "seed": 0}, {"tp": 1}, {"x": step})
+        ckpt.save_checkpoint(tmp_path, ctx, state, {"a": w["a"] * step}, {"state": {}}, keep=2)
+    assert [s for s, _ in ckpt.complete_checkpoints(tmp_path)] == [2, 3]
+    # A crash mid-save leaves a hidden temporary directory (and a step dir without its state file
+    # cannot arise, but would not count either): the newest complete checkpoint is still step 3.
+    crashed = tmp_path / "checkpoints" / ".tmp-step-00000004"
+    crashed.mkdir()
+    (crashed / "weights-tp00000.safetensors").write_bytes(b"partial")
+    (tmp_path / "checkpoints" / "step-00000005").mkdir()
+    latest = ckpt.latest_checkpoint(tmp_path)
+    assert latest is not None and latest.name == "step-00000003"
+    weights, optim, rng = ckpt.load_rank_state(latest, ctx)
+    assert torch.equal(weights["a"], w["a"] * 3) and optim == {"state": {}} and rng is not None
+    state = ckpt.read_train_state(latest)
+    assert (state.step, state.data["cursor"], state.scheduler) == (3, 3, {"x": 3})
+    ckpt.remove_partial(tmp_path)
+    assert not crashed.exists()
