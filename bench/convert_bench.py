@@ -1,6 +1,6 @@
 """Converter benchmark: a synthetic checkpoint with Llama 3 70B shapes, converted HF -> TP8 ->
 TP2 -> HF and HF -> TP2, each timed against `cp -r` of the same source in the same run, with the
-converter's peak RSS. Every step runs `python -m convert` as a child so its RSS is its own.
+converter's peak RSS. Every step runs the converter in a fresh child process, which reports its own peak RSS.
 
     python bench/convert_bench.py --layers 2            # about 7.6 GB of bf16 weights
     python bench/convert_bench.py --layers 4            # about 11 GB: RSS must not grow
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -86,15 +85,29 @@ def write_synthetic(path: Path, layers: int) -> int:
     return total
 
 
-def timed(cmd: list[str]) -> tuple[float, float]:
-    """Runs `cmd`; returns (wall seconds, child's peak RSS in MiB)."""
+# Runs the converter in a fresh interpreter and reports that process's own VmHWM. (ru_maxrss from
+# wait4 is useless here: Linux carries the parent's high-water mark into a forked child.)
+_CHILD = (
+    "import sys, convert.cli as c\n"
+    "rc = c.main(sys.argv[2:])\n"
+    "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1]\n"
+    "open(sys.argv[1], 'w').write(hwm)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def timed(argv: list[str], workdir: Path) -> tuple[float, float]:
+    """Runs `tprt-convert argv`; returns (wall seconds, the converter's peak RSS in MiB)."""
+    hwm_file = workdir / "hwm.txt"
+    cmd = [sys.executable, "-c", _CHILD, str(hwm_file), *argv]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.run(cmd)
     wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss / 1024
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: tprt-convert {' '.join(argv)}")
+    rss_mib = int(hwm_file.read_text()) / 1024
+    hwm_file.unlink()
+    return wall, rss_mib
 
 
 def cp_seconds(src: Path, dst: Path) -> float:
@@ -130,17 +143,16 @@ def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
     total = write_synthetic(src, layers)
     print(f"synthetic checkpoint: {layers} layers, {total / 1e9:.2f} GB in {time.perf_counter() - t0:.1f}s",
           flush=True)
-    conv = [sys.executable, "-m", "convert"]
     steps = [
-        ("hf -> tp8", [*conv, "hf-to-tp", str(src), str(workdir / "tp8"), "--tp", "8"], None),
-        ("tp8 -> tp2", [*conv, "reshard", str(workdir / "tp8"), str(workdir / "tp2"), "--tp", "2"], "tp8"),
-        ("tp2 -> hf", [*conv, "tp-to-hf", str(workdir / "tp2"), str(workdir / "hf_back")], "tp2"),
-        ("hf -> tp2", [*conv, "hf-to-tp", str(src), str(workdir / "tp2b"), "--tp", "2"], "tp2b"),
+        ("hf -> tp8", ["hf-to-tp", str(src), str(workdir / "tp8"), "--tp", "8"], None),
+        ("tp8 -> tp2", ["reshard", str(workdir / "tp8"), str(workdir / "tp2"), "--tp", "2"], "tp8"),
+        ("tp2 -> hf", ["tp-to-hf", str(workdir / "tp2"), str(workdir / "hf_back")], "tp2"),
+        ("hf -> tp2", ["hf-to-tp", str(src), str(workdir / "tp2b"), "--tp", "2"], "tp2b"),
     ]
     rows: list[dict[str, object]] = []
     for label, cmd, drop in steps:
         cp = cp_seconds(src, workdir / "cp")
-        wall, rss = timed([*cmd, "--no-progress"])
+        wall, rss = timed([*cmd, "--no-progress"], workdir)
         row = dict(step=label, layers=layers, gb=round(total / 1e9, 2), seconds=round(wall, 2),
                    cp_seconds=round(cp, 2), ratio_to_cp=round(wall / cp, 2), peak_rss_mib=round(rss))
         print(json.dumps(row), flush=True)
