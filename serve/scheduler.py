@@ -17,7 +17,7 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
    followers every `keepalive_s`.
 
 The queue is bounded: `submit()` raises QueueFull (RESOURCE_EXHAUSTED) at once when `max_queue`
-tickets are waiting. If a step fails (a rank died, a collective timed out) the world is
+tickets would wait (beyond those that take a free slot at the next step). If a step fails (a rank died, a collective timed out) the world is
 *broken*: every ticket fails with UNAVAILABLE, new ones are refused, and the thread stops
 issuing collectives.
 """
@@ -119,7 +119,8 @@ class Scheduler:
                 raise Unavailable(f"the server cannot generate: {self.broken}")
             if not self._accepting:
                 raise Unavailable("the server is shutting down; retry on another replica")
-            if len(self._waiting) >= self.max_queue:
+            free_slots = max(0, self.max_batch - len(self._live))  # these join at the next step
+            if len(self._waiting) >= self.max_queue + free_slots:
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
             self._waiting.append(ticket)
             self.metrics.waiting.set(len(self._waiting))
