@@ -78,6 +78,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="also the N most likely tokens (0-20)")
     g.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    g.add_argument("--adapter", type=Path, metavar="DIR", help="LoRA adapter directory, applied without merging")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -55,6 +55,7 @@ class GenerateArgs:
     top_logprobs: int = 0
     dtype: str | None = None
     json: bool = False
+    adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class GenerateJob:
     params: list[SamplingParams]
     max_seq_len: int
     json: bool
+    adapter: str | None = None
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -138,7 +140,10 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
             raise flag_error(e, f"prompt {i + 1}: ") from None
     params = [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(len(prompts))]
     max_seq_len = max(len(p) for p in prompts) + base.max_new_tokens
-    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json)
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
+    adapter = None if args.adapter is None else str(args.adapter)
+    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
 
 
 def run_on_ranks(model: str, fn: Callable[[J], None], job: J) -> None:
@@ -171,6 +176,11 @@ def generate_rank(job: GenerateJob) -> None:
     """One rank's part of `tprt generate`: rank 0 drives the engine and prints, the others follow."""
     ctx = init_distributed()
     model = load_model(job.model, ctx, job.dtype)
+    if job.adapter is not None:
+        from tprt.train.lora import load_adapter
+
+        load_adapter(model, job.adapter, ctx)
+        model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
                           token_budget=max(2048, MAX_BATCH + 1))
