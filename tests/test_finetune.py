@@ -288,3 +288,28 @@ def test_checkpoints_are_complete_or_invisible_and_pruned(tmp_path: Path) -> Non
     assert (state.step, state.data["cursor"], state.scheduler) == (3, 3, {"x": 3})
     ckpt.remove_partial(tmp_path)
     assert not crashed.exists()
+
+
+def test_generate_with_adapter_matches_peft_greedy(setup: dict[str, Path], lora_run: Path) -> None:
+    """`tprt generate --adapter` (TP 2, unmerged) continues prompts as PEFT's greedy generate does."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from tprt.tokenizer import Tokenizer
+
+    prompts = ["What is the capital of France?", "Hello there!"]
+    # A process of its own: the ranks print to the stdout they inherit from the launcher.
+    proc = subprocess.run(_cli("generate", "--model", str(setup["tp2"]), "--adapter", str(lora_run / "adapter"),
+                               "--json", "--max-new-tokens", "8", "--prompt", *prompts),
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    ours = [json.loads(line)["token_ids"] for line in proc.stdout.splitlines() if line.startswith("{")]
+    peft = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(setup["hf"], dtype=torch.float32),
+                                     str(lora_run / "adapter")).eval()
+    tok = Tokenizer.from_dir(setup["tp2"])
+    for p, got in zip(prompts, ours):
+        ids = torch.tensor([tok.encode(p)])
+        ref = peft.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+        assert got == ref[0, ids.shape[1]:].tolist()
+    assert len(ours) == 2
