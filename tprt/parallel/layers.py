@@ -10,12 +10,25 @@ Weights are stored as in Hugging Face, [out, in], holding this rank's slice:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tprt.dist import TPContext
 from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
+
+
+FastLinear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, fast: FastLinear | None) -> torch.Tensor:
+    """F.linear(x, weight), or `fast(x)` (the same product, e.g. from a CPU-prepacked copy of the
+    weight set by tprt.fast_linear) when one is set and autograd is off."""
+    if fast is not None and not torch.is_grad_enabled():
+        return fast(x)
+    return F.linear(x, weight)
 
 
 def _empty(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -36,10 +49,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _empty(local_out_features, in_features, dtype=dtype)
         # Optional `adapter(x, y) -> y'` (e.g. LoRA): x as copied to this rank, y this rank's rows.
         self.adapter: nn.Module | None = None
+        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.tp)
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, self.fast_linear)
         return y if self.adapter is None else self.adapter(x, y)
 
 
@@ -53,10 +67,11 @@ class RowParallelLinear(nn.Module):
         # Optional `adapter(x, y) -> y'` (e.g. LoRA) on this rank's split input and partial output,
         # so its own partial product joins the same all-reduce.
         self.adapter: nn.Module | None = None
+        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduces the partial products over the TP group."""
-        y = F.linear(x, self.weight)
+        y = _linear(x, self.weight, self.fast_linear)
         if self.adapter is not None:
             y = self.adapter(x, y)
         return reduce_from_region(y, self.tp)
@@ -110,6 +125,7 @@ class VocabParallelLMHead(nn.Module):
         self.local_valid = max(0, min(self.local_vocab, vocab_size - self.vocab_start))
         self._tied = [tied] if tied is not None else []  # a list, so the embedding is not a submodule
         self.weight: nn.Parameter | None = None if tied else _empty(self.local_vocab, hidden_size, dtype=dtype)
+        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, head_weight())
 
     def head_weight(self) -> torch.Tensor:
         if self._tied:
@@ -119,7 +135,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
-        logits = F.linear(copy_to_region(x, self.tp), self.head_weight())
+        logits = _linear(copy_to_region(x, self.tp), self.head_weight(), self.fast_linear)
         if self.local_valid < self.local_vocab:
             logits[..., self.local_valid :] = float("-inf")
         return logits
