@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord,
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from serve.ranks import Command, RankGroup
+from tprt.errors import TprtError
 
 log = logging.getLogger("tprt.serve")
 
@@ -163,9 +163,7 @@ class JobManager:
             config = finetune_config(rec, self.model_dir, self.data_dir)
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
             step, total = ranks.run(Command("train_start", {"config": config, "dataset": dataset, "resume": resume}))
-        except Exception as e:  # noqa: BLE001 - the job fails, the server goes on
-            if not isinstance(e, (CommandFailed,)) and not _is_user_error(e):
-                raise
+        except (TprtError, OSError) as e:  # bad data, a failed command: the job fails, serving goes on
             self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=str(e))
             self._update_gauges()
             return
@@ -221,19 +219,3 @@ class JobManager:
 
 def _job_dir(job_id: str) -> str:
     return f"jobs/{job_id}"
-
-
-def _is_user_error(e: Exception) -> bool:
-    from tprt.errors import TprtError
-
-    return isinstance(e, TprtError)
-
-
-def wait_until(pred: Any, timeout_s: float, poll_s: float = 0.05) -> bool:
-    """Polls `pred()` until true or the timeout; returns its last value."""
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            return bool(pred())
-        time.sleep(poll_s)
-    return True

@@ -35,8 +35,9 @@ from serve.jobs import RUNNING, JobRecord, JobStore  # noqa: E402
 from tiny_chat import make_tiny_chat_model  # noqa: E402
 
 TOKEN = "s3cret-token"
-MAX_BATCH = 8
-MAX_QUEUE = 8
+MAX_BATCH = 16
+MAX_QUEUE = 4
+MAX_MESSAGE = 1 << 20
 CONTEXT = 128
 START_TIMEOUT_S = 120.0
 STATE: dict[str, Any] = {}  # what the SIGTERM test leaves for the restart test
@@ -45,8 +46,9 @@ STATE: dict[str, Any] = {}  # what the SIGTERM test leaves for the restart test
 class ServerProcess:
     """`tprt serve` in a subprocess: waits for its "listening on" line, stops it, keeps its log."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, tls_ca: Path | None = None) -> None:
         self.log = log
+        self.tls_ca = tls_ca
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tprt.cli", "serve", *args], stdout=subprocess.PIPE,
             stderr=log.open("w"), text=True, env={**_env(), "PYTHONUNBUFFERED": "1"})
@@ -74,7 +76,7 @@ class ServerProcess:
         return self.log.read_text()[-3000:] if self.log.exists() else ""
 
     def client(self, token: str | None = TOKEN, timeout: float | None = 60.0) -> Client:
-        return Client(self.target, token=token, timeout=timeout)
+        return Client(self.target, token=token, timeout=timeout, tls_ca=self.tls_ca)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=10) as r:
@@ -138,7 +140,7 @@ def server_args(root: Path) -> list[str]:
     return ["--model", str(root / "model" / "tp2"), "--port", "0", "--metrics-port", "0",
             "--data-dir", str(root / "data"), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--drain-timeout", "20",
-            "--threads", "1", "--collective-timeout", "30"]
+            "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_MESSAGE)]
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +316,24 @@ def test_auth(server: ServerProcess) -> None:
             assert c.health_check() == "SERVING"  # exempt
 
 
+def test_message_size_is_bounded(client: Client) -> None:
+    err = rpc_error(lambda: client.complete("x" * (2 * MAX_MESSAGE), max_new_tokens=1))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_cli(server: ServerProcess, workdir: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tprt.cli", "client", "--server", server.target,
+                               "--token-file", str(workdir / "token"), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    out = cli("complete", "Hello there", "--max-new-tokens", "4", "--temperature", "0", "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["usage"]["completion_tokens"] == 4
+    bad = cli("generate", "x", "--top-p", "5")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT [sampling.top_p]" in bad.stderr
+
+
 def test_model_info_and_reflection(client: Client) -> None:
     info = client.model_info()
     assert (info.tp_size, info.context_length, info.max_batch_size) == (2, CONTEXT, MAX_BATCH)
@@ -447,12 +467,26 @@ def test_sigterm_drains_checkpoints_and_exits_0(workdir: Path, server: ServerPro
     STATE["checkpointed"] = (job.id, rec.step)
 
 
+def _self_signed_cert(workdir: Path) -> tuple[Path, Path] | None:
+    import shutil
+
+    if shutil.which("openssl") is None:
+        return None
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
 def test_restart_recovers_jobs_then_rank_death(workdir: Path) -> None:
     store = JobStore(workdir / "data")
     store.create(JobRecord(id="job-crashed", method="lora", dataset="train.jsonl", adapter_id="crashed",
                            hyperparameters={"steps": 10}, state=RUNNING, step=3, total_steps=10))
     store.close()
-    srv = ServerProcess(server_args(workdir), workdir / "server-b.log")
+    tls = _self_signed_cert(workdir)  # this server speaks TLS (when openssl is available)
+    extra = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
+    srv = ServerProcess(server_args(workdir) + extra, workdir / "server-b.log", tls[0] if tls else None)
     try:
         c = srv.client()
         crashed = c.get_job("job-crashed")
