@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tprt.fast_linear import prepack
 from tprt.kv_cache import KVCache
 from tprt.model import TPLlamaForCausalLM
 from tprt.plan import BatchPlan, StepPlan
@@ -38,8 +39,10 @@ class ModelRunner:
     """This rank's model and KV cache, driven by plans."""
 
     def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True) -> None:
         self.model = model
+        if cpu_prepack:
+            prepack(model)  # a no-op unless CPU bf16 (see tprt.fast_linear)
         self.device = model.tp.device
         self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
         self._arange = torch.arange(max_seq_len, device=self.device)
