@@ -1,0 +1,211 @@
+"""Serving benchmark on the real SmolLM2-135M-Instruct: `tprt serve` on loopback against the
+in-process engine measured in the same run.
+
+    python bench/serve_bench.py                        # TP 1, 1/4/16/64 streams, 64 tokens each
+    python bench/serve_bench.py --tp 2 --tokens 32     # TP 2 (local gloo ranks)
+
+Reported, per concurrency level c (c streams started together, each greedy, `--tokens` tokens
+with EOS ignored): aggregate generated tokens/s (all tokens / wall time of the round) and p50/p99
+time to first token. Peers in the same run:
+
+- the in-process engine (`tprt.engine.Engine`, same checkpoint, batch, context and threads) at
+  one stream, measured before and after the server (the better of the two): gRPC overhead = 1 - server tokens/s / engine tokens/s (target < 5%);
+- the server at one stream: 16 streams / 1 stream aggregate throughput (target >= 6x).
+
+Bounded: every call has a deadline, the server is stopped with SIGTERM (then killed) at the end.
+The machine may be shared with other work: compare the ratios, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = ["Write a long story about a cat who learns to play the piano.",
+           "Explain how a steam engine works, step by step.",
+           "List the planets of the solar system and describe each one.",
+           "What is the capital of France? Tell me about its history."]
+
+
+def prepare(workdir: Path, tp: int) -> Path:
+    """workdir/hf and workdir/tp{tp} from the bundled GGUF (kept between runs)."""
+    from convert.api import gguf_to_hf, hf_to_tp
+    from tprt.demo import smollm2_gguf
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not (workdir / "hf").exists():
+        gguf_to_hf(smollm2_gguf(), workdir / "hf")
+    if not (workdir / f"tp{tp}").exists():
+        hf_to_tp(workdir / "hf", workdir / f"tp{tp}", tp=tp)
+    return workdir / f"tp{tp}"
+
+
+def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_seq_len: int,
+                repeats: int) -> dict[str, float]:
+    """One rank of the in-process peer: rank 0 times one greedy stream, best of `repeats`."""
+    from tprt.dist import init_distributed
+    from tprt.engine import Engine, EngineConfig
+    from tprt.loading import load_model
+    from tprt.sampling import SamplingParams
+    from tprt.tokenizer import Tokenizer
+
+    ctx = init_distributed()
+    model = load_model(model_dir, ctx)
+    tok = Tokenizer.from_dir(model_dir) if ctx.rank == 0 else None
+    engine = Engine(model, tok, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len))
+    if ctx.rank != 0:
+        engine.follow()
+        return {}
+    assert tok is not None
+    ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    best: dict[str, float] = {}
+    for r in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        engine.add(ids, params, f"r{r}")
+        first = None
+        n = 0
+        while engine.has_work:
+            for ev in engine.step():
+                if ev.token_id is not None:
+                    n += 1
+                    first = first or time.perf_counter()
+        wall = time.perf_counter() - t0
+        if r and (not best or n / wall > best["tokens_per_s"]):
+            best = {"tokens_per_s": n / wall, "ttft_s": (first or t0) - t0}
+    engine.close()
+    return best
+
+
+class Server:
+    """`tprt serve` as a subprocess on a free loopback port."""
+
+    def __init__(self, model: Path, data_dir: Path, max_batch: int, max_seq_len: int, log: Path) -> None:
+        cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--port", "0",
+               "--metrics-port", "-1", "--data-dir", str(data_dir), "--max-batch-size", str(max_batch),
+               "--max-queue", str(max_batch), "--max-seq-len", str(max_seq_len), "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        ready = threading.Event()
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if "listening on" in line:
+                    found.append(line.split("listening on ")[1].split()[0])
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(300) or not found:
+            self.stop()
+            raise SystemExit(f"the server did not start; see {log}")
+        self.target = found[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stream(client: Any, prompt: str, tokens: int) -> tuple[float, int, float]:
+    """One greedy stream: (time to first token, tokens, wall seconds)."""
+    t0 = time.perf_counter()
+    first, n = None, 0
+    for msg in client.generate(chat=[{"role": "user", "content": prompt}], max_new_tokens=tokens,
+                               temperature=0, ignore_eos=True, timeout=600):
+        if msg.HasField("token"):
+            n += 1
+            first = first or time.perf_counter()
+    return (first or t0) - t0, n, time.perf_counter() - t0
+
+
+def round_of(client: Any, c: int, tokens: int) -> dict[str, float]:
+    """c streams started together: aggregate tokens/s, p50/p99 TTFT."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        results = list(pool.map(lambda i: stream(client, PROMPTS[i % len(PROMPTS)], tokens), range(c)))
+    wall = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    total = sum(r[1] for r in results)
+    p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+    return {"streams": c, "tokens_per_s": total / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": p99}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-serve-bench"))
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per stream (64)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--repeats", type=int, default=3, help="rounds at one stream, best taken (3)")
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    from serve.client import Client
+    from tprt.launch import launch_local
+
+    model = prepare(args.workdir, args.tp)
+    max_batch = max(args.streams)
+
+    def run_engine(when: str) -> dict[str, float]:
+        res: dict[str, float] = launch_local(args.tp, engine_rank, (str(model), PROMPTS[0], args.tokens, max_batch,
+                                                                    args.max_seq_len, args.repeats), timeout_s=900)[0]
+        print(f"in-process engine ({when}), 1 stream: {res['tokens_per_s']:.1f} tok/s, "
+              f"TTFT {res['ttft_s'] * 1e3:.0f} ms", flush=True)
+        return res
+
+    # The peer is measured before and after the server (best of both), so load drift on a
+    # shared machine does not favour either side.
+    engine = run_engine("before")
+    server = Server(model, args.workdir / "data", max_batch, args.max_seq_len, args.workdir / "server.log")
+    rows = []
+    try:
+        with Client(server.target) as client:
+            round_of(client, 1, 8)  # warm-up
+            for c in args.streams:
+                reps = args.repeats if c == 1 else 1
+                row = max((round_of(client, c, args.tokens) for _ in range(reps)), key=lambda r: r["tokens_per_s"])
+                rows.append(row)
+                print(f"server, {c:3d} streams: {row['tokens_per_s']:8.1f} tok/s  TTFT p50 "
+                      f"{row['ttft_p50_s'] * 1e3:7.0f} ms  p99 {row['ttft_p99_s'] * 1e3:7.0f} ms", flush=True)
+    finally:
+        server.stop()
+    after = run_engine("after")
+    report(rows, max(engine, after, key=lambda r: r["tokens_per_s"]), args)
+
+
+def report(rows: list[dict[str, float]], engine: dict[str, float], args: argparse.Namespace) -> None:
+    by = {int(r["streams"]): r for r in rows}
+    out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "engine_1": engine, "server": rows}
+    if 1 in by:
+        overhead = 1 - by[1]["tokens_per_s"] / engine["tokens_per_s"]
+        out["grpc_overhead"] = overhead
+        print(f"gRPC overhead at 1 stream: {overhead * 100:.1f}% (target < 5%)")
+        if 16 in by:
+            out["scale_16_over_1"] = by[16]["tokens_per_s"] / by[1]["tokens_per_s"]
+            print(f"16 streams / 1 stream throughput: {out['scale_16_over_1']:.1f}x (target >= 6x)")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
