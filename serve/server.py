@@ -14,6 +14,7 @@ until the process is stopped (exit status 1): a supervisor restarts it.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import signal
@@ -157,6 +158,7 @@ class App:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
+        self._data_lock = _lock_data_dir(Path(cfg.data_dir))
         self.store = JobStore(cfg.data_dir)
         for rec in self.store.recover(Path(cfg.data_dir)):
             log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
@@ -293,6 +295,23 @@ class App:
         self.scheduler.shutdown(timeout_s=self.cfg.collective_timeout)
         log.info("stopped (%s)", "drained" if clean else "cancelled requests still running at the drain timeout")
         return 1 if self.broken else 0
+
+
+def _lock_data_dir(data_dir: Path) -> Any:
+    """An exclusive lock on --data-dir for this server's life: two servers recovering and running
+    the same jobs would corrupt each other's work."""
+    f = open(data_dir / ".serve.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"--data-dir {data_dir}: in use by another tprt serve (pid {owner})") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _tokenizer(path: Path) -> Tokenizer | None:

@@ -489,6 +489,9 @@ def test_restart_recovers_jobs_then_rank_death(workdir: Path) -> None:
     srv = ServerProcess(server_args(workdir) + extra, workdir / "server-b.log", tls[0] if tls else None)
     try:
         c = srv.client()
+        second = subprocess.run([sys.executable, "-m", "tprt.cli", "serve", *server_args(workdir)],
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and "in use by another tprt serve" in second.stderr, second.stderr
         crashed = c.get_job("job-crashed")
         assert crashed.state == 4 and "no checkpoint" in crashed.error  # FAILED, with the reason
         if "adapter" in STATE:
