@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -61,7 +62,16 @@ def build(force: bool = False) -> Path:
     stamp = _stamp()
     if not force and _fresh(stamp):
         return OUT_DIR
-    OUT_DIR.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _build_locked(stamp, force)
+    except OSError as e:  # a read-only install: use what is there, if anything
+        if (OUT_DIR / _STAMP).is_file():
+            warnings.warn(f"{OUT_DIR} is stale and cannot be regenerated ({e}); using it as it is", stacklevel=2)
+            return OUT_DIR
+        raise ProtoBuildError(f"cannot generate {OUT_DIR} ({e}); run `python -m serve.protos` where it is writable") from None
+
+
+def _build_locked(stamp: str, force: bool) -> Path:
     lock_path = Path(tempfile.gettempdir()) / f"tprt-proto-{hashlib.sha256(bytes(OUT_DIR)).hexdigest()[:16]}.lock"
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
