@@ -243,7 +243,7 @@ def test_queue_full_is_resource_exhausted(server: ServerProcess, client: Client)
         t0 = time.monotonic()
         err = rpc_error(lambda: client.complete("one too many", max_new_tokens=2))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert time.monotonic() - t0 < 2.0  # at once, not after waiting
+        assert time.monotonic() - t0 < 5.0  # at once, not after the running streams (seconds)
     finally:
         for call in calls:
             call.cancel()
