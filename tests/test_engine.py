@@ -302,6 +302,24 @@ def check_seeded(ctx: TPContext, wd: Path) -> None:
     assert b1["g"] == ref["greedy"][1]
 
 
+def check_static_decode(ctx: TPContext, wd: Path) -> None:
+    """The static-shape decode (what CUDA graphs replay; eager on CPU): batches padded to buckets
+    (padding rows write into a slot whose prompt is still being prefilled in chunks), attention
+    over the whole cache, sequences joining and leaving - still transformers' tokens."""
+    ref = _ref(wd)
+    order = (0, 2, 3, 1)  # with 5 tokens per step: 3 decode rows (bucket 4) while slot 3 prefills
+
+    def fn(engine: Engine) -> dict[str, list[int]]:
+        assert engine.runner.static is not None and engine.runner.static.buckets == [1, 2, 4]
+        for i in order:
+            engine.add(ref["prompts"][i], _greedy(), str(i))
+        return _ids(run_to_completion(engine))
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=48, token_budget=5, static_decode=True), fn)
+    for i, want in enumerate(ref["greedy"]):
+        assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != {want}"
+
+
 CHECKS: Checks = [
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
@@ -310,6 +328,7 @@ CHECKS: Checks = [
     ("stops", check_stops),
     ("logprobs", check_logprobs),
     ("seeded", check_seeded),
+    ("static_decode", check_static_decode),
 ]
 
 

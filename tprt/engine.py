@@ -62,6 +62,7 @@ class EngineConfig:
     seed: int | None = None  # base seed for sampled requests without their own seed
     cache_dtype: torch.dtype | None = None  # KV cache dtype; None: the model's
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
+    static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
 
 
 class Engine:
@@ -73,7 +74,8 @@ class Engine:
         self.ctx = model.tp
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
-        self.runner = ModelRunner(model, config.max_batch, self.max_seq_len, config.cache_dtype, config.cpu_prepack)
+        self.runner = ModelRunner(model, config.max_batch, self.max_seq_len, config.cache_dtype,
+                                  config.cpu_prepack, config.static_decode)
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids

@@ -19,6 +19,7 @@ from tprt.fast_linear import prepack
 from tprt.kv_cache import KVCache
 from tprt.model import TPLlamaForCausalLM
 from tprt.plan import BatchPlan, StepPlan
+from tprt.static_decode import StaticDecode
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,18 @@ class ModelRunner:
     """This rank's model and KV cache, driven by plans."""
 
     def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
-                 cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True) -> None:
+                 cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
+                 static_decode: bool | None = None) -> None:
         self.model = model
         if cpu_prepack:
             prepack(model)  # a no-op unless CPU bf16 (see tprt.fast_linear)
         self.device = model.tp.device
         self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
         self._arange = torch.arange(max_seq_len, device=self.device)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        # Packed decode batches on static shapes (CUDA graphs on GPU); see tprt.static_decode.
+        self.static = StaticDecode(model, self.cache, n_slots) if static_decode else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -76,9 +82,12 @@ class ModelRunner:
 
     def _decode(self, batch: BatchPlan) -> BatchResult:
         n = len(batch.slots)
+        packed = batch.slots == tuple(range(n))
+        if packed and self.static is not None:
+            local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
+            return self._finish(local, batch.full_logits)
         ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
         positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
-        packed = batch.slots == tuple(range(n))
         slots = None if packed else torch.tensor(batch.slots, dtype=torch.long, device=self.device)
         local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len)  # [rows, 1, local_vocab]
         return self._finish(local[:, 0], batch.full_logits)
