@@ -249,7 +249,8 @@ def _cli_rank(args: list[str]) -> int:
 
 def test_dp2_x_tp2_equals_tp2_with_accumulation(setup: dict[str, Path]) -> None:
     """World 4 = dp 2 x tp 2, one row per rank and micro-batch, against dp 1 accumulating two
-    micro-batches of one row: the same global batches, so the same losses and adapter."""
+    micro-batches of one row (with activation checkpointing): the same global batches, so the
+    same losses and adapter."""
     from safetensors.torch import load_file
 
     from tprt.launch import launch_local
@@ -257,8 +258,8 @@ def test_dp2_x_tp2_equals_tp2_with_accumulation(setup: dict[str, Path]) -> None:
     common = ["--lora-rank", "4", "--lr", "1e-2", "--steps", "4", "--batch-size", "1"]
     dp = setup["root"] / "dp2"
     assert launch_local(4, _cli_rank, (_args(setup, dp, *common),), timeout_s=240) == [0, 0, 0, 0]
-    acc = setup["root"] / "accum2"
-    assert main(_args(setup, acc, *common, "--grad-accum", "2")) == 0
+    acc = setup["root"] / "accum2"  # and recomputing activations in the backward changes nothing
+    assert main(_args(setup, acc, *common, "--grad-accum", "2", "--activation-checkpointing")) == 0
     assert torch.allclose(torch.tensor(_losses(dp)), torch.tensor(_losses(acc)), rtol=1e-5, atol=0)
     a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (dp, acc))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
@@ -313,3 +314,13 @@ def test_generate_with_adapter_matches_peft_greedy(setup: dict[str, Path], lora_
                             eos_token_id=None, pad_token_id=0)
         assert got == ref[0, ids.shape[1]:].tolist()
     assert len(ours) == 2
+
+
+def test_demo_finetune_helper(setup: dict[str, Path]) -> None:
+    """`run_finetune_demo` (called by `tprt demo`) writes its 20 chats and returns the adapter."""
+    from tprt.train.cli import DEMO_ANSWER, run_finetune_demo
+
+    adapter = run_finetune_demo(setup["tp2"], setup["root"] / "demo", steps=2)
+    assert (adapter / "adapter_model.safetensors").is_file()
+    lines = (setup["root"] / "demo" / "demo-chats.jsonl").read_text().splitlines()
+    assert len(lines) == 20 and all(DEMO_ANSWER in line for line in lines)

