@@ -9,7 +9,8 @@ and a masked prompt. Every TP world (tests/mp.py) then checks, on every rank:
 - loss (1e-5) and each parameter's gradient, sliced to this rank by the TP rules (1e-4),
   after `sync_gradients`; replicated values (norms, kv rows shared by ranks) bitwise identical;
 - N_STEPS of our AdamW + `clip_grad_norm` give transformers' losses, norms and weights;
-- activation checkpointing leaves the gradients unchanged;
+- activation checkpointing leaves the gradients unchanged; bf16 weights with fp32 masters train
+  close to the fp32 reference and keep their replicas identical;
 - DP x TP meshes (dp 2 x tp 2 in the world of 4, dp 2 x tp 4 in the world of 8): each DP rank
   gets half the rows, and gradients and steps still equal the whole-batch reference.
 """
@@ -186,10 +187,12 @@ def assert_replicas_identical(model: TPLlamaForCausalLM, ctx: TPContext, what: s
             assert_tp_identical(value[a:b], ctx, f"{what} of {pname} k/v rows", kv_group(ctx, spec.kv_replication))
 
 
-def run_steps(model: TPLlamaForCausalLM, ctx: TPContext, batches: list[Any]) -> tuple[list[float], list[float]]:
+def run_steps(
+    model: TPLlamaForCausalLM, ctx: TPContext, batches: list[Any], opt: AdamW | None = None
+) -> tuple[list[float], list[float]]:
     """N_STEPS of AdamW with warmup + cosine and clipping; (mean losses, norms before clipping)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = AdamW(params, **HP)
+    opt = opt or AdamW(params, **HP)
     sched = warmup_cosine(opt, WARMUP, N_STEPS, MIN_LR_RATIO)
     losses, norms = [], []
     for ids, labels in batches:
@@ -236,6 +239,23 @@ def check_steps(ctx: TPContext, workdir: Path, name: str) -> None:
     assert_replicas_identical(model, ctx, "weight")
 
 
+def check_bf16_steps(ctx: TPContext, workdir: Path, name: str) -> None:
+    """bf16 weights: the steps track the fp32 reference loosely, every weight is its fp32 master
+    rounded, and replicated weights stay bitwise identical (the gradient sync sums in fp32)."""
+    ref = _ref(workdir, name)
+    model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, dtype="bf16", requires_grad=True).train()
+    opt = AdamW([p for p in model.parameters() if p.requires_grad], **HP)
+    losses, norms = run_steps(model, ctx, ref["batches"], opt)
+    for i, (ours, want) in enumerate(zip(losses, ref["losses"])):
+        assert abs(ours - want) <= 2e-2 * abs(want), f"step {i} bf16 loss {ours} far from fp32 {want}"
+    assert all(abs(a - b) <= 0.1 * b for a, b in zip(norms, ref["norms"])), f"bf16 norms {norms} vs {ref['norms']}"
+    for pname, p in model.named_parameters():
+        master = opt.master(p)
+        assert p.dtype == torch.bfloat16 and master.dtype == torch.float32, pname
+        assert torch.equal(p.detach(), master.to(torch.bfloat16)), f"{pname}: not its master rounded"
+    assert_replicas_identical(model, ctx, "weight")
+
+
 def check_checkpointing(ctx: TPContext, workdir: Path, name: str) -> None:
     """Per-block activation checkpointing gives the same loss and gradients."""
     ids, labels = _ref(workdir, name)["batches"][1]
@@ -247,7 +267,8 @@ def check_checkpointing(ctx: TPContext, workdir: Path, name: str) -> None:
         (loss_sum / n_tokens).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for n, g in grads[0].items():
-        assert g is not None and torch.equal(g, grads[1][n]), f"{n}: gradient changed under checkpointing"
+        other = grads[1][n]
+        assert g is not None and other is not None and torch.equal(g, other), f"{n}: gradient changed under checkpointing"
 
 
 _MESHES: dict[tuple[int, int], TPContext] = {}
@@ -279,6 +300,7 @@ def _checks(world: int) -> Checks:
         *((f"{n}-grads", partial(check_grads, name=n)) for n in configs),
         *((f"{n}-steps", partial(check_steps, name=n)) for n in configs),
         ("rope_pad-checkpointing", partial(check_checkpointing, name="rope_pad")),
+        ("rope_pad-bf16_steps", partial(check_bf16_steps, name="rope_pad")),
     ]
     if world in DP_MESHES:
         checks += [("dp-grads", partial(check_dp, which="grads")), ("dp-steps", partial(check_dp, which="steps"))]

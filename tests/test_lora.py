@@ -59,7 +59,8 @@ LR = 5e-3
 def _peft_config(targets: tuple[str, ...], rank: int, alpha: float) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=[HF_MODULES[t].split(".")[1] for t in targets],
+    modules = [HF_MODULES[t].split(".")[1] for t in targets]
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules,  # type: ignore[arg-type]
                       lora_dropout=0.0, init_lora_weights=False)
 
 
@@ -332,9 +333,9 @@ def test_adapter_config_is_peft_loadable(workdir: Path, tmp_path: Path) -> None:
     cfg = adapter_config(["gate", "q", "v"], 8, 16.0, 0.05, "/models/base")
     assert cfg["target_modules"] == ["q_proj", "v_proj", "gate_proj"] and cfg["r"] == 8
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
-    loaded = PeftConfig.from_pretrained(tmp_path)
+    loaded = PeftConfig.from_pretrained(str(tmp_path))
     assert isinstance(loaded, LoraConfig) and loaded.lora_alpha == 16.0 and loaded.lora_dropout == 0.05
-    assert set(loaded.target_modules) == {"q_proj", "v_proj", "gate_proj"}
+    assert set(loaded.target_modules or ()) == {"q_proj", "v_proj", "gate_proj"}
     assert read_adapter_config(cfg) == (("q", "v", "gate"), 8, 16.0, 0.05)
     with pytest.raises(ConfigError, match="field 'use_dora'=True is not supported"):
         read_adapter_config({**cfg, "use_dora": True})

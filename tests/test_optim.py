@@ -7,6 +7,7 @@ import io
 import math
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from tprt.errors import ValidationError
 from tprt.train.grads import TPSpec, clip_grad_norm, set_spec
 from tprt.train.optim import AdamW, warmup_cosine
 
-HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 SHAPES = [(8, 16), (16,), (3, 5, 2)]
 
 
