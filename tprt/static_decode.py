@@ -91,7 +91,7 @@ class StaticDecode:
                     self._forward(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL watchdog thread
                 out = self._forward(batch)
             self.graphs[batch] = (graph, out)
         except RuntimeError as e:  # e.g. a collective that cannot be captured: fall back, loudly
