@@ -93,10 +93,12 @@ def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_se
 class Server:
     """`tprt serve` as a subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, data_dir: Path, max_batch: int, max_seq_len: int, log: Path) -> None:
+    def __init__(self, model: Path, data_dir: Path, max_batch: int, max_seq_len: int, threads: int,
+                 log: Path) -> None:
         cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--port", "0",
                "--metrics-port", "-1", "--data-dir", str(data_dir), "--max-batch-size", str(max_batch),
-               "--max-queue", str(max_batch), "--max-seq-len", str(max_seq_len), "--log-level", "warning"]
+               "--max-queue", str(max_batch), "--max-seq-len", str(max_seq_len), "--threads", str(threads),
+               "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         ready = threading.Event()
@@ -158,6 +160,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--repeats", type=int, default=3, help="rounds at one stream, best taken (3)")
     ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per rank, engine and server alike (1: leaves a core for gRPC and the client)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     from serve.client import Client
@@ -168,7 +172,8 @@ def main() -> None:
 
     def run_engine(when: str) -> dict[str, float]:
         res: dict[str, float] = launch_local(args.tp, engine_rank, (str(model), PROMPTS[0], args.tokens, max_batch,
-                                                                    args.max_seq_len, args.repeats), timeout_s=900)[0]
+                                                                    args.max_seq_len, args.repeats), timeout_s=900,
+                                            threads_per_rank=args.threads)[0]
         print(f"in-process engine ({when}), 1 stream: {res['tokens_per_s']:.1f} tok/s, "
               f"TTFT {res['ttft_s'] * 1e3:.0f} ms", flush=True)
         return res
@@ -176,7 +181,8 @@ def main() -> None:
     # The peer is measured before and after the server (best of both), so load drift on a
     # shared machine does not favour either side.
     engine = run_engine("before")
-    server = Server(model, args.workdir / "data", max_batch, args.max_seq_len, args.workdir / "server.log")
+    server = Server(model, args.workdir / "data", max_batch, args.max_seq_len, args.threads,
+                    args.workdir / "server.log")
     rows = []
     try:
         with Client(server.target) as client:
@@ -195,7 +201,8 @@ def main() -> None:
 
 def report(rows: list[dict[str, float]], engine: dict[str, float], args: argparse.Namespace) -> None:
     by = {int(r["streams"]): r for r in rows}
-    out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "engine_1": engine, "server": rows}
+    out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "engine_1": engine,
+                           "server": rows}
     if 1 in by:
         overhead = 1 - by[1]["tokens_per_s"] / engine["tokens_per_s"]
         out["grpc_overhead"] = overhead

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -120,12 +121,13 @@ def run_serve(cfg: ServeConfig) -> int:
     cfg = replace(cfg, model=Path(cfg.model).resolve(), data_dir=Path(cfg.data_dir).resolve())
     if in_distributed_env():
         return serve_rank(cfg, [])
+    if cfg.threads is None:  # the machine's cores shared by the local ranks (rank 0 included)
+        cfg = replace(cfg, threads=max(1, (os.cpu_count() or 1) // ckpt.tp_size))
     app = App(cfg)  # binds the ports before any rank starts: a busy port fails fast
     procs: list[Any] = []
     try:
         if ckpt.tp_size > 1:
-            threads = cfg.threads or max(1, (os.cpu_count() or 1) // ckpt.tp_size)
-            procs = start_local_followers(ckpt.tp_size, free_port(), follower_main, (cfg,), threads)
+            procs = start_local_followers(ckpt.tp_size, free_port(), follower_main, (cfg,), cfg.threads or 1)
         return app.run(procs)
     finally:
         stop_followers(procs, grace_s=0 if app.broken else 10)
@@ -142,6 +144,8 @@ def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
         return App(cfg).run(procs)
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop (after draining)
         signal.signal(sig, signal.SIG_IGN)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     ctx = init_distributed(timeout_s=cfg.collective_timeout)
     try:
         model = load_model(cfg.model, ctx, cfg.dtype)
@@ -244,6 +248,8 @@ class App:
     def run(self, procs: list[Any]) -> int:
         """Serves until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
         self._install_signals()
+        if self.cfg.threads is not None:
+            torch.set_num_threads(self.cfg.threads)
         stop_watch = threading.Event()
         if procs:
             watch(procs, self._rank_died, stop_watch)
