@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,7 +90,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--seed", type=int, default=0, help="shuffling, split and LoRA init seed (0)")
     f.add_argument("--dtype", choices=("fp32", "bf16"), help="weights and compute (default: fp32 on CPU, bf16 on GPU)")
     f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
-    f.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    f.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --out (a larger --steps trains on; "
+                        "the learning-rate schedule stays the original run's)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
     f.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps down
     g = sub.add_parser("merge-lora", help="merge a LoRA adapter into a TP checkpoint", epilog=MERGE_EPILOG,
@@ -202,12 +205,15 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from tprt.dist import in_distributed_env, shutdown
     from tprt.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
-    from tprt.train.trainer import train_rank
+    from tprt.train.trainer import total_steps, train_rank
 
     ckpt = TPCheckpoint(cfg.model)
     _check_out(cfg)
     tok = Tokenizer.from_dir(cfg.model)
     dataset = prepare_data(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
+    dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else 1
+    steps = total_steps(cfg, len(dataset.train), dp)
+    _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
     if in_distributed_env():
         try:
@@ -292,12 +298,13 @@ def write_demo_data(path: Path) -> Path:
     return path
 
 
-def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 24) -> Path:
+def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 10) -> Path:
     """A short LoRA fine-tune of the demo model on `write_demo_data`; returns the adapter directory
     (use it with `load_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
     from tprt.train.trainer import FinetuneConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir / "run", ignore_errors=True)  # the demo's own run directory, redone each time
     data = write_demo_data(out_dir / "demo-chats.jsonl")
     cfg = FinetuneConfig(model=tp_dir, data=data, out=out_dir / "run", lora_rank=8, lora_alpha=16.0,
                          lora_targets=ALL_TARGETS, steps=steps, lr=2e-3, warmup_steps=2, batch_size=2,
