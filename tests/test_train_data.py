@@ -180,3 +180,34 @@ def test_eval_split_must_leave_training_data(tok: Tokenizer, tmp_path: Path) -> 
         prepare_data(path, tok, seq_len=16, seed=0, eval_fraction=0.5)
     with pytest.raises(ValidationError, match=r"missing\.jsonl: cannot read"):
         prepare_data(tmp_path / "missing.jsonl", tok, seq_len=16, seed=0)
+
+
+LLAMA2 = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_chat_mask_with_a_sentencepiece_tokenizer(tmp_path: Path, legacy: bool) -> None:
+    """Turn boundaries in the middle of text (Llama-2 template) with sentencepiece's dummy prefix."""
+    import sentencepiece as spm
+
+    from train_fixtures import CORPUS
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 20 + ["[INST] Hello [/INST] world"] * 5), encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=450, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": legacy, "chat_template": LLAMA2}))
+    tok = Tokenizer.from_dir(tmp_path)
+    conv = [m for m in CONVERSATION if m["role"] != "system"]
+    doc = chat_document(conv, tok, "f:1")
+    rendered, spans = assistant_spans(conv, tok, "f:1")
+    assert [rendered[a:b] for a, b in spans] == [" The capital of France is Paris. </s>", " Hello world, hello there!   </s>"]
+    # sentencepiece drops the space a run of pieces starts with when decoding it alone
+    assert [tok.decode(r) for r in _runs(doc)] == [rendered[a:b].lstrip() for a, b in spans]
+    assert tok.decode(doc.ids) == rendered
