@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from tprt.checkpoint import TPCheckpoint
 from tprt.errors import ConfigError
 
+log = logging.getLogger("tprt")
+
 if TYPE_CHECKING:  # torch is imported only when a command runs: `tprt --help` stays fast
     from tprt.train.trainer import FinetuneConfig
 
@@ -196,7 +198,11 @@ def _check_resume_early(cfg: FinetuneConfig, tp: int, digest: str) -> None:
 
     path = ckpt.latest_checkpoint(Path(cfg.out))
     if cfg.resume and path is not None:
-        ckpt.check_resume(path, ckpt.read_train_state(path).run, run_config(cfg, tp, digest))
+        state = ckpt.read_train_state(path)
+        ckpt.check_resume(path, state.run, run_config(cfg, tp, digest))
+        log.info("resuming from %s (step %d)", path, state.step)
+    elif cfg.resume:
+        log.info("--resume: no checkpoint in %s yet; starting from step 0", cfg.out)
 
 
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -214,6 +220,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else 1
     steps = total_steps(cfg, len(dataset.train), dp)
     _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
+    r = dataset.report
+    log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
+             r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
     if in_distributed_env():
         try:
