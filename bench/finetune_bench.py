@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,19 +93,8 @@ class PeakRSS:
         return self.peak / 2**20
 
 
-def _time_steps(step: Any, steps: int) -> tuple[list[float], float]:
-    """(seconds of each timed step, peak RSS in MB while training)."""
-    times = []
-    with PeakRSS() as mem:
-        for i in range(steps + 1):
-            t0 = time.perf_counter()
-            step()
-            if i:  # the first step warms up (allocations, Adam state)
-                times.append(time.perf_counter() - t0)
-    return times, mem.peak_mb
-
-
-def worker_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> tuple[list[float], float]:
+def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+    """One training step of tprt (TP 1) on the batch, as a closure."""
     from tprt.dist import TPContext
     from tprt.loading import load_model
     from tprt.train.grads import clip_grad_norm, sync_gradients
@@ -127,10 +116,11 @@ def worker_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _time_steps(step, steps)
+    return step
 
 
-def worker_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, steps: int) -> tuple[list[float], float]:
+def build_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+    """One training step of transformers (+ PEFT for LoRA) on the batch, as a closure."""
     from transformers import LlamaForCausalLM
 
     model: Any = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32)
@@ -148,26 +138,43 @@ def worker_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, st
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _time_steps(step, steps)
+    return step
 
 
-def run_worker(a: argparse.Namespace) -> None:
+def run_speed(a: argparse.Namespace) -> None:
+    """Both implementations in this process, their steps alternating, so that the load other
+    processes put on a shared machine falls on both alike; prints each one's step times."""
     hf, tp1 = prepare()
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     ids, labels = make_batch(vocab, a.batch, a.seq, a.target_fraction)
-    fn = worker_tprt if a.impl == "tprt" else worker_hf
-    times, peak_mb = fn(tp1 if a.impl == "tprt" else hf, a.method, ids, labels, a.steps)
-    lifetime_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    tok_s = a.batch * a.seq / min(times)
-    print(json.dumps({"tok_s": tok_s, "median_tok_s": a.batch * a.seq / statistics.median(times),
-                      "peak_mb": peak_mb, "lifetime_peak_mb": lifetime_mb, "times": times}))
+    steps = {"tprt": build_tprt(tp1, a.method, ids, labels), "hf": build_hf(hf, a.method, ids, labels)}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(a.steps + 1):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            if i:  # the first round warms up (allocations, Adam state)
+                times[name].append(time.perf_counter() - t0)
+    print(json.dumps(times))
 
 
-def measure(impl: str, method: str, a: argparse.Namespace, fraction: float) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--worker", "--impl", impl, "--method", method, "--batch", str(a.batch),
-           "--seq", str(a.seq), "--steps", str(a.steps), "--target-fraction", str(fraction)]
+def run_memory(a: argparse.Namespace) -> None:
+    """Peak RSS of one implementation while it trains (two steps), in a process of its own."""
+    hf, tp1 = prepare()
+    vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
+    ids, labels = make_batch(vocab, a.batch, a.seq, a.target_fraction)
+    step = build_tprt(tp1, a.method, ids, labels) if a.impl == "tprt" else build_hf(hf, a.method, ids, labels)
+    with PeakRSS() as mem:
+        step()
+        step()
+    print(json.dumps({"peak_mb": mem.peak_mb}))
+
+
+def _child(a: argparse.Namespace, mode: str, method: str, fraction: float, impl: str = "tprt") -> Any:
+    cmd = [sys.executable, __file__, "--worker", mode, "--impl", impl, "--method", method, "--batch", str(a.batch),
+           "--seq", str(a.seq), "--steps", str(a.steps), "--target-fraction", str(fraction), "--threads", str(a.threads)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return dict(json.loads(out.strip().splitlines()[-1]))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -176,25 +183,32 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--targets", default="1.0,0.5", help="target fractions to measure")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared machine, spinning OpenMP threads of "
+                         "oversubscribed cores make multi-threaded timings meaningless)")
+    ap.add_argument("--worker", choices=("speed", "memory"), help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=("tprt", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=("lora", "full"), help=argparse.SUPPRESS)
     ap.add_argument("--target-fraction", type=float, default=1.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     if a.worker:
-        run_worker(a)
+        (run_speed if a.worker == "speed" else run_memory)(a)
         return
     prepare()
-    print(f"SmolLM2-135M fp32, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads, "
-          f"best of {a.steps} steps after 1 warm-up; peak RSS while training")
-    print(f"{'method':6} {'targets':>7} | {'tprt tok/s':>10} {'ref tok/s':>9} {'ratio':>6} | "
+    print(f"SmolLM2-135M fp32, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads; tokens/s of the "
+          f"best of {a.steps} steps (tprt and reference alternating in one process, after 1 warm-up round); "
+          "peak RSS while training, each in its own process")
+    print(f"{'method':6} {'targets':>7} | {'tprt tok/s':>10} {'ref tok/s':>9} {'ratio':>6} {'(median)':>8} | "
           f"{'tprt MB':>8} {'ref MB':>8} {'ratio':>6}")
     for fraction in (float(x) for x in a.targets.split(",")):
         for method in ("lora", "full"):
-            ours, ref = measure("tprt", method, a, fraction), measure("hf", method, a, fraction)
-            print(f"{method:6} {fraction:7.2f} | {ours['tok_s']:10.1f} {ref['tok_s']:9.1f} "
-                  f"{ours['tok_s'] / ref['tok_s']:5.2f}x | {ours['peak_mb']:8.0f} {ref['peak_mb']:8.0f} "
-                  f"{ours['peak_mb'] / ref['peak_mb']:5.2f}x", flush=True)
+            t = _child(a, "speed", method, fraction)
+            ours, ref = (a.batch * a.seq / min(t[k]) for k in ("tprt", "hf"))
+            med = statistics.median(t["hf"]) / statistics.median(t["tprt"])
+            m_ours, m_ref = (_child(a, "memory", method, fraction, impl)["peak_mb"] for impl in ("tprt", "hf"))
+            print(f"{method:6} {fraction:7.2f} | {ours:10.1f} {ref:9.1f} {ours / ref:5.2f}x {med:7.2f}x | "
+                  f"{m_ours:8.0f} {m_ref:8.0f} {m_ours / m_ref:5.2f}x", flush=True)
 
 
 if __name__ == "__main__":
