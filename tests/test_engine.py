@@ -388,21 +388,38 @@ def test_plan_roundtrip() -> None:
 
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
-    """CPU: the oneDNN-prepacked linears give the logits of F.linear (to rounding) and are used
-    only with autograd off (gradients still reach the weights)."""
-    from tprt.fast_linear import prepack, supported
+    """CPU: the repacked linears give the logits of F.linear (to rounding) for prompts and for
+    one-row decode inputs, and are used only with autograd off (gradients still reach weights)."""
+    from tprt.fast_linear import FastLinear, prepack, supported
 
     ctx = TPContext.single()
     dense, packed = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
     if not supported(packed):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
-    assert prepack(packed) == 4 * packed.config.num_hidden_layers + 1
-    ids = torch.tensor([_ref(workdir)["prompts"][1]])
-    with torch.inference_mode():
-        vocab = dense.config.vocab_size  # the padding columns are -inf in both
-        want, got = dense(ids)[..., :vocab].float(), packed(ids)[..., :vocab].float()
-    assert (got - want).abs().max() <= tol * want.abs().max()
+    chosen = prepack(packed)
+    layer = packed.layers[0]
+    shapes = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                              layer.mlp.down_proj)} | {tuple(packed.lm_head.head_weight().shape)}
+    assert set(chosen) == {f"{a}x{b}" for a, b in shapes}, chosen
+    assert set(chosen.values()) <= {"packed", "transposed", "dense"}
+    assert all(isinstance(m.fast_linear, FastLinear) for m in packed.modules() if hasattr(m, "fast_linear"))
+    vocab = dense.config.vocab_size  # the padding columns are -inf in both
+    for ids in (torch.tensor([_ref(workdir)["prompts"][1]]), torch.tensor([[7]])):
+        with torch.inference_mode():
+            want, got = dense(ids)[..., :vocab].float(), packed(ids)[..., :vocab].float()
+        assert (got - want).abs().max() <= tol * want.abs().max(), ids.shape
     packed.requires_grad_(True)
     loss = packed(ids).float()[..., :vocab].logsumexp(-1).sum()
     loss.backward()  # autograd on: F.linear, so gradients reach the weights
     assert packed.layers[0].mlp.down_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("variant", ["packed", "transposed", "dense"])
+def test_fast_linear_variants(variant: str) -> None:
+    """Every variant computes x @ W^T for 1-, 2- and 3-d inputs."""
+    from tprt.fast_linear import _MAKERS
+
+    w = torch.randn(48, 32)
+    fn = _MAKERS[variant](w)
+    for x in (torch.randn(1, 32), torch.randn(5, 32), torch.randn(2, 3, 32), torch.randn(1, 1, 32)):
+        torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)

@@ -1,61 +1,137 @@
-"""Faster inference matmuls on CPU: the linear layers' weights repacked once for oneDNN.
+"""Faster inference matmuls on CPU: each linear layer's weight in the layout its kernel wants.
 
-On CPU, `F.linear` with bf16 weights and a few rows of input (decode) runs a generic kernel well
-below memory bandwidth; oneDNN's linear on a weight reordered ahead of time uses the CPU's bf16
-dot-product instructions: about 1.5x faster bf16 decode steps in our measurements (docs/PERF.md).
-In fp32 it makes prefill about 1.3x faster (batch-1 decode about the same); results differ from
-F.linear's in rounding only (another summation order).
+On CPU, `F.linear` on a few rows of input (decode) streams the weight well below the memory
+bandwidth, and how far below depends on dtype and shape. `prepack(model)` therefore gives every
+Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inference-only
+`fast_linear` hook, so training is unaffected):
 
-`prepack(model)` sets each layer's `fast_linear` hook (tprt.parallel.layers); the hook is used
-only with autograd off, so training is unaffected. Cost: a second copy of the weights in memory.
+- inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
+  weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
+  blocking for fp32;
+- one-row inputs (batch-1 decode) use whichever of packed, `x @ W^T` with W^T stored contiguous
+  ("transposed": an axpy-style stream, fastest for wide fp32 outputs such as the LM head) and
+  plain `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
+  layers of that shape (so the timing streams from memory like decode does, not from cache).
+
+Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
+summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
+at prepack time, so weights changed in place afterwards need `prepack(model)` again.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from tprt.model import TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+VARIANTS = ("packed", "transposed", "dense")
+Layer = ColumnParallelLinear | RowParallelLinear | VocabParallelLMHead
 
 
-class PackedLinear:
-    """y = x @ W^T through oneDNN with W reordered once (a callable, not a module: the opaque
-    packed tensor must stay out of state_dict)."""
+def _packed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
+    return run
+
+
+def _transposed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    wt = weight.detach().t().contiguous()  # [in, out]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+
+    return run
+
+
+def _dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = weight.detach()
+    return lambda x: F.linear(x, w)
+
+
+_MAKERS = {"packed": _packed, "transposed": _transposed, "dense": _dense}
+
+
+class FastLinear:
+    """y = x @ W^T: `many` for inputs of several rows, `one` for a single row (see the module
+    docstring). A callable, not a module: the packed tensors stay out of state_dict."""
+
+    def __init__(self, many: Callable[[torch.Tensor], torch.Tensor], one: Callable[[torch.Tensor], torch.Tensor],
+                 one_variant: str) -> None:
+        self.many, self.one, self.one_variant = many, one, one_variant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return out
+        return self.one(x) if x.numel() == x.shape[-1] else self.many(x)
 
 
 def supported(model: TPLlamaForCausalLM) -> bool:
-    """CPU weights in bf16/fp16 with oneDNN support for the dtype."""
+    """CPU weights in a dtype oneDNN handles on this CPU."""
     if model.tp.device.type != "cpu" or model.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
-    if model.dtype == torch.float32:
-        return True
     if model.dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if model.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
 
 
-def prepack(model: TPLlamaForCausalLM) -> int:
-    """Packs every linear layer's weight when `supported(model)`; returns how many were packed."""
+def _weight(layer: Layer) -> torch.Tensor:
+    return layer.head_weight() if isinstance(layer, VocabParallelLMHead) else layer.weight
+
+
+def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int = 3) -> float:
+    """Best CPU time of one pass of x through every layer of a group (streams their weights)."""
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms up
+        t0 = time.process_time()
+        for fn in fns:
+            fn(x)
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """The fastest variant for one-row inputs over a group of same-shape weights, and its callables."""
+    x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype)  # not randn: leave the global RNG alone
+    best: tuple[float, str, list[Callable[[torch.Tensor], torch.Tensor]]] | None = None
+    for name in VARIANTS:
+        fns = [_MAKERS[name](w) for w in weights]
+        t = _time_group(fns, x)
+        if best is None or t < best[0]:
+            best = (t, name, fns)
+        del fns  # drop this variant's copies before building the next
+    assert best is not None
+    return best[1], best[2]
+
+
+def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
+    """Sets every linear layer's `fast_linear` when `supported(model)`; returns, per weight shape,
+    the variant chosen for one-row inputs (empty when nothing was done). Without `tune`, one-row
+    inputs use the packed weight too."""
     if not supported(model):
-        return 0
-    n = 0
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.fast_linear = PackedLinear(module.weight)
-            elif isinstance(module, VocabParallelLMHead):
-                module.fast_linear = PackedLinear(module.head_weight())
-            else:
-                continue
-            n += 1
-    return n
+        return {}
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
+    groups: dict[tuple[int, ...], list[Layer]] = {}
+    for layer in layers:
+        groups.setdefault(tuple(_weight(layer).shape), []).append(layer)
+    chosen: dict[str, str] = {}
+    with torch.inference_mode():
+        for shape, group in groups.items():
+            weights = [_weight(layer) for layer in group]
+            many = [_packed(w) for w in weights]
+            name, ones = _tune_one_row(weights) if tune else ("packed", many)
+            if name == "packed":
+                ones = many  # the same copy serves both
+            for layer, m, o in zip(group, many, ones):
+                layer.fast_linear = FastLinear(m, o, name)
+            chosen["x".join(map(str, shape))] = name
+    return chosen
