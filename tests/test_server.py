@@ -431,6 +431,18 @@ def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProce
     STATE["adapter"] = "tiny-lora"
 
 
+def test_full_finetune_job_writes_a_checkpoint(workdir: Path, client: Client) -> None:
+    adapters = list(client.model_info().adapters)
+    job = client.create_job(dataset_path="train.jsonl", full=True, steps=2, batch_size=1, max_seq_len=16,
+                            learning_rate=1e-3)
+    assert job.adapter_id == "" and not job.hyperparameters.HasField("lora_rank")
+    last = list(client.watch_job(job.id, timeout=120))[-1]
+    assert last.state == 3, last.error  # SUCCEEDED
+    out = client.get_job(job.id).output_path
+    assert out == f"jobs/{job.id}/model" and (workdir / "data" / out / "tprt_manifest.json").is_file()
+    assert list(client.model_info().adapters) == adapters  # a full fine-tune serves nothing new
+
+
 def test_cancel_queued_and_running_jobs(client: Client) -> None:
     job = client.create_job(inline_jsonl='{"text": "hello hello hello"}\n', steps=100000, batch_size=1,
                             max_seq_len=16, lora_rank=2)
