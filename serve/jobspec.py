@@ -112,6 +112,8 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     data_dir = data_dir.resolve()
     if tokenizer is None:
         raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
+    if request.method not in (pb.METHOD_UNSPECIFIED, pb.METHOD_LORA, pb.METHOD_FULL):
+        raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
     method = "full" if request.method == pb.METHOD_FULL else "lora"
     hp = hyperparameters(request.hyperparameters, method, context)
     job_id = new_job_id()

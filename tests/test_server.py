@@ -301,6 +301,13 @@ def test_job_validation(workdir: Path, client: Client) -> None:
     for kw, code, field in cases:
         err = rpc_error(lambda: client.create_job(**kw))
         assert (err.code().name, field_of(err)) == (code, field), (kw, err.details())
+    from serve.pb import finetuning_pb2 as ft_pb
+
+    bad_method = ft_pb.CreateJobRequest(dataset_path="train.jsonl", method=7)
+    err = rpc_error(lambda: client.finetuning.CreateJob(bad_method, metadata=client.metadata, timeout=30))
+    assert (err.code().name, field_of(err)) == ("INVALID_ARGUMENT", "method")
+    err = rpc_error(lambda: client.finetuning.ListJobs(ft_pb.ListJobsRequest(limit=-1), metadata=client.metadata))
+    assert (err.code().name, field_of(err)) == ("INVALID_ARGUMENT", "limit")
     for call in (client.get_job, client.cancel_job, client.watch_job):
         err = rpc_error(lambda: call("job-unknown"))
         assert (err.code().name, field_of(err)) == ("NOT_FOUND", "job_id")
