@@ -6,7 +6,6 @@ computation done whole in a single process.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from pathlib import Path
 
@@ -259,8 +258,8 @@ def test_launch_local_returns_rank_results() -> None:
 
 
 def test_launch_local_tears_down_on_failure() -> None:
-    t0 = time.monotonic()
+    # Rank 0 waits in a collective for rank 1, which raises: unless the launcher tears rank 0
+    # down, the call ends in the launcher's own timeout, whose message does not match.
     with pytest.raises(LaunchError, match=r"^rank 1 failed: ValueError: boom on rank 1$") as info:
         launch_local(2, _ranks_fail, (1,), timeout_s=120)
     assert info.value.rank == 1 and "Traceback" in info.value.details
-    assert time.monotonic() - t0 < 60, "the waiting rank was not torn down promptly"
