@@ -140,6 +140,7 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--stop-token-id", "999"], ["--stop-token-id"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--dtype", "int8"], ["--dtype", "int8"]),
     (["generate", "--model", "{root}/tp2"], ["no prompt"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
     (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),
 ])

@@ -78,6 +78,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="also the N most likely tokens (0-20)")
     g.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
     g.add_argument("--adapter", type=Path, metavar="DIR", help="LoRA adapter directory, applied without merging")
 
 
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", type=Path, required=True, metavar="TEXT_OR_JSONL", help=".txt (one document) or .jsonl")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--json", action="store_true", help="print per-token results as JSON")
+    s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
     from tprt.train.cli import add_parsers as add_train_parsers  # finetune, merge-lora
 
     add_train_parsers(sub)
@@ -133,7 +136,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "score":
         from tprt.generate import ScoreArgs, run_score
 
-        return run_score(ScoreArgs(model=args.model, file=args.file, dtype=args.dtype, json=args.json))
+        return run_score(ScoreArgs(model=args.model, file=args.file, dtype=args.dtype, json=args.json,
+                                   threads=args.threads))
     return 2
 
 

@@ -56,6 +56,7 @@ class GenerateArgs:
     dtype: str | None = None
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
+    threads: int | None = None  # torch threads per rank; None: cores / TP
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,16 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
 
 
-def run_on_ranks(model: str, fn: Callable[[J], None], job: J) -> None:
-    """Runs fn(job) on every rank of the checkpoint's TP world (see the module docstring)."""
+def run_on_ranks(model: str, fn: Callable[[J], None], job: J, threads: int | None = None) -> None:
+    """Runs fn(job) on every rank of the checkpoint's TP world (see the module docstring), each
+    with `threads` torch threads (None: the cores divided among the local ranks)."""
     tp = TPCheckpoint(model).tp_size
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    if threads is not None and (in_distributed_env() or tp == 1):
+        import torch
+
+        torch.set_num_threads(threads)
     if in_distributed_env():
         world = int(os.environ["WORLD_SIZE"])
         if world != tp:
@@ -163,12 +171,12 @@ def run_on_ranks(model: str, fn: Callable[[J], None], job: J) -> None:
     else:
         from tprt.launch import launch_local
 
-        launch_local(tp, fn, (job,))
+        launch_local(tp, fn, (job,), threads_per_rank=threads)
 
 
 def run_generate(args: GenerateArgs) -> int:
     job = prepare_generate(args)
-    run_on_ranks(job.model, generate_rank, job)
+    run_on_ranks(job.model, generate_rank, job, args.threads)
     return 0
 
 
@@ -262,6 +270,7 @@ class ScoreArgs:
     file: Path
     dtype: str | None = None
     json: bool = False
+    threads: int | None = None  # torch threads per rank; None: cores / TP
 
 
 @dataclass(frozen=True)
@@ -318,7 +327,7 @@ def prepare_score(args: ScoreArgs) -> ScoreJob:
 
 def run_score(args: ScoreArgs) -> int:
     job = prepare_score(args)
-    run_on_ranks(job.model, score_rank, job)
+    run_on_ranks(job.model, score_rank, job, args.threads)
     return 0
 
 
