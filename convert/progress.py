@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 from types import TracebackType
 
 from tqdm import tqdm
@@ -12,7 +13,7 @@ class Progress:
     """Counts output bytes; shows size, speed and time left when enabled."""
 
     def __init__(self, total: int, enabled: bool, desc: str) -> None:
-        self._bar: tqdm[None] | None = None
+        self._bar: tqdm[Any] | None = None
         if enabled:
             self._bar = tqdm(
                 total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
