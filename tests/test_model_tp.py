@@ -229,6 +229,15 @@ def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
         full = model.gather_logits(model(ids))  # [batch, seq, vocab]
     for b, n in enumerate(lens):
         _assert_close(full[b, :n], ref["logits"][b], f"bf16 prompt {b}", 5e-2)
+    # Cached decode: on CPU the cache (and so attention) is float32 under bf16 weights.
+    cache = model.new_cache(1, max_seq_len=64)
+    assert cache.dtype == torch.float32
+    prompt = torch.tensor([ref["prompts"][0]])
+    n = prompt.shape[1]
+    with torch.inference_mode():
+        model(prompt[:, :-1], torch.arange(n - 1)[None], cache)
+        last = model.gather_logits(model(prompt[:, -1:], torch.tensor([[n - 1]]), cache))[0, 0]
+    _assert_close(last[None], ref["logits"][0][n - 1 : n], "bf16 cached decode", 5e-2)
 
 
 def check_backward(ctx: TPContext, workdir: Path, name: str) -> None:

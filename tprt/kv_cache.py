@@ -64,6 +64,10 @@ class KVCache:
         self._free.append(slot)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
+    @property
     def k(self) -> torch.Tensor:
         """[layer, slot, kv_head, position, head_dim] view of the keys."""
         return self.kv[:, :, 0]

@@ -32,9 +32,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalised in float32 and rounded before the weight scales it, bit for bit as transformers
+        # (passing the weight to the fused op would round once, after the scaling).
+        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Step:
@@ -73,8 +73,11 @@ class Attention(nn.Module):
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [batch, nkv, seq, head_dim]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
         else:
-            k, v = step.cache.update(self.layer, kv, step.cache_step)  # [batch, nkv, kv_len, head_dim]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
+            # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see new_cache).
+            cache_dtype = step.cache.dtype
+            k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(q.to(cache_dtype), k, v, attn_mask=step.cache_step.mask,
+                                                 enable_gqa=self.gqa).to(x.dtype)
         out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
         return self.o_proj(out)
 
@@ -136,11 +139,19 @@ class TPLlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def default_cache_dtype(self) -> torch.dtype:
+        """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced
+        precision is 5-10x slower than in float32 (measured in docs/PERF.md), and a decode step
+        of a small model spends more time there than the wider cache costs."""
+        if self.tp.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
+
     def new_cache(self, n_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A zeroed KV cache for this rank's kv heads."""
+        """A zeroed KV cache for this rank's kv heads (dtype: `default_cache_dtype()` when None)."""
         return KVCache(
             self.config.num_hidden_layers, n_slots, self.layout.local_kv_heads, max_seq_len,
-            self.config.head_dim, dtype or self.dtype, self.tp.device,
+            self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device,
         )
 
     def forward_hidden(
