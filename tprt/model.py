@@ -18,7 +18,7 @@ from tprt.dist import TPContext
 from tprt.errors import ConfigError
 from tprt.kv_cache import CacheStep, KVCache
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
-from tprt.rope import apply_rope_, inv_frequencies, rope_angles
+from tprt.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
 
 
 class RMSNorm(nn.Module):
@@ -66,13 +66,20 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
-        apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)  # q and k rotated in place
-        q = qkv[:, :, :nh].transpose(1, 2)  # [batch, nh, seq, head_dim]
-        kv = qkv[:, :, nh:].unflatten(2, (2, nkv))  # [batch, seq, k/v, nkv, head_dim]
+        autograd = torch.is_grad_enabled()
+        if autograd:  # out of place, so the backward has no slice copies
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
+            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        else:  # inference: q and k rotated in place, k/v stay views of the projection
+            apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)
+        q = q.transpose(1, 2)  # [batch, nh, seq, head_dim]
         if step.cache is None or step.cache_step is None:
-            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [batch, nkv, seq, head_dim]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, nkv, seq, head_dim]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
         else:
+            # [batch, seq, k/v, nkv, head_dim]; in inference a view of the projection
+            kv = torch.stack((k, v), dim=2) if autograd else qkv[:, :, nh:].unflatten(2, (2, nkv))
             # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see new_cache).
             cache_dtype = step.cache.dtype
             k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]

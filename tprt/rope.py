@@ -58,6 +58,12 @@ def rope_angles(
     return cos.to(dtype), sin.to(dtype)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope_` out of place: what autograd wants (an in-place write into a view of a larger
+    output would cost a CopySlices and a zero-filled gradient of the whole output)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates x [batch, seq, heads, head_dim] in place by the angles of `rope_angles` (rotate-half:
     feature i pairs with i + head_dim / 2) and returns it. x may be a view (e.g. of a fused qkv)."""

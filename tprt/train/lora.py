@@ -126,10 +126,23 @@ class ColumnLoRA(_LoRA):
         self.segments = {s.target: s for s in segments}
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x [..., in] as copied to this rank; y [..., local_out] the base output, updated in place."""
-        for t, seg in self.segments.items():
-            y[..., seg.start : seg.stop] += self.delta(t, x)
-        return y
+        """x [..., in] as copied to this rank; y [..., local_out] the base output (updated in place
+        when autograd is off)."""
+        if not torch.is_grad_enabled():
+            for t, seg in self.segments.items():
+                y[..., seg.start : seg.stop] += self.delta(t, x)
+            return y
+        # Under autograd one out-of-place add of the concatenated deltas: in-place adds into row
+        # slices would each cost a CopySlices and a zero-filled gradient of all of y.
+        pieces, at = [], 0
+        for t, seg in sorted(self.segments.items(), key=lambda item: item[1].start):
+            if seg.start > at:
+                pieces.append(y.new_zeros(*y.shape[:-1], seg.start - at))
+            pieces.append(self.delta(t, x))
+            at = seg.stop
+        if at < y.shape[-1]:
+            pieces.append(y.new_zeros(*y.shape[:-1], y.shape[-1] - at))
+        return y + torch.cat(pieces, dim=-1)
 
     @torch.no_grad()
     def merge_into(self, weight: torch.Tensor) -> None:
