@@ -11,6 +11,7 @@ Weights are stored as in Hugging Face, [out, in], holding this rank's slice:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,29 @@ FastLinear = Callable[[torch.Tensor], torch.Tensor]
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, fast: FastLinear | None) -> torch.Tensor:
     """F.linear(x, weight), or `fast(x)` (the same product, e.g. from a CPU-prepacked copy of the
-    weight set by tprt.fast_linear) when one is set and autograd is off."""
-    if fast is not None and not torch.is_grad_enabled():
-        return fast(x)
+    weight set by tprt.fast_linear) when one is set and either autograd is off or the weight is
+    frozen (a LoRA base: then the input's gradient comes from the weight itself)."""
+    if fast is not None:
+        if not torch.is_grad_enabled():
+            return fast(x)
+        if not weight.requires_grad:
+            out: torch.Tensor = _FrozenLinear.apply(x, weight, fast)
+            return out
     return F.linear(x, weight)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = fast(x) = x @ W^T for a weight that gets no gradient; backward: dx = dy @ W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fast: FastLinear) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return fast(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (weight,) = ctx.saved_tensors
+        return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
 
 
 def _empty(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:

@@ -37,6 +37,7 @@ from torch import nn
 
 from tprt.dist import TPContext
 from tprt.errors import CheckpointError, ConfigError, ValidationError
+from tprt.fast_linear import prepack
 from tprt.model import DecoderLayer, TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tprt.train.grads import TPSpec, mark_tp_params, set_spec
@@ -279,8 +280,13 @@ def apply_lora(
     alpha: float,
     dropout: float = 0.0,
     seed: int = 0,
+    pack_base: bool = True,
 ) -> list[nn.Parameter]:
     """Freezes the base model and puts a LoRA adapter on every targeted projection of every layer.
+
+    With `pack_base`, on CPU the frozen base linears then run forward and input-gradient from
+    oneDNN-packed copies (`tprt.fast_linear.prepack`; a no-op on GPU): faster steps for one more
+    copy of the base weights in memory (docs/PERF.md).
 
     targets: a subset of q, k, v, o, gate, up, down (or q_proj, ...); anything else is a
     ValidationError naming it and listing the allowed ones. Returns the new (trainable)
@@ -301,6 +307,8 @@ def apply_lora(
             adapter = _new_adapter(site, chosen, rank, alpha, dropout, gen, model.tp)
             site.linear.adapter = adapter
             params.extend(adapter.parameters())
+    if pack_base:
+        prepack(model, tune=False)
     return params
 
 
@@ -380,11 +388,13 @@ def load_lora_state_dict(model: TPLlamaForCausalLM, state: dict[str, torch.Tenso
 def merge_lora(model: TPLlamaForCausalLM) -> int:
     """Folds every adapter into its base weight (W += scale * B A on this rank's rows or columns,
     computed in float32) and removes the adapters, so the model computes the same outputs without
-    them. Returns the number of base layers changed. No communication."""
+    them. Returns the number of base layers changed (their packed copies, if any, are dropped:
+    `tprt.fast_linear.prepack` again to speed them up). No communication."""
     adapters = lora_modules(model)
     for site, adapter in adapters:
         adapter.merge_into(site.linear.weight)
         site.linear.adapter = None
+        site.linear.fast_linear = None
     return len(adapters)
 
 
