@@ -46,11 +46,12 @@ STATE: dict[str, Any] = {}  # what the SIGTERM test leaves for the restart test
 class ServerProcess:
     """`tprt serve` in a subprocess: waits for its "listening on" line, stops it, keeps its log."""
 
-    def __init__(self, args: list[str], log: Path, tls_ca: Path | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, tls_ca: Path | None = None,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "tprt.cli")) -> None:
         self.log = log
         self.tls_ca = tls_ca
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tprt.cli", "serve", *args], stdout=subprocess.PIPE,
+            [*launcher, "serve", *args], stdout=subprocess.PIPE,
             stderr=log.open("w"), text=True, env={**_env(), "PYTHONUNBUFFERED": "1"})
         self.ready = threading.Event()
         self.line = ""
@@ -387,6 +388,29 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
 
 
 # ----------------------------------------------------------------- fine-tuning
+
+
+def test_torchrun_world_serves_the_same_tokens(workdir: Path, client: Client) -> None:
+    """`torchrun ... -m tprt.cli serve`: the ranks join torchrun's world instead of being started
+    by tprt; greedy answers equal the local launcher's, and torchrun's SIGTERM drains rank 0."""
+    data = workdir / "data-torchrun"  # another server's --data-dir is locked by it
+    data.mkdir(exist_ok=True)
+    args = server_args(workdir)
+    args[args.index("--data-dir") + 1] = str(data)
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "tprt.cli")
+    srv = ServerProcess(args, workdir / "server-torchrun.log", launcher=launcher)
+    try:
+        with srv.client() as c:
+            assert c.model_info().tp_size == 2
+            for prompt in ("Hello there", "Count: one, two,", "Q7: say hi"):
+                kw: dict[str, Any] = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+                want = [t.id for t in client.complete(prompt, **kw).tokens]
+                assert [t.id for t in c.complete(prompt, **kw).tokens] == want, prompt
+        srv.stop(timeout=60)  # torchrun forwards SIGTERM to both ranks (its own exit code is its business)
+        assert "stopped (drained)" in srv.tail(), srv.tail()
+    finally:
+        srv.kill()
 
 
 def _first_logprobs(client: Client, ids: list[int], adapter_id: str = "") -> list[float]:
