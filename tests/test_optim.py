@@ -40,7 +40,15 @@ def _run(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: range) -
         opt.step()
 
 
-def test_fp32_matches_torch_adamw() -> None:
+@pytest.fixture(params=["fused", "per-parameter"])
+def update_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both update paths of AdamW: torch's fused kernel (CPU/CUDA) and the per-parameter ops."""
+    if request.param == "per-parameter":
+        monkeypatch.setattr("tprt.train.optim._FUSED_DEVICES", ())
+    return str(request.param)
+
+
+def test_fp32_matches_torch_adamw(update_path: str) -> None:
     """Two param groups (one without weight decay), 6 steps: the same weights as torch's AdamW."""
     ours, ref = _params(torch.float32), _params(torch.float32)
     groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "weight_decay": 0.0, "lr": 3e-3}]  # noqa: E731
@@ -54,7 +62,7 @@ def test_fp32_matches_torch_adamw() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_params_keep_fp32_masters(dtype: torch.dtype) -> None:
+def test_low_precision_params_keep_fp32_masters(dtype: torch.dtype, update_path: str) -> None:
     """The masters follow float32 AdamW fed the same gradients; params are the masters rounded."""
     ours, ref = _params(dtype), [nn.Parameter(p.detach().float()) for p in _params(dtype)]
     opt = AdamW(ours, **HP)

