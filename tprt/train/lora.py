@@ -453,6 +453,7 @@ def load_adapter(model: TPLlamaForCausalLM, path: str | Path, ctx: TPContext) ->
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{weights}: not found; expected the adapter's weights")
-    params = apply_lora(model, targets, rank, alpha, dropout)
+    # For inference: the caller's runner packs (and tunes) the base weights once, if at all.
+    params = apply_lora(model, targets, rank, alpha, dropout, pack_base=False)
     load_lora_state_dict(model, load_file(str(weights)), ctx)
     return params
