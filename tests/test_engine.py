@@ -423,3 +423,30 @@ def test_fast_linear_variants(variant: str) -> None:
     fn = _MAKERS[variant](w)
     for x in (torch.randn(1, 32), torch.randn(5, 32), torch.randn(2, 3, 32), torch.randn(1, 1, 32)):
         torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -> None:
+    """A captured CUDA graph would replay the layers without an adapter attached after capture,
+    so packed decode takes the static path only while no adapter is attached (eager otherwise)."""
+    from tprt.train.lora import apply_lora
+
+    model = load_model(workdir / "tp1", TPContext.single())
+    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=2, max_seq_len=48,
+                                                                            static_decode=True))
+    static = engine.runner.static
+    assert static is not None
+    calls = []
+    run = static.run
+    static.run = lambda *a: (calls.append(1), run(*a))[1]  # type: ignore[method-assign]
+    prompt = _ref(workdir)["prompts"][0]
+
+    def generate() -> list[int]:
+        engine.add(prompt, _greedy(6), "r")
+        return run_to_completion(engine)["r"].token_ids
+
+    base = generate()
+    assert calls, "the static path was not used without adapters"
+    apply_lora(model, ["q", "down"], 4, 8.0, pack_base=False)  # B = 0: the same tokens
+    calls.clear()
+    assert generate() == base and not calls
+    engine.close()

@@ -146,6 +146,10 @@ class TPLlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def has_adapters(self) -> bool:
+        """True when any linear layer has an adapter (e.g. LoRA) attached."""
+        return any(getattr(m, "adapter", None) is not None for m in self.modules())
+
     def default_cache_dtype(self) -> torch.dtype:
         """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced
         precision is 5-10x slower than in float32 (measured in docs/PERF.md), and a decode step

@@ -83,7 +83,8 @@ class ModelRunner:
     def _decode(self, batch: BatchPlan) -> BatchResult:
         n = len(batch.slots)
         packed = batch.slots == tuple(range(n))
-        if packed and self.static is not None:
+        # A CUDA graph replays the layers as captured: never with an adapter attached since.
+        if packed and self.static is not None and not self.model.has_adapters():
             local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
             return self._finish(local, batch.full_logits)
         ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
