@@ -13,9 +13,10 @@ training can interleave step by step with no state to swap. The price is one mor
 rank's shard (plus optimizer state) while a job runs.
 
 Adapters: a finished LoRA job's adapter is loaded into the *served* model on every rank
-(`load_adapter`) and kept detached; `activate_adapter` attaches one adapter's modules to the
-base layers (or none). The scheduler switches adapters only between batches (see
-serve/scheduler.py): a batch runs with one adapter (or the base model) at a time.
+(`load_adapter`) and installed under a small integer index in the model's adapter sets
+(`tprt.adapters`); every loaded adapter stays installed, and each row of a batch is routed to
+its request's adapter (or none) by the step plan, so requests for different adapters and for
+the base model share batches.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from serve.ranks import Command
+from tprt.adapters import AdapterSet
 from tprt.errors import TprtError
 from tprt.launch import one_line
 from tprt.model import TPLlamaForCausalLM
+from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger("tprt.serve")
 
@@ -53,8 +56,7 @@ class RankExecutor:
         self.model_dir = Path(model_dir)
         self.data_dir = Path(data_dir)
         self.trainer: Any = None
-        self.adapters: dict[str, list[tuple[Any, nn.Module]]] = {}  # id -> [(base layer, LoRA)]
-        self.active = ""
+        self.adapters: dict[str, int] = {}  # adapter id -> its index in the model's adapter sets
 
     def execute(self, cmd: Command) -> Any:
         """Runs `cmd` here; collective. Raises CommandFailed on rank 0 if any rank failed."""
@@ -140,37 +142,31 @@ class RankExecutor:
 
     # ----------------------------------------------------------------- adapters
 
-    def _cmd_load_adapter(self, adapter_id: str, path: str) -> tuple[int, float]:
-        """Loads a PEFT LoRA adapter into the served model, detached; returns (rank, alpha)."""
+    def _cmd_load_adapter(self, adapter_id: str, path: str) -> tuple[int, float, int]:
+        """Loads a PEFT LoRA adapter into the served model's adapter sets; returns (rank, alpha,
+        index), the index being what a plan routes rows to (the same on every rank: commands
+        run in the same order everywhere)."""
+        from tprt.adapters import install
         from tprt.train.lora import load_adapter, lora_modules, read_adapter_config
 
-        active = self.active
-        self._attach("")
+        linears = [m for m in self.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        saved = [(linear, linear.adapter) for linear in linears]
+        for linear in linears:  # apply_lora attaches to bare layers; the sets come back below
+            linear.adapter = None
         try:
             load_adapter(self.model, path, self.ctx)
-        finally:  # keep the new modules, detached (or drop them after a failure)
             mods: list[tuple[Any, nn.Module]] = [(s.linear, a) for s, a in lora_modules(self.model)]
-            for linear, _ in mods:
-                linear.adapter = None
+        finally:
+            for linear, adapter in saved:
+                linear.adapter = adapter
         for _, ad in mods:
             ad.eval().requires_grad_(False)
             ad.to(dtype=self.model.dtype)
-        self.adapters[adapter_id] = mods
-        self._attach(active)
+        index = self.adapters.get(adapter_id) or len(self.adapters) + 1  # reloading keeps its index
+        for linear, adapter in saved:  # drop a previous version's modules
+            if isinstance(adapter, AdapterSet) and str(index) in adapter.members:
+                del adapter.members[str(index)]
+        install(self.model, index, mods)
+        self.adapters[adapter_id] = index
         _, rank, alpha, _ = read_adapter_config(json.loads((Path(path) / "adapter_config.json").read_text()))
-        return rank, alpha
-
-    def _cmd_activate_adapter(self, adapter_id: str) -> None:
-        self._attach(adapter_id)
-
-    def _attach(self, adapter_id: str) -> None:
-        """Puts one adapter's modules on the base layers ("" = none)."""
-        for mods in self.adapters.values():
-            for linear, _ in mods:
-                linear.adapter = None
-        if adapter_id:
-            if adapter_id not in self.adapters:
-                raise TprtError(f"adapter {adapter_id!r} is not loaded on rank {self.ctx.rank}")
-            for linear, ad in self.adapters[adapter_id]:
-                linear.adapter = ad
-        self.active = adapter_id
+        return rank, alpha, index

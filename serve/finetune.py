@@ -125,8 +125,8 @@ class JobManager:
 
     def _load_adapter(self, ranks: RankGroup, rec: JobRecord) -> None:
         path = self.data_dir / rec.output_path
-        rank, alpha = ranks.run(Command("load_adapter", {"adapter_id": rec.adapter_id, "path": str(path)}))
-        self.adapters.add(AdapterInfo(rec.adapter_id, path, int(rank), float(alpha), rec.id))
+        rank, alpha, index = ranks.run(Command("load_adapter", {"adapter_id": rec.adapter_id, "path": str(path)}))
+        self.adapters.add(AdapterInfo(rec.adapter_id, path, int(rank), float(alpha), rec.id, int(index)))
 
     # ----------------------------------------------------------------- scheduler side
 

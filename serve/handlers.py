@@ -112,11 +112,12 @@ class GenerationService(GenerationServicer):
         ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size)
         params = sampling_params(request.sampling, len(ids), self.facts.context_length,
                                  self.facts.config.vocab_size, self.tokenizer is not None)
-        if request.adapter_id and not self.adapters.has(request.adapter_id):
+        adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
+        if request.adapter_id and adapter is None:
             raise NotFound(f"no adapter {request.adapter_id!r} is loaded (see ModelInfo)", "adapter_id")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        ticket = Ticket(new_request_id(), ids, params, request.adapter_id, deadline)
+        ticket = Ticket(new_request_id(), ids, params, request.adapter_id, adapter.index if adapter else 0, deadline)
         self.scheduler.submit(ticket)
         context.add_callback(lambda: self._ended(ticket, context))
         return ticket

@@ -8,9 +8,8 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
    engine prefills them within its per-step token budget, next to the running decodes);
 3. runs one engine step (a collective: the plan is broadcast to every rank) and hands each
    event to its ticket's queue;
-   Tickets join in arrival order; a batch runs with one LoRA adapter (or none): a ticket for
-   another adapter waits at the head of the queue until the batch drains, then every rank
-   switches adapters (a command) and the tickets for it join;
+   Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
+   to its request's adapter (tprt.adapters), so base-model and adapter requests share steps;
 4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
    generation is idle, and at least every `side_every_s` while it is busy;
 5. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
@@ -35,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from serve.errors import QueueFull, Unavailable
-from serve.executor import CommandFailed
 from serve.metrics import Metrics
 from serve.ranks import Command, RankGroup
 from tprt.errors import ValidationError
@@ -61,6 +59,7 @@ class Ticket:
     prompt: list[int]
     params: SamplingParams
     adapter_id: str = ""
+    adapter_index: int = 0  # where the ranks hold that adapter (tprt.adapters); 0: the base model
     deadline: float | None = None  # time.monotonic() after which it is cancelled
     events: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
     arrival: float = field(default_factory=time.monotonic)
@@ -105,7 +104,6 @@ class Scheduler:
         self._last_side = 0.0
         self._thread = threading.Thread(target=self._run, name="tprt-scheduler", daemon=True)
         self._side_wake = False
-        self.active_adapter = ""  # the LoRA adapter attached on every rank ("" = the base model)
 
     # ----------------------------------------------------------------- handler side
 
@@ -204,11 +202,9 @@ class Scheduler:
 
     def _iteration(self) -> bool:
         """One pass of the loop; False when the thread should end."""
-        cancels, admitted, switch = self._take_work()
+        cancels, admitted = self._take_work()
         if self.broken is not None:
             return False
-        if switch is not None:
-            self._switch_adapter(switch)
         for t in admitted:  # before the cancellations, which may name a ticket admitted just now
             self._admit(t)
         for rid, reason in cancels:
@@ -230,7 +226,7 @@ class Scheduler:
         with self._cv:
             return not (self._stop and not self._live and not self._waiting)
 
-    def _take_work(self) -> tuple[list[tuple[str, str]], list[Ticket], str | None]:
+    def _take_work(self) -> tuple[list[tuple[str, str]], list[Ticket]]:
         """Waits for something to do (bounded by the keepalive); takes cancellations and admissions."""
         with self._cv:
             idle = not (self._waiting or self._cancels or self._stop or self._side_wake or self.engine.has_work)
@@ -241,35 +237,17 @@ class Scheduler:
             cancels, self._cancels = self._cancels, []
             admitted = []
             room = self.max_batch - self.engine.num_unfinished
-            while self._waiting and room > 0 and self._waiting[0].adapter_id == self.active_adapter:
+            while self._waiting and room > 0:
                 admitted.append(self._waiting.popleft())
                 room -= 1
             for t in admitted:
                 self._live[t.request_id] = t
-            switch = None
-            if self._waiting and not self._live and self._waiting[0].adapter_id != self.active_adapter:
-                switch = self._waiting[0].adapter_id  # the batch has drained: change adapters
             self.metrics.waiting.set(len(self._waiting))
-            return cancels, admitted, switch
-
-    def _switch_adapter(self, adapter_id: str) -> None:
-        """Attaches another LoRA adapter (or none) on every rank; the batch is empty."""
-        try:
-            self.ranks.run(Command("activate_adapter", {"adapter_id": adapter_id}))
-        except CommandFailed as e:
-            with self._cv:
-                failed = [t for t in self._waiting if t.adapter_id == adapter_id]
-                for t in failed:
-                    self._waiting.remove(t)
-            for t in failed:
-                t.events.put(Unavailable(f"adapter {adapter_id!r} could not be activated: {e}"))
-            return
-        self.active_adapter = adapter_id
-        log.info("adapter %r active", adapter_id)
+            return cancels, admitted
 
     def _admit(self, t: Ticket) -> None:
         try:
-            self.engine.add(t.prompt, t.params, t.request_id)
+            self.engine.add(t.prompt, t.params, t.request_id, adapter=t.adapter_index)
         except ValidationError as e:  # checked by the handler already; a race or a bug
             with self._cv:
                 self._live.pop(t.request_id, None)

@@ -379,7 +379,7 @@ def test_plan_roundtrip() -> None:
     plan = StepPlan(
         moves=((3, 0, 17), (2, 1, 0)),
         prefill=BatchPlan((0, 4), (0, 16), ((5, 6, 7), (8,)), full_logits=True),
-        decode=BatchPlan((1, 2), (9, 30), ((3,), (4,)), full_logits=False),
+        decode=BatchPlan((1, 2), (9, 30), ((3,), (4,)), full_logits=False, adapters=(0, 2)),
     )
     assert StepPlan.decode_from(plan.encode()) == plan
     assert StepPlan.decode_from(StepPlan(stop=True).encode()) == StepPlan(stop=True)
@@ -449,4 +449,43 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
     apply_lora(model, ["q", "down"], 4, 8.0, pack_base=False)  # B = 0: the same tokens
     calls.clear()
     assert generate() == base and not calls
+    engine.close()
+
+
+def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> None:
+    """Two LoRA adapters installed side by side (tprt.adapters): a batch mixing rows of both and
+    of the base model gives every request the tokens and log-probabilities it gets alone."""
+    from tprt.adapters import install
+    from tprt.train.lora import apply_lora, lora_modules
+
+    model = load_model(workdir / "tp1", TPContext.single())
+    adapters = []
+    for seed, targets in ((1, ["q", "v", "down"]), (2, ["k", "o", "gate", "up"])):
+        apply_lora(model, targets, 4, 8.0, seed=seed, pack_base=False)
+        mods = [(site.linear, ad) for site, ad in lora_modules(model)]
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, ad in mods:  # a non-zero B, so each adapter changes the outputs
+                for b in ad.lora_B.values():
+                    b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
+            for linear, _ in mods:
+                linear.adapter = None
+        adapters.append(mods)
+    for index, mods in enumerate(adapters, start=1):
+        install(model, index, mods)
+    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
+    prompts = _ref(workdir)["prompts"]
+    requests = [(prompts[0], 0), (prompts[1], 1), (prompts[2], 2), (prompts[0], 1)]
+
+    def run(batch: list[tuple[int, tuple[list[int], int]]]) -> dict[str, Completion]:
+        for i, (prompt, adapter) in batch:
+            engine.add(prompt, _greedy(5, logprobs=True), str(i), adapter=adapter)
+        return run_to_completion(engine)
+
+    alone = {str(i): run([(i, r)])[str(i)] for i, r in enumerate(requests)}
+    mixed = run(list(enumerate(requests)))
+    assert alone["0"].logprobs != alone["3"].logprobs, "adapter 1 did not change prompt 0's outputs"
+    for k, want in alone.items():
+        assert mixed[k].token_ids == want.token_ids, f"request {k}"
+        assert max(abs(a - b) for a, b in zip(mixed[k].logprobs, want.logprobs)) < 1e-4, f"request {k}"
     engine.close()

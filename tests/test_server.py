@@ -462,6 +462,12 @@ def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProce
     assert max(abs(a - b) for a, b in zip(base, ref_base)) < 1e-4
     assert max(abs(a - b) for a, b in zip(tuned, ref_tuned)) < 1e-4
     assert max(abs(a - b) for a, b in zip(tuned, base)) > 1e-3  # the adapter changed the model
+    # Base-model and adapter requests share batches (rows routed per request): concurrent calls
+    # get what each got alone.
+    with ThreadPoolExecutor(8) as pool:
+        mixed = list(pool.map(lambda i: _first_logprobs(client, list(ids), "tiny-lora" if i % 2 else ""), range(8)))
+    for i, got in enumerate(mixed):
+        assert max(abs(a - b) for a, b in zip(got, tuned if i % 2 else base)) < 1e-4, f"call {i}"
     assert _first_logprobs(client, list(ids)) == base  # and the base model is back without it
     err = rpc_error(lambda: client.create_job(dataset_path="train.jsonl", adapter_id="tiny-lora"))
     assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "adapter_id")

@@ -103,13 +103,15 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._by_id)
 
-    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> None:
-        """Queues a request; it joins the batch at a coming step. Raises ValidationError naming the
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
+        """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
+        routed to (`tprt.adapters.install`; 0 = the base model). Raises ValidationError naming the
         field (prompt, max_new_tokens, stop_strings, request_id or a sampling field)."""
         self._require_driver()
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
         seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device)
+        seq.adapter = adapter
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
@@ -204,6 +206,7 @@ class Engine:
                 starts=tuple(s.num_computed for s, _ in prefill_rows),
                 tokens=tuple(tuple(s.prompt[s.num_computed : s.num_computed + n]) for s, n in prefill_rows),
                 full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == len(s.prompt)),
+                adapters=_adapters([s for s, _ in prefill_rows]),
             )
         decode = None
         if decode_rows:
@@ -212,6 +215,7 @@ class Engine:
                 starts=tuple(s.length - 1 for s in decode_rows),
                 tokens=tuple((s.output[-1],) for s in decode_rows),
                 full_logits=any(s.needs_logits for s in decode_rows),
+                adapters=_adapters(decode_rows),
             )
         return StepPlan(tuple(moves), prefill, decode), prefill_rows, decode_rows
 
@@ -311,6 +315,12 @@ class Engine:
             if finished:
                 self._release(seq)
         return events
+
+
+def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
+    """Each row's adapter index for a BatchPlan; () when every row is the base model."""
+    adapters = tuple(s.adapter for s in rows)
+    return adapters if any(adapters) else ()
 
 
 def check_length(prompt_len: int, max_new_tokens: int, context: int, what: str = "max_seq_len") -> None:

@@ -141,14 +141,21 @@ class TPLlamaForCausalLM(nn.Module):
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         # Training: recompute each block's activations in the backward (tprt.train.step).
         self.checkpoint_layers = False
+        # Per-row adapters of a serving batch: a tprt.adapters.AdapterRouting once installed.
+        self.adapter_routing: object | None = None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
     def has_adapters(self) -> bool:
-        """True when any linear layer has an adapter (e.g. LoRA) attached."""
-        return any(getattr(m, "adapter", None) is not None for m in self.modules())
+        """True when any linear layer has an adapter (e.g. LoRA) attached that applies to every
+        row (the per-row `tprt.adapters.AdapterSet` applies only to rows routed to it)."""
+        for m in self.modules():
+            adapter = getattr(m, "adapter", None)
+            if adapter is not None and not getattr(adapter, "routed", False):
+                return True
+        return False
 
     def default_cache_dtype(self) -> torch.dtype:
         """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced

@@ -26,10 +26,13 @@ class BatchPlan:
     starts: tuple[int, ...]  # position of each row's first token
     tokens: tuple[tuple[int, ...], ...]  # each row's tokens (a prompt chunk, or the last sampled id)
     full_logits: bool  # gather full-vocabulary logits (sampling, logprobs) rather than argmax ids only
+    adapters: tuple[int, ...] = ()  # each row's adapter index (tprt.adapters); () = the base model for all
 
     def __post_init__(self) -> None:
         if not len(self.slots) == len(self.starts) == len(self.tokens) or not self.slots:
             raise ValueError("BatchPlan: slots, starts and tokens must be non-empty and of equal length")
+        if self.adapters and len(self.adapters) != len(self.slots):
+            raise ValueError("BatchPlan: adapters must be empty or one per row")
 
     @property
     def width(self) -> int:
@@ -42,7 +45,8 @@ class BatchPlan:
         return max(self.starts) + self.width
 
     def encode(self) -> list[int]:
-        out = [len(self.slots), int(self.full_logits), *self.slots, *self.starts, *(len(t) for t in self.tokens)]
+        out = [len(self.slots), int(self.full_logits), int(bool(self.adapters)), *self.slots, *self.starts,
+               *(len(t) for t in self.tokens), *self.adapters]
         for t in self.tokens:
             out.extend(t)
         return out
@@ -50,15 +54,17 @@ class BatchPlan:
     @classmethod
     def decode(cls, data: list[int], i: int) -> tuple[BatchPlan, int]:
         """Reads a batch written by `encode` at data[i:]; returns it and the index after it."""
-        n, full = data[i], bool(data[i + 1])
-        i += 2
+        n, full, routed = data[i], bool(data[i + 1]), bool(data[i + 2])
+        i += 3
         slots, starts, lens = data[i : i + n], data[i + n : i + 2 * n], data[i + 2 * n : i + 3 * n]
         i += 3 * n
+        adapters = tuple(data[i : i + n]) if routed else ()
+        i += n if routed else 0
         tokens = []
         for length in lens:
             tokens.append(tuple(data[i : i + length]))
             i += length
-        return cls(tuple(slots), tuple(starts), tuple(tokens), full), i
+        return cls(tuple(slots), tuple(starts), tuple(tokens), full, adapters), i
 
 
 @dataclass(frozen=True)

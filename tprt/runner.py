@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tprt.adapters import routing_of
 from tprt.fast_linear import prepack
 from tprt.kv_cache import KVCache
 from tprt.model import TPLlamaForCausalLM
@@ -62,6 +63,14 @@ class ModelRunner:
         decode = self._decode(plan.decode) if plan.decode is not None else None
         return StepResult(prefill, decode)
 
+    def _route(self, batch: BatchPlan) -> None:
+        """Tells the model's adapter sets which adapter each row of the batch uses."""
+        routing = routing_of(self.model)
+        if routing is not None:
+            routing.route(batch.adapters, self.device)
+        elif any(batch.adapters):
+            raise RuntimeError("the plan routes rows to adapters but none is installed on this rank")
+
     def _move(self, src: int, dst: int, n: int) -> None:
         """Copies the first n positions of slot src's keys and values to slot dst."""
         if n > 0 and src != dst:
@@ -69,6 +78,7 @@ class ModelRunner:
             self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
 
     def _prefill(self, batch: BatchPlan) -> BatchResult:
+        self._route(batch)
         width = batch.width
         rows = [list(t) + [0] * (width - len(t)) for t in batch.tokens]
         ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [rows, width]
@@ -82,9 +92,10 @@ class ModelRunner:
 
     def _decode(self, batch: BatchPlan) -> BatchResult:
         n = len(batch.slots)
+        self._route(batch)
         packed = batch.slots == tuple(range(n))
-        # A CUDA graph replays the layers as captured: never with an adapter attached since.
-        if packed and self.static is not None and not self.model.has_adapters():
+        # A CUDA graph replays the layers as captured: only for rows that use no adapter.
+        if packed and self.static is not None and not any(batch.adapters) and not self.model.has_adapters():
             local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
             return self._finish(local, batch.full_logits)
         ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]

@@ -61,6 +61,7 @@ class Sequence:
         self.prompt = prompt
         self.params = params
         self.status = Status.WAITING
+        self.adapter = 0  # adapter index its rows are routed to (tprt.adapters); 0: the base model
         self.slot: int | None = None
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.output: list[int] = []
