@@ -37,7 +37,6 @@ from tprt.adapters import AdapterSet
 from tprt.errors import TprtError
 from tprt.launch import one_line
 from tprt.model import TPLlamaForCausalLM
-from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 log = logging.getLogger("tprt.serve")
 
@@ -149,7 +148,7 @@ class RankExecutor:
         from tprt.adapters import install
         from tprt.train.lora import load_adapter, lora_modules, read_adapter_config
 
-        linears = [m for m in self.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        linears = self.model.linears()
         saved = [(linear, linear.adapter) for linear in linears]
         for linear in linears:  # apply_lora attaches to bare layers; the sets come back below
             linear.adapter = None

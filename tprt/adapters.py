@@ -60,9 +60,9 @@ class AdapterSet(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [rows, ...] the layer's input, y [rows, ...] its base output."""
         for index, rows in self.routing.groups:
-            member = self.members[str(index)] if str(index) in self.members else None
-            if member is None:  # this adapter does not target this layer
+            if str(index) not in self.members:  # this adapter does not target this layer
                 continue
+            member = self.members[str(index)]
             if rows is None:
                 y = member(x, y)
             else:

@@ -110,8 +110,7 @@ class Engine:
         self._require_driver()
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
-        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device)
-        seq.adapter = adapter
+        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 

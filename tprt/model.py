@@ -151,11 +151,16 @@ class TPLlamaForCausalLM(nn.Module):
     def has_adapters(self) -> bool:
         """True when any linear layer has an adapter (e.g. LoRA) attached that applies to every
         row (the per-row `tprt.adapters.AdapterSet` applies only to rows routed to it)."""
-        for m in self.modules():
-            adapter = getattr(m, "adapter", None)
-            if adapter is not None and not getattr(adapter, "routed", False):
-                return True
-        return False
+        return any(linear.adapter is not None and not getattr(linear.adapter, "routed", False)
+                   for linear in self.linears())
+
+    def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        """Every decoder layer's projections (the layers adapters attach to), in layer order."""
+        out: list[ColumnParallelLinear | RowParallelLinear] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return out
 
     def default_cache_dtype(self) -> torch.dtype:
         """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced

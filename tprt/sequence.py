@@ -56,12 +56,13 @@ class Sequence:
     """A request being served: prompt, progress through it, generated ids and stop state."""
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None,
-                 tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], device: torch.device) -> None:
+                 tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], device: torch.device,
+                 adapter: int = 0) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.status = Status.WAITING
-        self.adapter = 0  # adapter index its rows are routed to (tprt.adapters); 0: the base model
+        self.adapter = adapter  # adapter index its rows are routed to (tprt.adapters); 0: the base model
         self.slot: int | None = None
         self.num_computed = 0  # tokens whose keys and values are in the cache
         self.output: list[int] = []
