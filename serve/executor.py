@@ -7,10 +7,13 @@ command started, and rank 0 raises `CommandFailed` (the job fails; the server ke
 A rank that fails *inside* a collective leaves its peers waiting until the collective timeout;
 the scheduler then marks the world broken (NOT_SERVING).
 
-Fine-tuning uses its own copy of the base weights (`tprt.train.trainer.Trainer` loads the
-checkpoint again), so the served model is never touched by a training step: generation and
-training can interleave step by step with no state to swap. The price is one more copy of the
-rank's shard (plus optimizer state) while a job runs.
+Fine-tuning never touches the served model's modules, so generation and training interleave
+step by step with no state to swap. A LoRA job trains in the served model's dtype on a
+`shared_twin` of it: its own modules (adapters, train mode, activation checkpointing) over the
+served model's frozen weight tensors and packed matmuls, so a job costs its adapter, optimizer
+state and activations, not a second copy of the rank's shard. A full fine-tune changes the
+weights, so it loads its own float32 copy of the checkpoint (the price: one more copy of the
+shard plus optimizer state while it runs).
 
 Adapters: a finished LoRA job's adapter is loaded into the *served* model on every rank
 (`load_adapter`) and installed under a small integer index in the model's adapter sets
@@ -25,6 +28,7 @@ import gc
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,9 @@ from tprt.launch import one_line
 from tprt.model import TPLlamaForCausalLM
 
 log = logging.getLogger("tprt.serve")
+
+# Served dtypes a LoRA job trains in directly, sharing the weights (fp16 would need loss scaling).
+SHAREABLE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 class CommandFailed(TprtError):
@@ -89,12 +96,16 @@ class RankExecutor:
     # ----------------------------------------------------------------- fine-tuning
 
     def _cmd_train_start(self, config: Any, dataset: Any, resume: bool) -> tuple[int, int]:
-        """Builds this rank's trainer (its own copy of the base weights); resumes if asked."""
+        """Builds this rank's trainer (LoRA: over the served weights); resumes if asked."""
         from tprt.train.trainer import Trainer
 
         self._drop_trainer()
         Path(config.out).mkdir(parents=True, exist_ok=True)
-        self.trainer = Trainer(config, self.ctx, dataset)
+        base = None
+        if not config.full and self.model.dtype in SHAREABLE_DTYPES:
+            config = replace(config, dtype=SHAREABLE_DTYPES[self.model.dtype])
+            base = self.model
+        self.trainer = Trainer(config, self.ctx, dataset, base=base)
         if resume:
             self.trainer.resume()
         return int(self.trainer.step), int(self.trainer.steps)

@@ -160,7 +160,7 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
         steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
-        save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,
+        save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
     )
 
 

@@ -390,7 +390,7 @@ def test_plan_roundtrip() -> None:
 def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: the repacked linears give the logits of F.linear (to rounding) for prompts and for
     one-row decode inputs, and are used only with autograd off (gradients still reach weights)."""
-    from tprt.fast_linear import FastLinear, prepack, supported
+    from tprt.fast_linear import VARIANTS, FastLinear, prepack, supported
 
     ctx = TPContext.single()
     dense, packed = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
@@ -401,7 +401,7 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     shapes = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                               layer.mlp.down_proj)} | {tuple(packed.lm_head.head_weight().shape)}
     assert set(chosen) == {f"{a}x{b}" for a, b in shapes}, chosen
-    assert set(chosen.values()) <= {"packed", "transposed", "dense"}
+    assert set(chosen.values()) <= set(VARIANTS)
     assert all(isinstance(m.fast_linear, FastLinear) for m in packed.modules() if hasattr(m, "fast_linear"))
     vocab = dense.config.vocab_size  # the padding columns are -inf in both
     for ids in (torch.tensor([_ref(workdir)["prompts"][1]]), torch.tensor([[7]])):

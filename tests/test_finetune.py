@@ -324,3 +324,40 @@ def test_demo_finetune_helper(setup: dict[str, Path]) -> None:
     assert (adapter / "adapter_model.safetensors").is_file()
     lines = (setup["root"] / "demo" / "demo-chats.jsonl").read_text().splitlines()
     assert len(lines) == 20 and all(DEMO_ANSWER in line for line in lines)
+
+
+def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Path], tmp_path: Path) -> None:
+    """The server's way: a LoRA Trainer on a shared twin of the served model holds no second copy
+    of the base, leaves the served model's modules and outputs alone, and trains exactly like a
+    Trainer that loads its own copy."""
+    from tprt.fast_linear import prepack
+    from tprt.tokenizer import Tokenizer
+    from tprt.train.data import prepare_data
+    from tprt.train.trainer import FinetuneConfig, Trainer
+
+    ctx = TPContext.single()
+    served = load_model(setup["tp1"], ctx, "fp32")
+    prepack(served)  # as the serving engine does: the twin reuses these packed matmuls
+    vocab = served.config.vocab_size
+    before = _logits(served, vocab)
+    data = prepare_data(setup["data"], Tokenizer.from_dir(setup["tp1"]), 64, 0)
+
+    def trainer(out: str, base: object) -> Trainer:
+        cfg = FinetuneConfig(model=setup["tp1"], data=setup["data"], out=tmp_path / out, lora_rank=4, lr=3e-2,
+                             steps=3, batch_size=2, seq_len=64, dtype="fp32", progress=False)
+        return Trainer(cfg, ctx, data, base=base)  # type: ignore[arg-type]
+
+    shared, own = trainer("shared", served), trainer("own", None)
+    served_ptrs = {p.data_ptr() for p in served.parameters()}
+    assert {p.data_ptr() for n, p in shared.model.named_parameters() if "lora_" not in n} == served_ptrs
+    assert not {p.data_ptr() for p in own.model.parameters()} & served_ptrs
+    assert shared.model.layers[0].mlp.down_proj.fast_linear is served.layers[0].mlp.down_proj.fast_linear
+    for _ in range(3):
+        loss_shared, _ = shared.train_step()
+        loss_own, _ = own.train_step()
+        assert abs(loss_shared - loss_own) <= 1e-5 * abs(loss_own)
+    assert not served.has_adapters() and not any(p.requires_grad for p in served.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(_logits(served, vocab), before))
+    with pytest.raises(Exception, match="LoRA job in the base model's dtype"):
+        Trainer(FinetuneConfig(model=setup["tp1"], data=setup["data"], out=tmp_path / "bf", dtype="bf16",
+                               progress=False), ctx, data, base=served)

@@ -8,10 +8,13 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
 - inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
   weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
   blocking for fp32;
-- one-row inputs (batch-1 decode) use whichever of packed, `x @ W^T` with W^T stored contiguous
-  ("transposed": an axpy-style stream, fastest for wide fp32 outputs such as the LM head) and
-  plain `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
+- one-row inputs (batch-1 decode) use whichever of tprt's own compiled kernel ("native",
+  `tprt.native`: reads the weight itself as one sequential stream, when a C compiler is there),
+  packed, `x @ W^T` with W^T stored contiguous ("transposed": an axpy-style stream) and plain
+  `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
   layers of that shape (so the timing streams from memory like decode does, not from cache).
+
+The RMSNorms get tprt's compiled one-call RMSNorm the same way (`RMSNorm.fast`), when available.
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -26,11 +29,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tprt.model import TPLlamaForCausalLM
+from tprt import native
+from tprt.model import RMSNorm, TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-VARIANTS = ("packed", "transposed", "dense")
+VARIANTS = ("native", "packed", "transposed", "dense")
 Layer = ColumnParallelLinear | RowParallelLinear | VocabParallelLMHead
 
 
@@ -64,7 +68,8 @@ def _dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, w)
 
 
-_MAKERS = {"packed": _packed, "transposed": _transposed, "dense": _dense}
+_MAKERS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    "native": native.gemv_kernel, "packed": _packed, "transposed": _transposed, "dense": _dense}
 
 
 class FastLinear:
@@ -95,13 +100,16 @@ def _weight(layer: Layer) -> torch.Tensor:
 
 
 def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int = 3) -> float:
-    """Best CPU time of one pass of x through every layer of a group (streams their weights)."""
+    """Best time of one pass of x through every layer of a group (streams their weights): CPU
+    time on one thread (steadier under other processes' load), wall time on several (CPU time
+    would count a multi-threaded kernel's work on every core against it)."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
-        t0 = time.process_time()
+        t0 = clock()
         for fn in fns:
             fn(x)
-        best = min(best, time.process_time() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
@@ -110,19 +118,22 @@ def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torc
     x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype)  # not randn: leave the global RNG alone
     best: tuple[float, str, list[Callable[[torch.Tensor], torch.Tensor]]] | None = None
     for name in VARIANTS:
-        fns = [_MAKERS[name](w) for w in weights]
+        made = [_MAKERS[name](w) for w in weights]
+        fns = [fn for fn in made if fn is not None]
+        if len(fns) < len(made):
+            continue  # not available here (native: no compiler, or another dtype)
         t = _time_group(fns, x)
         if best is None or t < best[0]:
             best = (t, name, fns)
-        del fns  # drop this variant's copies before building the next
+        del fns, made  # drop this variant's copies before building the next
     assert best is not None
     return best[1], best[2]
 
 
-def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
-    """Sets every linear layer's `fast_linear` when `supported(model)`; returns, per weight shape,
-    the variant chosen for one-row inputs (empty when nothing was done). Without `tune`, one-row
-    inputs use the packed weight too."""
+def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) -> dict[str, str]:
+    """Sets every linear layer's `fast_linear` (and, with `norms`, every RMSNorm's `fast`) when
+    `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
+    when nothing was done). Without `tune`, one-row inputs use the packed weight too."""
     if not supported(model):
         return {}
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
@@ -140,4 +151,7 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
             for layer, m, o in zip(group, many, ones):
                 layer.fast_linear = FastLinear(m, o, name)
             chosen["x".join(map(str, shape))] = name
+    for norm in model.modules() if norms else ():
+        if isinstance(norm, RMSNorm):
+            norm.fast = native.rms_norm_kernel(norm.weight, norm.eps)
     return chosen

@@ -96,6 +96,23 @@ def load_model(
     return model.eval()
 
 
+def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:
+    """A second model over the same weight tensors, frozen: its own modules (so LoRA adapters,
+    train mode or activation checkpointing set on it leave `model` alone) but no second copy of
+    the weights. Layers also share `model`'s fast inference matmuls (`fast_linear`, whose packed
+    copies are the other big allocation). `model`'s own adapters are not carried over."""
+    with torch.device("meta"):
+        twin = TPLlamaForCausalLM(model.config, model.layout, model.tp, dtype=model.dtype)
+    source = model.state_dict()  # detached tensors sharing storage with model's parameters
+    twin.load_state_dict({name: source[name] for name in twin.state_dict()}, strict=True, assign=True)
+    twin.requires_grad_(False)
+    theirs = dict(model.named_modules())
+    for name, module in twin.named_modules():
+        if hasattr(module, "fast_linear"):
+            module.fast_linear = theirs[name].fast_linear
+    return twin.eval()
+
+
 def _manifest_dtype(ckpt: TPCheckpoint) -> torch.dtype:
     dt = DTYPES.get(ckpt.manifest.dtype, (None, 0))[0]
     if dt not in (torch.float32, torch.bfloat16, torch.float16):

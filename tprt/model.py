@@ -8,6 +8,8 @@ time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,8 +30,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None  # inference-only, set by tprt.fast_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None and not torch.is_grad_enabled():
+            return self.fast(x)  # the same math in one compiled call (tprt.native)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
         # Normalised in float32 and rounded before the weight scales it, bit for bit as transformers

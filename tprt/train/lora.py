@@ -308,7 +308,7 @@ def apply_lora(
             site.linear.adapter = adapter
             params.extend(adapter.parameters())
     if pack_base:
-        prepack(model, tune=False)
+        prepack(model, tune=False, norms=False)
     return params
 
 

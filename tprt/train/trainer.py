@@ -29,8 +29,9 @@ import torch.distributed as dist
 
 from tprt.checkpoint import TPCheckpoint
 from tprt.dist import TPContext, init_distributed
-from tprt.errors import TprtError
-from tprt.loading import load_model
+from tprt.errors import ConfigError, TprtError
+from tprt.loading import load_model, parse_dtype, shared_twin
+from tprt.model import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
 from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
@@ -131,14 +132,23 @@ def train_rank(cfg: FinetuneConfig, dataset: Dataset, launcher_pid: int | None =
 class Trainer:
     """The training state of one rank and the loop over it."""
 
-    def __init__(self, cfg: FinetuneConfig, ctx: TPContext, dataset: Dataset) -> None:
+    def __init__(self, cfg: FinetuneConfig, ctx: TPContext, dataset: Dataset,
+                 base: TPLlamaForCausalLM | None = None) -> None:
+        """`base`: for LoRA, a loaded model of cfg.model in cfg.dtype (the server's) whose frozen
+        weights the trainer uses instead of loading its own copy (`shared_twin`)."""
         from tprt.train.optim import AdamW, warmup_cosine
         from tprt.train.step import enable_activation_checkpointing
 
         self.cfg, self.ctx, self.data = cfg, ctx, dataset
         self.out = Path(cfg.out)
         self.run_cfg = run_config(cfg, ctx.world_size, dataset.digest)
-        self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
+        if base is not None:
+            if cfg.full or base.dtype != parse_dtype(cfg.dtype) or base.tp != ctx:
+                raise ConfigError("only a LoRA job in the base model's dtype and TP context can share its weights")
+            self.model = shared_twin(base)
+        else:
+            self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
+        self.shares_base = base is not None
         self.params = self._trainable()
         self.model.train()
         if cfg.activation_checkpointing:
@@ -158,7 +168,7 @@ class Trainer:
         from tprt.train.lora import apply_lora
 
         return apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
-                          self.cfg.lora_dropout, seed=self.cfg.seed)
+                          self.cfg.lora_dropout, seed=self.cfg.seed, pack_base=not self.shares_base)
 
     def named_trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}

@@ -1,0 +1,92 @@
+"""tprt.native: the compiled CPU kernels against torch, their build cache and their fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tprt import native
+from tprt.model import RMSNorm
+
+
+def test_kernels_build_where_a_compiler_is() -> None:
+    # No skip: where a C compiler exists the kernels must build; elsewhere the fallback is tested below.
+    assert native.available() == (shutil.which(os.environ.get("CC", "cc")) is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_matches_linear(dtype: torch.dtype) -> None:
+    if not native.available():
+        assert native.gemv_kernel(torch.zeros(2, 2, dtype=dtype)) is None
+        return
+    torch.manual_seed(0)
+    for n in (1, 3, 7, 33, 200):
+        for k in (1, 5, 31, 32, 33, 63, 64, 65, 100, 576):
+            w, x = torch.randn(n, k).to(dtype), torch.randn(1, k).to(dtype)
+            gemv = native.gemv_kernel(w)
+            assert gemv is not None
+            got, want = gemv(x), F.linear(x.float(), w.float())
+            assert got.shape == (1, n) and got.dtype == dtype
+            # float32 sums in another order; bf16 adds one rounding of the output (2^-8 relative)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (n, k)
+    with pytest.raises(ValueError, match="one row of 576"):
+        gemv(torch.randn(2, 576).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_module(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    norm = RMSNorm(100, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(4, 3, 100) * 3).to(dtype)
+    with torch.no_grad():
+        want = norm(x)
+    fast = native.rms_norm_kernel(norm.weight, norm.eps)
+    if not native.available():
+        assert fast is None
+        return
+    assert fast is not None
+    got = fast(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == torch.bfloat16:  # transformers' two roundings, reproduced: equal but for rare ties
+        assert (got != want).float().mean() < 1e-3
+    assert (got.float() - want.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 2e-2) * want.abs().max().float()
+    norm.fast = fast
+    with torch.no_grad():
+        assert torch.equal(norm(x), got)  # used with autograd off
+    assert torch.equal(norm(x).detach(), want)  # not under autograd: the differentiable torch path
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    code = "from tprt import native; print(native.available())"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_build_cache_and_fallbacks(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    if shutil.which(os.environ.get("CC", "cc")) is not None:
+        first = _probe({"TPRT_CACHE_DIR": str(cache)})
+        assert first.stdout.strip() == "True", first.stderr
+        built = sorted(p.name for p in (cache / "native").iterdir())
+        assert len(built) == 1 and built[0].startswith("kernels-") and built[0].endswith(".so")  # no temporary left
+        assert _probe({"TPRT_CACHE_DIR": str(cache)}).stdout.strip() == "True"  # reused
+    no_compiler = _probe({"TPRT_CACHE_DIR": str(tmp_path / "other"), "CC": str(tmp_path / "no-such-cc")})
+    assert no_compiler.stdout.strip() == "False"
+    assert "no C compiler" in no_compiler.stderr and "using torch's kernels" in no_compiler.stderr
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    failed = _probe({"TPRT_CACHE_DIR": str(tmp_path / "third"), "CC": str(broken)})
+    assert failed.stdout.strip() == "False" and "broken compiler" in failed.stderr
+    assert not any((tmp_path / "third" / "native").iterdir())  # nothing half-written left behind
+    assert _probe({"TPRT_NATIVE": "0"}).stdout.strip() == "False"

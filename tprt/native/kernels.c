@@ -1,0 +1,110 @@
+/* tprt's CPU kernels for decoding, where torch's general-purpose ones leave time on the table.
+   Built at first use with -march=native by tprt.native (plain C, no torch headers) and called
+   through ctypes with raw pointers; tprt.native.ops checks shapes, dtypes and contiguity.
+
+   Matrix-vector products for one-row (batch-1 decode) inputs: y[n] = sum_k W[n,k] x[k].
+   oneDNN's and torch's one-row kernels stream the weight at 10-15 GB/s on one core where a plain
+   read reaches ~20; these read each row front to back, one sequential stream the hardware
+   prefetcher follows at full bandwidth. W is [n, k] row-major and contiguous; bf16 values are
+   uint16_t.
+   Sums are in float32, bf16 outputs rounded to nearest even, as torch rounds. */
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512BF16__)
+/* One row at a time, front to back: the weight is read as one sequential stream, which the
+   hardware prefetcher follows at full bandwidth (interleaving several rows measured 30% slower). */
+void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+    int64_t full = k / 64 * 64, rest = k - full;
+    __mmask32 m0 = (__mmask32)(rest >= 32 ? 0xffffffffu : (1ull << rest) - 1);
+    __mmask32 m1 = (__mmask32)(rest > 32 ? (1ull << (rest - 32)) - 1 : 0);
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *row = w + r * k;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        int64_t c = 0;
+        for (; c < full; c += 64) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(x + c));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + c + 32), (__m512bh)_mm512_loadu_si512(x + c + 32));
+        }
+        if (rest) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m0, row + c), (__m512bh)_mm512_maskz_loadu_epi16(m0, x + c));
+            if (m1)
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(m1, row + c + 32), (__m512bh)_mm512_maskz_loadu_epi16(m1, x + c + 32));
+        }
+        y[r] = f32_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(a0, a1)));
+    }
+}
+#else
+void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+    float xf[k];
+    for (int64_t c = 0; c < k; c++) xf[c] = bf16_to_f32(x[c]);
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *row = w + r * k;
+        float part[16] = {0};
+        int64_t c = 0;
+        for (; c + 16 <= k; c += 16)
+            for (int j = 0; j < 16; j++) part[j] += bf16_to_f32(row[c + j]) * xf[c + j];
+        float acc = 0;
+        for (; c < k; c++) acc += bf16_to_f32(row[c]) * xf[c];
+        for (int j = 0; j < 16; j++) acc += part[j];
+        y[r] = f32_to_bf16(acc);
+    }
+}
+#endif
+
+/* fp32: one row at a time (a sequential stream), 32 partial sums per row. */
+void tprt_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = w + r * k;
+        float p[32] = {0}, s = 0;
+        int64_t c = 0;
+        for (; c + 32 <= k; c += 32)
+            for (int j = 0; j < 32; j++) p[j] += row[c + j] * x[c + j];
+        for (; c < k; c++) s += row[c] * x[c];
+        for (int j = 0; j < 32; j++) s += p[j];
+        y[r] = s;
+    }
+}
+
+/* RMSNorm of each row of x [rows, n]: normalised in float32. bf16: the normalised value is
+   rounded to bf16 before the weight scales it (and the product rounded again), as transformers
+   computes it; float32: x * rsqrt(mean(x^2) + eps) * w. */
+static float inv_rms(const float *x, int64_t n, float eps) {
+    float p[16] = {0}, s = 0;
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+        for (int j = 0; j < 16; j++) p[j] += x[c + j] * x[c + j];
+    for (; c < n; c++) s += x[c] * x[c];
+    for (int j = 0; j < 16; j++) s += p[j];
+    return 1.0f / sqrtf(s / (float)n + eps);
+}
+
+void tprt_rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float inv = inv_rms(xr, n, eps);
+        for (int64_t c = 0; c < n; c++) y[r * n + c] = xr[c] * inv * w[c];
+    }
+}
+
+void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps) {
+    float scratch[n];
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < n; c++) scratch[c] = bf16_to_f32(x[r * n + c]);
+        float inv = inv_rms(scratch, n, eps);
+        for (int64_t c = 0; c < n; c++)
+            y[r * n + c] = f32_to_bf16(bf16_to_f32(w[c]) * bf16_to_f32(f32_to_bf16(scratch[c] * inv)));
+    }
+}
