@@ -414,6 +414,42 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     assert packed.layers[0].mlp.down_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
+def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
+    """CPU: decode through the compiled kernels (RoPE + cache write, RMSNorm, one-row GEMV) gives
+    the logits and the cache contents of the torch path, for rows in scattered slots at uneven
+    positions, whether the slots are given (index_select read) or implicit (view read)."""
+    from tprt import native
+    from tprt.fast_linear import prepack, supported
+
+    ctx = TPContext.single()
+    plain, fast = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
+    if not supported(fast):
+        pytest.skip(f"no oneDNN {dtype} on this CPU")
+    prepack(fast)
+    expect_native = native.available()
+    assert all((a.fast_rope_cache is not None) == expect_native for a in (l.self_attn for l in fast.layers))
+    vocab = plain.config.vocab_size
+    prompts = _ref(workdir)["prompts"][:3]
+    caches = [m.new_cache(4, 64) for m in (plain, fast)]
+    assert caches[0].dtype == caches[1].dtype == torch.float32
+    with torch.inference_mode():
+        for model, cache in zip((plain, fast), caches):  # prefill each prompt into slot 3, 0, 2
+            for slot, p in zip((3, 0, 2), prompts):
+                model(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
+        positions = torch.tensor([[len(p)] for p in prompts])
+        for slots in (torch.tensor([3, 0, 2]), None):
+            ids = torch.tensor([[11], [12], [13]])
+            if slots is None:  # rows 0, 1, 2 are slots 0, 1, 2: copy the prefilled slots there first
+                for cache in caches:
+                    cache.kv[:, :3] = cache.kv[:, [3, 0, 2]].clone()
+            want = plain(ids, positions, caches[0], slots)[..., :vocab].float()
+            got = fast(ids, positions, caches[1], slots)[..., :vocab].float()
+            assert (got - want).abs().max() <= tol * want.abs().max(), slots
+            assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
+            positions = positions + 1
+
+
 @pytest.mark.parametrize("variant", ["packed", "transposed", "dense"])
 def test_fast_linear_variants(variant: str) -> None:
     """Every variant computes x @ W^T for 1-, 2- and 3-d inputs."""

@@ -14,7 +14,8 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
   `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
   layers of that shape (so the timing streams from memory like decode does, not from cache).
 
-The RMSNorms get tprt's compiled one-call RMSNorm the same way (`RMSNorm.fast`), when available.
+With `norms`, the RMSNorms and attention's decode input side get tprt's compiled one-call
+versions the same way (`RMSNorm.fast`, `Attention.fast_rope_cache`), when available.
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tprt import native
-from tprt.model import RMSNorm, TPLlamaForCausalLM
+from tprt.model import Attention, RMSNorm, TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -151,7 +152,9 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
             for layer, m, o in zip(group, many, ones):
                 layer.fast_linear = FastLinear(m, o, name)
             chosen["x".join(map(str, shape))] = name
-    for norm in model.modules() if norms else ():
-        if isinstance(norm, RMSNorm):
-            norm.fast = native.rms_norm_kernel(norm.weight, norm.eps)
+    for module in model.modules() if norms else ():
+        if isinstance(module, RMSNorm):
+            module.fast = native.rms_norm_kernel(module.weight, module.eps)
+        elif isinstance(module, Attention):
+            module.fast_rope_cache = native.rope_cache_kernel(model.dtype)
     return chosen

@@ -94,6 +94,8 @@ class KVCache:
             kv_len = int(positions.max()) + 1
         if kv_len > self.max_seq_len:
             raise CacheFullError(f"position {kv_len - 1} is past the KV cache's max_seq_len={self.max_seq_len}")
+        if positions.device.type == "cpu":
+            self._check_in_range(positions, slots, kv_len)
         if slots is None:
             rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [batch, 1]
         else:
@@ -105,14 +107,29 @@ class KVCache:
         mask.masked_fill_(hidden, float("-inf"))
         return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=mask)
 
+    def _check_in_range(self, positions: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> None:
+        """Once per step on CPU, where the native decode path (tprt.native.rope_cache_kernel)
+        writes into the cache through raw pointers: no layer may write outside it. (On GPU the
+        checks would cost a device sync per step, and CUDA-graph capture forbids them.)"""
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= kv_len):
+            raise ValueError(f"positions must lie in [0, kv_len={kv_len})")
+        rows = positions.shape[0] if slots is None else slots.numel()
+        if slots is None and rows > self.n_slots:
+            raise ValueError(f"{rows} rows without slots, but the cache has {self.n_slots} slots")
+        if slots is not None and rows and (int(slots.min()) < 0 or int(slots.max()) >= self.n_slots):
+            raise ValueError(f"slots must lie in [0, {self.n_slots})")
+
     def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
-        (slot, position) and returns each row's keys and values up to kv_len, each
-        [batch, n_kv_heads, kv_len, head_dim]."""
+        (slot, position) and returns `read(layer, step)`."""
+        self.kv[layer][step.rows, :, :, step.positions] = kv  # [slot, k/v, kv_head, position, head_dim]
+        return self.read(layer, step)
+
+    def read(self, layer: int, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's keys and values up to kv_len, each [batch, n_kv_heads, kv_len, head_dim]."""
         cache = self.kv[layer]  # [slot, k/v, kv_head, position, head_dim]
-        cache[step.rows, :, :, step.positions] = kv
         if step.slots is None:
-            both = cache[: kv.shape[0], :, :, : step.kv_len]  # a view, no copy
+            both = cache[: step.rows.shape[0], :, :, : step.kv_len]  # a view, no copy
         else:
             both = cache[:, :, :, : step.kv_len].index_select(0, step.slots)  # [batch, k/v, kv_head, kv_len, head_dim]
         return both[:, 0], both[:, 1]

@@ -65,6 +65,9 @@ class Attention(nn.Module):
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
+        # Inference-only, set by tprt.fast_linear: decode's RoPE + cache write + q in float32 in
+        # one compiled call (tprt.native.rope_cache_kernel), for a float32 cache on CPU.
+        self.fast_rope_cache: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
@@ -72,6 +75,12 @@ class Attention(nn.Module):
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
         autograd = torch.is_grad_enabled()
+        if (self.fast_rope_cache is not None and seq == 1 and not autograd and step.cache is not None
+                and step.cache_step is not None and step.cache.dtype == torch.float32):
+            q32 = self.fast_rope_cache(qkv, step.cos, step.sin, step.cache, step.cache_step, self.layer)
+            k, v = step.cache.read(self.layer, step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(q32, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
+            return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, nh * self.head_dim))
         if autograd:  # out of place, so the backward has no slice copies
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)

@@ -5,6 +5,8 @@
   10-15 (docs/PERF.md). `tprt.fast_linear` times it against torch's variants per weight shape.
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
   of torch's five or six ops (2 us instead of 15-35 us per call at decode sizes).
+- `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the float32
+  KV cache and q's conversion to float32, in one call instead of about ten ops per layer.
 
 The C source is compiled with the system's C compiler (`$CC`, else `cc`) and `-march=native`
 into a per-user cache (`$TPRT_CACHE_DIR`, else `~/.cache/tprt`), keyed by the source, the flags
@@ -40,7 +42,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_rms_norm": [_P, _P, _P, _I, _I, _F]}
+_SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
+               "tprt_rope_cache": [_P] * 7 + [_I] * 8}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -154,5 +157,36 @@ def rms_norm_kernel(weight: torch.Tensor, eps: float) -> Kernel | None:
         y = torch.empty_like(x)
         fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
         return y
+
+    return run
+
+
+def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """A function (qkv, cos, sin, cache, cache_step, layer) -> q for one decode token per row, or
+    None like `gemv_kernel`. qkv [batch, 1, nh + 2 nkv, d] is the fused projection in `dtype`,
+    cos/sin [batch, 1, 1, d] from `tprt.rope.rope_angles`; k and v are rotated (k) and written
+    into the float32 `cache` (a `tprt.kv_cache.KVCache`) at the step's slots and positions
+    (checked in range by `KVCache.prepare`); returns q rotated, float32, [batch, nh, 1, d]."""
+    lib = _library()
+    if lib is None or dtype not in _DTYPE_SUFFIX:
+        return None
+    fn = getattr(lib, f"tprt_rope_cache_{_DTYPE_SUFFIX[dtype]}")
+
+    def run(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
+            layer: int) -> torch.Tensor:
+        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        batch, seq, heads, d = qkv.shape
+        nkv = store.shape[2]
+        nh = heads - 2 * nkv
+        if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.dtype != torch.float32
+                or store.stride(-1) != 1 or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
+            raise ValueError(f"native rope_cache: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} / cache {store.dtype}")
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        slots = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
+        positions = cache_step.positions.reshape(-1).to(torch.int64).contiguous()
+        q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), slots.data_ptr(),
+           positions.data_ptr(), batch, nh, nkv, d, *store.stride()[:4])
+        return q
 
     return run

@@ -108,3 +108,40 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
             y[r * n + c] = f32_to_bf16(bf16_to_f32(w[c]) * bf16_to_f32(f32_to_bf16(scratch[c] * inv)));
     }
 }
+
+/* Decode step of attention's input side, one token per row: rotates q and k of the fused
+   projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
+   negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
+   position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
+   torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
+#define ROPE_CACHE(SUFFIX, T, LOAD, ROUND)                                                                   \
+void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, float *cache,          \
+                              const int64_t *slots, const int64_t *positions, int64_t rows, int64_t nh,       \
+                              int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,          \
+                              int64_t s_pos) {                                                                \
+    int64_t half = d / 2, heads = nh + 2 * nkv;                                                               \
+    for (int64_t r = 0; r < rows; r++) {                                                                      \
+        const T *c = cos + r * d, *s = sin + r * d;                                                           \
+        float *slot = cache + slots[r] * s_slot + positions[r] * s_pos;                                       \
+        for (int64_t h = 0; h < nh + nkv; h++) {                                                              \
+            const T *x = qkv + (r * heads + h) * d;                                                           \
+            float *o = h < nh ? q_out + (r * nh + h) * d : slot + (h - nh) * s_head;                          \
+            for (int64_t i = 0; i < d; i++) {                                                                 \
+                float rotated = LOAD(x[i < half ? i + half : i - half]);                                      \
+                o[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(c[i])) + rotated * LOAD(s[i]));                          \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t h = 0; h < nkv; h++) {                                                                   \
+            const T *x = qkv + (r * heads + nh + nkv + h) * d;                                                \
+            float *o = slot + s_kv + h * s_head;                                                              \
+            for (int64_t i = 0; i < d; i++) o[i] = LOAD(x[i]);                                                \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_round(float x) { return x; }
+static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+ROPE_CACHE(f32, float, f32_load, f32_round)
+ROPE_CACHE(bf16, uint16_t, bf16_to_f32, bf16_round)
