@@ -37,6 +37,7 @@ from tprt.dist import TPContext, init_distributed  # noqa: E402
 from tprt.engine import Engine, EngineConfig, run_to_completion  # noqa: E402
 from tprt.loading import load_model  # noqa: E402
 from tprt.model import TPLlamaForCausalLM  # noqa: E402
+from tprt.memory import huge_empty  # noqa: E402
 from tprt.sampling import SamplingParams  # noqa: E402
 from tprt.tokenizer import Tokenizer  # noqa: E402
 
@@ -71,8 +72,9 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def read_bandwidth(repeats: int) -> float:
-    """Bytes/s of summing a 512 MiB float32 tensor (the read side of a memory-bound matvec)."""
-    x = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
+    """Bytes/s of summing a 512 MiB float32 tensor (the read side of a memory-bound matvec), on
+    huge pages like our weights (tprt.memory): a floor measured on small pages would be lower."""
+    x = huge_empty(512 * 1024 * 1024).view(torch.float32).fill_(1.0)
     x.sum()
     return x.nbytes / best(lambda: x.sum(), repeats)
 

@@ -1,4 +1,5 @@
-"""tprt.native: the compiled CPU kernels against torch, their build cache and their fallback."""
+"""tprt.native: the compiled CPU kernels against torch, their build cache and their fallback;
+tprt.memory: the huge-page buffers that weights and the KV cache live in."""
 
 from __future__ import annotations
 
@@ -90,3 +91,35 @@ def test_build_cache_and_fallbacks(tmp_path: Path) -> None:
     assert failed.stdout.strip() == "False" and "broken compiler" in failed.stderr
     assert not any((tmp_path / "third" / "native").iterdir())  # nothing half-written left behind
     assert _probe({"TPRT_NATIVE": "0"}).stdout.strip() == "False"
+
+
+def test_huge_tensors_are_aligned_disjoint_views() -> None:
+    from tprt.memory import HUGE_PAGE, huge_empty, huge_tensors
+
+    shapes = [(3, 5), (7,), (2000, 600), (2, 3, 4)]  # 2.4 MB in all: a huge-page block
+    ts = huge_tensors(shapes, torch.bfloat16)
+    assert [tuple(t.shape) for t in ts] == shapes and all(t.dtype == torch.bfloat16 for t in ts)
+    assert ts[0].data_ptr() % HUGE_PAGE == 0 and all(t.data_ptr() % 64 == 0 for t in ts)
+    for i, t in enumerate(ts):  # writing one leaves the others alone
+        t.fill_(i)
+    assert all(bool((t == i).all()) for i, t in enumerate(ts))
+    assert huge_empty(100).numel() == 100  # small: ordinary memory
+
+
+def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path) -> None:
+    from convert.api import hf_to_tp
+    from train_fixtures import make_tiny_model
+    from tprt.dist import TPContext
+    from tprt.loading import load_model
+
+    hf, _ = make_tiny_model(tmp_path, tp=1)
+    tp1 = tmp_path / "tp1"
+    hf_to_tp(hf, tp1, 1)
+    frozen = load_model(tp1, TPContext.single(), "fp32")
+    trainable = load_model(tp1, TPContext.single(), "fp32", requires_grad=True)
+    storages = {p.untyped_storage().data_ptr() for p in frozen.parameters()}
+    assert len(storages) == 1
+    assert len({p.untyped_storage().data_ptr() for p in trainable.parameters()}) == len(list(trainable.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(frozen.parameters(), trainable.parameters()))
+    cache = frozen.new_cache(2, 16)
+    assert not cache.kv.any()  # zeroed (masked entries still enter attention's weighted sum)

@@ -38,7 +38,7 @@ TOKEN = "s3cret-token"
 MAX_BATCH = 16
 MAX_QUEUE = 4
 MAX_MESSAGE = 1 << 20
-CONTEXT = 128
+CONTEXT = 512  # long enough that the queue-full test's blockers outlast its extra call
 START_TIMEOUT_S = 120.0
 STATE: dict[str, Any] = {}  # what the SIGTERM test leaves for the restart test
 
@@ -237,11 +237,11 @@ def test_cancel_frees_the_slot(server: ServerProcess, client: Client) -> None:
 
 
 def test_queue_full_is_resource_exhausted(server: ServerProcess, client: Client) -> None:
-    # On a fast machine the 100-token blockers can finish before the extra call arrives, which
-    # legitimately frees room; such a try shows nothing, so it is repeated (at most 3 times).
+    # On a fast machine the blockers can finish before the extra call arrives, which legitimately
+    # frees room; such a try shows nothing, so it is repeated (at most 3 times).
     for _ in range(3):
         finished_before = metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="ok")
-        calls = [client.generate(f"long {i}", max_new_tokens=100, temperature=0, ignore_eos=True)
+        calls = [client.generate(f"long {i}", max_new_tokens=CONTEXT - 16, temperature=0, ignore_eos=True)
                  for i in range(MAX_BATCH + MAX_QUEUE)]
         try:
             wait_for(lambda: metric(server.metrics(), "tprt_waiting_requests") == MAX_QUEUE, 20, "a full queue")

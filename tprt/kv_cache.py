@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tprt.errors import TprtError
+from tprt.memory import huge_tensors
 
 
 class CacheFullError(TprtError):
@@ -36,11 +37,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
+        shape = (n_layers, n_slots, 2, n_kv_heads, max_seq_len, head_dim)
+        # [layer, slot, k/v, kv_head, position, head_dim]; on CPU on huge pages (attention streams it).
         # Zeros, not empty: masked-out entries still enter SDPA's weighted sum (with weight 0),
         # and 0 * NaN from uninitialised memory would poison the output.
-        self.kv = torch.zeros(
-            (n_layers, n_slots, 2, n_kv_heads, max_seq_len, head_dim), dtype=dtype, device=device
-        )  # [layer, slot, k/v, kv_head, position, head_dim]
+        if torch.device(device).type == "cpu":
+            self.kv = huge_tensors([shape], dtype)[0].zero_()
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
         # Key positions 0..max_seq_len-1, sliced each step to build the attention mask.

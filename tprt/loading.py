@@ -15,6 +15,7 @@ from tprt.checkpoint import MANIFEST_NAME, Manifest, RankFiles, TPCheckpoint
 from tprt.config import ModelConfig, TPLayout
 from tprt.dist import TPContext
 from tprt.errors import CheckpointError, ConfigError
+from tprt.memory import huge_tensors
 from tprt.model import TPLlamaForCausalLM
 from tprt.safetensors_io import DTYPES
 
@@ -88,7 +89,9 @@ def load_model(
         model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target)
     files = ckpt.open_rank(ctx.rank)
     try:
-        state = _rank_state(model, files, ckpt.path, target, ctx.device)
+        # Frozen weights share one huge-page block; trainable ones stay separate tensors (the
+        # safetensors writer of training checkpoints refuses tensors that share storage).
+        state = _rank_state(model, files, ckpt.path, target, ctx.device, one_block=not requires_grad)
     finally:
         files.close()
     model.load_state_dict(state, strict=True, assign=True)
@@ -122,12 +125,19 @@ def _manifest_dtype(ckpt: TPCheckpoint) -> torch.dtype:
 
 
 def _rank_state(
-    model: TPLlamaForCausalLM, files: RankFiles, path: Path, dtype: torch.dtype, device: torch.device
+    model: TPLlamaForCausalLM, files: RankFiles, path: Path, dtype: torch.dtype, device: torch.device,
+    one_block: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Our parameter name -> a freshly allocated tensor holding this rank's values."""
+    """Our parameter name -> a freshly allocated tensor holding this rank's values. With
+    `one_block` on CPU the tensors are views of one buffer on huge pages (`tprt.memory`):
+    decode streams them faster."""
     state: dict[str, torch.Tensor] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        out = torch.empty(param.shape, dtype=dtype, device=device)
+    params = model.state_dict(keep_vars=True)
+    if one_block and device.type == "cpu":
+        outs = huge_tensors([tuple(p.shape) for p in params.values()], dtype)
+    else:
+        outs = [torch.empty(p.shape, dtype=dtype, device=device) for p in params.values()]
+    for (name, param), out in zip(params.items(), outs):
         row = 0
         for src_name in hf_sources(name):
             if src_name not in files.manifest.tensors:
