@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import tprt  # noqa: F401 - before torch: its allocator setting applies to both implementations alike
 import torch
 
 CACHE = Path(tempfile.gettempdir()) / "tprt-finetune-bench"  # the converted model, reused across runs

@@ -28,10 +28,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
+import torch  # noqa: E402
 
 from tprt.dist import TPContext, init_distributed  # noqa: E402
 from tprt.engine import Engine, EngineConfig, run_to_completion  # noqa: E402

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
+import torch  # noqa: E402
 
 from tprt.dist import init_distributed, shutdown  # noqa: E402
 from tprt.engine import Engine, EngineConfig, run_to_completion  # noqa: E402

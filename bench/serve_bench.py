@@ -35,6 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to the in-process peer too
+
 PROMPTS = ["Write a long story about a cat who learns to play the piano.",
            "Explain how a steam engine works, step by step.",
            "List the planets of the solar system and describe each one.",
