@@ -81,6 +81,12 @@ def test_build_cache_and_fallbacks(tmp_path: Path) -> None:
         built = sorted(p.name for p in (cache / "native").iterdir())
         assert len(built) == 1 and built[0].startswith("kernels-") and built[0].endswith(".so")  # no temporary left
         assert _probe({"TPRT_CACHE_DIR": str(cache)}).stdout.strip() == "True"  # reused
+        blocked, tmp = tmp_path / "a-file", tmp_path / "tmp"  # a cache dir that cannot be created
+        blocked.write_text("")
+        tmp.mkdir()
+        fallback = _probe({"TPRT_CACHE_DIR": str(blocked / "cache"), "TMPDIR": str(tmp)})
+        assert fallback.stdout.strip() == "True", fallback.stderr
+        assert len(list((tmp / f"tprt-{os.getuid()}" / "native").glob("kernels-*.so"))) == 1
     no_compiler = _probe({"TPRT_CACHE_DIR": str(tmp_path / "other"), "CC": str(tmp_path / "no-such-cc")})
     assert no_compiler.stdout.strip() == "False"
     assert "no C compiler" in no_compiler.stderr and "using torch's kernels" in no_compiler.stderr

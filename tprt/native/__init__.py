@@ -63,14 +63,33 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
+def _ours(directory: Path) -> bool:
+    """Owned by this user and writable by no one else: we load code from it."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(compiler: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"kernels-{key}.so"
+    # A read-only home (some CI and container setups) falls back to a per-user temporary directory.
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"tprt-{os.getuid()}" / "native"):
+        if _ours(directory) and (directory / name).exists():
+            return directory / name
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if _ours(directory) and os.access(directory, os.W_OK):
+            break
+    else:
+        raise RuntimeError(f"no writable directory of this user for the compiled kernels (tried {cache_dir()})")
+    target = directory / name
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
