@@ -39,8 +39,6 @@ usage, and logprobs/top_logprobs when asked for) instead of streaming.
 
 SCORE_EPILOG = """examples:
   tprt score --model ./smollm2-tp3 --file essay.txt
-  tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run --lora-rank 8 --steps 100
-  tprt serve --model ./smollm2-tp3 --port 50051 --metrics-port 9400
   tprt score --model ./smollm2-tp3 --file docs.jsonl --json
 
 A .jsonl file holds one {"text": ...} object per line; any other file is one document. Each token

@@ -12,6 +12,7 @@ advice is refused or ignored and the buffer is ordinary memory; nothing else cha
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 from functools import cache
 
@@ -51,18 +52,10 @@ def huge_empty(nbytes: int) -> torch.Tensor:
 def huge_tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Uninitialised tensors of `shapes` carved from one `huge_empty` buffer (each 64-byte
     aligned), so that small tensors share huge pages too."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [itemsize * _numel(shape) for shape in shapes]
+    sizes = [dtype.itemsize * math.prod(shape) for shape in shapes]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
         total += -(-size // 64) * 64
     buf = huge_empty(total)
     return [buf[o:o + s].view(dtype).view(shape) for o, s, shape in zip(offsets, sizes, shapes)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -64,31 +64,27 @@ void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n
 }
 #endif
 
-/* fp32: one row at a time (a sequential stream), 32 partial sums per row. */
+/* a . b in float32 with 32 partial sums (vectorised by the compiler without -ffast-math). */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float p[32] = {0}, s = 0;
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32)
+        for (int j = 0; j < 32; j++) p[j] += a[c + j] * b[c + j];
+    for (; c < n; c++) s += a[c] * b[c];
+    for (int j = 0; j < 32; j++) s += p[j];
+    return s;
+}
+
+/* fp32: one row at a time (a sequential stream). */
 void tprt_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k) {
-    for (int64_t r = 0; r < n; r++) {
-        const float *row = w + r * k;
-        float p[32] = {0}, s = 0;
-        int64_t c = 0;
-        for (; c + 32 <= k; c += 32)
-            for (int j = 0; j < 32; j++) p[j] += row[c + j] * x[c + j];
-        for (; c < k; c++) s += row[c] * x[c];
-        for (int j = 0; j < 32; j++) s += p[j];
-        y[r] = s;
-    }
+    for (int64_t r = 0; r < n; r++) y[r] = dot_f32(w + r * k, x, k);
 }
 
 /* RMSNorm of each row of x [rows, n]: normalised in float32. bf16: the normalised value is
    rounded to bf16 before the weight scales it (and the product rounded again), as transformers
    computes it; float32: x * rsqrt(mean(x^2) + eps) * w. */
 static float inv_rms(const float *x, int64_t n, float eps) {
-    float p[16] = {0}, s = 0;
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16)
-        for (int j = 0; j < 16; j++) p[j] += x[c + j] * x[c + j];
-    for (; c < n; c++) s += x[c] * x[c];
-    for (int j = 0; j < 16; j++) s += p[j];
-    return 1.0f / sqrtf(s / (float)n + eps);
+    return 1.0f / sqrtf(dot_f32(x, x, n) / (float)n + eps);
 }
 
 void tprt_rms_norm_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
