@@ -416,7 +416,7 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
 
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
-    """CPU: decode through the compiled kernels (RoPE + cache write, RMSNorm, one-row GEMV) gives
+    """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV) gives
     the logits and the cache contents of the torch path, for rows in scattered slots at uneven
     positions, whether the slots are given (index_select read) or implicit (view read)."""
     from tprt import native
@@ -428,7 +428,8 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
         pytest.skip(f"no oneDNN {dtype} on this CPU")
     prepack(fast)
     expect_native = native.available()
-    assert all((a.fast_rope_cache is not None) == expect_native for a in (l.self_attn for l in fast.layers))
+    for attn in (layer.self_attn for layer in fast.layers):
+        assert (attn.fast_rope_cache is not None) == (attn.fast_decode_attention is not None) == expect_native
     vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
     caches = [m.new_cache(4, 64) for m in (plain, fast)]

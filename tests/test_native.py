@@ -68,6 +68,36 @@ def test_rms_norm_matches_module(dtype: torch.dtype) -> None:
     assert torch.equal(norm(x).detach(), want)  # not under autograd: the differentiable torch path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
+    """The decode-attention kernel against SDPA with the engine's causal mask: head_dim 64 and
+    128 (the vectorised paths) and 24 (the generic one), groups of 1 and 3 q heads per kv head,
+    rows in scattered slots at positions from 0 to past a 16-key block."""
+    from tprt.kv_cache import KVCache
+
+    attend = native.decode_attention_kernel(dtype)
+    if not native.available():
+        assert attend is None
+        return
+    assert attend is not None
+    torch.manual_seed(0)
+    for d in (24, 64, 128):
+        for nh, nkv in ((6, 2), (4, 4)):
+            cache = KVCache(2, 5, nkv, 48, d, torch.float32)
+            cache.kv.normal_()
+            positions = torch.tensor([[0], [16], [33], [5]])
+            step = cache.prepare(positions, torch.tensor([4, 0, 2, 1]))
+            q = torch.randn(4, nh, 1, d) * 3  # sharper softmaxes than unit scale
+            k, v = cache.read(1, step)
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
+            got = attend(q, cache, step, 1)
+            assert got.shape == (4, 1, nh * d) and got.dtype == dtype
+            tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+            assert (got.float() - want.transpose(1, 2).reshape(4, 1, nh * d)).abs().max() <= tol * want.abs().max(), (d, nh)
+    with pytest.raises(ValueError, match="decode_attention"):
+        attend(q.to(torch.bfloat16), cache, step, 1)
+
+
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     code = "from tprt import native; print(native.available())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

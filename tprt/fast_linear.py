@@ -14,8 +14,8 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
   `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
   layers of that shape (so the timing streams from memory like decode does, not from cache).
 
-With `norms`, the RMSNorms and attention's decode input side get tprt's compiled one-call
-versions the same way (`RMSNorm.fast`, `Attention.fast_rope_cache`), when available.
+With `norms`, the RMSNorms and attention's decode step get tprt's compiled one-call versions the
+same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available.
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -157,4 +157,5 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
             module.fast = native.rms_norm_kernel(module.weight, module.eps)
         elif isinstance(module, Attention):
             module.fast_rope_cache = native.rope_cache_kernel(model.dtype)
+            module.fast_decode_attention = native.decode_attention_kernel(model.dtype)
     return chosen

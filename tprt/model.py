@@ -66,8 +66,10 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
         # Inference-only, set by tprt.fast_linear: decode's RoPE + cache write + q in float32 in
-        # one compiled call (tprt.native.rope_cache_kernel), for a float32 cache on CPU.
+        # one compiled call (tprt.native.rope_cache_kernel), for a float32 cache on CPU, and its
+        # attention over the cache in another (tprt.native.decode_attention_kernel).
         self.fast_rope_cache: Callable[..., torch.Tensor] | None = None
+        self.fast_decode_attention: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
@@ -78,6 +80,8 @@ class Attention(nn.Module):
         if (self.fast_rope_cache is not None and seq == 1 and not autograd and step.cache is not None
                 and step.cache_step is not None and step.cache.dtype == torch.float32):
             q32 = self.fast_rope_cache(qkv, step.cos, step.sin, step.cache, step.cache_step, self.layer)
+            if self.fast_decode_attention is not None:  # [batch, 1, nh * head_dim] in x's dtype
+                return self.o_proj(self.fast_decode_attention(q32, step.cache, step.cache_step, self.layer))
             k, v = step.cache.read(self.layer, step.cache_step)  # [batch, nkv, kv_len, head_dim]
             out = F.scaled_dot_product_attention(q32, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
             return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, nh * self.head_dim))

@@ -141,3 +141,127 @@ static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 ROPE_CACHE(f32, float, f32_load, f32_round)
 ROPE_CACHE(bf16, uint16_t, bf16_to_f32, bf16_round)
+
+/* exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop calling it
+   vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
+   error < 2e-7), times 2^n built in the exponent bits. Below -87 it returns exp(-87) ~ 1.6e-38. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504f + 0.5f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-6f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* Decode attention, one query token per row, over the float32 KV cache: for row r the keys and
+   values of its slot at positions 0..positions[r] (the causal mask of a decode step, so no mask
+   tensor), grouped-query (q head h reads kv head h / (nh / nkv), as SDPA's enable_gqa).
+   q [rows, nh, d] float32 (from tprt_rope_cache); out [rows, nh * d] in the model dtype; cache
+   and strides as tprt_rope_cache. Scores live in `scratch` (at least max position + 1 floats).
+   Sums run in another order than SDPA's (differences in rounding only). */
+static void attend_group_generic(const float *q, const float *keys, const float *values, int64_t len,
+                                 int64_t group, int64_t d, int64_t s_pos, float scale, float *scratch, float *out) {
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scratch, top = -INFINITY, sum = 0, *o = out + g * d;
+        for (int64_t t = 0; t < len; t++) {
+            s[t] = dot_f32(q + g * d, keys + t * s_pos, d) * scale;
+            top = s[t] > top ? s[t] : top;
+        }
+        for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
+        for (int64_t i = 0; i < d; i++) o[i] = 0;
+        for (int64_t t = 0; t < len; t++)
+            for (int64_t i = 0; i < d; i++) o[i] += s[t] * values[t * s_pos + i];
+        for (int64_t i = 0; i < d; i++) o[i] /= sum;
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp512_nonpositive(__m512 x) {  /* exp_nonpositive, 16 lanes at once */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    static const float coef[] = {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 6; i++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[i]));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* softmax of s[0..len) in place (unnormalised); returns the sum. */
+static inline float softmax512(float *s, int64_t len) {
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+        top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, m, s + t));
+    }
+    __m512 topv = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 m = len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1);
+        __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), topv));
+        _mm512_mask_storeu_ps(s + t, m, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* The same for head_dim = 16 * M, with q's and the output's M vectors kept in registers. */
+#define ATTEND_GROUP_512(M)                                                                                   \
+static void attend_group_##M(const float *q, const float *keys, const float *values, int64_t len,             \
+                             int64_t group, int64_t s_pos, float scale, float *s, float *out) {               \
+    for (int64_t g = 0; g < group; g++) {                                                                     \
+        __m512 qv[M], acc[M];                                                                                 \
+        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
+        for (int64_t t = 0; t < len; t++) {                                                                   \
+            const float *k = keys + t * s_pos;                                                                \
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                              \
+            for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);           \
+            s[t] = _mm512_reduce_add_ps(a) * scale;                                                           \
+        }                                                                                                     \
+        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
+        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
+        for (int64_t t = 0; t < len; t++) {                                                                   \
+            __m512 p = _mm512_set1_ps(s[t]);                                                                  \
+            const float *v = values + t * s_pos;                                                              \
+            for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);     \
+        }                                                                                                     \
+        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
+    }                                                                                                         \
+}
+ATTEND_GROUP_512(4)
+ATTEND_GROUP_512(8)
+#endif
+
+/* One (row, kv head): the keys and values stay in cache while each q head of the group reads them. */
+static void attend_group(const float *q, const float *keys, const float *values, int64_t len, int64_t group,
+                         int64_t d, int64_t s_pos, float scale, float *scratch, float *out) {
+#if defined(__AVX512F__)
+    if (d == 64) return attend_group_4(q, keys, values, len, group, s_pos, scale, scratch, out);
+    if (d == 128) return attend_group_8(q, keys, values, len, group, s_pos, scale, scratch, out);
+#endif
+    attend_group_generic(q, keys, values, len, group, d, s_pos, scale, scratch, out);
+}
+
+#define DECODE_ATTENTION(SUFFIX, T, STORE)                                                                   \
+void tprt_decode_attention_##SUFFIX(const float *q, const float *cache, const int64_t *slots,                 \
+                                    const int64_t *positions, T *out, float *scratch, int64_t rows,           \
+                                    int64_t nh, int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv,         \
+                                    int64_t s_head, int64_t s_pos, float scale) {                             \
+    int64_t group = nh / nkv;                                                                                 \
+    float acc[group * d];                                                                                     \
+    for (int64_t r = 0; r < rows; r++)                                                                        \
+        for (int64_t j = 0; j < nkv; j++) {                                                                   \
+            const float *keys = cache + slots[r] * s_slot + j * s_head;                                       \
+            attend_group(q + (r * nh + j * group) * d, keys, keys + s_kv, positions[r] + 1, group, d, s_pos,  \
+                         scale, scratch, acc);                                                                \
+            T *o = out + (r * nh + j * group) * d;                                                            \
+            for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
+        }                                                                                                     \
+}
+
+static inline float f32_store(float x) { return x; }
+DECODE_ATTENTION(f32, float, f32_store)
+DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
