@@ -24,7 +24,7 @@ from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.dist import TPContext
 from tprt.engine import Completion, Engine, EngineConfig, run_to_completion
-from tprt.errors import ValidationError
+from tprt.errors import ConfigError, ValidationError
 from tprt.loading import load_model
 from tprt.model import TPLlamaForCausalLM
 from tprt.plan import BatchPlan, StepPlan
@@ -526,3 +526,36 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
         assert mixed[k].token_ids == want.token_ids, f"request {k}"
         assert max(abs(a - b) for a, b in zip(mixed[k].logprobs, want.logprobs)) < 1e-4, f"request {k}"
     engine.close()
+
+
+def test_one_row_steps_run_on_one_thread_and_restore_the_count(workdir: Path) -> None:
+    """CPU: a step decoding a single row runs on `one_row_threads`; prefills and batches on the
+    caller's thread count, which every step leaves as it found it. None leaves it alone."""
+    seen: list[tuple[int, int]] = []  # (rows, threads) of each forward call
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for one_row_threads, want_one_row in ((1, 1), (None, 2)):
+            model = load_model(workdir / "tp1", TPContext.single())
+            forward = model.forward
+
+            def spy(ids: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
+                seen.append((ids.shape[0] if ids.shape[1] == 1 else -1, torch.get_num_threads()))
+                return forward(ids, *a, **kw)
+
+            model.forward = spy  # type: ignore[method-assign]
+            engine = Engine(model, None, EngineConfig(max_batch=2, max_seq_len=32, one_row_threads=one_row_threads),
+                            eos_token_ids=[])
+            seen.clear()
+            engine.add([5, 6, 7], _greedy(4), "a")
+            run_to_completion(engine)  # a prefill, then one-row decode steps
+            engine.add([5, 6], _greedy(4), "b")
+            engine.add([8, 9], _greedy(4), "c")
+            run_to_completion(engine)  # a two-row prefill, then two-row decode steps
+            assert seen[0] == (-1, 2) and seen[1:4] == [(1, want_one_row)] * 3, seen
+            assert seen[4] == (-1, 2) and set(seen[5:]) == {(2, 2)}, seen
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="one_row_threads"):
+        Engine(load_model(workdir / "tp1", TPContext.single()), None, EngineConfig(one_row_threads=0))

@@ -63,6 +63,11 @@ class EngineConfig:
     cache_dtype: torch.dtype | None = None  # KV cache dtype; None: the model's
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
     static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
+    # CPU: torch threads for steps that only decode one row (None: leave the thread count alone).
+    # The one-row kernels are single-threaded and more threads only add OpenMP fork/joins to the
+    # small ops (docs/PERF.md); the free cores go to a server's I/O threads. Other steps use the
+    # caller's thread count.
+    one_row_threads: int | None = 1
 
 
 class Engine:
@@ -75,7 +80,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
         self.runner = ModelRunner(model, config.max_batch, self.max_seq_len, config.cache_dtype,
-                                  config.cpu_prepack, config.static_decode)
+                                  config.cpu_prepack, config.static_decode, config.one_row_threads)
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
@@ -335,6 +340,8 @@ def check_length(prompt_len: int, max_new_tokens: int, context: int, what: str =
 
 def _context(config: EngineConfig, model_max: int) -> int:
     """Tokens per sequence: the config's, within the model's max_position_embeddings."""
+    if config.one_row_threads is not None and config.one_row_threads < 1:
+        raise ConfigError(f"one_row_threads must be at least 1 or None, got {config.one_row_threads}")
     for name in ("max_batch", "token_budget"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(config, name)}")

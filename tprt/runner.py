@@ -7,10 +7,17 @@ the TP group) or just the argmax ids (which exchange one (value, id) pair per ro
 
 Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
 through views, without copying every row's keys and values each step.
+
+On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default),
+every other step on the caller's thread count (as llama.cpp separates
+--threads and --threads-batch): one-row decode is bound by one core's memory stream, batches and
+prefills by arithmetic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +49,7 @@ class ModelRunner:
 
     def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
-                 static_decode: bool | None = None) -> None:
+                 static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
         self.model = model
         if cpu_prepack:
             prepack(model)  # a no-op unless CPU bf16 (see tprt.fast_linear)
@@ -53,15 +60,32 @@ class ModelRunner:
             static_decode = self.device.type == "cuda"
         # Packed decode batches on static shapes (CUDA graphs on GPU); see tprt.static_decode.
         self.static = StaticDecode(model, self.cache, n_slots) if static_decode else None
+        self.one_row_threads = one_row_threads if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs the plan's KV moves, prefill and decode; collective over the TP group."""
-        for src, dst, n in plan.moves:
-            self._move(src, dst, n)
-        prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
-        decode = self._decode(plan.decode) if plan.decode is not None else None
+        with self._threads_for(plan):
+            for src, dst, n in plan.moves:
+                self._move(src, dst, n)
+            prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
+            decode = self._decode(plan.decode) if plan.decode is not None else None
         return StepResult(prefill, decode)
+
+    @contextmanager
+    def _threads_for(self, plan: StepPlan) -> Iterator[None]:
+        """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
+        (setting it takes microseconds and keeps oneDNN's packed weights)."""
+        threads = torch.get_num_threads()
+        one_row = plan.prefill is None and plan.decode is not None and len(plan.decode.slots) == 1
+        if not one_row or self.one_row_threads is None or self.one_row_threads >= threads:
+            yield
+            return
+        torch.set_num_threads(self.one_row_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _route(self, batch: BatchPlan) -> None:
         """Tells the model's adapter sets which adapter each row of the batch uses."""
