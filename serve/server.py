@@ -49,6 +49,7 @@ from tprt.errors import ConfigError
 from tprt.launch import free_port
 from tprt.loading import load_model, parse_dtype
 from tprt.model import TPLlamaForCausalLM
+from tprt.threads import run_on_exiting_thread
 from tprt.tokenizer import Tokenizer
 
 log = logging.getLogger("tprt.serve")
@@ -255,8 +256,10 @@ class App:
             watch(procs, self._rank_died, stop_watch)
         ctx = init_distributed(timeout_s=self.cfg.collective_timeout)
         try:
-            model, engine, tokenizer = self._load(ctx)
-            self._services(ctx, model, engine, tokenizer)
+            # The torch work of set-up (loading, prepacking, restoring adapters) on a thread that
+            # ends, so the scheduler thread's OpenMP pool is the only one (tprt.threads).
+            model, engine, tokenizer = run_on_exiting_thread(lambda: self._load(ctx))
+            run_on_exiting_thread(lambda: self._services(ctx, model, engine, tokenizer))
             assert self.scheduler is not None and self.jobs is not None
             self.scheduler.start()
             metrics_port = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else -1
