@@ -416,7 +416,8 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
 
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
-    """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV) gives
+    """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV,
+    the MLP half) gives
     the logits and the cache contents of the torch path, for rows in scattered slots at uneven
     positions, whether the slots are given (index_select read) or implicit (view read)."""
     from tprt import native
@@ -426,10 +427,16 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     plain, fast = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
     if not supported(fast):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
-    prepack(fast)
+    chosen = prepack(fast)
     expect_native = native.available()
-    for attn in (layer.self_attn for layer in fast.layers):
+    for layer in fast.layers:
+        attn = layer.self_attn
         assert (attn.fast_rope_cache is not None) == (attn.fast_decode_attention is not None) == expect_native
+        assert (layer.fast_mlp is not None) == (expect_native and chosen["x".join(
+            map(str, layer.mlp.gate_up_proj.weight.shape))] == chosen["x".join(map(str, layer.mlp.down_proj.weight.shape))]
+            == "native")
+        norm, mlp = layer.post_attention_layernorm, layer.mlp  # the MLP half in one call whatever the timing chose
+        layer.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
     vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
     caches = [m.new_cache(4, 64) for m in (plain, fast)]
@@ -449,6 +456,11 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
             assert (got - want).abs().max() <= tol * want.abs().max(), slots
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
             positions = positions + 1
+        for step in range(2):  # one row (slot 2): the MLP half in one call too
+            ids, pos, slot = torch.tensor([[14 + step]]), positions[2:3] + step, torch.tensor([2])
+            want = plain(ids, pos, caches[0], slot)[..., :vocab].float()
+            got = fast(ids, pos, caches[1], slot)[..., :vocab].float()
+            assert (got - want).abs().max() <= tol * want.abs().max(), "one row"
 
 
 @pytest.mark.parametrize("variant", ["packed", "transposed", "dense"])

@@ -98,6 +98,39 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
         attend(q.to(torch.bfloat16), cache, step, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_decode_matches_modules(dtype: torch.dtype) -> None:
+    """The one-call MLP half against RMSNorm + the fused gate/up linear + SwiGLU + the down linear,
+    on shapes off the vector widths and activations of both signs."""
+    from tprt.config import ModelConfig
+    from tprt.dist import TPContext
+    from tprt.model import MLP
+
+    torch.manual_seed(0)
+    for hidden, inter in ((100, 37), (64, 256), (576, 1536)):
+        cfg = ModelConfig.from_dict({"hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": 4,
+                                     "num_hidden_layers": 1, "vocab_size": 10, "rms_norm_eps": 1e-5})
+        norm, mlp = RMSNorm(hidden, 1e-5, dtype), MLP(cfg, TPContext.single(), dtype)
+        with torch.no_grad():
+            for w in (norm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+                w.normal_(0, 3 / w.shape[-1] ** 0.5)
+        fast = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if not native.available():
+            assert fast is None
+            return
+        assert fast is not None
+        x = (torch.randn(1, 1, hidden) * 2).to(dtype)
+        with torch.no_grad():
+            want = mlp(norm(x)).float()
+        got = fast(x)
+        assert got.shape == x.shape and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: roundings of the intermediate values
+        assert (got.float() - want).abs().max() <= tol * want.abs().max(), (hidden, inter)
+    with pytest.raises(ValueError, match="one row of 576"):
+        fast(torch.randn(2, 576).to(dtype))
+    assert native.mlp_decode_kernel(norm.weight, 1e-5, mlp.down_proj.weight, mlp.down_proj.weight) is None  # shapes
+
+
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     code = "from tprt import native; print(native.available())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -15,7 +15,9 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
   layers of that shape (so the timing streams from memory like decode does, not from cache).
 
 With `norms`, the RMSNorms and attention's decode step get tprt's compiled one-call versions the
-same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available.
+same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available,
+and so does each layer's whole MLP half for one row (`DecoderLayer.fast_mlp`) where the native
+GEMV won the timing for both of its weights.
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tprt import native
-from tprt.model import Attention, RMSNorm, TPLlamaForCausalLM
+from tprt.model import Attention, DecoderLayer, RMSNorm, TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,7 +155,13 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
                 layer.fast_linear = FastLinear(m, o, name)
             chosen["x".join(map(str, shape))] = name
     for module in model.modules() if norms else ():
-        if isinstance(module, RMSNorm):
+        if isinstance(module, DecoderLayer) and all(
+                getattr(linear.fast_linear, "one_variant", None) == "native"
+                for linear in (module.mlp.gate_up_proj, module.mlp.down_proj)):
+            norm = module.post_attention_layernorm
+            module.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, module.mlp.gate_up_proj.weight,
+                                                       module.mlp.down_proj.weight)
+        elif isinstance(module, RMSNorm):
             module.fast = native.rms_norm_kernel(module.weight, module.eps)
         elif isinstance(module, Attention):
             module.fast_rope_cache = native.rope_cache_kernel(model.dtype)

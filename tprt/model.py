@@ -129,10 +129,17 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ctx, dtype)
+        # Inference-only, set by tprt.fast_linear: the MLP half (norm included) for one row in
+        # one compiled call (tprt.native.mlp_decode_kernel); this rank's partial product.
+        self.fast_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = self.mlp
+        if (self.fast_mlp is not None and h.numel() == h.shape[-1] and not torch.is_grad_enabled()
+                and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None):
+            return h + mlp.down_proj.reduce(self.fast_mlp(h))
+        return h + mlp(self.post_attention_layernorm(h))
 
 
 class TPLlamaForCausalLM(nn.Module):

@@ -265,3 +265,41 @@ void tprt_decode_attention_##SUFFIX(const float *q, const float *cache, const in
 static inline float f32_store(float x) { return x; }
 DECODE_ATTENTION(f32, float, f32_store)
 DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
+
+/* silu(g) = g * sigmoid(g) in place, float32, with e = exp(-|g|) <= 1 so one exp serves both signs:
+   sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. */
+static void silu_inplace(float *g, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), e, _mm512_set1_ps(1.0f));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(x, _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e))));
+    }
+#endif
+    for (; i < n; i++) {
+        float e = exp_nonpositive(-fabsf(g[i]));
+        g[i] *= (g[i] >= 0 ? 1.0f : e) / (1.0f + e);
+    }
+}
+
+/* The MLP half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x), the fused
+   gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops round in the model
+   dtype; out is this rank's partial product (the caller all-reduces it and adds the residual).
+   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: normed
+   [hidden] and gate_up [2 inter] in the model dtype, work [inter] float32. */
+#define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
+void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
+                              T *normed, T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {  \
+    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
+    tprt_gemv_##SUFFIX(w_gate_up, normed, gate_up, 2 * inter, hidden);                                       \
+    for (int64_t i = 0; i < inter; i++) work[i] = LOAD(gate_up[i]);                                         \
+    silu_inplace(work, inter);                                                                              \
+    for (int64_t i = 0; i < inter; i++) /* the activation overwrites the gate half */                       \
+        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                \
+    tprt_gemv_##SUFFIX(w_down, gate_up, out, hidden, inter);                                                 \
+}
+
+MLP_DECODE(f32, float, f32_load, f32_store)
+MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

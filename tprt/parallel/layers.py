@@ -96,6 +96,10 @@ class RowParallelLinear(nn.Module):
             y = self.adapter(x, y)
         return reduce_from_region(y, self.tp)
 
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.native)."""
+        return reduce_from_region(partial, self.tp)
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding of a vocabulary split by rows: each rank looks up the ids it holds, gives zeros
