@@ -417,7 +417,7 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV,
-    the MLP half) gives
+    and each half of a layer in one call for one row) gives
     the logits and the cache contents of the torch path, for rows in scattered slots at uneven
     positions, whether the slots are given (index_select read) or implicit (view read)."""
     from tprt import native
@@ -432,11 +432,16 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     for layer in fast.layers:
         attn = layer.self_attn
         assert (attn.fast_rope_cache is not None) == (attn.fast_decode_attention is not None) == expect_native
-        assert (layer.fast_mlp is not None) == (expect_native and chosen["x".join(
-            map(str, layer.mlp.gate_up_proj.weight.shape))] == chosen["x".join(map(str, layer.mlp.down_proj.weight.shape))]
-            == "native")
-        norm, mlp = layer.post_attention_layernorm, layer.mlp  # the MLP half in one call whatever the timing chose
+        won = [chosen["x".join(map(str, m.weight.shape))] == "native" for m in fast.linears()[:4]]
+        assert (layer.fast_attention is not None) == (expect_native and won[0] and won[1])
+        assert (layer.fast_mlp is not None) == (expect_native and won[2] and won[3])
+        # each half in one call for one row, whatever the timing chose
+        norm, mlp = layer.post_attention_layernorm, layer.mlp
         layer.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        norm = layer.input_layernorm
+        layer.fast_attention = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                              attn.o_proj.weight, attn.n_heads, attn.n_kv)
+        assert (layer.fast_attention is not None) == (layer.fast_mlp is not None) == expect_native
     vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
     caches = [m.new_cache(4, 64) for m in (plain, fast)]
@@ -456,11 +461,12 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
             assert (got - want).abs().max() <= tol * want.abs().max(), slots
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
             positions = positions + 1
-        for step in range(2):  # one row (slot 2): the MLP half in one call too
+        for step in range(2):  # one row (slot 2): each half of a layer in one call
             ids, pos, slot = torch.tensor([[14 + step]]), positions[2:3] + step, torch.tensor([2])
             want = plain(ids, pos, caches[0], slot)[..., :vocab].float()
             got = fast(ids, pos, caches[1], slot)[..., :vocab].float()
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"
+            assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max(), "one row"
 
 
 @pytest.mark.parametrize("variant", ["packed", "transposed", "dense"])

@@ -16,8 +16,8 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
 
 With `norms`, the RMSNorms and attention's decode step get tprt's compiled one-call versions the
 same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available,
-and so does each layer's whole MLP half for one row (`DecoderLayer.fast_mlp`) where the native
-GEMV won the timing for both of its weights.
+and so does each half of a decoder layer for one row (`DecoderLayer.fast_attention`, `.fast_mlp`)
+where the native GEMV won the timing for both of its weights.
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -133,6 +133,11 @@ def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torc
     return best[1], best[2]
 
 
+def _native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether the native GEMV won the one-row timing for each of these layers."""
+    return all(getattr(linear.fast_linear, "one_variant", None) == "native" for linear in linears)
+
+
 def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) -> dict[str, str]:
     """Sets every linear layer's `fast_linear` (and, with `norms`, every RMSNorm's `fast`) when
     `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
@@ -155,12 +160,16 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
                 layer.fast_linear = FastLinear(m, o, name)
             chosen["x".join(map(str, shape))] = name
     for module in model.modules() if norms else ():
-        if isinstance(module, DecoderLayer) and all(
-                getattr(linear.fast_linear, "one_variant", None) == "native"
-                for linear in (module.mlp.gate_up_proj, module.mlp.down_proj)):
-            norm = module.post_attention_layernorm
-            module.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, module.mlp.gate_up_proj.weight,
-                                                       module.mlp.down_proj.weight)
+        if isinstance(module, DecoderLayer):
+            attn, mlp = module.self_attn, module.mlp
+            if _native(attn.qkv_proj, attn.o_proj):
+                norm = module.input_layernorm
+                module.fast_attention = native.attention_decode_kernel(
+                    norm.weight, norm.eps, attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+            if _native(mlp.gate_up_proj, mlp.down_proj):
+                norm = module.post_attention_layernorm
+                module.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                                           mlp.down_proj.weight)
         elif isinstance(module, RMSNorm):
             module.fast = native.rms_norm_kernel(module.weight, module.eps)
         elif isinstance(module, Attention):

@@ -129,15 +129,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ctx, dtype)
-        # Inference-only, set by tprt.fast_linear: the MLP half (norm included) for one row in
-        # one compiled call (tprt.native.mlp_decode_kernel); this rank's partial product.
+        # Inference-only, set by tprt.fast_linear: each half (its norm included) for one decode row
+        # in one compiled call (tprt.native.attention_decode_kernel / mlp_decode_kernel), giving
+        # this rank's partial product; the attention half needs a float32 cache.
+        self.fast_attention: Callable[..., torch.Tensor] | None = None
         self.fast_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), step)
-        mlp = self.mlp
-        if (self.fast_mlp is not None and h.numel() == h.shape[-1] and not torch.is_grad_enabled()
-                and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None):
+        attn, mlp = self.self_attn, self.mlp
+        fused = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # one row, inference
+        if (fused and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
+                and step.cache.dtype == torch.float32 and attn.qkv_proj.adapter is None and attn.o_proj.adapter is None):
+            partial = self.fast_attention(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
+            h = x + attn.o_proj.reduce(partial)
+        else:
+            h = x + attn(self.input_layernorm(x), step)
+        if fused and self.fast_mlp is not None and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None:
             return h + mlp.down_proj.reduce(self.fast_mlp(h))
         return h + mlp(self.post_attention_layernorm(h))
 

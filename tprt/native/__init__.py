@@ -11,7 +11,9 @@
   row up to its own position, every kv head's keys and values read once for its group of q heads
   (SDPA's CPU kernel spends ~2 us per (row, head) pair around ~0.1 us of arithmetic).
 - `mlp_decode_kernel(...)`: a decoder layer's MLP half for one row (RMSNorm, gate/up GEMV,
-  SwiGLU, down GEMV) in one call instead of about ten ops and six module calls.
+  SwiGLU, down GEMV) in one call instead of about ten ops and six module calls;
+  `attention_decode_kernel(...)` the same for its attention half (RMSNorm, q/k/v GEMV, RoPE and
+  cache write, attention, o GEMV).
 
 The C source is compiled with the system's C compiler (`$CC`, else `cc`) and `-march=native`
 into a per-user cache (`$TPRT_CACHE_DIR`, else `~/.cache/tprt`), keyed by the source, the flags
@@ -49,7 +51,8 @@ _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
-               "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F]}
+               "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F],
+               "tprt_attention_decode": [_P] * 15 + [_I] * 8 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -269,6 +272,44 @@ def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: tor
         act, work = torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), normed.data_ptr(),
            act.data_ptr(), work.data_ptr(), hidden, inter, eps)
+        return out
+
+    return run
+
+
+def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, o_weight: torch.Tensor,
+                            n_heads: int, n_kv_heads: int) -> Callable[..., torch.Tensor] | None:
+    """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
+    decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
+    residual add), writing the row's k and v into the float32 `cache` like `rope_cache_kernel`;
+    or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model)."""
+    fn = _function("tprt_attention_decode", qkv_weight, 2)
+    hidden = norm_weight.shape[0]
+    d = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
+    weights = [w.detach().contiguous() for w in (norm_weight, qkv_weight, o_weight)]
+    if (fn is None or any(w.dtype != qkv_weight.dtype or w.device.type != "cpu" for w in weights) or n_heads % n_kv_heads
+            or qkv_weight.shape != ((n_heads + 2 * n_kv_heads) * d, hidden) or o_weight.shape != (hidden, n_heads * d)):
+        return None
+    norm, qkv_w, o_w = weights
+    dtype = qkv_w.dtype
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
+            layer: int) -> torch.Tensor:  # the closure keeps the weights alive
+        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
+                or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
+                or store.shape[-1] != d or cache_step.positions.numel() != 1):
+            raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        slot = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
+        position = cache_step.positions.reshape(-1).to(torch.int64).contiguous()
+        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
+        q, scores = torch.empty(n_heads * d, dtype=torch.float32), torch.empty(cache_step.kv_len, dtype=torch.float32)
+        fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           store.data_ptr(), slot.data_ptr(), position.data_ptr(), out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
+           attn.data_ptr(), q.data_ptr(), scores.data_ptr(), hidden, n_heads, n_kv_heads, d, *store.stride()[:4],
+           eps, d ** -0.5)
         return out
 
     return run

@@ -303,3 +303,27 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
 
 MLP_DECODE(f32, float, f32_load, f32_store)
 MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
+   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (tprt_rope_cache), the
+   attention over the cache (tprt_decode_attention) and the o GEMV; out is this rank's partial
+   product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden, nh d]; slot/position point at one int64
+   each; scratch: normed [hidden], qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q
+   [nh d] and scores [position + 1] float32. */
+#define ATTENTION_DECODE(SUFFIX, T)                                                                          \
+void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o, const T *cos,  \
+                                    const T *sin, float *cache, const int64_t *slot, const int64_t *position, \
+                                    T *out, T *normed, T *qkv, T *attn, float *q, float *scores,             \
+                                    int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t s_slot,       \
+                                    int64_t s_kv, int64_t s_head, int64_t s_pos, float eps, float scale) {    \
+    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
+    tprt_gemv_##SUFFIX(w_qkv, normed, qkv, (nh + 2 * nkv) * d, hidden);                                      \
+    tprt_rope_cache_##SUFFIX(qkv, cos, sin, q, cache, slot, position, 1, nh, nkv, d, s_slot, s_kv, s_head,   \
+                             s_pos);                                                                         \
+    tprt_decode_attention_##SUFFIX(q, cache, slot, position, attn, scores, 1, nh, nkv, d, s_slot, s_kv,      \
+                                   s_head, s_pos, scale);                                                    \
+    tprt_gemv_##SUFFIX(w_o, attn, out, hidden, nh * d);                                                      \
+}
+
+ATTENTION_DECODE(f32, float)
+ATTENTION_DECODE(bf16, uint16_t)
