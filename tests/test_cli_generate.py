@@ -173,3 +173,26 @@ def test_subprocess_errors_exit_fast(root: Path, tmp_path: Path) -> None:
 def test_help_has_examples() -> None:
     proc = _tprt("generate", "--help")
     assert proc.returncode == 0 and "examples:" in proc.stdout and "--top-logprobs" in proc.stdout
+
+
+def test_generate_on_two_torchrun_nodes(root: Path, hf: Any) -> None:
+    """Two torchrun agents on loopback as two nodes of one process each (RANK 0 and 1, both
+    LOCAL_RANK 0): the TP=2 ranks join torchrun's world and node 0 prints transformers' tokens."""
+    from tprt.launch import free_port
+
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", port, "-m", "tprt.cli", "generate", "--model",
+         str(root / "tp2"), "--prompt", PROMPTS[1], "--max-new-tokens", str(N_NEW), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    ids = Tokenizer.from_dir(root / "tp2").encode(PROMPTS[1])
+    assert json.loads(outs[0][0])["token_ids"] == _hf_greedy(hf, ids)
+    assert outs[1][0] == ""  # only rank 0 prints
