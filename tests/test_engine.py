@@ -100,10 +100,14 @@ def _share(ctx: TPContext, value: Any) -> Any:
 
 
 def _drive(ctx: TPContext, wd: Path, config: EngineConfig, fn: Callable[[Engine], T],
-           plans: list[StepPlan] | None = None, **kw: Any) -> T:
+           plans: list[StepPlan] | None = None, model: TPLlamaForCausalLM | None = None,
+           setup: Callable[[Engine], None] | None = None, **kw: Any) -> T:
     """Runs fn(engine) on rank 0 while the other ranks follow; returns rank 0's result everywhere.
-    `plans` collects every plan this rank executed. A failure on rank 0 fails every rank."""
-    engine = Engine(_model(ctx, wd), Tokenizer.from_dir(wd / "hf"), config, **kw)
+    `plans` collects every plan this rank executed; `setup(engine)` runs on every rank first. A
+    failure on rank 0 fails every rank."""
+    engine = Engine(model or _model(ctx, wd), Tokenizer.from_dir(wd / "hf"), config, **kw)
+    if setup is not None:
+        setup(engine)
     if plans is not None:
         execute = engine.runner.execute
         engine.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]  # type: ignore[method-assign]
@@ -320,6 +324,45 @@ def check_static_decode(ctx: TPContext, wd: Path) -> None:
         assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != {want}"
 
 
+def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
+    """CPU: one-row decode through each layer's two fused halves (tprt.native, forced here
+    whatever fast_linear's timing chose), their partial products all-reduced over the TP group:
+    transformers' greedy tokens, and the fused calls really ran on every rank."""
+    from tprt import native
+
+    calls = [0]
+
+    def counted(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(*a: Any) -> torch.Tensor:
+            calls[0] += 1
+            return fn(*a)
+        return run
+
+    def fuse(engine: Engine) -> None:
+        for layer in engine.runner.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
+                                               attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+            m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                         mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            layer.fast_attention = None if a is None else counted(a)
+            layer.fast_mlp = None if m is None else counted(m)
+
+    ref = _ref(wd)
+
+    def fn(engine: Engine) -> list[list[int]]:
+        outs = []
+        for i in (0, 3):  # alone: every decode step is one row
+            engine.add(ref["prompts"][i], _greedy(), str(i))
+            outs.append(run_to_completion(engine)[str(i)].token_ids)
+        return outs
+
+    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
+    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn, model=model, setup=fuse)
+    assert out == [ref["greedy"][0], ref["greedy"][3]], out
+    assert (calls[0] > 0) == native.available(), calls
+
+
 CHECKS: Checks = [
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
@@ -329,6 +372,7 @@ CHECKS: Checks = [
     ("logprobs", check_logprobs),
     ("seeded", check_seeded),
     ("static_decode", check_static_decode),
+    ("fused_one_row", check_fused_one_row),
 ]
 
 

@@ -137,14 +137,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         attn, mlp = self.self_attn, self.mlp
-        fused = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # one row, inference
-        if (fused and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
+        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
+        if (one_row and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
                 and step.cache.dtype == torch.float32 and attn.qkv_proj.adapter is None and attn.o_proj.adapter is None):
             partial = self.fast_attention(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
             h = x + attn.o_proj.reduce(partial)
         else:
             h = x + attn(self.input_layernorm(x), step)
-        if fused and self.fast_mlp is not None and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None:
+        if one_row and self.fast_mlp is not None and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None:
             return h + mlp.down_proj.reduce(self.fast_mlp(h))
         return h + mlp(self.post_attention_layernorm(h))
 

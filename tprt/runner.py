@@ -8,10 +8,10 @@ the TP group) or just the argmax ids (which exchange one (value, id) pair per ro
 Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
 through views, without copying every row's keys and values each step.
 
-On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default),
-every other step on the caller's thread count (as llama.cpp separates
---threads and --threads-batch): one-row decode is bound by one core's memory stream, batches and
-prefills by arithmetic.
+On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default)
+and every other step on the caller's thread count, as llama.cpp separates --threads and
+--threads-batch: one-row decode is bound by one core's memory stream, batches and prefills by
+arithmetic.
 """
 
 from __future__ import annotations
