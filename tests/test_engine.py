@@ -324,13 +324,10 @@ def check_static_decode(ctx: TPContext, wd: Path) -> None:
         assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != {want}"
 
 
-def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
-    """CPU: one-row decode through each layer's two fused halves (tprt.native, forced here
-    whatever fast_linear's timing chose), their partial products all-reduced over the TP group:
-    transformers' greedy tokens, and the fused calls really ran on every rank."""
+def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
+    """Sets every layer's fused one-row halves (tprt.native) whatever fast_linear's timing chose;
+    calls[0] counts their calls. A no-op where the native kernels are unavailable."""
     from tprt import native
-
-    calls = [0]
 
     def counted(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*a: Any) -> torch.Tensor:
@@ -338,16 +335,23 @@ def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
             return fn(*a)
         return run
 
-    def fuse(engine: Engine) -> None:
-        for layer in engine.runner.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                               attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
-            m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                                         mlp.gate_up_proj.weight, mlp.down_proj.weight)
-            layer.fast_attention = None if a is None else counted(a)
-            layer.fast_mlp = None if m is None else counted(m)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
+                                           attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+        m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                     mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        layer.fast_attention = None if a is None else counted(a)
+        layer.fast_mlp = None if m is None else counted(m)
 
+
+def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
+    """CPU: one-row decode through each layer's two fused halves (tprt.native, forced here
+    whatever fast_linear's timing chose), their partial products all-reduced over the TP group:
+    transformers' greedy tokens, and the fused calls really ran on every rank."""
+    from tprt import native
+
+    calls = [0]
     ref = _ref(wd)
 
     def fn(engine: Engine) -> list[list[int]]:
@@ -358,7 +362,8 @@ def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
         return outs
 
     model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
-    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn, model=model, setup=fuse)
+    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn, model=model,
+                 setup=lambda engine: _force_fused(engine.runner.model, calls))
     assert out == [ref["greedy"][0], ref["greedy"][3]], out
     assert (calls[0] > 0) == native.available(), calls
 
@@ -553,7 +558,8 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
 
 def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> None:
     """Two LoRA adapters installed side by side (tprt.adapters): a batch mixing rows of both and
-    of the base model gives every request the tokens and log-probabilities it gets alone."""
+    of the base model gives every request the tokens and log-probabilities it gets alone; a base
+    request alone still decodes through the fused one-row layer halves, adapter requests never."""
     from tprt.adapters import install
     from tprt.train.lora import apply_lora, lora_modules
 
@@ -573,6 +579,10 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
     for index, mods in enumerate(adapters, start=1):
         install(model, index, mods)
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
+    from tprt import native
+
+    fused = [0]  # calls of the fused one-row layer halves
+    _force_fused(model, fused)
     prompts = _ref(workdir)["prompts"]
     requests = [(prompts[0], 0), (prompts[1], 1), (prompts[2], 2), (prompts[0], 1)]
 
@@ -581,7 +591,13 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
             engine.add(prompt, _greedy(5, logprobs=True), str(i), adapter=adapter)
         return run_to_completion(engine)
 
-    alone = {str(i): run([(i, r)])[str(i)] for i, r in enumerate(requests)}
+    alone = {}
+    for i, r in enumerate(requests):
+        before = fused[0]
+        alone[str(i)] = run([(i, r)])[str(i)]
+        # a base row alone decodes through the fused halves; an adapter's rows never do (each
+        # adapter targets a layer of each half: 1 q/v and down, 2 k/o and gate/up)
+        assert (fused[0] > before) == (r[1] == 0 and native.available()), (i, fused[0] - before)
     mixed = run(list(enumerate(requests)))
     assert alone["0"].logprobs != alone["3"].logprobs, "adapter 1 did not change prompt 0's outputs"
     for k, want in alone.items():

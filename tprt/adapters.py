@@ -57,6 +57,10 @@ class AdapterSet(nn.Module):
         self.routing = routing
         self.members = nn.ModuleDict()  # str(adapter index) -> that adapter's module for this layer
 
+    def applies(self) -> bool:
+        """Whether the current routing sends rows to a member of this set (tprt.parallel.layers.adapted)."""
+        return any(str(index) in self.members for index, _ in self.routing.groups)
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [rows, ...] the layer's input, y [rows, ...] its base output."""
         for index, rows in self.routing.groups:

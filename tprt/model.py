@@ -19,7 +19,8 @@ from tprt.config import ModelConfig, TPLayout
 from tprt.dist import TPContext
 from tprt.errors import ConfigError
 from tprt.kv_cache import CacheStep, KVCache
-from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
+from tprt.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                  VocabParallelLMHead, adapted)
 from tprt.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
 
 
@@ -139,12 +140,12 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
         if (one_row and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
-                and step.cache.dtype == torch.float32 and attn.qkv_proj.adapter is None and attn.o_proj.adapter is None):
+                and step.cache.dtype == torch.float32 and not adapted(attn.qkv_proj, attn.o_proj)):
             partial = self.fast_attention(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
             h = x + attn.o_proj.reduce(partial)
         else:
             h = x + attn(self.input_layernorm(x), step)
-        if one_row and self.fast_mlp is not None and mlp.gate_up_proj.adapter is None and mlp.down_proj.adapter is None:
+        if one_row and self.fast_mlp is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
             return h + mlp.down_proj.reduce(self.fast_mlp(h))
         return h + mlp(self.post_attention_layernorm(h))
 

@@ -51,6 +51,16 @@ class _FrozenLinear(torch.autograd.Function):
         return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
 
 
+def adapted(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether an adapter acts on any of these layers in the coming forward call: any attached
+    one, except a routed set (tprt.adapters.AdapterSet) none of whose members has rows routed to it."""
+    for linear in linears:
+        adapter = linear.adapter
+        if adapter is not None and getattr(adapter, "applies", lambda: True)():
+            return True
+    return False
+
+
 def _empty(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
     return nn.Parameter(torch.empty(*shape, dtype=dtype))
