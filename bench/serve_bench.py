@@ -59,14 +59,14 @@ def prepare(workdir: Path, tp: int) -> Path:
 class EnginePeer:
     """The in-process peer: this rank's model and an Engine configured like the server's."""
 
-    def __init__(self, model_dir: str, max_batch: int, max_seq_len: int) -> None:
+    def __init__(self, model_dir: str, max_batch: int, max_seq_len: int, dtype: str | None = None) -> None:
         from tprt.dist import init_distributed
         from tprt.engine import Engine, EngineConfig
         from tprt.loading import load_model
         from tprt.tokenizer import Tokenizer
 
         ctx = init_distributed()
-        model = load_model(model_dir, ctx)
+        model = load_model(model_dir, ctx, dtype)
         self.tok = Tokenizer.from_dir(model_dir) if ctx.rank == 0 else None
         self.engine = Engine(model, self.tok, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len))
         self.runs = 0
@@ -94,9 +94,9 @@ class EnginePeer:
 
 
 def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_seq_len: int,
-                repeats: int) -> dict[str, float]:
+                repeats: int, dtype: str | None = None) -> dict[str, float]:
     """One rank of the peer under the launcher (TP > 1): rank 0 returns the best of `repeats`."""
-    peer = EnginePeer(model_dir, max_batch, max_seq_len)
+    peer = EnginePeer(model_dir, max_batch, max_seq_len, dtype)
     if peer.tok is None:
         peer.engine.follow()
         return {}
@@ -110,11 +110,11 @@ class Server:
     """`tprt serve` as a subprocess on a free loopback port."""
 
     def __init__(self, model: Path, data_dir: Path, max_batch: int, max_seq_len: int, threads: int,
-                 log: Path) -> None:
+                 log: Path, dtype: str | None = None) -> None:
         cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--port", "0",
                "--metrics-port", "-1", "--data-dir", str(data_dir), "--max-batch-size", str(max_batch),
                "--max-queue", str(max_batch), "--max-seq-len", str(max_seq_len), "--threads", str(threads),
-               "--log-level", "warning"]
+               "--log-level", "warning", *(["--dtype", dtype] if dtype else [])]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         ready = threading.Event()
@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per rank, engine and server alike (1: leaves a core for gRPC and the client)")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), help="serve in this dtype, engine and server alike "
+                    "(default: the checkpoint's, fp32)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     from serve.client import Client
@@ -188,7 +190,8 @@ def main() -> None:
 
     def run_engine(when: str) -> dict[str, float]:
         res: dict[str, float] = launch_local(args.tp, engine_rank, (str(model), PROMPTS[0], args.tokens, max_batch,
-                                                                    args.max_seq_len, args.repeats), timeout_s=900,
+                                                                    args.max_seq_len, args.repeats, args.dtype),
+                                            timeout_s=900,
                                             threads_per_rank=args.threads)[0]
         print(f"in-process engine ({when}), 1 stream: {res['tokens_per_s']:.1f} tok/s, "
               f"TTFT {res['ttft_s'] * 1e3:.0f} ms", flush=True)
@@ -201,12 +204,12 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        peer = EnginePeer(str(model), max_batch, args.max_seq_len)
+        peer = EnginePeer(str(model), max_batch, args.max_seq_len, args.dtype)
         peer.measure(PROMPTS[0], 8)  # warm-up
     else:
         engine = run_engine("before")
     server = Server(model, args.workdir / "data", max_batch, args.max_seq_len, args.threads,
-                    args.workdir / "server.log")
+                    args.workdir / "server.log", args.dtype)
     rows = []
     pairs: list[float] = []  # server / engine tokens/s of back-to-back runs (TP 1)
     try:
@@ -242,7 +245,8 @@ def main() -> None:
 def report(rows: list[dict[str, float]], engine: dict[str, float], pairs: list[float],
            args: argparse.Namespace) -> None:
     by = {int(r["streams"]): r for r in rows}
-    out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "engine_1": engine,
+    out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
+                           "engine_1": engine,
                            "server": rows, "paired_ratios": pairs}
     if 1 in by:
         overhead = 1 - by[1]["tokens_per_s"] / engine["tokens_per_s"]
