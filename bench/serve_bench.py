@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,44 +102,6 @@ def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_se
     return best
 
 
-class Server:
-    """`tprt serve` as a subprocess on a free loopback port."""
-
-    def __init__(self, model: Path, data_dir: Path, max_batch: int, max_seq_len: int, threads: int,
-                 log: Path, dtype: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--port", "0",
-               "--metrics-port", "-1", "--data-dir", str(data_dir), "--max-batch-size", str(max_batch),
-               "--max-queue", str(max_batch), "--max-seq-len", str(max_seq_len), "--threads", str(threads),
-               "--log-level", "warning", *(["--dtype", dtype] if dtype else [])]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        ready = threading.Event()
-        found: list[str] = []
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if "listening on" in line:
-                    found.append(line.split("listening on ")[1].split()[0])
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or not found:
-            self.stop()
-            raise SystemExit(f"the server did not start; see {log}")
-        self.target = found[0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
 def stream(client: Any, prompt: str, tokens: int) -> tuple[float, int, float]:
     """One greedy stream: (time to first token, tokens, wall seconds)."""
     t0 = time.perf_counter()
@@ -183,6 +141,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     from serve.client import Client
+    from serve.local import LocalServer
     from tprt.launch import launch_local
 
     model = prepare(args.workdir, args.tp)
@@ -208,8 +167,10 @@ def main() -> None:
         peer.measure(PROMPTS[0], 8)  # warm-up
     else:
         engine = run_engine("before")
-    server = Server(model, args.workdir / "data", max_batch, args.max_seq_len, args.threads,
-                    args.workdir / "server.log", args.dtype)
+    server = LocalServer(["--model", str(model), "--metrics-port", "-1", "--data-dir", str(args.workdir / "data"),
+                          "--max-batch-size", str(max_batch), "--max-queue", str(max_batch), "--max-seq-len",
+                          str(args.max_seq_len), "--threads", str(args.threads), "--log-level", "warning",
+                          *(["--dtype", args.dtype] if args.dtype else [])], args.workdir / "server.log")
     rows = []
     pairs: list[float] = []  # server / engine tokens/s of back-to-back runs (TP 1)
     try:

@@ -4,63 +4,18 @@ question asked with the job's adapter (served without a restart), and the server
 
 from __future__ import annotations
 
-import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from serve.client import Client, state_name
+from serve.local import LocalServer
 from tprt.errors import TprtError
 
 QUESTION = "What is your name?"
 METRICS_SHOWN = ("tprt_requests_total", "tprt_generated_tokens_total", "tprt_time_to_first_token_seconds_count",
                  "tprt_finetune_jobs", "tprt_finetune_tokens_total")
-START_TIMEOUT_S = 300
-
-
-class DemoServer:
-    """`tprt serve` as a subprocess on free loopback ports; `stop()` sends SIGTERM (it drains)."""
-
-    def __init__(self, model: Path, data_dir: Path, log: Path) -> None:
-        cmd = [sys.executable, "-m", "tprt.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-               "--metrics-port", "0", "--data-dir", str(data_dir), "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.log = log
-        found: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if "listening on" in line and not found:
-                    found.append(line.strip())
-                    ready.set()
-            ready.set()  # the server exited
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(START_TIMEOUT_S) or not found:
-            self.stop()
-            raise TprtError(f"tprt serve did not start; its log is {log}")
-        self.banner = found[0]
-        self.target = re.search(r"listening on (\S+)", self.banner).group(1)  # type: ignore[union-attr]
-        metrics = re.search(r"metrics (http://\S+/metrics)", self.banner)
-        self.metrics_url = metrics.group(1) if metrics else None
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
 
 def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 10, max_new_tokens: int = 64,
                    say: Callable[[str], None] = print) -> None:
@@ -70,7 +25,8 @@ def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 1
     data_dir, log = out_dir / "data", out_dir / "server.log"
     say(f"Serving: tprt serve --model {tp_dir} --port 0 --metrics-port 0 --data-dir {data_dir}")
     t0 = time.perf_counter()
-    server = DemoServer(tp_dir, data_dir, log)
+    server = LocalServer(["--model", str(tp_dir), "--host", "127.0.0.1", "--metrics-port", "0", "--data-dir",
+                          str(data_dir), "--log-level", "warning"], log)
     try:
         say(f"  {server.banner.removeprefix('tprt serve: ')} (ready in {time.perf_counter() - t0:.0f}s)")
         client = Client(server.target)
