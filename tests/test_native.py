@@ -96,6 +96,8 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
             assert (got.float() - want.transpose(1, 2).reshape(4, 1, nh * d)).abs().max() <= tol * want.abs().max(), (d, nh)
     with pytest.raises(ValueError, match="decode_attention"):
         attend(q.to(torch.bfloat16), cache, step, 1)
+    with pytest.raises(ValueError, match="decode_attention"):  # more rows than the step has positions
+        attend(torch.randn(5, nh, 1, d), cache, step, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

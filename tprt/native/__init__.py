@@ -235,7 +235,8 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
         batch, nh, seq, d = q.shape
         nkv = store.shape[2]
         if (seq != 1 or q.dtype != torch.float32 or store.dtype != torch.float32 or store.stride(-1) != 1
-                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"):
+                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"
+                or cache_step.positions.numel() != batch or cache_step.rows.numel() != batch):
             raise ValueError(f"native decode_attention: unsupported q {tuple(q.shape)} {q.dtype} / cache {store.dtype}")
         q = q.contiguous()
         slots = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
@@ -298,7 +299,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
                 or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
-                or store.shape[-1] != d or cache_step.positions.numel() != 1):
+                or store.shape[-1] != d or cache_step.positions.numel() != 1 or cache_step.rows.numel() != 1):
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         slot = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
