@@ -8,7 +8,7 @@ bandwidth floor: read bandwidth is measured in this process by summing a large t
 floor tokens/s = bandwidth / bytes of weights read per decoded token. Reported:
 
 - batch-1 decode tokens/s in fp32 and bf16 (ours, transformers, floor; ratios)
-- aggregate decode tokens/s with 16 sequences (ratio to batch 1)
+- aggregate decode tokens/s with 2 and 4 sequences (ours) and 16 (ratio to batch 1)
 - prefill tokens/s for a 512-token prompt (ours, transformers)
 - TP=3 (3 local ranks, gloo) against TP=1 for batch-1 decode, and the share of a token's time
   spent in all-reduces (the same collectives timed alone in the same world)
@@ -147,6 +147,8 @@ def single_rank(workdir: Path, args: argparse.Namespace, bw: float) -> dict[str,
         r["floor"] = bw / r["weight_bytes"]
         r["ours_b1"] = ours_decode(engine, prompt, 1, n1, n2, args.repeats)
         r["hf_b1"] = hf_decode(hf, prompt, 1, n1, n2, args.repeats)
+        for batch in (2, 4):  # a few sequences: tprt's few-row kernels (tprt.native.gemv_rows_kernel)
+            r[f"ours_b{batch}"] = ours_decode(engine, prompt, batch, n1 // 2, n2 // 2, args.repeats)
         r["ours_b16"] = ours_decode(engine, prompt, 16, n1 // 2, n2 // 2, args.repeats)
         r["hf_b16"] = hf_decode(hf, prompt, 16, n1 // 2, n2 // 2, args.repeats)
         r["ours_prefill512"], r["hf_prefill512"] = prefill_rates(engine, hf, 512, args.repeats)
@@ -240,6 +242,8 @@ def report(r: dict[str, Any]) -> None:
         x = r[dt]
         print(f"{dt}: batch-1 decode {x['ours_b1']:.1f} tok/s | transformers {x['hf_b1']:.1f} "
               f"({x['ours_b1'] / x['hf_b1']:.2f}x) | floor {x['floor']:.1f} ({x['ours_b1'] / x['floor']:.0%} of floor)")
+        print(f"{dt}: 2 / 4 sequences {x['ours_b2']:.1f} / {x['ours_b4']:.1f} tok/s "
+              f"({x['ours_b2'] / x['ours_b1']:.1f}x / {x['ours_b4'] / x['ours_b1']:.1f}x batch 1)")
         print(f"{dt}: 16 sequences {x['ours_b16']:.1f} tok/s ({x['ours_b16'] / x['ours_b1']:.1f}x batch 1) | "
               f"transformers {x['hf_b16']:.1f} ({x['ours_b16'] / x['hf_b16']:.2f}x)")
         print(f"{dt}: prefill 512 tokens {x['ours_prefill512']:.0f} tok/s | transformers {x['hf_prefill512']:.0f} "

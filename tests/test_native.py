@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,45 @@ def test_gemv_matches_linear(dtype: torch.dtype) -> None:
             assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (n, k)
     with pytest.raises(ValueError, match="one row of 576"):
         gemv(torch.randn(2, 576).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_matches_linear(dtype: torch.dtype) -> None:
+    """The few-row kernel for 2-8 rows (each count has its own C loop), in 2-d and 3-d inputs, on
+    row lengths off the vector widths."""
+    if not native.available():
+        assert native.gemv_rows_kernel(torch.zeros(2, 2, dtype=dtype)) is None
+        return
+    torch.manual_seed(0)
+    for n, k in ((7, 31), (33, 33), (200, 576), (5, 100), (3, 1536)):
+        w = torch.randn(n, k).to(dtype)
+        rows_gemv = native.gemv_rows_kernel(w)
+        assert rows_gemv is not None
+        for rows in range(2, native.MAX_FEW_ROWS + 1):
+            for x in (torch.randn(rows, k).to(dtype), torch.randn(rows, 1, k).to(dtype)):
+                got, want = rows_gemv(x), F.linear(x.float(), w.float())
+                assert got.shape == want.shape and got.dtype == dtype
+                tol = 1e-5 if dtype == torch.float32 else 8e-3
+                assert (got.float() - want).abs().max() <= tol * (want.abs().max() + 1), (n, k, rows)
+    for bad in (torch.randn(1, 1536), torch.randn(native.MAX_FEW_ROWS + 1, 1536)):
+        with pytest.raises(ValueError, match="gemv_rows"):
+            rows_gemv(bad.to(dtype))
+
+
+def test_fast_linear_routes_by_row_count() -> None:
+    """One row to `one`, the counts in `few_rows` to `few`, everything else to `many`."""
+    from tprt.fast_linear import FastLinear
+
+    calls: list[str] = []
+
+    def tag(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: (calls.append(name), x)[1]
+
+    fast = FastLinear(tag("many"), tag("one"), "native", tag("few"), frozenset({2, 3}))
+    for rows in (1, 2, 3, 4, 16):
+        fast(torch.zeros(rows, 1, 8))
+    assert calls == ["one", "few", "few", "many", "many"]
+    assert FastLinear(tag("many"), tag("one"), "native", None, frozenset({2})).few_rows == frozenset()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -7,7 +7,8 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
 
 - inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
   weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
-  blocking for fp32;
+  blocking for fp32; except 2-4 rows (decode of a few sequences), where tprt's few-row kernel
+  is used for the row counts at which it was faster when timed;
 - one-row inputs (batch-1 decode) use whichever of tprt's own compiled kernel ("native",
   `tprt.native`: reads the weight itself as one sequential stream, when a C compiler is there),
   packed, `x @ W^T` with W^T stored contiguous ("transposed": an axpy-style stream) and plain
@@ -46,6 +47,10 @@ Layer = ColumnParallelLinear | RowParallelLinear | VocabParallelLMHead
 # linears), and one-row products gain nothing from it (docs/PERF.md), so one layout serves all.
 PACK_ROWS_HINT = 64
 
+# Row counts for which tprt's few-row kernel (tprt.native.gemv_rows_kernel) is timed against the
+# packed weights: it reads each weight once for all rows, 2-2.5x faster at 2 rows, even by ~4.
+FEW_ROWS = (2, 3, 4)
+
 
 def _packed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
@@ -76,15 +81,24 @@ _MAKERS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tenso
 
 
 class FastLinear:
-    """y = x @ W^T: `many` for inputs of several rows, `one` for a single row (see the module
-    docstring). A callable, not a module: the packed tensors stay out of state_dict."""
+    """y = x @ W^T: `one` for a single row, `few` for the row counts in `few_rows`, `many` for
+    the rest (see the module docstring). A callable, not a module: the packed tensors stay out
+    of state_dict."""
 
     def __init__(self, many: Callable[[torch.Tensor], torch.Tensor], one: Callable[[torch.Tensor], torch.Tensor],
-                 one_variant: str) -> None:
+                 one_variant: str, few: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 few_rows: frozenset[int] = frozenset()) -> None:
         self.many, self.one, self.one_variant = many, one, one_variant
+        self.few, self.few_rows = few, few_rows if few is not None else frozenset()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.one(x) if x.numel() == x.shape[-1] else self.many(x)
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return self.one(x)
+        if rows in self.few_rows:
+            assert self.few is not None
+            return self.few(x)
+        return self.many(x)
 
 
 def supported(model: TPLlamaForCausalLM) -> bool:
@@ -133,6 +147,22 @@ def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torc
     return best[1], best[2]
 
 
+def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tensor], torch.Tensor]]
+                   ) -> tuple[frozenset[int], list[Callable[[torch.Tensor], torch.Tensor]] | None]:
+    """The row counts (of FEW_ROWS) at which the native few-row kernel beat the packed weights
+    over a group of same-shape weights, and its callables (None when it is unavailable)."""
+    made = [native.gemv_rows_kernel(w) for w in weights]
+    fns = [fn for fn in made if fn is not None]
+    if len(fns) < len(made):
+        return frozenset(), None
+    won = set()
+    for rows in FEW_ROWS:
+        x = torch.ones(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        if _time_group(fns, x) < _time_group(many, x):
+            won.add(rows)
+    return frozenset(won), fns if won else None
+
+
 def _native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
     """Whether the native GEMV won the one-row timing for each of these layers."""
     return all(getattr(linear.fast_linear, "one_variant", None) == "native" for linear in linears)
@@ -156,8 +186,9 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
             name, ones = _tune_one_row(weights) if tune else ("packed", many)
             if name == "packed":
                 ones = many  # the same copy serves both
-            for layer, m, o in zip(group, many, ones):
-                layer.fast_linear = FastLinear(m, o, name)
+            few_rows, fews = _tune_few_rows(weights, many) if tune else (frozenset(), None)
+            for i, (layer, m, o) in enumerate(zip(group, many, ones)):
+                layer.fast_linear = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
             chosen["x".join(map(str, shape))] = name
     for module in model.modules() if norms else ():
         if isinstance(module, DecoderLayer):

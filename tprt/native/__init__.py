@@ -3,6 +3,8 @@
 - `gemv_kernel(weight)`: x @ W^T for one-row inputs (batch-1 decode), reading W as one
   sequential stream: 19-24 GB/s on one core where oneDNN's and torch's one-row kernels reach
   10-15 (docs/PERF.md). `tprt.fast_linear` times it against torch's variants per weight shape.
+- `gemv_rows_kernel(weight)`: the same for a few rows (decode of 2-8 sequences), each weight row
+  read once for all of them: 2-2.5x oneDNN at 2 rows, even with it from about 4.
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
   of torch's five or six ops (2 us instead of 15-35 us per call at decode sizes).
 - `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the float32
@@ -49,7 +51,8 @@ SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
+_SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
+               "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
                "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F],
                "tprt_attention_decode": [_P] * 15 + [_I] * 8 + [_F, _F]}
@@ -164,6 +167,31 @@ def gemv_kernel(weight: torch.Tensor) -> Kernel | None:
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=w.dtype)
         fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k)
+        return y
+
+    return run
+
+
+MAX_FEW_ROWS = 8  # gemv_rows_kernel's limit (its C loop keeps one accumulator per row in registers)
+
+
+def gemv_rows_kernel(weight: torch.Tensor) -> Kernel | None:
+    """A function computing `x @ weight^T` for x [..., k] of 2 to MAX_FEW_ROWS rows in the
+    weight's dtype, or None like `gemv_kernel`."""
+    fn = _function("tprt_gemv_rows", weight, 2)
+    if fn is None:
+        return None
+    w = weight.detach().contiguous()
+    n, k = w.shape
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # `w` in the closure keeps the weight alive
+        rows = x.numel() // k if x.shape[-1] == k else 0
+        if not 2 <= rows <= MAX_FEW_ROWS or x.dtype != w.dtype:
+            raise ValueError(f"native gemv_rows expects 2-{MAX_FEW_ROWS} rows of {k} {w.dtype} values, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=w.dtype)
+        fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k)
         return y
 
     return run

@@ -327,3 +327,91 @@ void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv,
 
 ATTENTION_DECODE(f32, float)
 ATTENTION_DECODE(bf16, uint16_t)
+
+/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, m < 8. Like
+   the one-row GEMV, each weight row is read once, front to back, and serves every input row:
+   oneDNN's kernels for so few rows stream the weights at half the bandwidth. */
+#if defined(__AVX512BF16__)
+#define GEMV_ROWS_BF16(M)                                                                                    \
+static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {     \
+    int64_t full = k / 32 * 32, rest = k - full;                                                              \
+    __mmask32 tail = (__mmask32)((1ull << rest) - 1);                                                         \
+    for (int64_t r = 0; r < n; r++) {                                                                         \
+        const uint16_t *row = w + r * k;                                                                      \
+        __m512 acc[M];                                                                                        \
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                             \
+        for (int64_t c = 0; c < full; c += 32) {                                                              \
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(row + c);                                              \
+            for (int m = 0; m < M; m++)                                                                       \
+                acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * k + c));          \
+        }                                                                                                     \
+        if (rest) {                                                                                           \
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + full);                               \
+            for (int m = 0; m < M; m++)                                                                       \
+                acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full)); \
+        }                                                                                                     \
+        for (int m = 0; m < M; m++) y[m * n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]));                 \
+    }                                                                                                         \
+}
+GEMV_ROWS_BF16(2) GEMV_ROWS_BF16(3) GEMV_ROWS_BF16(4) GEMV_ROWS_BF16(5) GEMV_ROWS_BF16(6) GEMV_ROWS_BF16(7)
+GEMV_ROWS_BF16(8)
+
+void tprt_gemv_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k) {
+    switch (m) {
+    case 2: gemv_rows_bf16_2(w, x, y, n, k); return;
+    case 3: gemv_rows_bf16_3(w, x, y, n, k); return;
+    case 4: gemv_rows_bf16_4(w, x, y, n, k); return;
+    case 5: gemv_rows_bf16_5(w, x, y, n, k); return;
+    case 6: gemv_rows_bf16_6(w, x, y, n, k); return;
+    case 7: gemv_rows_bf16_7(w, x, y, n, k); return;
+    case 8: gemv_rows_bf16_8(w, x, y, n, k); return;
+    default: for (int64_t i = 0; i < m; i++) tprt_gemv_bf16(w, x + i * k, y + i * n, n, k);
+    }
+}
+#else
+void tprt_gemv_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < m; i++) tprt_gemv_bf16(w, x + i * k, y + i * n, n, k);
+}
+#endif
+
+#if defined(__AVX512F__)
+#define GEMV_ROWS_F32(M)                                                                                     \
+static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k) {              \
+    int64_t full = k / 16 * 16, rest = k - full;                                                              \
+    __mmask16 tail = (__mmask16)((1u << rest) - 1);                                                           \
+    for (int64_t r = 0; r < n; r++) {                                                                         \
+        const float *row = w + r * k;                                                                         \
+        __m512 acc[M];                                                                                        \
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                             \
+        for (int64_t c = 0; c < full; c += 16) {                                                              \
+            __m512 wv = _mm512_loadu_ps(row + c);                                                             \
+            for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * k + c), acc[m]);  \
+        }                                                                                                     \
+        if (rest) {                                                                                           \
+            __m512 wv = _mm512_maskz_loadu_ps(tail, row + full);                                              \
+            for (int m = 0; m < M; m++)                                                                       \
+                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * k + full), acc[m]);          \
+        }                                                                                                     \
+        for (int m = 0; m < M; m++) y[m * n + r] = _mm512_reduce_add_ps(acc[m]);                              \
+    }                                                                                                         \
+}
+GEMV_ROWS_F32(2) GEMV_ROWS_F32(3) GEMV_ROWS_F32(4) GEMV_ROWS_F32(5) GEMV_ROWS_F32(6) GEMV_ROWS_F32(7)
+GEMV_ROWS_F32(8)
+
+void tprt_gemv_rows_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k) {
+    switch (m) {
+    case 2: gemv_rows_f32_2(w, x, y, n, k); return;
+    case 3: gemv_rows_f32_3(w, x, y, n, k); return;
+    case 4: gemv_rows_f32_4(w, x, y, n, k); return;
+    case 5: gemv_rows_f32_5(w, x, y, n, k); return;
+    case 6: gemv_rows_f32_6(w, x, y, n, k); return;
+    case 7: gemv_rows_f32_7(w, x, y, n, k); return;
+    case 8: gemv_rows_f32_8(w, x, y, n, k); return;
+    default: for (int64_t i = 0; i < m; i++) tprt_gemv_f32(w, x + i * k, y + i * n, n, k);
+    }
+}
+#else
+void tprt_gemv_rows_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k) {
+    for (int64_t i = 0; i < m; i++) tprt_gemv_f32(w, x + i * k, y + i * n, n, k);
+}
+#endif
