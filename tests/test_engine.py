@@ -531,8 +531,10 @@ def test_fast_linear_variants(variant: str) -> None:
 
 def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -> None:
     """A captured CUDA graph would replay the layers without an adapter attached after capture,
-    so packed decode takes the static path only while no adapter is attached (eager otherwise)."""
-    from tprt.train.lora import apply_lora
+    so packed decode takes the static path only while no adapter acts on the batch's rows (eager
+    otherwise), whether attached to the layers or installed per row and routed to."""
+    from tprt.adapters import install
+    from tprt.train.lora import apply_lora, lora_modules
 
     model = load_model(workdir / "tp1", TPContext.single())
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=2, max_seq_len=48,
@@ -553,6 +555,16 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
     apply_lora(model, ["q", "down"], 4, 8.0, pack_base=False)  # B = 0: the same tokens
     calls.clear()
     assert generate() == base and not calls
+    # Installed as a per-row adapter set: base rows take the static path, routed rows do not.
+    mods = [(site.linear, ad) for site, ad in lora_modules(model)]
+    for linear, _ in mods:
+        linear.adapter = None
+    install(model, 1, mods)
+    calls.clear()
+    assert generate() == base and calls, "base rows beside an installed adapter set left the static path"
+    calls.clear()
+    engine.add(prompt, _greedy(6), "a", adapter=1)
+    assert run_to_completion(engine)["a"].token_ids == base and not calls, "adapter rows took the static path"
     engine.close()
 
 

@@ -50,8 +50,6 @@ class AdapterRouting:
 class AdapterSet(nn.Module):
     """A base layer's modules of several adapters (`adapter(x, y) -> y'` each), applied per row."""
 
-    routed = True  # acts on routed rows only (see TPLlamaForCausalLM.has_adapters)
-
     def __init__(self, routing: AdapterRouting) -> None:
         super().__init__()
         self.routing = routing

@@ -13,6 +13,7 @@ lengths (it knows them anyway).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -148,3 +149,14 @@ class CacheStep:
     positions: torch.Tensor  # [batch, seq] position of each token
     kv_len: int  # keys 0..kv_len-1 are read
     mask: torch.Tensor  # [batch, 1, seq, kv_len] additive: 0 where attention is allowed, -inf elsewhere
+
+    # For tprt.native's decode kernels, which index by raw pointer: built once per step, not per layer.
+    @cached_property
+    def flat_rows(self) -> torch.Tensor:
+        """[batch] int64, contiguous: each row's slot."""
+        return self.rows.reshape(-1).to(torch.int64).contiguous()
+
+    @cached_property
+    def flat_positions(self) -> torch.Tensor:
+        """[batch * seq] int64, contiguous: each token's position."""
+        return self.positions.reshape(-1).to(torch.int64).contiguous()

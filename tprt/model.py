@@ -182,10 +182,9 @@ class TPLlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def has_adapters(self) -> bool:
-        """True when any linear layer has an adapter (e.g. LoRA) attached that applies to every
-        row (the per-row `tprt.adapters.AdapterSet` applies only to rows routed to it)."""
-        return any(linear.adapter is not None and not getattr(linear.adapter, "routed", False)
-                   for linear in self.linears())
+        """True when an adapter (e.g. LoRA) acts on some layer in the coming forward call: any
+        attached one, or a per-row `tprt.adapters.AdapterSet` with rows routed to it."""
+        return adapted(*self.linears())
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
         """Every decoder layer's projections (the layers adapters attach to), in layer order."""

@@ -118,8 +118,8 @@ class ModelRunner:
         n = len(batch.slots)
         self._route(batch)
         packed = batch.slots == tuple(range(n))
-        # A CUDA graph replays the layers as captured: only for rows that use no adapter.
-        if packed and self.static is not None and not any(batch.adapters) and not self.model.has_adapters():
+        # A CUDA graph replays the layers as captured: only when no adapter acts on these rows.
+        if packed and self.static is not None and not self.model.has_adapters():
             local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
             return self._finish(local, batch.full_logits)
         ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]

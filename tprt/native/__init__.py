@@ -152,32 +152,23 @@ def _function(name: str, weight: torch.Tensor, dims: int) -> Any | None:
     return getattr(lib, f"{name}_{_DTYPE_SUFFIX[weight.dtype]}")
 
 
+MAX_FEW_ROWS = 8  # gemv_rows_kernel's limit (its C loop keeps one accumulator per row in registers)
+
+
 def gemv_kernel(weight: torch.Tensor) -> Kernel | None:
     """A function computing `x @ weight^T` for a one-row x of the weight's dtype, or None when
     the native kernels are unavailable or do not cover this weight (CPU bf16/fp32 only)."""
-    fn = _function("tprt_gemv", weight, 2)
-    if fn is None:
-        return None
-    w = weight.detach().contiguous()
-    n, k = w.shape
-
-    def run(x: torch.Tensor) -> torch.Tensor:  # `w` in the closure keeps the weight alive
-        if x.numel() != k or x.dtype != w.dtype:
-            raise ValueError(f"native gemv expects one row of {k} {w.dtype} values, got {tuple(x.shape)} {x.dtype}")
-        x = x.contiguous()
-        y = torch.empty(*x.shape[:-1], n, dtype=w.dtype)
-        fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k)
-        return y
-
-    return run
-
-
-MAX_FEW_ROWS = 8  # gemv_rows_kernel's limit (its C loop keeps one accumulator per row in registers)
+    return _gemv(weight, "gemv", 1, 1)
 
 
 def gemv_rows_kernel(weight: torch.Tensor) -> Kernel | None:
     """A function computing `x @ weight^T` for x [..., k] of 2 to MAX_FEW_ROWS rows in the
     weight's dtype, or None like `gemv_kernel`."""
+    return _gemv(weight, "gemv_rows", 2, MAX_FEW_ROWS)
+
+
+def _gemv(weight: torch.Tensor, label: str, min_rows: int, max_rows: int) -> Kernel | None:
+    """x @ weight^T for min_rows..max_rows rows through tprt_gemv_rows (one row: tprt_gemv)."""
     fn = _function("tprt_gemv_rows", weight, 2)
     if fn is None:
         return None
@@ -186,9 +177,9 @@ def gemv_rows_kernel(weight: torch.Tensor) -> Kernel | None:
 
     def run(x: torch.Tensor) -> torch.Tensor:  # `w` in the closure keeps the weight alive
         rows = x.numel() // k if x.shape[-1] == k else 0
-        if not 2 <= rows <= MAX_FEW_ROWS or x.dtype != w.dtype:
-            raise ValueError(f"native gemv_rows expects 2-{MAX_FEW_ROWS} rows of {k} {w.dtype} values, "
-                             f"got {tuple(x.shape)} {x.dtype}")
+        if not min_rows <= rows <= max_rows or x.dtype != w.dtype:
+            count = "one row" if max_rows == 1 else f"{min_rows}-{max_rows} rows"
+            raise ValueError(f"native {label} expects {count} of {k} {w.dtype} values, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=w.dtype)
         fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k)
@@ -217,6 +208,17 @@ def rms_norm_kernel(weight: torch.Tensor, eps: float) -> Kernel | None:
     return run
 
 
+def _decode_indices(kernel: str, cache_step: Any, rows: int) -> tuple[int, int]:
+    """Pointers to each row's slot and position (int64) of a decode step, after checking that
+    it has exactly `rows` rows of one token each: the kernels index both per row. The values
+    were range-checked by `KVCache.prepare`."""
+    slots, positions = cache_step.flat_rows, cache_step.flat_positions
+    if slots.numel() != rows or positions.numel() != rows:
+        raise ValueError(f"native {kernel}: {rows} rows, but the cache step has {slots.numel()} slots "
+                         f"and {positions.numel()} positions")
+    return slots.data_ptr(), positions.data_ptr()
+
+
 def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A function (qkv, cos, sin, cache, cache_step, layer) -> q for one decode token per row, or
     None like `gemv_kernel`. qkv [batch, 1, nh + 2 nkv, d] is the fused projection in `dtype`,
@@ -237,12 +239,11 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
         if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.dtype != torch.float32
                 or store.stride(-1) != 1 or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
             raise ValueError(f"native rope_cache: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} / cache {store.dtype}")
+        slots, positions = _decode_indices("rope_cache", cache_step, batch)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
-        slots = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
-        positions = cache_step.positions.reshape(-1).to(torch.int64).contiguous()
         q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
-        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), slots.data_ptr(),
-           positions.data_ptr(), batch, nh, nkv, d, *store.stride()[:4])
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), slots, positions,
+           batch, nh, nkv, d, *store.stride()[:4])
         return q
 
     return run
@@ -263,15 +264,13 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
         batch, nh, seq, d = q.shape
         nkv = store.shape[2]
         if (seq != 1 or q.dtype != torch.float32 or store.dtype != torch.float32 or store.stride(-1) != 1
-                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"
-                or cache_step.positions.numel() != batch or cache_step.rows.numel() != batch):
+                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"):
             raise ValueError(f"native decode_attention: unsupported q {tuple(q.shape)} {q.dtype} / cache {store.dtype}")
+        slots, positions = _decode_indices("decode_attention", cache_step, batch)
         q = q.contiguous()
-        slots = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
-        positions = cache_step.positions.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
         scratch = torch.empty(cache_step.kv_len, dtype=torch.float32)
-        fn(q.data_ptr(), store.data_ptr(), slots.data_ptr(), positions.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        fn(q.data_ptr(), store.data_ptr(), slots, positions, out.data_ptr(), scratch.data_ptr(),
            batch, nh, nkv, d, *store.stride()[:4], d ** -0.5)
         return out
 
@@ -327,16 +326,15 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
                 or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
-                or store.shape[-1] != d or cache_step.positions.numel() != 1 or cache_step.rows.numel() != 1):
+                or store.shape[-1] != d):
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
+        slot, position = _decode_indices("attention_decode", cache_step, 1)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        slot = cache_step.rows.reshape(-1).to(torch.int64).contiguous()
-        position = cache_step.positions.reshape(-1).to(torch.int64).contiguous()
         out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
         q, scores = torch.empty(n_heads * d, dtype=torch.float32), torch.empty(cache_step.kv_len, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), slot.data_ptr(), position.data_ptr(), out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
+           store.data_ptr(), slot, position, out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
            attn.data_ptr(), q.data_ptr(), scores.data_ptr(), hidden, n_heads, n_kv_heads, d, *store.stride()[:4],
            eps, d ** -0.5)
         return out

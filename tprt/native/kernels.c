@@ -1,6 +1,6 @@
 /* tprt's CPU kernels for decoding, where torch's general-purpose ones leave time on the table.
    Built at first use with -march=native by tprt.native (plain C, no torch headers) and called
-   through ctypes with raw pointers; tprt.native.ops checks shapes, dtypes and contiguity.
+   through ctypes with raw pointers; tprt/native/__init__.py checks shapes, dtypes and contiguity.
 
    Matrix-vector products for one-row (batch-1 decode) inputs: y[n] = sum_k W[n,k] x[k].
    oneDNN's and torch's one-row kernels stream the weight at 10-15 GB/s on one core where a plain
@@ -25,7 +25,7 @@ static inline uint16_t f32_to_bf16(float f) {
 
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
-   hardware prefetcher follows at full bandwidth (interleaving several rows measured 30% slower). */
+   hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
 void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
     int64_t full = k / 64 * 64, rest = k - full;
     __mmask32 m0 = (__mmask32)(rest >= 32 ? 0xffffffffu : (1ull << rest) - 1);
@@ -328,9 +328,33 @@ void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv,
 ATTENTION_DECODE(f32, float)
 ATTENTION_DECODE(bf16, uint16_t)
 
-/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, m < 8. Like
-   the one-row GEMV, each weight row is read once, front to back, and serves every input row:
-   oneDNN's kernels for so few rows stream the weights at half the bandwidth. */
+/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T. Like the
+   one-row GEMV, each weight row is read once, front to back, and serves every input row:
+   oneDNN's kernels for so few rows stream the weights at half the bandwidth. One function per
+   row count keeps its accumulators in registers; tprt_gemv_rows_* dispatches on m (other
+   counts, 1 included, go one row at a time). */
+#define GEMV_ROWS_DISPATCH(SUFFIX, T)                                                                        \
+void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
+    static void (*const kernel[])(const T *, const T *, T *, int64_t, int64_t) = {                          \
+        0, 0, gemv_rows_##SUFFIX##_2, gemv_rows_##SUFFIX##_3, gemv_rows_##SUFFIX##_4, gemv_rows_##SUFFIX##_5,  \
+        gemv_rows_##SUFFIX##_6, gemv_rows_##SUFFIX##_7, gemv_rows_##SUFFIX##_8};                              \
+    if (m >= 2 && m <= 8) {                                                                                   \
+        kernel[m](w, x, y, n, k);                                                                             \
+        return;                                                                                               \
+    }                                                                                                         \
+    for (int64_t i = 0; i < m; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+}
+
+/* Without AVX-512: the same functions, one row at a time. */
+#define GEMV_ROWS_ONE(SUFFIX, T, M)                                                                          \
+static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, int64_t k) {                   \
+    for (int64_t i = 0; i < M; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+}
+#define GEMV_ROWS_BY_ROW(SUFFIX, T)                                                                          \
+    GEMV_ROWS_ONE(SUFFIX, T, 2) GEMV_ROWS_ONE(SUFFIX, T, 3) GEMV_ROWS_ONE(SUFFIX, T, 4)                     \
+    GEMV_ROWS_ONE(SUFFIX, T, 5) GEMV_ROWS_ONE(SUFFIX, T, 6) GEMV_ROWS_ONE(SUFFIX, T, 7)                     \
+    GEMV_ROWS_ONE(SUFFIX, T, 8)
+
 #if defined(__AVX512BF16__)
 #define GEMV_ROWS_BF16(M)                                                                                    \
 static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {     \
@@ -355,24 +379,10 @@ static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y
 }
 GEMV_ROWS_BF16(2) GEMV_ROWS_BF16(3) GEMV_ROWS_BF16(4) GEMV_ROWS_BF16(5) GEMV_ROWS_BF16(6) GEMV_ROWS_BF16(7)
 GEMV_ROWS_BF16(8)
-
-void tprt_gemv_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k) {
-    switch (m) {
-    case 2: gemv_rows_bf16_2(w, x, y, n, k); return;
-    case 3: gemv_rows_bf16_3(w, x, y, n, k); return;
-    case 4: gemv_rows_bf16_4(w, x, y, n, k); return;
-    case 5: gemv_rows_bf16_5(w, x, y, n, k); return;
-    case 6: gemv_rows_bf16_6(w, x, y, n, k); return;
-    case 7: gemv_rows_bf16_7(w, x, y, n, k); return;
-    case 8: gemv_rows_bf16_8(w, x, y, n, k); return;
-    default: for (int64_t i = 0; i < m; i++) tprt_gemv_bf16(w, x + i * k, y + i * n, n, k);
-    }
-}
 #else
-void tprt_gemv_rows_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t m, int64_t n, int64_t k) {
-    for (int64_t i = 0; i < m; i++) tprt_gemv_bf16(w, x + i * k, y + i * n, n, k);
-}
+GEMV_ROWS_BY_ROW(bf16, uint16_t)
 #endif
+GEMV_ROWS_DISPATCH(bf16, uint16_t)
 
 #if defined(__AVX512F__)
 #define GEMV_ROWS_F32(M)                                                                                     \
@@ -397,21 +407,7 @@ static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t 
 }
 GEMV_ROWS_F32(2) GEMV_ROWS_F32(3) GEMV_ROWS_F32(4) GEMV_ROWS_F32(5) GEMV_ROWS_F32(6) GEMV_ROWS_F32(7)
 GEMV_ROWS_F32(8)
-
-void tprt_gemv_rows_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k) {
-    switch (m) {
-    case 2: gemv_rows_f32_2(w, x, y, n, k); return;
-    case 3: gemv_rows_f32_3(w, x, y, n, k); return;
-    case 4: gemv_rows_f32_4(w, x, y, n, k); return;
-    case 5: gemv_rows_f32_5(w, x, y, n, k); return;
-    case 6: gemv_rows_f32_6(w, x, y, n, k); return;
-    case 7: gemv_rows_f32_7(w, x, y, n, k); return;
-    case 8: gemv_rows_f32_8(w, x, y, n, k); return;
-    default: for (int64_t i = 0; i < m; i++) tprt_gemv_f32(w, x + i * k, y + i * n, n, k);
-    }
-}
 #else
-void tprt_gemv_rows_f32(const float *w, const float *x, float *y, int64_t m, int64_t n, int64_t k) {
-    for (int64_t i = 0; i < m; i++) tprt_gemv_f32(w, x + i * k, y + i * n, n, k);
-}
+GEMV_ROWS_BY_ROW(f32, float)
 #endif
+GEMV_ROWS_DISPATCH(f32, float)
