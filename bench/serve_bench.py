@@ -13,6 +13,11 @@ time to first token (best of 3 rounds; one stream: best of --repeats). Peers in 
   on local ranks before and after the server): gRPC overhead = 1 - server tokens/s / engine tokens/s (target < 5%);
 - the server at one stream: 16 streams / 1 stream aggregate throughput (target >= 6x).
 
+Prefix reuse (tprt.prefix_cache) is on, as `tprt serve` runs by default: the rounds repeat the
+same 4 prompts, so after the first round most prompt tokens are reused (each level prints the
+share). `--unique-prompts` makes every prompt distinct (only the chat template's system prompt
+stays shared); `--no-prefix-cache` turns reuse off in the server and the peer alike.
+
 Bounded: every call has a deadline, the server is stopped with SIGTERM (then killed) at the end.
 The machine may be shared with other work: compare the ratios, not the absolute numbers.
 """
@@ -20,6 +25,7 @@ The machine may be shared with other work: compare the ratios, not the absolute 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -55,7 +61,8 @@ def prepare(workdir: Path, tp: int) -> Path:
 class EnginePeer:
     """The in-process peer: this rank's model and an Engine configured like the server's."""
 
-    def __init__(self, model_dir: str, max_batch: int, max_seq_len: int, dtype: str | None = None) -> None:
+    def __init__(self, model_dir: str, max_batch: int, max_seq_len: int, dtype: str | None = None,
+                 prefix_cache: bool = True) -> None:
         from tprt.dist import init_distributed
         from tprt.engine import Engine, EngineConfig
         from tprt.loading import load_model
@@ -64,8 +71,10 @@ class EnginePeer:
         ctx = init_distributed()
         model = load_model(model_dir, ctx, dtype)
         self.tok = Tokenizer.from_dir(model_dir) if ctx.rank == 0 else None
-        self.engine = Engine(model, self.tok, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len))
+        self.engine = Engine(model, self.tok, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len,
+                                                           prefix_cache=prefix_cache))
         self.runs = 0
+        self.unique = False  # make each prompt distinct (see --unique-prompts)
 
     def measure(self, prompt: str, tokens: int, streams: int = 1) -> dict[str, float]:
         """`streams` greedy requests added together on rank 0: aggregate tokens/s, median TTFT."""
@@ -76,6 +85,7 @@ class EnginePeer:
         t0 = time.perf_counter()
         for i in range(streams):
             text = prompt if streams == 1 else PROMPTS[i % len(PROMPTS)]
+            text = unique(text) if self.unique else text
             self.engine.add(self.tok.encode_chat([{"role": "user", "content": text}]), params, f"r{self.runs}-{i}")
         self.runs += 1
         first: dict[str, float] = {}
@@ -89,10 +99,21 @@ class EnginePeer:
         return {"tokens_per_s": n / wall, "ttft_s": statistics.median(first.values()) if first else 0.0}
 
 
+_counter = itertools.count()
+
+
+def unique(prompt: str) -> str:
+    """The prompt made distinct from every other one sent: only the chat template's system prompt
+    (SmolLM2's default) stays shared between requests."""
+    return f"Request {next(_counter)}. {prompt}"
+
+
 def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_seq_len: int,
-                repeats: int, dtype: str | None = None) -> dict[str, float]:
+                repeats: int, dtype: str | None = None, prefix_cache: bool = True,
+                unique_prompts: bool = False) -> dict[str, float]:
     """One rank of the peer under the launcher (TP > 1): rank 0 returns the best of `repeats`."""
-    peer = EnginePeer(model_dir, max_batch, max_seq_len, dtype)
+    peer = EnginePeer(model_dir, max_batch, max_seq_len, dtype, prefix_cache)
+    peer.unique = unique_prompts
     if peer.tok is None:
         peer.engine.follow()
         return {}
@@ -102,28 +123,35 @@ def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_se
     return best
 
 
-def stream(client: Any, prompt: str, tokens: int) -> tuple[float, int, float]:
-    """One greedy stream: (time to first token, tokens, wall seconds)."""
+def stream(client: Any, prompt: str, tokens: int) -> tuple[float, int, float, int, int]:
+    """One greedy stream: (time to first token, tokens, wall seconds, prompt tokens, of them reused)."""
     t0 = time.perf_counter()
-    first, n = None, 0
+    first, n, usage = None, 0, None
     for msg in client.generate(chat=[{"role": "user", "content": prompt}], max_new_tokens=tokens,
                                temperature=0, ignore_eos=True, timeout=600):
         if msg.HasField("token"):
             n += 1
             first = first or time.perf_counter()
-    return (first or t0) - t0, n, time.perf_counter() - t0
+        if msg.HasField("usage"):
+            usage = msg.usage
+    prompt_tokens, reused = (usage.prompt_tokens, usage.cached_prompt_tokens) if usage is not None else (0, 0)
+    return (first or t0) - t0, n, time.perf_counter() - t0, prompt_tokens, reused
 
 
-def round_of(client: Any, c: int, tokens: int) -> dict[str, float]:
-    """c streams started together: aggregate tokens/s, p50/p99 TTFT."""
+def round_of(client: Any, c: int, tokens: int, unique_prompts: bool = False) -> dict[str, float]:
+    """c streams started together: aggregate tokens/s, p50/p99 TTFT, share of prompt tokens reused."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+    prompts = [unique(p) for p in prompts] if unique_prompts else prompts
     t0 = time.perf_counter()
     with ThreadPoolExecutor(c) as pool:
-        results = list(pool.map(lambda i: stream(client, PROMPTS[i % len(PROMPTS)], tokens), range(c)))
+        results = list(pool.map(lambda p: stream(client, p, tokens), prompts))
     wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     total = sum(r[1] for r in results)
     p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
-    return {"streams": c, "tokens_per_s": total / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": p99}
+    reused = sum(r[4] for r in results) / max(1, sum(r[3] for r in results))
+    return {"streams": c, "tokens_per_s": total / wall, "ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": p99,
+            "prompt_reused": reused}
 
 
 def main() -> None:
@@ -138,6 +166,11 @@ def main() -> None:
                     help="torch threads per rank, engine and server alike (1: leaves a core for gRPC and the client)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), help="serve in this dtype, engine and server alike "
                     "(default: the checkpoint's, fp32)")
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="server and engine prefill every prompt in full (default: prefix reuse on, as served)")
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="make every request's prompt distinct, so that only the chat template's system prompt "
+                         "is shared (default: the 4 prompts repeat, as retries and shared prompts do)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     from serve.client import Client
@@ -149,7 +182,8 @@ def main() -> None:
 
     def run_engine(when: str) -> dict[str, float]:
         res: dict[str, float] = launch_local(args.tp, engine_rank, (str(model), PROMPTS[0], args.tokens, max_batch,
-                                                                    args.max_seq_len, args.repeats, args.dtype),
+                                                                    args.max_seq_len, args.repeats, args.dtype,
+                                                                    args.prefix_cache, args.unique_prompts),
                                             timeout_s=900,
                                             threads_per_rank=args.threads)[0]
         print(f"in-process engine ({when}), 1 stream: {res['tokens_per_s']:.1f} tok/s, "
@@ -163,14 +197,16 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        peer = EnginePeer(str(model), max_batch, args.max_seq_len, args.dtype)
+        peer = EnginePeer(str(model), max_batch, args.max_seq_len, args.dtype, args.prefix_cache)
+        peer.unique = args.unique_prompts
         peer.measure(PROMPTS[0], 8)  # warm-up
     else:
         engine = run_engine("before")
     server = LocalServer(["--model", str(model), "--metrics-port", "-1", "--data-dir", str(args.workdir / "data"),
                           "--max-batch-size", str(max_batch), "--max-queue", str(max_batch), "--max-seq-len",
                           str(args.max_seq_len), "--threads", str(args.threads), "--log-level", "warning",
-                          *(["--dtype", args.dtype] if args.dtype else [])], args.workdir / "server.log")
+                          *(["--dtype", args.dtype] if args.dtype else []),
+                          *([] if args.prefix_cache else ["--no-prefix-cache"])], args.workdir / "server.log")
     rows = []
     pairs: list[float] = []  # server / engine tokens/s of back-to-back runs (TP 1)
     try:
@@ -182,13 +218,14 @@ def main() -> None:
                     if peer is not None and c == 1:
                         e = peer.measure(PROMPTS[0], args.tokens)
                         engine = max(engine, e, key=lambda r: r["tokens_per_s"]) if engine else e
-                    runs.append(round_of(client, c, args.tokens))
+                    runs.append(round_of(client, c, args.tokens, args.unique_prompts))
                     if peer is not None and c == 1:
                         pairs.append(runs[-1]["tokens_per_s"] / e["tokens_per_s"])
                 row = max(runs, key=lambda r: r["tokens_per_s"])
                 rows.append(row)
                 print(f"server, {c:3d} streams: {row['tokens_per_s']:8.1f} tok/s  TTFT p50 "
-                      f"{row['ttft_p50_s'] * 1e3:7.0f} ms  p99 {row['ttft_p99_s'] * 1e3:7.0f} ms", flush=True)
+                      f"{row['ttft_p50_s'] * 1e3:7.0f} ms  p99 {row['ttft_p99_s'] * 1e3:7.0f} ms  "
+                      f"prompt tokens reused {row['prompt_reused'] * 100:3.0f}%", flush=True)
     finally:
         server.stop()
     if peer is not None and 16 in args.streams:
@@ -207,6 +244,7 @@ def report(rows: list[dict[str, float]], engine: dict[str, float], pairs: list[f
            args: argparse.Namespace) -> None:
     by = {int(r["streams"]): r for r in rows}
     out: dict[str, Any] = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "dtype": args.dtype,
+                           "prefix_cache": args.prefix_cache, "unique_prompts": args.unique_prompts,
                            "engine_1": engine,
                            "server": rows, "paired_ratios": pairs}
     if 1 in by:

@@ -51,6 +51,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
     s.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
+    s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt in full (default: a prompt starting with tokens a KV slot still "
+                        "holds, e.g. a shared system prompt or an earlier turn, reuses their keys and values)")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")

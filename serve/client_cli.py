@@ -67,7 +67,8 @@ def _generate(c: Client, args: argparse.Namespace) -> int:
             print(chunk.text, end="", flush=True)
         last = chunk
     if not args.json and last is not None:
-        print(f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}: {last.usage.prompt_tokens} prompt + "
+        cached = f" ({last.usage.cached_prompt_tokens} reused)" if last.usage.cached_prompt_tokens else ""
+        print(f"\n[{FINISH_NAMES.get(last.finish_reason, '?')}: {last.usage.prompt_tokens} prompt{cached} + "
               f"{last.usage.completion_tokens} generated tokens]", file=sys.stderr)
     return 0
 

@@ -178,5 +178,7 @@ class RankExecutor:
                 del adapter.members[str(index)]
         install(self.model, index, mods)
         self.adapters[adapter_id] = index
+        if self.engine.is_driver:  # rank 0 schedules: a reloaded adapter's old keys/values are stale
+            self.engine.forget_prefixes(index)
         _, rank, alpha, _ = read_adapter_config(json.loads((Path(path) / "adapter_config.json").read_text()))
         return rank, alpha, index

@@ -172,6 +172,7 @@ class GenerationService(GenerationServicer):
         if ev.usage is not None:
             out.usage.prompt_tokens = ev.usage.prompt_tokens
             out.usage.completion_tokens = ev.usage.completion_tokens
+            out.usage.cached_prompt_tokens = ev.usage.cached_prompt_tokens
 
     def _response(self, ticket: Ticket, ev: TokenEvent) -> Any:
         out = pb.GenerateResponse(request_id=ticket.request_id, text=ev.text)

@@ -28,6 +28,9 @@ class Metrics:
         self.requests = Counter("tprt_requests", "RPCs finished, by method and outcome (status code)",
                                 ["method", "outcome"], registry=r)
         self.prompt_tokens = Counter("tprt_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter("tprt_prompt_cached_tokens",
+                                            "Prompt tokens reused from the prefix cache, counted when requests end",
+                                            registry=r)
         self.generated_tokens = Counter("tprt_generated_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("tprt_time_to_first_token_seconds", "Arrival to first generated token",
                               buckets=REQUEST_BUCKETS, registry=r)

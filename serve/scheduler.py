@@ -311,6 +311,8 @@ class Scheduler:
             t.n_generated += 1
         if ev.finish_reason is not None:
             self._tokens_in_cache -= len(t.prompt) + t.n_generated
+            if ev.usage is not None:
+                self.metrics.cached_prompt_tokens.inc(ev.usage.cached_prompt_tokens)
             if ev.finish_reason != "cancelled":
                 self.metrics.e2e.observe(now - t.arrival)
         t.events.put(ev)

@@ -78,6 +78,7 @@ class ServeConfig:
     dtype: str | None = None
     max_seq_len: int | None = None
     token_budget: int = 2048
+    prefix_cache: bool = True  # tprt.prefix_cache
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
@@ -113,7 +114,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
 
 
 def engine_config(cfg: ServeConfig) -> EngineConfig:
-    return EngineConfig(max_batch=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget)
+    return EngineConfig(max_batch=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
+                        prefix_cache=cfg.prefix_cache)
 
 
 def run_serve(cfg: ServeConfig) -> int:

@@ -368,6 +368,44 @@ def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
     assert (calls[0] > 0) == native.available(), calls
 
 
+def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
+    """Prompts starting with tokens a slot holds reuse them (a KV copy, then only the rest is
+    prefilled) and still give transformers' tokens: the next turn of a finished sequence (its
+    prompt and output, from the freed slot itself), the same prompt again (copied from the live
+    sequence of the previous one, which has not computed past it yet), and a request whose first
+    tokens are shared. With prefix_cache off nothing is reused and the tokens are the same."""
+    ref = _ref(wd)
+    p0, p1, want0 = ref["prompts"][0], ref["prompts"][2], ref["greedy"][0]
+    turn = p0 + want0[:3]  # the conversation continued: A's prompt and the start of its answer
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        engine.add(p0, _greedy(), "a")
+        first = run_to_completion(engine)["a"]
+        engine.add(turn, _greedy(N_NEW - 3), "turn")  # A's freed slot holds p0 + want0[:N_NEW - 1]
+        engine.add(p0, _greedy(), "again")  # only "turn" holds p0 now, live, at that step
+        engine.add(p1, _greedy(), "other")  # "Hi" shares its first token(s) with "Hello there"
+        done = run_to_completion(engine)
+        done["a"] = first
+        return {k: (c.token_ids, c.usage.cached_prompt_tokens if c.usage else -1) for k, c in done.items()}
+
+    plans: list[StepPlan] = []
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn, plans)
+    shared = next(i for i, (x, y) in enumerate(zip(p0, p1)) if x != y)
+    assert out["a"] == (want0, 0), out["a"]
+    assert out["turn"] == (want0[3:], len(turn) - 1), out["turn"]
+    assert out["again"] == (want0, len(p0) - 1), out["again"]
+    assert out["other"] == (ref["greedy"][2], shared), out["other"]
+    joint = [p for p in plans if p.prefill and len(p.prefill.slots) == 3]
+    assert len(joint) == 1 and joint[0].prefill, f"the three should be prefilled together: {plans}"
+    assert joint[0].prefill.starts == (len(turn) - 1, len(p0) - 1, shared), joint[0]
+    turn_slot, again_slot, _ = joint[0].prefill.slots
+    assert (turn_slot, again_slot, len(p0) - 1) in joint[0].moves, f"no copy from the live sequence: {joint[0]}"
+
+    # Off: the same tokens, nothing reused.
+    off = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, prefix_cache=False), fn)
+    assert off == {k: (ids, 0) for k, (ids, _) in out.items()}, off
+
+
 CHECKS: Checks = [
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
@@ -378,6 +416,7 @@ CHECKS: Checks = [
     ("seeded", check_seeded),
     ("static_decode", check_static_decode),
     ("fused_one_row", check_fused_one_row),
+    ("prefix_reuse", check_prefix_reuse),
 ]
 
 
@@ -615,6 +654,15 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
     for k, want in alone.items():
         assert mixed[k].token_ids == want.token_ids, f"request {k}"
         assert max(abs(a - b) for a, b in zip(mixed[k].logprobs, want.logprobs)) < 1e-4, f"request {k}"
+    # Prefix reuse is per adapter: adapter 1's record of prompt 0 serves it again, until the
+    # adapter is reloaded (serve/executor.py calls forget_prefixes), when only base records remain.
+    for rid, forget, reused in (("again", False, len(prompts[0]) - 1), ("reloaded", True, 0)):
+        if forget:
+            engine.forget_prefixes(1)
+        engine.add(prompts[0], _greedy(5, logprobs=True), rid, adapter=1)
+        done = run_to_completion(engine)[rid]
+        assert done.usage is not None and done.usage.cached_prompt_tokens == reused, (rid, done.usage)
+        assert done.token_ids == alone["3"].token_ids, rid
     engine.close()
 
 

@@ -368,16 +368,22 @@ def test_model_info_and_reflection(client: Client) -> None:
 def test_metrics_count(server: ServerProcess, client: Client) -> None:
     before = server.metrics()
     done = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
+    # The same prompt again reuses its keys and values from the slot the first one freed
+    # (tprt.prefix_cache, on both ranks): all but the last prompt token, and the same answer.
+    again = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
     after = server.metrics()
     delta = lambda name, **lab: metric(after, name, **lab) - metric(before, name, **lab)  # noqa: E731
-    assert delta("tprt_requests_total", method="Complete", outcome="ok") == 1
-    assert delta("tprt_generated_tokens_total") == 5
-    assert delta("tprt_prompt_tokens_total") == done.usage.prompt_tokens
-    assert delta("tprt_time_to_first_token_seconds_count") == 1
-    assert delta("tprt_inter_token_latency_seconds_count") == 4
-    assert delta("tprt_request_duration_seconds_count") == 1
-    assert delta("tprt_queue_time_seconds_count") == 1
-    assert delta("tprt_engine_steps_total") >= 5
+    assert again.usage.cached_prompt_tokens == again.usage.prompt_tokens - 1 and again.text == done.text
+    assert delta("tprt_prompt_cached_tokens_total") == (done.usage.cached_prompt_tokens
+                                                        + again.usage.cached_prompt_tokens)
+    assert delta("tprt_requests_total", method="Complete", outcome="ok") == 2
+    assert delta("tprt_generated_tokens_total") == 10
+    assert delta("tprt_prompt_tokens_total") == 2 * done.usage.prompt_tokens
+    assert delta("tprt_time_to_first_token_seconds_count") == 2
+    assert delta("tprt_inter_token_latency_seconds_count") == 8
+    assert delta("tprt_request_duration_seconds_count") == 2
+    assert delta("tprt_queue_time_seconds_count") == 2
+    assert delta("tprt_engine_steps_total") >= 10
     for name in ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_usage_ratio",
                  "tprt_batch_size_count", "tprt_finetune_tokens_total", "tprt_finetune_loss"):
         assert re.search(rf"^{name}(\{{.*\}})? ", after, re.M), name

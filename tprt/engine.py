@@ -23,6 +23,12 @@ sequences join and leave at any step. Finished sequences free their KV slot at o
 moves the highest occupied slot into the hole, keeping the running sequences in slots 0..n-1 so
 the decode step reads the cache through views instead of copying it.
 
+Prefix reuse (`EngineConfig.prefix_cache`, on by default; tprt.prefix_cache): a new prompt that
+begins with tokens some slot already holds (a finished sequence's slot keeps its keys and values
+until it is reused, least recently freed first; a running sequence's slot holds its own) starts
+from a KV copy of those positions, and only the rest is prefilled. Usage reports how many prompt
+tokens were reused.
+
 Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
 batch's input tokens), so no extra collective is needed and no rank needs the tokenizer or an
 RNG in step with rank 0. (The alternative, identically seeded generators on every rank, would
@@ -46,6 +52,7 @@ import torch
 from tprt.errors import ConfigError, ValidationError
 from tprt.model import TPLlamaForCausalLM
 from tprt.plan import BatchPlan, StepPlan, broadcast_plan
+from tprt.prefix_cache import PrefixCache
 from tprt.runner import BatchResult, ModelRunner
 from tprt.sampling import SamplingParams, sample
 from tprt.sequence import Sequence, Status, TokenEvent, Usage
@@ -68,6 +75,8 @@ class EngineConfig:
     # small ops (docs/PERF.md); the free cores go to a server's I/O threads. Other steps use the
     # caller's thread count.
     one_row_threads: int | None = 1
+    # Reuse the keys and values of a prompt prefix another slot holds (see the module docstring).
+    prefix_cache: bool = True
 
 
 class Engine:
@@ -90,6 +99,7 @@ class Engine:
         self._prefilling: list[Sequence] = []  # in admission order
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._by_id: dict[str, Sequence] = {}
+        self._prefix = PrefixCache(config.max_batch) if config.prefix_cache else None
         self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
         self._closed = False
 
@@ -116,8 +126,16 @@ class Engine:
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
         seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
+        if self._prefix is not None:
+            seq.cache_key = self._prefix.key(adapter)
         self._by_id[request_id] = seq
         self._waiting.append(seq)
+
+    def forget_prefixes(self, adapter: int) -> None:
+        """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
+        keys and values computed with the old ones are never reused."""
+        if self._prefix is not None:
+            self._prefix.invalidate(adapter)
 
     def _check_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
         params.validate(self.vocab_size)
@@ -202,7 +220,7 @@ class Engine:
         """This step's plan, the prefill rows as (sequence, chunk length) and the decode rows."""
         moves = self._compact()
         decode_rows = [s for s in self._slots if s is not None and s.status is Status.RUNNING]
-        prefill_rows = self._admit(self.config.token_budget - len(decode_rows))
+        prefill_rows, copies = self._admit(self.config.token_budget - len(decode_rows))
         prefill = None
         if prefill_rows:
             prefill = BatchPlan(
@@ -221,7 +239,7 @@ class Engine:
                 full_logits=any(s.needs_logits for s in decode_rows),
                 adapters=_adapters(decode_rows),
             )
-        return StepPlan(tuple(moves), prefill, decode), prefill_rows, decode_rows
+        return StepPlan(tuple(moves + copies), prefill, decode), prefill_rows, decode_rows
 
     def _compact(self) -> list[tuple[int, int, int]]:
         """Moves the highest occupied slots into the holes below, so slots 0..n-1 are in use."""
@@ -234,38 +252,66 @@ class Engine:
             assert seq is not None
             self._slots[src], self._slots[hole], seq.slot = None, seq, hole
             moves.append((src, hole, seq.num_computed))
+            if self._prefix is not None:  # src keeps a copy of what it held
+                self._prefix.drop(hole)
+                self._prefix.keep(src, seq.computed_tokens(), seq.cache_key)
         return moves
 
-    def _admit(self, budget: int) -> list[tuple[Sequence, int]]:
+    def _admit(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[tuple[int, int, int]]]:
         """Prefill rows for this step: sequences already prefilling, then waiting ones in order,
-        while the token budget and the slots last. Right padding must stay inside the cache, so a
-        row is skipped when the batch's width would push another row's padding past its end."""
+        while the token budget and the slots last; and the KV copies that give new sequences
+        their reused prefixes. Right padding must stay inside the cache, so a row is skipped when
+        the batch's width would push another row's padding past its end."""
         rows: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int, int]] = []
         width, room = 0, self.max_seq_len
         for seq in [*self._prefilling, *self._waiting]:
             if budget <= 0:
                 break
-            if seq.slot is None and None not in self._slots:
-                break
-            n = min(len(seq.prompt) - seq.num_computed, budget)
-            seq_room = self.max_seq_len - seq.num_computed
+            source, start = None, seq.num_computed
+            if seq.slot is None:
+                if None not in self._slots:
+                    break
+                source, start = self._reusable(seq)
+            n = min(len(seq.prompt) - start, budget)
+            seq_room = self.max_seq_len - start
             if max(width, n) > min(room, seq_room):
                 continue
             if seq.slot is None:
-                self._take_slot(seq)
+                copies += self._take_slot(seq, source, start)
             rows.append((seq, n))
             width, room, budget = max(width, n), min(room, seq_room), budget - n
-        return rows
+        return rows, copies
 
-    def _take_slot(self, seq: Sequence) -> None:
-        seq.slot = self._slots.index(None)
+    def _reusable(self, seq: Sequence) -> tuple[int | None, int]:
+        """(slot, n): where the longest computed prefix of seq's prompt is, and its length."""
+        if self._prefix is None:
+            return None, 0
+        live = ((s.slot, s.computed_tokens(), s.cache_key) for s in self._slots
+                if s is not None and s.slot is not None and s.num_computed and s.prompt[0] == seq.prompt[0])
+        return self._prefix.match(seq.prompt, seq.cache_key, live)
+
+    def _take_slot(self, seq: Sequence, source: int | None, reused: int) -> list[tuple[int, int, int]]:
+        """Gives seq a slot holding its first `reused` prompt positions (copied from `source`
+        when it takes another slot); returns the copy, if any. Copies run before the step's
+        prefill, in order, so a source taken by a later admission is read before it is written."""
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if self._prefix is None:
+            seq.slot = free[0]
+        else:
+            seq.slot = self._prefix.slot_for(free, source)
+            self._prefix.drop(seq.slot)
         self._slots[seq.slot] = seq
         self._waiting.remove(seq)
         self._prefilling.append(seq)
         seq.status = Status.PREFILLING
+        seq.num_computed = seq.cached_tokens = reused
+        return [(source, seq.slot, reused)] if reused and source is not None and source != seq.slot else []
 
     def _release(self, seq: Sequence) -> None:
         if seq.slot is not None:
+            if self._prefix is not None:
+                self._prefix.keep(seq.slot, seq.computed_tokens(), seq.cache_key)
             self._slots[seq.slot] = None
             seq.slot = None
         if seq in self._prefilling:

@@ -26,6 +26,7 @@ class Status(enum.Enum):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Sequence:
         self.adapter = adapter  # adapter index its rows are routed to (tprt.adapters); 0: the base model
         self.slot: int | None = None
         self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.cached_tokens = 0  # of those, prompt tokens reused from another slot (tprt.prefix_cache)
+        self.cache_key = (adapter, 0)  # what its keys and values are computed with (tprt.prefix_cache)
         self.output: list[int] = []
         self.generator = None
         if seed is not None:
@@ -101,5 +104,10 @@ class Sequence:
             self.status = Status.FINISHED
         return out
 
+    def computed_tokens(self) -> list[int]:
+        """The ids whose keys and values are in this sequence's slot (positions 0..num_computed-1)."""
+        n = self.num_computed
+        return self.prompt[:n] if n <= len(self.prompt) else self.prompt + self.output[: n - len(self.prompt)]
+
     def usage(self) -> Usage:
-        return Usage(len(self.prompt), len(self.output))
+        return Usage(len(self.prompt), len(self.output), self.cached_tokens)

@@ -7,7 +7,8 @@ all-reduces over NCCL, the LM head) is captured once per bucket and replayed wit
 - inputs live in fixed buffers: ids [max_batch, 1], positions [max_batch, 1];
 - the batch is padded to a bucket (1, 2, 4, 8, ...); padding row b writes its key/value at
   position max_seq_len - 1 of slot b, which no sequence has reached (a sequence that has is
-  decoding its last token in a real row), and the cache's rule holds: a position is always
+  decoding its last token in a real row) and no reused prefix holds (tprt.prefix_cache: a
+  sequence's last position is never computed), and the cache's rule holds: a position is always
   written before it is read;
 - the attention always spans max_seq_len keys (the mask hides the future), so kv_len is static;
 - rows must sit in slots 0..n-1 (the engine keeps them packed); otherwise the eager path runs.
