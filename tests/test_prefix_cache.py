@@ -59,3 +59,19 @@ def test_slot_for_prefers_the_source_then_empty_then_least_recently_kept() -> No
     assert cache.slot_for([0, 2], source=3) == 2, "a live source: a free slot, the oldest record"
     cache.drop(2)
     assert cache.slot_for([0, 1, 2], source=None) == 2
+
+
+def test_relocate_saves_a_record_from_packing_unless_every_free_slot_holds_a_newer_one() -> None:
+    cache = PrefixCache(4)
+    key = cache.key(0)
+    cache.keep(3, [9], key)  # older
+    cache.keep(0, [1, 2, 3], key)  # slot 0 is about to receive a live sequence
+    assert cache.relocate(0, [2, 3]) == (2, 3), "an empty free slot first"
+    assert cache.match([1, 2, 3, 4], key) == (2, 3) and cache.relocate(0, [3]) is None
+    cache.keep(1, [5, 6], key)  # newest
+    assert cache.relocate(1, [3]) == (3, 2), "evicts the older record"
+    assert cache.match([9, 9], key) == (None, 0)
+    cache.keep(0, [7, 7], key)
+    cache.keep(3, [8], key)  # newer than slot 0's
+    assert cache.relocate(0, [3]) is None, "every free slot holds a newer record"
+    assert cache.match([7, 7, 7], key) == (0, 2), "the hole's record is left in place (then overwritten)"

@@ -388,6 +388,10 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
                  "tprt_batch_size_count", "tprt_finetune_tokens_total", "tprt_finetune_loss"):
         assert re.search(rf"^{name}(\{{.*\}})? ", after, re.M), name
     assert 'tprt_finetune_jobs{state="running"}' in after
+    dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
+    plotted = set(re.findall(r"tprt_[a-z_]+", dashboard))
+    assert plotted and all(re.search(rf"^{name}[{{ ]", after, re.M) for name in plotted), \
+        f"the dashboard plots metrics the server does not export: {sorted(plotted)}"
     assert metric(after, "tprt_serving") == 1
     assert metric(after, "tprt_requests_total", method="Generate", outcome="internal") == 0
     assert metric(after, "tprt_requests_total", method="Complete", outcome="internal") == 0

