@@ -294,8 +294,8 @@ class Engine:
         """(slot, n): where the longest computed prefix of seq's prompt is, and its length."""
         if self._prefix is None:
             return None, 0
-        live = ((s.slot, s.computed_tokens(), s.cache_key) for s in self._slots
-                if s is not None and s.slot is not None and s.num_computed and s.prompt[0] == seq.prompt[0])
+        live = ((slot, s.computed_tokens(), s.cache_key) for slot, s in enumerate(self._slots)
+                if s is not None and s.num_computed and s.prompt[0] == seq.prompt[0])
         return self._prefix.match(seq.prompt, seq.cache_key, live)
 
     def _take_slot(self, seq: Sequence, source: int | None, reused: int) -> list[tuple[int, int, int]]:
@@ -312,7 +312,7 @@ class Engine:
         self._waiting.remove(seq)
         self._prefilling.append(seq)
         seq.status = Status.PREFILLING
-        seq.num_computed = seq.cached_tokens = reused
+        seq.num_computed = seq.cached_prompt_tokens = reused
         return [(source, seq.slot, reused)] if reused and source is not None and source != seq.slot else []
 
     def _release(self, seq: Sequence) -> None:

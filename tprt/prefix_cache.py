@@ -76,10 +76,6 @@ class PrefixCache:
         self._versions[adapter] = self._versions.get(adapter, 0) + 1
         self._held = [h if h is None or h.key[0] != adapter else None for h in self._held]
 
-    def held_tokens(self) -> int:
-        """Positions held by free slots (for reporting)."""
-        return sum(len(h.tokens) for h in self._held if h is not None)
-
     def match(self, prompt: list[int], key: CacheKey,
               live: Iterable[tuple[int, list[int], CacheKey]] = ()) -> tuple[int | None, int]:
         """(slot, n): the slot holding the longest prefix of `prompt` computed under `key`, among

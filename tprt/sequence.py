@@ -66,7 +66,7 @@ class Sequence:
         self.adapter = adapter  # adapter index its rows are routed to (tprt.adapters); 0: the base model
         self.slot: int | None = None
         self.num_computed = 0  # tokens whose keys and values are in the cache
-        self.cached_tokens = 0  # of those, prompt tokens reused from another slot (tprt.prefix_cache)
+        self.cached_prompt_tokens = 0  # of those, prompt tokens reused from another slot (tprt.prefix_cache)
         self.cache_key = (adapter, 0)  # what its keys and values are computed with (tprt.prefix_cache)
         self.output: list[int] = []
         self.generator = None
@@ -110,4 +110,4 @@ class Sequence:
         return self.prompt[:n] if n <= len(self.prompt) else self.prompt + self.output[: n - len(self.prompt)]
 
     def usage(self) -> Usage:
-        return Usage(len(self.prompt), len(self.output), self.cached_tokens)
+        return Usage(len(self.prompt), len(self.output), self.cached_prompt_tokens)
