@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tprt.safetensors_io import SafetensorsFile, build_header  # noqa: E402
+from tprt.checkpoint.safetensors_io import SafetensorsFile, build_header  # noqa: E402
 
 LLAMA3_70B = dict(
     hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,

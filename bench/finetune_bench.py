@@ -47,7 +47,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def prepare() -> tuple[Path, Path]:
     """(HF dir, TP-1 dir) of SmolLM2-135M-Instruct, converted once."""
     from convert import api
-    from tprt.demo import smollm2_gguf
+    from tprt.cli.demo import smollm2_gguf
 
     hf, tp1 = CACHE / "smollm2-hf", CACHE / "smollm2-tp1"
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -100,10 +100,10 @@ class PeakRSS:
 
 def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, dtype: str) -> Callable[[], None]:
     """One training step of tprt (TP 1) on the batch, as a closure."""
-    from tprt.dist import TPContext
-    from tprt.loading import load_model
+    from tprt.distributed.context import TPContext
+    from tprt.checkpoint.loading import load_model
     from tprt.train.grads import clip_grad_norm, sync_gradients
-    from tprt.train.lora import apply_lora
+    from tprt.lora.peft import apply_lora
     from tprt.train.optim import AdamW
     from tprt.train.step import compute_loss
 

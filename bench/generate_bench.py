@@ -34,13 +34,13 @@ sys.path.insert(0, str(ROOT))
 import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
 import torch  # noqa: E402
 
-from tprt.dist import TPContext, init_distributed  # noqa: E402
-from tprt.engine import Engine, EngineConfig, run_to_completion  # noqa: E402
-from tprt.loading import load_model  # noqa: E402
-from tprt.model import TPLlamaForCausalLM  # noqa: E402
-from tprt.memory import huge_empty  # noqa: E402
-from tprt.sampling import SamplingParams  # noqa: E402
-from tprt.tokenizer import Tokenizer  # noqa: E402
+from tprt.distributed.context import TPContext, init_distributed  # noqa: E402
+from tprt.engine.core import Engine, EngineConfig, run_to_completion  # noqa: E402
+from tprt.checkpoint.loading import load_model  # noqa: E402
+from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
+from tprt.cpu.hugepages import huge_empty  # noqa: E402
+from tprt.engine.sampling import SamplingParams  # noqa: E402
+from tprt.text.tokenizer import Tokenizer  # noqa: E402
 
 QUESTION = "Write a long story about a cat who learns to play the piano."
 
@@ -48,7 +48,7 @@ QUESTION = "Write a long story about a cat who learns to play the piano."
 def prepare(workdir: Path) -> Path:
     """workdir/hf, tp1, tp3 from the bundled GGUF (kept between runs)."""
     from convert.api import gguf_to_hf, hf_to_tp
-    from tprt.demo import smollm2_gguf
+    from tprt.cli.demo import smollm2_gguf
 
     workdir.mkdir(parents=True, exist_ok=True)
     if not (workdir / "hf").exists():
@@ -74,7 +74,7 @@ def best(fn: Callable[[], Any], repeats: int) -> float:
 
 def read_bandwidth(repeats: int) -> float:
     """Bytes/s of summing a 512 MiB float32 tensor (the read side of a memory-bound matvec), on
-    huge pages like our weights (tprt.memory): a floor measured on small pages would be lower."""
+    huge pages like our weights (tprt.cpu.hugepages): a floor measured on small pages would be lower."""
     x = huge_empty(512 * 1024 * 1024).view(torch.float32).fill_(1.0)
     x.sum()
     return x.nbytes / best(lambda: x.sum(), repeats)
@@ -147,7 +147,7 @@ def single_rank(workdir: Path, args: argparse.Namespace, bw: float) -> dict[str,
         r["floor"] = bw / r["weight_bytes"]
         r["ours_b1"] = ours_decode(engine, prompt, 1, n1, n2, args.repeats)
         r["hf_b1"] = hf_decode(hf, prompt, 1, n1, n2, args.repeats)
-        for batch in (2, 4):  # a few sequences: tprt's few-row kernels (tprt.native.gemv_rows_kernel)
+        for batch in (2, 4):  # a few sequences: tprt's few-row kernels (tprt.cpu.native.gemv_rows_kernel)
             r[f"ours_b{batch}"] = ours_decode(engine, prompt, batch, n1 // 2, n2 // 2, args.repeats)
         r["ours_b16"] = ours_decode(engine, prompt, 16, n1 // 2, n2 // 2, args.repeats)
         r["hf_b16"] = hf_decode(hf, prompt, 16, n1 // 2, n2 // 2, args.repeats)
@@ -222,7 +222,7 @@ def main() -> None:
     if not args.only_tp3:
         result.update(single_rank(workdir, args, bw))
     if not args.no_tp3:
-        from tprt.launch import launch_local
+        from tprt.distributed.launcher import launch_local
 
         CLOCK = time.perf_counter
         job = (str(workdir), args.tokens // 2, args.repeats)

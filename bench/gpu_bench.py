@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 bench/gpu_bench.py --model /path/to/tp2-ckpt  # TP over 2 GPUs (NCCL)
 
 Per rank the weights are bf16 on cuda:LOCAL_RANK. Reported on rank 0, for batch 1 and batch 16:
-decode tokens/s with CUDA graphs (tprt.static_decode) and eagerly, the measured device-memory
+decode tokens/s with CUDA graphs (tprt.engine.static_decode) and eagerly, the measured device-memory
 read bandwidth (a large tensor summed on the GPU) and the floor, bandwidth / (weight bytes per
 rank per token), i.e. the rate if every decode step only had to stream this rank's weights once.
 Decode rates are differences of two run lengths, so prefill and start-up cancel out.
@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
 import torch  # noqa: E402
 
-from tprt.dist import init_distributed, shutdown  # noqa: E402
-from tprt.engine import Engine, EngineConfig, run_to_completion  # noqa: E402
-from tprt.loading import load_model  # noqa: E402
-from tprt.sampling import SamplingParams  # noqa: E402
+from tprt.distributed.context import init_distributed, shutdown  # noqa: E402
+from tprt.engine.core import Engine, EngineConfig, run_to_completion  # noqa: E402
+from tprt.checkpoint.loading import load_model  # noqa: E402
+from tprt.engine.sampling import SamplingParams  # noqa: E402
 
 
 def hbm_bandwidth(device: torch.device) -> float:

@@ -1,5 +1,5 @@
 """One-row matrix-vector products (batch-1 decode) on SmolLM2-135M's weight shapes: GB/s of tprt's
-native GEMV (tprt.native) against torch's one-row kernels, on ordinary and on huge pages, next
+native GEMV (tprt.cpu.native) against torch's one-row kernels, on ordinary and on huge pages, next
 to the read bandwidth of a plain sum on the same pages.
 
     python bench/kernel_bench.py                 # bf16 and fp32, 1 thread
@@ -23,15 +23,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # torch's allocator on ordinary pages, so that the "4 KiB pages" rows are; the huge-page rows
-# advise their one block themselves (tprt.memory).
+# advise their one block themselves (tprt.cpu.hugepages).
 os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tprt import native  # noqa: E402
-from tprt.fast_linear import PACK_ROWS_HINT  # noqa: E402
-from tprt.memory import huge_empty, huge_tensors  # noqa: E402
+from tprt.cpu import native  # noqa: E402
+from tprt.cpu.fast_linear import PACK_ROWS_HINT  # noqa: E402
+from tprt.cpu.hugepages import huge_empty, huge_tensors  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate/up, down
 SHAPES = LAYER_SHAPES * 30 + [(49152, 576)]  # + the tied LM head

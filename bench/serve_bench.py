@@ -8,12 +8,12 @@ Reported, per concurrency level c (c streams started together, each greedy, `--t
 with EOS ignored): aggregate generated tokens/s (all tokens / wall time of the round) and p50/p99
 time to first token (best of 3 rounds; one stream: best of --repeats). Peers in the same run:
 
-- the in-process engine (`tprt.engine.Engine`, same checkpoint, batch, context and threads) at
+- the in-process engine (`tprt.engine.core.Engine`, same checkpoint, batch, context and threads) at
   one stream, best of --repeats runs alternating with the server's (TP 1: in this process; TP > 1:
   on local ranks before and after the server): gRPC overhead = 1 - server tokens/s / engine tokens/s (target < 5%);
 - the server at one stream: 16 streams / 1 stream aggregate throughput (target >= 6x).
 
-Prefix reuse (tprt.prefix_cache) is on, as `tprt serve` runs by default: the rounds repeat the
+Prefix reuse (tprt.engine.prefix_cache) is on, as `tprt serve` runs by default: the rounds repeat the
 same 4 prompts, so after the first round most prompt tokens are reused (each level prints the
 share). `--unique-prompts` makes every prompt distinct (only the chat template's system prompt
 stays shared); `--no-prefix-cache` turns reuse off in the server and the peer alike.
@@ -48,7 +48,7 @@ PROMPTS = ["Write a long story about a cat who learns to play the piano.",
 def prepare(workdir: Path, tp: int) -> Path:
     """workdir/hf and workdir/tp{tp} from the bundled GGUF (kept between runs)."""
     from convert.api import gguf_to_hf, hf_to_tp
-    from tprt.demo import smollm2_gguf
+    from tprt.cli.demo import smollm2_gguf
 
     workdir.mkdir(parents=True, exist_ok=True)
     if not (workdir / "hf").exists():
@@ -63,10 +63,10 @@ class EnginePeer:
 
     def __init__(self, model_dir: str, max_batch: int, max_seq_len: int, dtype: str | None = None,
                  prefix_cache: bool = True) -> None:
-        from tprt.dist import init_distributed
-        from tprt.engine import Engine, EngineConfig
-        from tprt.loading import load_model
-        from tprt.tokenizer import Tokenizer
+        from tprt.distributed.context import init_distributed
+        from tprt.engine.core import Engine, EngineConfig
+        from tprt.checkpoint.loading import load_model
+        from tprt.text.tokenizer import Tokenizer
 
         ctx = init_distributed()
         model = load_model(model_dir, ctx, dtype)
@@ -78,7 +78,7 @@ class EnginePeer:
 
     def measure(self, prompt: str, tokens: int, streams: int = 1) -> dict[str, float]:
         """`streams` greedy requests added together on rank 0: aggregate tokens/s, median TTFT."""
-        from tprt.sampling import SamplingParams
+        from tprt.engine.sampling import SamplingParams
 
         assert self.tok is not None
         params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
@@ -175,7 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     from serve.client import Client
     from serve.local import LocalServer
-    from tprt.launch import launch_local
+    from tprt.distributed.launcher import launch_local
 
     model = prepare(args.workdir, args.tp)
     max_batch = max(args.streams)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from convert import engine
 from convert.verify import verify as _verify
-from tprt.checkpoint import Manifest
+from tprt.checkpoint.format import Manifest
 from tprt.errors import ConfigError
 
 __all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]

@@ -25,7 +25,7 @@ from convert.progress import Progress
 from convert.sink import FileSink
 from convert.sources import RawSource, TensorSource
 from tprt.errors import CheckpointError, OutputError
-from tprt.safetensors_io import build_header
+from tprt.checkpoint.safetensors_io import build_header
 
 CHUNK_BYTES = 16 << 20  # bytes handled per step
 
@@ -151,7 +151,7 @@ def _read(source: TensorSource, t: TensorPlan, a: int, b: int, raw: bool) -> np.
         if block.shape != (b - a, t.row_bytes):
             raise CheckpointError(f"{source.path}: tensor {t.name!r}: rows {a}:{b} read back as {block.shape} bytes")
         return block
-    from tprt.safetensors_io import DTYPES
+    from tprt.checkpoint.safetensors_io import DTYPES
 
     x = source.read_rows(t.name, a, b)
     want = (b - a, *t.shape[1:])

@@ -16,10 +16,10 @@ from convert.plan import TORCH_NAMES, Plan, parse_dtype, parse_size, plan_hf, pl
 from convert.progress import Progress
 from convert.rules import check_tensor_set, expected_shapes
 from convert.sources import TensorSource, TPSource, open_source
-from tprt.checkpoint import FileEntry, Manifest, write_manifest
-from tprt.config import TPLayout
+from tprt.checkpoint.format import FileEntry, Manifest, write_manifest
+from tprt.model.config import TPLayout
 from tprt.errors import ConfigError, OutputError
-from tprt.fsutil import atomic_output_dir, write_bytes_atomic
+from tprt.checkpoint.fsutil import atomic_output_dir, write_bytes_atomic
 
 TOOL = "tprt-convert 0.1.0"
 SPACE_MARGIN = 16 << 20  # headroom for the small files and the filesystem's own bookkeeping

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from convert.gguf_quants import check_supported, dequantize_rows, output_dtype, row_nbytes
 from convert.gguf_tokenizer import tokenizer_files
 from convert.rules import check_tensor_set
-from tprt.config import ModelConfig
+from tprt.model.config import ModelConfig
 from tprt.errors import CheckpointError
 
 _TOP_NAMES = {

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from convert.rules import tp_entry
-from tprt.checkpoint import Manifest, rank_file_name
-from tprt.config import ModelConfig, TPLayout
+from tprt.checkpoint.format import Manifest, rank_file_name
+from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import ConfigError
-from tprt.safetensors_io import DTYPE_SIZES, build_header
+from tprt.checkpoint.safetensors_io import DTYPE_SIZES, build_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 DTYPE_ALIASES = {

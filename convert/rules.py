@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tprt.checkpoint import TensorEntry
-from tprt.config import ModelConfig, TPLayout
+from tprt.checkpoint.format import TensorEntry
+from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import CheckpointError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 
 from convert.rules import VOCAB_TENSORS, is_ignored
-from tprt.checkpoint import TOKENIZER_FILES, TPCheckpoint, is_tp_checkpoint
-from tprt.config import ModelConfig
+from tprt.checkpoint.format import TOKENIZER_FILES, TPCheckpoint, is_tp_checkpoint
+from tprt.model.config import ModelConfig
 from tprt.errors import CheckpointError
-from tprt.safetensors_io import DTYPE_SIZES, read_header
+from tprt.checkpoint.safetensors_io import DTYPE_SIZES, read_header
 
 if TYPE_CHECKING:
     import torch  # imported where needed: byte-level conversions never load it
@@ -123,7 +123,7 @@ def as_torch(raw: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tenso
     """Reinterprets uint8 rows as a tensor of `dtype` with trailing dims `shape[1:]` (zero-copy)."""
     import torch
 
-    from tprt.safetensors_io import DTYPES
+    from tprt.checkpoint.safetensors_io import DTYPES
 
     torch_dtype = DTYPES[dtype][0]
     if raw.size == 0:
@@ -233,7 +233,7 @@ class HFTorchBinSource:
         return {n: tuple(t.shape) for n, t in self._tensors.items()}
 
     def dtype(self, name: str) -> str:
-        from tprt.safetensors_io import st_dtype
+        from tprt.checkpoint.safetensors_io import st_dtype
 
         return st_dtype(self._tensors[name].dtype)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from convert.rules import VOCAB_TENSORS, check_tensor_set
 from convert.sources import open_hf
-from tprt.checkpoint import MANIFEST_NAME, Manifest, is_tp_checkpoint
-from tprt.config import ModelConfig, TPLayout
+from tprt.checkpoint.format import MANIFEST_NAME, Manifest, is_tp_checkpoint
+from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import TprtError
-from tprt.safetensors_io import read_header, sha256_file
+from tprt.checkpoint.safetensors_io import read_header, sha256_file
 
 
 def verify(path: Path) -> list[str]:

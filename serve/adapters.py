@@ -14,7 +14,7 @@ class AdapterInfo:
     rank: int
     alpha: float
     source_job_id: str = ""
-    index: int = 0  # where every rank holds it in the served model (tprt.adapters); requests route to it
+    index: int = 0  # where every rank holds it in the served model (tprt.lora.routing); requests route to it
 
 
 class AdapterRegistry:

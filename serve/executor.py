@@ -17,7 +17,7 @@ shard plus optimizer state while it runs).
 
 Adapters: a finished LoRA job's adapter is loaded into the *served* model on every rank
 (`load_adapter`) and installed under a small integer index in the model's adapter sets
-(`tprt.adapters`); every loaded adapter stays installed, and each row of a batch is routed to
+(`tprt.lora.routing`); every loaded adapter stays installed, and each row of a batch is routed to
 its request's adapter (or none) by the step plan, so requests for different adapters and for
 the base model share batches.
 """
@@ -37,10 +37,10 @@ import torch.distributed as dist
 from torch import nn
 
 from serve.ranks import Command
-from tprt.adapters import AdapterSet
+from tprt.lora.routing import AdapterSet
 from tprt.errors import TprtError
-from tprt.launch import one_line
-from tprt.model import TPLlamaForCausalLM
+from tprt.distributed.launcher import one_line
+from tprt.model.llama import TPLlamaForCausalLM
 
 log = logging.getLogger("tprt.serve")
 
@@ -156,8 +156,8 @@ class RankExecutor:
         """Loads a PEFT LoRA adapter into the served model's adapter sets; returns (rank, alpha,
         index), the index being what a plan routes rows to (the same on every rank: commands
         run in the same order everywhere)."""
-        from tprt.adapters import install
-        from tprt.train.lora import load_adapter, lora_modules, read_adapter_config
+        from tprt.lora.routing import install
+        from tprt.lora.peft import load_adapter, lora_modules, read_adapter_config
 
         linears = self.model.linears()
         saved = [(linear, linear.adapter) for linear in linears]

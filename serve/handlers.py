@@ -28,10 +28,10 @@ from serve.pb import generation_pb2 as pb
 from serve.pb import generation_pb2_grpc as pb_grpc
 from serve.scheduler import Scheduler, Ticket, new_request_id
 from serve.validation import prompt_ids, sampling_params
-from tprt.config import ModelConfig
-from tprt.sampling import MAX_TOP_LOGPROBS
-from tprt.sequence import TokenEvent
-from tprt.tokenizer import Tokenizer
+from tprt.model.config import ModelConfig
+from tprt.engine.sampling import MAX_TOP_LOGPROBS
+from tprt.engine.sequence import TokenEvent
+from tprt.text.tokenizer import Tokenizer
 
 GenerationServicer: Any = pb_grpc.GenerationServicer
 FineTuningServicer: Any = ft_grpc.FineTuningServicer

@@ -29,8 +29,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tprt.dist import TPContext
-from tprt.plan import StepPlan, broadcast_plan
+from tprt.distributed.context import TPContext
+from tprt.engine.plan import StepPlan, broadcast_plan
 
 log = logging.getLogger("tprt.serve")
 

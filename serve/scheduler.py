@@ -9,7 +9,7 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
 3. runs one engine step (a collective: the plan is broadcast to every rank) and hands each
    event to its ticket's queue;
    Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
-   to its request's adapter (tprt.adapters), so base-model and adapter requests share steps;
+   to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps;
 4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
    generation is idle, and at least every `side_every_s` while it is busy;
 5. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
@@ -37,8 +37,8 @@ from serve.errors import QueueFull, Unavailable
 from serve.metrics import Metrics
 from serve.ranks import Command, RankGroup
 from tprt.errors import ValidationError
-from tprt.sampling import SamplingParams
-from tprt.sequence import TokenEvent
+from tprt.engine.sampling import SamplingParams
+from tprt.engine.sequence import TokenEvent
 
 log = logging.getLogger("tprt.serve")
 
@@ -59,7 +59,7 @@ class Ticket:
     prompt: list[int]
     params: SamplingParams
     adapter_id: str = ""
-    adapter_index: int = 0  # where the ranks hold that adapter (tprt.adapters); 0: the base model
+    adapter_index: int = 0  # where the ranks hold that adapter (tprt.lora.routing); 0: the base model
     deadline: float | None = None  # time.monotonic() after which it is cancelled
     events: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
     arrival: float = field(default_factory=time.monotonic)

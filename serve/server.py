@@ -42,15 +42,15 @@ from serve.metrics import Metrics
 from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
 from serve.ranks import RankGroup, follower_loop, start_local_followers, stop_followers, watch
 from serve.scheduler import Scheduler
-from tprt.checkpoint import TPCheckpoint
-from tprt.dist import TPContext, in_distributed_env, init_distributed, shutdown
-from tprt.engine import Engine, EngineConfig
+from tprt.checkpoint.format import TPCheckpoint
+from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
+from tprt.engine.core import Engine, EngineConfig
 from tprt.errors import ConfigError
-from tprt.launch import free_port
-from tprt.loading import load_model, parse_dtype
-from tprt.model import TPLlamaForCausalLM
-from tprt.threads import run_on_exiting_thread
-from tprt.tokenizer import Tokenizer
+from tprt.distributed.launcher import free_port
+from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.cpu.threads import run_on_exiting_thread
+from tprt.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tprt.serve")
 
@@ -78,7 +78,7 @@ class ServeConfig:
     dtype: str | None = None
     max_seq_len: int | None = None
     token_budget: int = 2048
-    prefix_cache: bool = True  # tprt.prefix_cache
+    prefix_cache: bool = True  # tprt.engine.prefix_cache
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
@@ -259,7 +259,7 @@ class App:
         ctx = init_distributed(timeout_s=self.cfg.collective_timeout)
         try:
             # The torch work of set-up (loading, prepacking, restoring adapters) on a thread that
-            # ends, so the scheduler thread's OpenMP pool is the only one (tprt.threads).
+            # ends, so the scheduler thread's OpenMP pool is the only one (tprt.cpu.threads).
             model, engine, tokenizer = run_on_exiting_thread(lambda: self._load(ctx))
             run_on_exiting_thread(lambda: self._services(ctx, model, engine, tokenizer))
             assert self.scheduler is not None and self.jobs is not None

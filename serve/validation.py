@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from serve.errors import InvalidArgument, OutOfRange, invalid
-from tprt.chat import NoChatTemplateError
+from tprt.text.chat import NoChatTemplateError
 from tprt.errors import ConfigError, ValidationError
-from tprt.sampling import SamplingParams
-from tprt.tokenizer import Tokenizer
+from tprt.engine.sampling import SamplingParams
+from tprt.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 16

@@ -15,7 +15,7 @@ per-check, per-rank pass/fail and the test functions assert one check each:
         world2.assert_ok(name)
 
 It cannot hang: collectives time out (gloo timeout), the launcher has an overall deadline, and a
-failing or dying rank tears the whole world down (tprt.launch). Each rank appends its results
+failing or dying rank tears the whole world down (tprt.distributed.launcher). Each rank appends its results
 to a file as it goes, so checks finished before a teardown still report their own outcome.
 """
 
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tprt.dist import TPContext, init_distributed
-from tprt.launch import LaunchError, launch_local, one_line
+from tprt.distributed.context import TPContext, init_distributed
+from tprt.distributed.launcher import LaunchError, launch_local, one_line
 
 Check = Callable[[TPContext, Path], None]
 Checks = Sequence[tuple[str, Check]]

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from helpers import make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
-from tprt.config import ModelConfig
-from tprt.dist import TPContext, build_mesh_groups
-from tprt.loading import hf_sources, load_model
-from tprt.model import TPLlamaForCausalLM
+from tprt.model.config import ModelConfig
+from tprt.distributed.context import TPContext, build_mesh_groups
+from tprt.checkpoint.loading import hf_sources, load_model
+from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train.grads import clip_grad_norm, sync_gradients
 from tprt.train.optim import AdamW, WarmupCosine, warmup_cosine
 from tprt.train.step import compute_loss, dp_loss, enable_activation_checkpointing

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tiny_chat import make_tiny_chat_model
-from tprt.cli import main
-from tprt.tokenizer import Tokenizer
+from tprt.cli.main import main
+from tprt.text.tokenizer import Tokenizer
 
 PROMPTS = ("Hello there", "The quick brown fox", "Hi")
 SYSTEM = "Be brief."
@@ -178,7 +178,7 @@ def test_help_has_examples() -> None:
 def test_generate_on_two_torchrun_nodes(root: Path, hf: Any) -> None:
     """Two torchrun agents on loopback as two nodes of one process each (RANK 0 and 1, both
     LOCAL_RANK 0): the TP=2 ranks join torchrun's world and node 0 prints transformers' tokens."""
-    from tprt.launch import free_port
+    from tprt.distributed.launcher import free_port
 
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from convert import api, copy, sink
 from convert.cli import main
 from helpers import TINY_CONFIGS, make_hf_llama
-from tprt.checkpoint import MANIFEST_NAME, TPCheckpoint, rank_file_name
+from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint, rank_file_name
 
 
 @pytest.fixture(scope="module")

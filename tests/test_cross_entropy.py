@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mp import Checks, WorldResults, names, run_single, run_world
-from tprt.dist import TPContext
+from tprt.distributed.context import TPContext
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 CASES = {  # name -> (vocab_size, padded vocab, dtype)

@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
-from tprt.dist import TPContext
-from tprt.engine import Completion, Engine, EngineConfig, run_to_completion
+from tprt.distributed.context import TPContext
+from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.errors import ConfigError, ValidationError
-from tprt.loading import load_model
-from tprt.model import TPLlamaForCausalLM
-from tprt.plan import BatchPlan, StepPlan
-from tprt.sampling import SamplingParams
-from tprt.tokenizer import Tokenizer
+from tprt.checkpoint.loading import load_model
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.engine.sampling import SamplingParams
+from tprt.text.tokenizer import Tokenizer
 
 TPS = (1, 2)
 TEXTS = ("Hello there", "The quick brown fox jumps", "Hi", "Tensor par")  # uneven prompt lengths
@@ -325,9 +325,9 @@ def check_static_decode(ctx: TPContext, wd: Path) -> None:
 
 
 def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
-    """Sets every layer's fused one-row halves (tprt.native) whatever fast_linear's timing chose;
+    """Sets every layer's fused one-row halves (tprt.cpu.native) whatever fast_linear's timing chose;
     calls[0] counts their calls. A no-op where the native kernels are unavailable."""
-    from tprt import native
+    from tprt.cpu import native
 
     def counted(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*a: Any) -> torch.Tensor:
@@ -346,10 +346,10 @@ def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
 
 
 def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
-    """CPU: one-row decode through each layer's two fused halves (tprt.native, forced here
+    """CPU: one-row decode through each layer's two fused halves (tprt.cpu.native, forced here
     whatever fast_linear's timing chose), their partial products all-reduced over the TP group:
     transformers' greedy tokens, and the fused calls really ran on every rank."""
-    from tprt import native
+    from tprt.cpu import native
 
     calls = [0]
     ref = _ref(wd)
@@ -478,7 +478,7 @@ def test_plan_roundtrip() -> None:
 def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: the repacked linears give the logits of F.linear (to rounding) for prompts and for
     one-row decode inputs, and are used only with autograd off (gradients still reach weights)."""
-    from tprt.fast_linear import VARIANTS, FastLinear, prepack, supported
+    from tprt.cpu.fast_linear import VARIANTS, FastLinear, prepack, supported
 
     ctx = TPContext.single()
     dense, packed = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
@@ -508,8 +508,8 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     and each half of a layer in one call for one row) gives
     the logits and the cache contents of the torch path, for rows in scattered slots at uneven
     positions, whether the slots are given (index_select read) or implicit (view read)."""
-    from tprt import native
-    from tprt.fast_linear import prepack, supported
+    from tprt.cpu import native
+    from tprt.cpu.fast_linear import prepack, supported
 
     ctx = TPContext.single()
     plain, fast = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
@@ -560,7 +560,7 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
 @pytest.mark.parametrize("variant", ["packed", "transposed", "dense"])
 def test_fast_linear_variants(variant: str) -> None:
     """Every variant computes x @ W^T for 1-, 2- and 3-d inputs."""
-    from tprt.fast_linear import _MAKERS
+    from tprt.cpu.fast_linear import _MAKERS
 
     w = torch.randn(48, 32)
     fn = _MAKERS[variant](w)
@@ -572,8 +572,8 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
     """A captured CUDA graph would replay the layers without an adapter attached after capture,
     so packed decode takes the static path only while no adapter acts on the batch's rows (eager
     otherwise), whether attached to the layers or installed per row and routed to."""
-    from tprt.adapters import install
-    from tprt.train.lora import apply_lora, lora_modules
+    from tprt.lora.routing import install
+    from tprt.lora.peft import apply_lora, lora_modules
 
     model = load_model(workdir / "tp1", TPContext.single())
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=2, max_seq_len=48,
@@ -608,11 +608,11 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
 
 
 def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> None:
-    """Two LoRA adapters installed side by side (tprt.adapters): a batch mixing rows of both and
+    """Two LoRA adapters installed side by side (tprt.lora.routing): a batch mixing rows of both and
     of the base model gives every request the tokens and log-probabilities it gets alone; a base
     request alone still decodes through the fused one-row layer halves, adapter requests never."""
-    from tprt.adapters import install
-    from tprt.train.lora import apply_lora, lora_modules
+    from tprt.lora.routing import install
+    from tprt.lora.peft import apply_lora, lora_modules
 
     model = load_model(workdir / "tp1", TPContext.single())
     adapters = []
@@ -630,7 +630,7 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
     for index, mods in enumerate(adapters, start=1):
         install(model, index, mods)
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
-    from tprt import native
+    from tprt.cpu import native
 
     fused = [0]  # calls of the fused one-row layer halves
     _force_fused(model, fused)

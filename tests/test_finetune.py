@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tprt.cli import main
-from tprt.dist import TPContext
-from tprt.loading import load_model
+from tprt.cli.main import main
+from tprt.distributed.context import TPContext
+from tprt.checkpoint.loading import load_model
 from tprt.train import checkpointing as ckpt
 from tprt.train.plot import read_metrics
 from train_fixtures import make_tiny_model
@@ -102,7 +102,7 @@ def test_peft_loads_the_adapter_with_our_logits(setup: dict[str, Path], lora_run
     from transformers import LlamaForCausalLM
 
     from convert.api import tp_to_hf
-    from tprt.train.lora import load_adapter
+    from tprt.lora.peft import load_adapter
 
     base_hf = setup["root"] / "base-export-hf"
     if not base_hf.exists():
@@ -253,7 +253,7 @@ def test_dp2_x_tp2_equals_tp2_with_accumulation(setup: dict[str, Path]) -> None:
     same losses and adapter."""
     from safetensors.torch import load_file
 
-    from tprt.launch import launch_local
+    from tprt.distributed.launcher import launch_local
 
     common = ["--lora-rank", "4", "--lr", "1e-2", "--steps", "4", "--batch-size", "1"]
     dp = setup["root"] / "dp2"
@@ -296,7 +296,7 @@ def test_generate_with_adapter_matches_peft_greedy(setup: dict[str, Path], lora_
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from tprt.tokenizer import Tokenizer
+    from tprt.text.tokenizer import Tokenizer
 
     prompts = ["What is the capital of France?", "Hello there!"]
     # A process of its own: the ranks print to the stdout they inherit from the launcher.
@@ -318,7 +318,7 @@ def test_generate_with_adapter_matches_peft_greedy(setup: dict[str, Path], lora_
 
 def test_demo_finetune_helper(setup: dict[str, Path]) -> None:
     """`run_finetune_demo` (called by `tprt demo`) writes its 20 chats and returns the adapter."""
-    from tprt.train.cli import DEMO_ANSWER, run_finetune_demo
+    from tprt.cli.finetune import DEMO_ANSWER, run_finetune_demo
 
     adapter = run_finetune_demo(setup["tp2"], setup["root"] / "demo", steps=2)
     assert (adapter / "adapter_model.safetensors").is_file()
@@ -330,8 +330,8 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     """The server's way: a LoRA Trainer on a shared twin of the served model holds no second copy
     of the base, leaves the served model's modules and outputs alone, and trains exactly like a
     Trainer that loads its own copy."""
-    from tprt.fast_linear import prepack
-    from tprt.tokenizer import Tokenizer
+    from tprt.cpu.fast_linear import prepack
+    from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
     from tprt.train.trainer import FinetuneConfig, Trainer
 

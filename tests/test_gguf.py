@@ -19,7 +19,7 @@ from convert.gguf_quants import SUPPORTED_TYPES, dequantize_rows
 from gguf_helpers import (
     F16_FIELDS, QUANTIZABLE, TINY, Q, llama_cpp_permute, random_raw_blocks, smollm2_path, write_tiny_gguf,
 )
-from tprt.config import ModelConfig
+from tprt.model.config import ModelConfig
 from tprt.errors import CheckpointError, ConfigError
 
 SMOL = smollm2_path()

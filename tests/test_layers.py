@@ -15,14 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mp import Checks, WorldResults, names, run_world
-from tprt.config import ModelConfig, RopeScaling
-from tprt.dist import TPContext, init_distributed
-from tprt.kv_cache import CacheFullError, KVCache
-from tprt.launch import LaunchError, launch_local
-from tprt.model import RMSNorm
+from tprt.model.config import ModelConfig, RopeScaling
+from tprt.distributed.context import TPContext, init_distributed
+from tprt.model.kv_cache import CacheFullError, KVCache
+from tprt.distributed.launcher import LaunchError, launch_local
+from tprt.model.llama import RMSNorm
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 from tprt.parallel.mappings import gather_from_region, scatter_to_region
-from tprt.rope import apply_rope_, inv_frequencies, rope_angles
+from tprt.model.rope import apply_rope_, inv_frequencies, rope_angles
 
 
 def _shard(t: torch.Tensor, dim: int, ctx: TPContext) -> torch.Tensor:

@@ -32,13 +32,13 @@ from test_backward_tp import (
     HP, MIN_LR_RATIO, N_STEPS, WARMUP, assert_rel, assert_replicas_identical, compare_to_ref,
     local_slice, make_batch,
 )
-from tprt.config import ModelConfig
-from tprt.dist import TPContext
+from tprt.model.config import ModelConfig
+from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError, ValidationError
-from tprt.loading import load_model
-from tprt.model import TPLlamaForCausalLM
+from tprt.checkpoint.loading import load_model
+from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train.grads import clip_grad_norm, sync_gradients
-from tprt.train.lora import (
+from tprt.lora.peft import (
     HF_MODULES, adapter_config, apply_lora, load_adapter, load_lora_state_dict, lora_modules,
     lora_state_dict, merge_lora, read_adapter_config,
 )

@@ -20,13 +20,13 @@ import torch.nn.functional as F
 
 from helpers import make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
-from tprt.checkpoint import TPCheckpoint
-from tprt.config import ModelConfig
-from tprt.dist import TPContext
+from tprt.checkpoint.format import TPCheckpoint
+from tprt.model.config import ModelConfig
+from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
-from tprt.kv_cache import KVCache
-from tprt.loading import hf_sources, load_model
-from tprt.model import TPLlamaForCausalLM
+from tprt.model.kv_cache import KVCache
+from tprt.checkpoint.loading import hf_sources, load_model
+from tprt.model.llama import TPLlamaForCausalLM
 
 CONFIGS = ("gqa", "rope_pad", "tied")
 TPS = (1, 2, 4, 8)

@@ -1,5 +1,5 @@
-"""tprt.native: the compiled CPU kernels against torch, their build cache and their fallback;
-tprt.memory: the huge-page buffers that weights and the KV cache live in."""
+"""tprt.cpu.native: the compiled CPU kernels against torch, their build cache and their fallback;
+tprt.cpu.hugepages: the huge-page buffers that weights and the KV cache live in."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tprt import native
-from tprt.model import RMSNorm
+from tprt.cpu import native
+from tprt.model.llama import RMSNorm
 
 
 def test_kernels_build_where_a_compiler_is() -> None:
@@ -69,7 +69,7 @@ def test_gemv_rows_matches_linear(dtype: torch.dtype) -> None:
 
 def test_fast_linear_routes_by_row_count() -> None:
     """One row to `one`, the counts in `few_rows` to `few`, everything else to `many`."""
-    from tprt.fast_linear import FastLinear
+    from tprt.cpu.fast_linear import FastLinear
 
     calls: list[str] = []
 
@@ -113,7 +113,7 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
     """The decode-attention kernel against SDPA with the engine's causal mask: head_dim 64 and
     128 (the vectorised paths) and 24 (the generic one), groups of 1 and 3 q heads per kv head,
     rows in scattered slots at positions from 0 to past a 16-key block."""
-    from tprt.kv_cache import KVCache
+    from tprt.model.kv_cache import KVCache
 
     attend = native.decode_attention_kernel(dtype)
     if not native.available():
@@ -144,9 +144,9 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
 def test_mlp_decode_matches_modules(dtype: torch.dtype) -> None:
     """The one-call MLP half against RMSNorm + the fused gate/up linear + SwiGLU + the down linear,
     on shapes off the vector widths and activations of both signs."""
-    from tprt.config import ModelConfig
-    from tprt.dist import TPContext
-    from tprt.model import MLP
+    from tprt.model.config import ModelConfig
+    from tprt.distributed.context import TPContext
+    from tprt.model.llama import MLP
 
     torch.manual_seed(0)
     for hidden, inter in ((100, 37), (64, 256), (576, 1536)):
@@ -174,7 +174,7 @@ def test_mlp_decode_matches_modules(dtype: torch.dtype) -> None:
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    code = "from tprt import native; print(native.available())"
+    code = "from tprt.cpu import native; print(native.available())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
 
@@ -206,7 +206,7 @@ def test_build_cache_and_fallbacks(tmp_path: Path) -> None:
 
 
 def test_huge_tensors_are_aligned_disjoint_views() -> None:
-    from tprt.memory import HUGE_PAGE, huge_empty, huge_tensors
+    from tprt.cpu.hugepages import HUGE_PAGE, huge_empty, huge_tensors
 
     shapes = [(3, 5), (7,), (2000, 600), (2, 3, 4)]  # 2.4 MB in all: a huge-page block
     ts = huge_tensors(shapes, torch.bfloat16)
@@ -221,8 +221,8 @@ def test_huge_tensors_are_aligned_disjoint_views() -> None:
 def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path) -> None:
     from convert.api import hf_to_tp
     from train_fixtures import make_tiny_model
-    from tprt.dist import TPContext
-    from tprt.loading import load_model
+    from tprt.distributed.context import TPContext
+    from tprt.checkpoint.loading import load_model
 
     hf, _ = make_tiny_model(tmp_path, tp=1)
     tp1 = tmp_path / "tp1"

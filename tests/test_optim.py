@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mp import Checks, WorldResults, names, run_single, run_world
-from tprt.dist import TPContext
+from tprt.distributed.context import TPContext
 from tprt.errors import ValidationError
 from tprt.train.grads import TPSpec, clip_grad_norm, set_spec
 from tprt.train.optim import AdamW, warmup_cosine

@@ -1,11 +1,11 @@
-"""tprt.prefix_cache: the bookkeeping behind prefix reuse (the engine's use of it is checked against
+"""tprt.engine.prefix_cache: the bookkeeping behind prefix reuse (the engine's use of it is checked against
 transformers in tests/test_engine.py: check_prefix_reuse and the mixed-adapter test)."""
 
 from __future__ import annotations
 
 import random
 
-from tprt.prefix_cache import PrefixCache, common_prefix
+from tprt.engine.prefix_cache import PrefixCache, common_prefix
 
 
 def test_common_prefix_matches_a_plain_loop() -> None:

@@ -1,4 +1,4 @@
-"""tprt.safetensors_io against the reference safetensors library, and its error messages."""
+"""tprt.checkpoint.safetensors_io against the reference safetensors library, and its error messages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tprt.errors import CheckpointError
-from tprt.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, read_header, sha256_file, st_dtype
+from tprt.checkpoint.safetensors_io import SafetensorsFile, StreamingSafetensorsWriter, read_header, sha256_file, st_dtype
 
 
 @pytest.fixture

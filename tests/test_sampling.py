@@ -1,4 +1,4 @@
-"""tprt.sampling against transformers' logits processors, plus seeding, statistics and validation."""
+"""tprt.engine.sampling against transformers' logits processors, plus seeding, statistics and validation."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from tprt.errors import ConfigError, ValidationError
-from tprt.sampling import SamplingParams, make_generator, process_logits, sample
+from tprt.engine.sampling import SamplingParams, make_generator, process_logits, sample
 
 VOCAB = 97
 

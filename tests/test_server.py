@@ -369,7 +369,7 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
     before = server.metrics()
     done = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
     # The same prompt again reuses its keys and values from the slot the first one freed
-    # (tprt.prefix_cache, on both ranks): all but the last prompt token, and the same answer.
+    # (tprt.engine.prefix_cache, on both ranks): all but the last prompt token, and the same answer.
     again = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
     after = server.metrics()
     delta = lambda name, **lab: metric(after, name, **lab) - metric(before, name, **lab)  # noqa: E731
@@ -434,8 +434,8 @@ def _reference_top_logprobs(workdir: Path, ids: list[int], adapter: Path | None)
     import torch
 
     from convert.api import hf_to_tp
-    from tprt.dist import TPContext
-    from tprt.loading import load_model
+    from tprt.distributed.context import TPContext
+    from tprt.checkpoint.loading import load_model
 
     tp1 = workdir / "model" / "tp1"
     if not tp1.exists():
@@ -443,7 +443,7 @@ def _reference_top_logprobs(workdir: Path, ids: list[int], adapter: Path | None)
     ctx = TPContext.single()
     model = load_model(tp1, ctx)
     if adapter is not None:
-        from tprt.train.lora import load_adapter
+        from tprt.lora.peft import load_adapter
 
         load_adapter(model, adapter, ctx)
     with torch.no_grad():

@@ -5,7 +5,7 @@ gguf-to-hf and hf-to-tp; transformers' LlamaForCausalLM loads the same HF output
 generates the reference. The engine runs the prompts as one batch at TP 1 (in this process) and
 TP 3 (one gloo world), and must produce the same token ids, EOS included; then a second turn of
 the first chat, which reuses the first turn's keys and values (prompt and answer) from its freed
-slot (tprt.prefix_cache) and must still give transformers' answer.
+slot (tprt.engine.prefix_cache) and must still give transformers' answer.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from mp import Checks, WorldResults, names, run_single, run_world
-from tprt.dist import TPContext
-from tprt.engine import Engine, EngineConfig, run_to_completion
-from tprt.loading import load_model
-from tprt.prefix_cache import common_prefix
-from tprt.sampling import SamplingParams
-from tprt.tokenizer import Tokenizer
+from tprt.distributed.context import TPContext
+from tprt.engine.core import Engine, EngineConfig, run_to_completion
+from tprt.checkpoint.loading import load_model
+from tprt.engine.prefix_cache import common_prefix
+from tprt.engine.sampling import SamplingParams
+from tprt.text.tokenizer import Tokenizer
 
 QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write a haiku about the sea.")
 FOLLOW_UP = "Say it again in five words."
@@ -32,7 +32,7 @@ N_NEW = 16
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from convert.api import gguf_to_hf, hf_to_tp
-    from tprt.demo import smollm2_gguf
+    from tprt.cli.demo import smollm2_gguf
     from transformers import LlamaForCausalLM
 
     try:

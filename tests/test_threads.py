@@ -1,4 +1,4 @@
-"""tprt.threads: set-up on a thread that exits leaves no OpenMP pool behind."""
+"""tprt.cpu.threads: set-up on a thread that exits leaves no OpenMP pool behind."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 CODE = """
 import os, threading, time, torch
-from tprt.threads import run_on_exiting_thread
+from tprt.cpu.threads import run_on_exiting_thread
 torch.set_num_threads(2)
 def tasks(): return len(os.listdir("/proc/self/task"))
 def parallel(): return (torch.randn(600, 600) @ torch.randn(600, 600)).sum().item()

@@ -1,4 +1,4 @@
-"""tprt.tokenizer, tprt.chat and tprt.stopping against transformers, on tokenizers trained in the test."""
+"""tprt.text.tokenizer, tprt.text.chat and tprt.engine.stopping against transformers, on tokenizers trained in the test."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from tprt.chat import NoChatTemplateError, render_chat
+from tprt.text.chat import NoChatTemplateError, render_chat
 from tprt.errors import ConfigError, ValidationError
-from tprt.sampling import SamplingParams
-from tprt.stopping import StopChecker, StopStringMatcher
-from tprt.tokenizer import IncrementalDetokenizer, Tokenizer
+from tprt.engine.sampling import SamplingParams
+from tprt.engine.stopping import StopChecker, StopStringMatcher
+from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",

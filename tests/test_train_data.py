@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tprt.errors import ValidationError
-from tprt.tokenizer import Tokenizer
+from tprt.text.tokenizer import Tokenizer
 from tprt.train.data import (
     BatchStream, Document, assistant_spans, chat_document, load_documents, pack, prepare_data,
     rank_share, tokenize_record,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tprt.dist import TPContext
+from tprt.distributed.context import TPContext
 
 IGNORE_INDEX = -100
 

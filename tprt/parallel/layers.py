@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tprt.dist import TPContext
+from tprt.distributed.context import TPContext
 from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
 
 
@@ -26,7 +26,7 @@ FastLinear = Callable[[torch.Tensor], torch.Tensor]
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, fast: FastLinear | None) -> torch.Tensor:
     """F.linear(x, weight), or `fast(x)` (the same product, e.g. from a CPU-prepacked copy of the
-    weight set by tprt.fast_linear) when one is set and either autograd is off or the weight is
+    weight set by tprt.cpu.fast_linear) when one is set and either autograd is off or the weight is
     frozen (a LoRA base: then the input's gradient comes from the weight itself)."""
     if fast is not None:
         if not torch.is_grad_enabled():
@@ -53,7 +53,7 @@ class _FrozenLinear(torch.autograd.Function):
 
 def adapted(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
     """Whether an adapter acts on any of these layers in the coming forward call: any attached
-    one, except a routed set (tprt.adapters.AdapterSet) none of whose members has rows routed to it."""
+    one, except a routed set (tprt.lora.routing.AdapterSet) none of whose members has rows routed to it."""
     for linear in linears:
         adapter = linear.adapter
         if adapter is not None and getattr(adapter, "applies", lambda: True)():
@@ -107,7 +107,7 @@ class RowParallelLinear(nn.Module):
         return reduce_from_region(y, self.tp)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.native)."""
+        """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.cpu.native)."""
         return reduce_from_region(partial, self.tp)
 
 

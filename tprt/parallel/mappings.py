@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tprt.dist import TPContext
+from tprt.distributed.context import TPContext
 
 
 def _all_reduce(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tprt.checkpoint import MANIFEST_NAME
-from tprt.dist import TPContext
+from tprt.checkpoint.format import MANIFEST_NAME
+from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
-from tprt.fsutil import fsync_dir, write_text_atomic
+from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "train_state.json"

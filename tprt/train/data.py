@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from tprt.errors import ConfigError, ValidationError
-from tprt.tokenizer import Tokenizer
+from tprt.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tprt")
 

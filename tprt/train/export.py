@@ -2,13 +2,13 @@
 Hugging Face PEFT loads, and adapters applied to (or merged into) a loaded model.
 
 - `write_tp_checkpoint`: every TP rank writes its own rank file (its slice of each tensor under
-  its HF name, the fused q/k/v and gate/up rows split back per `tprt.loading.hf_sources`) in the
+  its HF name, the fused q/k/v and gate/up rows split back per `tprt.checkpoint.loading.hf_sources`) in the
   base checkpoint's dtype and manifest format; rank 0 writes the manifest, config and tokenizer.
   The result can be loaded by `tprt`, resharded, or exported with `tprt-convert tp-to-hf`.
 - `write_adapter`: adapter_model.safetensors + adapter_config.json (PEFT names, full A/B).
 
 Applying an adapter directory to a loaded model, unmerged (`tprt generate --adapter`), is
-`tprt.train.lora.load_adapter`.
+`tprt.lora.peft.load_adapter`.
 
 Every output directory is written under a temporary sibling name and renamed into place.
 """
@@ -26,13 +26,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tprt.checkpoint import TOKENIZER_FILES, FileEntry, Manifest, TPCheckpoint, rank_file_name, write_manifest
-from tprt.dist import TPContext
+from tprt.checkpoint.format import TOKENIZER_FILES, FileEntry, Manifest, TPCheckpoint, rank_file_name, write_manifest
+from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError
-from tprt.fsutil import fsync_dir, write_text_atomic
-from tprt.loading import hf_sources
-from tprt.model import TPLlamaForCausalLM
-from tprt.safetensors_io import DTYPES, StreamingSafetensorsWriter
+from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
+from tprt.checkpoint.loading import hf_sources
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.checkpoint.safetensors_io import DTYPES, StreamingSafetensorsWriter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -154,7 +154,7 @@ def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: 
     full A/B matrices are gathered to rank 0, which writes them)."""
     from safetensors.torch import save_file
 
-    from tprt.train.lora import lora_state_dict
+    from tprt.lora.peft import lora_state_dict
 
     state = lora_state_dict(model, ctx)
     if ctx.is_main:

@@ -12,7 +12,7 @@ need more than that (ARCHITECTURE.md, TP rules):
   gradient is the sum over those ranks.
 
 How each parameter is laid out is recorded on it as a `TPSpec` (`mark_tp_params` for the base
-model, `tprt.train.lora.apply_lora` for adapters), so that `clip_grad_norm` can count every
+model, `tprt.lora.peft.apply_lora` for adapters), so that `clip_grad_norm` can count every
 replicated value exactly once when it takes the global norm.
 
 Collectives are issued here directly (torch.distributed, flattened per dtype): they act on
@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tprt.dist import TPContext
-from tprt.model import Attention, RMSNorm, TPLlamaForCausalLM
+from tprt.distributed.context import TPContext
+from tprt.model.llama import Attention, RMSNorm, TPLlamaForCausalLM
 
 SPEC_ATTR = "tprt_tp_spec"
 _BUCKET_ELEMS = 1 << 24  # float32 elements per flattened all-reduce (64 MiB)

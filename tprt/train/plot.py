@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tprt.fsutil import write_bytes_atomic
+from tprt.checkpoint.fsutil import write_bytes_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

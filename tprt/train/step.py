@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tprt.dist import TPContext
-from tprt.model import TPLlamaForCausalLM
+from tprt.distributed.context import TPContext
+from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tprt.checkpoint import TPCheckpoint
-from tprt.dist import TPContext, init_distributed
+from tprt.checkpoint.format import TPCheckpoint
+from tprt.distributed.context import TPContext, init_distributed
 from tprt.errors import ConfigError, TprtError
-from tprt.loading import load_model, parse_dtype, shared_twin
-from tprt.model import TPLlamaForCausalLM
+from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
+from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
 from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
@@ -165,7 +165,7 @@ class Trainer:
     def _trainable(self) -> list[torch.nn.Parameter]:
         if self.cfg.full:
             return [p for p in self.model.parameters() if p.requires_grad]
-        from tprt.train.lora import apply_lora
+        from tprt.lora.peft import apply_lora
 
         return apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
                           self.cfg.lora_dropout, seed=self.cfg.seed, pack_base=not self.shares_base)
@@ -332,7 +332,7 @@ class Trainer:
         return summary
 
     def adapter_config(self) -> dict[str, Any]:
-        from tprt.train.lora import adapter_config
+        from tprt.lora.peft import adapter_config
 
         return dict(adapter_config(self.cfg.lora_targets, self.cfg.lora_rank, self.cfg.lora_alpha,
                                    self.cfg.lora_dropout, str(self.cfg.model)))

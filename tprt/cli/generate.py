@@ -1,0 +1,364 @@
+"""`tprt generate` and `tprt score`: checking the request, starting the ranks, printing results.
+
+Everything that can be wrong with the input (the checkpoint directory, the prompts, a sampling
+flag, the length) is checked in the starting process, before any rank starts, and reported as
+one line. The work itself runs on the checkpoint's TP number of ranks: under torchrun (one or
+more nodes) on the ranks it started (the world size must equal the checkpoint's TP size), else
+on local ranks started by `tprt.distributed.launcher.launch_local` (in this process when TP is 1). Rank 0 holds
+the tokenizer and prints; the other ranks follow its plans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint
+from tprt.distributed.context import in_distributed_env, init_distributed, shutdown
+from tprt.engine.core import Completion, Engine, EngineConfig, check_length, run_to_completion
+from tprt.errors import ConfigError, ValidationError
+from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.engine.sampling import SamplingParams
+from tprt.engine.sequence import TokenEvent
+from tprt.text.tokenizer import Tokenizer
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot
+FLAGS = {"stop_strings": "--stop", "stop_token_ids": "--stop-token-id"}  # request field -> flag, where not --field
+
+J = TypeVar("J")
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    model: Path
+    prompts: tuple[str, ...] = ()
+    prompts_file: Path | None = None
+    chat: bool = False
+    system: str | None = None
+    max_new_tokens: int | None = None  # None: DEFAULT_MAX_NEW_TOKENS, or less where the context ends
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    dtype: str | None = None
+    json: bool = False
+    adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
+    threads: int | None = None  # torch threads per rank; None: cores / TP
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """What every rank needs (picklable): token ids and parameters, already checked."""
+
+    model: str
+    dtype: str | None
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    max_seq_len: int
+    json: bool
+    adapter: str | None = None
+
+
+def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
+    """The same message with the request field spelled as its command-line flag."""
+    msg = str(e)
+    if e.field == "prompt":  # the prefix says which prompt
+        return ConfigError(prefix + msg)
+    flag = FLAGS.get(e.field, "--" + e.field.replace("_", "-"))
+    msg = msg.replace(f"{e.field}=", f"{flag} ")
+    if msg.startswith(e.field):
+        msg = flag + msg[len(e.field):]
+    return ConfigError(prefix + msg)
+
+
+def _read_prompts(args: GenerateArgs) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file is not None:
+        path = args.prompts_file
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--prompts-file {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ConfigError("no prompt: give --prompt TEXT or --prompts-file FILE (one prompt per line)")
+    return prompts
+
+
+def _encode(tok: Tokenizer, text: str, args: GenerateArgs) -> list[int]:
+    if not args.chat:
+        return tok.encode(text)
+    messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+    return tok.encode_chat(messages + [{"role": "user", "content": text}])
+
+
+def _sampling(args: GenerateArgs, vocab_size: int, max_new_tokens: int) -> SamplingParams:
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed, max_new_tokens=max_new_tokens,
+        stop_token_ids=args.stop_token_ids, stop_strings=args.stop,
+        logprobs=args.logprobs or args.top_logprobs > 0, top_logprobs=args.top_logprobs,
+    )
+    try:
+        return params.validate(vocab_size)
+    except ValidationError as e:
+        raise flag_error(e) from None
+
+
+def prepare_generate(args: GenerateArgs) -> GenerateJob:
+    """Reads and checks everything; raises ConfigError/CheckpointError with one line."""
+    ckpt = TPCheckpoint(args.model)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    if args.system is not None and not args.chat:
+        raise ConfigError("--system needs --chat")
+    tok = Tokenizer.from_dir(args.model)
+    context = ckpt.config.max_position_embeddings
+    prompts = [_encode(tok, text, args) for text in _read_prompts(args)]
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default shrinks to what the context leaves, the flag does not
+        max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, context - max(len(p) for p in prompts)))
+    base = _sampling(args, ckpt.config.vocab_size, max_new)
+    for i, ids in enumerate(prompts):
+        try:
+            if not ids:
+                raise ValidationError("prompt", "prompt is empty (it encodes to no tokens)")
+            check_length(len(ids), base.max_new_tokens, context, "the model's max_position_embeddings")
+        except ValidationError as e:
+            raise flag_error(e, f"prompt {i + 1}: ") from None
+    params = [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(len(prompts))]
+    max_seq_len = max(len(p) for p in prompts) + base.max_new_tokens
+    if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
+    adapter = None if args.adapter is None else str(args.adapter)
+    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
+
+
+def run_on_ranks(model: str, fn: Callable[[J], None], job: J, threads: int | None = None) -> None:
+    """Runs fn(job) on every rank of the checkpoint's TP world (see the module docstring), each
+    with `threads` torch threads (None: the cores divided among the local ranks)."""
+    tp = TPCheckpoint(model).tp_size
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    if threads is not None and (in_distributed_env() or tp == 1):
+        import torch
+
+        torch.set_num_threads(threads)
+    if in_distributed_env():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != tp:
+            raise ConfigError(f"{Path(model) / MANIFEST_NAME}: the checkpoint is sharded for tp_size={tp} but "
+                              f"torchrun started WORLD_SIZE={world} ranks; start {tp} (e.g. --nproc-per-node {tp})")
+        try:
+            fn(job)
+        finally:
+            shutdown()
+    elif tp == 1:
+        fn(job)
+    else:
+        from tprt.distributed.launcher import launch_local
+
+        launch_local(tp, fn, (job,), threads_per_rank=threads)
+
+
+def run_generate(args: GenerateArgs) -> int:
+    job = prepare_generate(args)
+    run_on_ranks(job.model, generate_rank, job, args.threads)
+    return 0
+
+
+def generate_rank(job: GenerateJob) -> None:
+    """One rank's part of `tprt generate`: rank 0 drives the engine and prints, the others follow."""
+    ctx = init_distributed()
+    model = load_model(job.model, ctx, job.dtype)
+    if job.adapter is not None:
+        from tprt.lora.peft import load_adapter
+
+        load_adapter(model, job.adapter, ctx)
+        model.eval()  # the new adapter modules: no dropout
+    tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
+    config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
+                          token_budget=max(2048, MAX_BATCH + 1))
+    engine = Engine(model, tok, config)
+    if not engine.is_driver:
+        engine.follow()
+        return
+    assert tok is not None
+    with engine:
+        for i, (ids, params) in enumerate(zip(job.prompts, job.params)):
+            engine.add(ids, params, str(i))
+        printer = None if job.json else OrderedPrinter(len(job.prompts), sys.stdout)
+        t0 = time.perf_counter()
+        done = run_to_completion(engine, printer.on_event if printer else None)
+        seconds = time.perf_counter() - t0
+    results = [done[str(i)] for i in range(len(job.prompts))]
+    if job.json:
+        for i, c in enumerate(results):
+            print(json.dumps(_completion_json(i, c, tok)), flush=True)
+    n_tokens = sum(len(c.token_ids) for c in results)
+    print(f"tprt: {len(results)} sequence(s), {n_tokens} tokens in {seconds:.2f}s "
+          f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, TP={ctx.world_size})", file=sys.stderr, flush=True)
+
+
+def _completion_json(index: int, c: Completion, tok: Tokenizer) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "index": index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "usage": {"prompt_tokens": c.usage.prompt_tokens if c.usage else None, "completion_tokens": len(c.token_ids)},
+    }
+    if c.logprobs:
+        out["logprobs"] = c.logprobs
+        out["tokens"] = [tok.decode([t]) for t in c.token_ids]
+    if any(c.top_logprobs):
+        out["top_logprobs"] = [[{"id": i, "token": tok.decode([i]), "logprob": lp} for i, lp in row]
+                               for row in c.top_logprobs]
+    return out
+
+
+class OrderedPrinter:
+    """Streams several sequences' text in prompt order: the first unfinished one live, the later
+    ones buffered until their turn. With more than one prompt each gets a `=== i/n ===` header."""
+
+    def __init__(self, n: int, out: TextIO) -> None:
+        self.n, self.out = n, out
+        self.buffers = [""] * n
+        self.done = [False] * n
+        self.current = 0
+        self._header(0)
+
+    def _header(self, i: int) -> None:
+        if self.n > 1:
+            self.out.write(f"=== {i + 1}/{self.n} ===\n")
+
+    def on_event(self, event: TokenEvent) -> None:
+        i = int(event.request_id)
+        if i == self.current:
+            self.out.write(event.text)
+            self.out.flush()
+        else:
+            self.buffers[i] += event.text
+        if event.finished:
+            self.done[i] = True
+            while self.current < self.n and self.done[self.current]:
+                self.out.write("\n")
+                self.current += 1
+                if self.current < self.n:
+                    self._header(self.current)
+                    self.out.write(self.buffers[self.current])
+            self.out.flush()
+
+
+# ----------------------------------------------------------------------------- tprt score
+
+
+@dataclass(frozen=True)
+class ScoreArgs:
+    model: Path
+    file: Path
+    dtype: str | None = None
+    json: bool = False
+    threads: int | None = None  # torch threads per rank; None: cores / TP
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    model: str
+    dtype: str | None
+    documents: list[list[int]]
+    json: bool
+
+
+def read_documents(path: Path) -> list[str]:
+    """.jsonl: one {"text": ...} object per non-empty line; anything else: the whole file is one document."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--file {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+    if path.suffix.lower() != ".jsonl":
+        return [text]
+    docs = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ConfigError(f'{path}:{n}: expected an object with a "text" string, e.g. {{"text": "..."}}')
+        docs.append(obj["text"])
+    if not docs:
+        raise ConfigError(f"{path}: no documents (expected one JSON object per line)")
+    return docs
+
+
+def prepare_score(args: ScoreArgs) -> ScoreJob:
+    """Reads, tokenizes and checks the documents; raises ConfigError/CheckpointError with one line."""
+    ckpt = TPCheckpoint(args.model)
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    tok = Tokenizer.from_dir(args.model)
+    context = ckpt.config.max_position_embeddings
+    docs = []
+    for i, text in enumerate(read_documents(args.file), start=1):
+        ids = tok.encode(text)
+        where = f"{args.file}" + (f": document {i}" if args.file.suffix.lower() == ".jsonl" else "")
+        if len(ids) < 2:
+            raise ConfigError(f"{where}: {len(ids)} token(s); scoring needs at least 2")
+        if len(ids) > context:
+            raise ConfigError(f"{where}: {len(ids)} tokens, longer than the model's context "
+                              f"(max_position_embeddings={context}); split it")
+        docs.append(ids)
+    return ScoreJob(str(args.model), args.dtype, docs, args.json)
+
+
+def run_score(args: ScoreArgs) -> int:
+    job = prepare_score(args)
+    run_on_ranks(job.model, score_rank, job, args.threads)
+    return 0
+
+
+def score_rank(job: ScoreJob) -> None:
+    """One rank's part of `tprt score`: every rank scores every document (collective); rank 0 prints."""
+    from tprt.engine.scoring import Perplexity, token_logprobs
+
+    ctx = init_distributed()
+    model = load_model(job.model, ctx, job.dtype)
+    tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
+    total = Perplexity(0, 0.0)
+    docs_json = []
+    for i, ids in enumerate(job.documents, start=1):
+        lps = token_logprobs(model, ids)
+        doc = Perplexity.of(lps)
+        total = total + doc
+        if tok is None:
+            continue
+        if job.json:
+            tokens = [{"id": t, "text": tok.decode([t]), "logprob": lp} for t, lp in zip(ids, [None, *lps])]
+            docs_json.append({"index": i, "num_tokens": doc.tokens, "logprob": doc.logprob,
+                              "perplexity": doc.perplexity, "tokens": tokens})
+        else:
+            print(f"document {i}: {doc.tokens} tokens scored, logprob {doc.logprob:.4f}, "
+                  f"perplexity {doc.perplexity:.4f}", flush=True)
+    if tok is None:
+        return
+    overall = {"documents": len(job.documents), "num_tokens": total.tokens, "logprob": total.logprob,
+               "perplexity": total.perplexity}
+    if job.json:
+        print(json.dumps({"documents": docs_json, "overall": overall}), flush=True)
+    else:
+        print(f"overall: {total.tokens} tokens in {len(job.documents)} document(s), logprob {total.logprob:.4f}, "
+              f"perplexity {total.perplexity:.4f}", flush=True)

@@ -1,0 +1,209 @@
+"""Faster inference matmuls on CPU: each linear layer's weight in the layout its kernel wants.
+
+On CPU, `F.linear` on a few rows of input (decode) streams the weight well below the memory
+bandwidth, and how far below depends on dtype and shape. `prepack(model)` therefore gives every
+Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inference-only
+`fast_linear` hook, so training is unaffected):
+
+- inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
+  weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
+  blocking for fp32; except 2-4 rows (decode of a few sequences), where tprt's few-row kernel
+  is used for the row counts at which it was faster when timed;
+- one-row inputs (batch-1 decode) use whichever of tprt's own compiled kernel ("native",
+  `tprt.cpu.native`: reads the weight itself as one sequential stream, when a C compiler is there),
+  packed, `x @ W^T` with W^T stored contiguous ("transposed": an axpy-style stream) and plain
+  `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
+  layers of that shape (so the timing streams from memory like decode does, not from cache).
+
+With `norms`, the RMSNorms and attention's decode step get tprt's compiled one-call versions the
+same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available,
+and so does each half of a decoder layer for one row (`DecoderLayer.fast_attention`, `.fast_mlp`)
+where the native GEMV won the timing for both of its weights.
+
+Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
+summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
+at prepack time, so weights changed in place afterwards need `prepack(model)` again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tprt.cpu import native
+from tprt.model.llama import Attention, DecoderLayer, RMSNorm, TPLlamaForCausalLM
+from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+VARIANTS = ("native", "packed", "transposed", "dense")
+Layer = ColumnParallelLinear | RowParallelLinear | VocabParallelLMHead
+
+
+# oneDNN picks the packed layout for an expected number of input rows. A hint of 1 made fp32
+# products of 2-512 rows 10-40% slower than any larger hint (16 rows: 31 vs 22 ms for SmolLM2's
+# linears), and one-row products gain nothing from it (docs/PERF.md), so one layout serves all.
+PACK_ROWS_HINT = 64
+
+# Row counts for which tprt's few-row kernel (tprt.cpu.native.gemv_rows_kernel) is timed against the
+# packed weights: it reads each weight once for all rows, 2-2.5x faster at 2 rows, even by ~4.
+FEW_ROWS = (2, 3, 4)
+
+
+def _packed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
+    return run
+
+
+def _transposed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    wt = weight.detach().t().contiguous()  # [in, out]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x.reshape(-1, x.shape[-1]), wt).view(*x.shape[:-1], wt.shape[1])
+
+    return run
+
+
+def _dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    w = weight.detach()
+    return lambda x: F.linear(x, w)
+
+
+_MAKERS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]] = {
+    "native": native.gemv_kernel, "packed": _packed, "transposed": _transposed, "dense": _dense}
+
+
+class FastLinear:
+    """y = x @ W^T: `one` for a single row, `few` for the row counts in `few_rows`, `many` for
+    the rest (see the module docstring). A callable, not a module: the packed tensors stay out
+    of state_dict."""
+
+    def __init__(self, many: Callable[[torch.Tensor], torch.Tensor], one: Callable[[torch.Tensor], torch.Tensor],
+                 one_variant: str, few: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 few_rows: frozenset[int] = frozenset()) -> None:
+        self.many, self.one, self.one_variant = many, one, one_variant
+        self.few, self.few_rows = few, few_rows if few is not None else frozenset()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return self.one(x)
+        if rows in self.few_rows:
+            assert self.few is not None
+            return self.few(x)
+        return self.many(x)
+
+
+def supported(model: TPLlamaForCausalLM) -> bool:
+    """CPU weights in a dtype oneDNN handles on this CPU."""
+    if model.tp.device.type != "cpu" or model.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if model.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if model.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return True
+
+
+def _weight(layer: Layer) -> torch.Tensor:
+    return layer.head_weight() if isinstance(layer, VocabParallelLMHead) else layer.weight
+
+
+def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int = 3) -> float:
+    """Best time of one pass of x through every layer of a group (streams their weights): CPU
+    time on one thread (steadier under other processes' load), wall time on several (CPU time
+    would count a multi-threaded kernel's work on every core against it)."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms up
+        t0 = clock()
+        for fn in fns:
+            fn(x)
+        best = min(best, clock() - t0)
+    return best
+
+
+def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """The fastest variant for one-row inputs over a group of same-shape weights, and its callables."""
+    x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype)  # not randn: leave the global RNG alone
+    best: tuple[float, str, list[Callable[[torch.Tensor], torch.Tensor]]] | None = None
+    for name in VARIANTS:
+        made = [_MAKERS[name](w) for w in weights]
+        fns = [fn for fn in made if fn is not None]
+        if len(fns) < len(made):
+            continue  # not available here (native: no compiler, or another dtype)
+        t = _time_group(fns, x)
+        if best is None or t < best[0]:
+            best = (t, name, fns)
+        del fns, made  # drop this variant's copies before building the next
+    assert best is not None
+    return best[1], best[2]
+
+
+def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tensor], torch.Tensor]]
+                   ) -> tuple[frozenset[int], list[Callable[[torch.Tensor], torch.Tensor]] | None]:
+    """The row counts (of FEW_ROWS) at which the native few-row kernel beat the packed weights
+    over a group of same-shape weights, and its callables (None when it is unavailable)."""
+    made = [native.gemv_rows_kernel(w) for w in weights]
+    fns = [fn for fn in made if fn is not None]
+    if len(fns) < len(made):
+        return frozenset(), None
+    won = set()
+    for rows in FEW_ROWS:
+        x = torch.ones(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        if _time_group(fns, x) < _time_group(many, x):
+            won.add(rows)
+    return frozenset(won), fns if won else None
+
+
+def _native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether the native GEMV won the one-row timing for each of these layers."""
+    return all(getattr(linear.fast_linear, "one_variant", None) == "native" for linear in linears)
+
+
+def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) -> dict[str, str]:
+    """Sets every linear layer's `fast_linear` (and, with `norms`, every RMSNorm's `fast`) when
+    `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
+    when nothing was done). Without `tune`, one-row inputs use the packed weight too."""
+    if not supported(model):
+        return {}
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
+    groups: dict[tuple[int, ...], list[Layer]] = {}
+    for layer in layers:
+        groups.setdefault(tuple(_weight(layer).shape), []).append(layer)
+    chosen: dict[str, str] = {}
+    with torch.inference_mode():
+        for shape, group in groups.items():
+            weights = [_weight(layer) for layer in group]
+            many = [_packed(w) for w in weights]
+            name, ones = _tune_one_row(weights) if tune else ("packed", many)
+            if name == "packed":
+                ones = many  # the same copy serves both
+            few_rows, fews = _tune_few_rows(weights, many) if tune else (frozenset(), None)
+            for i, (layer, m, o) in enumerate(zip(group, many, ones)):
+                layer.fast_linear = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
+            chosen["x".join(map(str, shape))] = name
+    for module in model.modules() if norms else ():
+        if isinstance(module, DecoderLayer):
+            attn, mlp = module.self_attn, module.mlp
+            if _native(attn.qkv_proj, attn.o_proj):
+                norm = module.input_layernorm
+                module.fast_attention = native.attention_decode_kernel(
+                    norm.weight, norm.eps, attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+            if _native(mlp.gate_up_proj, mlp.down_proj):
+                norm = module.post_attention_layernorm
+                module.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                                           mlp.down_proj.weight)
+        elif isinstance(module, RMSNorm):
+            module.fast = native.rms_norm_kernel(module.weight, module.eps)
+        elif isinstance(module, Attention):
+            module.fast_rope_cache = native.rope_cache_kernel(model.dtype)
+            module.fast_decode_attention = native.decode_attention_kernel(model.dtype)
+    return chosen

@@ -1,0 +1,342 @@
+"""tprt's own compiled CPU kernels (`kernels.c`), built at first use and loaded with ctypes.
+
+- `gemv_kernel(weight)`: x @ W^T for one-row inputs (batch-1 decode), reading W as one
+  sequential stream: 19-24 GB/s on one core where oneDNN's and torch's one-row kernels reach
+  10-15 (docs/PERF.md). `tprt.cpu.fast_linear` times it against torch's variants per weight shape.
+- `gemv_rows_kernel(weight)`: the same for a few rows (decode of 2-8 sequences), each weight row
+  read once for all of them: 2-2.5x oneDNN at 2 rows, even with it from about 4.
+- `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
+  of torch's five or six ops (2 us instead of 15-35 us per call at decode sizes).
+- `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the float32
+  KV cache and q's conversion to float32, in one call instead of about ten ops per layer.
+- `decode_attention_kernel(dtype)`: a decode step's attention over the float32 KV cache, each
+  row up to its own position, every kv head's keys and values read once for its group of q heads
+  (SDPA's CPU kernel spends ~2 us per (row, head) pair around ~0.1 us of arithmetic).
+- `mlp_decode_kernel(...)`: a decoder layer's MLP half for one row (RMSNorm, gate/up GEMV,
+  SwiGLU, down GEMV) in one call instead of about ten ops and six module calls;
+  `attention_decode_kernel(...)` the same for its attention half (RMSNorm, q/k/v GEMV, RoPE and
+  cache write, attention, o GEMV).
+
+The C source is compiled with the system's C compiler (`$CC`, else `cc`) and `-march=native`
+into a per-user cache (`$TPRT_CACHE_DIR`, else `~/.cache/tprt`), keyed by the source, the flags
+and this CPU's model and feature flags, so a home directory shared between different machines
+gets one build per kind of CPU. The build takes about a second, once; it is written under a
+temporary name and renamed, so ranks building at the same time never load a half-written file.
+
+Everything here is optional: without a compiler, on a build error, or with `TPRT_NATIVE=0`,
+`gemv_kernel()` returns None (saying why once, at warning level) and callers keep torch's
+kernels. No torch headers are involved, so the build does not depend on the torch version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+_DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
+               "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
+               "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
+               "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F],
+               "tprt_attention_decode": [_P] * 15 + [_I] * 8 + [_F, _F]}
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(dict.fromkeys(wanted))  # first occurrence of each (one per core otherwise)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TPRT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tprt")
+    return Path(root) / "native"
+
+
+def _ours(directory: Path) -> bool:
+    """Owned by this user and writable by no one else: we load code from it."""
+    try:
+        st = directory.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
+    name = f"kernels-{key}.so"
+    # A read-only home (some CI and container setups) falls back to a per-user temporary directory.
+    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"tprt-{os.getuid()}" / "native"):
+        if _ours(directory) and (directory / name).exists():
+            return directory / name
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if _ours(directory) and os.access(directory, os.W_OK):
+            break
+    else:
+        raise RuntimeError(f"no writable directory of this user for the compiled kernels (tried {cache_dir()})")
+    target = directory / name
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            last = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
+            raise RuntimeError(f"{compiler} failed on {SOURCE}: {last[0]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("TPRT_NATIVE", "1") == "0":
+        log.info("tprt native kernels disabled by TPRT_NATIVE=0")
+        return None
+    if platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("tprt native kernels unavailable: no C compiler (set CC or install gcc); using torch's kernels")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("tprt native kernels unavailable (%s); using torch's kernels", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _DTYPE_SUFFIX.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _function(name: str, weight: torch.Tensor, dims: int) -> Any | None:
+    """The compiled `name` for the weight's dtype, or None (unavailable, not CPU, another dtype)."""
+    lib = _library()
+    if lib is None or weight.device.type != "cpu" or weight.dtype not in _DTYPE_SUFFIX or weight.dim() != dims:
+        return None
+    return getattr(lib, f"{name}_{_DTYPE_SUFFIX[weight.dtype]}")
+
+
+MAX_FEW_ROWS = 8  # gemv_rows_kernel's limit (its C loop keeps one accumulator per row in registers)
+
+
+def gemv_kernel(weight: torch.Tensor) -> Kernel | None:
+    """A function computing `x @ weight^T` for a one-row x of the weight's dtype, or None when
+    the native kernels are unavailable or do not cover this weight (CPU bf16/fp32 only)."""
+    return _gemv(weight, "gemv", 1, 1)
+
+
+def gemv_rows_kernel(weight: torch.Tensor) -> Kernel | None:
+    """A function computing `x @ weight^T` for x [..., k] of 2 to MAX_FEW_ROWS rows in the
+    weight's dtype, or None like `gemv_kernel`."""
+    return _gemv(weight, "gemv_rows", 2, MAX_FEW_ROWS)
+
+
+def _gemv(weight: torch.Tensor, label: str, min_rows: int, max_rows: int) -> Kernel | None:
+    """x @ weight^T for min_rows..max_rows rows through tprt_gemv_rows (one row: tprt_gemv)."""
+    fn = _function("tprt_gemv_rows", weight, 2)
+    if fn is None:
+        return None
+    w = weight.detach().contiguous()
+    n, k = w.shape
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # `w` in the closure keeps the weight alive
+        rows = x.numel() // k if x.shape[-1] == k else 0
+        if not min_rows <= rows <= max_rows or x.dtype != w.dtype:
+            count = "one row" if max_rows == 1 else f"{min_rows}-{max_rows} rows"
+            raise ValueError(f"native {label} expects {count} of {k} {w.dtype} values, got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=w.dtype)
+        fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k)
+        return y
+
+    return run
+
+
+def rms_norm_kernel(weight: torch.Tensor, eps: float) -> Kernel | None:
+    """A function computing RMSNorm(x) * weight over the last dimension for x of the weight's
+    dtype (as `tprt.model.llama.RMSNorm`, to rounding), or None like `gemv_kernel`."""
+    fn = _function("tprt_rms_norm", weight, 1)
+    if fn is None:
+        return None
+    w = weight.detach().contiguous()
+    n = w.shape[0]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != n or x.dtype != w.dtype or x.device.type != "cpu":
+            raise ValueError(f"native rms_norm expects [..., {n}] {w.dtype} on CPU, got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    return run
+
+
+def _decode_indices(kernel: str, cache_step: Any, rows: int) -> tuple[int, int]:
+    """Pointers to each row's slot and position (int64) of a decode step, after checking that
+    it has exactly `rows` rows of one token each: the kernels index both per row. The values
+    were range-checked by `KVCache.prepare`."""
+    slots, positions = cache_step.flat_rows, cache_step.flat_positions
+    if slots.numel() != rows or positions.numel() != rows:
+        raise ValueError(f"native {kernel}: {rows} rows, but the cache step has {slots.numel()} slots "
+                         f"and {positions.numel()} positions")
+    return slots.data_ptr(), positions.data_ptr()
+
+
+def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """A function (qkv, cos, sin, cache, cache_step, layer) -> q for one decode token per row, or
+    None like `gemv_kernel`. qkv [batch, 1, nh + 2 nkv, d] is the fused projection in `dtype`,
+    cos/sin [batch, 1, 1, d] from `tprt.model.rope.rope_angles`; k and v are rotated (k) and written
+    into the float32 `cache` (a `tprt.model.kv_cache.KVCache`) at the step's slots and positions
+    (checked in range by `KVCache.prepare`); returns q rotated, float32, [batch, nh, 1, d]."""
+    lib = _library()
+    if lib is None or dtype not in _DTYPE_SUFFIX:
+        return None
+    fn = getattr(lib, f"tprt_rope_cache_{_DTYPE_SUFFIX[dtype]}")
+
+    def run(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
+            layer: int) -> torch.Tensor:
+        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        batch, seq, heads, d = qkv.shape
+        nkv = store.shape[2]
+        nh = heads - 2 * nkv
+        if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.dtype != torch.float32
+                or store.stride(-1) != 1 or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
+            raise ValueError(f"native rope_cache: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} / cache {store.dtype}")
+        slots, positions = _decode_indices("rope_cache", cache_step, batch)
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), slots, positions,
+           batch, nh, nkv, d, *store.stride()[:4])
+        return q
+
+    return run
+
+
+def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """A function (q, cache, cache_step, layer) -> attention output for one decode token per
+    row, or None like `gemv_kernel`. q [batch, nh, 1, d] float32 (from `rope_cache_kernel`);
+    row b attends to its slot's keys and values at positions 0..its own (the decode step's causal
+    mask; positions checked in range by `KVCache.prepare`); returns [batch, 1, nh * d] in `dtype`."""
+    lib = _library()
+    if lib is None or dtype not in _DTYPE_SUFFIX:
+        return None
+    fn = getattr(lib, f"tprt_decode_attention_{_DTYPE_SUFFIX[dtype]}")
+
+    def run(q: torch.Tensor, cache: Any, cache_step: Any, layer: int) -> torch.Tensor:
+        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        batch, nh, seq, d = q.shape
+        nkv = store.shape[2]
+        if (seq != 1 or q.dtype != torch.float32 or store.dtype != torch.float32 or store.stride(-1) != 1
+                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"):
+            raise ValueError(f"native decode_attention: unsupported q {tuple(q.shape)} {q.dtype} / cache {store.dtype}")
+        slots, positions = _decode_indices("decode_attention", cache_step, batch)
+        q = q.contiguous()
+        out = torch.empty(batch, 1, nh * d, dtype=dtype)
+        scratch = torch.empty(cache_step.kv_len, dtype=torch.float32)
+        fn(q.data_ptr(), store.data_ptr(), slots, positions, out.data_ptr(), scratch.data_ptr(),
+           batch, nh, nkv, d, *store.stride()[:4], d ** -0.5)
+        return out
+
+    return run
+
+
+def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
+                      down_weight: torch.Tensor) -> Kernel | None:
+    """A function h -> down(silu(gate) * up) of RMSNorm(h) for one row h [..., hidden] (this rank's
+    partial product, before the all-reduce and the residual add), or None like `gemv_kernel`.
+    gate_up_weight [2 inter, hidden] holds the gate rows, then the up rows (tprt.model.llama.MLP)."""
+    fn = _function("tprt_mlp_decode", gate_up_weight, 2)
+    hidden = norm_weight.shape[0]
+    inter = gate_up_weight.shape[0] // 2
+    weights = [w.detach().contiguous() for w in (norm_weight, gate_up_weight, down_weight)]
+    if (fn is None or any(w.dtype != gate_up_weight.dtype or w.device.type != "cpu" for w in weights)
+            or gate_up_weight.shape != (2 * inter, hidden) or down_weight.shape != (hidden, inter)):
+        return None
+    norm, gate_up, down = weights
+    dtype = gate_up.dtype
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the closure keeps the weights alive
+        if x.numel() != hidden or x.dtype != dtype:
+            raise ValueError(f"native mlp_decode expects one row of {hidden} {dtype} values, got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        act, work = torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=torch.float32)
+        fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), normed.data_ptr(),
+           act.data_ptr(), work.data_ptr(), hidden, inter, eps)
+        return out
+
+    return run
+
+
+def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, o_weight: torch.Tensor,
+                            n_heads: int, n_kv_heads: int) -> Callable[..., torch.Tensor] | None:
+    """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
+    decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
+    residual add), writing the row's k and v into the float32 `cache` like `rope_cache_kernel`;
+    or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama)."""
+    fn = _function("tprt_attention_decode", qkv_weight, 2)
+    hidden = norm_weight.shape[0]
+    d = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
+    weights = [w.detach().contiguous() for w in (norm_weight, qkv_weight, o_weight)]
+    if (fn is None or any(w.dtype != qkv_weight.dtype or w.device.type != "cpu" for w in weights) or n_heads % n_kv_heads
+            or qkv_weight.shape != ((n_heads + 2 * n_kv_heads) * d, hidden) or o_weight.shape != (hidden, n_heads * d)):
+        return None
+    norm, qkv_w, o_w = weights
+    dtype = qkv_w.dtype
+
+    def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
+            layer: int) -> torch.Tensor:  # the closure keeps the weights alive
+        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
+                or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
+                or store.shape[-1] != d):
+            raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
+        slot, position = _decode_indices("attention_decode", cache_step, 1)
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
+        q, scores = torch.empty(n_heads * d, dtype=torch.float32), torch.empty(cache_step.kv_len, dtype=torch.float32)
+        fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+           store.data_ptr(), slot, position, out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
+           attn.data_ptr(), q.data_ptr(), scores.data_ptr(), hidden, n_heads, n_kv_heads, d, *store.stride()[:4],
+           eps, d ** -0.5)
+        return out
+
+    return run

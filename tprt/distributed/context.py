@@ -1,0 +1,150 @@
+"""The tensor-parallel context: which process group a rank talks to, passed explicitly everywhere.
+
+`init_distributed()` reads the environment that torchrun (single- or multi-node) or
+`tprt.distributed.launcher.launch_local` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
+returns a frozen `TPContext`. Nothing below this module reads the environment.
+
+The world is laid out as a 2-D mesh [dp, tp] with the TP ranks innermost (consecutive global
+ranks share a TP group, so on a multi-GPU node TP traffic stays on NVLink). Inference uses
+tp == world size and no DP group; the fine-tuning path may ask for tp < world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tprt.errors import ConfigError
+
+log = logging.getLogger("tprt")
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """One rank's view of the TP group (and of the DP group, when the world is a 2-D mesh)."""
+
+    group: dist.ProcessGroup | None  # the TP group; None when there is a single TP rank and no world
+    rank: int  # rank inside the TP group
+    world_size: int  # TP degree
+    device: torch.device  # where this rank's weights and activations live
+    backend: str | None  # "nccl", "gloo", or None without a process group
+    global_rank: int = 0  # rank in the default (world) group
+    dp_group: dist.ProcessGroup | None = None  # ranks holding the same TP shard; None when dp_size == 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> TPContext:
+        """A one-rank context with no process group (every collective is skipped)."""
+        return cls(group=None, rank=0, world_size=1, device=torch.device(device), backend=None)
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one rank of the whole world that logs and talks to the outside."""
+        return self.global_rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(f"environment variable {name} is not set (expected torchrun's or tprt's launcher's)")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def in_distributed_env() -> bool:
+    """True when started by torchrun or tprt's local launcher."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(
+    tp_size: int | None = None,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+) -> TPContext:
+    """Joins the world described by the environment and returns this rank's TP context.
+
+    Without RANK/WORLD_SIZE in the environment this is the single-rank fallback. NCCL (device
+    cuda:LOCAL_RANK) when CUDA is present, gloo on CPU otherwise. `tp_size` defaults to the whole
+    world; a smaller one makes a [world / tp_size, tp_size] mesh with a DP group per TP rank.
+    """
+    if not in_distributed_env():
+        device = torch.device("cuda", 0) if torch.cuda.is_available() and backend != "gloo" else torch.device("cpu")
+        return TPContext.single(device)
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    tp = tp_size or world
+    if tp < 1 or world % tp:
+        raise ConfigError(f"--tp {tp} does not divide the world size {world}")
+    tp_group, dp_group = build_mesh_groups(world, tp, rank)
+    return TPContext(
+        group=tp_group,
+        rank=rank % tp,
+        world_size=tp,
+        device=device,
+        backend=backend,
+        global_rank=rank,
+        dp_group=dp_group,
+        dp_rank=rank // tp,
+        dp_size=world // tp,
+    )
+
+
+def build_mesh_groups(world: int, tp: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's (TP group, DP group) in a [world // tp, tp] mesh; collective over the world.
+
+    Every rank must call this with the same arguments: `new_group` is itself collective.
+    """
+    if tp == world:
+        assert dist.group.WORLD is not None
+        return dist.group.WORLD, None
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    for d in range(world // tp):
+        g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
+        if rank // tp == d:
+            tp_group = g
+    for t in range(tp):
+        g = dist.new_group(list(range(t, world, tp)))
+        if rank % tp == t:
+            dp_group = g
+    assert tp_group is not None and dp_group is not None
+    return tp_group, dp_group
+
+
+def barrier(ctx: TPContext) -> None:
+    """Waits for every rank of the TP group (no-op on one rank)."""
+    if ctx.group is not None and ctx.world_size > 1:
+        dist.barrier(group=ctx.group)
+
+
+def shutdown() -> None:
+    """Leaves the world, if joined."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def log0(ctx: TPContext, msg: str, *args: object, level: int = logging.INFO) -> None:
+    """Logs on the main rank only, so N ranks do not print N copies."""
+    if ctx.is_main:
+        log.log(level, msg, *args)

@@ -1,0 +1,175 @@
+"""tprt's own local launcher: N ranks on this machine without torchrun.
+
+`launch_local(n, fn, args)` spawns n processes with the same environment torchrun would give
+them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), runs
+`fn(*args)` in each and returns the ranks' return values in rank order. If any rank raises or
+dies, the others are terminated at once (a rank stuck in a collective would otherwise wait for
+its peer forever) and `LaunchError` carries the failing rank's one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from tprt.errors import TprtError
+
+_POLL_S = 0.05
+_GRACE_S = 5.0
+
+
+class LaunchError(TprtError):
+    """A rank failed (raised, died or timed out); the message names the rank and its error."""
+
+    def __init__(self, message: str, rank: int | None = None, details: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.details = details  # the failing rank's full traceback, when there is one
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_line(e: BaseException) -> str:
+    """`Type: message` on one line (the message's first line; tprt errors show the message alone)."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, TprtError):
+        return msg or type(e).__name__
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _rank_main(
+    rank: int,
+    nprocs: int,
+    port: int,
+    threads: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(threads)
+    try:
+        value = fn(*args)
+        results.put(("ok", rank, value, ""))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        results.put(("error", rank, one_line(e), traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone already
+                pass
+
+
+def _mp_context() -> Any:
+    """forkserver where available: one server process imports torch once and every rank is a
+    fork of it (starting N ranks costs one torch import, not N). spawn elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def _stop_all(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def launch_local(
+    nprocs: int,
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    timeout_s: float | None = None,
+    threads_per_rank: int | None = None,
+) -> list[Any]:
+    """Runs `fn(*args)` on `nprocs` local ranks and returns their results in rank order.
+
+    `fn` must be picklable (a module-level function) and joins the world itself, typically via
+    `tprt.distributed.context.init_distributed()`. Raises `LaunchError` naming the first rank that failed;
+    every other rank is terminated before it returns, so nothing is left running.
+    """
+    if nprocs < 1:
+        raise LaunchError(f"--nprocs must be at least 1, got {nprocs}")
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nprocs)
+    ctx = _mp_context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, nprocs, port, threads, fn, tuple(args), results), name=f"tprt-rank{r}")
+        for r in range(nprocs)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, timeout_s)
+    finally:
+        _stop_all(procs)
+        results.close()
+
+
+def _collect(procs: Sequence[Any], results: Any, timeout_s: float | None) -> list[Any]:
+    """Waits for every rank's result; raises on the first failure, death or the deadline."""
+    n = len(procs)
+    values: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(values) < n:
+        try:
+            status, rank, value, details = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+            if dead:
+                _drain(results, values)  # a result or error sent just before exiting may still be in flight
+                dead = [r for r in dead if r not in values]
+            if dead:
+                r = dead[0]
+                raise LaunchError(f"rank {r} exited with code {procs[r].exitcode} without a result", rank=r)
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(range(n)) - set(values))
+                raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}") from None
+            continue
+        if status == "error":
+            raise LaunchError(f"rank {rank} failed: {value}", rank=rank, details=details)
+        values[rank] = value
+    return [values[r] for r in range(n)]
+
+
+def _drain(results: Any, values: dict[int, Any]) -> None:
+    """Reads what is already queued; raises for an error among it."""
+    try:
+        while True:
+            status, rank, value, details = results.get(timeout=0.5)
+            if status == "error":
+                raise LaunchError(f"rank {rank} failed: {value}", rank=rank, details=details)
+            values[rank] = value
+    except queue.Empty:
+        return

@@ -1,0 +1,442 @@
+"""The generation engine: a set of live sequences of different lengths, advanced one step at a time.
+
+API (rank 0 drives, every other TP rank follows):
+
+    engine = Engine(model, tokenizer, EngineConfig(max_batch=16))
+    if engine.is_driver:                        # TP rank 0
+        engine.add(prompt_ids, SamplingParams(...), "req-1")   # any time between steps
+        while engine.has_work:
+            for event in engine.step():         # TokenEvent: id, text delta, logprobs, finish
+                ...
+        engine.cancel("req-1")                  # any time between steps; ends with a "cancelled" event
+        engine.close()                          # releases the followers
+    else:
+        engine.follow()                         # executes rank 0's plans until close()
+
+A step has two halves. *What to do* is decided on rank 0 by the scheduler and written down as a
+`tprt.engine.plan.StepPlan` (plain data: slot moves, a prefill batch of uneven prompt chunks, a decode
+batch of one token per running sequence), which is broadcast to the other ranks. *Doing it* is
+`tprt.engine.runner.ModelRunner.execute(plan)`, identical on every rank. The scheduler admits waiting
+prompts in arrival order while slots and the per-step token budget last (decode rows count one
+token each; a prompt longer than what is left is prefilled in chunks over several steps), so
+sequences join and leave at any step. Finished sequences free their KV slot at once; the next plan
+moves the highest occupied slot into the hole, keeping the running sequences in slots 0..n-1 so
+the decode step reads the cache through views instead of copying it.
+
+Prefix reuse (`EngineConfig.prefix_cache`, on by default; tprt.engine.prefix_cache): a new prompt that
+begins with tokens some slot already holds (a finished sequence's slot keeps its keys and values
+until it is reused, least recently freed first; a running sequence's slot holds its own) starts
+from a KV copy of those positions, and only the rest is prefilled. Usage reports how many prompt
+tokens were reused.
+
+Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
+batch's input tokens), so no extra collective is needed and no rank needs the tokenizer or an
+RNG in step with rank 0. (The alternative, identically seeded generators on every rank, would
+need bit-identical logits and request state everywhere.) Every sampled request has its own
+generator, seeded from `SamplingParams.seed` or else from the engine's base seed
+(`EngineConfig.seed`, random when unset): a seeded request gives the same tokens whatever else is
+in the batch. Greedy batches without logprobs exchange only each rank's best (value, id) per
+row instead of gathering the full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from tprt.errors import ConfigError, ValidationError
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.engine.plan import BatchPlan, StepPlan, broadcast_plan
+from tprt.engine.prefix_cache import PrefixCache
+from tprt.engine.runner import BatchResult, ModelRunner
+from tprt.engine.sampling import SamplingParams, sample
+from tprt.engine.sequence import Sequence, Status, TokenEvent, Usage
+from tprt.text.tokenizer import Tokenizer
+
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 16  # sequences holding a KV slot at once (prefilling or decoding)
+    max_seq_len: int | None = None  # tokens per sequence (prompt + output); None: min(model's, 2048)
+    token_budget: int = 2048  # tokens per step: one per decoding sequence plus prefill chunks
+    seed: int | None = None  # base seed for sampled requests without their own seed
+    cache_dtype: torch.dtype | None = None  # KV cache dtype; None: the model's
+    cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
+    static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
+    # CPU: torch threads for steps that only decode one row (None: leave the thread count alone).
+    # The one-row kernels are single-threaded and more threads only add OpenMP fork/joins to the
+    # small ops (docs/PERF.md); the free cores go to a server's I/O threads. Other steps use the
+    # caller's thread count.
+    one_row_threads: int | None = 1
+    # Reuse the keys and values of a prompt prefix another slot holds (see the module docstring).
+    prefix_cache: bool = True
+
+
+class Engine:
+    """Continuous-batching generation over one rank's model shard (see the module docstring)."""
+
+    def __init__(self, model: TPLlamaForCausalLM, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig = EngineConfig(), eos_token_ids: Seq[int] | None = None) -> None:
+        self.config = config
+        self.ctx = model.tp
+        self.vocab_size = model.config.vocab_size
+        self.max_seq_len = _context(config, model.config.max_position_embeddings)
+        self.runner = ModelRunner(model, config.max_batch, self.max_seq_len, config.cache_dtype,
+                                  config.cpu_prepack, config.static_decode, config.one_row_threads)
+        self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._seeds = random.Random(config.seed)
+        self._waiting: deque[Sequence] = deque()
+        self._prefilling: list[Sequence] = []  # in admission order
+        self._slots: list[Sequence | None] = [None] * config.max_batch
+        self._by_id: dict[str, Sequence] = {}
+        self._prefix = PrefixCache(config.max_batch) if config.prefix_cache else None
+        self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
+        self._closed = False
+
+    # ----------------------------------------------------------------- requests (rank 0)
+
+    @property
+    def is_driver(self) -> bool:
+        """True on TP rank 0, which schedules, samples and reports; the others `follow()`."""
+        return self.ctx.rank == 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._by_id or self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
+        """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
+        routed to (`tprt.lora.routing.install`; 0 = the base model). Raises ValidationError naming the
+        field (prompt, max_new_tokens, stop_strings, request_id or a sampling field)."""
+        self._require_driver()
+        prompt = self._check_request(prompt_ids, params, request_id)
+        seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
+        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
+        if self._prefix is not None:
+            seq.cache_key = self._prefix.key(adapter)
+        self._by_id[request_id] = seq
+        self._waiting.append(seq)
+
+    def forget_prefixes(self, adapter: int) -> None:
+        """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
+        keys and values computed with the old ones are never reused."""
+        if self._prefix is not None:
+            self._prefix.invalidate(adapter)
+
+    def _check_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
+        params.validate(self.vocab_size)
+        if request_id in self._by_id:
+            raise ValidationError("request_id", f"request_id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValidationError("prompt", "prompt is empty; at least one token is needed")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValidationError("prompt", f"prompt token ids must be in [0, {self.vocab_size - 1}]")
+        check_length(len(prompt), params.max_new_tokens, self.max_seq_len)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValidationError("stop_strings", "stop_strings need a tokenizer (the engine has none)")
+        return prompt
+
+    def cancel(self, request_id: str) -> bool:
+        """Ends a request now and frees its slot; the next step reports it as "cancelled".
+        False when the request is unknown or already finished."""
+        self._require_driver()
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        if seq.status is Status.WAITING:
+            self._waiting.remove(seq)
+        self._release(seq)
+        self._pending.append(TokenEvent(request_id, None, "", finish_reason="cancelled", usage=seq.usage()))
+        return True
+
+    # ----------------------------------------------------------------- stepping
+
+    def step(self) -> list[TokenEvent]:
+        """Plans one step, has every rank execute it, samples; returns this step's events.
+
+        Collective over the TP group when there is model work (every follower must be in
+        `follow()`); a step with nothing to run only returns pending cancellations."""
+        self._require_driver()
+        events, self._pending = self._pending, []
+        plan, prefill_rows, decode_rows = self._schedule()
+        if plan.empty:
+            return events
+        broadcast_plan(plan, self.ctx)
+        result = self.runner.execute(plan)
+        if plan.prefill is not None and result.prefill is not None:
+            events += self._after_prefill(plan.prefill, prefill_rows, result.prefill)
+        if plan.decode is not None and result.decode is not None:
+            for seq in decode_rows:
+                seq.num_computed += 1
+            events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode)
+        return events
+
+    def follow(self) -> None:
+        """On ranks other than 0: executes rank 0's plans until it calls `close()`."""
+        if self.is_driver:
+            raise RuntimeError("Engine.follow() is for TP ranks other than 0")
+        while True:
+            plan = broadcast_plan(None, self.ctx)
+            if plan.stop:
+                return
+            self.runner.execute(plan)
+
+    def close(self) -> None:
+        """Rank 0: tells the followers to leave `follow()` (collective; once, idempotent)."""
+        if self.is_driver and not self._closed and self.ctx.world_size > 1:
+            broadcast_plan(StepPlan(stop=True), self.ctx)
+        self._closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_driver(self) -> None:
+        if not self.is_driver:
+            raise RuntimeError("requests and steps are driven from TP rank 0; other ranks call follow()")
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]], list[Sequence]]:
+        """This step's plan, the prefill rows as (sequence, chunk length) and the decode rows."""
+        moves = self._compact()
+        decode_rows = [s for s in self._slots if s is not None and s.status is Status.RUNNING]
+        prefill_rows, copies = self._admit(self.config.token_budget - len(decode_rows))
+        prefill = None
+        if prefill_rows:
+            prefill = BatchPlan(
+                slots=tuple(s.slot or 0 for s, _ in prefill_rows),
+                starts=tuple(s.num_computed for s, _ in prefill_rows),
+                tokens=tuple(tuple(s.prompt[s.num_computed : s.num_computed + n]) for s, n in prefill_rows),
+                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == len(s.prompt)),
+                adapters=_adapters([s for s, _ in prefill_rows]),
+            )
+        decode = None
+        if decode_rows:
+            decode = BatchPlan(
+                slots=tuple(s.slot or 0 for s in decode_rows),
+                starts=tuple(s.length - 1 for s in decode_rows),
+                tokens=tuple((s.output[-1],) for s in decode_rows),
+                full_logits=any(s.needs_logits for s in decode_rows),
+                adapters=_adapters(decode_rows),
+            )
+        return StepPlan(tuple(moves + copies), prefill, decode), prefill_rows, decode_rows
+
+    def _compact(self) -> list[tuple[int, int, int]]:
+        """Moves the highest occupied slots into the holes below, so slots 0..n-1 are in use.
+        A hole's prefix record (a sequence that just finished there) is first copied to a free
+        slot above, so packing does not throw away what the next turn would reuse."""
+        used = [i for i, s in enumerate(self._slots) if s is not None]
+        n = len(used)
+        holes = [i for i in range(n) if self._slots[i] is None]
+        spare = [i for i in range(n, len(self._slots)) if self._slots[i] is None]  # free, above the moves
+        moves = []
+        for hole, src in zip(holes, [i for i in reversed(used) if i >= n]):
+            seq = self._slots[src]
+            assert seq is not None
+            if self._prefix is not None:
+                kept = self._prefix.relocate(hole, spare)
+                if kept is not None:
+                    moves.append((hole, *kept))
+            self._slots[src], self._slots[hole], seq.slot = None, seq, hole
+            moves.append((src, hole, seq.num_computed))
+            if self._prefix is not None:  # src keeps a copy of what it held
+                self._prefix.drop(hole)
+                self._prefix.keep(src, seq.computed_tokens(), seq.cache_key)
+        return moves
+
+    def _admit(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[tuple[int, int, int]]]:
+        """Prefill rows for this step: sequences already prefilling, then waiting ones in order,
+        while the token budget and the slots last; and the KV copies that give new sequences
+        their reused prefixes. Right padding must stay inside the cache, so a row is skipped when
+        the batch's width would push another row's padding past its end."""
+        rows: list[tuple[Sequence, int]] = []
+        copies: list[tuple[int, int, int]] = []
+        width, room = 0, self.max_seq_len
+        for seq in [*self._prefilling, *self._waiting]:
+            if budget <= 0:
+                break
+            source, start = None, seq.num_computed
+            if seq.slot is None:
+                if None not in self._slots:
+                    break
+                source, start = self._reusable(seq)
+            n = min(len(seq.prompt) - start, budget)
+            seq_room = self.max_seq_len - start
+            if max(width, n) > min(room, seq_room):
+                continue
+            if seq.slot is None:
+                copies += self._take_slot(seq, source, start)
+            rows.append((seq, n))
+            width, room, budget = max(width, n), min(room, seq_room), budget - n
+        return rows, copies
+
+    def _reusable(self, seq: Sequence) -> tuple[int | None, int]:
+        """(slot, n): where the longest computed prefix of seq's prompt is, and its length."""
+        if self._prefix is None:
+            return None, 0
+        live = ((slot, s.computed_tokens(), s.cache_key) for slot, s in enumerate(self._slots)
+                if s is not None and s.num_computed and s.prompt[0] == seq.prompt[0])
+        return self._prefix.match(seq.prompt, seq.cache_key, live)
+
+    def _take_slot(self, seq: Sequence, source: int | None, reused: int) -> list[tuple[int, int, int]]:
+        """Gives seq a slot holding its first `reused` prompt positions (copied from `source`
+        when it takes another slot); returns the copy, if any. Copies run before the step's
+        prefill, in order, so a source taken by a later admission is read before it is written."""
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        if self._prefix is None:
+            seq.slot = free[0]
+        else:
+            seq.slot = self._prefix.slot_for(free, source)
+            self._prefix.drop(seq.slot)
+        self._slots[seq.slot] = seq
+        self._waiting.remove(seq)
+        self._prefilling.append(seq)
+        seq.status = Status.PREFILLING
+        seq.num_computed = seq.cached_prompt_tokens = reused
+        return [(source, seq.slot, reused)] if reused and source is not None and source != seq.slot else []
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            if self._prefix is not None:
+                self._prefix.keep(seq.slot, seq.computed_tokens(), seq.cache_key)
+            self._slots[seq.slot] = None
+            seq.slot = None
+        if seq in self._prefilling:
+            self._prefilling.remove(seq)
+        seq.status = Status.FINISHED
+        self._by_id.pop(seq.request_id, None)
+
+    # ----------------------------------------------------------------- sampling and events
+
+    def _after_prefill(self, batch: BatchPlan, rows: list[tuple[Sequence, int]],
+                       result: BatchResult) -> list[TokenEvent]:
+        """Advances each row past its chunk; rows that finished their prompt get a first token."""
+        done_seqs, done_rows = [], []
+        for i, (seq, n) in enumerate(rows):
+            seq.num_computed += n
+            if seq.num_computed == len(seq.prompt):
+                self._prefilling.remove(seq)
+                seq.status = Status.RUNNING
+                done_seqs.append(seq)
+                done_rows.append(i)
+        return self._choose(done_seqs, done_rows, result) if done_seqs else []
+
+    def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult) -> list[TokenEvent]:
+        """Picks the next token of each sequence from its batch row; returns their events."""
+        logprobs: list[float] | None = None
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        if result.logits is None:
+            assert result.ids is not None
+            ids = result.ids.tolist()
+            ids = [ids[r] for r in rows]
+        else:
+            all_rows = rows == list(range(result.logits.shape[0]))
+            logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
+            chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs])
+            ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
+            if chosen.top_ids.shape[1]:
+                top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
+                tops = [list(zip(top_ids[i], top_lps[i])) for i in range(len(seqs))]
+        events = []
+        for i, seq in enumerate(seqs):
+            out = seq.append(ids[i])
+            p = seq.params
+            finished = out.finish_reason is not None
+            events.append(TokenEvent(
+                seq.request_id, ids[i], out.text,
+                logprob=logprobs[i] if logprobs is not None and p.logprobs else None,
+                top_logprobs=tuple(tops[i][: p.top_logprobs]) if p.logprobs else (),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                usage=seq.usage() if finished else None,
+            ))
+            if finished:
+                self._release(seq)
+        return events
+
+
+def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
+    """Each row's adapter index for a BatchPlan; () when every row is the base model."""
+    adapters = tuple(s.adapter for s in rows)
+    return adapters if any(adapters) else ()
+
+
+def check_length(prompt_len: int, max_new_tokens: int, context: int, what: str = "max_seq_len") -> None:
+    """Raises ValidationError ("prompt" or "max_new_tokens") unless the prompt and its output fit."""
+    if prompt_len >= context:
+        raise ValidationError("prompt", f"prompt has {prompt_len} tokens; the context holds {context} ({what}), "
+                                        "prompt and output together")
+    if prompt_len + max_new_tokens > context:
+        raise ValidationError("max_new_tokens", f"max_new_tokens={max_new_tokens} with a prompt of {prompt_len} "
+                              f"tokens exceeds the context of {context} tokens ({what}); "
+                              f"use at most {context - prompt_len}")
+
+
+def _context(config: EngineConfig, model_max: int) -> int:
+    """Tokens per sequence: the config's, within the model's max_position_embeddings."""
+    if config.one_row_threads is not None and config.one_row_threads < 1:
+        raise ConfigError(f"one_row_threads must be at least 1 or None, got {config.one_row_threads}")
+    for name in ("max_batch", "token_budget"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(config, name)}")
+    if config.max_seq_len is None:
+        return min(model_max, DEFAULT_MAX_SEQ_LEN)
+    if not 2 <= config.max_seq_len <= model_max:
+        raise ConfigError(f"max_seq_len must be in [2, {model_max}] (the model's max_position_embeddings), "
+                          f"got {config.max_seq_len}")
+    return config.max_seq_len
+
+
+@dataclass
+class Completion:
+    """A finished request, assembled from its events."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        if event.token_id is not None:
+            self.token_ids.append(event.token_id)
+            if event.logprob is not None:
+                self.logprobs.append(event.logprob)
+                self.top_logprobs.append(list(event.top_logprobs))
+        self.text += event.text
+        if event.finish_reason is not None:
+            self.finish_reason, self.stop_reason, self.usage = event.finish_reason, event.stop_reason, event.usage
+
+
+def run_to_completion(engine: Engine, on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:
+    """Steps the engine (rank 0) until every request has finished; returns each one's Completion.
+    `on_event`, when given, sees every event as it is produced (e.g. to stream text)."""
+    done: dict[str, Completion] = {}
+    while engine.has_work:
+        for event in engine.step():
+            done.setdefault(event.request_id, Completion(event.request_id)).add(event)
+            if on_event is not None:
+                on_event(event)
+    return done

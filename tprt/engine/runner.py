@@ -1,0 +1,135 @@
+"""Executes a `StepPlan` on one rank: identical on every rank of the TP group.
+
+The runner owns this rank's model and KV cache. For each batch of the plan it runs one forward
+call (prefill: right-padded chunks, logits of each row's last real token only; decode: one token
+per row) and returns, identically on every rank, either the full-vocabulary logits (gathered over
+the TP group) or just the argmax ids (which exchange one (value, id) pair per row and rank).
+
+Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
+through views, without copying every row's keys and values each step.
+
+On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default)
+and every other step on the caller's thread count, as llama.cpp separates --threads and
+--threads-batch: one-row decode is bound by one core's memory stream, batches and prefills by
+arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from tprt.lora.routing import routing_of
+from tprt.cpu.fast_linear import prepack
+from tprt.model.kv_cache import KVCache
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.engine.static_decode import StaticDecode
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """A batch's output: `logits` [rows, vocab] float32 when the plan asked for them, else `ids` [rows]."""
+
+    ids: torch.Tensor | None
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    prefill: BatchResult | None
+    decode: BatchResult | None
+
+
+class ModelRunner:
+    """This rank's model and KV cache, driven by plans."""
+
+    def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
+                 cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
+                 static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
+        self.model = model
+        if cpu_prepack:
+            prepack(model)  # a no-op unless CPU bf16 (see tprt.cpu.fast_linear)
+        self.device = model.tp.device
+        self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
+        self._arange = torch.arange(max_seq_len, device=self.device)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        # Packed decode batches on static shapes (CUDA graphs on GPU); see tprt.engine.static_decode.
+        self.static = StaticDecode(model, self.cache, n_slots) if static_decode else None
+        self.one_row_threads = one_row_threads if self.device.type == "cpu" else None
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs the plan's KV moves, prefill and decode; collective over the TP group."""
+        with self._threads_for(plan):
+            for src, dst, n in plan.moves:
+                self._move(src, dst, n)
+            prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
+            decode = self._decode(plan.decode) if plan.decode is not None else None
+        return StepResult(prefill, decode)
+
+    @contextmanager
+    def _threads_for(self, plan: StepPlan) -> Iterator[None]:
+        """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
+        (setting it takes microseconds and keeps oneDNN's packed weights)."""
+        threads = torch.get_num_threads()
+        one_row = plan.prefill is None and plan.decode is not None and len(plan.decode.slots) == 1
+        if not one_row or self.one_row_threads is None or self.one_row_threads >= threads:
+            yield
+            return
+        torch.set_num_threads(self.one_row_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+    def _route(self, batch: BatchPlan) -> None:
+        """Tells the model's adapter sets which adapter each row of the batch uses."""
+        routing = routing_of(self.model)
+        if routing is not None:
+            routing.route(batch.adapters, self.device)
+        elif any(batch.adapters):
+            raise RuntimeError("the plan routes rows to adapters but none is installed on this rank")
+
+    def _move(self, src: int, dst: int, n: int) -> None:
+        """Copies the first n positions of slot src's keys and values to slot dst."""
+        if n > 0 and src != dst:
+            self.cache.k[:, dst, :, :n].copy_(self.cache.k[:, src, :, :n])
+            self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
+
+    def _prefill(self, batch: BatchPlan) -> BatchResult:
+        self._route(batch)
+        width = batch.width
+        rows = [list(t) + [0] * (width - len(t)) for t in batch.tokens]
+        ids = torch.tensor(rows, dtype=torch.long, device=self.device)  # [rows, width]
+        starts = torch.tensor(batch.starts, dtype=torch.long, device=self.device)
+        positions = starts[:, None] + self._arange[:width]  # [rows, width]; padding continues the count
+        last = torch.tensor([len(t) - 1 for t in batch.tokens], dtype=torch.long, device=self.device)
+        slots = torch.tensor(batch.slots, dtype=torch.long, device=self.device)
+        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len,
+                           logits_index=last)  # [rows, local_vocab]
+        return self._finish(local, batch.full_logits)
+
+    def _decode(self, batch: BatchPlan) -> BatchResult:
+        n = len(batch.slots)
+        self._route(batch)
+        packed = batch.slots == tuple(range(n))
+        # A CUDA graph replays the layers as captured: only when no adapter acts on these rows.
+        if packed and self.static is not None and not self.model.has_adapters():
+            local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
+            return self._finish(local, batch.full_logits)
+        ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
+        positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
+        slots = None if packed else torch.tensor(batch.slots, dtype=torch.long, device=self.device)
+        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len)  # [rows, 1, local_vocab]
+        return self._finish(local[:, 0], batch.full_logits)
+
+    def _finish(self, local: torch.Tensor, full: bool) -> BatchResult:
+        """local [rows, local_vocab] -> gathered float32 logits, or argmax ids; collective."""
+        if full:
+            return BatchResult(None, self.model.gather_logits(local).float())
+        return BatchResult(self.model.greedy(local), None)

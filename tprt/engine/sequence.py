@@ -1,0 +1,113 @@
+"""One request's state inside the engine (rank 0 only), and the events the engine reports."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tprt.engine.sampling import SamplingParams
+from tprt.engine.stopping import StepOutput, StopChecker
+from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # added, no slot yet
+    PREFILLING = "prefilling"  # has a slot, part of the prompt is in the cache
+    RUNNING = "running"  # prompt done, decoding one token per step
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values were reused, not computed
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one request: a token (with its text delta), or its end.
+
+    A request's events concatenate to its output: `text` deltas join to the full text, and the
+    last event has `finish_reason` set. A cancelled request ends with an event whose token_id is
+    None. `logprob` is the raw model log-probability of the token (None unless asked for, see
+    SamplingParams.logprobs); `top_logprobs` the n most likely (id, logprob), most likely first.
+    """
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop id or stop string that ended the request
+    usage: Usage | None = None  # set on the last event
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Sequence:
+    """A request being served: prompt, progress through it, generated ids and stop state."""
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None,
+                 tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], device: torch.device,
+                 adapter: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.status = Status.WAITING
+        self.adapter = adapter  # adapter index its rows are routed to (tprt.lora.routing); 0: the base model
+        self.slot: int | None = None
+        self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.cached_prompt_tokens = 0  # of those, prompt tokens reused from another slot (tprt.engine.prefix_cache)
+        self.cache_key = (adapter, 0)  # what its keys and values are computed with (tprt.engine.prefix_cache)
+        self.output: list[int] = []
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+        detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
+        self.stop = StopChecker(params, eos_token_ids, detok)
+        self._history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
+        if params.repetition_penalty != 1.0:
+            self._history = torch.empty(len(prompt) + params.max_new_tokens, dtype=torch.long, device=device)
+            self._history[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether choosing this sequence's next token needs the full logits (not just the argmax)."""
+        p = self.params
+        return not p.greedy or p.logprobs or p.repetition_penalty != 1.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def history(self) -> torch.Tensor | list[int]:
+        """Prompt and output ids so far (a view; empty when no repetition penalty needs them)."""
+        return self._history[: self.length] if self._history is not None else []
+
+    def append(self, token_id: int) -> StepOutput:
+        """Records a generated token; returns its text and, at the end, why it ended."""
+        if self._history is not None:
+            self._history[self.length] = token_id
+        self.output.append(token_id)
+        out = self.stop.step(token_id)
+        if out.finish_reason is not None:
+            self.status = Status.FINISHED
+        return out
+
+    def computed_tokens(self) -> list[int]:
+        """The ids whose keys and values are in this sequence's slot (positions 0..num_computed-1)."""
+        n = self.num_computed
+        return self.prompt[:n] if n <= len(self.prompt) else self.prompt + self.output[: n - len(self.prompt)]
+
+    def usage(self) -> Usage:
+        return Usage(len(self.prompt), len(self.output), self.cached_prompt_tokens)

@@ -1,0 +1,1 @@
+"""LoRA adapters, for inference and training alike."""

@@ -1,0 +1,268 @@
+"""The tensor-parallel Llama causal LM. Reads like the single-device model: the parallel layers
+hide the TP (one all-reduce after attention, one after the MLP, one in the embedding).
+
+Per rank: q heads [r * H/TP, (r+1) * H/TP); kv heads as the manifest places them (split, or with
+TP > n_kv each rank holds kv head r // (TP / n_kv)). q/k/v and gate/up are fused per rank at load
+time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.distributed.context import TPContext
+from tprt.errors import ConfigError
+from tprt.model.kv_cache import CacheStep, KVCache
+from tprt.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                  VocabParallelLMHead, adapted)
+from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, normalised in float32 and scaled in the input dtype (as transformers)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
+        self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None  # inference-only, set by tprt.cpu.fast_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast is not None and not torch.is_grad_enabled():
+            return self.fast(x)  # the same math in one compiled call (tprt.cpu.native)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
+        # Normalised in float32 and rounded before the weight scales it, bit for bit as transformers
+        # (passing the weight to the fused op would round once, after the scaling).
+        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+class Step:
+    """What every layer needs for one forward call, computed once: RoPE angles and the cache view."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None):
+        self.cos = cos  # [batch, seq, 1, head_dim]
+        self.sin = sin  # [batch, seq, 1, head_dim], first half negated (see rope_angles)
+        self.cache = cache
+        self.cache_step = cache_step
+
+
+class Attention(nn.Module):
+    """GQA self-attention over this rank's heads; the o_proj all-reduce completes it."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+        super().__init__()
+        self.layer = layer
+        self.n_heads = layout.local_heads
+        self.n_kv = layout.local_kv_heads
+        self.head_dim = cfg.head_dim
+        self.gqa = self.n_heads != self.n_kv
+        qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
+        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
+        # Inference-only, set by tprt.cpu.fast_linear: decode's RoPE + cache write + q in float32 in
+        # one compiled call (tprt.cpu.native.rope_cache_kernel), for a float32 cache on CPU, and its
+        # attention over the cache in another (tprt.cpu.native.decode_attention_kernel).
+        self.fast_rope_cache: Callable[..., torch.Tensor] | None = None
+        self.fast_decode_attention: Callable[..., torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
+        batch, seq, _ = x.shape
+        nh, nkv = self.n_heads, self.n_kv
+        qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
+        autograd = torch.is_grad_enabled()
+        if (self.fast_rope_cache is not None and seq == 1 and not autograd and step.cache is not None
+                and step.cache_step is not None and step.cache.dtype == torch.float32):
+            q32 = self.fast_rope_cache(qkv, step.cos, step.sin, step.cache, step.cache_step, self.layer)
+            if self.fast_decode_attention is not None:  # [batch, 1, nh * head_dim] in x's dtype
+                return self.o_proj(self.fast_decode_attention(q32, step.cache, step.cache_step, self.layer))
+            k, v = step.cache.read(self.layer, step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(q32, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
+            return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, nh * self.head_dim))
+        if autograd:  # out of place, so the backward has no slice copies
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
+            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        else:  # inference: q and k rotated in place, k/v stay views of the projection
+            apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)
+        q = q.transpose(1, 2)  # [batch, nh, seq, head_dim]
+        if step.cache is None or step.cache_step is None:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, nkv, seq, head_dim]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
+        else:
+            # [batch, seq, k/v, nkv, head_dim]; in inference a view of the projection
+            kv = torch.stack((k, v), dim=2) if autograd else qkv[:, :, nh:].unflatten(2, (2, nkv))
+            # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see new_cache).
+            cache_dtype = step.cache.dtype
+            k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]
+            out = F.scaled_dot_product_attention(q.to(cache_dtype), k, v, attn_mask=step.cache_step.mask,
+                                                 enable_gqa=self.gqa).to(x.dtype)
+        out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU over this rank's slice of the intermediate features; down_proj all-reduces."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype | None):
+        super().__init__()
+        local = cfg.intermediate_size // ctx.world_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * local, ctx, dtype)
+        self.down_proj = RowParallelLinear(local, cfg.hidden_size, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [batch, seq, intermediate / TP] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, ctx, dtype)
+        # Inference-only, set by tprt.cpu.fast_linear: each half (its norm included) for one decode row
+        # in one compiled call (tprt.cpu.native.attention_decode_kernel / mlp_decode_kernel), giving
+        # this rank's partial product; the attention half needs a float32 cache.
+        self.fast_attention: Callable[..., torch.Tensor] | None = None
+        self.fast_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
+        if (one_row and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
+                and step.cache.dtype == torch.float32 and not adapted(attn.qkv_proj, attn.o_proj)):
+            partial = self.fast_attention(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
+            h = x + attn.o_proj.reduce(partial)
+        else:
+            h = x + attn(self.input_layernorm(x), step)
+        if one_row and self.fast_mlp is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
+            return h + mlp.down_proj.reduce(self.fast_mlp(h))
+        return h + mlp(self.post_attention_layernorm(h))
+
+
+class TPLlamaForCausalLM(nn.Module):
+    """This rank's shard of a Llama causal LM; build on the meta device and load with
+    `tprt.checkpoint.loading.load_model`."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, dtype: torch.dtype | None = None):
+        super().__init__()
+        if layout.tp != ctx.world_size:
+            raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
+        if cfg.intermediate_size % ctx.world_size:
+            raise ConfigError(
+                f"config.json: intermediate_size={cfg.intermediate_size} does not split over TP={ctx.world_size}"
+            )
+        self.config = cfg
+        self.layout = layout
+        self.tp = ctx
+        self.embed_tokens = VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype)
+        # Derived, never loaded: a plain float32 attribute on the real device even under meta.
+        self.inv_freq = inv_frequencies(cfg, device=ctx.device)
+        # Training: recompute each block's activations in the backward (tprt.train.step).
+        self.checkpoint_layers = False
+        # Per-row adapters of a serving batch: a tprt.lora.routing.AdapterRouting once installed.
+        self.adapter_routing: object | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def has_adapters(self) -> bool:
+        """True when an adapter (e.g. LoRA) acts on some layer in the coming forward call: any
+        attached one, or a per-row `tprt.lora.routing.AdapterSet` with rows routed to it."""
+        return adapted(*self.linears())
+
+    def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        """Every decoder layer's projections (the layers adapters attach to), in layer order."""
+        out: list[ColumnParallelLinear | RowParallelLinear] = []
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return out
+
+    def default_cache_dtype(self) -> torch.dtype:
+        """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced
+        precision is 5-10x slower than in float32 (measured in docs/PERF.md), and a decode step
+        of a small model spends more time there than the wider cache costs."""
+        if self.tp.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16):
+            return torch.float32
+        return self.dtype
+
+    def new_cache(self, n_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A zeroed KV cache for this rank's kv heads (dtype: `default_cache_dtype()` when None)."""
+        return KVCache(
+            self.config.num_hidden_layers, n_slots, self.layout.local_kv_heads, max_seq_len,
+            self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        kv_len: int | None = None,
+    ) -> torch.Tensor:
+        """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
+
+        Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
+        With `cache`: `positions` is required; see `KVCache.prepare` for `slots` and `kv_len`.
+        """
+        batch, seq = input_ids.shape
+        if positions is None:
+            if cache is not None:
+                raise ValueError("positions are required with a KV cache")
+            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)  # [batch, seq]
+        h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
+        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
+        cache_step = cache.prepare(positions, slots, kv_len) if cache is not None else None
+        step = Step(cos, sin, cache, cache_step)
+        for layer in self.layers:
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                h = checkpoint(layer, h, step, use_reentrant=False)
+            else:
+                h = layer(h, step)
+        return h
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+        kv_len: int | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """This rank's logits over its vocabulary rows (padding rows -inf).
+
+        Returns [batch, seq, local_vocab], or [batch, local_vocab] for the tokens at
+        `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
+        not build logits it does not need. `gather_logits` turns them into full-vocab logits.
+        """
+        h = self.forward_hidden(input_ids, positions, cache, slots, kv_len)  # [batch, seq, hidden]
+        if logits_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
+        return self.lm_head(self.norm(h))
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [..., vocab_size] on every rank (padding stripped); all-gathers."""
+        return self.lm_head.gather(local_logits)
+
+    def greedy(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., local_vocab] -> [...] argmax token ids over the whole vocabulary, exchanging only
+        each rank's best (value, id); all-gathers."""
+        return self.lm_head.argmax(local_logits)
