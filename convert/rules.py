@@ -1,59 +1,19 @@
-"""The tensor-parallel rule for every Llama weight, as pure functions of (name, config, layout).
-
-HF stores linear weights as [out, in]. Column-parallel layers (q/k/v/gate/up) split dim 0, so each
-rank holds whole output features (whole heads for attention, since HF groups q/k/v rows by head).
-Row-parallel layers (o/down) split dim 1. Embedding and LM head split the (padded) vocabulary.
-"""
+"""The converter's use of the TP rules (`tprt.parallel.sharding`): the manifest entry of each
+tensor at a layout, and which tensors an HF Llama checkpoint of a config must hold."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-
 from tprt.checkpoint.format import TensorEntry
-from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import CheckpointError
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.parallel.sharding import KV, VOCAB, rule_for
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Tensors that some checkpoints carry but that are derived, never learned: skipped on read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-# kind: "replicated" | "column" | "kv" | "row" | "vocab"
-_LAYER_RULES: dict[str, tuple[str, int | None]] = {
-    "input_layernorm.weight": ("replicated", None),
-    "post_attention_layernorm.weight": ("replicated", None),
-    "self_attn.q_proj.weight": ("column", 0),
-    "self_attn.k_proj.weight": ("kv", 0),
-    "self_attn.v_proj.weight": ("kv", 0),
-    "self_attn.o_proj.weight": ("row", 1),
-    "mlp.gate_proj.weight": ("column", 0),
-    "mlp.up_proj.weight": ("column", 0),
-    "mlp.down_proj.weight": ("row", 1),
-}
-VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-@dataclass(frozen=True)
-class ShardRule:
-    kind: str
-    split_dim: int | None
 
 
 def is_ignored(name: str) -> bool:
     return name.endswith(IGNORED_SUFFIXES)
-
-
-def rule_for(name: str) -> ShardRule:
-    """The TP rule of an HF Llama tensor name; unknown names are an error."""
-    if name in VOCAB_TENSORS:
-        return ShardRule("vocab", 0)
-    if name == "model.norm.weight":
-        return ShardRule("replicated", None)
-    m = _LAYER.match(name)
-    if m and m.group(2) in _LAYER_RULES:
-        kind, dim = _LAYER_RULES[m.group(2)]
-        return ShardRule(kind, dim)
-    raise CheckpointError(f"tensor {name!r} is not part of a Llama model; expected HF LlamaForCausalLM names")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -97,8 +57,8 @@ def check_tensor_set(found: dict[str, tuple[int, ...]], cfg: ModelConfig, source
 def tp_entry(name: str, shape: tuple[int, ...], dtype: str, layout: TPLayout) -> TensorEntry:
     """The manifest entry of `name` at this layout: padded vocabulary, kv replication."""
     rule = rule_for(name)
-    if rule.kind == "vocab":
-        return TensorEntry((layout.padded_vocab_size, *shape[1:]), dtype, 0)
-    if rule.kind == "kv":
-        return TensorEntry(shape, dtype, 0, layout.kv_replication)
+    if rule.kind == VOCAB:
+        return TensorEntry((layout.padded_vocab_size, *shape[1:]), dtype, rule.split_dim)
+    if rule.kind == KV:
+        return TensorEntry(shape, dtype, rule.split_dim, layout.kv_replication)
     return TensorEntry(shape, dtype, rule.split_dim)

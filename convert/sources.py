@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from convert.rules import VOCAB_TENSORS, is_ignored
+from convert.rules import is_ignored
+from tprt.parallel.sharding import VOCAB_TENSORS
 from tprt.checkpoint.format import TOKENIZER_FILES, TPCheckpoint, is_tp_checkpoint
 from tprt.model.config import ModelConfig
 from tprt.errors import CheckpointError

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convert.rules import VOCAB_TENSORS, check_tensor_set
+from convert.rules import check_tensor_set
+from tprt.parallel.sharding import VOCAB_TENSORS
 from convert.sources import open_hf
 from tprt.checkpoint.format import MANIFEST_NAME, Manifest, is_tp_checkpoint
 from tprt.model.config import ModelConfig, TPLayout

@@ -82,12 +82,6 @@ class DeadlineExceeded(ServeError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def invalid(e: ValidationError, prefix: str = "") -> InvalidArgument:
-    """A ValidationError from tprt (field "top_p") as INVALID_ARGUMENT on the wire's field path."""
-    field = f"{prefix}{e.field}"
-    return InvalidArgument(f"{field}: {e}", field)
-
-
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str, str | None]:
     """(code, message, field) for an exception that escaped a handler."""
     if isinstance(e, ServeError):

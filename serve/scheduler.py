@@ -65,7 +65,6 @@ class Ticket:
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     last_token: float | None = None
-    n_generated: int = 0
     cancel_reason: str = ""  # why the server cancelled it ("client", "deadline", "shutdown")
     cancel_requested: bool = False  # the handler asked for a cancellation (handler thread only)
     done: bool = False  # the handler saw its last event or error (handler thread only)
@@ -97,7 +96,6 @@ class Scheduler:
         self._waiting: deque[Ticket] = deque()
         self._cancels: list[tuple[str, str]] = []  # (request_id, reason)
         self._live: dict[str, Ticket] = {}  # in the engine
-        self._tokens_in_cache = 0
         self._accepting = True
         self._stop = False
         self.broken: str | None = None
@@ -256,7 +254,6 @@ class Scheduler:
         t.admitted = time.monotonic()
         self.metrics.queue_time.observe(t.admitted - t.arrival)
         self.metrics.prompt_tokens.inc(len(t.prompt))
-        self._tokens_in_cache += len(t.prompt)
 
     def _apply_cancel(self, rid: str, reason: str) -> None:
         with self._cv:
@@ -302,15 +299,12 @@ class Scheduler:
             return
         if ev.token_id is not None:
             self.metrics.generated_tokens.inc()
-            self._tokens_in_cache += 1
             if t.last_token is None:
                 self.metrics.ttft.observe(now - t.arrival)
             else:
                 self.metrics.itl.observe(now - t.last_token)
             t.last_token = now
-            t.n_generated += 1
         if ev.finish_reason is not None:
-            self._tokens_in_cache -= len(t.prompt) + t.n_generated
             if ev.usage is not None:
                 self.metrics.cached_prompt_tokens.inc(ev.usage.cached_prompt_tokens)
             if ev.finish_reason != "cancelled":
@@ -321,5 +315,4 @@ class Scheduler:
         n = self.engine.num_unfinished
         self.metrics.running.set(n)
         self.metrics.kv_slots.set(n)
-        capacity = self.max_batch * self.engine.max_seq_len
-        self.metrics.kv_usage.set(max(0, self._tokens_in_cache) / capacity if capacity else 0.0)
+        self.metrics.kv_usage.set(self.engine.kv_tokens / self.engine.kv_capacity)  # the engine keeps the count

@@ -1,5 +1,7 @@
 """Protobuf requests -> checked engine inputs; every mistake names its field.
 
+The input (prompt, chat or prompt_ids) is read and checked here; the sampling fields are only
+renamed (FIELD_PATHS) and resolved by `tprt.engine.request`, the resolver every front end shares.
 INVALID_ARGUMENT for a bad value (the field path as the proto spells it, e.g. `sampling.top_p`),
 OUT_OF_RANGE when the prompt, or prompt plus an explicit max_new_tokens, does not fit the
 context. Nothing here touches the engine: handlers call these before a request is queued, so a
@@ -8,22 +10,31 @@ client mistake never reaches the scheduler (and never becomes INTERNAL).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
-from serve.errors import InvalidArgument, OutOfRange, invalid
-from tprt.text.chat import NoChatTemplateError
-from tprt.errors import ConfigError, ValidationError
+from serve.errors import InvalidArgument, OutOfRange
+from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
+from tprt.errors import ConfigError, ValidationError
+from tprt.text.chat import NoChatTemplateError
 from tprt.text.tokenizer import Tokenizer
 
-DEFAULT_MAX_NEW_TOKENS = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_STOP_IDS = 64
+STOP_LIMITS = StopLimits()  # requests come from the network: cap their stop conditions
 MAX_CHAT_MESSAGES = 1024
 ROLES = ("system", "user", "assistant", "tool")
-# SamplingParams field -> the proto's name for it, where they differ.
-_PROTO_NAMES = {"stop_strings": "stop"}
+# Canonical request field (tprt.engine.request) -> its path in a GenerateRequest, where that is not
+# `sampling.<field>`: the one renaming between the wire and the resolver, both ways.
+FIELD_PATHS = {"prompt": "prompt", "stop_strings": "sampling.stop"}
+
+
+def field_path(field: str) -> str:
+    """A canonical request field (tprt.engine.request) as its path in a GenerateRequest."""
+    return FIELD_PATHS.get(field, f"sampling.{field}")
+
+
+# A SamplingParams message's field name -> the canonical field it sets.
+_FROM_WIRE = {field_path(f.name).removeprefix("sampling."): f.name for f in fields(SamplingParams)}
 
 
 def chat_messages(chat: Any, field: str = "chat") -> tuple[list[dict[str, str]], bool]:
@@ -82,41 +93,15 @@ def prompt_ids(request: Any, tok: Tokenizer | None, vocab_size: int, add_special
     return ids
 
 
-def _check_stops(pb: Any) -> None:
-    if len(pb.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument(f"{len(pb.stop)} stop strings; at most {MAX_STOP_STRINGS}", "sampling.stop")
-    for s in pb.stop:
-        if not s or len(s) > MAX_STOP_CHARS:
-            raise InvalidArgument(f"stop strings must have 1 to {MAX_STOP_CHARS} characters, got {s!r:.40}",
-                                  "sampling.stop")
-    if len(pb.stop_token_ids) > MAX_STOP_IDS:
-        raise InvalidArgument(f"{len(pb.stop_token_ids)} stop ids; at most {MAX_STOP_IDS}", "sampling.stop_token_ids")
-
-
 def sampling_params(pb: Any, prompt_len: int, context: int, vocab_size: int, has_tokenizer: bool) -> SamplingParams:
-    """SamplingParams from the proto message (unset fields take their defaults), validated.
-
-    An explicit max_new_tokens that does not fit after the prompt is OUT_OF_RANGE; an unset one
-    is whatever the context has left, at most DEFAULT_MAX_NEW_TOKENS."""
-    if prompt_len >= context:
-        raise OutOfRange(f"the prompt has {prompt_len} tokens; the context holds {context}, prompt and output "
-                         "together", "prompt")
-    _check_stops(pb)
-    if pb.stop and not has_tokenizer:
-        raise InvalidArgument("stop strings need the model's tokenizer, which it does not have", "sampling.stop")
-    kw: dict[str, Any] = {name: getattr(pb, name) for name in
-                          ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens")
-                          if pb.HasField(name)}
-    explicit = "max_new_tokens" in kw
-    kw.setdefault("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, context - prompt_len))
+    """SamplingParams from the proto message (unset fields take their defaults), resolved and
+    checked by `tprt.engine.request.resolve_sampling` with the server's stop limits; errors are
+    renamed to the proto's field paths (OUT_OF_RANGE when the context is too short)."""
+    given = {_FROM_WIRE[fd.name]: value for fd, value in pb.ListFields()}
     try:
-        params = SamplingParams(stop_token_ids=tuple(pb.stop_token_ids), stop_strings=tuple(pb.stop),
-                                ignore_eos=pb.ignore_eos, logprobs=pb.logprobs, top_logprobs=pb.top_logprobs,
-                                **kw).validate(vocab_size)
+        return resolve_sampling(given, prompt_len, context, vocab_size, what="context_length",
+                                has_tokenizer=has_tokenizer, limits=STOP_LIMITS)
     except ValidationError as e:
-        e.field = _PROTO_NAMES.get(e.field, e.field)
-        raise invalid(e, "sampling.") from None
-    if explicit and prompt_len + params.max_new_tokens > context:
-        raise OutOfRange(f"max_new_tokens={params.max_new_tokens} with a prompt of {prompt_len} tokens exceeds the "
-                         f"context of {context}; use at most {context - prompt_len}", "sampling.max_new_tokens")
-    return params
+        path = field_path(e.field)
+        error = OutOfRange if isinstance(e, ContextLengthError) else InvalidArgument
+        raise error(f"{path}: {e}", path) from None

@@ -29,7 +29,8 @@ from helpers import make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.model.config import ModelConfig
 from tprt.distributed.context import TPContext, build_mesh_groups
-from tprt.checkpoint.loading import hf_sources, load_model
+from tprt.checkpoint.loading import load_model
+from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train.grads import clip_grad_norm, sync_gradients
 from tprt.train.optim import AdamW, WarmupCosine, warmup_cosine
@@ -173,7 +174,8 @@ def compare_to_ref(model: TPLlamaForCausalLM, ref: dict[str, torch.Tensor], what
 
 def assert_replicas_identical(model: TPLlamaForCausalLM, ctx: TPContext, what: str = "grad") -> None:
     """Norm weights equal on every TP rank; k/v rows equal on the ranks that share a kv head."""
-    from tprt.train.grads import get_spec, kv_group
+    from tprt.parallel.spec import get_spec
+    from tprt.train.grads import kv_group
 
     for pname, param in model.named_parameters():
         value = param.grad if what == "grad" else param.detach()

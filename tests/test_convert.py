@@ -282,3 +282,34 @@ def test_help_teaches(capsys: pytest.CaptureFixture[str]) -> None:
 def test_progress_bar_on_stderr(models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hf-to-tp", str(models["gqa"]), str(tmp_path / "tp"), "--tp", "2", "--progress"]) == 0
     assert "B/s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,tp", [("gqa", 2), ("tied", 2), ("rope_pad", 4)])
+def test_sharding_table_describes_the_output(models: dict[str, Path], tmp_path: Path, config: str, tp: int) -> None:
+    """tprt.parallel.sharding's table is what the converter writes (each tensor's split dimension
+    and per-rank shape, kv heads replicated only for KV weights), and its fused parameters fill
+    the runtime's own parameter shapes at this TP degree (hf_sources covers the manifest exactly)."""
+    from tprt.distributed.context import TPContext
+    from tprt.model.config import ModelConfig, TPLayout
+    from tprt.model.llama import TPLlamaForCausalLM
+    from tprt.parallel.sharding import KV, REPLICATED, hf_sources, rule_for
+
+    manifest = api.hf_to_tp(models[config], tmp_path / "tp", tp=tp)
+    cfg = ModelConfig.from_file(models[config] / "config.json")
+    replication = TPLayout.for_model(cfg, tp).kv_replication
+    files = [load_file(tmp_path / "tp" / rank_file_name(r, tp)) for r in range(tp)]
+    for name, entry in manifest.tensors.items():
+        rule = rule_for(name)
+        assert entry.split_dim == rule.split_dim and (rule.kind == REPLICATED) == (rule.split_dim is None), name
+        assert entry.kv_replication == (replication if rule.kind == KV else 1), name
+        want = list(entry.shape)
+        if rule.split_dim is not None:
+            want[rule.split_dim] = want[rule.split_dim] * entry.kv_replication // tp
+        assert all(list(f[name].shape) == want for f in files), name
+    ctx = TPContext(group=None, rank=0, world_size=tp, device=torch.device("cpu"), backend=None)
+    with torch.device("meta"):  # rank 0's shapes as the model builds them, without the table
+        params = TPLlamaForCausalLM(cfg, TPLayout.for_model(cfg, tp), ctx).state_dict()
+    for name, param in params.items():
+        rows = [files[0][src].shape for src in hf_sources(name)]
+        assert sum(r[0] for r in rows) == param.shape[0] and all(r[1:] == param.shape[1:] for r in rows), name
+    assert sorted(src for name in params for src in hf_sources(name)) == sorted(manifest.tensors)

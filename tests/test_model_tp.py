@@ -25,7 +25,8 @@ from tprt.model.config import ModelConfig
 from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
 from tprt.model.kv_cache import KVCache
-from tprt.checkpoint.loading import hf_sources, load_model
+from tprt.checkpoint.loading import load_model
+from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
 
 CONFIGS = ("gqa", "rope_pad", "tied")

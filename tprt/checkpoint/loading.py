@@ -2,7 +2,8 @@
 
 Only rank r's files are opened; each parameter is allocated once, already in its final dtype and
 device, and filled from zero-copy views of the file (q/k/v and gate/up are copied into their
-fused parameter piece by piece), so no rank ever holds more than its own shard.
+fused parameter piece by piece, as `tprt.parallel.sharding.hf_sources` lists them), so no rank
+ever holds more than its own shard.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tprt.errors import CheckpointError, ConfigError
 from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.checkpoint.safetensors_io import DTYPES
+from tprt.parallel.sharding import hf_sources
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32,
@@ -36,19 +38,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return _DTYPE_NAMES[dtype.lower()]
     except KeyError:
         raise ConfigError(f"--dtype {dtype!r} is not supported; expected fp32, bf16 or fp16") from None
-
-
-def hf_sources(name: str) -> list[str]:
-    """The HF tensor names, in row order, that make up our parameter `name` on every rank."""
-    if name == "lm_head.weight":
-        return [name]
-    if name.endswith("self_attn.qkv_proj.weight"):
-        prefix = "model." + name.removesuffix("qkv_proj.weight")
-        return [prefix + "q_proj.weight", prefix + "k_proj.weight", prefix + "v_proj.weight"]
-    if name.endswith("mlp.gate_up_proj.weight"):
-        prefix = "model." + name.removesuffix("gate_up_proj.weight")
-        return [prefix + "gate_proj.weight", prefix + "up_proj.weight"]
-    return ["model." + name]
 
 
 def layout_of(manifest: Manifest, cfg: ModelConfig) -> TPLayout:

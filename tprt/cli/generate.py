@@ -15,22 +15,23 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
 from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint
 from tprt.distributed.context import in_distributed_env, init_distributed, shutdown
-from tprt.engine.core import Completion, Engine, EngineConfig, check_length, run_to_completion
+from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
+from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
 from tprt.text.tokenizer import Tokenizer
 
-DEFAULT_MAX_NEW_TOKENS = 128
 MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot
-FLAGS = {"stop_strings": "--stop", "stop_token_ids": "--stop-token-id"}  # request field -> flag, where not --field
+# Canonical request field (tprt.engine.request) -> its flag, where that is not --field-name.
+FLAGS = {"stop_strings": "--stop", "stop_token_ids": "--stop-token-id"}
 
 J = TypeVar("J")
 
@@ -42,7 +43,7 @@ class GenerateArgs:
     prompts_file: Path | None = None
     chat: bool = False
     system: str | None = None
-    max_new_tokens: int | None = None  # None: DEFAULT_MAX_NEW_TOKENS, or less where the context ends
+    max_new_tokens: int | None = None  # None: tprt.engine.request's default, or less where the context ends
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -105,17 +106,29 @@ def _encode(tok: Tokenizer, text: str, args: GenerateArgs) -> list[int]:
     return tok.encode_chat(messages + [{"role": "user", "content": text}])
 
 
-def _sampling(args: GenerateArgs, vocab_size: int, max_new_tokens: int) -> SamplingParams:
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed, max_new_tokens=max_new_tokens,
-        stop_token_ids=args.stop_token_ids, stop_strings=args.stop,
-        logprobs=args.logprobs or args.top_logprobs > 0, top_logprobs=args.top_logprobs,
-    )
-    try:
-        return params.validate(vocab_size)
-    except ValidationError as e:
-        raise flag_error(e) from None
+def _requested(args: GenerateArgs, index: int) -> dict[str, object]:
+    """The sampling flags as canonical request fields (None: unset) for prompt `index`."""
+    return {
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty, "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed + index if args.seed is not None else None,
+        "stop_token_ids": args.stop_token_ids, "stop_strings": args.stop,
+        "logprobs": args.logprobs or args.top_logprobs > 0, "top_logprobs": args.top_logprobs,
+    }
+
+
+def _sampling(args: GenerateArgs, prompts: list[list[int]], context: int, vocab_size: int) -> list[SamplingParams]:
+    """Each prompt's request resolved (tprt.engine.request); errors name the flag, and the prompt
+    when it is about that prompt."""
+    params = []
+    for i, ids in enumerate(prompts):
+        try:
+            params.append(resolve_sampling(_requested(args, i), len(ids), context, vocab_size,
+                                           what="the model's max_position_embeddings"))
+        except ValidationError as e:
+            about_prompt = e.field == "prompt" or isinstance(e, ContextLengthError)
+            raise flag_error(e, f"prompt {i + 1}: " if about_prompt else "") from None
+    return params
 
 
 def prepare_generate(args: GenerateArgs) -> GenerateJob:
@@ -128,19 +141,8 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     tok = Tokenizer.from_dir(args.model)
     context = ckpt.config.max_position_embeddings
     prompts = [_encode(tok, text, args) for text in _read_prompts(args)]
-    max_new = args.max_new_tokens
-    if max_new is None:  # the default shrinks to what the context leaves, the flag does not
-        max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, context - max(len(p) for p in prompts)))
-    base = _sampling(args, ckpt.config.vocab_size, max_new)
-    for i, ids in enumerate(prompts):
-        try:
-            if not ids:
-                raise ValidationError("prompt", "prompt is empty (it encodes to no tokens)")
-            check_length(len(ids), base.max_new_tokens, context, "the model's max_position_embeddings")
-        except ValidationError as e:
-            raise flag_error(e, f"prompt {i + 1}: ") from None
-    params = [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(len(prompts))]
-    max_seq_len = max(len(p) for p in prompts) + base.max_new_tokens
+    params = _sampling(args, prompts, context, ckpt.config.vocab_size)
+    max_seq_len = max(len(ids) + p.max_new_tokens for ids, p in zip(prompts, params))
     if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
         raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
     adapter = None if args.adapter is None else str(args.adapter)

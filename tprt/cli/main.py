@@ -66,7 +66,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     g.add_argument("--system", metavar="TEXT", help="system message (with --chat)")
     g.add_argument("--max-new-tokens", type=int, metavar="N",
-                   help="tokens to generate at most (default 128, or what the context leaves)")
+                   help="tokens to generate at most (default 256, or what the context leaves)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")

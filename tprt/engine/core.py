@@ -53,6 +53,7 @@ from tprt.errors import ConfigError, ValidationError
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.plan import BatchPlan, StepPlan, broadcast_plan
 from tprt.engine.prefix_cache import PrefixCache
+from tprt.engine.request import check_request
 from tprt.engine.runner import BatchResult, ModelRunner
 from tprt.engine.sampling import SamplingParams, sample
 from tprt.engine.sequence import Sequence, Status, TokenEvent, Usage
@@ -118,10 +119,21 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._by_id)
 
+    @property
+    def kv_capacity(self) -> int:
+        """KV cache positions in all: slots times tokens per sequence."""
+        return self.config.max_batch * self.max_seq_len
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cache positions holding a live sequence's keys and values (prompt and output so far)."""
+        return sum(s.num_computed for s in self._slots if s is not None)
+
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
         routed to (`tprt.lora.routing.install`; 0 = the base model). Raises ValidationError naming the
-        field (prompt, max_new_tokens, stop_strings, request_id or a sampling field)."""
+        field (prompt, max_new_tokens, stop_strings, request_id or a sampling field), through the
+        same checks as the front ends' `tprt.engine.request.resolve_sampling`."""
         self._require_driver()
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
@@ -138,17 +150,14 @@ class Engine:
             self._prefix.invalidate(adapter)
 
     def _check_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
-        params.validate(self.vocab_size)
+        """The prompt as ints; the request checked by the front ends' own resolver (defensive)."""
         if request_id in self._by_id:
             raise ValidationError("request_id", f"request_id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValidationError("prompt", "prompt is empty; at least one token is needed")
+        check_request(params, len(prompt), self.max_seq_len, self.vocab_size, what="max_seq_len",
+                      has_tokenizer=self.tokenizer is not None)
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValidationError("prompt", f"prompt token ids must be in [0, {self.vocab_size - 1}]")
-        check_length(len(prompt), params.max_new_tokens, self.max_seq_len)
-        if params.stop_strings and self.tokenizer is None:
-            raise ValidationError("stop_strings", "stop_strings need a tokenizer (the engine has none)")
         return prompt
 
     def cancel(self, request_id: str) -> bool:
@@ -378,17 +387,6 @@ def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
     """Each row's adapter index for a BatchPlan; () when every row is the base model."""
     adapters = tuple(s.adapter for s in rows)
     return adapters if any(adapters) else ()
-
-
-def check_length(prompt_len: int, max_new_tokens: int, context: int, what: str = "max_seq_len") -> None:
-    """Raises ValidationError ("prompt" or "max_new_tokens") unless the prompt and its output fit."""
-    if prompt_len >= context:
-        raise ValidationError("prompt", f"prompt has {prompt_len} tokens; the context holds {context} ({what}), "
-                                        "prompt and output together")
-    if prompt_len + max_new_tokens > context:
-        raise ValidationError("max_new_tokens", f"max_new_tokens={max_new_tokens} with a prompt of {prompt_len} "
-                              f"tokens exceeds the context of {context} tokens ({what}); "
-                              f"use at most {context - prompt_len}")
 
 
 def _context(config: EngineConfig, model_max: int) -> int:

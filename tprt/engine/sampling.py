@@ -28,6 +28,7 @@ from torch import Tensor
 from tprt.errors import ValidationError
 
 MAX_TOP_LOGPROBS = 20
+DEFAULT_MAX_NEW_TOKENS = 256  # every front end's default (tprt.engine.request shrinks it to fit the context)
 _SEED_MAX = 2**64 - 1
 
 
@@ -41,7 +42,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability
     repetition_penalty: float = 1.0  # HF: positive logits / p, negative * p, for tokens in prompt+output
     seed: int | None = None  # per-request generator seed; None uses the global RNG
-    max_new_tokens: int = 256  # generated tokens at most
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # generated tokens at most
     stop_token_ids: tuple[int, ...] = ()  # ids that end generation besides EOS
     stop_strings: tuple[str, ...] = ()  # texts that end generation; removed from the output
     ignore_eos: bool = False  # keep going past EOS
@@ -61,7 +62,8 @@ class SamplingParams:
         """Raises ValidationError (with `.field`) for the first field out of range; returns self.
 
         Messages start with the field name, so a caller can substitute its own spelling of it
-        (`--top-p`, a protobuf field path)."""
+        (`--top-p`, a protobuf field path). Requests are checked as a whole (context length,
+        defaults) by tprt.engine.request, which calls this."""
         _check_float("temperature", self.temperature, 0.0, math.inf, "a finite number >= 0 (0 = greedy)")
         _check_int("top_k", self.top_k, 0, vocab_size, f"an integer in [0, {vocab_size}] (0 = off)")
         _check_float("top_p", self.top_p, 0.0, 1.0, "in (0, 1] (1 = off)", low_open=True)

@@ -40,13 +40,18 @@ from tprt.errors import CheckpointError, ConfigError, ValidationError
 from tprt.cpu.fast_linear import prepack
 from tprt.model.llama import DecoderLayer, TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from tprt.train.grads import TPSpec, mark_tp_params, set_spec
+from tprt.parallel.sharding import KV, LAYER_LINEARS, ROW, module_rule
+from tprt.parallel.spec import TPSpec, mark_tp_params, set_spec
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # canonical order
-HF_MODULES = {
-    "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
-}
+
+def _target(module: str) -> str:
+    """The short target name of an HF linear module: self_attn.q_proj -> q."""
+    return module.split(".")[1].removesuffix("_proj")
+
+
+# Short target name -> HF module, in canonical order (the runtime's row order, tprt.parallel.sharding).
+HF_MODULES = {_target(m): m for parts in LAYER_LINEARS.values() for m in parts}
+TARGETS = tuple(HF_MODULES)
 PEFT_PREFIX = "base_model.model.model.layers"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -183,18 +188,25 @@ class _Site:
 
 
 def _sites(model: TPLlamaForCausalLM) -> Iterator[_Site]:
+    """Every linear layer of every decoder layer, its targets laid out as tprt.parallel.sharding says."""
     cfg, tp, rep = model.config, model.tp.world_size, model.layout.kv_replication
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
         q, kv = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
         inter = mlp.down_proj.weight.shape[1]
-        yield _Site(i, attn.qkv_proj, (Segment("q", 0, q), Segment("k", q, q + kv), Segment("v", q + kv, q + 2 * kv)),
-                    cfg.hidden_size, rep)
-        yield _Site(i, attn.o_proj, (Segment("o", 0, cfg.hidden_size),), q * tp, 1)
-        yield _Site(i, mlp.gate_up_proj, (Segment("gate", 0, inter), Segment("up", inter, 2 * inter)),
-                    cfg.hidden_size, 1)
-        yield _Site(i, mlp.down_proj, (Segment("down", 0, cfg.hidden_size),), inter * tp, 1)
+        rows = {"q": q, "k": kv, "v": kv, "gate": inter, "up": inter}  # this rank's rows of each column target
+        for name, parts in LAYER_LINEARS.items():
+            linear = layer.get_submodule(name)
+            assert isinstance(linear, (ColumnParallelLinear, RowParallelLinear))
+            targets = [_target(m) for m in parts]
+            if module_rule(parts[0]).kind == ROW:  # one target: every output row; input split over ranks
+                yield _Site(i, linear, (Segment(targets[0], 0, cfg.hidden_size),), linear.weight.shape[1] * tp, 1)
+                continue
+            starts = [sum(rows[t] for t in targets[:j]) for j in range(len(targets) + 1)]
+            segments = tuple(Segment(t, starts[j], starts[j + 1]) for j, t in enumerate(targets))
+            kv_rep = rep if any(module_rule(m).kind == KV for m in parts) else 1
+            yield _Site(i, linear, segments, cfg.hidden_size, kv_rep)
 
 
 def _peft_key(layer: int, target: str, factor: str) -> str:

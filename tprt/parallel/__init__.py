@@ -1,15 +1,4 @@
-"""Tensor-parallel building blocks: communication operators and the layers that use them."""
-
-from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
-from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
-
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "VocabParallelLMHead",
-    "copy_to_region",
-    "gather_from_region",
-    "reduce_from_region",
-    "scatter_to_region",
-]
+"""Tensor-parallel building blocks: the communication operators (`mappings`), the layers that use
+them (`layers`), vocab-parallel cross-entropy (`cross_entropy`), the per-parameter TP spec
+(`spec`) and the table of how each Llama weight is split (`sharding`, torch-free: the converter
+imports it, so this package imports nothing itself)."""

@@ -2,8 +2,9 @@
 Hugging Face PEFT loads, and adapters applied to (or merged into) a loaded model.
 
 - `write_tp_checkpoint`: every TP rank writes its own rank file (its slice of each tensor under
-  its HF name, the fused q/k/v and gate/up rows split back per `tprt.checkpoint.loading.hf_sources`) in the
-  base checkpoint's dtype and manifest format; rank 0 writes the manifest, config and tokenizer.
+  its HF name, the fused q/k/v and gate/up rows split back per
+  `tprt.parallel.sharding.hf_sources`) in the base checkpoint's dtype and manifest format;
+  rank 0 writes the manifest, config and tokenizer.
   The result can be loaded by `tprt`, resharded, or exported with `tprt-convert tp-to-hf`.
 - `write_adapter`: adapter_model.safetensors + adapter_config.json (PEFT names, full A/B).
 
@@ -30,7 +31,7 @@ from tprt.checkpoint.format import TOKENIZER_FILES, FileEntry, Manifest, TPCheck
 from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError
 from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
-from tprt.checkpoint.loading import hf_sources
+from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.checkpoint.safetensors_io import DTYPES, StreamingSafetensorsWriter
 
