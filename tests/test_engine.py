@@ -462,6 +462,21 @@ def test_validation(workdir: Path) -> None:
         engine.follow()
 
 
+def test_kv_token_count(workdir: Path) -> None:
+    """The engine counts the KV positions its live sequences hold (the server's usage gauge reads it)."""
+    engine = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=2, max_seq_len=32))
+    assert (engine.kv_tokens, engine.kv_capacity) == (0, 64)
+    engine.add([5] * 7, _greedy(3), "a")
+    engine.add([6] * 4, _greedy(2), "b")
+    assert engine.kv_tokens == 0  # waiting: no slot yet
+    engine.step()  # both prompts prefilled, a first token sampled for each
+    assert engine.kv_tokens == 7 + 4
+    engine.step()  # each first token computed; b has its two tokens and frees its slot
+    assert engine.kv_tokens == 7 + 1
+    run_to_completion(engine)
+    assert engine.kv_tokens == 0
+
+
 def test_plan_roundtrip() -> None:
     """A plan survives its wire encoding."""
     plan = StepPlan(
