@@ -1,11 +1,12 @@
 """What every serving rank does besides generation steps: fine-tuning steps and LoRA adapters.
 
-`RankExecutor.execute(Command)` runs on every rank in the same order (rank 0 from the scheduler
-thread, the followers from `follower_loop`). After each command the ranks exchange a one-line
-error or None (`all_gather_object`): if any rank failed, every rank knows it, drops what the
-command started, and rank 0 raises `CommandFailed` (the job fails; the server keeps serving).
-A rank that fails *inside* a collective leaves its peers waiting until the collective timeout;
-the scheduler then marks the world broken (NOT_SERVING).
+`RankExecutor.execute(command)` runs each command of the rank protocol (tprt.distributed.protocol)
+on every rank in the same order (rank 0 from the scheduler thread through `RankGroup.run`, the
+followers from `follower_loop`). If it fails on any rank, every rank learns of it
+(tprt.distributed.ranks), drops what the command started (`abandon`), and rank 0's caller gets
+`CommandFailed` (the job fails; the server keeps serving). A rank that fails *inside* a
+collective leaves its peers waiting until the collective timeout; the scheduler then marks the
+world broken (NOT_SERVING).
 
 Fine-tuning never touches the served model's modules, so generation and training interleave
 step by step with no state to swap. A LoRA job trains in the served model's dtype on a
@@ -26,30 +27,24 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from serve.ranks import Command
+from tprt.distributed.protocol import (AdapterLoaded, Command, LoadAdapter, TrainAbort, TrainFinish, TrainSave,
+                                       TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.lora.routing import AdapterSet
 from tprt.errors import TprtError
-from tprt.distributed.launcher import one_line
 from tprt.model.llama import TPLlamaForCausalLM
-
-log = logging.getLogger("tprt.serve")
 
 # Served dtypes a LoRA job trains in directly, sharing the weights (fp16 would need loss scaling).
 SHAREABLE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
-
-class CommandFailed(TprtError):
-    """A command failed on at least one rank; the message names the rank and its error."""
+R = TypeVar("R")
 
 
 class RankExecutor:
@@ -64,38 +59,34 @@ class RankExecutor:
         self.trainer: Any = None
         self.adapters: dict[str, int] = {}  # adapter id -> its index in the model's adapter sets
 
-    def execute(self, cmd: Command) -> Any:
-        """Runs `cmd` here; collective. Raises CommandFailed on rank 0 if any rank failed."""
-        fn = getattr(self, f"_cmd_{cmd.kind}", None)
-        error: str | None = None
-        result: Any = None
-        try:
-            if fn is None:
-                raise TprtError(f"unknown command {cmd.kind!r}")
-            result = fn(**cmd.args)
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error = one_line(e)
-            log.debug("command %s failed on rank %d", cmd.kind, self.ctx.rank, exc_info=True)
-        errors = self._gather(error)
-        failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
-        if failed:
-            self._drop_trainer()
-            if self.ctx.rank == 0:
-                r, msg = failed[0]
-                raise CommandFailed(msg if r == 0 else f"rank {r}: {msg}")
-            return None
-        return result
+    def execute(self, cmd: Command[R]) -> R:
+        """Runs `cmd` on this rank (every rank runs it; see tprt.distributed.ranks.run_command)."""
+        return cast(R, self._dispatch(cmd))
 
-    def _gather(self, error: str | None) -> list[str | None]:
-        if self.ctx.world_size == 1:
-            return [error]
-        out: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(out, error, group=self.ctx.group)
-        return out
+    def _dispatch(self, cmd: Command[Any]) -> object:
+        match cmd:
+            case TrainStart(config, dataset, resume):
+                return self._cmd_train_start(config, dataset, resume)
+            case TrainStep():
+                return self._cmd_train_step()
+            case TrainSave():
+                return self._cmd_train_save()
+            case TrainFinish(loss):
+                return self._cmd_train_finish(loss)
+            case TrainAbort():
+                self._cmd_train_abort()
+                return None
+            case LoadAdapter(adapter_id, path):
+                return AdapterLoaded(*self._cmd_load_adapter(adapter_id, path))
+        raise TprtError(f"unknown command {type(cmd).__name__}")
+
+    def abandon(self) -> None:
+        """A command failed on some rank: a job it started or ran is dropped here too."""
+        self._drop_trainer()
 
     # ----------------------------------------------------------------- fine-tuning
 
-    def _cmd_train_start(self, config: Any, dataset: Any, resume: bool) -> tuple[int, int]:
+    def _cmd_train_start(self, config: Any, dataset: Any, resume: bool) -> TrainStarted:
         """Builds this rank's trainer (LoRA: over the served weights); resumes if asked."""
         from tprt.train.trainer import Trainer
 
@@ -108,10 +99,10 @@ class RankExecutor:
         self.trainer = Trainer(config, self.ctx, dataset, base=base)
         if resume:
             self.trainer.resume()
-        return int(self.trainer.step), int(self.trainer.steps)
+        return TrainStarted(int(self.trainer.step), int(self.trainer.steps))
 
-    def _cmd_train_step(self) -> dict[str, float]:
-        """One optimizer step; (loss, grad norm, seconds, tokens)."""
+    def _cmd_train_step(self) -> TrainStepResult:
+        """One optimizer step; its loss, grad norm, seconds and tokens."""
         t = self._need_trainer()
         lr = float(t.optimizer.param_groups[0]["lr"])
         t0 = time.perf_counter()
@@ -123,7 +114,7 @@ class RankExecutor:
         if self.ctx.rank == 0:
             t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                              "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": None})
-        return {"step": t.step, "loss": loss, "grad_norm": grad_norm, "seconds": seconds, "tokens": tokens}
+        return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens))
 
     def _cmd_train_save(self) -> str:
         t = self._need_trainer()

@@ -2,9 +2,10 @@
 
 One job runs at a time, one optimizer step per turn the scheduler gives it (serve/scheduler.py:
 whenever generation is idle, and at least once a second while it is busy), each step a
-`Command` every rank executes (serve/executor.py). Jobs live in the SQLite store
-(serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holding its inline dataset, its
-training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and the output.
+command every rank executes (tprt.distributed.protocol, serve/executor.py). Jobs live in the
+SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
+dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
+the output.
 
 A finished LoRA job's adapter is loaded into the served model on every rank and registered under
 its adapter id: servable at once, no restart (and again at every start-up). A full fine-tune
@@ -21,11 +22,11 @@ from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
-from serve.executor import CommandFailed, RankExecutor
 from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
-from serve.ranks import Command, RankGroup
+from tprt.distributed.protocol import LoadAdapter, TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
+from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.errors import TprtError
 
 log = logging.getLogger("tprt.serve")
@@ -125,8 +126,8 @@ class JobManager:
 
     def _load_adapter(self, ranks: RankGroup, rec: JobRecord) -> None:
         path = self.data_dir / rec.output_path
-        rank, alpha, index = ranks.run(Command("load_adapter", {"adapter_id": rec.adapter_id, "path": str(path)}))
-        self.adapters.add(AdapterInfo(rec.adapter_id, path, int(rank), float(alpha), rec.id, int(index)))
+        loaded = ranks.run(LoadAdapter(rec.adapter_id, str(path)))
+        self.adapters.add(AdapterInfo(rec.adapter_id, path, loaded.rank, loaded.alpha, rec.id, loaded.index))
 
     # ----------------------------------------------------------------- scheduler side
 
@@ -145,7 +146,7 @@ class JobManager:
             if self._pause.is_set():
                 self._checkpoint_and_requeue(ranks, job)
             elif self.get(job.job_id).cancel_requested:
-                ranks.run(Command("train_abort"))
+                ranks.run(TrainAbort())
                 self._end(job, CANCELLED, "")
             else:
                 self._train_step(ranks, job)
@@ -162,33 +163,33 @@ class JobManager:
             resume = bool(rec.checkpoint) and (self.data_dir / rec.checkpoint).exists()
             config = finetune_config(rec, self.model_dir, self.data_dir)
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
-            step, total = ranks.run(Command("train_start", {"config": config, "dataset": dataset, "resume": resume}))
+            started = ranks.run(TrainStart(config, dataset, resume))
         except (TprtError, OSError) as e:  # bad data, a failed command: the job fails, serving goes on
             self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=str(e))
             self._update_gauges()
             return
-        self._active = _Active(rec.id, total, step)
-        self.store.update(rec.id, step=step, total_steps=total, error="")
+        self._active = _Active(rec.id, started.total, started.step)
+        self.store.update(rec.id, step=started.step, total_steps=started.total, error="")
         self._update_gauges()
-        log.info("job %s: started at step %d of %d", rec.id, step, total)
+        log.info("job %s: started at step %d of %d", rec.id, started.step, started.total)
 
     def _train_step(self, ranks: RankGroup, job: _Active) -> None:
-        out = ranks.run(Command("train_step"))
-        job.step, job.loss = int(out["step"]), float(out["loss"])
-        tok_s = out["tokens"] / max(out["seconds"], 1e-9)
+        out = ranks.run(TrainStep())
+        job.step, job.loss = out.step, out.loss
+        tok_s = out.tokens / max(out.seconds, 1e-9)
         self.metrics.ft_steps.inc()
-        self.metrics.ft_tokens.inc(out["tokens"])
+        self.metrics.ft_tokens.inc(out.tokens)
         self.metrics.ft_loss.set(job.loss)
         rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s)
         every = int(rec.hyperparameters.get("checkpoint_every", 0))
         if job.step >= job.total:
             self._finish(ranks, job, rec)
         elif every and job.step % every == 0:
-            ranks.run(Command("train_save"))
+            ranks.run(TrainSave())
             self.store.update(job.job_id, checkpoint=_job_dir(job.job_id))
 
     def _finish(self, ranks: RankGroup, job: _Active, rec: JobRecord) -> None:
-        output = Path(ranks.run(Command("train_finish", {"loss": job.loss})))
+        output = Path(ranks.run(TrainFinish(job.loss)))
         rel = str(output.relative_to(self.data_dir)) if output.is_relative_to(self.data_dir) else str(output)
         rec = self.store.update(job.job_id, output_path=rel)
         if rec.method == "lora":
@@ -197,8 +198,8 @@ class JobManager:
 
     def _checkpoint_and_requeue(self, ranks: RankGroup, job: _Active) -> None:
         try:
-            ranks.run(Command("train_save"))
-            ranks.run(Command("train_abort"))
+            ranks.run(TrainSave())
+            ranks.run(TrainAbort())
             self.store.update(job.job_id, state=QUEUED, checkpoint=_job_dir(job.job_id),
                               error=f"checkpointed at step {job.step} for a server shutdown; resumes at the next start")
         finally:

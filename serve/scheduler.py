@@ -31,11 +31,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from serve.errors import QueueFull, Unavailable
 from serve.metrics import Metrics
-from serve.ranks import Command, RankGroup
+from tprt.distributed.ranks import RankGroup
+from tprt.engine.core import EngineLike
 from tprt.errors import ValidationError
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
@@ -80,7 +81,7 @@ def new_request_id() -> str:
 class Scheduler:
     """Owns the engine on rank 0 (see the module docstring)."""
 
-    def __init__(self, engine: Any, ranks: RankGroup, metrics: Metrics, max_queue: int,
+    def __init__(self, engine: EngineLike, ranks: RankGroup, metrics: Metrics, max_queue: int,
                  max_batch: int, keepalive_s: float = 2.0, side_every_s: float = 1.0,
                  on_broken: Callable[[str], None] | None = None) -> None:
         self.engine = engine
@@ -162,7 +163,7 @@ class Scheduler:
         return clean
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stops the thread after its current step; it then sends "exit" to the followers."""
+        """Stops the thread after its current step; it then releases the followers (EXIT)."""
         with self._cv:
             self._stop = True
             self._cv.notify()
@@ -193,7 +194,7 @@ class Scheduler:
             while self._iteration():
                 pass
             if self.broken is None:
-                self.ranks.run(Command("exit"))
+                self.ranks.exit()
         except Exception as e:  # noqa: BLE001 - a failed collective: the world is broken
             log.exception("scheduler stopped")
             self.mark_broken(f"{type(e).__name__}: {e}".splitlines()[0])

@@ -2,8 +2,9 @@
 
 Start-up (rank 0): check the flags and files (one-line errors, before anything starts), open
 the job store (recovering jobs a previous run left RUNNING), bind the gRPC port, start the
-follower ranks (local launcher) or join torchrun's world, load the model shard, start the
-scheduler and serve. Every other rank loads its shard and follows (serve/ranks.py).
+follower ranks (tprt.distributed.launcher.start_followers) or join torchrun's world, load the
+model shard, start the scheduler and serve. Every other rank loads its shard and follows
+(tprt.distributed.ranks.follower_loop).
 
 Shutdown (SIGTERM or SIGINT on rank 0): health goes NOT_SERVING and new requests are refused
 with UNAVAILABLE; in-flight requests get up to --drain-timeout seconds to finish (the rest are
@@ -40,13 +41,13 @@ from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
-from serve.ranks import RankGroup, follower_loop, start_local_followers, stop_followers, watch
 from serve.scheduler import Scheduler
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
+from tprt.distributed.launcher import start_followers, stop_followers, watch
+from tprt.distributed.ranks import RankGroup, follower_loop
 from tprt.engine.core import Engine, EngineConfig
 from tprt.errors import ConfigError
-from tprt.distributed.launcher import free_port
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.cpu.threads import run_on_exiting_thread
@@ -130,7 +131,7 @@ def run_serve(cfg: ServeConfig) -> int:
     procs: list[Any] = []
     try:
         if ckpt.tp_size > 1:
-            procs = start_local_followers(ckpt.tp_size, free_port(), follower_main, (cfg,), cfg.threads or 1)
+            procs = start_followers(ckpt.tp_size, follower_main, (cfg,), cfg.threads or 1)
         return app.run(procs)
     finally:
         stop_followers(procs, grace_s=0 if app.broken else 10)
@@ -153,7 +154,7 @@ def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
     try:
         model = load_model(cfg.model, ctx, cfg.dtype)
         engine = Engine(model, None, engine_config(cfg))
-        follower_loop(engine.follow, ctx, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)).execute)
+        follower_loop(engine.follow, ctx, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)))
     finally:
         shutdown()
     return 0
@@ -226,7 +227,7 @@ class App:
     def _services(self, ctx: TPContext, model: TPLlamaForCausalLM, engine: Engine, tokenizer: Tokenizer | None) -> None:
         cfg = self.cfg
         executor = RankExecutor(model, engine, cfg.model, Path(cfg.data_dir))
-        ranks = RankGroup(ctx, executor.execute)
+        ranks = RankGroup(ctx, executor)
         self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, cfg.max_batch_size,
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
         adapters = AdapterRegistry()

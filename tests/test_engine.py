@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -23,6 +23,8 @@ import torch.distributed as dist
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.distributed.context import TPContext
+from tprt.distributed.protocol import Command, LoadAdapter, TrainAbort, TrainSave
+from tprt.distributed.ranks import CommandFailed, RankGroup, follower_loop
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model
@@ -36,6 +38,7 @@ TEXTS = ("Hello there", "The quick brown fox jumps", "Hi", "Tensor par")  # unev
 N_NEW = 6
 PENALTY = 1.3
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 # ----------------------------------------------------------------------------- setup (parent only)
@@ -406,6 +409,65 @@ def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
     assert off == {k: (ids, 0) for k, (ids, _) in out.items()}, off
 
 
+class _Recorder:
+    """A CommandExecutor that records the commands it runs; LoadAdapter fails on the last rank."""
+
+    def __init__(self, ctx: TPContext) -> None:
+        self.ctx = ctx
+        self.ran: list[Command[Any]] = []
+        self.abandoned = 0
+
+    def execute(self, cmd: Command[R]) -> R:
+        self.ran.append(cmd)
+        if isinstance(cmd, LoadAdapter) and self.ctx.rank == self.ctx.world_size - 1:
+            raise ValueError(f"no adapter at {cmd.path}")
+        return cast(R, f"rank {self.ctx.rank} ran {type(cmd).__name__}" if isinstance(cmd, TrainSave) else None)
+
+    def abandon(self) -> None:
+        self.abandoned += 1
+
+
+def check_rank_protocol(ctx: TPContext, wd: Path) -> None:
+    """Generation steps, keepalives and commands interleave over one TP group: every rank runs
+    rank 0's commands in order between its plans, rank 0 gets its own result back, a failure on
+    any rank fails the command on every rank (each abandons it) and the loop goes on, and EXIT
+    ends it. The tokens are those of a run without commands."""
+    ref = _ref(wd)
+    engine = Engine(_model(ctx, wd), Tokenizer.from_dir(wd / "hf"), EngineConfig(max_batch=2, max_seq_len=32))
+    recorder = _Recorder(ctx)
+    outcome: dict[str, Any] = {}
+    if engine.is_driver:
+        ranks = RankGroup(ctx, recorder)
+        try:
+            engine.add(ref["prompts"][0], _greedy(3), "a")
+            events = engine.step()
+            ranks.keepalive()
+            outcome["abort"] = ranks.run(TrainAbort())
+            try:
+                ranks.run(LoadAdapter("x", "/nowhere"))
+            except CommandFailed as e:
+                outcome["failed"] = str(e)
+            events += engine.step()
+            outcome["save"] = ranks.run(TrainSave())
+            ranks.keepalive()
+            outcome["tokens"] = [e.token_id for e in events] + run_to_completion(engine)["a"].token_ids
+        finally:
+            ranks.exit()
+    else:
+        follower_loop(engine.follow, ctx, recorder)
+    records: list[Any] = [(recorder.ran, recorder.abandoned)]
+    if ctx.world_size > 1:
+        records = [None] * ctx.world_size
+        dist.all_gather_object(records, (recorder.ran, recorder.abandoned), group=ctx.group)
+    outcome = _share(ctx, outcome)
+    last = ctx.world_size - 1
+    assert outcome["abort"] is None and outcome["save"] == "rank 0 ran TrainSave", outcome
+    assert outcome["failed"] == ("" if last == 0 else f"rank {last}: ") + "ValueError: no adapter at /nowhere", outcome
+    assert outcome["tokens"] == ref["greedy"][0][:3], outcome
+    want = [TrainAbort(), LoadAdapter("x", "/nowhere"), TrainSave()]
+    assert records == [(want, 1)] * ctx.world_size, records
+
+
 CHECKS: Checks = [
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
@@ -417,6 +479,7 @@ CHECKS: Checks = [
     ("static_decode", check_static_decode),
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),
+    ("rank_protocol", check_rank_protocol),
 ]
 
 
@@ -485,7 +548,7 @@ def test_plan_roundtrip() -> None:
         decode=BatchPlan((1, 2), (9, 30), ((3,), (4,)), full_logits=False, adapters=(0, 2)),
     )
     assert StepPlan.decode_from(plan.encode()) == plan
-    assert StepPlan.decode_from(StepPlan(stop=True).encode()) == StepPlan(stop=True)
+    assert StepPlan.decode_from(StepPlan().encode()) == StepPlan()
     assert StepPlan.decode_from(StepPlan(decode=plan.decode).encode()).prefill is None
 
 

@@ -2,8 +2,8 @@
 
 Everything that can be wrong with the flags, the model or the data is checked in the launching
 process before any rank starts or anything is written. Without torchrun the checkpoint's TP
-number of local ranks is started (`tprt.distributed.launcher`); under torchrun the world is used as it is,
-with dp = world / tp.
+number of local ranks is started; under torchrun the world is used as it is, with dp = world / tp
+(`tprt.distributed.launcher.run_on_ranks`).
 """
 
 from __future__ import annotations
@@ -208,7 +208,8 @@ def _check_resume_early(cfg: FinetuneConfig, tp: int, digest: str) -> None:
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Checks the model, data and --out, then trains on the local ranks or torchrun's world;
     returns rank 0's summary (None-valued fields on other torchrun ranks)."""
-    from tprt.distributed.context import in_distributed_env, shutdown
+    from tprt.distributed.context import in_distributed_env
+    from tprt.distributed.launcher import run_on_ranks
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
     from tprt.train.trainer import total_steps, train_rank
@@ -224,15 +225,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
              r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
-    if in_distributed_env():
-        try:
-            return train_rank(cfg, dataset)
-        finally:
-            shutdown()
-    from tprt.distributed.launcher import launch_local
-
-    results = launch_local(ckpt.tp_size, train_rank, (cfg, dataset, os.getpid()))
-    return dict(results[0])
+    launcher_pid = None if in_distributed_env() else os.getpid()  # local ranks exit if this process dies
+    return dict(run_on_ranks(cfg.model, train_rank, (cfg, dataset, launcher_pid), dp=True))
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -262,10 +256,10 @@ def merge_rank(model_dir: str, adapter: str, out: str) -> None:
 
 def run_merge_lora(model: Path, adapter: Path, out: Path, force: bool = False) -> Path:
     """Checks the inputs, then merges on the checkpoint's TP ranks; returns `out`."""
-    from tprt.distributed.context import in_distributed_env, shutdown
+    from tprt.distributed.launcher import run_on_ranks
     from tprt.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
-    ckpt = TPCheckpoint(model)
+    TPCheckpoint(model)  # a bad --model is reported first
     path = adapter / ADAPTER_CONFIG
     try:
         read_adapter_config(json.loads(path.read_text()), str(path))
@@ -275,15 +269,7 @@ def run_merge_lora(model: Path, adapter: Path, out: Path, force: bool = False) -
         raise ConfigError(f"--adapter {adapter}: no {ADAPTER_WEIGHTS}")
     if out.exists() and not force:
         raise ConfigError(f"--out {out}: already exists; choose another path or pass --force to replace it")
-    if in_distributed_env():
-        try:
-            merge_rank(str(model), str(adapter), str(out))
-        finally:
-            shutdown()
-    else:
-        from tprt.distributed.launcher import launch_local
-
-        launch_local(ckpt.tp_size, merge_rank, (str(model), str(adapter), str(out)))
+    run_on_ranks(model, merge_rank, (str(model), str(adapter), str(out)), dp=True)
     return out
 
 

@@ -4,23 +4,22 @@ Everything that can be wrong with the input (the checkpoint directory, the promp
 flag, the length) is checked in the starting process, before any rank starts, and reported as
 one line. The work itself runs on the checkpoint's TP number of ranks: under torchrun (one or
 more nodes) on the ranks it started (the world size must equal the checkpoint's TP size), else
-on local ranks started by `tprt.distributed.launcher.launch_local` (in this process when TP is 1). Rank 0 holds
-the tokenizer and prints; the other ranks follow its plans.
+on local ranks (in this process when TP is 1): `tprt.distributed.launcher.run_on_ranks`. Rank 0
+holds the tokenizer and prints; the other ranks follow its plans.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
-from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint
-from tprt.distributed.context import in_distributed_env, init_distributed, shutdown
+from tprt.checkpoint.format import TPCheckpoint
+from tprt.distributed.context import init_distributed
+from tprt.distributed.launcher import run_on_ranks
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
@@ -32,8 +31,6 @@ from tprt.text.tokenizer import Tokenizer
 MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot
 # Canonical request field (tprt.engine.request) -> its flag, where that is not --field-name.
 FLAGS = {"stop_strings": "--stop", "stop_token_ids": "--stop-token-id"}
-
-J = TypeVar("J")
 
 
 @dataclass(frozen=True)
@@ -149,36 +146,9 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
 
 
-def run_on_ranks(model: str, fn: Callable[[J], None], job: J, threads: int | None = None) -> None:
-    """Runs fn(job) on every rank of the checkpoint's TP world (see the module docstring), each
-    with `threads` torch threads (None: the cores divided among the local ranks)."""
-    tp = TPCheckpoint(model).tp_size
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--threads must be at least 1, got {threads}")
-    if threads is not None and (in_distributed_env() or tp == 1):
-        import torch
-
-        torch.set_num_threads(threads)
-    if in_distributed_env():
-        world = int(os.environ["WORLD_SIZE"])
-        if world != tp:
-            raise ConfigError(f"{Path(model) / MANIFEST_NAME}: the checkpoint is sharded for tp_size={tp} but "
-                              f"torchrun started WORLD_SIZE={world} ranks; start {tp} (e.g. --nproc-per-node {tp})")
-        try:
-            fn(job)
-        finally:
-            shutdown()
-    elif tp == 1:
-        fn(job)
-    else:
-        from tprt.distributed.launcher import launch_local
-
-        launch_local(tp, fn, (job,), threads_per_rank=threads)
-
-
 def run_generate(args: GenerateArgs) -> int:
     job = prepare_generate(args)
-    run_on_ranks(job.model, generate_rank, job, args.threads)
+    run_on_ranks(job.model, generate_rank, (job,), threads=args.threads, tp1_in_process=True)
     return 0
 
 
@@ -329,7 +299,7 @@ def prepare_score(args: ScoreArgs) -> ScoreJob:
 
 def run_score(args: ScoreArgs) -> int:
     job = prepare_score(args)
-    run_on_ranks(job.model, score_rank, job, args.threads)
+    run_on_ranks(job.model, score_rank, (job,), threads=args.threads, tp1_in_process=True)
     return 0
 
 

@@ -1,1 +1,2 @@
-"""Ranks and how they talk: the TP/DP context (`context`), the local launcher (`launcher`)."""
+"""Ranks and how they talk: the TP/DP context (`context`), starting ranks (`launcher`), the typed
+messages between them (`protocol`) and the two ends of that conversation (`ranks`)."""

@@ -1,29 +1,43 @@
-"""tprt's own local launcher: N ranks on this machine without torchrun.
+"""tprt's own local launcher: N ranks on this machine without torchrun, in two modes.
 
-`launch_local(n, fn, args)` spawns n processes with the same environment torchrun would give
-them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), runs
-`fn(*args)` in each and returns the ranks' return values in rank order. If any rank raises or
-dies, the others are terminated at once (a rank stuck in a collective would otherwise wait for
-its peer forever) and `LaunchError` carries the failing rank's one-line error.
+`launch_local(n, fn, args)` spawns n processes with the environment torchrun would give them
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), runs `fn(*args)` in
+each and returns the ranks' return values in rank order. If any rank raises or dies, the others
+are terminated at once (a rank stuck in a collective would otherwise wait for its peer forever)
+and `LaunchError` carries the failing rank's one-line error.
+
+`start_followers(n, fn, args)` makes this process rank 0 and starts ranks 1..n-1 running
+`fn(*args)` (the server: rank 0 keeps its own life); they ignore SIGINT/SIGTERM, since stopping
+is rank 0's decision. `watch` reports the first one that dies, `stop_followers` reaps them.
+
+`run_on_ranks(model, fn, args)` is what a command calls: under torchrun, `fn` runs on the ranks
+torchrun started; otherwise on the checkpoint's TP number of local ranks.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.multiprocessing as mp
 
-from tprt.errors import TprtError
+from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint
+from tprt.distributed.context import in_distributed_env, shutdown
+from tprt.errors import ConfigError, TprtError
 
 _POLL_S = 0.05
 _GRACE_S = 5.0
+
+T = TypeVar("T")
 
 
 class LaunchError(TprtError):
@@ -50,6 +64,31 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def _set_rank_env(rank: int, world: int, port: int) -> None:
+    """torchrun's environment for local rank `rank` (what `init_distributed` reads)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _mp_context() -> Any:
+    """forkserver where available: one server process imports torch once and every rank is a
+    fork of it (starting N ranks costs one torch import, not N). spawn elsewhere."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+# ----------------------------------------------------------------- every rank local: launch_local
+
+
 def _rank_main(
     rank: int,
     nprocs: int,
@@ -59,14 +98,7 @@ def _rank_main(
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(nprocs),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    _set_rank_env(rank, nprocs, port)
     torch.set_num_threads(threads)
     try:
         value = fn(*args)
@@ -81,16 +113,6 @@ def _rank_main(
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - peers may be gone already
                 pass
-
-
-def _mp_context() -> Any:
-    """forkserver where available: one server process imports torch once and every rank is a
-    fork of it (starting N ranks costs one torch import, not N). spawn elsewhere."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
 
 
 def _stop_all(procs: Sequence[Any]) -> None:
@@ -173,3 +195,93 @@ def _drain(results: Any, values: dict[int, Any]) -> None:
             values[rank] = value
     except queue.Empty:
         return
+
+
+# ----------------------------------------------------------------- this process is rank 0: start_followers
+
+
+def _follower_main(rank: int, world: int, port: int, threads: int, fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    _set_rank_env(rank, world, port)
+    # Stopping is rank 0's decision (a server drains, then releases the followers): a terminal's
+    # Ctrl-C or a SIGTERM sent to the whole process group must not kill a follower mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    fn(*args)
+
+
+def start_followers(world: int, fn: Callable[..., None], args: tuple[Any, ...], threads: int) -> list[Any]:
+    """Starts ranks 1..world-1 running `fn(*args)` with `threads` torch threads each; this process
+    becomes rank 0 (its environment is set for `init_distributed`)."""
+    port = free_port()
+    _set_rank_env(0, world, port)
+    ctx = _mp_context()
+    procs = []
+    for r in range(1, world):
+        p = ctx.Process(target=_follower_main, args=(r, world, port, threads, fn, args), name=f"tprt-rank{r}",
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def watch(procs: list[Any], on_death: Callable[[str], None], stop: threading.Event, poll_s: float = 0.2) -> threading.Thread:
+    """A daemon thread that calls `on_death(reason)` once when a follower process exits early."""
+
+    def run() -> None:
+        while not stop.wait(poll_s):
+            for rank, p in enumerate(procs, start=1):
+                if p.exitcode is not None:
+                    on_death(f"rank {rank} (pid {p.pid}) exited with code {p.exitcode}")
+                    return
+
+    t = threading.Thread(target=run, name="tprt-rank-watch", daemon=True)
+    t.start()
+    return t
+
+
+def stop_followers(procs: list[Any], grace_s: float = 10.0) -> None:
+    """Waits up to `grace_s` for followers to exit (they do once released), then kills stragglers."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+# ----------------------------------------------------------------- torchrun or local: run_on_ranks
+
+
+def run_on_ranks(model: str | Path, fn: Callable[..., T], args: Sequence[Any] = (), *, threads: int | None = None,
+                 dp: bool = False, tp1_in_process: bool = False) -> T:
+    """Runs `fn(*args)` on every rank of the world that serves the TP checkpoint `model`.
+
+    Under torchrun (or inside a launched rank): here, on this rank, leaving the world afterwards;
+    returns this rank's result. The world must be the checkpoint's TP size, or with `dp` any
+    world the ranks can lay out as dp x tp (`init_distributed(tp_size=...)` checks it).
+    Otherwise: on the checkpoint's TP number of local ranks (`launch_local`; in this process when
+    TP is 1 and `tp1_in_process`); returns rank 0's result. `threads`: torch threads per rank
+    (None: local ranks share the cores, torchrun's ranks and this process keep their own count).
+    """
+    tp = TPCheckpoint(model).tp_size
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {threads}")
+    local = not in_distributed_env()
+    in_process = not local or (tp == 1 and tp1_in_process)
+    if threads is not None and in_process:
+        torch.set_num_threads(threads)
+    if not local:
+        world = int(os.environ["WORLD_SIZE"])
+        if not dp and world != tp:
+            raise ConfigError(f"{Path(model) / MANIFEST_NAME}: the checkpoint is sharded for tp_size={tp} but "
+                              f"torchrun started WORLD_SIZE={world} ranks; start {tp} (e.g. --nproc-per-node {tp})")
+        try:
+            return fn(*args)
+        finally:
+            shutdown()
+    if in_process:
+        return fn(*args)
+    results: list[T] = launch_local(tp, fn, args, threads_per_rank=threads)
+    return results[0]

@@ -11,11 +11,12 @@ API (rank 0 drives, every other TP rank follows):
         engine.cancel("req-1")                  # any time between steps; ends with a "cancelled" event
         engine.close()                          # releases the followers
     else:
-        engine.follow()                         # executes rank 0's plans until close()
+        engine.follow()                         # executes rank 0's plans until close() (or a command)
 
 A step has two halves. *What to do* is decided on rank 0 by the scheduler and written down as a
 `tprt.engine.plan.StepPlan` (plain data: slot moves, a prefill batch of uneven prompt chunks, a decode
-batch of one token per running sequence), which is broadcast to the other ranks. *Doing it* is
+batch of one token per running sequence), which is sent to the other ranks as a STEP message of
+the rank protocol (tprt.distributed.protocol). *Doing it* is
 `tprt.engine.runner.ModelRunner.execute(plan)`, identical on every rank. The scheduler admits waiting
 prompts in arrival order while slots and the per-step token budget last (decode rows count one
 token each; a prompt longer than what is left is prefilled in chunks over several steps), so
@@ -46,12 +47,14 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from tprt.errors import ConfigError, ValidationError
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.engine.plan import BatchPlan, StepPlan, broadcast_plan
+from tprt.distributed.protocol import Tag, receive_header, receive_step, send_signal, send_step
+from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.prefix_cache import PrefixCache
 from tprt.engine.request import check_request
 from tprt.engine.runner import BatchResult, ModelRunner
@@ -78,6 +81,31 @@ class EngineConfig:
     one_row_threads: int | None = 1
     # Reuse the keys and values of a prompt prefix another slot holds (see the module docstring).
     prefix_cache: bool = True
+
+
+class EngineLike(Protocol):
+    """What rank 0's server scheduler (serve/scheduler.py) uses of an `Engine`: a fake one can drive it."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def kv_capacity(self) -> int: ...
+
+    @property
+    def kv_tokens(self) -> int: ...
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[TokenEvent]: ...
 
 
 class Engine:
@@ -185,7 +213,7 @@ class Engine:
         plan, prefill_rows, decode_rows = self._schedule()
         if plan.empty:
             return events
-        broadcast_plan(plan, self.ctx)
+        send_step(plan, self.ctx)
         result = self.runner.execute(plan)
         if plan.prefill is not None and result.prefill is not None:
             events += self._after_prefill(plan.prefill, prefill_rows, result.prefill)
@@ -195,20 +223,23 @@ class Engine:
             events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode)
         return events
 
-    def follow(self) -> None:
-        """On ranks other than 0: executes rank 0's plans until it calls `close()`."""
+    def follow(self) -> Tag:
+        """On ranks other than 0: executes rank 0's plans (and waits through its keepalives) until
+        it sends anything else; returns that message's tag: EXIT after `close()`, or COMMAND
+        (tprt.distributed.ranks.follower_loop receives and runs the command)."""
         if self.is_driver:
             raise RuntimeError("Engine.follow() is for TP ranks other than 0")
         while True:
-            plan = broadcast_plan(None, self.ctx)
-            if plan.stop:
-                return
-            self.runner.execute(plan)
+            header = receive_header(self.ctx)
+            if header.tag is Tag.STEP:
+                self.runner.execute(StepPlan.decode_from(receive_step(header, self.ctx)))
+            elif header.tag is not Tag.KEEPALIVE:
+                return header.tag
 
     def close(self) -> None:
-        """Rank 0: tells the followers to leave `follow()` (collective; once, idempotent)."""
-        if self.is_driver and not self._closed and self.ctx.world_size > 1:
-            broadcast_plan(StepPlan(stop=True), self.ctx)
+        """Rank 0: releases the followers, whose `follow()` returns EXIT (collective; once, idempotent)."""
+        if self.is_driver and not self._closed:
+            send_signal(Tag.EXIT, self.ctx)
         self._closed = True
 
     def __enter__(self) -> Engine:

@@ -1,21 +1,15 @@
 """What one engine step does, as plain data that rank 0 decides and every rank executes.
 
 A `StepPlan` holds only model inputs (no sampling state, no text): KV-cache slot moves, one
-prefill batch and one decode batch. Rank 0's scheduler builds it; `broadcast_plan` sends it to
-the other TP ranks as two small int64 tensors (its length, then its contents); every rank then
-runs `tprt.engine.runner.ModelRunner.execute(plan)` and so issues the same collectives in the same order.
+prefill batch and one decode batch. Rank 0's scheduler builds it; it travels to the other TP
+ranks as a list of ints (`encode` / `decode_from`) in a STEP message of the rank protocol
+(`tprt.distributed.protocol`: a header, then the ints as one int64 tensor); every rank then runs
+`tprt.engine.runner.ModelRunner.execute(plan)` and so issues the same collectives in the same order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
-
-from tprt.distributed.context import TPContext
-
-_MAGIC = 0x7470_7274  # "tprt": catches a follower reading something that is not a plan
 
 
 @dataclass(frozen=True)
@@ -74,14 +68,13 @@ class StepPlan:
     moves: tuple[tuple[int, int, int], ...] = ()  # (src slot, dst slot, positions) KV copies
     prefill: BatchPlan | None = None
     decode: BatchPlan | None = None
-    stop: bool = False  # followers leave their loop
 
     @property
     def empty(self) -> bool:
-        return not self.moves and self.prefill is None and self.decode is None and not self.stop
+        return not self.moves and self.prefill is None and self.decode is None
 
     def encode(self) -> list[int]:
-        out = [_MAGIC, int(self.stop), len(self.moves)]
+        out = [len(self.moves)]
         for move in self.moves:
             out.extend(move)
         for batch in (self.prefill, self.decode):
@@ -92,11 +85,9 @@ class StepPlan:
 
     @classmethod
     def decode_from(cls, data: list[int]) -> StepPlan:
-        if not data or data[0] != _MAGIC:
-            raise RuntimeError("received a malformed step plan (ranks out of step?)")
-        stop, n_moves = bool(data[1]), data[2]
-        moves = tuple((data[3 + 3 * k], data[4 + 3 * k], data[5 + 3 * k]) for k in range(n_moves))
-        i = 3 + 3 * n_moves
+        n_moves = data[0]
+        moves = tuple((data[1 + 3 * k], data[2 + 3 * k], data[3 + 3 * k]) for k in range(n_moves))
+        i = 1 + 3 * n_moves
         batches: list[BatchPlan | None] = []
         for _ in range(2):
             present, i = data[i], i + 1
@@ -104,27 +95,5 @@ class StepPlan:
             if present:
                 batch, i = BatchPlan.decode(data, i)
             batches.append(batch)
-        return cls(moves, batches[0], batches[1], stop)
+        return cls(moves, batches[0], batches[1])
 
-
-def broadcast_plan(plan: StepPlan | None, ctx: TPContext) -> StepPlan:
-    """Rank 0 passes its plan, the other ranks None; every rank returns rank 0's plan.
-
-    Collective over the TP group (two broadcasts from TP rank 0). With one rank, returns `plan`.
-    """
-    if ctx.world_size == 1:
-        assert plan is not None
-        return plan
-    cpu = ctx.backend != "nccl"
-    device = torch.device("cpu") if cpu else ctx.device
-    if ctx.rank == 0:
-        assert plan is not None
-        payload = torch.tensor(plan.encode(), dtype=torch.int64, device=device)
-        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, group=ctx.group, group_src=0)
-    if ctx.rank != 0:
-        payload = torch.empty(int(size.item()), dtype=torch.int64, device=device)
-    dist.broadcast(payload, group=ctx.group, group_src=0)
-    return plan if plan is not None else StepPlan.decode_from(payload.tolist())
