@@ -265,6 +265,7 @@ def test_deadline_ends_a_running_request_and_frees_its_slot(server: ServerProces
     wait_idle(server)
     call = client.generate("slow", max_new_tokens=LONG, temperature=0, ignore_eos=True, timeout=DEADLINE_S)
     got = [next(call)]  # running: its first token streamed
+    assert metric(server.metrics(), "tprt_kv_cache_slots_used") == 1
     with pytest.raises(grpc.RpcError) as info:
         got.extend(call)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
