@@ -43,6 +43,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.added: list[tuple[str, int]] = []  # (request id, adapter index), in admission order
         self.cancelled: list[str] = []
+        self.refuse: set[str] = set()  # request ids add() refuses (as it does a request it finds invalid)
         self.fail: Exception | None = None  # raised by the next step
         self.max_running = 0
         self._left: dict[str, int] = {}  # running request -> tokens still to generate
@@ -64,7 +65,7 @@ class FakeEngine:
         return len(self._left)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
-        if len(prompt_ids) + params.max_new_tokens > self.max_seq_len and params.max_new_tokens != FOREVER:
+        if request_id in self.refuse:
             raise ValidationError("max_new_tokens", "too long for the context")
         self.added.append((request_id, adapter))
         self._left[request_id] = params.max_new_tokens
@@ -375,7 +376,8 @@ def test_a_failed_step_breaks_the_world(world: Callable[..., World]) -> None:
 
 def test_a_ticket_the_engine_refuses_gets_the_error(world: Callable[..., World]) -> None:
     w = world()
-    bad, good = ticket("bad", new_tokens=FakeEngine.max_seq_len), ticket("good", 1)
+    bad, good = ticket("bad"), ticket("good", 1)
+    w.engine.refuse.add("bad")
     w.scheduler.submit(bad)
     w.scheduler.submit(good)
     w.start()
