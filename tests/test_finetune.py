@@ -163,26 +163,36 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "tprt.cli", *args]
 
 
+def _logged_steps(out: Path) -> int:
+    """Complete lines in the run's metrics log (a line is written whole, after its step)."""
+    path = out / "metrics.jsonl"
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
 def test_resume_after_sigkill_repeats_the_loss_curve_exactly(setup: dict[str, Path]) -> None:
-    common = ["--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "5e-3", "--steps", "14", "--save-every", "3",
-              "--seed", "3"]
+    steps, save_every, kill_after = 40, 4, 6
+    common = ["--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "5e-3", "--steps", str(steps),
+              "--save-every", str(save_every), "--seed", "3"]
     ref = setup["root"] / "ref"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(_cli(*_args(setup, ref, *common)), check=True, env=env, capture_output=True, timeout=180)
     out = setup["root"] / "killed"
-    proc = subprocess.Popen(_cli(*_args(setup, out, *common, "--step-delay", "0.15")), env=env,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while len(read_metrics(out / "metrics.jsonl")) < 8 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    time.sleep(0.5)
-    assert not (out / "adapter").exists(), "the run finished before it was killed"
+    proc = subprocess.Popen(_cli(*_args(setup, out, *common)), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Step 6's line is logged after the checkpoint of step 4 is complete (a step logs, then
+        # saves): killed now, the run is past a checkpoint and far from its last step.
+        deadline = time.monotonic() + 120
+        while _logged_steps(out) < kill_after and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # every rank at once
+        proc.wait()
+    assert kill_after <= _logged_steps(out) < steps and not (out / "adapter").exists(), "not killed mid-run"
     assert ckpt.latest_checkpoint(out) is not None
     assert main(_args(setup, out, *common, "--resume")) == 0
     assert _losses(out) == _losses(ref)
-    assert len(_losses(ref)) == 14
+    assert len(_losses(ref)) == steps
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(

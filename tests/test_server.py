@@ -4,10 +4,16 @@ through the generated client (serve/client.py).
 One server (module fixture, started as `python -m tprt.cli serve`, bearer-token auth on) takes
 every functional check: streaming, 16 concurrent streams vs 16 sequential greedy calls,
 cancellation and deadlines freeing the KV slot, every validation status code, auth, a full queue,
-metrics, reflection, and a LoRA fine-tuning job whose adapter is then served. The last tests stop
-it with SIGTERM (drain, job checkpoint, exit 0), start a second server on the same --data-dir
-(job recovery after restart) and kill one of its ranks (NOT_SERVING, UNAVAILABLE, no hang).
-Every wait is bounded.
+metrics, reflection, and fine-tuning jobs (a LoRA job's adapter is then served). The lifecycle
+has servers of its own on another --data-dir: one is stopped with SIGTERM (drain, job checkpoint,
+exit 0; the `drained` fixture records what it showed), a second starts on the same --data-dir
+(job recovery after restart) and loses one of its ranks (NOT_SERVING, UNAVAILABLE, no hang).
+torchrun's world and `tprt demo`'s serving part start their own servers too.
+
+Every test passes alone and in any order. Nothing waits for a guessed duration: a request that
+must still be running when something happens is one of LONG tokens (seconds of work even on a
+fast machine), the test acts once its first token has streamed, and the request is cancelled
+afterwards. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +39,19 @@ grpc = pytest.importorskip("grpc")
 
 from serve.client import Client, field_of  # noqa: E402
 from serve.jobs import RUNNING, JobRecord, JobStore  # noqa: E402
+from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
+from serve.pb import generation_pb2 as gen_pb  # noqa: E402
 from tiny_chat import make_tiny_chat_model  # noqa: E402
 
 TOKEN = "s3cret-token"
 MAX_BATCH = 16
-MAX_QUEUE = 4
+MAX_QUEUE = 2
 MAX_MESSAGE = 1 << 20
-CONTEXT = 512  # long enough that the queue-full test's blockers outlast its extra call
+CONTEXT = 4096
+LONG = CONTEXT - 16  # max_new_tokens of a request that must outlast what a test does meanwhile
+DEADLINE_S = 2.0  # shorter than LONG tokens take, longer than a first token does
+DRAIN_TOKENS = 400  # the in-flight stream at SIGTERM: running when the drain starts, done within it
 START_TIMEOUT_S = 120.0
-STATE: dict[str, Any] = {}  # what the SIGTERM test leaves for the restart test
 
 
 class ServerProcess:
@@ -131,17 +142,25 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("serve")
     make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
     (root / "token").write_text(TOKEN + "\n")
-    (root / "data").mkdir()
-    (root / "data" / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"Q{i}: say hi", "completion": " hi there"}) + "\n" for i in range(8)))
+    data_dir(root, "data")
     return root
 
 
-def server_args(root: Path) -> list[str]:
+def data_dir(root: Path, name: str) -> Path:
+    """A --data-dir holding train.jsonl (each server needs its own: a server locks its --data-dir)."""
+    d = root / name
+    d.mkdir(exist_ok=True)
+    (d / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Q{i}: say hi", "completion": " hi there"}) + "\n" for i in range(8)))
+    return d
+
+
+def server_args(root: Path, data: Path | None = None) -> list[str]:
     return ["--model", str(root / "model" / "tp2"), "--port", "0", "--metrics-port", "0",
-            "--data-dir", str(root / "data"), "--auth-token-file", str(root / "token"),
-            "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--drain-timeout", "20",
-            "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_MESSAGE)]
+            "--data-dir", str(data or root / "data"), "--auth-token-file", str(root / "token"),
+            "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
+            "--drain-timeout", "20", "--threads", "1", "--collective-timeout", "30",
+            "--max-message-bytes", str(MAX_MESSAGE)]
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +186,16 @@ def rpc_error(fn: Callable[[], Any]) -> Any:
     return info.value
 
 
+def wait_idle(server: ServerProcess) -> None:
+    """Until no request runs or waits and every KV slot is free."""
+    def idle() -> bool:
+        m = server.metrics()
+        return all(metric(m, name) == 0 for name in
+                   ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_slots_used"))
+
+    wait_for(idle, 20, "the server to be idle")
+
+
 # ----------------------------------------------------------------- generation
 
 
@@ -175,9 +204,9 @@ def test_streaming(client: Client) -> None:
                                   logprobs=True, top_logprobs=3))
     assert len(chunks) == 12
     assert all(c.HasField("token") for c in chunks)
-    assert [c.finish_reason for c in chunks[:-1]] == [0] * 11
+    assert [c.finish_reason for c in chunks[:-1]] == [gen_pb.FINISH_REASON_UNSPECIFIED] * 11
     last = chunks[-1]
-    assert last.finish_reason == 2 and last.usage.completion_tokens == 12  # LENGTH
+    assert last.finish_reason == gen_pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 12
     assert last.usage.prompt_tokens == len(client.tokenize("Hello there").ids)
     done = client.complete("Hello there", max_new_tokens=12, temperature=0, ignore_eos=True)
     assert [t.id for t in done.tokens] == [c.token.id for c in chunks]
@@ -196,7 +225,7 @@ def test_chat_and_stops(client: Client) -> None:
     cut = client.complete(chat=[{"role": "user", "content": "hi"}], max_new_tokens=8, temperature=0,
                           ignore_eos=True, stop_token_ids=[stop_id])
     assert [t.id for t in cut.tokens] == [t.id for t in base.tokens[: first + 1]]
-    assert cut.finish_reason == 1 and cut.stop_reason == str(stop_id)  # STOP
+    assert cut.finish_reason == gen_pb.FINISH_REASON_STOP and cut.stop_reason == str(stop_id)
 
 
 def test_sixteen_concurrent_streams_match_sequential(client: Client) -> None:
@@ -219,109 +248,121 @@ def test_seeded_sampling_is_reproducible(client: Client) -> None:
 
 
 def test_cancel_frees_the_slot(server: ServerProcess, client: Client) -> None:
+    wait_idle(server)
     before = metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="cancelled")
-    call = client.generate("cancel me", max_new_tokens=100, temperature=0, ignore_eos=True)
-    for _, _ in zip(range(2), call):
+    call = client.generate("cancel me", max_new_tokens=LONG, temperature=0, ignore_eos=True)
+    for _, _ in zip(range(2), call):  # running: two tokens streamed
         pass
+    assert metric(server.metrics(), "tprt_kv_cache_slots_used") == 1
     call.cancel()
-    wait_for(lambda: metric(server.metrics(), "tprt_kv_cache_slots_used") == 0
-             and metric(server.metrics(), "tprt_running_requests") == 0, 10, "the slot to be freed")
+    wait_idle(server)
     wait_for(lambda: metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="cancelled")
              == before + 1, 10, "the cancellation to be counted")
-    # A deadline does the same: the client gets DEADLINE_EXCEEDED and the slot is freed.
-    err = rpc_error(lambda: client.complete("slow", max_new_tokens=120, temperature=0, ignore_eos=True,
-                                            timeout=0.3))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: metric(server.metrics(), "tprt_kv_cache_slots_used") == 0, 10, "the slot to be freed")
     assert len(client.complete("after", max_new_tokens=3, temperature=0, ignore_eos=True).tokens) == 3
 
 
-def test_queue_full_is_resource_exhausted(server: ServerProcess, client: Client) -> None:
-    # On a fast machine the blockers can finish before the extra call arrives, which legitimately
-    # frees room; such a try shows nothing, so it is repeated (at most 3 times).
-    for _ in range(3):
-        finished_before = metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="ok")
-        calls = [client.generate(f"long {i}", max_new_tokens=CONTEXT - 16, temperature=0, ignore_eos=True)
-                 for i in range(MAX_BATCH + MAX_QUEUE)]
-        try:
-            wait_for(lambda: metric(server.metrics(), "tprt_waiting_requests") == MAX_QUEUE, 20, "a full queue")
-            try:
-                # A deadline: a call that waited for room instead of being refused would hang here.
-                client.complete("one too many", max_new_tokens=2, timeout=30)
-            except grpc.RpcError as err:
-                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                return
-            finished = metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="ok")
-            assert finished > finished_before, "accepted while the queue was full and no blocker had finished"
-        finally:
-            for call in calls:
-                call.cancel()
-            wait_for(lambda: metric(server.metrics(), "tprt_running_requests") == 0
-                     and metric(server.metrics(), "tprt_waiting_requests") == 0, 20, "the batch to empty")
-    pytest.fail("in every try the blockers finished before the extra call arrived")
+def test_deadline_ends_a_running_request_and_frees_its_slot(server: ServerProcess, client: Client) -> None:
+    wait_idle(server)
+    call = client.generate("slow", max_new_tokens=LONG, temperature=0, ignore_eos=True, timeout=DEADLINE_S)
+    got = [next(call)]  # running: its first token streamed
+    assert metric(server.metrics(), "tprt_kv_cache_slots_used") == 1
+    with pytest.raises(grpc.RpcError) as info:
+        got.extend(call)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(got) < LONG, "the request finished before its deadline"
+    wait_idle(server)
+    assert len(client.complete("after", max_new_tokens=3, temperature=0, ignore_eos=True).tokens) == 3
 
 
-GEN_ERRORS: list[tuple[dict[str, Any], str, str]] = [
-    ({}, "INVALID_ARGUMENT", "input"),
-    ({"prompt": ""}, "INVALID_ARGUMENT", "prompt"),
-    ({"prompt_ids": [5, 9999]}, "INVALID_ARGUMENT", "prompt_ids.ids"),
-    ({"chat": []}, "INVALID_ARGUMENT", "chat.messages"),
-    ({"chat": [{"role": "robot", "content": "x"}]}, "INVALID_ARGUMENT", "chat.messages[0].role"),
-    ({"prompt": "x", "temperature": -1.0}, "INVALID_ARGUMENT", "sampling.temperature"),
-    ({"prompt": "x", "temperature": float("nan")}, "INVALID_ARGUMENT", "sampling.temperature"),
-    ({"prompt": "x", "top_k": -1}, "INVALID_ARGUMENT", "sampling.top_k"),
-    ({"prompt": "x", "top_p": 0.0}, "INVALID_ARGUMENT", "sampling.top_p"),
-    ({"prompt": "x", "min_p": 1.5}, "INVALID_ARGUMENT", "sampling.min_p"),
-    ({"prompt": "x", "repetition_penalty": 0.0}, "INVALID_ARGUMENT", "sampling.repetition_penalty"),
-    ({"prompt": "x", "max_new_tokens": 0}, "INVALID_ARGUMENT", "sampling.max_new_tokens"),
-    ({"prompt": "x", "stop": [""]}, "INVALID_ARGUMENT", "sampling.stop"),
-    ({"prompt": "x", "stop_token_ids": [100000]}, "INVALID_ARGUMENT", "sampling.stop_token_ids"),
-    ({"prompt": "x", "top_logprobs": 2}, "INVALID_ARGUMENT", "sampling.top_logprobs"),
-    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, "INVALID_ARGUMENT", "sampling.top_logprobs"),
-    ({"prompt": "x", "adapter_id": "no-such-adapter"}, "NOT_FOUND", "adapter_id"),
-    ({"prompt": "x", "max_new_tokens": CONTEXT}, "OUT_OF_RANGE", "sampling.max_new_tokens"),
-    ({"prompt_ids": [5] * CONTEXT}, "OUT_OF_RANGE", "prompt"),
+def test_full_queue_is_resource_exhausted(server: ServerProcess, client: Client) -> None:
+    """Every slot runs a LONG request and MAX_QUEUE wait: the next is refused at once. A waiting
+    request whose deadline passes leaves the queue (DEADLINE_EXCEEDED), freeing its place."""
+    wait_idle(server)
+    calls = [client.generate(f"long {i}", max_new_tokens=LONG, temperature=0, ignore_eos=True)
+             for i in range(MAX_BATCH)]
+    try:
+        for call in calls:
+            next(call)  # each holds a slot: its first token streamed
+        calls += [client.generate(f"queued {i}", max_new_tokens=2) for i in range(MAX_QUEUE)]
+        wait_for(lambda: metric(server.metrics(), "tprt_waiting_requests") == MAX_QUEUE, 20, "a full queue")
+        err = rpc_error(lambda: client.complete("one too many", max_new_tokens=2, timeout=30))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details(), err.details()
+        calls.pop().cancel()  # a waiting request the client cancels leaves the queue ...
+        wait_for(lambda: metric(server.metrics(), "tprt_waiting_requests") == MAX_QUEUE - 1, 20, "a free place")
+        before = metric(server.metrics(), "tprt_requests_total", method="Complete", outcome="deadline_exceeded")
+        err = rpc_error(lambda: client.complete("late", max_new_tokens=2, timeout=0.5))  # ... and one that times out
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: metric(server.metrics(), "tprt_requests_total", method="Complete",
+                                outcome="deadline_exceeded") == before + 1, 10, "the server to end it")
+        assert metric(server.metrics(), "tprt_waiting_requests") == MAX_QUEUE - 1
+        assert metric(server.metrics(), "tprt_running_requests") == MAX_BATCH  # the blockers never finished
+    finally:
+        for call in calls:
+            call.cancel()
+    wait_idle(server)
+
+
+GEN_ERRORS: list[tuple[dict[str, Any], Any, str]] = [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, "input"),
+    ({"prompt": ""}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ({"prompt_ids": [5, 9999]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_ids.ids"),
+    ({"chat": []}, grpc.StatusCode.INVALID_ARGUMENT, "chat.messages"),
+    ({"chat": [{"role": "robot", "content": "x"}]}, grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[0].role"),
+    ({"prompt": "x", "temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+    ({"prompt": "x", "top_k": -1}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
+    ({"prompt": "x", "top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    ({"prompt": "x", "min_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.min_p"),
+    ({"prompt": "x", "repetition_penalty": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.repetition_penalty"),
+    ({"prompt": "x", "max_new_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_new_tokens"),
+    ({"prompt": "x", "stop": [""]}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop"),
+    ({"prompt": "x", "stop_token_ids": [100000]}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop_token_ids"),
+    ({"prompt": "x", "top_logprobs": 2}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_logprobs"),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_logprobs"),
+    ({"prompt": "x", "adapter_id": "no-such-adapter"}, grpc.StatusCode.NOT_FOUND, "adapter_id"),
+    ({"prompt": "x", "max_new_tokens": CONTEXT}, grpc.StatusCode.OUT_OF_RANGE, "sampling.max_new_tokens"),
+    ({"prompt_ids": [5] * CONTEXT}, grpc.StatusCode.OUT_OF_RANGE, "prompt"),
 ]
 
 
-@pytest.mark.parametrize("kw,code,field", GEN_ERRORS, ids=[f"{c}-{f}" for _, c, f in GEN_ERRORS])
-def test_generation_validation(client: Client, kw: dict[str, Any], code: str, field: str) -> None:
+@pytest.mark.parametrize("kw,code,field", GEN_ERRORS, ids=[f"{c.name}-{f}" for _, c, f in GEN_ERRORS])
+def test_generation_validation(client: Client, kw: dict[str, Any], code: Any, field: str) -> None:
     prompt = kw.pop("prompt", None)
     for call in (client.complete, client.generate):
         err = rpc_error(lambda: call(prompt, **kw))
-        assert (err.code().name, field_of(err)) == (code, field), err.details()
+        assert (err.code(), field_of(err)) == (code, field), err.details()
         assert err.details().startswith(field)
 
 
 def test_job_validation(workdir: Path, client: Client) -> None:
-    cases: list[tuple[dict[str, Any], str, str]] = [
-        ({}, "INVALID_ARGUMENT", "dataset"),
-        ({"dataset_path": "../../etc/passwd"}, "INVALID_ARGUMENT", "dataset_path"),
-        ({"dataset_path": "missing.jsonl"}, "NOT_FOUND", "dataset_path"),
-        ({"inline_jsonl": "{not json\n"}, "INVALID_ARGUMENT", "inline_jsonl"),
-        ({"inline_jsonl": "  \n"}, "INVALID_ARGUMENT", "inline_jsonl"),
-        ({"dataset_path": "train.jsonl", "learning_rate": 0.0}, "INVALID_ARGUMENT", "hyperparameters.learning_rate"),
-        ({"dataset_path": "train.jsonl", "steps": 0}, "INVALID_ARGUMENT", "hyperparameters.steps"),
-        ({"dataset_path": "train.jsonl", "max_seq_len": 4096}, "OUT_OF_RANGE", "hyperparameters.max_seq_len"),
-        ({"dataset_path": "train.jsonl", "full": True, "lora_rank": 4}, "INVALID_ARGUMENT", "hyperparameters.lora_rank"),
-        ({"dataset_path": "train.jsonl", "adapter_id": "bad id!"}, "INVALID_ARGUMENT", "adapter_id"),
+    jobs_before = [j.id for j in client.list_jobs()]
+    train = {"dataset_path": "train.jsonl"}
+    cases: list[tuple[dict[str, Any], Any, str]] = [
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "dataset"),
+        ({"dataset_path": "../../etc/passwd"}, grpc.StatusCode.INVALID_ARGUMENT, "dataset_path"),
+        ({"dataset_path": "missing.jsonl"}, grpc.StatusCode.NOT_FOUND, "dataset_path"),
+        ({"inline_jsonl": "{not json\n"}, grpc.StatusCode.INVALID_ARGUMENT, "inline_jsonl"),
+        ({"inline_jsonl": "  \n"}, grpc.StatusCode.INVALID_ARGUMENT, "inline_jsonl"),
+        ({**train, "learning_rate": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.learning_rate"),
+        ({**train, "steps": 0}, grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.steps"),
+        ({**train, "max_seq_len": CONTEXT + 1}, grpc.StatusCode.OUT_OF_RANGE, "hyperparameters.max_seq_len"),
+        ({**train, "full": True, "lora_rank": 4}, grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.lora_rank"),
+        ({**train, "adapter_id": "bad id!"}, grpc.StatusCode.INVALID_ARGUMENT, "adapter_id"),
     ]
     (workdir / "outside.jsonl").write_text('{"text": "x"}\n')
-    cases.append(({"dataset_path": str(workdir / "outside.jsonl")}, "INVALID_ARGUMENT", "dataset_path"))
+    cases.append(({"dataset_path": str(workdir / "outside.jsonl")}, grpc.StatusCode.INVALID_ARGUMENT, "dataset_path"))
     for kw, code, field in cases:
         err = rpc_error(lambda: client.create_job(**kw))
-        assert (err.code().name, field_of(err)) == (code, field), (kw, err.details())
-    from serve.pb import finetuning_pb2 as ft_pb
-
+        assert (err.code(), field_of(err)) == (code, field), (kw, err.details())
     bad_method = ft_pb.CreateJobRequest(dataset_path="train.jsonl", method=7)
     err = rpc_error(lambda: client.finetuning.CreateJob(bad_method, metadata=client.metadata, timeout=30))
-    assert (err.code().name, field_of(err)) == ("INVALID_ARGUMENT", "method")
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "method")
     err = rpc_error(lambda: client.finetuning.ListJobs(ft_pb.ListJobsRequest(limit=-1), metadata=client.metadata))
-    assert (err.code().name, field_of(err)) == ("INVALID_ARGUMENT", "limit")
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "limit")
     for call in (client.get_job, client.cancel_job, client.watch_job):
         err = rpc_error(lambda: call("job-unknown"))
-        assert (err.code().name, field_of(err)) == ("NOT_FOUND", "job_id")
-    assert client.list_jobs() == []  # nothing was created by the refused requests
+        assert (err.code(), field_of(err)) == (grpc.StatusCode.NOT_FOUND, "job_id")
+    assert [j.id for j in client.list_jobs()] == jobs_before  # the refused requests created nothing
 
 
 def test_auth(server: ServerProcess) -> None:
@@ -397,19 +438,16 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
     assert metric(after, "tprt_requests_total", method="Complete", outcome="internal") == 0
 
 
-# ----------------------------------------------------------------- fine-tuning
+# ----------------------------------------------------------------- torchrun
 
 
 def test_torchrun_world_serves_the_same_tokens(workdir: Path, client: Client) -> None:
     """`torchrun ... -m tprt.cli serve`: the ranks join torchrun's world instead of being started
     by tprt; greedy answers equal the local launcher's, and torchrun's SIGTERM drains rank 0."""
-    data = workdir / "data-torchrun"  # another server's --data-dir is locked by it
-    data.mkdir(exist_ok=True)
-    args = server_args(workdir)
-    args[args.index("--data-dir") + 1] = str(data)
     launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 "-m", "tprt.cli")
-    srv = ServerProcess(args, workdir / "server-torchrun.log", launcher=launcher)
+    srv = ServerProcess(server_args(workdir, data_dir(workdir, "data-torchrun")), workdir / "server-torchrun.log",
+                        launcher=launcher)
     try:
         with srv.client() as c:
             assert c.model_info().tp_size == 2
@@ -421,6 +459,9 @@ def test_torchrun_world_serves_the_same_tokens(workdir: Path, client: Client) ->
         assert "stopped (drained)" in srv.tail(), srv.tail()
     finally:
         srv.kill()
+
+
+# ----------------------------------------------------------------- fine-tuning
 
 
 def _first_logprobs(client: Client, ids: list[int], adapter_id: str = "") -> list[float]:
@@ -452,14 +493,15 @@ def _reference_top_logprobs(workdir: Path, ids: list[int], adapter: Path | None)
 
 
 def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProcess, client: Client) -> None:
+    succeeded_before = metric(server.metrics(), "tprt_finetune_jobs", state="succeeded")
     ids = client.tokenize("Q1: say hi").ids
     base = _first_logprobs(client, list(ids))
     job = client.create_job(dataset_path="train.jsonl", steps=4, batch_size=2, max_seq_len=32, lora_rank=4,
                             lora_alpha=8.0, learning_rate=0.05, checkpoint_every=2, adapter_id="tiny-lora")
-    assert job.state == 1 and job.adapter_id == "tiny-lora" and job.hyperparameters.steps == 4  # QUEUED
+    assert job.state == ft_pb.JOB_STATE_QUEUED and job.adapter_id == "tiny-lora" and job.hyperparameters.steps == 4
     progress = list(client.watch_job(job.id, timeout=120))
     last = progress[-1]
-    assert last.state == 3, f"job ended {last.state}: {last.error}"  # SUCCEEDED
+    assert last.state == ft_pb.JOB_STATE_SUCCEEDED, f"job ended {last.state}: {last.error}"
     steps = [p.step for p in progress]
     assert steps == sorted(steps) and steps[-1] == 4 and last.loss > 0
     done = client.get_job(job.id)
@@ -483,8 +525,7 @@ def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProce
     assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "adapter_id")
     m = server.metrics()
     assert metric(m, "tprt_finetune_steps_total") >= 4 and metric(m, "tprt_finetune_tokens_total") > 0
-    assert metric(m, "tprt_finetune_jobs", state="succeeded") == 1
-    STATE["adapter"] = "tiny-lora"
+    assert metric(m, "tprt_finetune_jobs", state="succeeded") == succeeded_before + 1
 
 
 def test_full_finetune_job_writes_a_checkpoint(workdir: Path, client: Client) -> None:
@@ -493,46 +534,92 @@ def test_full_finetune_job_writes_a_checkpoint(workdir: Path, client: Client) ->
                             learning_rate=1e-3)
     assert job.adapter_id == "" and not job.hyperparameters.HasField("lora_rank")
     last = list(client.watch_job(job.id, timeout=120))[-1]
-    assert last.state == 3, last.error  # SUCCEEDED
+    assert last.state == ft_pb.JOB_STATE_SUCCEEDED, last.error
     out = client.get_job(job.id).output_path
     assert out == f"jobs/{job.id}/model" and (workdir / "data" / out / "tprt_manifest.json").is_file()
     assert list(client.model_info().adapters) == adapters  # a full fine-tune serves nothing new
 
 
 def test_cancel_queued_and_running_jobs(client: Client) -> None:
-    job = client.create_job(inline_jsonl='{"text": "hello hello hello"}\n', steps=100000, batch_size=1,
-                            max_seq_len=16, lora_rank=2)
-    wait_for(lambda: client.get_job(job.id).step >= 1, 60, "the job to run")
-    assert client.cancel_job(job.id).state in (2, 5)
-    wait_for(lambda: client.get_job(job.id).state == 5, 30, "the job to be cancelled")  # CANCELLED
-    assert [j.id for j in client.list_jobs(state="cancelled")] == [job.id]
+    endless = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100000, "batch_size": 1,
+               "max_seq_len": 16, "lora_rank": 2}
+    running = client.create_job(**endless)
+    wait_for(lambda: client.get_job(running.id).step >= 1, 60, "the job to run")
+    queued = client.create_job(**endless)  # one job runs at a time: this one waits
+    assert client.get_job(queued.id).state == ft_pb.JOB_STATE_QUEUED
+    assert client.cancel_job(queued.id).state == ft_pb.JOB_STATE_CANCELLED  # at once
+    assert client.cancel_job(running.id).state == ft_pb.JOB_STATE_RUNNING  # at its next step
+    wait_for(lambda: client.get_job(running.id).state == ft_pb.JOB_STATE_CANCELLED, 30, "the job to be cancelled")
+    assert client.get_job(queued.id).started_unix_ms == 0  # it never ran
+    cancelled = client.list_jobs(state="cancelled")
+    assert {running.id, queued.id} <= {j.id for j in cancelled}
+    assert all(j.state == ft_pb.JOB_STATE_CANCELLED for j in cancelled)
 
 
-# ----------------------------------------------------------------- lifecycle (keep these last)
+# ----------------------------------------------------------------- lifecycle: SIGTERM, restart, a rank dies
 
 
-def test_sigterm_drains_checkpoints_and_exits_0(workdir: Path, server: ServerProcess) -> None:
-    c = server.client()
-    job = c.create_job(dataset_path="train.jsonl", steps=100000, batch_size=2, max_seq_len=32, lora_rank=4,
-                       checkpoint_every=100000, adapter_id="long-run")
-    wait_for(lambda: c.get_job(job.id).step >= 2, 60, "the job to take steps")
-    stream = c.generate("drain me", max_new_tokens=60, temperature=0, ignore_eos=True)
-    first = next(stream)
-    server.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: c.health_check() == "NOT_SERVING", 10, "health NOT_SERVING")
-    err = rpc_error(lambda: c.complete("too late", max_new_tokens=1))
-    assert err.code() == grpc.StatusCode.UNAVAILABLE
-    rest = list(stream)  # the in-flight stream finishes
-    assert 1 + len(rest) == 60 and rest[-1].finish_reason == 2
-    assert first.token.id >= 0
-    c.close()
-    assert server.stop(timeout=60) == 0, server.tail()
-    store = JobStore(workdir / "data")
-    rec = store.get(job.id)
+@dataclass
+class Drained:
+    """What a server on its own --data-dir showed while SIGTERM drained it (`drained` acts, the
+    tests judge): it had served a LoRA job's adapter and was running a long job and a stream."""
+
+    data: Path
+    adapter_id: str
+    job_id: str  # the long job, running at SIGTERM
+    running_while_draining: float  # tprt_running_requests once health was NOT_SERVING
+    too_late: Any  # the status of a request sent then
+    stream: list[Any]  # every chunk of the stream in flight at SIGTERM
+    exit_code: int
+    log: str
+    record: JobRecord | None  # the long job, as stored after the exit
+
+
+@pytest.fixture(scope="module")
+def drained(workdir: Path) -> Drained:
+    data = data_dir(workdir, "data-lifecycle")
+    srv = ServerProcess(server_args(workdir, data), workdir / "server-lifecycle.log")
+    try:
+        with srv.client() as c:
+            small = c.create_job(dataset_path="train.jsonl", steps=2, batch_size=2, max_seq_len=32, lora_rank=4,
+                                 adapter_id="before-restart")
+            last = list(c.watch_job(small.id, timeout=120))[-1]
+            assert last.state == ft_pb.JOB_STATE_SUCCEEDED, last.error
+            job = c.create_job(dataset_path="train.jsonl", steps=100000, batch_size=2, max_seq_len=32, lora_rank=4,
+                               checkpoint_every=100000, adapter_id="long-run")
+            wait_for(lambda: c.get_job(job.id).step >= 2, 60, "the job to take steps")
+            stream = c.generate("drain me", max_new_tokens=DRAIN_TOKENS, temperature=0, ignore_eos=True)
+            chunks = [next(stream)]
+            srv.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: c.health_check() == "NOT_SERVING", 10, "health NOT_SERVING")
+            running = metric(srv.metrics(), "tprt_running_requests")
+            try:
+                c.complete("too late", max_new_tokens=1)
+                too_late = grpc.StatusCode.OK
+            except grpc.RpcError as e:
+                too_late = e.code()
+            chunks += list(stream)
+        exit_code = srv.stop(timeout=60)
+    finally:
+        srv.kill()
+    store = JobStore(data)
+    record = store.get(job.id)
     store.close()
-    assert rec is not None and rec.state == "queued" and rec.checkpoint == f"jobs/{job.id}", rec
-    assert rec.step >= 2 and (workdir / "data" / rec.checkpoint / "checkpoints").is_dir()
-    STATE["checkpointed"] = (job.id, rec.step)
+    return Drained(data, "before-restart", job.id, running, too_late, chunks, exit_code, srv.tail(), record)
+
+
+def test_sigterm_drains_checkpoints_and_exits_0(drained: Drained) -> None:
+    assert drained.too_late == grpc.StatusCode.UNAVAILABLE
+    # The stream was running while the server drained, and it finished.
+    assert drained.running_while_draining == 1
+    assert len(drained.stream) == DRAIN_TOKENS
+    assert drained.stream[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+    assert drained.exit_code == 0 and "stopped (drained)" in drained.log, drained.log
+    # The running job was checkpointed and re-queued, to resume at the next start.
+    rec = drained.record
+    assert rec is not None and rec.state == "queued" and rec.checkpoint == f"jobs/{drained.job_id}", rec
+    assert rec.step >= 2 and (drained.data / rec.checkpoint / "checkpoints").is_dir()
+    assert "checkpointed at step" in rec.error
 
 
 def _self_signed_cert(workdir: Path) -> tuple[Path, Path] | None:
@@ -547,29 +634,30 @@ def _self_signed_cert(workdir: Path) -> tuple[Path, Path] | None:
     return cert, key
 
 
-def test_restart_recovers_jobs_then_rank_death(workdir: Path) -> None:
-    store = JobStore(workdir / "data")
+def test_restart_recovers_jobs_then_rank_death(workdir: Path, drained: Drained) -> None:
+    store = JobStore(drained.data)
     store.create(JobRecord(id="job-crashed", method="lora", dataset="train.jsonl", adapter_id="crashed",
                            hyperparameters={"steps": 10}, state=RUNNING, step=3, total_steps=10))
     store.close()
     tls = _self_signed_cert(workdir)  # this server speaks TLS (when openssl is available)
     extra = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
-    srv = ServerProcess(server_args(workdir) + extra, workdir / "server-b.log", tls[0] if tls else None)
+    args = server_args(workdir, drained.data)
+    srv = ServerProcess(args + extra, workdir / "server-restarted.log", tls[0] if tls else None)
     try:
         c = srv.client()
-        second = subprocess.run([sys.executable, "-m", "tprt.cli", "serve", *server_args(workdir)],
+        second = subprocess.run([sys.executable, "-m", "tprt.cli", "serve", *args],
                                 capture_output=True, text=True, timeout=120)
         assert second.returncode == 2 and "in use by another tprt serve" in second.stderr, second.stderr
         crashed = c.get_job("job-crashed")
-        assert crashed.state == 4 and "no checkpoint" in crashed.error  # FAILED, with the reason
-        if "adapter" in STATE:
-            assert STATE["adapter"] in {a.id for a in c.model_info().adapters}  # reloaded at start-up
-        if "checkpointed" in STATE:
-            job_id, step = STATE["checkpointed"]
-            wait_for(lambda: f"job {job_id}: started at step {step} of" in srv.tail(), 60, "the job to resume")
-            wait_for(lambda: c.get_job(job_id).step > step, 60, "the resumed job to step")
-            c.cancel_job(job_id)
-            wait_for(lambda: c.get_job(job_id).state == 5, 30, "the resumed job to cancel")
+        assert crashed.state == ft_pb.JOB_STATE_FAILED and "no checkpoint" in crashed.error  # with the reason
+        assert drained.adapter_id in {a.id for a in c.model_info().adapters}  # reloaded at start-up
+        assert len(c.complete("hi", adapter_id=drained.adapter_id, max_new_tokens=2).tokens) == 2
+        assert drained.record is not None
+        job_id, step = drained.job_id, drained.record.step
+        wait_for(lambda: f"job {job_id}: started at step {step} of" in srv.tail(), 60, "the job to resume")
+        wait_for(lambda: c.get_job(job_id).step > step, 60, "the resumed job to step")
+        c.cancel_job(job_id)
+        wait_for(lambda: c.get_job(job_id).state == ft_pb.JOB_STATE_CANCELLED, 30, "the resumed job to cancel")
         os.kill(srv.pids[1], signal.SIGKILL)  # a follower rank dies
         wait_for(lambda: c.health_check() == "NOT_SERVING", 15, "health NOT_SERVING")
         # UNAVAILABLE, not DEADLINE_EXCEEDED: the request fails instead of hanging on the dead rank.
@@ -579,6 +667,9 @@ def test_restart_recovers_jobs_then_rank_death(workdir: Path) -> None:
         assert srv.stop(timeout=60) == 1  # a broken world exits non-zero
     finally:
         srv.kill()
+
+
+# ----------------------------------------------------------------- tprt demo
 
 
 def test_serve_demo_walkthrough(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -96,7 +96,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="continue from the newest complete checkpoint in --out (a larger --steps trains on; "
                         "the learning-rate schedule stays the original run's)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
-    f.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: slow steps down
     g = sub.add_parser("merge-lora", help="merge a LoRA adapter into a TP checkpoint", epilog=MERGE_EPILOG,
                        formatter_class=raw, description="Write base + LoRA adapter as a new TP checkpoint.")
     g.add_argument("--model", type=Path, required=True, metavar="DIR", help="base TP checkpoint")
@@ -153,7 +152,7 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress, step_delay_s=a.step_delay,
+        progress=not a.no_progress,
     )
     validate(cfg)
     return cfg

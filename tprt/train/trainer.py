@@ -76,7 +76,6 @@ class FinetuneConfig:
     resume: bool = False
     truncate: bool = True
     progress: bool = True
-    step_delay_s: float = 0.0  # test hook (hidden flag --step-delay): sleep after each step
 
     @property
     def method(self) -> str:
@@ -312,8 +311,6 @@ class Trainer:
                 bar.update(1)
                 if self.cfg.save_every > 0 and self._due(self.cfg.save_every):
                     self.save()
-                if self.cfg.step_delay_s:
-                    time.sleep(self.cfg.step_delay_s)
         return self.finish(loss, eval_loss)
 
     def finish(self, loss: float, eval_loss: float | None) -> dict[str, Any]:

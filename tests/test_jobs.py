@@ -1,0 +1,371 @@
+"""serve.finetune.JobManager on its own: the SQLite job store (serve/jobs.py) and a fake rank
+group standing in for the ranks' trainer, no server.
+
+Jobs are created the way CreateJob does (serve.jobspec.check_create, with a real tokenizer and
+dataset) and stepped the way the scheduler does (`has_work`, `step(ranks)`). Covered: the
+queued -> running -> succeeded / failed / cancelled transitions and what the store records for
+each, one job at a time in creation order, a LoRA job's adapter registered, the shutdown
+checkpoint, WatchJob's progress stream, and a restart (a running job resumes from its checkpoint
+or is failed with the reason; adapters are restored).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve.adapters import AdapterRegistry
+from serve.errors import FailedPrecondition, NotFound, Unavailable
+from serve.executor import CommandFailed
+from serve.finetune import JobManager
+from serve.handlers import FineTuningService
+from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from serve.jobspec import check_create
+from serve.metrics import Metrics
+from serve.pb import finetuning_pb2 as ft_pb
+from tprt.text.tokenizer import Tokenizer
+from train_fixtures import write_tokenizer
+
+CONTEXT = 64
+WAIT_S = 10.0
+TOKENS_PER_STEP = 64
+STEP_SECONDS = 0.5
+
+
+# ----------------------------------------------------------------- fakes (today's interfaces)
+
+
+class FakeRanks:
+    """serve.ranks.RankGroup as the job manager uses it: `run(Command)` returns rank 0's result.
+
+    It plays the ranks' side (serve.executor.RankExecutor's commands): a step's loss is 1/step;
+    "train_save" writes the step into the job's directory and "train_start" with resume=True
+    reads it back (so a restarted server resumes there); "load_adapter" fails for a directory
+    that does not exist. `fail` maps a command kind to the error every rank would report."""
+
+    def __init__(self) -> None:
+        self.commands: list[str] = []  # kinds, in order
+        self.fail: dict[str, str] = {}
+        self.started: list[dict[str, Any]] = []  # train_start's arguments
+        self.loaded: list[str] = []  # adapter ids
+        self._config: Any = None
+        self._step = 0
+
+    def run(self, cmd: Any) -> Any:
+        self.commands.append(cmd.kind)
+        if cmd.kind in self.fail:
+            raise CommandFailed(self.fail[cmd.kind])
+        return getattr(self, f"_{cmd.kind}")(**cmd.args)
+
+    def _train_start(self, config: Any, dataset: Any, resume: bool) -> tuple[int, int]:
+        self.started.append({"config": config, "dataset": dataset, "resume": resume})
+        self._config = config
+        self._step = int((config.out / "checkpoint-step").read_text()) if resume else 0
+        return self._step, int(config.steps)
+
+    def _train_step(self) -> dict[str, float]:
+        self._step += 1
+        return {"step": self._step, "loss": 1.0 / self._step, "grad_norm": 0.5, "seconds": STEP_SECONDS,
+                "tokens": TOKENS_PER_STEP}
+
+    def _train_save(self) -> str:
+        self._config.out.mkdir(parents=True, exist_ok=True)
+        (self._config.out / "checkpoint-step").write_text(str(self._step))
+        return str(self._config.out)
+
+    def _train_finish(self, loss: float) -> str:
+        out = self._config.out / ("model" if self._config.full else "adapter")
+        out.mkdir(parents=True)
+        return str(out)
+
+    def _train_abort(self) -> None:
+        self._config = None
+
+    def _load_adapter(self, adapter_id: str, path: str) -> tuple[int, float, int]:
+        if not Path(path).is_dir():
+            raise CommandFailed(f"{path}: no such adapter")
+        self.loaded.append(adapter_id)
+        return 4, 8.0, len(self.loaded)
+
+
+class FakeContext:
+    """The part of grpc.ServicerContext WatchJob uses."""
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+# ----------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_dir(write_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+
+
+class Server:
+    """What serve/server.py builds around the job manager, over one --data-dir."""
+
+    def __init__(self, data_dir: Path, tokenizer: Tokenizer) -> None:
+        self.data_dir = data_dir
+        self.tokenizer = tokenizer
+        self.store = JobStore(data_dir)
+        self.recovered = self.store.recover(data_dir)  # as App does at start-up
+        self.metrics = Metrics()
+        self.adapters = AdapterRegistry()
+        self.wakes = 0
+        self.woken = threading.Event()
+        self.ranks = FakeRanks()
+        self.jobs = JobManager(self.store, data_dir, self.metrics, self.adapters, data_dir / "model", tokenizer,
+                               CONTEXT, self._wake)
+
+    def _wake(self) -> None:
+        self.wakes += 1
+        self.woken.set()
+
+    def create(self, full: bool = False, adapter_id: str = "", **hp: Any) -> str:
+        """A CreateJob request checked as the service does; returns the job id."""
+        req = ft_pb.CreateJobRequest(dataset_path="train.jsonl", adapter_id=adapter_id,
+                                     method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA)
+        for key, value in {"steps": 3, "max_seq_len": 16, "batch_size": 1, **hp}.items():
+            setattr(req.hyperparameters, key, value)
+        spec = check_create(req, self.store, self.data_dir, self.tokenizer, CONTEXT, self.adapters.has)
+        return self.jobs.create(spec).id
+
+    def run(self, turns: int) -> None:
+        """`turns` turns of side work, as the scheduler gives them."""
+        for _ in range(turns):
+            assert self.jobs.has_work()
+            self.jobs.step(self.ranks)
+
+    def job(self, job_id: str) -> JobRecord:
+        return self.jobs.get(job_id)
+
+    def gauge(self, state: str) -> float:
+        return self.metric("tprt_finetune_jobs", state=state)
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
+        assert value is not None, name
+        return value
+
+
+@pytest.fixture
+def server(tmp_path: Path, tokenizer: Tokenizer) -> Callable[[], Server]:
+    """Starts a Server over tmp_path (call again for a restart on the same --data-dir)."""
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "hello number {i}"}}\n' for i in range(6)))
+    made: list[Server] = []
+
+    def start() -> Server:
+        if made:
+            made[-1].store.close()
+        made.append(Server(tmp_path, tokenizer))
+        return made[-1]
+
+    return start
+
+
+# ----------------------------------------------------------------- transitions
+
+
+def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[], Server]) -> None:
+    s = server()
+    job_id = s.create(steps=4, checkpoint_every=2, adapter_id="tuned")
+    rec = s.job(job_id)
+    assert (rec.state, rec.step, rec.total_steps, rec.started_ms) == (QUEUED, 0, 4, 0)
+    assert s.wakes == 1 and s.gauge("queued") == 1 and s.jobs.has_work()
+    s.run(1)  # starts it
+    rec = s.job(job_id)
+    assert (rec.state, rec.step, rec.total_steps) == (RUNNING, 0, 4) and rec.started_ms >= rec.created_ms
+    assert s.gauge("running") == 1 and s.gauge("queued") == 0
+    started = s.ranks.started[0]
+    assert started["resume"] is False and started["config"].out == s.data_dir / "jobs" / job_id
+    assert started["config"].steps == 4 and started["config"].full is False
+    s.run(2)
+    rec = s.job(job_id)
+    assert (rec.step, rec.loss, rec.checkpoint) == (2, 0.5, f"jobs/{job_id}")  # checkpoint_every=2
+    assert rec.tokens_per_second == TOKENS_PER_STEP / STEP_SECONDS
+    s.run(2)
+    rec = s.job(job_id)
+    assert (rec.state, rec.step, rec.loss, rec.error) == (SUCCEEDED, 4, 0.25, "")
+    assert rec.output_path == f"jobs/{job_id}/adapter" and rec.finished_ms >= rec.started_ms
+    assert s.ranks.commands == ["train_start", "train_step", "train_step", "train_save", "train_step",
+                                "train_step", "train_finish", "load_adapter"]
+    adapter = s.adapters.get("tuned")
+    assert adapter is not None and (adapter.rank, adapter.alpha, adapter.index) == (4, 8.0, 1)
+    assert adapter.source_job_id == job_id and adapter.path == s.data_dir / rec.output_path
+    assert not s.jobs.has_work()
+    assert s.gauge("succeeded") == 1 and s.gauge("running") == 0
+    assert s.metric("tprt_finetune_steps_total") == 4 and s.metric("tprt_finetune_loss") == 0.25
+    assert s.metric("tprt_finetune_tokens_total") == 4 * TOKENS_PER_STEP
+
+
+def test_a_full_job_writes_a_model_and_serves_nothing_new(server: Callable[[], Server]) -> None:
+    s = server()
+    job_id = s.create(full=True, steps=1)
+    s.run(2)
+    rec = s.job(job_id)
+    assert (rec.state, rec.method, rec.adapter_id, rec.output_path) == (SUCCEEDED, "full", "", f"jobs/{job_id}/model")
+    assert s.ranks.started[0]["config"].full is True
+    assert "load_adapter" not in s.ranks.commands and s.adapters.list() == []
+
+
+def test_jobs_run_one_at_a_time_in_creation_order(server: Callable[[], Server]) -> None:
+    s = server()
+    first, second = s.create(steps=2), s.create(steps=1)
+    s.run(2)  # first starts and steps; second waits
+    assert (s.job(first).state, s.job(second).state) == (RUNNING, QUEUED)
+    s.run(1)  # first succeeds
+    assert (s.job(first).state, s.job(second).state) == (SUCCEEDED, QUEUED)
+    s.run(2)
+    assert s.job(second).state == SUCCEEDED and not s.jobs.has_work()
+    assert [st["config"].out.name for st in s.ranks.started] == [first, second]
+
+
+def test_a_failed_command_fails_the_job_and_the_next_one_runs(server: Callable[[], Server]) -> None:
+    s = server()
+    s.ranks.fail["train_start"] = "rank 1: out of memory"
+    broken, failing, fine = s.create(), s.create(), s.create(steps=1)
+    s.run(1)
+    rec = s.job(broken)
+    assert (rec.state, rec.error) == (FAILED, "rank 1: out of memory") and rec.finished_ms > 0
+    del s.ranks.fail["train_start"]
+    s.ranks.fail["train_step"] = "loss is nan at step 1"
+    s.run(2)  # starts "failing", whose first step fails
+    rec = s.job(failing)
+    assert (rec.state, rec.error, rec.step) == (FAILED, "loss is nan at step 1", 0)
+    del s.ranks.fail["train_step"]
+    s.run(2)
+    assert s.job(fine).state == SUCCEEDED
+    assert s.gauge("failed") == 2 and s.gauge("succeeded") == 1
+
+
+def test_cancelling_queued_running_and_finished_jobs(server: Callable[[], Server]) -> None:
+    s = server()
+    running, queued = s.create(steps=100), s.create()
+    s.run(2)
+    commands = len(s.ranks.commands)
+    rec = s.jobs.cancel(queued)  # at once, without the ranks
+    assert (rec.state, rec.cancel_requested, rec.started_ms) == (CANCELLED, True, 0) and rec.finished_ms > 0
+    assert len(s.ranks.commands) == commands
+    wakes = s.wakes
+    rec = s.jobs.cancel(running)  # at its next turn
+    assert (rec.state, rec.cancel_requested) == (RUNNING, True) and s.wakes == wakes + 1
+    s.run(1)
+    rec = s.job(running)
+    assert (rec.state, rec.step) == (CANCELLED, 1) and s.ranks.commands[-1] == "train_abort"
+    assert not s.jobs.has_work()  # the cancelled queued job never starts
+    assert s.gauge("cancelled") == 2 and s.gauge("running") == 0
+    assert s.jobs.cancel(running).state == CANCELLED  # again: no error
+    done = s.create(steps=1)
+    s.run(2)
+    with pytest.raises(FailedPrecondition, match="already succeeded"):
+        s.jobs.cancel(done)
+    with pytest.raises(NotFound):
+        s.jobs.cancel("job-unknown")
+
+
+# ----------------------------------------------------------------- watching
+
+
+def test_watch_job_streams_every_change_until_the_end(server: Callable[[], Server]) -> None:
+    s = server()
+    job_id = s.create(steps=2)
+    service = FineTuningService(s.jobs, s.tokenizer, CONTEXT, s.adapters)
+    seen: list[tuple[int, int, float]] = []
+    changed = threading.Condition()
+    ended = threading.Event()
+
+    def watch() -> None:
+        for p in service.WatchJob(ft_pb.WatchJobRequest(job_id=job_id), FakeContext()):
+            assert p.job_id == job_id and p.total_steps == 2
+            with changed:
+                seen.append((p.state, p.step, round(p.loss, 6)))
+                changed.notify_all()
+        ended.set()
+
+    def saw(n: int) -> None:
+        with changed:
+            assert changed.wait_for(lambda: len(seen) >= n, WAIT_S), seen
+
+    threading.Thread(target=watch, daemon=True).start()
+    saw(1)
+    for turn in range(2):  # start, then step 1; each change is seen before the next turn
+        s.run(1)
+        saw(2 + turn)
+    s.run(1)  # step 2, the last: the job succeeds
+    assert ended.wait(WAIT_S), "the stream did not end with the job"
+    assert seen[:3] == [(ft_pb.JOB_STATE_QUEUED, 0, 0.0), (ft_pb.JOB_STATE_RUNNING, 0, 0.0),
+                        (ft_pb.JOB_STATE_RUNNING, 1, 1.0)]
+    assert seen[-1] == (ft_pb.JOB_STATE_SUCCEEDED, 2, 0.5)
+    assert set(seen[3:-1]) <= {(ft_pb.JOB_STATE_RUNNING, 2, 0.5)}  # step 2 may be seen before the end
+
+
+# ----------------------------------------------------------------- shutdown and restart
+
+
+def test_shutdown_checkpoints_the_running_job_and_a_restart_resumes_it(server: Callable[[], Server]) -> None:
+    s = server()
+    job_id = s.create(steps=5, checkpoint_every=100)
+    s.run(3)  # started, 2 steps
+    s.woken.clear()
+    s.jobs.stop_accepting()
+    pausing = threading.Thread(target=s.jobs.pause_for_shutdown, args=(WAIT_S,))
+    pausing.start()
+    assert s.woken.wait(WAIT_S)  # the scheduler is asked for a turn ...
+    s.jobs.step(s.ranks)  # ... in which the job is checkpointed and re-queued
+    pausing.join(WAIT_S)
+    assert not pausing.is_alive()
+    assert s.ranks.commands[-2:] == ["train_save", "train_abort"]
+    rec = s.job(job_id)
+    assert (rec.state, rec.step, rec.checkpoint) == (QUEUED, 2, f"jobs/{job_id}")
+    assert "checkpointed at step 2" in rec.error
+    assert not s.jobs.has_work()  # not while shutting down
+    with pytest.raises(Unavailable):
+        s.create()
+    s = server()  # a new server process on the same --data-dir
+    assert s.recovered == []  # nothing was left running
+    s.run(1)
+    assert s.ranks.started[0]["resume"] is True and s.job(job_id).step == 2
+    s.run(3)
+    rec = s.job(job_id)
+    assert (rec.state, rec.step, rec.error) == (SUCCEEDED, 5, "")
+
+
+def test_a_restart_resumes_or_fails_jobs_left_running(server: Callable[[], Server]) -> None:
+    s = server()
+    resumable, lost = s.create(steps=6, checkpoint_every=2), s.create(steps=4)
+    s.run(4)  # resumable: started, 3 steps, a checkpoint at step 2
+    s.store.update(lost, state=RUNNING, step=1)  # another job the crash caught running, never checkpointed
+    # The process dies here (no shutdown): the store still says RUNNING.
+    s = server()
+    by_id = {r.id: r for r in s.recovered}
+    assert (by_id[resumable].state, by_id[resumable].error) == (QUEUED, "resumed from step 3 after a server restart")
+    assert by_id[lost].state == FAILED and "no checkpoint to resume from" in by_id[lost].error
+    assert s.job(lost).finished_ms > 0  # the store holds what recover() returned
+    s.run(1)  # the dataset is read again from --data-dir: this process never saw the request
+    started = s.ranks.started[0]
+    assert started["resume"] is True and started["config"].out.name == resumable
+    assert len(started["dataset"].train) > 0
+    assert s.job(resumable).step == 2  # from the checkpoint, not the step the store last saw
+    s.run(4)
+    assert s.job(resumable).state == SUCCEEDED
+
+
+def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]) -> None:
+    s = server()
+    ids = [s.create(steps=1, adapter_id=name) for name in ("one", "two")]
+    s.run(4)
+    s.store.create(JobRecord(id="job-gone", method="lora", dataset="train.jsonl", adapter_id="gone",
+                             state=SUCCEEDED, output_path="jobs/job-gone/adapter"))  # its files were deleted
+    s = server()
+    s.jobs.restore_adapters(s.ranks)  # a failed load is logged, not fatal
+    assert sorted(s.ranks.loaded) == ["one", "two"] and s.ranks.commands.count("load_adapter") == 3
+    assert [(a.id, a.source_job_id) for a in s.adapters.list()] == [("one", ids[0]), ("two", ids[1])]
