@@ -20,13 +20,15 @@ import pytest
 
 from serve.adapters import AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
-from serve.executor import CommandFailed
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
 from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2 as ft_pb
+from tprt.distributed.protocol import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
+                                      TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from tprt.distributed.ranks import CommandFailed
 from tprt.text.tokenizer import Tokenizer
 from train_fixtures import write_tokenizer
 
@@ -36,11 +38,14 @@ TOKENS_PER_STEP = 64
 STEP_SECONDS = 0.5
 
 
-# ----------------------------------------------------------------- fakes (today's interfaces)
+# ----------------------------------------------------------------- fakes
+
+KINDS = {TrainStart: "train_start", TrainStep: "train_step", TrainSave: "train_save", TrainFinish: "train_finish",
+         TrainAbort: "train_abort", LoadAdapter: "load_adapter"}
 
 
 class FakeRanks:
-    """serve.ranks.RankGroup as the job manager uses it: `run(Command)` returns rank 0's result.
+    """tprt.distributed.ranks.RankGroup as the job manager uses it: `run(command)` returns rank 0's result.
 
     It plays the ranks' side (serve.executor.RankExecutor's commands): a step's loss is 1/step;
     "train_save" writes the step into the job's directory and "train_start" with resume=True
@@ -55,22 +60,35 @@ class FakeRanks:
         self._config: Any = None
         self._step = 0
 
-    def run(self, cmd: Any) -> Any:
-        self.commands.append(cmd.kind)
-        if cmd.kind in self.fail:
-            raise CommandFailed(self.fail[cmd.kind])
-        return getattr(self, f"_{cmd.kind}")(**cmd.args)
+    def run(self, cmd: RankCommand) -> Any:
+        kind = KINDS[type(cmd)]
+        self.commands.append(kind)
+        if kind in self.fail:
+            raise CommandFailed(self.fail[kind])
+        match cmd:
+            case TrainStart():
+                return self._train_start(cmd.config, cmd.dataset, cmd.resume)
+            case TrainStep():
+                return self._train_step()
+            case TrainSave():
+                return self._train_save()
+            case TrainFinish():
+                return self._train_finish(cmd.loss)
+            case TrainAbort():
+                return self._train_abort()
+            case LoadAdapter():
+                return self._load_adapter(cmd.adapter_id, cmd.path)
 
-    def _train_start(self, config: Any, dataset: Any, resume: bool) -> tuple[int, int]:
+    def _train_start(self, config: Any, dataset: Any, resume: bool) -> TrainStarted:
         self.started.append({"config": config, "dataset": dataset, "resume": resume})
         self._config = config
         self._step = int((config.out / "checkpoint-step").read_text()) if resume else 0
-        return self._step, int(config.steps)
+        return TrainStarted(self._step, int(config.steps))
 
-    def _train_step(self) -> dict[str, float]:
+    def _train_step(self) -> TrainStepResult:
         self._step += 1
-        return {"step": self._step, "loss": 1.0 / self._step, "grad_norm": 0.5, "seconds": STEP_SECONDS,
-                "tokens": TOKENS_PER_STEP}
+        return TrainStepResult(step=self._step, loss=1.0 / self._step, grad_norm=0.5, seconds=STEP_SECONDS,
+                               tokens=TOKENS_PER_STEP)
 
     def _train_save(self) -> str:
         self._config.out.mkdir(parents=True, exist_ok=True)
@@ -85,11 +103,11 @@ class FakeRanks:
     def _train_abort(self) -> None:
         self._config = None
 
-    def _load_adapter(self, adapter_id: str, path: str) -> tuple[int, float, int]:
+    def _load_adapter(self, adapter_id: str, path: str) -> AdapterLoaded:
         if not Path(path).is_dir():
             raise CommandFailed(f"{path}: no such adapter")
         self.loaded.append(adapter_id)
-        return 4, 8.0, len(self.loaded)
+        return AdapterLoaded(rank=4, alpha=8.0, index=len(self.loaded))
 
 
 class FakeContext:

@@ -29,12 +29,12 @@ WAIT_S = 10.0  # upper bound of every wait; a passing test never waits this long
 FOREVER = 10**9  # max_new_tokens of a request that only ends when cancelled
 
 
-# ----------------------------------------------------------------- fakes (today's interfaces)
+# ----------------------------------------------------------------- fakes
 
 
 class FakeEngine:
-    """The part of tprt.engine.core.Engine the scheduler uses: has_work, num_unfinished,
-    max_seq_len, add, cancel, step. A running request gets one token per step (ids 1, 2, ...)
+    """tprt.engine.core.EngineLike: has_work, num_unfinished, max_seq_len, kv_capacity, kv_tokens,
+    add, cancel, step. A running request gets one token per step (ids 1, 2, ...)
     until max_new_tokens; a cancellation frees the slot at once and is reported by the next step,
     as the real engine does. step() blocks until `run_steps` (or `run_freely`) lets it go."""
 
@@ -63,6 +63,12 @@ class FakeEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._left)
+
+    kv_capacity = 16 * max_seq_len
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(self._prompt_len[rid] + self._made[rid] for rid in self._left)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         if request_id in self.refuse:
@@ -133,15 +139,16 @@ class FakeEngine:
 
 
 class FakeRanks:
-    """The part of serve.ranks.RankGroup the scheduler uses: run, keepalive, stepped, last_collective."""
+    """The part of tprt.distributed.ranks.RankGroup the scheduler uses: exit, keepalive, stepped,
+    last_collective."""
 
     def __init__(self) -> None:
-        self.commands: list[str] = []  # kinds, in order
+        self.commands: list[str] = []  # what was sent besides steps and keepalives, in order
         self.keepalives = 0
         self.last_collective = time.monotonic()
 
-    def run(self, cmd: Any) -> None:
-        self.commands.append(cmd.kind)
+    def exit(self) -> None:
+        self.commands.append("exit")
         self.last_collective = time.monotonic()
 
     def keepalive(self) -> None:
