@@ -403,7 +403,7 @@ def test_metrics_count_tokens_latencies_and_gauges(world: Callable[..., World]) 
     w.start()
     w.engine.run_steps()  # each has its first token
     assert w.metric("tprt_running_requests") == 2 and w.metric("tprt_kv_cache_slots_used") == 2
-    capacity = 2 * FakeEngine.max_seq_len
+    capacity = FakeEngine.kv_capacity  # the engine owns the count and the capacity
     assert w.metric("tprt_kv_cache_usage_ratio") == (5 + 1 + 2 + 1) / capacity  # prompts + generated
     w.engine.run_steps(2)  # "done" ends after its third token
     w.scheduler.cancel("cancelled")
