@@ -173,7 +173,8 @@ def compare_to_ref(model: TPLlamaForCausalLM, ref: dict[str, torch.Tensor], what
 
 def assert_replicas_identical(model: TPLlamaForCausalLM, ctx: TPContext, what: str = "grad") -> None:
     """Norm weights equal on every TP rank; k/v rows equal on the ranks that share a kv head."""
-    from tprt.train.grads import get_spec, kv_group
+    from tprt.parallel.spec import get_spec
+    from tprt.train.grads import kv_group
 
     for pname, param in model.named_parameters():
         value = param.grad if what == "grad" else param.detach()

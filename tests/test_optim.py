@@ -16,7 +16,8 @@ from torch import nn
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.distributed.context import TPContext
 from tprt.errors import ValidationError
-from tprt.train.grads import TPSpec, clip_grad_norm, set_spec
+from tprt.parallel.spec import TPSpec, set_spec
+from tprt.train.grads import clip_grad_norm
 from tprt.train.optim import AdamW, warmup_cosine
 
 HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -210,7 +211,7 @@ def check_unmarked_params_refused(ctx: TPContext, workdir: Path) -> None:
     if ctx.world_size == 1:
         clip_grad_norm(params, 1.0, ctx)  # one rank: nothing is replicated
         return
-    with pytest.raises(ValueError, match="has no TP layout; call tprt.train.grads.mark_tp_params"):
+    with pytest.raises(ValueError, match="has no TP layout; call tprt.parallel.spec.mark_tp_params"):
         clip_grad_norm(params, 1.0, ctx)
 
 

@@ -11,9 +11,9 @@ need more than that (ARCHITECTURE.md, TP rules):
   on the `kv_replication` ranks holding the same head each see only their query heads; the true
   gradient is the sum over those ranks.
 
-How each parameter is laid out is recorded on it as a `TPSpec` (`mark_tp_params` for the base
-model, `tprt.lora.peft.apply_lora` for adapters), so that `clip_grad_norm` can count every
-replicated value exactly once when it takes the global norm.
+How each parameter is laid out is recorded on it as a `TPSpec` (`tprt.parallel.spec`:
+`mark_tp_params` for the base model, `tprt.lora.attach.build_lora` for adapters), so that
+`clip_grad_norm` can count every replicated value exactly once when it takes the global norm.
 
 Collectives are issued here directly (torch.distributed, flattened per dtype): they act on
 gradients between backward and the optimizer step, not on activations inside the model.
@@ -23,63 +23,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tprt.distributed.context import TPContext
-from tprt.model.llama import Attention, RMSNorm, TPLlamaForCausalLM
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.spec import TPSpec, get_spec, mark_tp_params
 
-SPEC_ATTR = "tprt_tp_spec"
 _BUCKET_ELEMS = 1 << 24  # float32 elements per flattened all-reduce (64 MiB)
 # TP group -> {kv_replication: the group of ranks holding this rank's kv head}
 _KV_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, dist.ProcessGroup]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """How one parameter is laid out over the TP group."""
-
-    replicated: bool = False  # every TP rank holds the whole tensor
-    partial_grad: bool = False  # replicated, but each rank's gradient is a share: sum over TP
-    kv_rows: tuple[int, int] | None = None  # [start, stop) rows of a kv head held by several ranks
-    kv_replication: int = 1  # how many consecutive TP ranks hold the same kv head
-
-
-def set_spec(param: nn.Parameter, spec: TPSpec) -> None:
-    setattr(param, SPEC_ATTR, spec)
-
-
-def get_spec(param: torch.Tensor) -> TPSpec | None:
-    spec = getattr(param, SPEC_ATTR, None)
-    return spec if isinstance(spec, TPSpec) else None
-
-
-def mark_tp_params(model: TPLlamaForCausalLM) -> None:
-    """Records a `TPSpec` on every parameter of the base model that has none yet.
-
-    Norm weights are replicated; `qkv_proj`'s k/v rows are kv-replicated when TP > n_kv_heads;
-    everything else is sharded. Adapter parameters are marked by their creator (`apply_lora`).
-    """
-    rep = model.layout.kv_replication
-    for module in model.modules():
-        if isinstance(module, RMSNorm) and get_spec(module.weight) is None:
-            set_spec(module.weight, TPSpec(replicated=True))
-        elif isinstance(module, Attention) and get_spec(module.qkv_proj.weight) is None:
-            set_spec(module.qkv_proj.weight, TPSpec(kv_rows=kv_rows(module), kv_replication=rep))
-    for p in model.parameters():
-        if get_spec(p) is None:
-            set_spec(p, TPSpec())
-
-
-def kv_rows(attn: Attention) -> tuple[int, int]:
-    """[start, stop) of the k and v rows in this rank's fused `qkv_proj` output ([q_r; k_r; v_r])."""
-    q_rows = attn.n_heads * attn.head_dim
-    return q_rows, q_rows + 2 * attn.n_kv * attn.head_dim
 
 
 def kv_group(ctx: TPContext, replication: int) -> dist.ProcessGroup:
@@ -141,7 +98,7 @@ def _spec(p: torch.Tensor, ctx: TPContext) -> TPSpec:
         if ctx.world_size > 1:
             raise ValueError(
                 f"a parameter of shape {list(p.shape)} has no TP layout; call "
-                "tprt.train.grads.mark_tp_params(model) (sync_gradients does) before clipping"
+                "tprt.parallel.spec.mark_tp_params(model) (sync_gradients does) before clipping"
             )
         return TPSpec()
     return spec
