@@ -17,9 +17,9 @@ shard plus optimizer state while it runs).
 
 Adapters: a finished LoRA job's adapter is read for the *served* model on every rank
 (`tprt.lora.peft_io.read_adapter`) and installed under a small integer index in the engine's
-adapter pool (`tprt.lora.routing.AdapterPool`); every loaded adapter stays installed, and each row of a batch is routed to
-its request's adapter (or none) by the step plan, so requests for different adapters and for
-the base model share batches.
+adapter pool (`tprt.lora.routing.AdapterPool`); every loaded adapter stays installed, and each
+row of a batch is routed to its request's adapter (or none) by the step plan, so requests for
+different adapters and for the base model share batches.
 """
 
 from __future__ import annotations

@@ -421,3 +421,14 @@ def test_building_an_adapter_leaves_the_model_alone_and_detaching_restores_it(wo
         assert torch.equal(model(ids), with_adapter)
         with pytest.raises(ValueError, match="built for another model"):
             attach(_tp1(workdir), adapter)
+
+
+def test_lora_does_not_import_training_code() -> None:
+    """Serving loads adapters through tprt.lora: none of it pulls in tprt.train."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tprt.lora.attach, tprt.lora.merge, tprt.lora.peft_io, tprt.lora.routing; "
+            "print(sorted(m for m in sys.modules if m.startswith('tprt.train')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
