@@ -103,13 +103,18 @@ def build_tprt(tp1: Path, method: str, ids: torch.Tensor, labels: torch.Tensor, 
     from tprt.distributed.context import TPContext
     from tprt.checkpoint.loading import load_model
     from tprt.train.grads import clip_grad_norm, sync_gradients
-    from tprt.lora.peft import apply_lora
+    from tprt.cpu.fast_linear import prepack
+    from tprt.lora.attach import apply_lora
     from tprt.train.optim import AdamW
     from tprt.train.step import compute_loss
 
     ctx = TPContext.single()
     model = load_model(tp1, ctx, dtype=dtype, requires_grad=method == "full")
-    params = apply_lora(model, TARGETS, RANK, ALPHA) if method == "lora" else list(model.parameters())
+    if method == "lora":
+        params = apply_lora(model, TARGETS, RANK, ALPHA)
+        prepack(model, tune=False)  # as the trainer does: the frozen base from packed copies on CPU
+    else:
+        params = list(model.parameters())
     model.train()
     opt = AdamW(params, lr=LR, weight_decay=0.0)
 

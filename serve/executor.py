@@ -16,28 +16,25 @@ state and activations, not a second copy of the rank's shard. A full fine-tune c
 weights, so it loads its own float32 copy of the checkpoint (the price: one more copy of the
 shard plus optimizer state while it runs).
 
-Adapters: a finished LoRA job's adapter is loaded into the *served* model on every rank
-(`load_adapter`) and installed under a small integer index in the model's adapter sets
-(`tprt.lora.routing`); every loaded adapter stays installed, and each row of a batch is routed to
-its request's adapter (or none) by the step plan, so requests for different adapters and for
-the base model share batches.
+Adapters: a finished LoRA job's adapter is read for the *served* model on every rank
+(`tprt.lora.peft_io.read_adapter`) and installed under a small integer index in the engine's
+adapter pool (`tprt.lora.routing.AdapterPool`); every loaded adapter stays installed, and each
+row of a batch is routed to its request's adapter (or none) by the step plan, so requests for
+different adapters and for the base model share batches.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
-from torch import nn
 
 from tprt.distributed.protocol import (AdapterLoaded, Command, LoadAdapter, TrainAbort, TrainFinish, TrainSave,
                                        TrainStart, TrainStarted, TrainStep, TrainStepResult)
-from tprt.lora.routing import AdapterSet
 from tprt.errors import TprtError
 from tprt.model.llama import TPLlamaForCausalLM
 
@@ -57,7 +54,7 @@ class RankExecutor:
         self.model_dir = Path(model_dir)
         self.data_dir = Path(data_dir)
         self.trainer: Any = None
-        self.adapters: dict[str, int] = {}  # adapter id -> its index in the model's adapter sets
+        self.adapters: dict[str, int] = {}  # adapter id -> its index in the engine's adapter pool
 
     def execute(self, cmd: Command[R]) -> R:
         """Runs `cmd` on this rank (every rank runs it; see tprt.distributed.ranks.run_command)."""
@@ -77,7 +74,7 @@ class RankExecutor:
                 self._cmd_train_abort()
                 return None
             case LoadAdapter(adapter_id, path):
-                return AdapterLoaded(*self._cmd_load_adapter(adapter_id, path))
+                return self._cmd_load_adapter(adapter_id, path)
         raise TprtError(f"unknown command {type(cmd).__name__}")
 
     def abandon(self) -> None:
@@ -143,33 +140,16 @@ class RankExecutor:
 
     # ----------------------------------------------------------------- adapters
 
-    def _cmd_load_adapter(self, adapter_id: str, path: str) -> tuple[int, float, int]:
-        """Loads a PEFT LoRA adapter into the served model's adapter sets; returns (rank, alpha,
-        index), the index being what a plan routes rows to (the same on every rank: commands
-        run in the same order everywhere)."""
-        from tprt.lora.routing import install
-        from tprt.lora.peft import load_adapter, lora_modules, read_adapter_config
+    def _cmd_load_adapter(self, adapter_id: str, path: str) -> AdapterLoaded:
+        """Loads a PEFT LoRA adapter into the engine's adapter pool; returns its rank, alpha and index,
+        the index being what a plan routes rows to (the same on every rank: commands run in the
+        same order everywhere)."""
+        from tprt.lora.peft_io import read_adapter
 
-        linears = self.model.linears()
-        saved = [(linear, linear.adapter) for linear in linears]
-        for linear in linears:  # apply_lora attaches to bare layers; the sets come back below
-            linear.adapter = None
-        try:
-            load_adapter(self.model, path, self.ctx)
-            mods: list[tuple[Any, nn.Module]] = [(s.linear, a) for s, a in lora_modules(self.model)]
-        finally:
-            for linear, adapter in saved:
-                linear.adapter = adapter
-        for _, ad in mods:
-            ad.eval().requires_grad_(False)
-            ad.to(dtype=self.model.dtype)
+        adapter = read_adapter(self.model, path, self.ctx)
         index = self.adapters.get(adapter_id) or len(self.adapters) + 1  # reloading keeps its index
-        for linear, adapter in saved:  # drop a previous version's modules
-            if isinstance(adapter, AdapterSet) and str(index) in adapter.members:
-                del adapter.members[str(index)]
-        install(self.model, index, mods)
+        self.engine.runner.adapters.install(index, adapter)  # replaces a previous version
         self.adapters[adapter_id] = index
         if self.engine.is_driver:  # rank 0 schedules: a reloaded adapter's old keys/values are stale
             self.engine.forget_prefixes(index)
-        _, rank, alpha, _ = read_adapter_config(json.loads((Path(path) / "adapter_config.json").read_text()))
-        return rank, alpha, index
+        return AdapterLoaded(adapter.rank, adapter.alpha, index)

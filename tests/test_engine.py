@@ -328,9 +328,10 @@ def check_static_decode(ctx: TPContext, wd: Path) -> None:
 
 
 def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
-    """Sets every layer's fused one-row halves (tprt.cpu.native) whatever fast_linear's timing chose;
+    """Swaps in every layer's fused one-row halves (tprt.cpu.native) whatever prepack's timing chose;
     calls[0] counts their calls. A no-op where the native kernels are unavailable."""
     from tprt.cpu import native
+    from tprt.cpu.native_layers import use_native_halves
 
     def counted(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*a: Any) -> torch.Tensor:
@@ -338,19 +339,19 @@ def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
             return fn(*a)
         return run
 
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
                                            attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
         m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                                      mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        layer.fast_attention = None if a is None else counted(a)
-        layer.fast_mlp = None if m is None else counted(m)
+        if a is not None and m is not None:
+            use_native_halves(model, i, counted(a), counted(m))
 
 
 def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
     """CPU: one-row decode through each layer's two fused halves (tprt.cpu.native, forced here
-    whatever fast_linear's timing chose), their partial products all-reduced over the TP group:
+    whatever prepack's timing chose), their partial products all-reduced over the TP group:
     transformers' greedy tokens, and the fused calls really ran on every rank."""
     from tprt.cpu import native
 
@@ -568,7 +569,7 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
                                               layer.mlp.down_proj)} | {tuple(packed.lm_head.head_weight().shape)}
     assert set(chosen) == {f"{a}x{b}" for a, b in shapes}, chosen
     assert set(chosen.values()) <= set(VARIANTS)
-    assert all(isinstance(m.fast_linear, FastLinear) for m in packed.modules() if hasattr(m, "fast_linear"))
+    assert all(isinstance(m.method, FastLinear) for m in packed.modules() if hasattr(m, "method"))
     vocab = dense.config.vocab_size  # the padding columns are -inf in both
     for ids in (torch.tensor([_ref(workdir)["prompts"][1]]), torch.tensor([[7]])):
         with torch.inference_mode():
@@ -588,26 +589,38 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     positions, whether the slots are given (index_select read) or implicit (view read)."""
     from tprt.cpu import native
     from tprt.cpu.fast_linear import prepack, supported
+    from tprt.cpu.native_layers import (NativeAttention, NativeDecoderLayer, NativeRMSNorm, install_native_layers,
+                                        use_native_halves)
+    from tprt.model.llama import DecoderLayer
 
     ctx = TPContext.single()
     plain, fast = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
     if not supported(fast):
         pytest.skip(f"no oneDNN {dtype} on this CPU")
     chosen = prepack(fast)
+    install_native_layers(fast)
     expect_native = native.available()
-    for layer in fast.layers:
+    assert isinstance(fast.norm, NativeRMSNorm) == expect_native
+    for i, layer in enumerate(fast.layers):
         attn = layer.self_attn
-        assert (attn.fast_rope_cache is not None) == (attn.fast_decode_attention is not None) == expect_native
+        assert isinstance(attn, NativeAttention) == expect_native
+        assert isinstance(layer.input_layernorm, NativeRMSNorm) == expect_native
         won = [chosen["x".join(map(str, m.weight.shape))] == "native" for m in fast.linears()[:4]]
-        assert (layer.fast_attention is not None) == (expect_native and won[0] and won[1])
-        assert (layer.fast_mlp is not None) == (expect_native and won[2] and won[3])
+        halves = (expect_native and won[0] and won[1], expect_native and won[2] and won[3])
+        if any(halves):
+            assert isinstance(layer, NativeDecoderLayer)
+            assert ((layer.attention_half is not None), (layer.mlp_half is not None)) == halves
+        else:
+            assert type(layer) is DecoderLayer
         # each half in one call for one row, whatever the timing chose
         norm, mlp = layer.post_attention_layernorm, layer.mlp
-        layer.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        mlp_half = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
         norm = layer.input_layernorm
-        layer.fast_attention = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                              attn.o_proj.weight, attn.n_heads, attn.n_kv)
-        assert (layer.fast_attention is not None) == (layer.fast_mlp is not None) == expect_native
+        attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                        attn.o_proj.weight, attn.n_heads, attn.n_kv)
+        assert (attention_half is not None) == (mlp_half is not None) == expect_native
+        if expect_native:
+            assert use_native_halves(fast, i, attention_half, mlp_half).self_attn is attn
     vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
     caches = [m.new_cache(4, 64) for m in (plain, fast)]
@@ -650,8 +663,7 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
     """A captured CUDA graph would replay the layers without an adapter attached after capture,
     so packed decode takes the static path only while no adapter acts on the batch's rows (eager
     otherwise), whether attached to the layers or installed per row and routed to."""
-    from tprt.lora.routing import install
-    from tprt.lora.peft import apply_lora, lora_modules
+    from tprt.lora.attach import attach, build_lora, detach
 
     model = load_model(workdir / "tp1", TPContext.single())
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=2, max_seq_len=48,
@@ -669,14 +681,11 @@ def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -
 
     base = generate()
     assert calls, "the static path was not used without adapters"
-    apply_lora(model, ["q", "down"], 4, 8.0, pack_base=False)  # B = 0: the same tokens
+    attach(model, build_lora(model, ["q", "down"], 4, 8.0))  # B = 0: the same tokens
     calls.clear()
     assert generate() == base and not calls
     # Installed as a per-row adapter set: base rows take the static path, routed rows do not.
-    mods = [(site.linear, ad) for site, ad in lora_modules(model)]
-    for linear, _ in mods:
-        linear.adapter = None
-    install(model, 1, mods)
+    engine.runner.adapters.install(1, detach(model))
     calls.clear()
     assert generate() == base and calls, "base rows beside an installed adapter set left the static path"
     calls.clear()
@@ -689,25 +698,18 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
     """Two LoRA adapters installed side by side (tprt.lora.routing): a batch mixing rows of both and
     of the base model gives every request the tokens and log-probabilities it gets alone; a base
     request alone still decodes through the fused one-row layer halves, adapter requests never."""
-    from tprt.lora.routing import install
-    from tprt.lora.peft import apply_lora, lora_modules
+    from tprt.lora.attach import build_lora
 
     model = load_model(workdir / "tp1", TPContext.single())
-    adapters = []
-    for seed, targets in ((1, ["q", "v", "down"]), (2, ["k", "o", "gate", "up"])):
-        apply_lora(model, targets, 4, 8.0, seed=seed, pack_base=False)
-        mods = [(site.linear, ad) for site, ad in lora_modules(model)]
+    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
+    for index, (seed, targets) in enumerate(((1, ["q", "v", "down"]), (2, ["k", "o", "gate", "up"])), start=1):
+        adapter = build_lora(model, targets, 4, 8.0, seed=seed)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for _, ad in mods:  # a non-zero B, so each adapter changes the outputs
-                for b in ad.lora_B.values():
+            for _, module in adapter.pieces:  # a non-zero B, so each adapter changes the outputs
+                for b in module.lora_B.values():
                     b.copy_(torch.randn(b.shape, generator=gen) * 0.2)
-            for linear, _ in mods:
-                linear.adapter = None
-        adapters.append(mods)
-    for index, mods in enumerate(adapters, start=1):
-        install(model, index, mods)
-    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
+        engine.runner.adapters.install(index, adapter)
     from tprt.cpu import native
 
     fused = [0]  # calls of the fused one-row layer halves
@@ -775,3 +777,38 @@ def test_one_row_steps_run_on_one_thread_and_restore_the_count(workdir: Path) ->
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="one_row_threads"):
         Engine(load_model(workdir / "tp1", TPContext.single()), None, EngineConfig(one_row_threads=0))
+
+
+def test_which_path_runs_is_visible_in_the_modules(workdir: Path) -> None:
+    """A loaded model is made of the reference modules with the dense linear method; the runner
+    (cpu_prepack, the default) gives its linears packed methods and swaps in the native decode
+    layers on CPU, where the kernels exist; with cpu_prepack off nothing changes."""
+    from tprt.cpu import native
+    from tprt.cpu.fast_linear import FastLinear, one_row_native, supported
+    from tprt.cpu.native_layers import NativeAttention, NativeDecoderLayer, NativeRMSNorm
+    from tprt.parallel.layers import DENSE
+
+    native_types = (NativeRMSNorm, NativeAttention, NativeDecoderLayer)
+
+    def reference_only(model: TPLlamaForCausalLM) -> bool:
+        return (not any(isinstance(m, native_types) for m in model.modules())
+                and all(m.method is DENSE for m in model.modules() if hasattr(m, "method")))
+
+    ctx = TPContext.single()
+    model = load_model(workdir / "tp1", ctx)
+    assert reference_only(model)
+    Engine(model, None, EngineConfig(max_batch=1, max_seq_len=32, cpu_prepack=False), eos_token_ids=[]).close()
+    assert reference_only(model)
+    if not supported(model):
+        pytest.skip("no oneDNN for this dtype on this CPU")
+    Engine(model, None, EngineConfig(max_batch=1, max_seq_len=32), eos_token_ids=[]).close()
+    assert all(isinstance(m.method, FastLinear) for m in model.modules() if hasattr(m, "method"))
+    if not native.available():
+        assert not any(isinstance(m, native_types) for m in model.modules())
+        return
+    assert isinstance(model.norm, NativeRMSNorm)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        assert isinstance(attn, NativeAttention) and isinstance(layer.post_attention_layernorm, NativeRMSNorm)
+        fused = one_row_native(attn.qkv_proj, attn.o_proj) or one_row_native(mlp.gate_up_proj, mlp.down_proj)
+        assert isinstance(layer, NativeDecoderLayer) == fused

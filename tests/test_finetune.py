@@ -102,7 +102,8 @@ def test_peft_loads_the_adapter_with_our_logits(setup: dict[str, Path], lora_run
     from transformers import LlamaForCausalLM
 
     from convert.api import tp_to_hf
-    from tprt.lora.peft import load_adapter
+    from tprt.lora.attach import attach
+    from tprt.lora.peft_io import read_adapter
 
     base_hf = setup["root"] / "base-export-hf"
     if not base_hf.exists():
@@ -111,7 +112,7 @@ def test_peft_loads_the_adapter_with_our_logits(setup: dict[str, Path], lora_run
                                      str(lora_run / "adapter")).eval()
     ours = load_model(setup["tp1"], TPContext.single(), dtype="fp32")
     base_logits = _logits(ours, ours.config.vocab_size)
-    load_adapter(ours, lora_run / "adapter", TPContext.single())
+    attach(ours, read_adapter(ours, lora_run / "adapter", TPContext.single()))
     theirs = _hf_logits(peft)
     assert _close(_logits(ours, ours.config.vocab_size), theirs)
     assert not _close(base_logits, theirs, 1e-2)  # the adapter changed something
@@ -341,6 +342,7 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     of the base, leaves the served model's modules and outputs alone, and trains exactly like a
     Trainer that loads its own copy."""
     from tprt.cpu.fast_linear import prepack
+    from tprt.cpu.native_layers import install_native_layers
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
     from tprt.train.trainer import FinetuneConfig, Trainer
@@ -348,6 +350,7 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     ctx = TPContext.single()
     served = load_model(setup["tp1"], ctx, "fp32")
     prepack(served)  # as the serving engine does: the twin reuses these packed matmuls
+    install_native_layers(served)
     vocab = served.config.vocab_size
     before = _logits(served, vocab)
     data = prepare_data(setup["data"], Tokenizer.from_dir(setup["tp1"]), 64, 0)
@@ -361,7 +364,7 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     served_ptrs = {p.data_ptr() for p in served.parameters()}
     assert {p.data_ptr() for n, p in shared.model.named_parameters() if "lora_" not in n} == served_ptrs
     assert not {p.data_ptr() for p in own.model.parameters()} & served_ptrs
-    assert shared.model.layers[0].mlp.down_proj.fast_linear is served.layers[0].mlp.down_proj.fast_linear
+    assert shared.model.layers[0].mlp.down_proj.method is served.layers[0].mlp.down_proj.method
     for _ in range(3):
         loss_shared, _ = shared.train_step()
         loss_own, _ = own.train_step()

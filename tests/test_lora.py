@@ -38,10 +38,11 @@ from tprt.errors import CheckpointError, ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train.grads import clip_grad_norm, sync_gradients
-from tprt.lora.peft import (
-    HF_MODULES, adapter_config, apply_lora, load_adapter, load_lora_state_dict, lora_modules,
-    lora_state_dict, merge_lora, read_adapter_config,
-)
+from tprt.cpu.fast_linear import prepack
+from tprt.lora.attach import apply_lora, attach, attached, build_lora, detach
+from tprt.lora.config import HF_MODULES
+from tprt.lora.merge import merge_lora
+from tprt.lora.peft_io import adapter_config, load_lora_state_dict, lora_state_dict, read_adapter, read_adapter_config
 from tprt.train.optim import AdamW, WarmupCosine, warmup_cosine
 from tprt.train.step import compute_loss
 
@@ -137,7 +138,8 @@ def _lora_model(ctx: TPContext, workdir: Path, case: str) -> tuple[TPLlamaForCau
     ref: dict[str, Any] = torch.load(workdir / f"{case}-ref.pt")
     model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx).train()
     params = apply_lora(model, targets, rank, alpha)
-    load_lora_state_dict(model, ref["state"], ctx)
+    prepack(model, tune=False)  # as the trainer does: on CPU the frozen base runs from packed copies
+    load_lora_state_dict(attached(model), ref["state"], ctx)
     return model, params, ref
 
 
@@ -187,7 +189,7 @@ def check_forward_backward(ctx: TPContext, workdir: Path, case: str) -> None:
     assert all(p.grad is None for n, p in model.named_parameters() if "adapter" not in n), "the base got gradients"
     assert _compare_lora(model, ref["grads"], grads=True, tol=1e-4) == len(params) == len(ref["grads"])
     assert_replicas_identical(model, ctx)
-    state = lora_state_dict(model, ctx)
+    state = lora_state_dict(attached(model), ctx)
     if ctx.rank == 0:
         assert state.keys() == ref["state"].keys()
         assert all(torch.equal(state[k], ref["state"][k]) for k in state), "round trip changed a factor"
@@ -215,7 +217,7 @@ def check_steps(ctx: TPContext, workdir: Path, case: str) -> None:
         sched.step()
     _compare_lora(model, ref["trained"], grads=False, tol=1e-4)
     assert_replicas_identical(model, ctx, "weight")
-    state = lora_state_dict(model, ctx)
+    state = lora_state_dict(attached(model), ctx)
     with torch.no_grad():
         logits = model.gather_logits(model(ref["batches"][0][0]))
     if ctx.rank == 0:
@@ -234,10 +236,10 @@ def check_merge(ctx: TPContext, workdir: Path, case: str) -> None:
     ids = ref["batches"][0][0]
     with torch.no_grad():
         before = model.gather_logits(model(ids))
-        adapted = len(lora_modules(model))
+        adapted = len(attached(model).pieces)
         assert adapted and merge_lora(model) == adapted
         after = model.gather_logits(model(ids))
-    assert not lora_modules(model) and not any(".adapter" in n for n, _ in model.named_parameters())
+    assert not attached(model).pieces and not any(".adapter" in n for n, _ in model.named_parameters())
     assert_rel(after, before, "merged vs unmerged logits", 1e-5)
     compare_to_ref(model, ref["merged"], "weight", 1e-6)
 
@@ -294,7 +296,7 @@ def test_unknown_target_is_named(workdir: Path) -> None:
     with pytest.raises(ValidationError, match=r"unknown LoRA target 'qkv'; allowed: q, k, v, o, gate, up, down") as e:
         apply_lora(model, ["q", "qkv"], 4, 8.0)
     assert e.value.field == "lora_targets" and "\n" not in str(e.value)
-    assert not lora_modules(model) and all(p.requires_grad is False for p in model.parameters())
+    assert not attached(model).pieces and all(p.requires_grad is False for p in model.parameters())
     with pytest.raises(ValidationError, match="lora_rank|rank must be"):
         apply_lora(model, ["q"], 0, 8.0)
     with pytest.raises(ValidationError, match="dropout"):
@@ -321,7 +323,7 @@ def test_fresh_adapter_is_identity_and_tp_independent(workdir: Path) -> None:
         before = model(ids)
         apply_lora(model, ["q", "o", "down"], 4, 8.0, seed=3)
         assert torch.equal(model(ids), before)
-    state = lora_state_dict(model, TPContext.single())
+    state = lora_state_dict(attached(model), TPContext.single())
     a = state["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"]
     assert a.shape == (4, 128) and 0 < a.abs().max() <= 1 / 128**0.5
     assert all(not v.any() for k, v in state.items() if "lora_B" in k)
@@ -352,8 +354,9 @@ def test_load_adapter_from_peft_save_pretrained(workdir: Path, tmp_path: Path) -
     peft_model.save_pretrained(tmp_path / "adapter")
     ids = make_batch(1, 300)[0]
     model = load_model(workdir / "tied-tp1", TPContext.single())
-    params = load_adapter(model, tmp_path / "adapter", TPContext.single())
-    assert len(params) == 2 * 3 * 2
+    adapter = read_adapter(model, tmp_path / "adapter", TPContext.single())
+    attach(model, adapter)
+    assert len(adapter.parameters()) == 2 * 3 * 2 and adapter.targets == ("k", "up", "down")
     with torch.no_grad():
         assert_rel(model.gather_logits(model(ids)), peft_model.eval()(ids).logits, "logits", 1e-5)
 
@@ -362,18 +365,18 @@ def test_load_state_errors_name_the_tensor(workdir: Path) -> None:
     ctx = TPContext.single()
     model = _tp1(workdir)
     with pytest.raises(ConfigError, match="no LoRA adapters"):
-        load_lora_state_dict(model, {}, ctx)
-    apply_lora(model, ["q"], 4, 8.0)
-    state = lora_state_dict(model, ctx)
+        load_lora_state_dict(attached(model), {}, ctx)
+    adapter = build_lora(model, ["q"], 4, 8.0)
+    state = lora_state_dict(adapter, ctx)
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
     with pytest.raises(CheckpointError, match=f"tensor '{key}' missing"):
-        load_lora_state_dict(model, {k: v for k, v in state.items() if k != key}, ctx)
+        load_lora_state_dict(adapter, {k: v for k, v in state.items() if k != key}, ctx)
     with pytest.raises(CheckpointError, match=r"lora_B.weight' has shape \[64, 2\]; expected \[64, 4\]"):
-        load_lora_state_dict(model, {**state, key: torch.zeros(64, 2)}, ctx)
+        load_lora_state_dict(adapter, {**state, key: torch.zeros(64, 2)}, ctx)
     extra = key.replace("q_proj", "v_proj")
     with pytest.raises(CheckpointError, match="projections without an adapter, e.g. '.*v_proj.lora_B.weight'"):
-        load_lora_state_dict(model, {**state, extra: torch.zeros(32, 4)}, ctx)
-    load_lora_state_dict(model, {k.replace(".weight", ".default.weight"): v for k, v in state.items()}, ctx)
+        load_lora_state_dict(adapter, {**state, extra: torch.zeros(32, 4)}, ctx)
+    load_lora_state_dict(adapter, {k.replace(".weight", ".default.weight"): v for k, v in state.items()}, ctx)
 
 
 def test_dropout_only_in_training(workdir: Path) -> None:
@@ -388,3 +391,44 @@ def test_dropout_only_in_training(workdir: Path) -> None:
         assert torch.equal(model(ids), model(ids))
         model.train()
         assert not torch.equal(model(ids), model(ids))
+
+
+def test_building_an_adapter_leaves_the_model_alone_and_detaching_restores_it(workdir: Path) -> None:
+    """build_lora touches nothing of the model; attach changes its outputs (B nonzero), detach
+    gives back the base model's outputs bit for bit, and the detached adapter attaches again."""
+    model = _tp1(workdir)
+    ids = make_batch(3, 256)[0]
+    state = {n: p.clone() for n, p in model.state_dict().items()}
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad():
+        before = model(ids)
+        adapter = build_lora(model, ["q", "v", "o", "down"], 4, 8.0, seed=1)
+        for p in adapter.parameters():
+            p.normal_()
+        assert not attached(model).pieces and all(linear.adapter is None for linear in model.linears())
+        assert model.state_dict().keys() == state.keys()
+        assert all(torch.equal(p, state[n]) for n, p in model.state_dict().items())
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+        attach(model, adapter)
+        with_adapter = model(ids)
+        assert not torch.equal(with_adapter, before)
+        with pytest.raises(ConfigError, match="already has an adapter"):
+            attach(model, adapter)
+        again = detach(model)
+        assert [m for _, m in again.pieces] == [m for _, m in adapter.pieces]
+        assert torch.equal(model(ids), before) and not attached(model).pieces
+        attach(model, again)
+        assert torch.equal(model(ids), with_adapter)
+        with pytest.raises(ValueError, match="built for another model"):
+            attach(_tp1(workdir), adapter)
+
+
+def test_lora_does_not_import_training_code() -> None:
+    """Serving loads adapters through tprt.lora: none of it pulls in tprt.train."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tprt.lora.attach, tprt.lora.merge, tprt.lora.peft_io, tprt.lora.routing; "
+            "print(sorted(m for m in sys.modules if m.startswith('tprt.train')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

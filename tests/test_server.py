@@ -484,9 +484,10 @@ def _reference_top_logprobs(workdir: Path, ids: list[int], adapter: Path | None)
     ctx = TPContext.single()
     model = load_model(tp1, ctx)
     if adapter is not None:
-        from tprt.lora.peft import load_adapter
+        from tprt.lora.attach import attach
+        from tprt.lora.peft_io import read_adapter
 
-        load_adapter(model, adapter, ctx)
+        attach(model, read_adapter(model, adapter, ctx))
     with torch.no_grad():
         logits = model.gather_logits(model(torch.tensor([ids])))[0, -1]  # [vocab]
     return torch.log_softmax(logits.double(), -1).topk(5).values.tolist()

@@ -18,6 +18,7 @@ from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
 from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 from tprt.checkpoint.safetensors_io import DTYPES
 from tprt.parallel.sharding import hf_sources
 
@@ -91,8 +92,9 @@ def load_model(
 def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:
     """A second model over the same weight tensors, frozen: its own modules (so LoRA adapters,
     train mode or activation checkpointing set on it leave `model` alone) but no second copy of
-    the weights. Layers also share `model`'s fast inference matmuls (`fast_linear`, whose packed
-    copies are the other big allocation). `model`'s own adapters are not carried over."""
+    the weights. Linear layers also share `model`'s linear methods (`method`: packed copies, the
+    other big allocation, from `tprt.cpu.fast_linear.prepack`). The twin is built of the reference
+    modules: neither `model`'s native decode layers nor its adapters are carried over."""
     with torch.device("meta"):
         twin = TPLlamaForCausalLM(model.config, model.layout, model.tp, dtype=model.dtype)
     source = model.state_dict()  # detached tensors sharing storage with model's parameters
@@ -100,8 +102,10 @@ def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:
     twin.requires_grad_(False)
     theirs = dict(model.named_modules())
     for name, module in twin.named_modules():
-        if hasattr(module, "fast_linear"):
-            module.fast_linear = theirs[name].fast_linear
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)):
+            source_layer = theirs[name]
+            assert isinstance(source_layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))
+            module.method = source_layer.method
     return twin.eval()
 
 

@@ -244,11 +244,13 @@ def merge_rank(model_dir: str, adapter: str, out: str) -> None:
     from tprt.distributed.context import init_distributed
     from tprt.checkpoint.loading import load_model
     from tprt.train.export import write_tp_checkpoint
-    from tprt.lora.peft import load_adapter, merge_lora
+    from tprt.lora.attach import attach
+    from tprt.lora.merge import merge_lora
+    from tprt.lora.peft_io import read_adapter
 
     ctx = init_distributed(tp_size=TPCheckpoint(model_dir).tp_size)
     model = load_model(model_dir, ctx, dtype="fp32")
-    load_adapter(model, adapter, ctx)
+    attach(model, read_adapter(model, adapter, ctx))
     merge_lora(model)
     write_tp_checkpoint(model, ctx, Path(model_dir), Path(out), {"merged_adapter": str(adapter)})
 
@@ -256,7 +258,7 @@ def merge_rank(model_dir: str, adapter: str, out: str) -> None:
 def run_merge_lora(model: Path, adapter: Path, out: Path, force: bool = False) -> Path:
     """Checks the inputs, then merges on the checkpoint's TP ranks; returns `out`."""
     from tprt.distributed.launcher import run_on_ranks
-    from tprt.lora.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+    from tprt.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
     TPCheckpoint(model)  # a bad --model is reported first
     path = adapter / ADAPTER_CONFIG
@@ -294,7 +296,7 @@ def write_demo_data(path: Path) -> Path:
 
 def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 10) -> Path:
     """A short LoRA fine-tune of the demo model on `write_demo_data`; returns the adapter directory
-    (use it with `load_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
+    (use it with `tprt.lora.peft_io.read_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
     from tprt.train.trainer import FinetuneConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)

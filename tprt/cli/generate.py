@@ -157,9 +157,10 @@ def generate_rank(job: GenerateJob) -> None:
     ctx = init_distributed()
     model = load_model(job.model, ctx, job.dtype)
     if job.adapter is not None:
-        from tprt.lora.peft import load_adapter
+        from tprt.lora.attach import attach
+        from tprt.lora.peft_io import read_adapter
 
-        load_adapter(model, job.adapter, ctx)
+        attach(model, read_adapter(model, job.adapter, ctx))
         model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,

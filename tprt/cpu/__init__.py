@@ -1,3 +1,4 @@
 """CPU-only speed: compiled kernels (`native`), weights in their kernel's layout (`fast_linear`),
-transparent huge pages (`hugepages`) and thread set-up (`threads`). Nothing here changes results
+the decode layers that run those kernels (`native_layers`), transparent huge pages (`hugepages`)
+and thread set-up (`threads`). Nothing here changes results
 beyond summation order, and everything is optional."""

@@ -1,9 +1,9 @@
 """Faster inference matmuls on CPU: each linear layer's weight in the layout its kernel wants.
 
 On CPU, `F.linear` on a few rows of input (decode) streams the weight well below the memory
-bandwidth, and how far below depends on dtype and shape. `prepack(model)` therefore gives every
-Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inference-only
-`fast_linear` hook, so training is unaffected):
+bandwidth, and how far below depends on dtype and shape. `prepack(model)`, called after loading
+by whoever builds an inference model (the engine's runner), therefore gives every
+Column/RowParallelLinear and the LM head a `FastLinear` as its `method` (tprt.parallel.layers):
 
 - inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
   weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
@@ -15,10 +15,13 @@ Column/RowParallelLinear and the LM head a `FastLinear` (through the layers' inf
   `F.linear` ("dense") was fastest when timed at prepack time, per weight shape, over all
   layers of that shape (so the timing streams from memory like decode does, not from cache).
 
-With `norms`, the RMSNorms and attention's decode step get tprt's compiled one-call versions the
-same way (`RMSNorm.fast`, `Attention.fast_rope_cache` and `.fast_decode_attention`), when available,
-and so does each half of a decoder layer for one row (`DecoderLayer.fast_attention`, `.fast_mlp`)
-where the native GEMV won the timing for both of its weights.
+With autograd on, a FastLinear gives F.linear's product for a trainable weight, and for a frozen
+one (the base of a LoRA run) its own product, the input's gradient coming from the weight: a
+LoRA trainer asks for that explicitly (`prepack(model, tune=False)`), or shares the served
+model's methods (`tprt.checkpoint.loading.shared_twin`).
+
+The compiled one-row decode layers that build on the native GEMV's choice are installed
+separately, after this (`tprt.cpu.native_layers.install_native_layers`).
 
 Measured effects are in docs/PERF.md. Results differ from F.linear's in rounding only (another
 summation order). Cost: one or two extra copies of the weights in memory; the copies are taken
@@ -29,12 +32,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from tprt.cpu import native
-from tprt.model.llama import Attention, DecoderLayer, RMSNorm, TPLlamaForCausalLM
+from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -81,9 +85,9 @@ _MAKERS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tenso
 
 
 class FastLinear:
-    """y = x @ W^T: `one` for a single row, `few` for the row counts in `few_rows`, `many` for
-    the rest (see the module docstring). A callable, not a module: the packed tensors stay out
-    of state_dict."""
+    """A layer's `LinearMethod` (tprt.parallel.layers) from copies of its weight in faster layouts:
+    y = x @ W^T by `one` for a single row, `few` for the row counts in `few_rows`, `many` for the
+    rest (see the module docstring). Not a module: the packed tensors stay out of state_dict."""
 
     def __init__(self, many: Callable[[torch.Tensor], torch.Tensor], one: Callable[[torch.Tensor], torch.Tensor],
                  one_variant: str, few: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -99,6 +103,31 @@ class FastLinear:
             assert self.few is not None
             return self.few(x)
         return self.many(x)
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The copies' product with autograd off; under autograd F.linear for a trainable weight,
+        and for a frozen one (a LoRA base) the copies' product with the input's gradient taken
+        from the weight itself."""
+        if not torch.is_grad_enabled():
+            return self(x)
+        if weight.requires_grad:
+            return F.linear(x, weight)
+        out: torch.Tensor = _FrozenLinear.apply(x, weight, self)
+        return out
+
+
+class _FrozenLinear(torch.autograd.Function):
+    """y = fast(x) = x @ W^T for a weight that gets no gradient; backward: dx = dy @ W."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fast: FastLinear) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return fast(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (weight,) = ctx.saved_tensors
+        return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
 
 
 def supported(model: TPLlamaForCausalLM) -> bool:
@@ -163,15 +192,11 @@ def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tenso
     return frozenset(won), fns if won else None
 
 
-def _native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
-    """Whether the native GEMV won the one-row timing for each of these layers."""
-    return all(getattr(linear.fast_linear, "one_variant", None) == "native" for linear in linears)
-
-
-def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) -> dict[str, str]:
-    """Sets every linear layer's `fast_linear` (and, with `norms`, every RMSNorm's `fast`) when
+def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
+    """Gives every linear layer and the LM head a `FastLinear` as its method when
     `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
-    when nothing was done). Without `tune`, one-row inputs use the packed weight too."""
+    when nothing was done). Without `tune`, one-row inputs use the packed weight too (training:
+    faster frozen-base products without the timing)."""
     if not supported(model):
         return {}
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
@@ -188,22 +213,11 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, norms: bool = True) ->
                 ones = many  # the same copy serves both
             few_rows, fews = _tune_few_rows(weights, many) if tune else (frozenset(), None)
             for i, (layer, m, o) in enumerate(zip(group, many, ones)):
-                layer.fast_linear = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
+                layer.method = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
             chosen["x".join(map(str, shape))] = name
-    for module in model.modules() if norms else ():
-        if isinstance(module, DecoderLayer):
-            attn, mlp = module.self_attn, module.mlp
-            if _native(attn.qkv_proj, attn.o_proj):
-                norm = module.input_layernorm
-                module.fast_attention = native.attention_decode_kernel(
-                    norm.weight, norm.eps, attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
-            if _native(mlp.gate_up_proj, mlp.down_proj):
-                norm = module.post_attention_layernorm
-                module.fast_mlp = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                                           mlp.down_proj.weight)
-        elif isinstance(module, RMSNorm):
-            module.fast = native.rms_norm_kernel(module.weight, module.eps)
-        elif isinstance(module, Attention):
-            module.fast_rope_cache = native.rope_cache_kernel(model.dtype)
-            module.fast_decode_attention = native.decode_attention_kernel(model.dtype)
     return chosen
+
+
+def one_row_native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
+    """Whether `prepack` chose the native GEMV for one-row inputs of each of these layers."""
+    return all(getattr(linear.method, "one_variant", None) == "native" for linear in linears)

@@ -5,6 +5,12 @@ call (prefill: right-padded chunks, logits of each row's last real token only; d
 per row) and returns, identically on every rank, either the full-vocabulary logits (gathered over
 the TP group) or just the argmax ids (which exchange one (value, id) pair per row and rank).
 
+The runner prepares the model for inference once, in the open: on CPU (`cpu_prepack`) the linear
+layers get packed methods (`tprt.cpu.fast_linear.prepack`) and the compiled one-row decode
+layers are swapped in (`tprt.cpu.native_layers.install_native_layers`). It holds the pool of
+adapters served side by side (`adapters`, tprt.lora.routing) and routes each batch's rows through
+it before the forward call.
+
 Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
 through views, without copying every row's keys and values each step.
 
@@ -22,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tprt.lora.routing import routing_of
 from tprt.cpu.fast_linear import prepack
+from tprt.cpu.native_layers import install_native_layers
+from tprt.lora.routing import AdapterPool
 from tprt.model.kv_cache import KVCache
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.plan import BatchPlan, StepPlan
@@ -51,8 +58,11 @@ class ModelRunner:
                  cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
                  static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
         self.model = model
-        if cpu_prepack:
-            prepack(model)  # a no-op unless CPU bf16 (see tprt.cpu.fast_linear)
+        if cpu_prepack:  # no-ops off CPU: packed matmuls, then the compiled one-row decode layers
+            prepack(model)
+            install_native_layers(model)
+        # The adapters served side by side (tprt.lora.routing); each batch's rows are routed to them.
+        self.adapters = AdapterPool(model)
         self.device = model.tp.device
         self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
         self._arange = torch.arange(max_seq_len, device=self.device)
@@ -88,10 +98,9 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _route(self, batch: BatchPlan) -> None:
-        """Tells the model's adapter sets which adapter each row of the batch uses."""
-        routing = routing_of(self.model)
-        if routing is not None:
-            routing.route(batch.adapters, self.device)
+        """Tells the adapter pool which adapter each row of the batch uses."""
+        if self.adapters.installed:
+            self.adapters.route(batch.adapters, self.device)
         elif any(batch.adapters):
             raise RuntimeError("the plan routes rows to adapters but none is installed on this rank")
 

@@ -4,11 +4,14 @@ hide the TP (one all-reduce after attention, one after the MLP, one in the embed
 Per rank: q heads [r * H/TP, (r+1) * H/TP); kv heads as the manifest places them (split, or with
 TP > n_kv each rank holds kv head r // (TP / n_kv)). q/k/v and gate/up are fused per rank at load
 time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
+
+Every module here has one forward: the math. Faster paths are chosen after loading, in the open:
+each linear layer's `method` (tprt.parallel.layers; CPU-packed by `tprt.cpu.fast_linear.prepack`),
+and, for CPU decode, subclasses of RMSNorm, Attention and DecoderLayer that run compiled kernels
+for one-row steps (`tprt.cpu.native_layers.install_native_layers` swaps them in).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +34,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
-        self.fast: Callable[[torch.Tensor], torch.Tensor] | None = None  # inference-only, set by tprt.cpu.fast_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None and not torch.is_grad_enabled():
-            return self.fast(x)  # the same math in one compiled call (tprt.cpu.native)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
         # Normalised in float32 and rounded before the weight scales it, bit for bit as transformers
@@ -66,11 +66,6 @@ class Attention(nn.Module):
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
-        # Inference-only, set by tprt.cpu.fast_linear: decode's RoPE + cache write + q in float32 in
-        # one compiled call (tprt.cpu.native.rope_cache_kernel), for a float32 cache on CPU, and its
-        # attention over the cache in another (tprt.cpu.native.decode_attention_kernel).
-        self.fast_rope_cache: Callable[..., torch.Tensor] | None = None
-        self.fast_decode_attention: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
@@ -78,14 +73,6 @@ class Attention(nn.Module):
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
         autograd = torch.is_grad_enabled()
-        if (self.fast_rope_cache is not None and seq == 1 and not autograd and step.cache is not None
-                and step.cache_step is not None and step.cache.dtype == torch.float32):
-            q32 = self.fast_rope_cache(qkv, step.cos, step.sin, step.cache, step.cache_step, self.layer)
-            if self.fast_decode_attention is not None:  # [batch, 1, nh * head_dim] in x's dtype
-                return self.o_proj(self.fast_decode_attention(q32, step.cache, step.cache_step, self.layer))
-            k, v = step.cache.read(self.layer, step.cache_step)  # [batch, nkv, kv_len, head_dim]
-            out = F.scaled_dot_product_attention(q32, k, v, attn_mask=step.cache_step.mask, enable_gqa=self.gqa)
-            return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, nh * self.head_dim))
         if autograd:  # out of place, so the backward has no slice copies
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
@@ -130,24 +117,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ctx, dtype)
-        # Inference-only, set by tprt.cpu.fast_linear: each half (its norm included) for one decode row
-        # in one compiled call (tprt.cpu.native.attention_decode_kernel / mlp_decode_kernel), giving
-        # this rank's partial product; the attention half needs a float32 cache.
-        self.fast_attention: Callable[..., torch.Tensor] | None = None
-        self.fast_mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        attn, mlp = self.self_attn, self.mlp
-        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
-        if (one_row and self.fast_attention is not None and step.cache is not None and step.cache_step is not None
-                and step.cache.dtype == torch.float32 and not adapted(attn.qkv_proj, attn.o_proj)):
-            partial = self.fast_attention(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
-            h = x + attn.o_proj.reduce(partial)
-        else:
-            h = x + attn(self.input_layernorm(x), step)
-        if one_row and self.fast_mlp is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
-            return h + mlp.down_proj.reduce(self.fast_mlp(h))
-        return h + mlp(self.post_attention_layernorm(h))
+        h = x + self.self_attn(self.input_layernorm(x), step)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class TPLlamaForCausalLM(nn.Module):
@@ -174,8 +147,6 @@ class TPLlamaForCausalLM(nn.Module):
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         # Training: recompute each block's activations in the backward (tprt.train.step).
         self.checkpoint_layers = False
-        # Per-row adapters of a serving batch: a tprt.lora.routing.AdapterRouting once installed.
-        self.adapter_routing: object | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -183,7 +154,7 @@ class TPLlamaForCausalLM(nn.Module):
 
     def has_adapters(self) -> bool:
         """True when an adapter (e.g. LoRA) acts on some layer in the coming forward call: any
-        attached one, or a per-row `tprt.lora.routing.AdapterSet` with rows routed to it."""
+        attached one, or a `tprt.lora.routing.AdapterSet` with rows routed to one of its members."""
         return adapted(*self.linears())
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:

@@ -6,12 +6,16 @@ Weights are stored as in Hugging Face, [out, in], holding this rank's slice:
 - RowParallelLinear: columns [out, in_local]; input already split, partial outputs all-reduced.
 - VocabParallelEmbedding: vocabulary rows [vocab_local, hidden] of the padded vocabulary.
 - VocabParallelLMHead: vocabulary rows [vocab_local, hidden]; logits of padding rows are -inf.
+
+The linear layers and the LM head compute their product through one `LinearMethod` each
+(`method`): `DENSE` (F.linear) as built, a CPU-packed one once `tprt.cpu.fast_linear.prepack`
+chose it for the loaded weights. A LoRA adapter (tprt.lora) joins a linear layer as its
+`adapter` submodule, attached and detached explicitly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,34 +25,22 @@ from tprt.distributed.context import TPContext
 from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
 
 
-FastLinear = Callable[[torch.Tensor], torch.Tensor]
+class LinearMethod(Protocol):
+    """How a linear layer computes x @ W^T from its weight W [out, in], chosen once the weights are
+    loaded (`tprt.cpu.fast_linear.prepack` picks a faster one on CPU). It must give the same
+    gradients as F.linear whenever autograd records the product."""
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, fast: FastLinear | None) -> torch.Tensor:
-    """F.linear(x, weight), or `fast(x)` (the same product, e.g. from a CPU-prepacked copy of the
-    weight set by tprt.cpu.fast_linear) when one is set and either autograd is off or the weight is
-    frozen (a LoRA base: then the input's gradient comes from the weight itself)."""
-    if fast is not None:
-        if not torch.is_grad_enabled():
-            return fast(x)
-        if not weight.requires_grad:
-            out: torch.Tensor = _FrozenLinear.apply(x, weight, fast)
-            return out
-    return F.linear(x, weight)
+class DenseLinear:
+    """F.linear on the weight itself: every layer's method until a faster one is chosen."""
+
+    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
 
 
-class _FrozenLinear(torch.autograd.Function):
-    """y = fast(x) = x @ W^T for a weight that gets no gradient; backward: dx = dy @ W."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fast: FastLinear) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return fast(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (weight,) = ctx.saved_tensors
-        return (grad.matmul(weight) if ctx.needs_input_grad[0] else None), None, None
+DENSE = DenseLinear()  # stateless: one instance serves every layer
 
 
 def adapted(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
@@ -77,13 +69,13 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = ctx
         self.weight = _empty(local_out_features, in_features, dtype=dtype)
-        # Optional `adapter(x, y) -> y'` (e.g. LoRA): x as copied to this rank, y this rank's rows.
+        self.method: LinearMethod = DENSE
+        # `adapter(x, y) -> y'` (LoRA, attached by tprt.lora): x as copied to this rank, y this rank's rows.
         self.adapter: nn.Module | None = None
-        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.tp)
-        y = _linear(x, self.weight, self.fast_linear)
+        y = self.method.apply(x, self.weight)
         return y if self.adapter is None else self.adapter(x, y)
 
 
@@ -94,14 +86,14 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp = ctx
         self.weight = _empty(out_features, local_in_features, dtype=dtype)
-        # Optional `adapter(x, y) -> y'` (e.g. LoRA) on this rank's split input and partial output,
-        # so its own partial product joins the same all-reduce.
+        self.method: LinearMethod = DENSE
+        # `adapter(x, y) -> y'` (LoRA, attached by tprt.lora) on this rank's split input and partial
+        # output, so its own partial product joins the same all-reduce.
         self.adapter: nn.Module | None = None
-        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduces the partial products over the TP group."""
-        y = _linear(x, self.weight, self.fast_linear)
+        y = self.method.apply(x, self.weight)
         if self.adapter is not None:
             y = self.adapter(x, y)
         return reduce_from_region(y, self.tp)
@@ -159,7 +151,7 @@ class VocabParallelLMHead(nn.Module):
         self.local_valid = max(0, min(self.local_vocab, vocab_size - self.vocab_start))
         self._tied = [tied] if tied is not None else []  # a list, so the embedding is not a submodule
         self.weight: nn.Parameter | None = None if tied else _empty(self.local_vocab, hidden_size, dtype=dtype)
-        self.fast_linear: FastLinear | None = None  # inference-only replacement for F.linear(x, head_weight())
+        self.method: LinearMethod = DENSE
 
     def head_weight(self) -> torch.Tensor:
         if self._tied:
@@ -169,7 +161,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
-        logits = _linear(copy_to_region(x, self.tp), self.head_weight(), self.fast_linear)
+        logits = self.method.apply(copy_to_region(x, self.tp), self.head_weight())
         if self.local_valid < self.local_vocab:
             logits[..., self.local_valid :] = float("-inf")
         return logits

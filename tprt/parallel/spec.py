@@ -1,6 +1,8 @@
-"""The per-parameter TP spec: how each parameter is laid out over the TP group, recorded on the
-parameter itself (`mark_tp_params` for the base model, `tprt.lora.peft.apply_lora` for adapters)
-and read where gradients are synchronised and their norm is taken (`tprt.train.grads`).
+"""How each parameter is laid out over the TP group: a `TPSpec` recorded on the parameter itself.
+
+The base model's parameters are marked by `mark_tp_params`; adapter parameters by their creator
+(`tprt.lora.attach.build_lora`). `tprt.train.grads` reads the specs to sum, average and count
+gradients correctly under tensor parallelism.
 
 Which HF weight is split how is `tprt.parallel.sharding`'s table (torch-free, for the converter).
 """

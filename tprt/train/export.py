@@ -8,8 +8,8 @@ Hugging Face PEFT loads, and adapters applied to (or merged into) a loaded model
   The result can be loaded by `tprt`, resharded, or exported with `tprt-convert tp-to-hf`.
 - `write_adapter`: adapter_model.safetensors + adapter_config.json (PEFT names, full A/B).
 
-Applying an adapter directory to a loaded model, unmerged (`tprt generate --adapter`), is
-`tprt.lora.peft.load_adapter`.
+Reading an adapter directory for a loaded model, to attach it unmerged (`tprt generate
+--adapter`), is `tprt.lora.peft_io.read_adapter`.
 
 Every output directory is written under a temporary sibling name and renamed into place.
 """
@@ -155,9 +155,10 @@ def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: 
     full A/B matrices are gathered to rank 0, which writes them)."""
     from safetensors.torch import save_file
 
-    from tprt.lora.peft import lora_state_dict
+    from tprt.lora.attach import attached
+    from tprt.lora.peft_io import lora_state_dict
 
-    state = lora_state_dict(model, ctx)
+    state = lora_state_dict(attached(model), ctx)
     if ctx.is_main:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

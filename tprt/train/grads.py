@@ -11,9 +11,9 @@ need more than that (ARCHITECTURE.md, TP rules):
   on the `kv_replication` ranks holding the same head each see only their query heads; the true
   gradient is the sum over those ranks.
 
-How each parameter is laid out is recorded on it as a `tprt.parallel.spec.TPSpec` (`mark_tp_params`
-for the base model, `tprt.lora.peft.apply_lora` for adapters), so that `clip_grad_norm` can count
-every replicated value exactly once when it takes the global norm.
+How each parameter is laid out is recorded on it as a `TPSpec` (`tprt.parallel.spec`:
+`mark_tp_params` for the base model, `tprt.lora.attach.build_lora` for adapters), so that
+`clip_grad_norm` can count every replicated value exactly once when it takes the global norm.
 
 Collectives are issued here directly (torch.distributed, flattened per dtype): they act on
 gradients between backward and the optimizer step, not on activations inside the model.

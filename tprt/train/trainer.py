@@ -164,10 +164,17 @@ class Trainer:
     def _trainable(self) -> list[torch.nn.Parameter]:
         if self.cfg.full:
             return [p for p in self.model.parameters() if p.requires_grad]
-        from tprt.lora.peft import apply_lora
+        from tprt.cpu.fast_linear import prepack
+        from tprt.lora.attach import apply_lora
 
-        return apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
-                          self.cfg.lora_dropout, seed=self.cfg.seed, pack_base=not self.shares_base)
+        params = apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
+                            self.cfg.lora_dropout, seed=self.cfg.seed)
+        if not self.shares_base:
+            # On CPU the frozen base runs forward and input-gradient from oneDNN-packed copies: faster
+            # steps for one more copy of the base weights (docs/PERF.md). A shared twin already has
+            # the served model's methods.
+            prepack(self.model, tune=False)
+        return params
 
     def named_trainable(self) -> dict[str, torch.Tensor]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -329,7 +336,7 @@ class Trainer:
         return summary
 
     def adapter_config(self) -> dict[str, Any]:
-        from tprt.lora.peft import adapter_config
+        from tprt.lora.peft_io import adapter_config
 
         return dict(adapter_config(self.cfg.lora_targets, self.cfg.lora_rank, self.cfg.lora_alpha,
                                    self.cfg.lora_dropout, str(self.cfg.model)))

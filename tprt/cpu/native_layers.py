@@ -1,0 +1,155 @@
+"""CPU decode through tprt's compiled kernels (`tprt.cpu.native`), as layers swapped into a model.
+
+`install_native_layers(model)` replaces the model's reference modules (tprt.model.llama) with the
+subclasses below, over the same parameters and submodules. Each runs its kernel only for the
+inference step it was written for and otherwise falls back to the reference math:
+
+- `NativeRMSNorm`: any call with autograd off, in one compiled call;
+- `NativeAttention`: a one-token step (any batch) with autograd off over a float32 KV cache:
+  RoPE, the cache write and q in float32 in one call, attention over the cache in another;
+- `NativeDecoderLayer`: one row with autograd off and no adapter acting on the half: each half
+  (its norm included) in one call giving this rank's partial product, which the row-parallel
+  layer all-reduces; the attention half also needs a float32 cache. A half gets its kernel only
+  where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
+  this after `prepack`.
+
+Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
+unavailable (no C compiler, another dtype): the model then keeps the reference modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tprt.cpu import native
+from tprt.cpu.fast_linear import one_row_native, supported
+from tprt.model.llama import Attention, DecoderLayer, RMSNorm, Step, TPLlamaForCausalLM
+from tprt.parallel.layers import adapted
+
+Kernel = Callable[..., torch.Tensor]
+
+
+class NativeRMSNorm(RMSNorm):
+    """RMSNorm computed by `kernel` (tprt.cpu.native.rms_norm_kernel) whenever autograd is off."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None, kernel: Kernel) -> None:
+        super().__init__(size, eps, dtype)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        return self.kernel(x)
+
+
+class NativeAttention(Attention):
+    """Attention whose one-token steps over a float32 cache run `rope_cache` and, when available,
+    `decode_attention` (tprt.cpu.native) instead of the torch ops."""
+
+    def __init__(self, model: TPLlamaForCausalLM, layer: int, rope_cache: Kernel,
+                 decode_attention: Kernel | None) -> None:
+        super().__init__(model.config, model.layout, model.tp, layer, model.dtype)
+        self.rope_cache = rope_cache
+        self.decode_attention = decode_attention
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        cache, cache_step = step.cache, step.cache_step
+        if seq != 1 or torch.is_grad_enabled() or cache is None or cache_step is None or cache.dtype != torch.float32:
+            return super().forward(x, step)
+        qkv = self.qkv_proj(x).view(batch, seq, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q32 = self.rope_cache(qkv, step.cos, step.sin, cache, cache_step, self.layer)
+        if self.decode_attention is not None:  # [batch, 1, nh * head_dim] in x's dtype
+            return self.o_proj(self.decode_attention(q32, cache, cache_step, self.layer))
+        k, v = cache.read(self.layer, cache_step)  # [batch, nkv, kv_len, head_dim]
+        out = F.scaled_dot_product_attention(q32, k, v, attn_mask=cache_step.mask, enable_gqa=self.gqa)
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+
+
+class NativeDecoderLayer(DecoderLayer):
+    """A decoder layer whose one-row steps run each half it has a kernel for in one call
+    (tprt.cpu.native.attention_decode_kernel / mlp_decode_kernel), unless an adapter acts on it."""
+
+    def __init__(self, model: TPLlamaForCausalLM, layer: int, attention_half: Kernel | None,
+                 mlp_half: Kernel | None) -> None:
+        super().__init__(model.config, model.layout, model.tp, layer, model.dtype)
+        self.attention_half = attention_half
+        self.mlp_half = mlp_half
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        attn, mlp = self.self_attn, self.mlp
+        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
+        if (one_row and self.attention_half is not None and step.cache is not None and step.cache_step is not None
+                and step.cache.dtype == torch.float32 and not adapted(attn.qkv_proj, attn.o_proj)):
+            partial = self.attention_half(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
+            h = x + attn.o_proj.reduce(partial)
+        else:
+            h = x + attn(self.input_layernorm(x), step)
+        if one_row and self.mlp_half is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
+            return h + mlp.down_proj.reduce(self.mlp_half(h))
+        return h + mlp(self.post_attention_layernorm(h))
+
+
+def _take_over(new: nn.Module, old: nn.Module) -> None:
+    """Gives `new` (built on the meta device) `old`'s own parameters and submodules: the swap
+    shares every tensor and each child's state (its linear method, its adapter)."""
+    for name, param in old.named_parameters(recurse=False):
+        setattr(new, name, param)
+    for name, child in old.named_children():
+        setattr(new, name, child)
+
+
+def _norm(norm: RMSNorm) -> RMSNorm:
+    kernel = native.rms_norm_kernel(norm.weight, norm.eps)
+    if kernel is None:
+        return norm
+    with torch.device("meta"):
+        new = NativeRMSNorm(norm.weight.shape[0], norm.eps, norm.weight.dtype, kernel)
+    _take_over(new, norm)
+    return new
+
+
+def install_native_layers(model: TPLlamaForCausalLM) -> None:
+    """Swaps the native modules above into `model` where their kernels are available (see the
+    module docstring); a no-op unless `supported(model)`. For inference: call after `prepack`."""
+    if not supported(model):
+        return
+    rope_cache, decode_attention = native.rope_cache_kernel(model.dtype), native.decode_attention_kernel(model.dtype)
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        layer.input_layernorm = _norm(layer.input_layernorm)
+        layer.post_attention_layernorm = _norm(layer.post_attention_layernorm)
+        if rope_cache is not None:
+            with torch.device("meta"):
+                new_attn = NativeAttention(model, attn.layer, rope_cache, decode_attention)
+            _take_over(new_attn, attn)
+            layer.self_attn = new_attn
+        attention_half = mlp_half = None
+        if one_row_native(attn.qkv_proj, attn.o_proj):
+            norm = layer.input_layernorm
+            attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
+                                                            attn.o_proj.weight, attn.n_heads, attn.n_kv)
+        if one_row_native(mlp.gate_up_proj, mlp.down_proj):
+            norm = layer.post_attention_layernorm
+            mlp_half = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if attention_half is not None or mlp_half is not None:
+            use_native_halves(model, i, attention_half, mlp_half)
+    model.norm = _norm(model.norm)
+
+
+def use_native_halves(model: TPLlamaForCausalLM, index: int, attention_half: Kernel | None,
+                      mlp_half: Kernel | None) -> NativeDecoderLayer:
+    """Swaps decoder layer `index` of `model` for a NativeDecoderLayer running these halves
+    (tprt.cpu.native.attention_decode_kernel / mlp_decode_kernel of that layer's weights) over
+    the same submodules; returns it."""
+    layer = model.layers[index]
+    with torch.device("meta"):
+        new = NativeDecoderLayer(model, index, attention_half, mlp_half)
+    _take_over(new, layer)
+    model.layers[index] = new
+    return new

@@ -1,0 +1,23 @@
+"""Folding attached LoRA adapters into the base weights (`tprt merge-lora`)."""
+
+from __future__ import annotations
+
+import torch
+
+from tprt.lora.attach import detach
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.layers import DENSE
+
+
+@torch.no_grad()
+def merge_lora(model: TPLlamaForCausalLM) -> int:
+    """Folds every attached adapter into its base weight (W += scale * B A on this rank's rows or
+    columns, computed in float32) and detaches it, so the model computes the same outputs
+    without it. Returns the number of base layers changed; they go back to the dense method
+    (packed copies would be stale: `tprt.cpu.fast_linear.prepack` again to speed them up). No
+    communication."""
+    adapter = detach(model)
+    for site, module in adapter.pieces:
+        module.merge_into(site.linear.weight)
+        site.linear.method = DENSE
+    return len(adapter.pieces)
