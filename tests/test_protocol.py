@@ -94,7 +94,7 @@ def test_executor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(executor, "_cmd_train_step", handler("step", step))
     monkeypatch.setattr(executor, "_cmd_train_save", handler("save", "ckpt/step-3"))
     monkeypatch.setattr(executor, "_cmd_train_finish", handler("finish", "out/adapter"))
-    monkeypatch.setattr(executor, "_cmd_load_adapter", handler("load", (8, 16.0, 1)))
+    monkeypatch.setattr(executor, "_cmd_load_adapter", handler("load", AdapterLoaded(8, 16.0, 1)))
     ranks = RankGroup(ctx, executor)
     start = _train_start()
     assert ranks.run(start) == TrainStarted(2, 10)
