@@ -108,6 +108,7 @@ class MemoryPlan:
     kv_dtype: str | None  # serving only
     max_seq_len: int | None  # serving only
     kv_bytes_per_token_per_rank: int  # one token of one sequence, every layer, this rank's kv heads
+    vocab_align: int  # the vocabulary is padded to a multiple of vocab_align * tp
     extra: dict[str, Any] = field(default_factory=dict)  # workload-specific figures for the report
 
     @property
@@ -151,8 +152,8 @@ def plan_memory(cfg: ModelConfig, tp: int, workload: Workload, device: Device, d
         raise ConfigError(f"--dp must be at least 1, got {dp}")
     layout = layout_for(cfg, tp, vocab_align)
     if isinstance(workload, ServeWorkload):
-        return _plan_serve(cfg, layout, workload, device, dp)
-    return _plan_finetune(cfg, layout, workload, device, dp)
+        return _plan_serve(cfg, layout, workload, device, dp, vocab_align)
+    return _plan_finetune(cfg, layout, workload, device, dp, vocab_align)
 
 
 def _reserve(device: Device, packed: bool) -> int:
@@ -183,7 +184,8 @@ def _check_positive(**values: int | None) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: Device, dp: int) -> MemoryPlan:
+def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: Device, dp: int,
+                vocab_align: int) -> MemoryPlan:
     _check_positive(max_batch_size=w.max_batch_size, max_seq_len=w.max_seq_len, token_budget=w.token_budget)
     dtype = dtype_name(w.dtype or cfg.torch_dtype)
     cpu = device.kind == "cpu"
@@ -210,7 +212,7 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
                  activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))
-    return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token,
+    return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
                       extra={"tokens_per_step": tokens, "max_batch_size": w.max_batch_size})
 
 
@@ -241,7 +243,8 @@ def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWo
     return norms + attention + mlp + lora
 
 
-def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, device: Device, dp: int) -> MemoryPlan:
+def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, device: Device, dp: int,
+                   vocab_align: int) -> MemoryPlan:
     _check_positive(batch_size=w.batch_size, seq_len=w.seq_len, grad_accum=w.grad_accum)
     dtype = dtype_name(w.dtype)
     b = DTYPE_BYTES[dtype]
@@ -268,5 +271,5 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
                  activations=blocks + loss, gradients=trainable * (b + 4 * low), optimizer_states=trainable * 8,
                  master_weights=trainable * 4 * low, framework_reserve=_reserve(device, packed > 0))
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, trainable, dtype, None, None,
-                      kv_bytes_per_token(cfg, layout, dtype),
+                      kv_bytes_per_token(cfg, layout, dtype), vocab_align,
                       extra={"tokens_per_micro_batch": tokens, "global_batch_rows": w.batch_size * w.grad_accum * dp})
