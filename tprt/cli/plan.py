@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     dev = device(args.device, args.device_memory, ranks_per_host=args.tp * dp)
     workload: Workload
     if args.workload == "serve":
-        workload = ServeWorkload(dtype=args.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
+        workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                                  max_batch_size=args.max_batch_size)
     else:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())

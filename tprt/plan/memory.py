@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tprt.errors import ConfigError
+from tprt.lora.config import TARGETS, normalize_targets
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.plan.devices import Device
 from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, numel, rank_parameters
@@ -207,7 +208,7 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     mlp = tokens * b * (2 * h + 4 * inter)
     attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len))
     logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
-    packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack and dtype in DTYPE_BYTES else 0
+    packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
     kv_cache = per_token * w.max_batch_size * max_seq_len
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
@@ -217,8 +218,6 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
 
 
 def _trainable_targets(w: FinetuneWorkload) -> set[str]:
-    from tprt.lora.config import TARGETS, normalize_targets
-
     return set(TARGETS) if w.full else set(normalize_targets(w.lora_targets))
 
 

@@ -11,6 +11,7 @@ from tprt.model.config import ModelConfig
 
 MANIFEST_NAME = "tprt_manifest.json"  # tprt.checkpoint.format's (not imported: it needs torch)
 DEFAULT_VOCAB_ALIGN = 64  # tprt-convert's default
+_SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class PlanSource:
     config: ModelConfig
     vocab_align: int  # the converter's rule: the vocabulary is padded to a multiple of vocab_align * tp
     checkpoint_tp: int | None  # the TP degree of a TP checkpoint, None for an HF model
+    dtype: str | None = None  # a TP checkpoint's weights dtype (what the engine loads by default)
 
 
 def read_source(path: Path) -> PlanSource:
@@ -35,6 +37,6 @@ def read_source(path: Path) -> PlanSource:
     try:
         m = json.loads(manifest.read_text())
         align = int(m.get("extra", {}).get("vocab_align", DEFAULT_VOCAB_ALIGN))
-        return PlanSource(config, align, int(m["tp_size"]))
+        return PlanSource(config, align, int(m["tp_size"]), _SAFETENSORS_DTYPES.get(str(m.get("dtype"))))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise ConfigError(f"{manifest}: not a valid TP checkpoint manifest (expected tp_size and extra.vocab_align)") from None
