@@ -5,7 +5,8 @@ gguf-to-hf and hf-to-tp; transformers' LlamaForCausalLM loads the same HF output
 generates the reference. The engine runs the prompts as one batch at TP 1 (in this process) and
 TP 3 (one gloo world), and must produce the same token ids, EOS included; then a second turn of
 the first chat, which reuses the first turn's keys and values (prompt and answer) from its freed
-slot (tprt.engine.prefix_cache) and must still give transformers' answer.
+slot (tprt.engine.prefix_cache) and must still give transformers' answer. The same worlds check
+the memory planner's per-rank peaks against measurements (tests/plan_checks.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from mp import Checks, WorldResults, names, run_single, run_world
+from plan_checks import CHECKS as PLAN_CHECKS, CHECKS_TP1 as PLAN_CHECKS_TP1
 from tprt.distributed.context import TPContext
 from tprt.engine.core import Engine, EngineConfig, run_to_completion
 from tprt.checkpoint.loading import load_model
@@ -90,15 +92,21 @@ def check_greedy_chat(ctx: TPContext, wd: Path) -> None:
         assert got.finish_reason == ("stop" if want[-1] in tok.eos_token_ids else "length")
 
 
-CHECKS: Checks = [("greedy_chat", check_greedy_chat)]
+CHECKS: Checks = [("greedy_chat", check_greedy_chat), *PLAN_CHECKS]
+CHECKS_TP1: Checks = [("greedy_chat", check_greedy_chat), *PLAN_CHECKS_TP1]
 
 
 @pytest.fixture(scope="module")
 def worlds(workdir: Path) -> dict[int, WorldResults]:
-    return {1: run_single(CHECKS, workdir), 3: run_world(3, CHECKS, workdir)}
+    return {1: run_single(CHECKS_TP1, workdir), 3: run_world(3, CHECKS, workdir)}
 
 
 @pytest.mark.parametrize("check", names(CHECKS))
 @pytest.mark.parametrize("tp", (1, 3))
 def test_smollm2(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
     worlds[tp].assert_ok(check)
+
+
+@pytest.mark.parametrize("check", sorted(set(names(CHECKS_TP1)) - set(names(CHECKS))))
+def test_smollm2_tp1(worlds: dict[int, WorldResults], check: str) -> None:
+    worlds[1].assert_ok(check)

@@ -18,6 +18,7 @@ EPILOG = """examples:
   tprt score --model ./smollm2-tp3 --file essay.txt
   tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run --lora-rank 8 --steps 100
   tprt serve --model ./smollm2-tp3 --port 50051 --metrics-port 9400
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --max-seq-len 8192
 
 exit status: 0 success, 1 failure while running, 2 bad usage or input.
 """
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from serve.cli import add_parsers as add_serve_parsers  # serve, client
 
     add_serve_parsers(sub)
+    from tprt.cli.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
     return ap
 
 
@@ -125,6 +129,10 @@ def _run(args: argparse.Namespace) -> int:
         from tprt.cli.finetune import run as run_train
 
         return run_train(args)
+    if args.command == "plan":
+        from tprt.cli.plan import run as run_plan
+
+        return run_plan(args)
     if args.command == "demo":
         from tprt.cli.demo import DemoArgs, run_demo
 

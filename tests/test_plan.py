@@ -1,0 +1,163 @@
+"""tprt plan: the planner's per-rank shapes are the runtime's, its numbers follow from them, and
+the command reads every kind of source. (Its peaks against measured ones: tests/plan_checks.py,
+run in test_smollm2's worlds.)"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import TINY_CONFIGS, make_hf_llama
+from tprt.cli.main import main
+from tprt.distributed.context import TPContext
+from tprt.errors import ConfigError
+from tprt.lora.attach import apply_lora
+from tprt.model.config import ModelConfig
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.plan.devices import device
+from tprt.plan.memory import FinetuneWorkload, ServeWorkload, plan_memory
+from tprt.plan.shapes import layout_for, lora_parameters, numel, rank_parameters
+
+CONFIGS = Path(__file__).resolve().parent.parent / "bench" / "configs"
+GIB = 1 << 30
+
+
+def _config(name: str, **overrides: object) -> ModelConfig:
+    d = dict(max_position_embeddings=256, **TINY_CONFIGS[name])
+    d.update(overrides)
+    return ModelConfig.from_dict(d)
+
+
+def _meta_model(cfg: ModelConfig, tp: int, rank: int) -> TPLlamaForCausalLM:
+    ctx = TPContext(group=None, rank=rank, world_size=tp, device=torch.device("meta"), backend=None)
+    with torch.device("meta"):
+        return TPLlamaForCausalLM(cfg, layout_for(cfg, tp), ctx, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("tp", (1, 2, 4, 8))
+def test_shapes_are_the_runtimes(name: str, tp: int) -> None:
+    """Every rank's parameters and LoRA factors, as the model and apply_lora build them."""
+    cfg = _config(name)
+    layout = layout_for(cfg, tp)
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    for rank in (0, tp - 1):
+        model = _meta_model(cfg, tp, rank)
+        assert {n: tuple(p.shape) for n, p in model.named_parameters()} == rank_parameters(cfg, layout)
+        apply_lora(model, targets, 4, 8.0)
+        lora = {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+        assert lora == lora_parameters(cfg, layout, targets, 4)
+
+
+def test_whole_model_over_ranks() -> None:
+    """Summed over TP ranks: transformers' parameter count of Llama-3.1-8B plus the padding rows
+    and the norms every rank holds (kv heads split, no replication up to TP 8)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    raw = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig(**raw))
+    total = sum(p.numel() for p in hf.parameters())
+    cfg = ModelConfig.from_dict(raw)
+    for tp in (1, 2, 4, 8):
+        layout = layout_for(cfg, tp)
+        padding = 2 * (layout.padded_vocab_size - cfg.vocab_size) * cfg.hidden_size
+        norms = (2 * cfg.num_hidden_layers + 1) * cfg.hidden_size
+        assert tp * numel(rank_parameters(cfg, layout)) == total + padding + (tp - 1) * norms
+
+
+def test_kv_replication_and_tied_embeddings() -> None:
+    """A replicated kv head is held (and cached) by every rank that uses it; a tied LM head is not a second copy."""
+    cfg = _config("rope_pad")  # 2 kv heads
+    kv = [plan_memory(cfg, tp, ServeWorkload(max_seq_len=64, max_batch_size=2), device("h100-80gb"))
+          .kv_bytes_per_token_per_rank for tp in (1, 2, 4, 8)]
+    per_head = cfg.num_hidden_layers * 2 * cfg.head_dim * 4
+    assert kv == [2 * per_head, per_head, per_head, per_head]
+    tied, untied = _config("tied"), _config("tied", tie_word_embeddings=False)
+    layout = layout_for(tied, 2)
+    assert numel(rank_parameters(untied, layout)) - numel(rank_parameters(tied, layout)) == layout.local_vocab * 64
+
+
+def test_serving_numbers() -> None:
+    """Weights, the cache the engine allocates and the tokens that fit, from the shapes."""
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    plan = plan_memory(cfg, 8, ServeWorkload(max_seq_len=8192, max_batch_size=16), device("h100-80gb"))
+    assert plan.dtype == plan.kv_dtype == "bf16" and plan.fits
+    assert plan.weights_bytes_per_rank == 2 * numel(rank_parameters(cfg, plan.layout))
+    assert plan.kv_bytes_per_token_per_rank == 80 * 2 * 1 * 128 * 2  # one kv head per rank
+    assert plan.per_rank_bytes["kv_cache"] == 16 * 8192 * plan.kv_bytes_per_token_per_rank
+    free = plan.device_bytes - plan.non_kv_bytes
+    assert plan.max_kv_tokens == free // plan.kv_bytes_per_token_per_rank
+    cpu = plan_memory(cfg, 8, ServeWorkload(dtype="bf16", max_seq_len=8192), device("cpu", 4096))
+    assert cpu.kv_dtype == "fp32" and cpu.per_rank_bytes["packed_weights"] > 2 * cpu.weights_bytes_per_rank * 0.9
+
+
+def test_finetune_numbers() -> None:
+    """Full bf16 AdamW: 2 (weights) + 2 + 4 (gradients and their fp32 copies) + 8 (moments) + 4 (masters)
+    bytes per parameter; LoRA keeps the frozen base and trains only its factors."""
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    full = plan_memory(cfg, 8, FinetuneWorkload(full=True, dtype="bf16", batch_size=1, seq_len=4096), device("h100-80gb"))
+    n = full.params_per_rank
+    parts = full.per_rank_bytes
+    assert (parts["weights"], parts["gradients"], parts["optimizer_states"], parts["master_weights"]) == \
+        (2 * n, 6 * n, 8 * n, 4 * n)
+    assert not full.fits
+    lora = plan_memory(cfg, 8, FinetuneWorkload(lora_rank=16, dtype="bf16", batch_size=1, seq_len=4096),
+                       device("h100-80gb"))
+    assert lora.fits and lora.trainable_params_per_rank == numel(lora_parameters(cfg, lora.layout, ("q", "k", "v", "o"), 16))
+    ac = plan_memory(cfg, 8, FinetuneWorkload(lora_rank=16, dtype="bf16", batch_size=1, seq_len=4096,
+                                              activation_checkpointing=True), device("h100-80gb"))
+    assert ac.per_rank_bytes["activations"] < lora.per_rank_bytes["activations"] / 4
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
+                 "finetune", "--full", "--seq-len", "4096", "--batch-size", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("fits", "per_rank_bytes", "peak_bytes_per_rank", "device_bytes", "weights_bytes_per_rank",
+                "kv_bytes_per_token_per_rank", "max_kv_tokens", "suggestions"):
+        assert key in out
+    assert out["fits"] is False and out["peak_bytes_per_rank"] == sum(out["per_rank_bytes"].values())
+    assert any(s.startswith("LoRA instead of full") for s in out["suggestions"])
+    # 405B in bf16 does not fit 8 x 80 GB even to serve; flags may also follow the workload
+    assert main(["plan", "serve", "--model", str(CONFIGS / "llama-3.1-405b" / "config.json"), "--tp", "8",
+                 "--device", "h100-80gb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["max_kv_tokens"] == 0 and out["weights_bytes_per_rank"] > 80 * GIB
+    assert any("--tp 16" in s for s in out["suggestions"])
+
+
+def test_cli_sources(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An HF directory and a TP checkpoint (its vocab_align) give the same plan as its config.json."""
+    from convert.api import hf_to_tp
+
+    hf = make_hf_llama(tmp_path / "hf", "rope_pad")
+    hf_to_tp(hf, tmp_path / "tp2", tp=2)
+    outs = []
+    for src in (hf, hf / "config.json", tmp_path / "tp2"):
+        assert main(["plan", "--model", str(src), "--tp", "2", "--device", "cpu", "--json", "serve"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        del out["workload"]  # the flags as given (the checkpoint's dtype fills in --dtype)
+        outs.append(out)
+    assert outs[0] == outs[1] == outs[2]
+    assert outs[0]["padded_vocab_size"] == 256  # 250 padded to a multiple of 64 x 2
+    assert main(["plan", "--model", str(hf), "--tp", "3", "--device", "cpu", "serve"]) == 2
+    assert "--tp 3 does not divide num_attention_heads=8" in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path / "nope"), "--tp", "1", "--device", "cpu", "serve"]) == 2
+    assert main(["plan", "--model", str(hf), "--tp", "1", "--device", "tpu", "serve"]) == 2
+    assert "--device 'tpu' is not known" in capsys.readouterr().err
+
+
+def test_bad_workload() -> None:
+    cfg = _config("gqa")
+    with pytest.raises(ConfigError, match="max-seq-len 1000 exceeds"):
+        plan_memory(cfg, 1, ServeWorkload(max_seq_len=1000), device("cpu"))
+    with pytest.raises(ConfigError, match="--batch-size must be at least 1"):
+        plan_memory(cfg, 1, FinetuneWorkload(batch_size=0), device("cpu"))
+    with pytest.raises(Exception, match="unknown LoRA target"):
+        plan_memory(cfg, 1, FinetuneWorkload(lora_targets=("qq",)), device("cpu"))
+    assert math.isclose(device("cpu", 2.5).memory_bytes, 2.5 * GIB)

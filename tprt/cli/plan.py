@@ -1,0 +1,87 @@
+"""`tprt plan`: per-rank memory of serving or fine-tuning a model at a TP degree, before running it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tprt.errors import ConfigError
+
+PLAN_EPILOG = """examples:
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --max-seq-len 8192
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --lora-rank 16 --seq-len 4096 --batch-size 1
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --full --dtype bf16
+  tprt plan --model ./smollm2-tp3 --tp 3 --device cpu --json serve --max-batch-size 8
+
+--model is an HF model directory, a config.json or a TP checkpoint. Every number is bytes on one
+rank, computed from the model's parameter shapes at that TP degree (vocabulary padding, kv-head
+replication, tied embeddings, LoRA factors) and from how tprt allocates on that device (CPU:
+packed weight copies, a float32 KV cache for bf16 models). See docs/SCALE.md.
+"""
+
+def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """The model/layout/device flags, accepted before or after the workload (after: no defaults,
+    so that they do not overwrite what came before)."""
+    d: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
+    p.add_argument("--model", type=Path, metavar="SRC", help="HF model directory, config.json or TP checkpoint", **d)
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree", **d)
+    p.add_argument("--dp", type=int, metavar="M", help="data-parallel replicas (default 1)", **d)
+    p.add_argument("--device", metavar="{h100-80gb,h200-141gb,a100-80gb,a100-40gb,cpu}", help="one rank's device", **d)
+    p.add_argument("--device-memory", type=float, metavar="GIB", help="override the device's memory (GiB)", **d)
+    p.add_argument("--json", action="store_true", help="print one JSON object", **d)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("plan", help="per-rank memory of serving or fine-tuning at a TP degree", epilog=PLAN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan a model's memory per rank: weights, KV cache, activations, gradients, "
+                                   "optimizer state; whether it fits, and what would.")
+    _common(p, suppress=False)
+    work = p.add_subparsers(dest="workload", required=True, metavar="{serve,finetune}", parser_class=type(p))
+    s = work.add_parser("serve", help="the engine of `tprt serve`")
+    _common(s, suppress=True)
+    s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="weights and compute (default: the checkpoint's)")
+    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16}",
+                   help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine)")
+    s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per sequence (default: min(model's, 2048))")
+    s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="KV slots, sequences at once (16)")
+    f = work.add_parser("finetune", help="a step of `tprt finetune`")
+    _common(f, suppress=True)
+    m = f.add_mutually_exclusive_group()
+    m.add_argument("--full", action="store_true", help="train every weight")
+    m.add_argument("--lora-rank", type=int, default=8, metavar="R", help="LoRA rank (8)")
+    f.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST", help="comma-separated LoRA targets (q,k,v,o)")
+    f.add_argument("--dtype", choices=("fp32", "bf16"), help="weights and compute (default: fp32 on CPU, bf16 on GPU)")
+    f.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per micro-batch per DP rank (4)")
+    f.add_argument("--seq-len", type=int, default=512, metavar="L", help="tokens per row (512)")
+    f.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (1)")
+    f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tprt.plan.devices import device
+    from tprt.plan.memory import FinetuneWorkload, ServeWorkload, Workload, plan_memory
+    from tprt.plan.report import as_json, text
+    from tprt.plan.source import read_source
+
+    for flag in ("model", "tp", "device"):
+        if getattr(args, flag, None) is None:
+            raise ConfigError(f"tprt plan needs --{flag}")
+    src = read_source(args.model)
+    dp = args.dp if args.dp is not None else 1
+    dev = device(args.device, args.device_memory, ranks_per_host=args.tp * dp)
+    workload: Workload
+    if args.workload == "serve":
+        workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
+                                 max_batch_size=args.max_batch_size)
+    else:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,
+                                    dtype=args.dtype or ("fp32" if dev.kind == "cpu" else "bf16"),
+                                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                                    activation_checkpointing=args.activation_checkpointing)
+    plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align)
+    print(json.dumps(as_json(plan), indent=2) if args.json else text(plan))
+    return 0

@@ -1,0 +1,274 @@
+"""Per-rank memory of serving or fine-tuning a model at a TP degree, as tprt's runtime allocates it.
+
+Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shapes`:
+
+- weights: every parameter the rank holds, in the compute dtype (`tprt.checkpoint.loading`).
+- packed_weights: on CPU, `tprt.cpu.fast_linear.prepack` gives every linear layer and the LM head
+  a oneDNN-reordered copy (serving, and the frozen base of a LoRA run). Serving also times the
+  one-row kernels per weight shape and may keep a transposed copy as well, depending on which
+  kernel wins on the machine, so two copies are counted; while timing a group of same-shape
+  weights it holds one more copy of that group (the largest is counted). This transient is gone
+  before the KV cache is allocated, so on CPU the sum is an upper bound of the peak by at most
+  the cache and activations. GPUs keep no copy.
+- kv_cache: `KVCache` [layers, slots, 2, local kv heads, max_seq_len, head_dim], allocated whole
+  when the engine starts; its dtype is the model's except float32 for bf16/fp16 on CPU
+  (`TPLlamaForCausalLM.default_cache_dtype`).
+- activations: serving, the largest transient of one forward step of `token_budget` tokens
+  (a layer's MLP or attention intermediates, the attention mask, the sampled rows' logits);
+  fine-tuning, what autograd keeps for the backward of one micro-batch (per layer and token, the
+  tensors our modules save; only the block inputs plus one block with activation checkpointing)
+  and the loss's logits.
+- gradients: one per trainable parameter, in its dtype; for low-precision parameters the fused
+  AdamW update also converts every gradient to float32 at once (counted here too).
+- optimizer_states: AdamW's exp_avg and exp_avg_sq, float32 (`tprt.train.optim.AdamW`).
+- master_weights: float32 copies of low-precision trainable parameters.
+- framework_reserve: what the runtime holds beyond tensors (CUDA context, NCCL and cuBLAS
+  workspaces, allocator slack on GPU; oneDNN scratch and the compiled kernels on CPU).
+
+The peak is their sum: the persistent parts plus the largest transient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tprt.errors import ConfigError
+from tprt.lora.config import TARGETS, normalize_targets
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.plan.devices import Device
+from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, numel, rank_parameters
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+DEFAULT_MAX_SEQ_LEN = 2048  # tprt.engine.core's default context (min with the model's)
+GIB = 1 << 30
+# Beyond tensors: CUDA context (~0.5 GiB), NCCL and cuBLAS workspaces, caching-allocator slack.
+GPU_RESERVE = 2 * GIB
+# On CPU, measured on the CI machine (tests/plan_checks.py, SmolLM2 at TP 1 and 3): 0-30 MiB of
+# allocator and autograd bookkeeping (less when an engine ran before in the process), and ~90 MiB
+# more, whatever the model's size, once oneDNN's packed matmuls run (its caches and scratch).
+CPU_RESERVE = 16 << 20
+CPU_ONEDNN_RESERVE = 80 << 20
+
+KINDS = ("weights", "packed_weights", "kv_cache", "activations", "gradients", "optimizer_states",
+         "master_weights", "framework_reserve")
+
+
+def dtype_name(dtype: str) -> str:
+    """fp32, bf16 or fp16 from any of their usual spellings; anything else is a one-line error."""
+    name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; expected fp32, bf16 or fp16")
+    return name
+
+
+@dataclass(frozen=True)
+class ServeWorkload:
+    """`tprt serve` / the engine (tprt.engine.core.EngineConfig)."""
+
+    dtype: str | None = None  # compute dtype; None: the checkpoint's (config.json's torch_dtype)
+    kv_dtype: str | None = None  # None: as the engine picks (the model's; float32 for bf16/fp16 on CPU)
+    max_seq_len: int | None = None  # tokens per sequence; None: min(model's, 2048), as the engine
+    max_batch_size: int = 16  # KV slots (EngineConfig.max_batch)
+    token_budget: int = 2048  # tokens per step (EngineConfig.token_budget)
+    cpu_prepack: bool = True  # EngineConfig.cpu_prepack
+
+
+@dataclass(frozen=True)
+class FinetuneWorkload:
+    """`tprt finetune` (tprt.train.trainer.FinetuneConfig); batch_size is per DP rank and micro-batch."""
+
+    full: bool = False
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    dtype: str = "fp32"
+    batch_size: int = 4
+    seq_len: int = 512
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+
+
+Workload = ServeWorkload | FinetuneWorkload
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's memory for a workload; every rank of a TP group holds the same amounts."""
+
+    model: ModelConfig
+    layout: TPLayout
+    dp: int
+    device: Device
+    workload: Workload
+    per_rank_bytes: dict[str, int]  # kind (KINDS) -> bytes at the peak
+    params_per_rank: int  # elements of the base model on one rank
+    trainable_params_per_rank: int  # 0 when serving
+    dtype: str  # compute dtype
+    kv_dtype: str | None  # serving only
+    max_seq_len: int | None  # serving only
+    kv_bytes_per_token_per_rank: int  # one token of one sequence, every layer, this rank's kv heads
+    vocab_align: int  # the vocabulary is padded to a multiple of vocab_align * tp
+    extra: dict[str, Any] = field(default_factory=dict)  # workload-specific figures for the report
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def peak_bytes_per_rank(self) -> int:
+        return sum(self.per_rank_bytes.values())
+
+    @property
+    def weights_bytes_per_rank(self) -> int:
+        return self.per_rank_bytes["weights"]
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device.memory_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes_per_rank <= self.device_bytes
+
+    @property
+    def non_kv_bytes(self) -> int:
+        """Everything but the KV cache: what the cache has to fit beside."""
+        return self.peak_bytes_per_rank - self.per_rank_bytes["kv_cache"]
+
+    @property
+    def max_kv_tokens(self) -> int | None:
+        """Serving: tokens of KV (summed over sequences) that fit in what the rest leaves free."""
+        if not isinstance(self.workload, ServeWorkload):
+            return None
+        return max(0, self.device_bytes - self.non_kv_bytes) // self.kv_bytes_per_token_per_rank
+
+
+def plan_memory(cfg: ModelConfig, tp: int, workload: Workload, device: Device, dp: int = 1,
+                vocab_align: int = 64) -> MemoryPlan:
+    """The per-rank memory of `workload` with `cfg` split over `tp` ranks on `device` (dp
+    replicas change nothing per rank). Bad TP degrees or workload values are ConfigErrors."""
+    if dp < 1:
+        raise ConfigError(f"--dp must be at least 1, got {dp}")
+    layout = layout_for(cfg, tp, vocab_align)
+    if isinstance(workload, ServeWorkload):
+        return _plan_serve(cfg, layout, workload, device, dp, vocab_align)
+    return _plan_finetune(cfg, layout, workload, device, dp, vocab_align)
+
+
+def _reserve(device: Device, packed: bool) -> int:
+    if device.kind != "cpu":
+        return GPU_RESERVE
+    return CPU_RESERVE + (CPU_ONEDNN_RESERVE if packed else 0)
+
+
+def _packed_bytes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], elem: int, timing: bool) -> int:
+    """CPU prepack: a reordered copy of every linear weight; when the one-row kernels are timed
+    (serving), a transposed copy too (the worst case) and, while a group of same-shape weights
+    is timed, one more copy of it (the largest group)."""
+    groups: dict[tuple[int, ...], int] = {}
+    for name in linear_weight_names(cfg, shapes):
+        groups[shapes[name]] = groups.get(shapes[name], 0) + math.prod(shapes[name])
+    copies = sum(groups.values())
+    return elem * (2 * copies + max(groups.values()) if timing else copies)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, layout: TPLayout, kv_dtype: str) -> int:
+    """One token's keys and values on one rank, over every layer."""
+    return cfg.num_hidden_layers * 2 * layout.local_kv_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: Device, dp: int,
+                vocab_align: int) -> MemoryPlan:
+    _check_positive(max_batch_size=w.max_batch_size, max_seq_len=w.max_seq_len, token_budget=w.token_budget)
+    dtype = dtype_name(w.dtype or cfg.torch_dtype)
+    cpu = device.kind == "cpu"
+    kv_dtype = dtype_name(w.kv_dtype) if w.kv_dtype else ("fp32" if cpu else dtype)
+    max_seq_len = w.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len > cfg.max_position_embeddings:
+        raise ConfigError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings}")
+    b, cb = DTYPE_BYTES[dtype], DTYPE_BYTES[kv_dtype]
+    shapes = rank_parameters(cfg, layout)
+    params = numel(shapes)
+    per_token = kv_bytes_per_token(cfg, layout, kv_dtype)
+    tokens = min(w.token_budget, w.max_batch_size * max_seq_len)  # the widest step
+    h, inter = cfg.hidden_size, cfg.intermediate_size // layout.tp
+    q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
+    # In inference each op's inputs die with it: the widest moment of a layer is the residual,
+    # its norm, and either the MLP (gate_up, silu(gate), the product) or attention (qkv, q/k/v
+    # in the cache dtype, the output, the additive mask over the keys).
+    mlp = tokens * b * (2 * h + 4 * inter)
+    attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len))
+    logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
+    packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
+    kv_cache = per_token * w.max_batch_size * max_seq_len
+    parts = dict.fromkeys(KINDS, 0)
+    parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
+                 activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))
+    return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
+                      extra={"tokens_per_step": tokens, "max_batch_size": w.max_batch_size})
+
+
+def _trainable_targets(w: FinetuneWorkload) -> set[str]:
+    return set(TARGETS) if w.full else set(normalize_targets(w.lora_targets))
+
+
+def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload) -> int:
+    """Bytes autograd keeps per token for one decoder layer's backward, as our modules save them."""
+    b = DTYPE_BYTES[dtype_name(w.dtype)]
+    h, inter = cfg.hidden_size, cfg.intermediate_size // layout.tp
+    q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
+    t = _trainable_targets(w)
+    # RMSNorm: fp32 saves its input (rms_norm), bf16 the float32 copy of it; the normed output is
+    # kept when the norm weight or the next linear needs it for a weight gradient.
+    norm_in = 4 * h
+    attn_in_needed = w.full or bool(t & {"q", "k", "v"})
+    mlp_in_needed = w.full or bool(t & {"gate", "up"})
+    norms = 2 * norm_in + b * h * (attn_in_needed + mlp_in_needed)
+    # qkv output (v is a view of it), rotated q and k, SDPA's output (and its logsumexp), and the
+    # o_proj input (a reshaped copy) when o gets a gradient.
+    attention = b * ((q + 2 * kv) + q + kv + q + (q if "o" in t else 0)) + 4 * layout.local_heads
+    # gate_up output (gate and up are views of it), silu(gate), and the product when down trains.
+    mlp = b * (2 * inter + inter + (inter if "down" in t else 0))
+    lora = 0 if w.full else b * w.lora_rank * len(t)  # each adapted target keeps its [rank] z
+    return norms + attention + mlp + lora
+
+
+def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, device: Device, dp: int,
+                   vocab_align: int) -> MemoryPlan:
+    _check_positive(batch_size=w.batch_size, seq_len=w.seq_len, grad_accum=w.grad_accum)
+    dtype = dtype_name(w.dtype)
+    b = DTYPE_BYTES[dtype]
+    shapes = rank_parameters(cfg, layout)
+    params = numel(shapes)
+    trainable = params if w.full else numel(lora_parameters(cfg, layout, w.lora_targets, w.lora_rank))
+    tokens = w.batch_size * w.seq_len  # one micro-batch; accumulation adds no activations
+    per_layer = _saved_per_token_per_layer(cfg, layout, w)
+    h = cfg.hidden_size
+    if w.activation_checkpointing:  # each block keeps its input; one block is recomputed at a time
+        blocks = tokens * (cfg.num_hidden_layers * b * h + per_layer)
+    else:
+        blocks = tokens * cfg.num_hidden_layers * per_layer
+    # The loss: final norm, the local logits in the dtype and the vocab-parallel cross-entropy's
+    # float32 softmax (the logits' gradient reuses its size), over the target tokens (at most
+    # every token but the last of each row).
+    targets = w.batch_size * (w.seq_len - 1)
+    loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4))
+    cpu = device.kind == "cpu"
+    packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
+    low = dtype != "fp32"  # float32 masters, and float32 copies of the gradients in the update
+    parts = dict.fromkeys(KINDS, 0)
+    parts.update(weights=params * b + (0 if w.full else trainable * b), packed_weights=packed,
+                 activations=blocks + loss, gradients=trainable * (b + 4 * low), optimizer_states=trainable * 8,
+                 master_weights=trainable * 4 * low, framework_reserve=_reserve(device, packed > 0))
+    return MemoryPlan(cfg, layout, dp, device, w, parts, params, trainable, dtype, None, None,
+                      kv_bytes_per_token(cfg, layout, dtype), vocab_align,
+                      extra={"tokens_per_micro_batch": tokens, "global_batch_rows": w.batch_size * w.grad_accum * dp})

@@ -1,0 +1,95 @@
+"""`tprt plan`'s output: a per-rank table with a verdict, or one JSON object."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from tprt.plan.advice import suggestions
+from tprt.plan.memory import KINDS, MemoryPlan, ServeWorkload
+
+GIB = 1 << 30
+_LABELS = {
+    "weights": "weights", "packed_weights": "CPU packed weight copies", "kv_cache": "KV cache",
+    "activations": "activations (peak)", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
+    "master_weights": "fp32 master weights", "framework_reserve": "framework reserve",
+}
+
+
+def _model_line(plan: MemoryPlan) -> str:
+    c, lay = plan.model, plan.layout
+    kv = (f"kv heads replicated x{lay.kv_replication}" if lay.kv_replication > 1
+          else f"{lay.local_kv_heads} kv head(s) per rank")
+    return (f"model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
+            f"{c.num_key_value_heads} kv heads, vocab {c.vocab_size} (padded {lay.padded_vocab_size}), "
+            f"{'tied' if c.tie_word_embeddings else 'untied'} embeddings; at TP={plan.tp}: {kv}, "
+            f"{plan.params_per_rank / 1e9:.3f} B parameters per rank")
+
+
+def _workload_line(plan: MemoryPlan) -> str:
+    w = plan.workload
+    if isinstance(w, ServeWorkload):
+        return (f"workload: serve, {plan.dtype} weights, {plan.kv_dtype} KV cache, max_seq_len {plan.max_seq_len}, "
+                f"max_batch_size {w.max_batch_size}, token_budget {w.token_budget}")
+    method = "full" if w.full else f"LoRA rank {w.lora_rank} on {','.join(w.lora_targets)}"
+    return (f"workload: finetune ({method}), {plan.dtype}, batch_size {w.batch_size} x seq_len {w.seq_len} per "
+            f"micro-batch, grad_accum {w.grad_accum}, activation checkpointing "
+            f"{'on' if w.activation_checkpointing else 'off'}; {plan.trainable_params_per_rank / 1e6:.2f} M "
+            "trainable parameters per rank")
+
+
+def text(plan: MemoryPlan) -> str:
+    lines = [f"tprt plan: TP={plan.tp} x DP={plan.dp} ({plan.tp * plan.dp} devices), {plan.device.name} "
+             f"({plan.device_bytes / GIB:.1f} GiB per rank)", _model_line(plan), _workload_line(plan), "",
+             f"  {'per rank':<28}{'GiB':>10}"]
+    for kind in KINDS:
+        if plan.per_rank_bytes[kind]:
+            lines.append(f"  {_LABELS[kind]:<28}{plan.per_rank_bytes[kind] / GIB:>10.2f}")
+    peak, dev = plan.peak_bytes_per_rank, plan.device_bytes
+    lines.append(f"  {'total (peak)':<28}{peak / GIB:>10.2f}   of {dev / GIB:.2f} ({100 * peak / dev:.0f}%)")
+    lines.append("")
+    kv = plan.kv_bytes_per_token_per_rank
+    if isinstance(plan.workload, ServeWorkload):
+        tokens = plan.max_kv_tokens or 0
+        lines.append(f"KV cache: {kv / 1024:.1f} KiB per token per rank ({plan.kv_dtype}); the engine allocates "
+                     f"{plan.workload.max_batch_size} x {plan.max_seq_len} tokens = "
+                     f"{plan.per_rank_bytes['kv_cache'] / GIB:.2f} GiB")
+        lines.append(f"beside everything else, {tokens} KV tokens fit: {tokens // (plan.max_seq_len or 1)} "
+                     f"sequences of {plan.max_seq_len} tokens")
+    verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
+               else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
+    lines.append(f"verdict: {verdict}")
+    advice = suggestions(plan)
+    if advice:
+        lines.append("what would fit:" if not plan.fits else "room:")
+        lines += [f"  - {s}" for s in advice]
+    return "\n".join(lines)
+
+
+def as_json(plan: MemoryPlan) -> dict[str, Any]:
+    """The plan as one JSON object (the keys `tprt plan --json` promises, and the inputs)."""
+    serving = isinstance(plan.workload, ServeWorkload)
+    max_tokens = plan.max_kv_tokens
+    return {
+        "fits": plan.fits,
+        "per_rank_bytes": dict(plan.per_rank_bytes),
+        "peak_bytes_per_rank": plan.peak_bytes_per_rank,
+        "device_bytes": plan.device_bytes,
+        "weights_bytes_per_rank": plan.weights_bytes_per_rank,
+        "kv_bytes_per_token_per_rank": plan.kv_bytes_per_token_per_rank,
+        "max_kv_tokens": max_tokens,
+        "max_sequences": max_tokens // (plan.max_seq_len or 1) if serving and max_tokens is not None else None,
+        "suggestions": suggestions(plan),
+        "tp": plan.tp,
+        "dp": plan.dp,
+        "device": plan.device.name,
+        "workload": {"kind": "serve" if serving else "finetune", **asdict(plan.workload)},
+        "dtype": plan.dtype,
+        "kv_dtype": plan.kv_dtype,
+        "max_seq_len": plan.max_seq_len,
+        "params_per_rank": plan.params_per_rank,
+        "trainable_params_per_rank": plan.trainable_params_per_rank,
+        "padded_vocab_size": plan.layout.padded_vocab_size,
+        "kv_replication": plan.layout.kv_replication,
+        **plan.extra,
+    }
