@@ -38,7 +38,7 @@ def _llama3_scale(inv_freq: torch.Tensor, factor: float, low: float, high: float
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
     smooth = (original / wavelen - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)
 
 
