@@ -6,7 +6,7 @@ Random float32 weights of the config's shapes (its first `--layers` layers) on t
 random weights give logits with near-ties, and bf16 rounding differences between two kernel
 schedules could then flip a greedy choice without anything being wrong); the same
 greedy requests (uneven prompts, sequences joining and leaving, batches that are not a bucket
-size) through an Engine with static decode (tprt.engine.static_decode: one CUDA graph per batch
+size, steps over 256 and 512 keys) through an Engine with static decode (tprt.engine.static_decode: one CUDA graph per batch
 bucket) and through one without. Passes when graphs were captured and replayed (none failed)
 and both give the same tokens. Exit status 1 otherwise, with the reason.
 """
@@ -31,12 +31,12 @@ from tprt.engine.core import Engine, EngineConfig, run_to_completion  # noqa: E4
 from tprt.engine.sampling import SamplingParams  # noqa: E402
 from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
 
-PROMPTS = (37, 5, 120, 64, 9)  # prompt lengths
+PROMPTS = (37, 5, 300, 64, 9)  # prompt lengths (300: steps over 512 keys, the others 256)
 NEW = (12, 30, 7, 20, 16)  # tokens each generates
 
 
 def generate(model: TPLlamaForCausalLM, static: bool) -> tuple[dict[str, list[int]], Engine]:
-    engine = Engine(model, None, EngineConfig(max_batch=8, max_seq_len=256, token_budget=64, static_decode=static))
+    engine = Engine(model, None, EngineConfig(max_batch=8, max_seq_len=1024, token_budget=64, static_decode=static))
     for i, (n, new) in enumerate(zip(PROMPTS, NEW)):
         ids = [(i * 131 + k * 17) % model.config.vocab_size for k in range(n)]
         engine.add(ids, SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True), str(i))
@@ -58,7 +58,7 @@ def main() -> None:
     eager, _ = generate(model, static=False)
     static = engine.runner.static
     assert static is not None
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "captured_buckets": sorted(static.graphs),
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "captured_batch_kv_buckets": sorted(static.graphs),
                            "capture_failed": static.failed, "same_tokens": graphed == eager}
     print(json.dumps(out, indent=1))
     if args.out:
