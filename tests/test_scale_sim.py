@@ -12,8 +12,11 @@ meant to be replaced by calls to it once it exists.
 from __future__ import annotations
 
 from collections.abc import Iterator
+import json
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -21,13 +24,15 @@ from torch.fx.experimental import _config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from bench.gpu_bench import random_model
 from convert.plan import plan_tp
-from fake_world import Collective, CollectiveLog, build_rank, fake_world, real_config
+from fake_world import CONFIGS, Collective, CollectiveLog, build_rank, fake_world, real_config
+from tprt.distributed.context import TPContext
 from tprt.engine.core import Engine, EngineConfig, run_to_completion
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.runner import BatchResult, ModelRunner, StepResult
 from tprt.engine.sampling import SamplingParams
-from tprt.engine.static_decode import buckets, kv_buckets
+from tprt.engine.static_decode import StaticDecode, buckets, kv_buckets
 from tprt.lora.attach import apply_lora
 from tprt.lora.config import TARGETS
 from tprt.model.config import ModelConfig, TPLayout
@@ -264,6 +269,33 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
                 runner.execute(plan)
             assert log.take() == expected, f"rank {rank}"
             assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
+
+
+def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -> None:
+    """The key buckets on real values: one sequence (batch 1 is a bucket: no padding row, so the
+    CPU kernels may read it) crosses the 16-, 32- and 64-key buckets and generates the tokens
+    of the eager path. (On CUDA the buckets are the default; on CPU this test sets them.)"""
+    config = json.loads((CONFIGS / "Llama-3.1-8B" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = random_model(tmp_path / "config.json", TPContext.single("cpu"), torch.float32)
+
+    def generate(static: bool) -> list[int]:
+        engine = Engine(model, None, EngineConfig(max_batch=2, max_seq_len=128, static_decode=static), eos_token_ids=())
+        if static:
+            assert engine.runner.static is not None
+            engine.runner.static.kv_buckets = kv_buckets(128, smallest=16)
+        engine.add(list(range(3, 13)), SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True), "a")
+        return run_to_completion(engine)["a"].token_ids
+
+    kv_lens: list[int] = []
+    forward = StaticDecode._forward
+    with patch.object(StaticDecode, "_forward", lambda self, batch, kv_len: (kv_lens.append(kv_len),
+                                                                              forward(self, batch, kv_len))[1]):
+        static = generate(True)
+    assert sorted(set(kv_lens)) == [16, 32, 64, 128]
+    assert static == generate(False)
 
 
 def test_long_context_decode_70b_tp8() -> None:
