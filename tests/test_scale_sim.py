@@ -1,7 +1,9 @@
-"""The real Llama-3.1 shapes (8B at TP 1/2/4/8, 70B and 405B at TP 8) through the real code
-paths, every TP rank simulated in one process on meta tensors and torch's fake process group
-(tests/fake_world.py): what each rank holds, the engine's chunked prefill and decode steps,
-a LoRA training step, and the collectives each issues, held against the Megatron design.
+"""The real Llama shapes (3.1-8B at TP 1 to 16, 70B at TP 8, 405B at TP 8 and 16; 3.2-1B's tied
+embeddings) through the real code paths, every TP rank simulated in one process on meta
+tensors and torch's fake process group (tests/fake_world.py): what each rank holds, the
+engine's chunked prefill and decode steps, a LoRA training step, and the collectives each
+issues, held against the Megatron design. Clipping (`clip_grad_norm`) is left out of the LoRA
+step: it returns the norm as a Python float, which a meta tensor does not have.
 
 The expected bytes per rank are computed here from the configs' shapes, independently of the
 model code (`weight_bytes_per_rank`, `kv_bytes_per_token_per_rank`, `lora_bytes_per_rank`):
@@ -100,8 +102,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # ---------------------------------------------------------------- what each rank holds
 
+# 3.2-1B: tied embeddings; 405B at TP 16 (two nodes): each kv head held by two ranks.
 SLICES = [("Llama-3.1-8B", 1), ("Llama-3.1-8B", 2), ("Llama-3.1-8B", 4), ("Llama-3.1-8B", 8),
-          ("Llama-3.1-70B", 8), ("Llama-3.1-405B", 8)]
+          ("Llama-3.1-70B", 8), ("Llama-3.1-405B", 8), ("Llama-3.1-405B", 16), ("Llama-3.2-1B", 4)]
 
 
 @pytest.mark.parametrize("name,tp", SLICES)
@@ -111,7 +114,7 @@ def test_each_rank_holds_exactly_its_slice(name: str, tp: int) -> None:
     cfg = real_config(name)
     layout = TPLayout.for_model(cfg, tp)
     shapes = hf_shapes(cfg)
-    _, manifest = plan_tp(list(shapes), shapes, dict.fromkeys(shapes, "BF16"), cfg, layout, "BF16")
+    plan, manifest = plan_tp(list(shapes), shapes, dict.fromkeys(shapes, "BF16"), cfg, layout, "BF16")
     expected_bytes = weight_bytes_per_rank(cfg, tp, 2)
     with fake_world(tp):
         for rank in range(tp):
@@ -124,15 +127,10 @@ def test_each_rank_holds_exactly_its_slice(name: str, tp: int) -> None:
                 assert p.dtype == BF16
             assert covered == set(shapes)  # nothing held that the checkpoint lacks, nothing missing
             held = sum(p.numel() * p.element_size() for p in model.parameters())
-            assert held == expected_bytes == sum(f.data_bytes for f in _rank_files(cfg, layout, shapes, rank))
+            assert held == expected_bytes == sum(f.data_bytes for f in plan.files if f.rank == rank)
             head = model.lm_head
             assert head.vocab_start == rank * layout.local_vocab
             assert head.local_valid == max(0, min(layout.local_vocab, cfg.vocab_size - head.vocab_start))
-
-
-def _rank_files(cfg: ModelConfig, layout: TPLayout, shapes: dict[str, tuple[int, ...]], rank: int) -> list[Any]:
-    plan, _ = plan_tp(list(shapes), shapes, dict.fromkeys(shapes, "BF16"), cfg, layout, "BF16")
-    return [f for f in plan.files if f.rank == rank]
 
 
 def test_published_per_rank_sizes() -> None:
@@ -291,8 +289,12 @@ def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -
 
     kv_lens: list[int] = []
     forward = StaticDecode._forward
-    with patch.object(StaticDecode, "_forward", lambda self, batch, kv_len: (kv_lens.append(kv_len),
-                                                                              forward(self, batch, kv_len))[1]):
+
+    def recording(self: StaticDecode, batch: int, kv_len: int) -> torch.Tensor:
+        kv_lens.append(kv_len)
+        return forward(self, batch, kv_len)
+
+    with patch.object(StaticDecode, "_forward", recording):
         static = generate(True)
     assert sorted(set(kv_lens)) == [16, 32, 64, 128]
     assert static == generate(False)
@@ -372,7 +374,7 @@ def lora_step(model: TPLlamaForCausalLM, batch: int, seq: int, log: CollectiveLo
 # 70B on its last rank, which holds the vocabulary's padding; the collectives are every rank's.
 # Its every op is watched (`LargestTensors`; slow, so there only).
 LORA_CASES = [("Llama-3.1-70B", 8, 7, True), ("Llama-3.1-8B", 1, 0, False), ("Llama-3.1-8B", 2, 1, False),
-              ("Llama-3.1-8B", 4, 3, False), ("Llama-3.1-8B", 8, 5, False)]
+              ("Llama-3.1-8B", 4, 3, False), ("Llama-3.1-8B", 8, 5, False), ("Llama-3.1-8B", 16, 9, False)]
 
 
 @pytest.mark.parametrize("name,tp,rank,watched", LORA_CASES)
@@ -404,9 +406,13 @@ def test_lora_training_step(name: str, tp: int, rank: int, watched: bool) -> Non
         Collective("all_reduce", (2, tokens), torch.float32, "SUM"),
     ]
     assert phases["backward"] == [Collective("all_reduce", (tokens, h), BF16, "SUM")] + [hidden] * (2 * n_layers - 1)
-    partial = sum(p.numel() for p in lora if (spec := get_spec(p)) is not None and spec.partial_grad)
+    specs = [(p, get_spec(p)) for p in lora]
+    partial = sum(p.numel() for p, spec in specs if spec is not None and spec.partial_grad)
+    # With TP > kv heads (8B at TP 16) the k/v LoRA B rows are summed over the ranks sharing a head.
+    shared_kv = sum(p.numel() for p, spec in specs if spec is not None and spec.kv_replication > 1)
+    assert (shared_kv > 0) == (layout.kv_replication > 1)
     assert all(c.op == "all_reduce" and c.dtype == torch.float32 for c in phases["sync"])
-    assert sum(c.shape[0] for c in phases["sync"]) == partial
+    assert sum(c.shape[0] for c in phases["sync"]) == partial + shared_kv
     assert phases["optimizer"] == []
     if not watched:
         return
