@@ -158,15 +158,16 @@ def inference_collectives(cfg: ModelConfig, layout: TPLayout, rows: int, width: 
     return out + [gather]
 
 
-def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, static: bool) -> list[Collective]:
-    """What one `ModelRunner.execute(plan)` must issue on every rank."""
+def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, max_batch: int) -> list[Collective]:
+    """What one `ModelRunner.execute(plan)` must issue on every rank, with static decode over
+    `max_batch` slots (packed decode rows padded to a batch bucket)."""
     out = []
     if plan.prefill is not None:
         out += inference_collectives(cfg, layout, len(plan.prefill.slots), plan.prefill.width, plan.prefill.full_logits)
     if plan.decode is not None:
         n = len(plan.decode.slots)
         packed = plan.decode.slots == tuple(range(n))
-        rows = next(b for b in buckets(1 << 20) if b >= n) if static and packed else n
+        rows = next(b for b in buckets(max_batch) if b >= n) if packed else n
         out += inference_collectives(cfg, layout, rows, 1, plan.decode.full_logits, gathered_rows=n)
     return out
 
@@ -250,7 +251,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
                    p.prefill.starts != (0,) * len(p.prefill.starts) for p in plans), "no chunked prefill"
         assert any(p.prefill is not None and p.decode is not None for p in plans), "no mixed step"
         assert max(len(p.decode.slots) for p in plans if p.decode is not None) == 3
-        expected = [c for p in plans for c in step_collectives(cfg, layout, p, static=True)]
+        expected = [c for p in plans for c in step_collectives(cfg, layout, p, slots)]
         assert [c for c in rank0 if c.op != "broadcast"] == expected
         assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
         assert max(kv_lens) <= 1024 < max_seq
@@ -317,7 +318,7 @@ def test_long_context_decode_70b_tp8() -> None:
             result = runner.execute(plan)
             assert result.decode is not None and result.decode.ids is not None
             assert result.decode.ids.shape == (slots,)
-            assert log.take() == step_collectives(cfg, layout, plan, static=True)
+            assert log.take() == step_collectives(cfg, layout, plan, slots)
 
 
 # ---------------------------------------------------------------- a LoRA step at scale
