@@ -22,6 +22,7 @@ to a file as it goes, so checks finished before a teardown still report their ow
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -35,6 +36,10 @@ from tprt.distributed.context import TPContext, init_distributed
 from tprt.distributed.launcher import LaunchError, launch_local, one_line
 
 Check = Callable[[TPContext, Path], None]
+
+# Where the checks' models live: "cpu" (CI), or "cuda" (bench/gpu_check.sh): TP 1 on the GPU,
+# and every rank of a larger world on the same GPU through gloo.
+TEST_DEVICE = os.environ.get("TPRT_TEST_DEVICE", "cpu")
 Checks = Sequence[tuple[str, Check]]
 
 
@@ -59,7 +64,10 @@ def run_one(ctx: TPContext, name: str, check: Check, workdir: Path) -> tuple[boo
 
 
 def _worker(checks: Checks, workdir: Path, results_dir: Path, collective_timeout_s: float) -> None:
-    ctx = init_distributed(timeout_s=collective_timeout_s)
+    if TEST_DEVICE == "cpu":
+        ctx = init_distributed(timeout_s=collective_timeout_s)
+    else:
+        ctx = init_distributed(timeout_s=collective_timeout_s, backend="gloo", device=TEST_DEVICE)
     torch.manual_seed(1234)
     out = results_dir / f"rank{ctx.rank}.jsonl"
     for name, check in checks:
@@ -133,7 +141,7 @@ def _merge(world_size: int, results_dir: Path, error: str) -> WorldResults:
 def run_single(checks: Checks, workdir: Path) -> WorldResults:
     """The same checks in this process at TP=1, with no process group, on one thread (tiny
     models on a shared machine: more threads only spin against other processes)."""
-    ctx = TPContext.single()
+    ctx = TPContext.single(TEST_DEVICE)
     results: dict[str, tuple[bool, str]] = {}
     seconds: dict[str, float] = {}
     threads = torch.get_num_threads()

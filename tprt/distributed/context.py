@@ -74,22 +74,26 @@ def init_distributed(
     tp_size: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    device: str | torch.device | None = None,
 ) -> TPContext:
     """Joins the world described by the environment and returns this rank's TP context.
 
     Without RANK/WORLD_SIZE in the environment this is the single-rank fallback. NCCL (device
     cuda:LOCAL_RANK) when CUDA is present, gloo on CPU otherwise. `tp_size` defaults to the whole
     world; a smaller one makes a [world / tp_size, tp_size] mesh with a DP group per TP rank.
+    `device` overrides where the rank's tensors live: gloo also reduces CUDA tensors, so with
+    `backend="gloo", device="cuda:0"` several ranks share one GPU (bench/gpu_check.sh's TP 2).
     """
     if not in_distributed_env():
-        device = torch.device("cuda", 0) if torch.cuda.is_available() and backend != "gloo" else torch.device("cpu")
-        return TPContext.single(device)
+        use_cuda = torch.cuda.is_available() and backend != "gloo"
+        return TPContext.single(device or (torch.device("cuda", 0) if use_cuda else torch.device("cpu")))
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
     use_cuda = torch.cuda.is_available() and backend != "gloo"
     backend = backend or ("nccl" if use_cuda else "gloo")
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

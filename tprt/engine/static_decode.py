@@ -1,8 +1,9 @@
-"""Decode with static shapes, replayed from CUDA graphs on GPU (one graph per batch-size bucket).
+"""Decode with static shapes, replayed from CUDA graphs on GPU (one graph per batch-size and
+key-length bucket).
 
 A decode step's Python and kernel-launch overhead is what separates a small model's decode from
 the memory-bandwidth floor on a GPU. With static shapes the whole forward (every layer, its
-all-reduces over NCCL, the LM head) is captured once per bucket and replayed with one launch:
+all-reduces over NCCL, the LM head) is captured once per pair of buckets and replayed with one launch:
 
 - inputs live in fixed buffers: ids [max_batch, 1], positions [max_batch, 1];
 - the batch is padded to a bucket (1, 2, 4, 8, ...); padding row b writes its key/value at
@@ -10,12 +11,19 @@ all-reduces over NCCL, the LM head) is captured once per bucket and replayed wit
   decoding its last token in a real row) and no reused prefix holds (tprt.engine.prefix_cache: a
   sequence's last position is never computed), and the cache's rule holds: a position is always
   written before it is read;
-- the attention always spans max_seq_len keys (the mask hides the future), so kv_len is static;
+- the attention spans a bucket of keys (256, 512, ... up to max_seq_len: the smallest holding
+  every row's position; the mask hides the future), so kv_len is static per graph. Not
+  max_seq_len always: with a long context each step would read every slot's whole cache,
+  however short the sequences (at 128K, 16 slots of 70B at TP 8: 86 GB a step). The padding
+  rows' writes at max_seq_len - 1 lie past the keys read and their outputs are dropped. On CPU,
+  where the native decode kernels size their scratch by kv_len and read up to each row's
+  position, the keys stay max_seq_len (static decode on CPU only tests the logic);
 - rows must sit in slots 0..n-1 (the engine keeps them packed); otherwise the eager path runs.
 
 Every rank executes the same plans, so every rank captures the same buckets in the same order
-(capture includes the collectives). On CPU the same static forward runs eagerly, which is how
-the tests check it; CUDA graphs are used only on CUDA devices.
+(capture includes the collectives). Off CUDA the same static forward runs eagerly, which is how
+the tests check it (and tests/test_scale_sim.py the key buckets, on the meta device); CUDA graphs
+are used only on CUDA devices.
 """
 
 from __future__ import annotations
@@ -39,6 +47,15 @@ def buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
+    """smallest, 2 * smallest, ... below max_seq_len, then max_seq_len (included)."""
+    out, k = [], smallest
+    while k < max_seq_len:
+        out.append(k)
+        k *= 2
+    return out + [max_seq_len]
+
+
 class StaticDecode:
     """Decode steps for packed rows (slots 0..n-1), on static buffers; graphs when on CUDA."""
 
@@ -47,18 +64,24 @@ class StaticDecode:
         device = model.tp.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets = buckets(max_batch)
+        # Key lengths attended over (see the module docstring for why CPU keeps the whole cache).
+        self.kv_buckets = [cache.max_seq_len] if device.type == "cpu" else kv_buckets(cache.max_seq_len)
         self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
         self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, kv_len)
         self.failed = False  # capture failed once: stay eager
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        """The static forward over the first `batch` buffer rows -> [batch, local_vocab]."""
+    def kv_bucket(self, kv_len: int) -> int:
+        return next(k for k in self.kv_buckets if k >= kv_len)
+
+    def _forward(self, batch: int, kv_len: int) -> torch.Tensor:
+        """The static forward over the first `batch` buffer rows, attending over `kv_len` keys
+        -> [batch, local_vocab]."""
         local = self.model(self.ids[:batch], self.positions[:batch], self.cache, slots=None,
-                           kv_len=self.cache.max_seq_len)  # [batch, 1, local_vocab]
+                           kv_len=kv_len)  # [batch, 1, local_vocab]
         return local[:, 0]
 
     @torch.inference_mode()
@@ -66,35 +89,36 @@ class StaticDecode:
         """Local logits [n, local_vocab] of rows 0..n-1 (slot i, input tokens[i] at starts[i]);
         collective over the TP group."""
         n = len(tokens)
-        batch = self.bucket(n)
+        batch, kv_len = self.bucket(n), self.kv_bucket(max(starts) + 1)
         device = self.ids.device
         self.ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=device.type == "cuda")
         self.positions[:n, 0].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=device.type == "cuda")
         self.ids[n:batch] = 0
         self.positions[n:batch] = self.cache.max_seq_len - 1
         if not self.use_graphs or self.failed:
-            return self._forward(batch)[:n]
-        if batch not in self.graphs:
-            self._capture(batch)
+            return self._forward(batch, kv_len)[:n]
+        if (batch, kv_len) not in self.graphs:
+            self._capture(batch, kv_len)
             if self.failed:
-                return self._forward(batch)[:n]
-        graph, out = self.graphs[batch]
+                return self._forward(batch, kv_len)[:n]
+        graph, out = self.graphs[batch, kv_len]
         graph.replay()
         return out[:n]
 
-    def _capture(self, batch: int) -> None:
-        """Warms up on a side stream, then captures the static forward for `batch` rows."""
+    def _capture(self, batch: int, kv_len: int) -> None:
+        """Warms up on a side stream, then captures the static forward for `batch` rows over `kv_len` keys."""
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(batch)
+                    self._forward(batch, kv_len)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # NCCL watchdog thread
-                out = self._forward(batch)
-            self.graphs[batch] = (graph, out)
+                out = self._forward(batch, kv_len)
+            self.graphs[batch, kv_len] = (graph, out)
         except RuntimeError as e:  # e.g. a collective that cannot be captured: fall back, loudly
-            log.warning("CUDA graph capture of decode batch %d failed, running eagerly: %s", batch, e)
+            log.warning("CUDA graph capture of decode batch %d over %d keys failed, running eagerly: %s",
+                        batch, kv_len, e)
             self.failed = True

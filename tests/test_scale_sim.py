@@ -1,0 +1,422 @@
+"""The real Llama shapes (3.1-8B at TP 1 to 16, 70B at TP 8, 405B at TP 8 and 16; 3.2-1B's tied
+embeddings) through the real code paths, every TP rank simulated in one process on meta
+tensors and torch's fake process group (tests/fake_world.py): what each rank holds, the
+engine's chunked prefill and decode steps, a LoRA training step, and the collectives each
+issues, held against the Megatron design. Clipping (`clip_grad_norm`) is left out of the LoRA
+step: it returns the norm as a Python float, which a meta tensor does not have.
+
+The expected bytes per rank are computed here from the configs' shapes, independently of the
+model code (`weight_bytes_per_rank`, `kv_bytes_per_token_per_rank`, `lora_bytes_per_rank`):
+they are the numbers the memory planner (`tprt plan`, issue 14 part A) must give, and are
+meant to be replaced by calls to it once it exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import json
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+import torch
+from torch.fx.experimental import _config as fx_config
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from bench.gpu_bench import random_model
+from convert.plan import plan_tp
+from fake_world import CONFIGS, Collective, CollectiveLog, build_rank, fake_world, real_config
+from tprt.distributed.context import TPContext
+from tprt.engine.core import Engine, EngineConfig, run_to_completion
+from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.engine.runner import BatchResult, ModelRunner, StepResult
+from tprt.engine.sampling import SamplingParams
+from tprt.engine.static_decode import StaticDecode, buckets, kv_buckets
+from tprt.lora.attach import apply_lora
+from tprt.lora.config import TARGETS
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.sharding import LAYER_RULES, hf_sources
+from tprt.parallel.spec import get_spec
+from tprt.train.grads import sync_gradients
+from tprt.train.optim import AdamW
+from tprt.train.step import compute_loss, dp_loss
+
+BF16 = torch.bfloat16
+
+
+# ---------------------------------------------------------------- per-rank bytes from the shapes
+# Planner hook: once `tprt plan` exists, these three return its per-rank numbers for the same
+# (config, TP, dtype) and the tests below then check the planner against the built model.
+
+def weight_bytes_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
+    """Every rank's weight bytes: the padded vocabulary split, kv heads split or replicated."""
+    layout = TPLayout.for_model(cfg, tp)
+    h, d = cfg.hidden_size, cfg.head_dim
+    q_rows = cfg.num_attention_heads // tp * d
+    kv_rows = max(1, cfg.num_key_value_heads // tp) * d  # a replicated kv head is held whole
+    layer = (q_rows + 2 * kv_rows) * h + h * q_rows + 3 * (cfg.intermediate_size // tp) * h + 2 * h
+    vocab = layout.local_vocab * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_hidden_layers * layer + vocab + h) * itemsize
+
+
+def kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
+    """Keys and values of one token in every layer, this rank's kv heads."""
+    return cfg.num_hidden_layers * 2 * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim * itemsize
+
+
+def lora_bytes_per_rank(cfg: ModelConfig, tp: int, rank: int, itemsize: int) -> int:
+    """A LoRA adapter of rank `rank` on all seven projections: column targets keep A [r, hidden]
+    whole and split B by output rows; row targets split A by input columns and keep B whole."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
+    q_rows = cfg.num_attention_heads // tp * d
+    kv_rows = max(1, cfg.num_key_value_heads // tp) * d
+    column = sum(rank * h + rows * rank for rows in (q_rows, kv_rows, kv_rows, i, i))
+    row = (rank * q_rows + h * rank) + (rank * i + h * rank)
+    return cfg.num_hidden_layers * (column + row) * itemsize
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of the Hugging Face checkpoint of `cfg`, as transformers names and shapes them."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (cfg.num_attention_heads * d, h),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * d, h),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * d, h),
+        "self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
+        "mlp.down_proj.weight": (h, cfg.intermediate_size),
+    }
+    assert set(per_layer) == set(LAYER_RULES)
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for n in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{n}.{k}": v for k, v in per_layer.items()})
+    return shapes
+
+
+# ---------------------------------------------------------------- what each rank holds
+
+# 3.2-1B: tied embeddings; 405B at TP 16 (two nodes): each kv head held by two ranks.
+SLICES = [("Llama-3.1-8B", 1), ("Llama-3.1-8B", 2), ("Llama-3.1-8B", 4), ("Llama-3.1-8B", 8),
+          ("Llama-3.1-70B", 8), ("Llama-3.1-405B", 8), ("Llama-3.1-405B", 16), ("Llama-3.2-1B", 4)]
+
+
+@pytest.mark.parametrize("name,tp", SLICES)
+def test_each_rank_holds_exactly_its_slice(name: str, tp: int) -> None:
+    """Every parameter of every rank has the shape of the slices the converter writes for that
+    rank (fused q/k/v and gate/up included), and the rank's bytes are the shapes' bytes."""
+    cfg = real_config(name)
+    layout = TPLayout.for_model(cfg, tp)
+    shapes = hf_shapes(cfg)
+    plan, manifest = plan_tp(list(shapes), shapes, dict.fromkeys(shapes, "BF16"), cfg, layout, "BF16")
+    expected_bytes = weight_bytes_per_rank(cfg, tp, 2)
+    with fake_world(tp):
+        for rank in range(tp):
+            model = build_rank(cfg, tp, rank)
+            covered = set()
+            for pname, p in model.named_parameters():
+                parts = [manifest.local_shape(s) for s in hf_sources(pname)]
+                covered.update(hf_sources(pname))
+                assert tuple(p.shape) == (sum(s[0] for s in parts), *parts[0][1:]), pname
+                assert p.dtype == BF16
+            assert covered == set(shapes)  # nothing held that the checkpoint lacks, nothing missing
+            held = sum(p.numel() * p.element_size() for p in model.parameters())
+            assert held == expected_bytes == sum(f.data_bytes for f in plan.files if f.rank == rank)
+            head = model.lm_head
+            assert head.vocab_start == rank * layout.local_vocab
+            assert head.local_valid == max(0, min(layout.local_vocab, cfg.vocab_size - head.vocab_start))
+
+
+def test_published_per_rank_sizes() -> None:
+    """The shapes give the sizes everyone quotes: 70B is 70.6e9 parameters, 17.6 GB per rank at
+    TP=8 in bf16 (the padded vocabulary adds 0.02%); 405B does not fit 80 GB at TP=8."""
+    cfg70, cfg405 = real_config("Llama-3.1-70B"), real_config("Llama-3.1-405B")
+    assert weight_bytes_per_rank(cfg70, 1, 2) == 2 * 70_553_706_496  # HF's parameter count
+    assert 17.6e9 < weight_bytes_per_rank(cfg70, 8, 2) < 17.7e9
+    assert weight_bytes_per_rank(cfg405, 8, 2) > 80e9
+    assert kv_bytes_per_token_per_rank(cfg70, 8, 2) == 80 * 2 * 1 * 128 * 2  # 40 KiB per token per rank
+
+
+# ---------------------------------------------------------------- the engine at 70B, TP=8
+
+def inference_collectives(cfg: ModelConfig, layout: TPLayout, rows: int, width: int, full_logits: bool,
+                          gathered_rows: int | None = None) -> list[Collective]:
+    """Megatron's inference forward: the embedding's all-reduce, two per layer (after attention
+    and after the MLP), each [rows, width, hidden] in the model dtype; then the LM head's gather:
+    the local logits [rows, local_vocab] for sampling, or one (value, id) pair per row for greedy."""
+    h = cfg.hidden_size
+    out = [Collective("all_reduce", (rows, width, h), BF16, "SUM")] * (1 + 2 * cfg.num_hidden_layers)
+    n = rows if gathered_rows is None else gathered_rows
+    gather = Collective("all_gather", (n, layout.local_vocab), BF16) if full_logits \
+        else Collective("all_gather", (n, 2), torch.float64)
+    return out + [gather]
+
+
+def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, max_batch: int) -> list[Collective]:
+    """What one `ModelRunner.execute(plan)` must issue on every rank, with static decode over
+    `max_batch` slots (packed decode rows padded to a batch bucket)."""
+    out = []
+    if plan.prefill is not None:
+        out += inference_collectives(cfg, layout, len(plan.prefill.slots), plan.prefill.width, plan.prefill.full_logits)
+    if plan.decode is not None:
+        n = len(plan.decode.slots)
+        packed = plan.decode.slots == tuple(range(n))
+        rows = next(b for b in buckets(max_batch) if b >= n) if packed else n
+        out += inference_collectives(cfg, layout, rows, 1, plan.decode.full_logits, gathered_rows=n)
+    return out
+
+
+def record_kv_lens(runner: ModelRunner) -> list[int]:
+    """The key length every forward call of `runner` attends over, in order (from now on)."""
+    seen: list[int] = []
+    prepare = runner.cache.prepare
+
+    def recording(positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None) -> Any:
+        step = prepare(positions, slots, kv_len)
+        seen.append(step.kv_len)
+        return step
+
+    runner.cache.prepare = recording  # type: ignore[method-assign]
+    return seen
+
+
+def step_kv_lens(plan: StepPlan, max_seq_len: int) -> list[int]:
+    """The keys each forward call of the plan must read: the prefill's up to its last position;
+    a static (packed) decode step's the smallest key bucket holding its rows, not the whole
+    cache of every slot."""
+    out = [plan.prefill.kv_len] if plan.prefill is not None else []
+    if plan.decode is not None:
+        need = plan.decode.kv_len
+        packed = plan.decode.slots == tuple(range(len(plan.decode.slots)))
+        out.append(next(k for k in kv_buckets(max_seq_len) if k >= need) if packed else need)
+    return out
+
+
+class RecordingRunner:
+    """Wraps rank 0's runner: records each plan, runs it on meta, checks the result's shapes and
+    hands the engine values it can sample from (a meta tensor has none): zeros of those shapes."""
+
+    def __init__(self, runner: ModelRunner, vocab: int) -> None:
+        self.runner, self.vocab = runner, vocab
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        result = self.runner.execute(plan)
+        return StepResult(self._values(plan.prefill, result.prefill), self._values(plan.decode, result.decode))
+
+    def _values(self, batch: BatchPlan | None, result: BatchResult | None) -> BatchResult | None:
+        if batch is None or result is None:
+            return None
+        rows = len(batch.slots)
+        if batch.full_logits:
+            assert result.ids is None and result.logits is not None
+            assert result.logits.shape == (rows, self.vocab) and result.logits.dtype == torch.float32
+            return BatchResult(None, torch.zeros(rows, self.vocab))
+        assert result.logits is None and result.ids is not None and result.ids.shape == (rows,)
+        return BatchResult(torch.zeros(rows, dtype=torch.long), None)
+
+
+def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
+    """Rank 0's real Engine schedules three requests (one prefilled in chunks across steps,
+    one asking for logprobs, so full-vocabulary logits); every rank executes the same plans with
+    its own shard and KV cache and issues exactly the collectives of the Megatron design."""
+    cfg = real_config("Llama-3.1-70B")
+    tp, slots, max_seq = 8, 4, 4096
+    layout = TPLayout.for_model(cfg, tp)
+    config = EngineConfig(max_batch=slots, max_seq_len=max_seq, token_budget=512, static_decode=True)
+    log = CollectiveLog()
+    with fake_world(tp), log.recording():
+        engine = Engine(build_rank(cfg, tp, 0), None, config, eos_token_ids=())
+        kv_lens = record_kv_lens(engine.runner)
+        recorder = RecordingRunner(engine.runner, cfg.vocab_size)
+        engine.runner = recorder  # type: ignore[assignment]
+        prompts = {"short": 40, "long": 600, "logprobs": 100}
+        new_tokens = {"short": 4, "long": 3, "logprobs": 3}  # the short one still decodes when the others join
+        for rid, n in prompts.items():
+            params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens[rid], ignore_eos=True,
+                                    logprobs=rid == "logprobs")
+            engine.add([(7 * k) % cfg.vocab_size for k in range(n)], params, rid)
+        done = run_to_completion(engine)
+        assert {r: len(c.token_ids) for r, c in done.items()} == new_tokens
+        rank0 = log.take()
+        plans = recorder.plans
+        assert any(p.prefill is not None and any(len(t) < prompts["long"] for t in p.prefill.tokens) and
+                   p.prefill.starts != (0,) * len(p.prefill.starts) for p in plans), "no chunked prefill"
+        assert any(p.prefill is not None and p.decode is not None for p in plans), "no mixed step"
+        assert max(len(p.decode.slots) for p in plans if p.decode is not None) == 3
+        expected = [c for p in plans for c in step_collectives(cfg, layout, p, slots)]
+        assert [c for c in rank0 if c.op != "broadcast"] == expected
+        assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
+        assert max(kv_lens) <= 1024 < max_seq
+        # Each plan reaches the other ranks as one STEP message: a header, then the plan's ints.
+        assert sum(c.op == "broadcast" for c in rank0) == 2 * len(plans)
+
+        for rank in range(1, tp):
+            model = build_rank(cfg, tp, rank)
+            runner = ModelRunner(model, slots, max_seq, static_decode=True)
+            kv_lens = record_kv_lens(runner)
+            assert runner.cache.kv.shape == (cfg.num_hidden_layers, slots, 2, 1, max_seq, cfg.head_dim)
+            assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * slots * max_seq
+            for plan in plans:
+                runner.execute(plan)
+            assert log.take() == expected, f"rank {rank}"
+            assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
+
+
+def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -> None:
+    """The key buckets on real values: one sequence (batch 1 is a bucket: no padding row, so the
+    CPU kernels may read it) crosses the 16-, 32- and 64-key buckets and generates the tokens
+    of the eager path. (On CUDA the buckets are the default; on CPU this test sets them.)"""
+    config = json.loads((CONFIGS / "Llama-3.1-8B" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = random_model(tmp_path / "config.json", TPContext.single("cpu"), torch.float32)
+
+    def generate(static: bool) -> list[int]:
+        engine = Engine(model, None, EngineConfig(max_batch=2, max_seq_len=128, static_decode=static), eos_token_ids=())
+        if static:
+            assert engine.runner.static is not None
+            engine.runner.static.kv_buckets = kv_buckets(128, smallest=16)
+        engine.add(list(range(3, 13)), SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True), "a")
+        return run_to_completion(engine)["a"].token_ids
+
+    kv_lens: list[int] = []
+    forward = StaticDecode._forward
+
+    def recording(self: StaticDecode, batch: int, kv_len: int) -> torch.Tensor:
+        kv_lens.append(kv_len)
+        return forward(self, batch, kv_len)
+
+    with patch.object(StaticDecode, "_forward", recording):
+        static = generate(True)
+    assert sorted(set(kv_lens)) == [16, 32, 64, 128]
+    assert static == generate(False)
+
+
+def test_long_context_decode_70b_tp8() -> None:
+    """Sixteen slots of the full 128K context on the last rank: a cache of more than 2**31
+    elements, rows at its very end, in slot order and not (the gathered read)."""
+    cfg = real_config("Llama-3.1-70B")
+    tp, slots, max_seq = 8, 16, cfg.max_position_embeddings
+    layout = TPLayout.for_model(cfg, tp)
+    log = CollectiveLog()
+    with fake_world(tp), log.recording():
+        runner = ModelRunner(build_rank(cfg, tp, tp - 1), slots, max_seq, static_decode=True)
+        assert runner.cache.kv.numel() > 2**31
+        assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * slots * max_seq
+        starts = tuple(max_seq - 1 - s for s in range(slots))
+        for order in (tuple(range(slots)), tuple(reversed(range(slots)))):
+            plan = StepPlan(decode=BatchPlan(order, starts, ((1,),) * slots, False))
+            result = runner.execute(plan)
+            assert result.decode is not None and result.decode.ids is not None
+            assert result.decode.ids.shape == (slots,)
+            assert log.take() == step_collectives(cfg, layout, plan, slots)
+
+
+# ---------------------------------------------------------------- a LoRA step at scale
+
+class LargestTensors(TorchDispatchMode):
+    """Watches every op's outputs: the largest tensor made on the host, and the widest last
+    dimension of a matrix on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widest = 0
+        self.host_numel = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim():
+                if t.device.type == "cpu":
+                    self.host_numel = max(self.host_numel, t.numel())
+                elif t.dim() > 1:  # [rows, features]; 1-D buffers (the gradient sync's) are flat
+                    self.widest = max(self.widest, t.shape[-1])
+        return out
+
+
+@contextmanager
+def all_tokens_are_targets() -> Iterator[None]:
+    """Meta tensors have no values: boolean masks (the loss's target positions) select everything."""
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # type: ignore[attr-defined]
+        yield
+
+
+def lora_step(model: TPLlamaForCausalLM, batch: int, seq: int, log: CollectiveLog) -> dict[str, list[Collective]]:
+    """One LoRA step as the trainer takes it (forward with the vocab-parallel loss, backward,
+    gradient sync, AdamW); the collectives of each phase."""
+    ctx = model.tp
+    params = apply_lora(model, TARGETS, rank=16, alpha=32.0)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device=ctx.device)
+    phases = {}
+    with all_tokens_are_targets():
+        loss_sum, n_tokens = compute_loss(model, ids, ids)
+    phases["forward"] = log.take()
+    loss, _ = dp_loss(loss_sum, n_tokens, ctx)
+    loss.backward()
+    phases["backward"] = log.take()
+    sync_gradients(model, ctx)
+    phases["sync"] = log.take()
+    AdamW(params, lr=1e-4).step()
+    phases["optimizer"] = log.take()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in params)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    return phases
+
+
+# 70B on its last rank, which holds the vocabulary's padding; the collectives are every rank's.
+# Its every op is watched (`LargestTensors`; slow, so there only).
+LORA_CASES = [("Llama-3.1-70B", 8, 7, True), ("Llama-3.1-8B", 1, 0, False), ("Llama-3.1-8B", 2, 1, False),
+              ("Llama-3.1-8B", 4, 3, False), ("Llama-3.1-8B", 8, 5, False), ("Llama-3.1-8B", 16, 9, False)]
+
+
+@pytest.mark.parametrize("name,tp,rank,watched", LORA_CASES)
+def test_lora_training_step(name: str, tp: int, rank: int, watched: bool) -> None:
+    """Forward: the inference all-reduces plus the loss's two reductions of [tokens] (never the
+    vocabulary). Backward: one all-reduce per column-parallel input that needs a gradient (two
+    per layer less the first layer's attention input, whose embedding is frozen, plus the LM
+    head's). Sync: the replicated LoRA factors' partial gradients, summed. No tensor on any
+    rank spans the whole vocabulary, and nothing of a layer's size is made on the host."""
+    cfg = real_config(name)
+    layout = TPLayout.for_model(cfg, tp)
+    batch, seq = 2, 512
+    tokens = batch * (seq - 1)
+    h, n_layers = cfg.hidden_size, cfg.num_hidden_layers
+    log = CollectiveLog()
+    watch = LargestTensors()
+    with fake_world(tp), log.recording():
+        model = build_rank(cfg, tp, rank)
+        with watch if watched else nullcontext():
+            phases = lora_step(model, batch, seq, log)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() * p.element_size() for p in lora) == lora_bytes_per_rank(cfg, tp, 16, 2)
+    if tp == 1:
+        assert all(not calls for calls in phases.values())
+        return
+    hidden = Collective("all_reduce", (batch, seq, h), BF16, "SUM")
+    assert phases["forward"] == [hidden] * (1 + 2 * n_layers) + [
+        Collective("all_reduce", (tokens,), torch.float32, "MAX"),
+        Collective("all_reduce", (2, tokens), torch.float32, "SUM"),
+    ]
+    assert phases["backward"] == [Collective("all_reduce", (tokens, h), BF16, "SUM")] + [hidden] * (2 * n_layers - 1)
+    specs = [(p, get_spec(p)) for p in lora]
+    partial = sum(p.numel() for p, spec in specs if spec is not None and spec.partial_grad)
+    # With TP > kv heads (8B at TP 16) the k/v LoRA B rows are summed over the ranks sharing a head.
+    shared_kv = sum(p.numel() for p, spec in specs if spec is not None and spec.kv_replication > 1)
+    assert (shared_kv > 0) == (layout.kv_replication > 1)
+    assert all(c.op == "all_reduce" and c.dtype == torch.float32 for c in phases["sync"])
+    assert sum(c.shape[0] for c in phases["sync"]) == partial + shared_kv
+    assert phases["optimizer"] == []
+    if not watched:
+        return
+    assert watch.widest < cfg.vocab_size  # the widest is this rank's vocabulary block
+    assert watch.widest == max(layout.local_vocab, cfg.intermediate_size // tp * 2, h)
+    assert watch.host_numel < h * 64  # LoRA's seeded init, drawn on the host, is [rank, features]
