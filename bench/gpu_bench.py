@@ -1,7 +1,7 @@
 """GPU decode benchmark: tokens/s against the HBM bandwidth floor (needs CUDA; not run in CI).
 
     python bench/gpu_bench.py --model /path/to/tp1-checkpoint                 # one GPU
-    python bench/gpu_bench.py --random bench/configs/Llama-3.1-8B/config.json # random 8B weights
+    python bench/gpu_bench.py --random bench/configs/llama-3.1-8b/config.json # random 8B weights
     torchrun --nproc-per-node 2 bench/gpu_bench.py --model /path/to/tp2-ckpt  # TP over 2 GPUs (NCCL)
 
 Per rank the weights are bf16 on cuda:LOCAL_RANK: loaded from a TP checkpoint, or with

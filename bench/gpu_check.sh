@@ -46,8 +46,8 @@ case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac 
 cd "$ROOT" || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-CFG8=bench/configs/Llama-3.1-8B/config.json
-CFG70=bench/configs/Llama-3.1-70B/config.json
+CFG8=bench/configs/llama-3.1-8b/config.json
+CFG70=bench/configs/llama-3.1-70b/config.json
 CORE_TESTS="tests/test_model_tp.py tests/test_engine.py tests/test_backward_tp.py tests/test_lora.py"
 
 # name | time limit (s) | command. Tests first: if the machine is taken back early, the

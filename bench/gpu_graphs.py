@@ -1,6 +1,6 @@
 """The CUDA-graph decode path, checked on a GPU (needs CUDA; not run in CI).
 
-    python bench/gpu_graphs.py [--config bench/configs/Llama-3.1-8B/config.json] [--layers 4] [--out FILE]
+    python bench/gpu_graphs.py [--config bench/configs/llama-3.1-8b/config.json] [--layers 4] [--out FILE]
 
 Random float32 weights of the config's shapes (its first `--layers` layers) on the GPU (float32:
 random weights give logits with near-ties, and bf16 rounding differences between two kernel
@@ -47,7 +47,7 @@ def generate(model: TPLlamaForCausalLM, static: bool) -> tuple[dict[str, list[in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "Llama-3.1-8B" / "config.json")
+    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "llama-3.1-8b" / "config.json")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
     args = ap.parse_args()

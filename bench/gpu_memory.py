@@ -1,6 +1,6 @@
 """The memory planner against the CUDA allocator (needs CUDA; not run in CI).
 
-    python bench/gpu_memory.py [--config bench/configs/Llama-3.1-8B/config.json]
+    python bench/gpu_memory.py [--config bench/configs/llama-3.1-8b/config.json]
                                [--max-batch 16] [--max-seq-len 2048] [--prompt 512] [--new 32]
                                [--train-seq 2048] [--out FILE]
 
@@ -52,7 +52,7 @@ def planner_peak(config: Path, device: str, workload: list[str]) -> tuple[int | 
 
     Runs the CLI the issue specifies, `tprt plan --model CONFIG --tp 1 --device D --json
     <workload...>`, and reads `peak_bytes_per_rank` from its JSON."""
-    cmd = [sys.executable, "-m", "tprt.cli.main", "plan", "--model", str(config), "--tp", "1",
+    cmd = [sys.executable, "-m", "tprt.cli", "plan", "--model", str(config), "--tp", "1",
            "--device", device, "--json", *workload]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     if proc.returncode != 0:
@@ -106,7 +106,7 @@ def compare(measured: dict[str, Any], predicted: int | None, why: str) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "Llama-3.1-8B" / "config.json")
+    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "llama-3.1-8b" / "config.json")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--prompt", type=int, default=512)

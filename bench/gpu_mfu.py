@@ -1,6 +1,6 @@
 """Fine-tuning MFU on one GPU: a stack of Llama-3.1-70B-shaped layers (needs CUDA; not run in CI).
 
-    python bench/gpu_mfu.py [--config bench/configs/Llama-3.1-70B/config.json] [--layers 4]
+    python bench/gpu_mfu.py [--config bench/configs/llama-3.1-70b/config.json] [--layers 4]
                             [--full-layers 1] [--batch 1] [--seq 4096] [--steps 4]
                             [--methods lora,full] [--peak-tflops auto] [--out FILE]
 
@@ -104,7 +104,7 @@ def time_method(config: Path, ctx: TPContext, method: str, layers: int, batch: i
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "Llama-3.1-70B" / "config.json")
+    ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "llama-3.1-70b" / "config.json")
     ap.add_argument("--layers", type=int, default=4, help="decoder layers for LoRA")
     ap.add_argument("--full-layers", type=int, default=1, help="decoder layers for full fine-tuning")
     ap.add_argument("--batch", type=int, default=1)

@@ -35,7 +35,7 @@ META = torch.device("meta")
 
 
 def real_config(name: str) -> ModelConfig:
-    """A published model's config.json from bench/configs (e.g. "Llama-3.1-70B")."""
+    """A published model's config.json from bench/configs (e.g. "llama-3.1-70b")."""
     return ModelConfig.from_file(CONFIGS / name / "config.json")
 
 

@@ -5,16 +5,17 @@ engine's chunked prefill and decode steps, a LoRA training step, and the collect
 issues, held against the Megatron design. Clipping (`clip_grad_norm`) is left out of the LoRA
 step: it returns the norm as a Python float, which a meta tensor does not have.
 
-The expected bytes per rank are computed here from the configs' shapes, independently of the
-model code (`weight_bytes_per_rank`, `kv_bytes_per_token_per_rank`, `lora_bytes_per_rank`):
-they are the numbers the memory planner (`tprt plan`, issue 14 part A) must give, and are
-meant to be replaced by calls to it once it exists.
+The expected bytes per rank are the memory planner's (`tprt.plan`, what `tprt plan` prints:
+`weight_bytes_per_rank`, `kv_bytes_per_token_per_rank`, `lora_bytes_per_rank`), held against the
+model the real code builds and the rank files the converter writes; the planner is also held
+against a count written here from the configs' shapes alone (`test_planner_matches_the_shapes`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import json
+import math
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from tprt.model.config import ModelConfig, TPLayout
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.sharding import LAYER_RULES, hf_sources
 from tprt.parallel.spec import get_spec
+from tprt.plan import MemoryPlan, ServeWorkload, device, layout_for, lora_parameters, plan_memory
 from tprt.train.grads import sync_gradients
 from tprt.train.optim import AdamW
 from tprt.train.step import compute_loss, dp_loss
@@ -48,11 +50,32 @@ from tprt.train.step import compute_loss, dp_loss
 BF16 = torch.bfloat16
 
 
-# ---------------------------------------------------------------- per-rank bytes from the shapes
-# Planner hook: once `tprt plan` exists, these three return its per-rank numbers for the same
-# (config, TP, dtype) and the tests below then check the planner against the built model.
+# ---------------------------------------------------------------- per-rank bytes: the planner's
+
+DTYPES = {2: "bf16", 4: "fp32"}  # itemsize -> the planner's dtype name
+
+
+def _plan(cfg: ModelConfig, tp: int, itemsize: int) -> MemoryPlan:
+    dtype = DTYPES[itemsize]
+    return plan_memory(cfg, tp, ServeWorkload(dtype=dtype, kv_dtype=dtype), device("h100-80gb"))
+
 
 def weight_bytes_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
+    return _plan(cfg, tp, itemsize).weights_bytes_per_rank
+
+
+def kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
+    return _plan(cfg, tp, itemsize).kv_bytes_per_token_per_rank
+
+
+def lora_bytes_per_rank(cfg: ModelConfig, tp: int, rank: int, itemsize: int) -> int:
+    shapes = lora_parameters(cfg, layout_for(cfg, tp), TARGETS, rank)
+    return sum(math.prod(shape) for shape in shapes.values()) * itemsize
+
+
+# ---------------------------------------------------------------- per-rank bytes from the shapes alone
+
+def shape_weight_bytes_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
     """Every rank's weight bytes: the padded vocabulary split, kv heads split or replicated."""
     layout = TPLayout.for_model(cfg, tp)
     h, d = cfg.hidden_size, cfg.head_dim
@@ -63,12 +86,12 @@ def weight_bytes_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
     return (cfg.num_hidden_layers * layer + vocab + h) * itemsize
 
 
-def kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
+def shape_kv_bytes_per_token_per_rank(cfg: ModelConfig, tp: int, itemsize: int) -> int:
     """Keys and values of one token in every layer, this rank's kv heads."""
     return cfg.num_hidden_layers * 2 * max(1, cfg.num_key_value_heads // tp) * cfg.head_dim * itemsize
 
 
-def lora_bytes_per_rank(cfg: ModelConfig, tp: int, rank: int, itemsize: int) -> int:
+def shape_lora_bytes_per_rank(cfg: ModelConfig, tp: int, rank: int, itemsize: int) -> int:
     """A LoRA adapter of rank `rank` on all seven projections: column targets keep A [r, hidden]
     whole and split B by output rows; row targets split A by input columns and keep B whole."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size // tp
@@ -103,8 +126,18 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 # ---------------------------------------------------------------- what each rank holds
 
 # 3.2-1B: tied embeddings; 405B at TP 16 (two nodes): each kv head held by two ranks.
-SLICES = [("Llama-3.1-8B", 1), ("Llama-3.1-8B", 2), ("Llama-3.1-8B", 4), ("Llama-3.1-8B", 8),
-          ("Llama-3.1-70B", 8), ("Llama-3.1-405B", 8), ("Llama-3.1-405B", 16), ("Llama-3.2-1B", 4)]
+SLICES = [("llama-3.1-8b", 1), ("llama-3.1-8b", 2), ("llama-3.1-8b", 4), ("llama-3.1-8b", 8),
+          ("llama-3.1-70b", 8), ("llama-3.1-405b", 8), ("llama-3.1-405b", 16), ("llama-3.2-1b", 4)]
+
+
+@pytest.mark.parametrize("name,tp", SLICES)
+def test_planner_matches_the_shapes(name: str, tp: int) -> None:
+    """The planner's weight, KV and LoRA bytes per rank equal a count from the config's shapes alone."""
+    cfg = real_config(name)
+    for itemsize in DTYPES:
+        assert weight_bytes_per_rank(cfg, tp, itemsize) == shape_weight_bytes_per_rank(cfg, tp, itemsize)
+        assert kv_bytes_per_token_per_rank(cfg, tp, itemsize) == shape_kv_bytes_per_token_per_rank(cfg, tp, itemsize)
+        assert lora_bytes_per_rank(cfg, tp, 16, itemsize) == shape_lora_bytes_per_rank(cfg, tp, 16, itemsize)
 
 
 @pytest.mark.parametrize("name,tp", SLICES)
@@ -136,7 +169,7 @@ def test_each_rank_holds_exactly_its_slice(name: str, tp: int) -> None:
 def test_published_per_rank_sizes() -> None:
     """The shapes give the sizes everyone quotes: 70B is 70.6e9 parameters, 17.6 GB per rank at
     TP=8 in bf16 (the padded vocabulary adds 0.02%); 405B does not fit 80 GB at TP=8."""
-    cfg70, cfg405 = real_config("Llama-3.1-70B"), real_config("Llama-3.1-405B")
+    cfg70, cfg405 = real_config("llama-3.1-70b"), real_config("llama-3.1-405b")
     assert weight_bytes_per_rank(cfg70, 1, 2) == 2 * 70_553_706_496  # HF's parameter count
     assert 17.6e9 < weight_bytes_per_rank(cfg70, 8, 2) < 17.7e9
     assert weight_bytes_per_rank(cfg405, 8, 2) > 80e9
@@ -227,7 +260,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
     """Rank 0's real Engine schedules three requests (one prefilled in chunks across steps,
     one asking for logprobs, so full-vocabulary logits); every rank executes the same plans with
     its own shard and KV cache and issues exactly the collectives of the Megatron design."""
-    cfg = real_config("Llama-3.1-70B")
+    cfg = real_config("llama-3.1-70b")
     tp, slots, max_seq = 8, 4, 4096
     layout = TPLayout.for_model(cfg, tp)
     config = EngineConfig(max_batch=slots, max_seq_len=max_seq, token_budget=512, static_decode=True)
@@ -274,7 +307,7 @@ def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -
     """The key buckets on real values: one sequence (batch 1 is a bucket: no padding row, so the
     CPU kernels may read it) crosses the 16-, 32- and 64-key buckets and generates the tokens
     of the eager path. (On CUDA the buckets are the default; on CPU this test sets them.)"""
-    config = json.loads((CONFIGS / "Llama-3.1-8B" / "config.json").read_text())
+    config = json.loads((CONFIGS / "llama-3.1-8b" / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=300)
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -304,7 +337,7 @@ def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -
 def test_long_context_decode_70b_tp8() -> None:
     """Sixteen slots of the full 128K context on the last rank: a cache of more than 2**31
     elements, rows at its very end, in slot order and not (the gathered read)."""
-    cfg = real_config("Llama-3.1-70B")
+    cfg = real_config("llama-3.1-70b")
     tp, slots, max_seq = 8, 16, cfg.max_position_embeddings
     layout = TPLayout.for_model(cfg, tp)
     log = CollectiveLog()
@@ -374,8 +407,8 @@ def lora_step(model: TPLlamaForCausalLM, batch: int, seq: int, log: CollectiveLo
 
 # 70B on its last rank, which holds the vocabulary's padding; the collectives are every rank's.
 # Its every op is watched (`LargestTensors`; slow, so there only).
-LORA_CASES = [("Llama-3.1-70B", 8, 7, True), ("Llama-3.1-8B", 1, 0, False), ("Llama-3.1-8B", 2, 1, False),
-              ("Llama-3.1-8B", 4, 3, False), ("Llama-3.1-8B", 8, 5, False), ("Llama-3.1-8B", 16, 9, False)]
+LORA_CASES = [("llama-3.1-70b", 8, 7, True), ("llama-3.1-8b", 1, 0, False), ("llama-3.1-8b", 2, 1, False),
+              ("llama-3.1-8b", 4, 3, False), ("llama-3.1-8b", 8, 5, False), ("llama-3.1-8b", 16, 9, False)]
 
 
 @pytest.mark.parametrize("name,tp,rank,watched", LORA_CASES)
