@@ -72,6 +72,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
             raise Unauthenticated(why)
             yield  # a generator, like the method it replaces
 
+        deny.refuses_every_request = deny_stream.refuses_every_request = True  # type: ignore[attr-defined]
+
         kw = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:

@@ -8,6 +8,10 @@ Handlers never call `context.abort` themselves: they raise. `ErrorInterceptor` w
     anything else                  -> INTERNAL, logged with its traceback (a server bug, never a
                                       client mistake)
 
+Request bytes that do not parse (serve/wire.py) reach the handler as an `Undecodable`, answered
+with INVALID_ARGUMENT naming the bad field when the bytes show it, and counted like any outcome:
+no stack trace per request in the log.
+
 An INVALID_ARGUMENT / OUT_OF_RANGE status message starts with the field's path
 (e.g. "sampling.top_p: ...") and the field is also sent as trailing metadata `tprt-field`.
 The interceptor reports every call's outcome (the status code's name) to a callback, which the
@@ -23,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from serve.wire import Undecodable, lenient
 from tprt.errors import TprtError, ValidationError
 
 log = logging.getLogger("tprt.serve")
@@ -82,6 +87,24 @@ class DeadlineExceeded(ServeError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+ECHO_CHARS = 64  # of a caller's value quoted back in an error message
+
+
+def echo(value: str) -> str:
+    """`value` quoted for an error message, cut to ECHO_CHARS characters."""
+    if len(value) <= ECHO_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_CHARS]!r}... ({len(value)} characters)"
+
+
+def refuse_undecodable(request: Any, fn: Any) -> None:
+    """InvalidArgument for request bytes that did not parse, unless `fn` refuses every request
+    anyway (serve/auth.py's denial: the missing token is the first thing to say)."""
+    if isinstance(request, Undecodable) and not getattr(fn, "refuses_every_request", False):
+        what = "not valid UTF-8 text" if request.field else "not a valid serialized message"
+        raise InvalidArgument(f"the {request.message} could not be decoded: {what}", request.field or "request")
+
+
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str, str | None]:
     """(code, message, field) for an exception that escaped a handler."""
     if isinstance(e, ServeError):
@@ -116,13 +139,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler  # no client-streaming methods in tprt's API
@@ -135,6 +158,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
             t0 = time.perf_counter()
             try:
+                refuse_undecodable(request, fn)
                 response = fn(request, context)
             except Exception as e:  # noqa: BLE001 - every exception becomes a status
                 code, message = _log_and_tag(context, method, e)
@@ -151,6 +175,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             code = grpc.StatusCode.CANCELLED  # if the generator is closed early (client gone)
             message = ""
             try:
+                refuse_undecodable(request, fn)
                 yield from fn(request, context)
                 code = grpc.StatusCode.OK
             except Exception as e:  # noqa: BLE001 - every exception becomes a status

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
 from serve.pb import finetuning_pb2 as pb
 from tprt.errors import TprtError
@@ -77,17 +77,31 @@ def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
     return out
 
 
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a file
+MAX_NAME_BYTES = 255  # NAME_MAX, per path component
+
+
 def resolve_dataset(data_dir: Path, given: str) -> Path:
     """`given` (relative to --data-dir, or absolute) as a regular file inside --data-dir."""
     if not given:
         raise InvalidArgument("empty path", "dataset_path")
+    if "\0" in given:
+        raise InvalidArgument("a path cannot contain a NUL byte", "dataset_path")
+    raw = given.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+        raise InvalidArgument(f"a path is at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per component",
+                              "dataset_path")
     root = data_dir.resolve()
-    path = (root / given).resolve()
+    try:
+        path = (root / given).resolve()
+        exists, regular = path.exists(), path.is_file()
+    except (OSError, ValueError) as e:  # a loop of symlinks, a component that is not a directory, ...
+        raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "dataset_path") from None
     if not path.is_relative_to(root):
         raise InvalidArgument(f"{given!r} is outside the server's --data-dir", "dataset_path")
-    if not path.exists():
+    if not exists:
         raise NotFound(f"{given!r} does not exist under the server's --data-dir", "dataset_path")
-    if not path.is_file():
+    if not regular:
         raise InvalidArgument(f"{given!r} is not a regular file", "dataset_path")
     return path
 
@@ -124,19 +138,23 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         raise InvalidArgument("set dataset_path or inline_jsonl", "dataset")
     if which == "dataset_path":
         path = resolve_dataset(data_dir, request.dataset_path)
+    elif not request.inline_jsonl.strip():
+        raise InvalidArgument("empty dataset", "inline_jsonl")
     else:
-        if not request.inline_jsonl.strip():
-            raise InvalidArgument("empty dataset", "inline_jsonl")
-        job_dir.mkdir(parents=True, exist_ok=True)
         path = job_dir / DATASET_FILE
-        path.write_text(request.inline_jsonl)
-    rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
-                    hyperparameters=hp)
-    try:
-        dataset = load_dataset(rec, data_dir, tokenizer)
-    except TprtError as e:
+    try:  # a refused request leaves nothing on disk
+        if which == "inline_jsonl":
+            job_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(request.inline_jsonl)
+        rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
+                        hyperparameters=hp)
+        try:
+            dataset = load_dataset(rec, data_dir, tokenizer)
+        except TprtError as e:
+            raise InvalidArgument(f"{e}", which) from None
+    except BaseException:
         shutil.rmtree(job_dir, ignore_errors=True)
-        raise InvalidArgument(f"{e}", which) from None
+        raise
     rec.total_steps = hp["steps"]
     return JobSpec(rec, dataset)
 

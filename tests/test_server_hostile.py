@@ -1,0 +1,111 @@
+"""`tprt serve` against hostile and careless clients (issue 13): one real TP=2 server takes every check.
+
+The server (module fixture) is test_server.py's tiny model and flags with small limits, so that
+a test can reach each limit in a few calls. Calls are made with the generated client or, where a
+client would refuse to send them, as raw bytes on a bare channel. Every wait is bounded; a test
+that makes jobs cancels them, so the tests pass alone and in any order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from serve.client import Client, field_of  # noqa: E402
+from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
+from serve.pb import generation_pb2 as gen_pb  # noqa: E402
+from test_server import TOKEN, ServerProcess, data_dir, metric, rpc_error, server_args, wait_for  # noqa: E402
+from tiny_chat import make_tiny_chat_model  # noqa: E402
+
+CONTEXT = 256
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hostile")
+    make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
+    (root / "token").write_text(TOKEN + "\n")
+    data_dir(root, "data")
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root: Path) -> Iterator[ServerProcess]:
+    args = server_args(root) + ["--max-seq-len", str(CONTEXT)]
+    srv = ServerProcess(args, root / "server.log")
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[Client]:
+    with server.client() as c:
+        yield c
+
+
+def raw_call(server: ServerProcess, method: str, payload: bytes, stream: bool = False) -> Any:
+    """Calls `method` with `payload` as the serialized request; the RpcError it ends with."""
+    with grpc.insecure_channel(server.target) as channel:
+        kw = {"metadata": (("authorization", f"Bearer {TOKEN}"),), "timeout": 30}
+        if stream:
+            return rpc_error(lambda: channel.unary_stream(method)(payload, **kw))
+        return rpc_error(lambda: channel.unary_unary(method)(payload, **kw))
+
+
+def job_dirs(root: Path) -> set[str]:
+    jobs = root / "data" / "jobs"
+    return {p.name for p in jobs.iterdir()} if jobs.exists() else set()
+
+
+# ----------------------------------------------------------------- 6: never INTERNAL for the caller's mistake
+
+
+def test_undecodable_requests_are_invalid_argument_without_a_traceback(server: ServerProcess) -> None:
+    not_utf8 = b"\x0a\x03\xff\xfe\xfd"  # field 1 (prompt, dataset_path) holding bytes that are not UTF-8
+    surrogate = gen_pb.GenerateRequest(chat=gen_pb.Chat(messages=[gen_pb.ChatMessage(role="user", content="@@@")]))
+    lone_surrogate = surrogate.SerializeToString().replace(b"@@@", b"\xed\xa0\x80")  # UTF-8 of U+D800
+    cases = [
+        ("/tprt.v1.Generation/Complete", not_utf8, False, "prompt"),
+        ("/tprt.v1.Generation/Generate", not_utf8, True, "prompt"),
+        ("/tprt.v1.Generation/Tokenize", not_utf8, False, "prompt"),
+        ("/tprt.v1.Generation/Complete", lone_surrogate, False, "chat.messages.content"),
+        ("/tprt.v1.FineTuning/CreateJob", not_utf8, False, "dataset_path"),
+        ("/tprt.v1.Generation/Complete", b"\xff\xff\xff\xff", False, "request"),
+        ("/tprt.v1.FineTuning/GetJob", b"\x0a\x05ab", False, "request"),  # truncated
+    ]
+    before = metric(server.metrics(), "tprt_requests_total", method="Complete", outcome="invalid_argument")
+    for method, payload, stream, field in cases:
+        err = raw_call(server, method, payload, stream)
+        assert (err.code(), field_of(err)) == (INVALID, field), (method, payload, err.details())
+    after = metric(server.metrics(), "tprt_requests_total", method="Complete", outcome="invalid_argument")
+    assert after - before == 3  # answered and counted
+    log = server.tail()
+    assert "Traceback" not in log and "deserializing" not in log, log
+
+
+def test_bad_paths_and_data_are_invalid_argument_and_leave_nothing(root: Path, client: Client) -> None:
+    before = job_dirs(root)
+    deep = json.dumps({"text": "x"}).replace('"x"', "[" * 100_000 + "]" * 100_000)
+    cases = [
+        ({"dataset_path": "train\x00.jsonl"}, "dataset_path"),
+        ({"dataset_path": "a" * 5000}, "dataset_path"),
+        ({"dataset_path": "/".join(["b" * 250] * 30)}, "dataset_path"),
+        ({"inline_jsonl": deep + "\n"}, "inline_jsonl"),
+        ({"inline_jsonl": "[" * 100_000 + "\n"}, "inline_jsonl"),
+        ({"inline_jsonl": '{"text": "\\ud800"}\n'}, "inline_jsonl"),
+    ]
+    for kw, field in cases:
+        err = rpc_error(lambda: client.create_job(steps=1, **kw))
+        assert (err.code(), field_of(err)) == (INVALID, field), (kw, err.details()[:200])
+    assert job_dirs(root) == before  # nothing left on disk by a refused call
