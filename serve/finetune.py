@@ -15,14 +15,15 @@ writes a TP checkpoint (`output_path`) to serve with `tprt serve --model`.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import FailedPrecondition, NotFound, Unavailable
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from serve.jobs import CANCELLED, AdapterIdTaken, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
@@ -69,7 +70,11 @@ class JobManager:
         if not self._accepting:
             raise Unavailable("the server is shutting down; no new jobs")
         with self._lock:
-            rec = self.store.create(spec.record)
+            try:
+                rec = self.store.create(spec.record)
+            except AdapterIdTaken:  # another create claimed it since check_create looked
+                shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
+                raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used", "adapter_id") from None
             self._datasets[rec.id] = spec.dataset
             self._queued = True
         self._update_gauges()

@@ -22,6 +22,7 @@ from typing import Any
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+_LIVE = (QUEUED, RUNNING, SUCCEEDED)  # the states whose job holds its adapter id
 DB_NAME = "jobs.sqlite3"
 SCHEMA_VERSION = 1
 
@@ -32,6 +33,10 @@ def now_ms() -> int:
 
 def new_job_id() -> str:
     return "job-" + secrets.token_hex(6)
+
+
+class AdapterIdTaken(Exception):
+    """JobStore.create: a queued, running or succeeded job already produces this adapter id."""
 
 
 @dataclass
@@ -110,9 +115,16 @@ class JobStore:
             self._db.close()
 
     def create(self, rec: JobRecord) -> JobRecord:
+        """Stores a new job. Its adapter id is claimed in the same statement (one check-and-insert,
+        atomic even between processes on one database): AdapterIdTaken when a live job has it."""
         marks = ", ".join("?" for _ in _COLUMNS)
         with self._lock:
-            self._db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({marks})", _to_row(rec))
+            inserted = self._db.execute(
+                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} WHERE ? = '' OR NOT EXISTS "
+                f"(SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))",
+                (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE)).rowcount
+            if not inserted:
+                raise AdapterIdTaken(rec.adapter_id)
             self._bump()
         return rec
 
@@ -164,8 +176,7 @@ class JobStore:
         """Whether a job that has not failed or been cancelled already produces `adapter_id`."""
         with self._lock:
             row = self._db.execute(
-                "SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1",
-                (adapter_id, QUEUED, RUNNING, SUCCEEDED),
+                "SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1", (adapter_id, *_LIVE),
             ).fetchone()
         return row is not None
 

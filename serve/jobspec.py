@@ -21,7 +21,7 @@ from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
 from serve.pb import finetuning_pb2 as pb
 from tprt.errors import TprtError
 
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DATASET_FILE = "dataset.jsonl"
 STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "succeeded": pb.JOB_STATE_SUCCEEDED,
             "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
@@ -112,11 +112,11 @@ def _adapter_id(request: Any, method: str, job_id: str, store: JobStore, taken: 
             raise InvalidArgument("a full fine-tune produces a model, not an adapter", "adapter_id")
         return ""
     aid = request.adapter_id or job_id
-    if not ADAPTER_ID.match(aid):
+    if not ADAPTER_ID.fullmatch(aid):  # fullmatch: `$` would let a trailing newline through
         raise InvalidArgument("1-64 characters: letters, digits, '.', '_', '-' (starting with a letter or digit)",
                               "adapter_id")
     if taken(aid) or store.adapter_taken(aid):
-        raise AlreadyExists(f"adapter id {aid!r} is already used", "adapter_id")
+        raise AlreadyExists(f"adapter id {aid!r} is already used", "adapter_id")  # the early look; JobStore.create claims it
     return aid
 
 

@@ -109,3 +109,44 @@ def test_bad_paths_and_data_are_invalid_argument_and_leave_nothing(root: Path, c
         err = rpc_error(lambda: client.create_job(steps=1, **kw))
         assert (err.code(), field_of(err)) == (INVALID, field), (kw, err.details()[:200])
     assert job_dirs(root) == before  # nothing left on disk by a refused call
+
+
+# ----------------------------------------------------------------- 5: atomic uniqueness, full-match ids
+
+ENDLESS = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100_000, "batch_size": 1,
+           "max_seq_len": 16, "lora_rank": 2}
+
+
+def cancel_jobs(client: Client, ids: list[str]) -> None:
+    for job_id in ids:
+        client.cancel_job(job_id)
+    wait_for(lambda: all(client.get_job(j).state == ft_pb.JOB_STATE_CANCELLED for j in ids), 60, "jobs to cancel")
+
+
+def test_concurrent_creates_with_one_adapter_id_give_one_success(root: Path, client: Client) -> None:
+    before = job_dirs(root)
+
+    def create(_: int) -> Any:
+        try:
+            return client.create_job(adapter_id="claimed-once", **ENDLESS)
+        except grpc.RpcError as e:
+            return e
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(create, range(8)))
+    made = [r for r in results if not isinstance(r, grpc.RpcError)]
+    refused = [r for r in results if isinstance(r, grpc.RpcError)]
+    try:
+        assert len(made) == 1, [r.details() for r in refused]
+        assert {(e.code(), field_of(e)) for e in refused} == {(grpc.StatusCode.ALREADY_EXISTS, "adapter_id")}
+        assert job_dirs(root) - before == {made[0].id}  # the refused left no directory behind
+        again = rpc_error(lambda: client.create_job(adapter_id="claimed-once", **ENDLESS))
+        assert again.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        cancel_jobs(client, [j.id for j in made])
+
+
+@pytest.mark.parametrize("adapter_id", ["ok-id\n", "\nok-id", "ok id", "-leading-dash", "x" * 65])
+def test_adapter_ids_are_matched_in_full(client: Client, adapter_id: str) -> None:
+    err = rpc_error(lambda: client.create_job(adapter_id=adapter_id, **ENDLESS))
+    assert (err.code(), field_of(err)) == (INVALID, "adapter_id")
