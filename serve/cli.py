@@ -58,6 +58,8 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
+    s.add_argument("--max-dataset-bytes", type=int, default=64 << 20, metavar="N",
+                   help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

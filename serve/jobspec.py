@@ -23,6 +23,7 @@ from tprt.errors import TprtError
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DATASET_FILE = "dataset.jsonl"
+DEFAULT_MAX_DATASET_BYTES = 64 << 20  # --max-dataset-bytes: inline JSONL and dataset files
 STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "succeeded": pb.JOB_STATE_SUCCEEDED,
             "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
 PB_STATE = {v: k for k, v in STATE_PB.items()}
@@ -120,9 +121,16 @@ def _adapter_id(request: Any, method: str, job_id: str, store: JobStore, taken: 
     return aid
 
 
+def _check_dataset_size(size: int, limit: int, field: str) -> None:
+    if size > limit:
+        raise InvalidArgument(f"{size} bytes; the server takes datasets of at most {limit} bytes "
+                              "(--max-dataset-bytes)", field)
+
+
 def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
-                 adapter_taken: Any) -> JobSpec:
-    """Everything about a CreateJob request, checked; writes inline data into the job's directory."""
+                 adapter_taken: Any, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> JobSpec:
+    """Everything about a CreateJob request, checked; writes inline data into the job's directory.
+    A dataset over `max_dataset_bytes` is refused before it is written or read."""
     data_dir = data_dir.resolve()
     if tokenizer is None:
         raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
@@ -138,9 +146,11 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         raise InvalidArgument("set dataset_path or inline_jsonl", "dataset")
     if which == "dataset_path":
         path = resolve_dataset(data_dir, request.dataset_path)
-    elif not request.inline_jsonl.strip():
-        raise InvalidArgument("empty dataset", "inline_jsonl")
+        _check_dataset_size(path.stat().st_size, max_dataset_bytes, "dataset_path")
     else:
+        _check_dataset_size(len(request.inline_jsonl.encode("utf-8")), max_dataset_bytes, "inline_jsonl")
+        if not request.inline_jsonl.strip():
+            raise InvalidArgument("empty dataset", "inline_jsonl")
         path = job_dir / DATASET_FILE
     try:  # a refused request leaves nothing on disk
         if which == "inline_jsonl":

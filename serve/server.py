@@ -39,6 +39,7 @@ from serve.executor import RankExecutor
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
+from serve.jobspec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
 from serve.scheduler import Scheduler
@@ -83,6 +84,7 @@ class ServeConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
+    max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -90,7 +92,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     ckpt = TPCheckpoint(cfg.model)
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
-    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes"):
+    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("port", "metrics_port"):
@@ -241,7 +243,7 @@ class App:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.scheduler, tokenizer, facts, adapters), self.server)
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
-            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters), self.server)
+            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,

@@ -22,7 +22,7 @@ from serve.adapters import AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore
 from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2 as ft_pb
@@ -391,8 +391,6 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
 
 def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
     """Two stores on one database (two server processes, or one before and after a restart)."""
-    from serve.jobs import AdapterIdTaken
-
     first, second = JobStore(tmp_path), JobStore(tmp_path)
     first.create(JobRecord(id="job-a", method="lora", dataset="d.jsonl", adapter_id="shared"))
     with pytest.raises(AdapterIdTaken):

@@ -25,6 +25,8 @@ from test_server import TOKEN, ServerProcess, data_dir, metric, rpc_error, serve
 from tiny_chat import make_tiny_chat_model  # noqa: E402
 
 CONTEXT = 256
+MAX_DATASET_BYTES = 4096
+BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.validation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -40,7 +42,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[ServerProcess]:
-    args = server_args(root) + ["--max-seq-len", str(CONTEXT)]
+    args = server_args(root) + ["--max-seq-len", str(CONTEXT), "--max-dataset-bytes", str(MAX_DATASET_BYTES)]
     srv = ServerProcess(args, root / "server.log")
     try:
         yield srv
@@ -150,3 +152,30 @@ def test_concurrent_creates_with_one_adapter_id_give_one_success(root: Path, cli
 def test_adapter_ids_are_matched_in_full(client: Client, adapter_id: str) -> None:
     err = rpc_error(lambda: client.create_job(adapter_id=adapter_id, **ENDLESS))
     assert (err.code(), field_of(err)) == (INVALID, "adapter_id")
+
+
+# ----------------------------------------------------------------- 3: size before work
+
+
+def test_text_that_cannot_fit_is_refused_before_tokenizing(client: Client) -> None:
+    huge = "x" * (BYTE_LIMIT + 1)
+    for call, field in ((lambda: client.tokenize(huge), "prompt"),
+                        (lambda: client.complete(huge, max_new_tokens=1), "prompt"),
+                        (lambda: list(client.generate(huge, max_new_tokens=1)), "prompt"),
+                        (lambda: client.complete(chat=[{"role": "user", "content": huge}]), "chat.messages")):
+        err = rpc_error(call)
+        assert (err.code(), field_of(err)) == (grpc.StatusCode.OUT_OF_RANGE, field), err.details()
+        assert f"at most {BYTE_LIMIT} bytes" in err.details()
+    assert len(client.tokenize("x" * BYTE_LIMIT).ids) >= BYTE_LIMIT  # at the bound: tokenized as ever
+
+
+def test_datasets_over_the_size_limit_are_refused_before_they_are_read(root: Path, client: Client) -> None:
+    line = json.dumps({"text": "y" * 100}) + "\n"
+    big = line * (MAX_DATASET_BYTES // len(line) + 1)
+    (root / "data" / "big.jsonl").write_text(big)
+    before = job_dirs(root)
+    for kw, field in (({"inline_jsonl": big}, "inline_jsonl"), ({"dataset_path": "big.jsonl"}, "dataset_path")):
+        err = rpc_error(lambda: client.create_job(steps=1, **kw))
+        assert (err.code(), field_of(err)) == (INVALID, field), err.details()
+        assert f"at most {MAX_DATASET_BYTES} bytes" in err.details()
+    assert job_dirs(root) == before
