@@ -60,6 +60,8 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
     s.add_argument("--max-dataset-bytes", type=int, default=64 << 20, metavar="N",
                    help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
+    s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
+                   help="fine-tuning jobs waiting to run; more are refused with RESOURCE_EXHAUSTED (64)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

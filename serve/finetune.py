@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from serve.jobs import CANCELLED, AdapterIdTaken, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
+from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
@@ -45,7 +45,8 @@ class JobManager:
     """Rank 0's view of the jobs; `has_work`/`step` are the scheduler's side-work interface."""
 
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterRegistry,
-                 model_dir: Path, tokenizer: Any, context_length: int, wake: Any) -> None:
+                 model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
+                 max_queued: int | None = None) -> None:
         self.store = store
         self.data_dir = Path(data_dir)
         self.metrics = metrics
@@ -54,28 +55,32 @@ class JobManager:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self._wake = wake
+        self.max_queued = max_queued
         self._active: _Active | None = None
         self._accepting = True
         self._queued = store.next_queued() is not None
         self._pause = threading.Event()
         self._paused = threading.Event()
-        self._datasets: dict[str, Any] = {}  # job id -> prepared Dataset (created in this process)
         self._lock = threading.Lock()
         self._update_gauges()
 
     # ----------------------------------------------------------------- API side (handler threads)
 
     def create(self, spec: JobSpec) -> JobRecord:
-        """Stores a checked job as QUEUED and wakes the scheduler."""
+        """Stores a checked job as QUEUED and wakes the scheduler. It holds no prepared dataset
+        while it waits (the data is read again when it starts): queued jobs cost only their row."""
         if not self._accepting:
             raise Unavailable("the server is shutting down; no new jobs")
         with self._lock:
             try:
-                rec = self.store.create(spec.record)
-            except AdapterIdTaken:  # another create claimed it since check_create looked
+                rec = self.store.create(spec.record, self.max_queued)
+            except (AdapterIdTaken, QueueLimit) as e:
                 shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
+                if isinstance(e, QueueLimit):
+                    raise QueueFull(f"{self.max_queued} jobs are already queued (--max-queued-jobs); "
+                                    "try again when one has started", "job") from None
+                # another create claimed it since check_create looked
                 raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used", "adapter_id") from None
-            self._datasets[rec.id] = spec.dataset
             self._queued = True
         self._update_gauges()
         self._wake()
@@ -164,7 +169,7 @@ class JobManager:
         if rec is None:
             return
         try:
-            dataset = self._datasets.pop(rec.id, None) or load_dataset(rec, self.data_dir, self.tokenizer)
+            dataset = load_dataset(rec, self.data_dir, self.tokenizer)
             resume = bool(rec.checkpoint) and (self.data_dir / rec.checkpoint).exists()
             config = finetune_config(rec, self.model_dir, self.data_dir)
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())

@@ -39,6 +39,10 @@ class AdapterIdTaken(Exception):
     """JobStore.create: a queued, running or succeeded job already produces this adapter id."""
 
 
+class QueueLimit(Exception):
+    """JobStore.create: as many jobs as allowed already wait."""
+
+
 @dataclass
 class JobRecord:
     """One fine-tuning job, as stored."""
@@ -114,17 +118,21 @@ class JobStore:
         with self._lock:
             self._db.close()
 
-    def create(self, rec: JobRecord) -> JobRecord:
-        """Stores a new job. Its adapter id is claimed in the same statement (one check-and-insert,
-        atomic even between processes on one database): AdapterIdTaken when a live job has it."""
+    def create(self, rec: JobRecord, max_queued: int | None = None) -> JobRecord:
+        """Stores a new job. Its adapter id is claimed and the queue's bound kept in the same
+        statement (one check-and-insert, atomic even between processes on one database):
+        AdapterIdTaken when a live job has the id, QueueLimit when `max_queued` jobs wait."""
         marks = ", ".join("?" for _ in _COLUMNS)
         with self._lock:
             inserted = self._db.execute(
-                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} WHERE ? = '' OR NOT EXISTS "
-                f"(SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))",
-                (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE)).rowcount
+                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} "
+                f"WHERE (? = '' OR NOT EXISTS (SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))) "
+                f"AND (? IS NULL OR (SELECT COUNT(*) FROM jobs WHERE state = ?) < ?)",
+                (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE, max_queued, QUEUED, max_queued)).rowcount
             if not inserted:
-                raise AdapterIdTaken(rec.adapter_id)
+                taken = self._db.execute("SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?)",
+                                         (rec.adapter_id, *_LIVE)).fetchone()
+                raise AdapterIdTaken(rec.adapter_id) if rec.adapter_id and taken else QueueLimit(max_queued)
             self._bump()
         return rec
 

@@ -47,10 +47,9 @@ _LOW_OPEN = {"learning_rate", "lora_alpha"}
 
 @dataclass
 class JobSpec:
-    """A checked CreateJob: the record to store and the prepared dataset."""
+    """A checked CreateJob: the record to store (its dataset was read and found trainable)."""
 
     record: JobRecord
-    dataset: Any
 
 
 def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
@@ -159,14 +158,14 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
                         hyperparameters=hp)
         try:
-            dataset = load_dataset(rec, data_dir, tokenizer)
+            load_dataset(rec, data_dir, tokenizer)  # refused now, not failed later; not kept (JobManager)
         except TprtError as e:
             raise InvalidArgument(f"{e}", which) from None
     except BaseException:
         shutil.rmtree(job_dir, ignore_errors=True)
         raise
     rec.total_steps = hp["steps"]
-    return JobSpec(rec, dataset)
+    return JobSpec(rec)
 
 
 def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:

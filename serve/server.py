@@ -85,6 +85,7 @@ class ServeConfig:
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
+    max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -92,7 +93,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     ckpt = TPCheckpoint(cfg.model)
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
-    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes"):
+    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
+                 "max_queued_jobs"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("port", "metrics_port"):
@@ -234,7 +236,7 @@ class App:
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
         adapters = AdapterRegistry()
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, adapters, Path(cfg.model), tokenizer,
-                               engine.max_seq_len, self.scheduler.wake)
+                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs)
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,

@@ -22,7 +22,7 @@ from serve.adapters import AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore
+from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
 from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2 as ft_pb
@@ -399,5 +399,7 @@ def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> 
     second.create(JobRecord(id="job-d", method="full", dataset="d.jsonl", adapter_id=""))
     first.update("job-a", state="failed")  # a failed job frees its id
     second.create(JobRecord(id="job-e", method="lora", dataset="d.jsonl", adapter_id="shared"))
+    with pytest.raises(QueueLimit):  # jobs c, d and e wait: a bound of 1 is reached
+        second.create(JobRecord(id="job-f", method="full", dataset="d.jsonl", adapter_id=""), max_queued=1)
     first.close()
     second.close()

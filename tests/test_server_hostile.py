@@ -26,6 +26,7 @@ from tiny_chat import make_tiny_chat_model  # noqa: E402
 
 CONTEXT = 256
 MAX_DATASET_BYTES = 4096
+MAX_QUEUED_JOBS = 2
 BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.validation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -42,7 +43,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[ServerProcess]:
-    args = server_args(root) + ["--max-seq-len", str(CONTEXT), "--max-dataset-bytes", str(MAX_DATASET_BYTES)]
+    args = server_args(root) + ["--max-seq-len", str(CONTEXT), "--max-dataset-bytes", str(MAX_DATASET_BYTES),
+                                "--max-queued-jobs", str(MAX_QUEUED_JOBS)]
     srv = ServerProcess(args, root / "server.log")
     try:
         yield srv
@@ -179,3 +181,21 @@ def test_datasets_over_the_size_limit_are_refused_before_they_are_read(root: Pat
         assert (err.code(), field_of(err)) == (INVALID, field), err.details()
         assert f"at most {MAX_DATASET_BYTES} bytes" in err.details()
     assert job_dirs(root) == before
+
+
+# ----------------------------------------------------------------- 4: bounded state
+
+
+def test_the_job_queue_is_bounded(root: Path, client: Client) -> None:
+    made = [client.create_job(**ENDLESS)]
+    try:
+        wait_for(lambda: client.get_job(made[0].id).state == ft_pb.JOB_STATE_RUNNING, 60, "the first job to run")
+        made += [client.create_job(**ENDLESS) for _ in range(MAX_QUEUED_JOBS)]
+        before = job_dirs(root)
+        err = rpc_error(lambda: client.create_job(**ENDLESS))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queued-jobs" in err.details()
+        assert job_dirs(root) == before
+        client.cancel_job(made[-1].id)  # a cancelled job frees its place at once
+        made.append(client.create_job(**ENDLESS))
+    finally:
+        cancel_jobs(client, [j.id for j in made])
