@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
+from serve.errors import AlreadyExists, FailedPrecondition, echo, NotFound, QueueFull, Unavailable
 from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
@@ -89,7 +89,7 @@ class JobManager:
     def get(self, job_id: str) -> JobRecord:
         rec = self.store.get(job_id) if job_id else None
         if rec is None:
-            raise NotFound(f"no job {job_id!r}", "job_id")
+            raise NotFound(f"no job {echo(job_id)}", "job_id")
         return rec
 
     def cancel(self, job_id: str) -> JobRecord:

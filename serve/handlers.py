@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from serve.adapters import AdapterRegistry
-from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, echo
 from serve.finetune import JobManager
 from serve.jobspec import DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
 from serve.pb import finetuning_pb2 as ft_pb
@@ -116,7 +116,7 @@ class GenerationService(GenerationServicer):
                                  self.facts.config.vocab_size, self.tokenizer is not None)
         adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
         if request.adapter_id and adapter is None:
-            raise NotFound(f"no adapter {request.adapter_id!r} is loaded (see ModelInfo)", "adapter_id")
+            raise NotFound(f"no adapter {echo(request.adapter_id)} is loaded (see ModelInfo)", "adapter_id")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         ticket = Ticket(new_request_id(), ids, params, request.adapter_id, adapter.index if adapter else 0, deadline)

@@ -98,11 +98,11 @@ def resolve_dataset(data_dir: Path, given: str) -> Path:
     except (OSError, ValueError) as e:  # a loop of symlinks, a component that is not a directory, ...
         raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "dataset_path") from None
     if not path.is_relative_to(root):
-        raise InvalidArgument(f"{given!r} is outside the server's --data-dir", "dataset_path")
+        raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", "dataset_path")
     if not exists:
-        raise NotFound(f"{given!r} does not exist under the server's --data-dir", "dataset_path")
+        raise NotFound(f"{echo(given)} does not exist under the server's --data-dir", "dataset_path")
     if not regular:
-        raise InvalidArgument(f"{given!r} is not a regular file", "dataset_path")
+        raise InvalidArgument(f"{echo(given)} is not a regular file", "dataset_path")
     return path
 
 

@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serve.adapters import AdapterRegistry
 from serve.auth import AuthInterceptor, load_token
-from serve.errors import ErrorInterceptor
+from serve.errors import ErrorInterceptor, Redactor
 from serve.executor import RankExecutor
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
@@ -187,7 +187,8 @@ class App:
 
     def _grpc_server(self) -> grpc.Server:
         cfg = self.cfg
-        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome)]
+        redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})
+        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, redact)]
         if cfg.auth_token_file is not None:
             interceptors.append(AuthInterceptor(load_token(cfg.auth_token_file)))
         workers = cfg.max_batch_size + cfg.max_queue + 32  # a streaming RPC holds a thread throughout

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from serve.errors import InvalidArgument, OutOfRange
+from serve.errors import InvalidArgument, OutOfRange, echo
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
 from tprt.errors import ConfigError, ValidationError
@@ -47,7 +47,7 @@ def chat_messages(chat: Any, field: str = "chat") -> tuple[list[dict[str, str]],
     out = []
     for i, m in enumerate(msgs):
         if m.role not in ROLES:
-            raise InvalidArgument(f"role {m.role!r} is not one of {', '.join(ROLES)}", f"{field}.messages[{i}].role")
+            raise InvalidArgument(f"role {echo(m.role)} is not one of {', '.join(ROLES)}", f"{field}.messages[{i}].role")
         out.append({"role": m.role, "content": m.content})
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     return out, add

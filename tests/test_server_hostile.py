@@ -199,3 +199,23 @@ def test_the_job_queue_is_bounded(root: Path, client: Client) -> None:
         made.append(client.create_job(**ENDLESS))
     finally:
         cancel_jobs(client, [j.id for j in made])
+
+
+# ----------------------------------------------------------------- 7: errors that are safe to show
+
+
+def test_errors_echo_little_and_show_no_server_paths(root: Path, client: Client) -> None:
+    long = "z" * 10_000
+    refused = [
+        rpc_error(lambda: client.create_job(inline_jsonl='{"prompt": 3}\n', steps=1)),  # names the file and line
+        rpc_error(lambda: client.create_job(dataset_path=long, steps=1)),
+        rpc_error(lambda: client.create_job(dataset_path=str(root / "data" / "missing.jsonl"), steps=1)),
+        rpc_error(lambda: client.complete("hi", adapter_id=long, max_new_tokens=1)),
+        rpc_error(lambda: client.get_job(long)),
+        rpc_error(lambda: client.complete(chat=[{"role": long, "content": "hi"}])),
+    ]
+    for err in refused:
+        assert err.code() != grpc.StatusCode.INTERNAL
+        assert len(err.details()) < 400, err.details()[:400]
+        assert str(root) not in err.details() and "/tmp" not in err.details(), err.details()
+    assert "dataset.jsonl:1" in refused[0].details()  # still says where
