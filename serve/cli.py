@@ -62,6 +62,9 @@ def _serve_parser(sub: Any) -> None:
                    help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
     s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
                    help="fine-tuning jobs waiting to run; more are refused with RESOURCE_EXHAUSTED (64)")
+    s.add_argument("--max-open-calls", type=int, default=8, metavar="N",
+                   help="calls needing no token (health checks and watches, reflection, refused calls) in "
+                        "flight, N unary and N streaming; more get RESOURCE_EXHAUSTED (8)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

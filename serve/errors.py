@@ -178,7 +178,13 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 request_deserializer=lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
-        return handler  # no client-streaming methods in tprt's API
+        if handler.stream_stream is not None:  # server reflection: its own messages, parsed as they come
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
     def _report(self, method: str, code: grpc.StatusCode, t0: float) -> None:
         if self._on_outcome is not None:

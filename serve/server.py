@@ -39,6 +39,7 @@ from serve.executor import RankExecutor
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
+from serve.limits import OpenCallLimiter
 from serve.jobspec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -86,6 +87,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
+    max_open_calls: int = 8  # unary and streaming calls each, without a token (health, reflection, refused)
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -94,7 +96,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs"):
+                 "max_queued_jobs", "max_open_calls"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     for name in ("port", "metrics_port"):
@@ -188,10 +190,14 @@ class App:
     def _grpc_server(self) -> grpc.Server:
         cfg = self.cfg
         redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})
-        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, redact)]
-        if cfg.auth_token_file is not None:
-            interceptors.append(AuthInterceptor(load_token(cfg.auth_token_file)))
-        workers = cfg.max_batch_size + cfg.max_queue + 32  # a streaming RPC holds a thread throughout
+        auth = AuthInterceptor(load_token(cfg.auth_token_file)) if cfg.auth_token_file is not None else None
+        limiter = OpenCallLimiter(cfg.max_open_calls, auth.authenticated if auth is not None else lambda d: True)
+        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, redact), limiter]
+        if auth is not None:
+            interceptors.append(auth)
+        # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
+        # that need no token (serve/limits.py), so that those can never take the others' threads.
+        workers = cfg.max_batch_size + cfg.max_queue + 32 + 2 * cfg.max_open_calls
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]

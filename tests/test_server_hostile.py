@@ -27,6 +27,7 @@ from tiny_chat import make_tiny_chat_model  # noqa: E402
 CONTEXT = 256
 MAX_DATASET_BYTES = 4096
 MAX_QUEUED_JOBS = 2
+MAX_OPEN_CALLS = 4
 BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.validation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -44,7 +45,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[ServerProcess]:
     args = server_args(root) + ["--max-seq-len", str(CONTEXT), "--max-dataset-bytes", str(MAX_DATASET_BYTES),
-                                "--max-queued-jobs", str(MAX_QUEUED_JOBS)]
+                                "--max-queued-jobs", str(MAX_QUEUED_JOBS), "--max-open-calls", str(MAX_OPEN_CALLS)]
     srv = ServerProcess(args, root / "server.log")
     try:
         yield srv
@@ -219,3 +220,49 @@ def test_errors_echo_little_and_show_no_server_paths(root: Path, client: Client)
         assert len(err.details()) < 400, err.details()[:400]
         assert str(root) not in err.details() and "/tmp" not in err.details(), err.details()
     assert "dataset.jsonl:1" in refused[0].details()  # still says where
+
+
+# ----------------------------------------------------------------- 2: unauthenticated traffic cannot starve the rest
+
+
+def test_calls_without_a_token_cannot_take_the_threads_of_authenticated_ones(server: ServerProcess,
+                                                                               client: Client) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    threads = 16 + 2 + 32  # test_server's --max-batch-size and --max-queue: more than the server had before
+    with grpc.insecure_channel(server.target) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch
+        streams = [watch(health_pb2.HealthCheckRequest(), timeout=60) for _ in range(threads + 10)]
+        try:
+            firsts = []
+            for s in streams:
+                try:
+                    firsts.append(next(s).status)
+                except grpc.RpcError as e:
+                    firsts.append(e.code())
+            assert firsts.count(health_pb2.HealthCheckResponse.SERVING) == MAX_OPEN_CALLS
+            assert set(firsts) == {health_pb2.HealthCheckResponse.SERVING, grpc.StatusCode.RESOURCE_EXHAUSTED}
+            # The watches hold their share, and only it: authenticated work and probes go on.
+            assert len(client.complete("hi", max_new_tokens=2, temperature=0).tokens) == 2
+            assert client.health_check() == "SERVING"
+            with server.client(token=None) as anonymous:
+                assert anonymous.health_check() == "SERVING"
+                assert rpc_error(anonymous.model_info).code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            for s in streams:
+                s.cancel()
+    wait_for(lambda: _watch_once(server), 10, "the watches' share to be given back")
+
+
+def _watch_once(server: ServerProcess) -> bool:
+    """Whether a new health Watch is served (then ends it)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(server.target) as channel:
+        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        try:
+            return bool(next(stream).status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+        finally:
+            stream.cancel()
