@@ -58,6 +58,8 @@ class JobManager:
         self.max_queued = max_queued
         self._active: _Active | None = None
         self._accepting = True
+        self._refusal = ""  # why no new jobs are taken, once they are not
+        self._broken = False
         self._queued = store.next_queued() is not None
         self._pause = threading.Event()
         self._paused = threading.Event()
@@ -70,7 +72,7 @@ class JobManager:
         """Stores a checked job as QUEUED and wakes the scheduler. It holds no prepared dataset
         while it waits (the data is read again when it starts): queued jobs cost only their row."""
         if not self._accepting:
-            raise Unavailable("the server is shutting down; no new jobs")
+            raise Unavailable(self._refusal)
         with self._lock:
             try:
                 rec = self.store.create(spec.record, self.max_queued)
@@ -111,8 +113,31 @@ class JobManager:
     def accepting(self) -> bool:
         return self._accepting
 
-    def stop_accepting(self) -> None:
+    @property
+    def refusal(self) -> str:
+        return self._refusal
+
+    def stop_accepting(self, why: str = "the server is shutting down; no new jobs") -> None:
+        self._refusal = why
         self._accepting = False
+
+    def ranks_broken(self, reason: str) -> None:
+        """A rank died or a collective failed (any thread): the running job's record says so at
+        once, queued to resume from its checkpoint after a restart (or FAILED without one); watchers
+        end; CreateJob is refused with UNAVAILABLE until the server is restarted."""
+        with self._lock:
+            self._broken = True
+            job = self._active
+            if job is not None:
+                rec = self.store.get(job.job_id)
+                if rec is not None and rec.state == RUNNING:
+                    rec = self.store.interrupt(
+                        rec, self.data_dir,
+                        f"{reason} at step {rec.step}; resumes from its last checkpoint when the server restarts",
+                        f"{reason} while the job was running")
+                    log.error("job %s: %s", rec.id, rec.error)
+            self.stop_accepting(f"the server cannot run jobs until it is restarted: {reason}")
+        self._update_gauges()
 
     def pause_for_shutdown(self, timeout_s: float) -> None:
         """Checkpoints the running job and re-queues it (it resumes at the next start)."""
@@ -161,7 +186,8 @@ class JobManager:
             else:
                 self._train_step(ranks, job)
         except CommandFailed as e:
-            self._end(job, FAILED, str(e))
+            if not self._broken:  # a broken world: ranks_broken has said what happened to the job
+                self._end(job, FAILED, str(e))
 
     def _start_next(self, ranks: RankGroup) -> None:
         rec = self.store.next_queued()

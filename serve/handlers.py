@@ -198,7 +198,7 @@ class FineTuningService(FineTuningServicer):
 
     def CreateJob(self, request: Any, context: grpc.ServicerContext) -> Any:
         if not self.jobs.accepting:
-            raise Unavailable("the server is shutting down; no new jobs")
+            raise Unavailable(self.jobs.refusal)
         spec = check_create(request, self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
                             self.adapters.has, self.max_dataset_bytes)
         return job_pb(self.jobs.create(spec))

@@ -191,16 +191,17 @@ class JobStore:
     def recover(self, data_dir: Path) -> list[JobRecord]:
         """After a restart: RUNNING jobs are re-queued when their checkpoint exists (they resume
         from it), otherwise marked FAILED with the reason. Returns the jobs it changed."""
-        changed = []
-        for rec in self.select(RUNNING, limit=1_000_000):
-            if rec.checkpoint and (data_dir / rec.checkpoint).exists():
-                changed.append(self.update(rec.id, state=QUEUED,
-                                           error=f"resumed from step {rec.step} after a server restart"))
-            else:
-                changed.append(self.update(
-                    rec.id, state=FAILED, finished_ms=now_ms(),
-                    error="the server stopped while the job was running and it had no checkpoint to resume from"))
-        return changed
+        return [self.interrupt(rec, data_dir, f"resumed from step {rec.step} after a server restart",
+                               "the server stopped while the job was running")
+                for rec in self.select(RUNNING, limit=1_000_000)]
+
+    def interrupt(self, rec: JobRecord, data_dir: Path, queued: str, failed: str) -> JobRecord:
+        """A job whose run stopped without ending it: QUEUED to resume from its checkpoint when it
+        has one (its error saying `queued`), otherwise FAILED (saying `failed` and why)."""
+        if rec.checkpoint and (data_dir / rec.checkpoint).exists():
+            return self.update(rec.id, state=QUEUED, error=queued)
+        return self.update(rec.id, state=FAILED, finished_ms=now_ms(),
+                           error=f"{failed} and it had no checkpoint to resume from")
 
     def _bump(self) -> None:
         self._version += 1

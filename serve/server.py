@@ -176,6 +176,7 @@ class App:
         self.store = JobStore(cfg.data_dir)
         for rec in self.store.recover(Path(cfg.data_dir)):
             log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
+        self.redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})  # what callers may see
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(False)
         self.server = self._grpc_server()
@@ -189,10 +190,9 @@ class App:
 
     def _grpc_server(self) -> grpc.Server:
         cfg = self.cfg
-        redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})
         auth = AuthInterceptor(load_token(cfg.auth_token_file)) if cfg.auth_token_file is not None else None
         limiter = OpenCallLimiter(cfg.max_open_calls, auth.authenticated if auth is not None else lambda d: True)
-        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, redact), limiter]
+        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, self.redact), limiter]
         if auth is not None:
             interceptors.append(auth)
         # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
@@ -228,6 +228,8 @@ class App:
     def _on_broken(self, reason: str) -> None:
         self.broken = True
         self._set_health(False)
+        if self.jobs is not None:
+            self.jobs.ranks_broken(self.redact(reason))  # a job's error is shown to callers
 
     def _load(self, ctx: TPContext) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
         model = load_model(self.cfg.model, ctx, self.cfg.dtype)

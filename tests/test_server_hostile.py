@@ -1,7 +1,8 @@
 """`tprt serve` against hostile and careless clients (issue 13): one real TP=2 server takes every check.
 
 The server (module fixture) is test_server.py's tiny model and flags with small limits, so that
-a test can reach each limit in a few calls. Calls are made with the generated client or, where a
+a test can reach each limit in a few calls. The rank-fault test alone starts a server of its own
+(a killed rank breaks it), and restarts it on the same --data-dir. Calls are made with the generated client or, where a
 client would refuse to send them, as raw bytes on a bare channel. Every wait is bounded; a test
 that makes jobs cancels them, so the tests pass alone and in any order.
 """
@@ -9,6 +10,9 @@ that makes jobs cancels them, so the tests pass alone and in any order.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -266,3 +270,47 @@ def _watch_once(server: ServerProcess) -> bool:
             return False
         finally:
             stream.cancel()
+
+
+# ----------------------------------------------------------------- 8: jobs reflect rank faults
+
+
+def test_a_dead_rank_shows_in_the_running_job_which_resumes_after_a_restart(root: Path) -> None:
+    args = server_args(root, data_dir(root, "faults")) + ["--max-seq-len", str(CONTEXT)]
+    srv = ServerProcess(args, root / "faults.log")
+    try:
+        c = srv.client()
+        job = c.create_job(**{**ENDLESS, "checkpoint_every": 1})
+        wait_for(lambda: c.get_job(job.id).step >= 2, 60, "the job to checkpoint")
+        seen: list[Any] = []
+        watch_ended = threading.Event()
+
+        def watch() -> None:
+            try:
+                seen.extend(c.watch_job(job.id, timeout=60))
+            except grpc.RpcError as e:
+                seen.append(e)
+            finally:
+                watch_ended.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        wait_for(lambda: seen, 10, "the watch to start")
+        os.kill(srv.pids[1], signal.SIGKILL)  # a follower rank dies mid-job
+        wait_for(lambda: c.get_job(job.id).state != ft_pb.JOB_STATE_RUNNING, 15, "the job to show the fault")
+        faulted = c.get_job(job.id)
+        assert faulted.state == ft_pb.JOB_STATE_QUEUED, faulted
+        assert "resumes from its last checkpoint" in faulted.error, faulted.error
+        assert "127.0.0.1" not in faulted.error and "/__w" not in faulted.error  # safe to show
+        assert watch_ended.wait(15) and seen[-1].state == ft_pb.JOB_STATE_QUEUED  # the watch ends with it
+        err = rpc_error(lambda: c.create_job(**ENDLESS))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "restarted" in err.details(), err.details()
+        c.close()
+        assert srv.stop(timeout=60) == 1
+        srv = ServerProcess(args, root / "faults-restarted.log")
+        c = srv.client()
+        wait_for(lambda: c.get_job(job.id).state == ft_pb.JOB_STATE_RUNNING and c.get_job(job.id).step >= 1,
+                 60, "the job to resume")
+        cancel_jobs(c, [job.id])
+        c.close()
+    finally:
+        srv.kill()
