@@ -65,6 +65,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-open-calls", type=int, default=8, metavar="N",
                    help="calls needing no token (health checks and watches, reflection, refused calls) in "
                         "flight, N unary and N streaming; more get RESOURCE_EXHAUSTED (8)")
+    s.add_argument("--job-memory-limit", type=int, metavar="BYTES",
+                   help="memory a fine-tuning job may need (a conservative estimate, all local ranks); "
+                        "larger jobs get RESOURCE_EXHAUSTED (default: the memory available at CreateJob)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

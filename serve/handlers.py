@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,9 +189,11 @@ class FineTuningService(FineTuningServicer):
     """tprt.v1.FineTuning on rank 0: the job store through the job manager."""
 
     def __init__(self, jobs: JobManager, tokenizer: Tokenizer | None, context_length: int,
-                 adapters: AdapterRegistry, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> None:
+                 adapters: AdapterRegistry, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
+                 admit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.jobs = jobs
         self.max_dataset_bytes = max_dataset_bytes
+        self.admit = admit  # serve/admission.py
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.adapters = adapters
@@ -200,7 +202,7 @@ class FineTuningService(FineTuningServicer):
         if not self.jobs.accepting:
             raise Unavailable(self.jobs.refusal)
         spec = check_create(request, self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
-                            self.adapters.has, self.max_dataset_bytes)
+                            self.adapters.has, self.max_dataset_bytes, self.admit)
         return job_pb(self.jobs.create(spec))
 
     def GetJob(self, request: Any, context: grpc.ServicerContext) -> Any:

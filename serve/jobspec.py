@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,12 @@ def _check_dataset_size(size: int, limit: int, field: str) -> None:
 
 
 def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
-                 adapter_taken: Any, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES) -> JobSpec:
+                 adapter_taken: Any, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
+                 admit: Callable[[str, dict[str, Any]], None] | None = None) -> JobSpec:
     """Everything about a CreateJob request, checked; writes inline data into the job's directory.
-    A dataset over `max_dataset_bytes` is refused before it is written or read."""
+    `admit(method, hyperparameters)` refuses a job too large for the server's memory
+    (serve/admission.py), and a dataset over `max_dataset_bytes` is refused, before anything is
+    written or read."""
     data_dir = data_dir.resolve()
     if tokenizer is None:
         raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
@@ -137,6 +141,8 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
     method = "full" if request.method == pb.METHOD_FULL else "lora"
     hp = hyperparameters(request.hyperparameters, method, context)
+    if admit is not None:
+        admit(method, hp)
     job_id = new_job_id()
     aid = _adapter_id(request, method, job_id, store, adapter_taken)
     which = request.WhichOneof("dataset")

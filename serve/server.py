@@ -33,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serve.adapters import AdapterRegistry
+from serve.admission import JobAdmission
 from serve.auth import AuthInterceptor, load_token
 from serve.errors import ErrorInterceptor, Redactor
 from serve.executor import RankExecutor
@@ -88,6 +89,7 @@ class ServeConfig:
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, reflection, refused)
+    job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -96,9 +98,10 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_open_calls"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+                 "max_queued_jobs", "max_open_calls", "job_memory_limit"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for name in ("port", "metrics_port"):
         if not -1 <= getattr(cfg, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be a port number, got {getattr(cfg, name)}")
@@ -254,11 +257,17 @@ class App:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.scheduler, tokenizer, facts, adapters), self.server)
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
-            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes), self.server)
+            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
+                              self._job_admission(ctx, model)), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
                                 "context_length": str(facts.context_length)})
+
+    def _job_admission(self, ctx: TPContext, model: TPLlamaForCausalLM) -> JobAdmission:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
+        device = next(model.parameters()).device
+        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit)
 
     # ----------------------------------------------------------------- life
 

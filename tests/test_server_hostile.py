@@ -32,6 +32,7 @@ CONTEXT = 256
 MAX_DATASET_BYTES = 4096
 MAX_QUEUED_JOBS = 2
 MAX_OPEN_CALLS = 4
+JOB_MEMORY_LIMIT_MIB = 256
 BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.validation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -49,7 +50,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[ServerProcess]:
     args = server_args(root) + ["--max-seq-len", str(CONTEXT), "--max-dataset-bytes", str(MAX_DATASET_BYTES),
-                                "--max-queued-jobs", str(MAX_QUEUED_JOBS), "--max-open-calls", str(MAX_OPEN_CALLS)]
+                                "--max-queued-jobs", str(MAX_QUEUED_JOBS), "--max-open-calls", str(MAX_OPEN_CALLS),
+                                "--job-memory-limit", str(JOB_MEMORY_LIMIT_MIB << 20)]
     srv = ServerProcess(args, root / "server.log")
     try:
         yield srv
@@ -75,6 +77,20 @@ def raw_call(server: ServerProcess, method: str, payload: bytes, stream: bool = 
 def job_dirs(root: Path) -> set[str]:
     jobs = root / "data" / "jobs"
     return {p.name for p in jobs.iterdir()} if jobs.exists() else set()
+
+
+# ----------------------------------------------------------------- 1: admission by memory
+
+
+def test_a_job_too_large_for_the_memory_is_refused_naming_the_field_and_limit(root: Path, client: Client) -> None:
+    before = job_dirs(root)
+    huge = {**ENDLESS, "batch_size": 1024, "max_seq_len": CONTEXT}  # gigabytes of activations
+    err = rpc_error(lambda: client.create_job(**huge))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "hyperparameters.batch_size")
+    assert f"{JOB_MEMORY_LIMIT_MIB} MiB of --job-memory-limit" in err.details(), err.details()
+    assert job_dirs(root) == before
+    fits = client.create_job(**{**huge, "batch_size": 4})  # tens of MiB
+    cancel_jobs(client, [fits.id])
 
 
 # ----------------------------------------------------------------- 6: never INTERNAL for the caller's mistake
