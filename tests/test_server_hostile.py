@@ -330,3 +330,37 @@ def test_a_dead_rank_shows_in_the_running_job_which_resumes_after_a_restart(root
         c.close()
     finally:
         srv.kill()
+
+
+# ----------------------------------------------------------------- fuzz: random requests against the live server
+
+FUZZ_EXAMPLES = 60  # bounded for CI (each call has a deadline); bench/serve_fuzz.py runs many more
+
+
+def test_fuzzed_requests_never_get_internal_and_the_server_stays_exact(server: ServerProcess, client: Client) -> None:
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from fuzz_requests import Call, calls, send
+
+    control = {"prompt": "The control request", "max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    expected = list(client.complete(**control).tokens)
+    made: list[str] = []
+    codes: dict[str, int] = {}
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    @given(call=calls())
+    def one(call: Call) -> None:
+        code, jobs = send(channel, TOKEN, call)
+        made.extend(jobs)
+        codes[code.name] = codes.get(code.name, 0) + 1
+        assert code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), call
+
+    with grpc.insecure_channel(server.target) as channel:
+        try:
+            one()
+        finally:
+            cancel_jobs(client, made)
+    assert client.health_check() == "SERVING"
+    assert list(client.complete(**control).tokens) == expected, codes
+    assert "Traceback" not in server.tail()
