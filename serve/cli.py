@@ -63,7 +63,7 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
                    help="fine-tuning jobs waiting to run; more are refused with RESOURCE_EXHAUSTED (64)")
     s.add_argument("--max-open-calls", type=int, default=8, metavar="N",
-                   help="calls needing no token (health checks and watches, reflection, refused calls) in "
+                   help="calls needing no token (health checks and watches, calls refused for a missing token) in "
                         "flight, N unary and N streaming; more get RESOURCE_EXHAUSTED (8)")
     s.add_argument("--job-memory-limit", type=int, metavar="BYTES",
                    help="memory a fine-tuning job may need (a conservative estimate, all local ranks); "

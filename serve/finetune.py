@@ -71,18 +71,20 @@ class JobManager:
     def create(self, spec: JobSpec) -> JobRecord:
         """Stores a checked job as QUEUED and wakes the scheduler. It holds no prepared dataset
         while it waits (the data is read again when it starts): queued jobs cost only their row."""
-        if not self._accepting:
-            raise Unavailable(self._refusal)
         with self._lock:
             try:
+                if not self._accepting:
+                    raise Unavailable(self._refusal)
                 rec = self.store.create(spec.record, self.max_queued)
-            except (AdapterIdTaken, QueueLimit) as e:
+            except BaseException as e:  # a refused job leaves nothing on disk
                 shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
                 if isinstance(e, QueueLimit):
                     raise QueueFull(f"{self.max_queued} jobs are already queued (--max-queued-jobs); "
                                     "try again when one has started", "job") from None
-                # another create claimed it since check_create looked
-                raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used", "adapter_id") from None
+                if isinstance(e, AdapterIdTaken):  # another create claimed it since check_create looked
+                    raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used",
+                                        "adapter_id") from None
+                raise
             self._queued = True
         self._update_gauges()
         self._wake()

@@ -88,7 +88,7 @@ class ServeConfig:
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
-    max_open_calls: int = 8  # unary and streaming calls each, without a token (health, reflection, refused)
+    max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
 
 
