@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import AlreadyExists, FailedPrecondition, echo, NotFound, QueueFull, Unavailable
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable, echo
 from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
@@ -46,7 +47,7 @@ class JobManager:
 
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterRegistry,
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
-                 max_queued: int | None = None) -> None:
+                 max_queued: int | None = None, redact: Callable[[str], str] = str) -> None:
         self.store = store
         self.data_dir = Path(data_dir)
         self.metrics = metrics
@@ -56,6 +57,7 @@ class JobManager:
         self.context_length = context_length
         self._wake = wake
         self.max_queued = max_queued
+        self._redact = redact  # a job's error is shown to callers (serve.errors.Redactor)
         self._active: _Active | None = None
         self._accepting = True
         self._refusal = ""  # why no new jobs are taken, once they are not
@@ -189,7 +191,7 @@ class JobManager:
                 self._train_step(ranks, job)
         except CommandFailed as e:
             if not self._broken:  # a broken world: ranks_broken has said what happened to the job
-                self._end(job, FAILED, str(e))
+                self._end(job, FAILED, self._shown(e))
 
     def _start_next(self, ranks: RankGroup) -> None:
         rec = self.store.next_queued()
@@ -203,7 +205,7 @@ class JobManager:
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
             started = ranks.run(TrainStart(config, dataset, resume))
         except (TprtError, OSError) as e:  # bad data, a failed command: the job fails, serving goes on
-            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=str(e))
+            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=self._shown(e))
             self._update_gauges()
             return
         self._active = _Active(rec.id, started.total, started.step)
@@ -251,6 +253,11 @@ class JobManager:
         self._queued = self.store.next_queued() is not None
         self._update_gauges()
         log.info("job %s: %s%s", job.job_id, state, f" ({error})" if error else "")
+
+    def _shown(self, e: BaseException) -> str:
+        """A job's failure as callers may see it; the full text goes to the log."""
+        log.warning("job failed: %s", e)
+        return self._redact(str(e))
 
     def _update_gauges(self) -> None:
         self.metrics.set_jobs(self.store.counts())

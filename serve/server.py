@@ -248,7 +248,7 @@ class App:
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
         adapters = AdapterRegistry()
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, adapters, Path(cfg.model), tokenizer,
-                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs)
+                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact)
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,

@@ -93,6 +93,20 @@ def test_a_job_too_large_for_the_memory_is_refused_naming_the_field_and_limit(ro
     cancel_jobs(client, [fits.id])
 
 
+def test_a_job_that_fails_while_running_fails_alone(root: Path, client: Client) -> None:
+    job = client.create_job(**{**ENDLESS, "checkpoint_every": 5})
+    wait_for(lambda: client.get_job(job.id).step >= 1, 60, "the job to run")
+    checkpoints = root / "data" / "jobs" / job.id / "checkpoints"
+    checkpoints.mkdir(exist_ok=True)
+    for step in range(5, 1000, 5):  # files where the next checkpoints go: rank 0 alone fails to replace one
+        (checkpoints / f"step-{step:08d}").write_text("in the way")
+    wait_for(lambda: client.get_job(job.id).state == ft_pb.JOB_STATE_FAILED, 30, "the job to fail")
+    error = client.get_job(job.id).error
+    assert error and str(root) not in error, error  # says why, without the server's paths
+    assert client.health_check() == "SERVING"  # serving goes on
+    assert len(client.complete("still there?", max_new_tokens=3, temperature=0).tokens) == 3
+
+
 # ----------------------------------------------------------------- 6: never INTERNAL for the caller's mistake
 
 
