@@ -74,6 +74,17 @@ def raw_call(server: ServerProcess, method: str, payload: bytes, stream: bool = 
         return rpc_error(lambda: channel.unary_unary(method)(payload, **kw))
 
 
+# A job that runs until it is cancelled.
+ENDLESS = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100_000, "batch_size": 1,
+           "max_seq_len": 16, "lora_rank": 2}
+
+
+def cancel_jobs(client: Client, ids: list[str]) -> None:
+    for job_id in ids:
+        client.cancel_job(job_id)
+    wait_for(lambda: all(client.get_job(j).state == ft_pb.JOB_STATE_CANCELLED for j in ids), 60, "jobs to cancel")
+
+
 def job_dirs(root: Path) -> set[str]:
     jobs = root / "data" / "jobs"
     return {p.name for p in jobs.iterdir()} if jobs.exists() else set()
@@ -151,16 +162,6 @@ def test_bad_paths_and_data_are_invalid_argument_and_leave_nothing(root: Path, c
 
 
 # ----------------------------------------------------------------- 5: atomic uniqueness, full-match ids
-
-ENDLESS = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100_000, "batch_size": 1,
-           "max_seq_len": 16, "lora_rank": 2}
-
-
-def cancel_jobs(client: Client, ids: list[str]) -> None:
-    for job_id in ids:
-        client.cancel_job(job_id)
-    wait_for(lambda: all(client.get_job(j).state == ft_pb.JOB_STATE_CANCELLED for j in ids), 60, "jobs to cancel")
-
 
 def test_concurrent_creates_with_one_adapter_id_give_one_success(root: Path, client: Client) -> None:
     before = job_dirs(root)
