@@ -55,13 +55,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-    def _ok(self, details: Any) -> bool:
+    def authenticated(self, details: Any) -> bool:
+        """Whether the call carries the right bearer token."""
         got = bearer(details.invocation_metadata)
         return got is not None and hmac.compare_digest(got.encode(), self._token)
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or details.method.startswith(EXEMPT_PREFIXES) or self._ok(details):
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES) or self.authenticated(details):
             return handler
         why = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
@@ -71,6 +72,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         def deny_stream(request: Any, context: grpc.ServicerContext) -> Any:
             raise Unauthenticated(why)
             yield  # a generator, like the method it replaces
+
+        deny.refuses_every_request = deny_stream.refuses_every_request = True  # type: ignore[attr-defined]
 
         kw = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)

@@ -58,6 +58,16 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
+    s.add_argument("--max-dataset-bytes", type=int, default=64 << 20, metavar="N",
+                   help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
+    s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
+                   help="fine-tuning jobs waiting to run; more are refused with RESOURCE_EXHAUSTED (64)")
+    s.add_argument("--max-open-calls", type=int, default=8, metavar="N",
+                   help="calls needing no token (health checks and watches, calls refused for a missing token) in "
+                        "flight, N unary and N streaming; more get RESOURCE_EXHAUSTED (8)")
+    s.add_argument("--job-memory-limit", type=int, metavar="BYTES",
+                   help="memory a fine-tuning job may need (a conservative estimate, all local ranks); "
+                        "larger jobs get RESOURCE_EXHAUSTED (default: the memory available at CreateJob)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 

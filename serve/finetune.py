@@ -15,14 +15,16 @@ writes a TP checkpoint (`output_path`) to serve with `tprt serve --model`.
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import FailedPrecondition, NotFound, Unavailable
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable, echo
+from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
@@ -44,7 +46,8 @@ class JobManager:
     """Rank 0's view of the jobs; `has_work`/`step` are the scheduler's side-work interface."""
 
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterRegistry,
-                 model_dir: Path, tokenizer: Any, context_length: int, wake: Any) -> None:
+                 model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
+                 max_queued: int | None = None, redact: Callable[[str], str] = str) -> None:
         self.store = store
         self.data_dir = Path(data_dir)
         self.metrics = metrics
@@ -53,24 +56,37 @@ class JobManager:
         self.tokenizer = tokenizer
         self.context_length = context_length
         self._wake = wake
+        self.max_queued = max_queued
+        self._redact = redact  # a job's error is shown to callers (serve.errors.Redactor)
         self._active: _Active | None = None
         self._accepting = True
+        self._refusal = ""  # why no new jobs are taken, once they are not
+        self._broken = False
         self._queued = store.next_queued() is not None
         self._pause = threading.Event()
         self._paused = threading.Event()
-        self._datasets: dict[str, Any] = {}  # job id -> prepared Dataset (created in this process)
         self._lock = threading.Lock()
         self._update_gauges()
 
     # ----------------------------------------------------------------- API side (handler threads)
 
     def create(self, spec: JobSpec) -> JobRecord:
-        """Stores a checked job as QUEUED and wakes the scheduler."""
-        if not self._accepting:
-            raise Unavailable("the server is shutting down; no new jobs")
+        """Stores a checked job as QUEUED and wakes the scheduler. It holds no prepared dataset
+        while it waits (the data is read again when it starts): queued jobs cost only their row."""
         with self._lock:
-            rec = self.store.create(spec.record)
-            self._datasets[rec.id] = spec.dataset
+            try:
+                if not self._accepting:
+                    raise Unavailable(self._refusal)
+                rec = self.store.create(spec.record, self.max_queued)
+            except BaseException as e:  # a refused job leaves nothing on disk
+                shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
+                if isinstance(e, QueueLimit):
+                    raise QueueFull(f"{self.max_queued} jobs are already queued (--max-queued-jobs); "
+                                    "try again when one has started", "job") from None
+                if isinstance(e, AdapterIdTaken):  # another create claimed it since check_create looked
+                    raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used",
+                                        "adapter_id") from None
+                raise
             self._queued = True
         self._update_gauges()
         self._wake()
@@ -79,7 +95,7 @@ class JobManager:
     def get(self, job_id: str) -> JobRecord:
         rec = self.store.get(job_id) if job_id else None
         if rec is None:
-            raise NotFound(f"no job {job_id!r}", "job_id")
+            raise NotFound(f"no job {echo(job_id)}", "job_id")
         return rec
 
     def cancel(self, job_id: str) -> JobRecord:
@@ -101,8 +117,31 @@ class JobManager:
     def accepting(self) -> bool:
         return self._accepting
 
-    def stop_accepting(self) -> None:
+    @property
+    def refusal(self) -> str:
+        return self._refusal
+
+    def stop_accepting(self, why: str = "the server is shutting down; no new jobs") -> None:
+        self._refusal = why
         self._accepting = False
+
+    def ranks_broken(self, reason: str) -> None:
+        """A rank died or a collective failed (any thread): the running job's record says so at
+        once, queued to resume from its checkpoint after a restart (or FAILED without one); watchers
+        end; CreateJob is refused with UNAVAILABLE until the server is restarted."""
+        with self._lock:
+            self._broken = True
+            job = self._active
+            if job is not None:
+                rec = self.store.get(job.job_id)
+                if rec is not None and rec.state == RUNNING:
+                    rec = self.store.interrupt(
+                        rec, self.data_dir,
+                        f"{reason} at step {rec.step}; resumes from its last checkpoint when the server restarts",
+                        f"{reason} while the job was running")
+                    log.error("job %s: %s", rec.id, rec.error)
+            self.stop_accepting(f"the server cannot run jobs until it is restarted: {reason}")
+        self._update_gauges()
 
     def pause_for_shutdown(self, timeout_s: float) -> None:
         """Checkpoints the running job and re-queues it (it resumes at the next start)."""
@@ -151,7 +190,8 @@ class JobManager:
             else:
                 self._train_step(ranks, job)
         except CommandFailed as e:
-            self._end(job, FAILED, str(e))
+            if not self._broken:  # a broken world: ranks_broken has said what happened to the job
+                self._end(job, FAILED, self._shown(e))
 
     def _start_next(self, ranks: RankGroup) -> None:
         rec = self.store.next_queued()
@@ -159,13 +199,13 @@ class JobManager:
         if rec is None:
             return
         try:
-            dataset = self._datasets.pop(rec.id, None) or load_dataset(rec, self.data_dir, self.tokenizer)
+            dataset = load_dataset(rec, self.data_dir, self.tokenizer)
             resume = bool(rec.checkpoint) and (self.data_dir / rec.checkpoint).exists()
             config = finetune_config(rec, self.model_dir, self.data_dir)
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
             started = ranks.run(TrainStart(config, dataset, resume))
         except (TprtError, OSError) as e:  # bad data, a failed command: the job fails, serving goes on
-            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=str(e))
+            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=self._shown(e))
             self._update_gauges()
             return
         self._active = _Active(rec.id, started.total, started.step)
@@ -213,6 +253,11 @@ class JobManager:
         self._queued = self.store.next_queued() is not None
         self._update_gauges()
         log.info("job %s: %s%s", job.job_id, state, f" ({error})" if error else "")
+
+    def _shown(self, e: BaseException) -> str:
+        """A job's failure as callers may see it; the full text goes to the log."""
+        log.warning("job failed: %s", e)
+        return self._redact(str(e))
 
     def _update_gauges(self) -> None:
         self.metrics.set_jobs(self.store.counts())

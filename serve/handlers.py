@@ -12,22 +12,22 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from serve.adapters import AdapterRegistry
-from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable
+from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, echo
 from serve.finetune import JobManager
-from serve.jobspec import PB_STATE, check_create, job_pb, progress_pb
+from serve.jobspec import DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
 from serve.pb import finetuning_pb2 as ft_pb
 from serve.pb import finetuning_pb2_grpc as ft_grpc
 from serve.pb import generation_pb2 as pb
 from serve.pb import generation_pb2_grpc as pb_grpc
 from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.validation import prompt_ids, sampling_params
+from serve.validation import prompt_ids, sampling_params, text_byte_limit
 from tprt.model.config import ModelConfig
 from tprt.engine.sampling import MAX_TOP_LOGPROBS
 from tprt.engine.sequence import TokenEvent
@@ -61,6 +61,7 @@ class GenerationService(GenerationServicer):
         self.tokenizer = tokenizer
         self.facts = facts
         self.adapters = adapters
+        self.max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
 
     # ----------------------------------------------------------------- RPCs
 
@@ -84,7 +85,8 @@ class GenerationService(GenerationServicer):
 
     def Tokenize(self, request: Any, context: grpc.ServicerContext) -> Any:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, add_special_tokens=add)
+        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, add_special_tokens=add,
+                         max_text_bytes=self.max_text_bytes)
         tok = self.tokenizer
         tokens = [(tok.id_to_token(i) or "") if tok is not None else "" for i in ids]
         return pb.TokenizeResponse(ids=ids, tokens=tokens)
@@ -109,12 +111,12 @@ class GenerationService(GenerationServicer):
 
     def _submit(self, request: Any, context: grpc.ServicerContext) -> Ticket:
         """Checks the request and queues it; the RPC's end cancels it."""
-        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size)
+        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, max_text_bytes=self.max_text_bytes)
         params = sampling_params(request.sampling, len(ids), self.facts.context_length,
                                  self.facts.config.vocab_size, self.tokenizer is not None)
         adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
         if request.adapter_id and adapter is None:
-            raise NotFound(f"no adapter {request.adapter_id!r} is loaded (see ModelInfo)", "adapter_id")
+            raise NotFound(f"no adapter {echo(request.adapter_id)} is loaded (see ModelInfo)", "adapter_id")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
         ticket = Ticket(new_request_id(), ids, params, request.adapter_id, adapter.index if adapter else 0, deadline)
@@ -187,17 +189,20 @@ class FineTuningService(FineTuningServicer):
     """tprt.v1.FineTuning on rank 0: the job store through the job manager."""
 
     def __init__(self, jobs: JobManager, tokenizer: Tokenizer | None, context_length: int,
-                 adapters: AdapterRegistry) -> None:
+                 adapters: AdapterRegistry, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
+                 admit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.jobs = jobs
+        self.max_dataset_bytes = max_dataset_bytes
+        self.admit = admit  # serve/admission.py
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.adapters = adapters
 
     def CreateJob(self, request: Any, context: grpc.ServicerContext) -> Any:
         if not self.jobs.accepting:
-            raise Unavailable("the server is shutting down; no new jobs")
+            raise Unavailable(self.jobs.refusal)
         spec = check_create(request, self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
-                            self.adapters.has)
+                            self.adapters.has, self.max_dataset_bytes, self.admit)
         return job_pb(self.jobs.create(spec))
 
     def GetJob(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+_LIVE = (QUEUED, RUNNING, SUCCEEDED)  # the states whose job holds its adapter id
 DB_NAME = "jobs.sqlite3"
 SCHEMA_VERSION = 1
 
@@ -32,6 +33,14 @@ def now_ms() -> int:
 
 def new_job_id() -> str:
     return "job-" + secrets.token_hex(6)
+
+
+class AdapterIdTaken(Exception):
+    """JobStore.create: a queued, running or succeeded job already produces this adapter id."""
+
+
+class QueueLimit(Exception):
+    """JobStore.create: as many jobs as allowed already wait."""
 
 
 @dataclass
@@ -109,10 +118,21 @@ class JobStore:
         with self._lock:
             self._db.close()
 
-    def create(self, rec: JobRecord) -> JobRecord:
+    def create(self, rec: JobRecord, max_queued: int | None = None) -> JobRecord:
+        """Stores a new job. Its adapter id is claimed and the queue's bound kept in the same
+        statement (one check-and-insert, atomic even between processes on one database):
+        AdapterIdTaken when a live job has the id, QueueLimit when `max_queued` jobs wait."""
         marks = ", ".join("?" for _ in _COLUMNS)
         with self._lock:
-            self._db.execute(f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({marks})", _to_row(rec))
+            inserted = self._db.execute(
+                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} "
+                f"WHERE (? = '' OR NOT EXISTS (SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))) "
+                f"AND (? IS NULL OR (SELECT COUNT(*) FROM jobs WHERE state = ?) < ?)",
+                (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE, max_queued, QUEUED, max_queued)).rowcount
+            if not inserted:
+                taken = self._db.execute("SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?)",
+                                         (rec.adapter_id, *_LIVE)).fetchone()
+                raise AdapterIdTaken(rec.adapter_id) if rec.adapter_id and taken else QueueLimit(max_queued)
             self._bump()
         return rec
 
@@ -164,24 +184,24 @@ class JobStore:
         """Whether a job that has not failed or been cancelled already produces `adapter_id`."""
         with self._lock:
             row = self._db.execute(
-                "SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1",
-                (adapter_id, QUEUED, RUNNING, SUCCEEDED),
+                "SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1", (adapter_id, *_LIVE),
             ).fetchone()
         return row is not None
 
     def recover(self, data_dir: Path) -> list[JobRecord]:
         """After a restart: RUNNING jobs are re-queued when their checkpoint exists (they resume
         from it), otherwise marked FAILED with the reason. Returns the jobs it changed."""
-        changed = []
-        for rec in self.select(RUNNING, limit=1_000_000):
-            if rec.checkpoint and (data_dir / rec.checkpoint).exists():
-                changed.append(self.update(rec.id, state=QUEUED,
-                                           error=f"resumed from step {rec.step} after a server restart"))
-            else:
-                changed.append(self.update(
-                    rec.id, state=FAILED, finished_ms=now_ms(),
-                    error="the server stopped while the job was running and it had no checkpoint to resume from"))
-        return changed
+        return [self.interrupt(rec, data_dir, f"resumed from step {rec.step} after a server restart",
+                               "the server stopped while the job was running")
+                for rec in self.select(RUNNING, limit=1_000_000)]
+
+    def interrupt(self, rec: JobRecord, data_dir: Path, queued: str, failed: str) -> JobRecord:
+        """A job whose run stopped without ending it: QUEUED to resume from its checkpoint when it
+        has one (its error saying `queued`), otherwise FAILED (saying `failed` and why)."""
+        if rec.checkpoint and (data_dir / rec.checkpoint).exists():
+            return self.update(rec.id, state=QUEUED, error=queued)
+        return self.update(rec.id, state=FAILED, finished_ms=now_ms(),
+                           error=f"{failed} and it had no checkpoint to resume from")
 
     def _bump(self) -> None:
         self._version += 1

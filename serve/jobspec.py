@@ -12,17 +12,19 @@ from __future__ import annotations
 import math
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
 from serve.pb import finetuning_pb2 as pb
 from tprt.errors import TprtError
 
-ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DATASET_FILE = "dataset.jsonl"
+DEFAULT_MAX_DATASET_BYTES = 64 << 20  # --max-dataset-bytes: inline JSONL and dataset files
 STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "succeeded": pb.JOB_STATE_SUCCEEDED,
             "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
 PB_STATE = {v: k for k, v in STATE_PB.items()}
@@ -46,10 +48,9 @@ _LOW_OPEN = {"learning_rate", "lora_alpha"}
 
 @dataclass
 class JobSpec:
-    """A checked CreateJob: the record to store and the prepared dataset."""
+    """A checked CreateJob: the record to store (its dataset was read and found trainable)."""
 
     record: JobRecord
-    dataset: Any
 
 
 def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
@@ -77,18 +78,32 @@ def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
     return out
 
 
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a file
+MAX_NAME_BYTES = 255  # NAME_MAX, per path component
+
+
 def resolve_dataset(data_dir: Path, given: str) -> Path:
     """`given` (relative to --data-dir, or absolute) as a regular file inside --data-dir."""
     if not given:
         raise InvalidArgument("empty path", "dataset_path")
+    if "\0" in given:
+        raise InvalidArgument("a path cannot contain a NUL byte", "dataset_path")
+    raw = given.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+        raise InvalidArgument(f"a path is at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per component",
+                              "dataset_path")
     root = data_dir.resolve()
-    path = (root / given).resolve()
+    try:
+        path = (root / given).resolve()
+        exists, regular = path.exists(), path.is_file()
+    except (OSError, ValueError) as e:  # a loop of symlinks, a component that is not a directory, ...
+        raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "dataset_path") from None
     if not path.is_relative_to(root):
-        raise InvalidArgument(f"{given!r} is outside the server's --data-dir", "dataset_path")
-    if not path.exists():
-        raise NotFound(f"{given!r} does not exist under the server's --data-dir", "dataset_path")
-    if not path.is_file():
-        raise InvalidArgument(f"{given!r} is not a regular file", "dataset_path")
+        raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", "dataset_path")
+    if not exists:
+        raise NotFound(f"{echo(given)} does not exist under the server's --data-dir", "dataset_path")
+    if not regular:
+        raise InvalidArgument(f"{echo(given)} is not a regular file", "dataset_path")
     return path
 
 
@@ -98,17 +113,27 @@ def _adapter_id(request: Any, method: str, job_id: str, store: JobStore, taken: 
             raise InvalidArgument("a full fine-tune produces a model, not an adapter", "adapter_id")
         return ""
     aid = request.adapter_id or job_id
-    if not ADAPTER_ID.match(aid):
+    if not ADAPTER_ID.fullmatch(aid):  # fullmatch: `$` would let a trailing newline through
         raise InvalidArgument("1-64 characters: letters, digits, '.', '_', '-' (starting with a letter or digit)",
                               "adapter_id")
     if taken(aid) or store.adapter_taken(aid):
-        raise AlreadyExists(f"adapter id {aid!r} is already used", "adapter_id")
+        raise AlreadyExists(f"adapter id {aid!r} is already used", "adapter_id")  # the early look; JobStore.create claims it
     return aid
 
 
+def _check_dataset_size(size: int, limit: int, field: str) -> None:
+    if size > limit:
+        raise InvalidArgument(f"{size} bytes; the server takes datasets of at most {limit} bytes "
+                              "(--max-dataset-bytes)", field)
+
+
 def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
-                 adapter_taken: Any) -> JobSpec:
-    """Everything about a CreateJob request, checked; writes inline data into the job's directory."""
+                 adapter_taken: Any, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
+                 admit: Callable[[str, dict[str, Any]], None] | None = None) -> JobSpec:
+    """Everything about a CreateJob request, checked; writes inline data into the job's directory.
+    `admit(method, hyperparameters)` refuses a job too large for the server's memory
+    (serve/admission.py), and a dataset over `max_dataset_bytes` is refused, before anything is
+    written or read."""
     data_dir = data_dir.resolve()
     if tokenizer is None:
         raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
@@ -116,6 +141,8 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
     method = "full" if request.method == pb.METHOD_FULL else "lora"
     hp = hyperparameters(request.hyperparameters, method, context)
+    if admit is not None:
+        admit(method, hp)
     job_id = new_job_id()
     aid = _adapter_id(request, method, job_id, store, adapter_taken)
     which = request.WhichOneof("dataset")
@@ -124,21 +151,27 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         raise InvalidArgument("set dataset_path or inline_jsonl", "dataset")
     if which == "dataset_path":
         path = resolve_dataset(data_dir, request.dataset_path)
+        _check_dataset_size(path.stat().st_size, max_dataset_bytes, "dataset_path")
     else:
+        _check_dataset_size(len(request.inline_jsonl.encode("utf-8")), max_dataset_bytes, "inline_jsonl")
         if not request.inline_jsonl.strip():
             raise InvalidArgument("empty dataset", "inline_jsonl")
-        job_dir.mkdir(parents=True, exist_ok=True)
         path = job_dir / DATASET_FILE
-        path.write_text(request.inline_jsonl)
-    rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
-                    hyperparameters=hp)
-    try:
-        dataset = load_dataset(rec, data_dir, tokenizer)
-    except TprtError as e:
+    try:  # a refused request leaves nothing on disk
+        if which == "inline_jsonl":
+            job_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(request.inline_jsonl)
+        rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
+                        hyperparameters=hp)
+        try:
+            load_dataset(rec, data_dir, tokenizer)  # refused now, not failed later; not kept (JobManager)
+        except TprtError as e:
+            raise InvalidArgument(f"{e}", which) from None
+    except BaseException:
         shutil.rmtree(job_dir, ignore_errors=True)
-        raise InvalidArgument(f"{e}", which) from None
+        raise
     rec.total_steps = hp["steps"]
-    return JobSpec(rec, dataset)
+    return JobSpec(rec)
 
 
 def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:

@@ -33,12 +33,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from serve.adapters import AdapterRegistry
+from serve.admission import JobAdmission
 from serve.auth import AuthInterceptor, load_token
-from serve.errors import ErrorInterceptor
+from serve.errors import ErrorInterceptor, Redactor
 from serve.executor import RankExecutor
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
+from serve.limits import OpenCallLimiter
+from serve.jobspec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
 from serve.scheduler import Scheduler
@@ -83,6 +86,10 @@ class ServeConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
+    max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
+    max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
+    max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
+    job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -90,9 +97,11 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     ckpt = TPCheckpoint(cfg.model)
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
-    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
+                 "max_queued_jobs", "max_open_calls", "job_memory_limit"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for name in ("port", "metrics_port"):
         if not -1 <= getattr(cfg, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be a port number, got {getattr(cfg, name)}")
@@ -170,6 +179,7 @@ class App:
         self.store = JobStore(cfg.data_dir)
         for rec in self.store.recover(Path(cfg.data_dir)):
             log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
+        self.redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})  # what callers may see
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(False)
         self.server = self._grpc_server()
@@ -183,10 +193,14 @@ class App:
 
     def _grpc_server(self) -> grpc.Server:
         cfg = self.cfg
-        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome)]
-        if cfg.auth_token_file is not None:
-            interceptors.append(AuthInterceptor(load_token(cfg.auth_token_file)))
-        workers = cfg.max_batch_size + cfg.max_queue + 32  # a streaming RPC holds a thread throughout
+        auth = AuthInterceptor(load_token(cfg.auth_token_file)) if cfg.auth_token_file is not None else None
+        limiter = OpenCallLimiter(cfg.max_open_calls, auth.authenticated if auth is not None else lambda d: True)
+        interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(self.metrics.outcome, self.redact), limiter]
+        if auth is not None:
+            interceptors.append(auth)
+        # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
+        # that need no token (serve/limits.py), so that those can never take the others' threads.
+        workers = cfg.max_batch_size + cfg.max_queue + 32 + 2 * cfg.max_open_calls
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
@@ -217,6 +231,8 @@ class App:
     def _on_broken(self, reason: str) -> None:
         self.broken = True
         self._set_health(False)
+        if self.jobs is not None:
+            self.jobs.ranks_broken(self.redact(reason))  # a job's error is shown to callers
 
     def _load(self, ctx: TPContext) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
         model = load_model(self.cfg.model, ctx, self.cfg.dtype)
@@ -232,7 +248,7 @@ class App:
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
         adapters = AdapterRegistry()
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, adapters, Path(cfg.model), tokenizer,
-                               engine.max_seq_len, self.scheduler.wake)
+                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact)
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
@@ -241,11 +257,17 @@ class App:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(self.scheduler, tokenizer, facts, adapters), self.server)
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
-            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters), self.server)
+            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
+                              self._job_admission(ctx, model)), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
                                 "context_length": str(facts.context_length)})
+
+    def _job_admission(self, ctx: TPContext, model: TPLlamaForCausalLM) -> JobAdmission:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
+        device = next(model.parameters()).device
+        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit)
 
     # ----------------------------------------------------------------- life
 

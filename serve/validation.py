@@ -4,7 +4,7 @@ The input (prompt, chat or prompt_ids) is read and checked here; the sampling fi
 renamed (FIELD_PATHS) and resolved by `tprt.engine.request`, the resolver every front end shares.
 INVALID_ARGUMENT for a bad value (the field path as the proto spells it, e.g. `sampling.top_p`),
 OUT_OF_RANGE when the prompt, or prompt plus an explicit max_new_tokens, does not fit the
-context. Nothing here touches the engine: handlers call these before a request is queued, so a
+context (text too long to fit is refused by its size, before it is tokenized). Nothing here touches the engine: handlers call these before a request is queued, so a
 client mistake never reaches the scheduler (and never becomes INTERNAL).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from serve.errors import InvalidArgument, OutOfRange
+from serve.errors import InvalidArgument, OutOfRange, echo
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
 from tprt.errors import ConfigError, ValidationError
@@ -47,7 +47,7 @@ def chat_messages(chat: Any, field: str = "chat") -> tuple[list[dict[str, str]],
     out = []
     for i, m in enumerate(msgs):
         if m.role not in ROLES:
-            raise InvalidArgument(f"role {m.role!r} is not one of {', '.join(ROLES)}", f"{field}.messages[{i}].role")
+            raise InvalidArgument(f"role {echo(m.role)} is not one of {', '.join(ROLES)}", f"{field}.messages[{i}].role")
         out.append({"role": m.role, "content": m.content})
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
     return out, add
@@ -71,16 +71,36 @@ def _need_tokenizer(tok: Tokenizer | None, field: str) -> Tokenizer:
     return tok
 
 
-def prompt_ids(request: Any, tok: Tokenizer | None, vocab_size: int, add_special_tokens: bool = True) -> list[int]:
-    """The token ids of a request's `input` oneof (prompt, chat or prompt_ids)."""
+def text_byte_limit(tok: Tokenizer, context: int) -> int:
+    """The most UTF-8 bytes a text of `context` tokens can have: `context` times the longest
+    vocabulary entry's bytes. A longer text cannot fit, so it is refused before it is tokenized:
+    the work a request can ask of the tokenizer is bounded. A bound, not a guess, for tokenizers
+    that never delete characters (Llama's byte-level BPE and sentencepiece): each spells the text
+    of a token in its vocabulary entry, in at least as many bytes."""
+    entries = (tok.id_to_token(i) or "" for i in range(tok.vocab_size))
+    return context * max(1, max((len(e.encode("utf-8")) for e in entries), default=1))
+
+
+def _check_text_size(size: int, limit: int | None, field: str) -> None:
+    if limit is not None and size > limit:
+        raise OutOfRange(f"{size} bytes of text cannot fit the context (at most {limit} bytes)", field)
+
+
+def prompt_ids(request: Any, tok: Tokenizer | None, vocab_size: int, add_special_tokens: bool = True,
+               max_text_bytes: int | None = None) -> list[int]:
+    """The token ids of a request's `input` oneof (prompt, chat or prompt_ids); text over
+    `max_text_bytes` (text_byte_limit) is refused with OUT_OF_RANGE before it is tokenized."""
     which = request.WhichOneof("input")
     if which is None:
         raise InvalidArgument("set one of prompt, chat or prompt_ids", "input")
     if which == "prompt":
         if not request.prompt:
             raise InvalidArgument("the prompt is empty", "prompt")
+        _check_text_size(len(request.prompt.encode("utf-8")), max_text_bytes, "prompt")
         ids = _need_tokenizer(tok, "prompt").encode(request.prompt, add_special_tokens=add_special_tokens)
     elif which == "chat":
+        size = sum(len(m.content.encode("utf-8")) + len(m.role.encode("utf-8")) for m in request.chat.messages)
+        _check_text_size(size, max_text_bytes, "chat.messages")
         ids = _encode_chat(_need_tokenizer(tok, "chat"), request.chat)
     else:
         ids = list(request.prompt_ids.ids)

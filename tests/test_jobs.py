@@ -22,7 +22,7 @@ from serve.adapters import AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
 from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.pb import finetuning_pb2 as ft_pb
@@ -387,3 +387,19 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
     s.jobs.restore_adapters(s.ranks)  # a failed load is logged, not fatal
     assert sorted(s.ranks.loaded) == ["one", "two"] and s.ranks.commands.count("load_adapter") == 3
     assert [(a.id, a.source_job_id) for a in s.adapters.list()] == [("one", ids[0]), ("two", ids[1])]
+
+
+def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
+    """Two stores on one database (two server processes, or one before and after a restart)."""
+    first, second = JobStore(tmp_path), JobStore(tmp_path)
+    first.create(JobRecord(id="job-a", method="lora", dataset="d.jsonl", adapter_id="shared"))
+    with pytest.raises(AdapterIdTaken):
+        second.create(JobRecord(id="job-b", method="lora", dataset="d.jsonl", adapter_id="shared"))
+    second.create(JobRecord(id="job-c", method="full", dataset="d.jsonl", adapter_id=""))  # no id to claim
+    second.create(JobRecord(id="job-d", method="full", dataset="d.jsonl", adapter_id=""))
+    first.update("job-a", state="failed")  # a failed job frees its id
+    second.create(JobRecord(id="job-e", method="lora", dataset="d.jsonl", adapter_id="shared"))
+    with pytest.raises(QueueLimit):  # jobs c, d and e wait: a bound of 1 is reached
+        second.create(JobRecord(id="job-f", method="full", dataset="d.jsonl", adapter_id=""), max_queued=1)
+    first.close()
+    second.close()

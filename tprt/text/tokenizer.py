@@ -68,7 +68,9 @@ class _TokenizersBackend:
         self._special = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: the same ids, but it releases the GIL while it works, so a long
+        # text tokenized on a server's handler thread does not stall the thread that steps the model.
+        ids = list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         if add_special_tokens and (self._prepend or self._append):
             ids = self._prepend + ids + self._append
         return ids

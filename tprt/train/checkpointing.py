@@ -23,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +75,24 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _world_barrier(ctx: TPContext) -> None:
+def _together(section: Callable[[], None]) -> None:
+    """Runs this rank's part of `section`, then waits for every rank's, learning whether any
+    failed: then every rank raises. A rank that failed alone (a directory rank 0 cannot create)
+    must not go on to the next collective while the others wait in this one: the world would
+    hang until the collective timeout, and a server's ranks would be broken by one job's fault."""
+    error: Exception | None = None
+    try:
+        section()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+        error = e
     if dist.is_initialized():
-        dist.barrier()
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+        if error is None and failed:
+            raise CheckpointError(f"saving the checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
+    if error is not None:
+        raise error
 
 
 def _fsync_file(path: Path) -> None:
@@ -125,30 +140,36 @@ def save_checkpoint(
 
     root = out / CHECKPOINTS
     tmp = root / f"{TMP_PREFIX}{state.step:08d}"
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_partial(out)
-        tmp.mkdir()
-    _world_barrier(ctx)
-    _torch_save(rng_state(), tmp / f"rng-{ctx.global_rank:05d}.pt")
-    if ctx.dp_rank == 0:
-        wpath = tmp / f"weights-tp{ctx.rank:05d}.safetensors"
-        save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(wpath))
-        _fsync_file(wpath)
-        _torch_save(dict(optimizer_state), tmp / f"optim-tp{ctx.rank:05d}.pt")
-    _world_barrier(ctx)
     final = root / step_name(state.step)
-    if ctx.is_main:
-        _torch_save({"scheduler": state.scheduler}, tmp / "trainer.pt")
-        doc = {"step": state.step, "data": state.data, "run": state.run}
-        write_text_atomic(tmp / STATE_FILE, json.dumps(doc, indent=1) + "\n")
-        fsync_dir(tmp)
-        if final.exists():  # an older run's checkpoint of the same step: replaced as a whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        prune(out, keep)
-    _world_barrier(ctx)
+
+    def prepare() -> None:
+        if ctx.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            remove_partial(out)
+            tmp.mkdir()
+
+    def write_shard() -> None:
+        _torch_save(rng_state(), tmp / f"rng-{ctx.global_rank:05d}.pt")
+        if ctx.dp_rank == 0:
+            wpath = tmp / f"weights-tp{ctx.rank:05d}.safetensors"
+            save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(wpath))
+            _fsync_file(wpath)
+            _torch_save(dict(optimizer_state), tmp / f"optim-tp{ctx.rank:05d}.pt")
+
+    def complete() -> None:
+        if ctx.is_main:
+            _torch_save({"scheduler": state.scheduler}, tmp / "trainer.pt")
+            doc = {"step": state.step, "data": state.data, "run": state.run}
+            write_text_atomic(tmp / STATE_FILE, json.dumps(doc, indent=1) + "\n")
+            fsync_dir(tmp)
+            if final.exists():  # an older run's checkpoint of the same step: replaced as a whole
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(root)
+            prune(out, keep)
+
+    for section in (prepare, write_shard, complete):
+        _together(section)
     return final
 
 

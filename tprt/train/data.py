@@ -82,8 +82,14 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise ValidationError("--data", f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             except UnicodeDecodeError:
                 raise ValidationError("--data", f"{path}:{lineno}: not UTF-8 text") from None
+            except RecursionError:
+                raise ValidationError("--data", f"{path}:{lineno}: JSON nested too deeply") from None
             if not isinstance(rec, dict):
                 raise ValidationError("--data", f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            try:  # a \ud800 escape decodes to a lone surrogate, which no tokenizer can take
+                json.dumps(rec, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValidationError("--data", f"{path}:{lineno}: a string holds a lone surrogate (not Unicode text)") from None
             yield lineno, rec
 
 
