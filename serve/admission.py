@@ -1,13 +1,10 @@
-"""Admission of fine-tuning jobs by memory: a conservative estimate against what the server can spare.
+"""Admission of fine-tuning jobs by memory: the memory planner's arithmetic against what the server can spare.
 
-A stand-in for the memory planner (docs/DESIGN.md) until it lands: the same terms, each rounded
-up. Per rank, for a job of `batch_size` rows of `max_seq_len` tokens on a TP-`tp` shard:
-
-    trainable state   full: the shard's parameters x 16 bytes (fp32 copy, gradient, AdamW m and v);
-                      LoRA: r x (in + out) per adapted projection (q, k, v, o) x 16 bytes, unsharded
-    activations       fp32, nothing recomputed: per layer and token 8 x hidden + 4 x intermediate/tp
-                      values, attention probabilities (rows x heads/tp x seq^2, twice), and the logits
-                      (tokens x vocab/tp, three times: logits, softmax, gradient)
+A job's bytes per rank are `tprt.plan`'s for that fine-tune (the same numbers `tprt plan ...
+finetune` prints), less what the server already holds: a LoRA job trains over the served
+weights (and their CPU-packed copies), so it adds its adapter's weights, gradients, optimizer
+state and master weights, and the activations of one micro-batch; a full fine-tune loads its own
+float32 copy of the shard, so its weights count too. The framework's reserve is already spent.
 
 The job needs `ranks` times that (local ranks share the host's memory) and is refused with
 RESOURCE_EXHAUSTED when that exceeds the budget: --job-memory-limit, or else the memory the
@@ -29,11 +26,13 @@ import grpc
 
 from serve.errors import ServeError
 from tprt.model.config import ModelConfig
+from tprt.plan import FinetuneWorkload, device as plan_device, plan_memory
+from tprt.plan.memory import DTYPE_BYTES
 
 MiB = 1 << 20
-_STATE_BYTES = 16  # per trainable parameter: fp32 value, gradient, AdamW's two moments
-_ACT_BYTES = 4  # fp32 activations
-_LORA_TARGETS = 4  # q, k, v, o
+# Dtypes a LoRA job trains in directly, on the served weights (serve/executor.py: SHAREABLE_DTYPES);
+# otherwise, and for full fine-tuning, the job trains in float32.
+_SHARED_DTYPES = ("fp32", "bf16")
 
 
 class TooLarge(ServeError):
@@ -42,9 +41,9 @@ class TooLarge(ServeError):
 
 @dataclass(frozen=True)
 class JobMemory:
-    """A job's estimated bytes per rank, by term."""
+    """A job's planned bytes per rank beyond what the server holds, by term."""
 
-    state: int
+    state: int  # its own weights, gradients, optimizer state, master weights
     activations: int
 
     @property
@@ -52,29 +51,18 @@ class JobMemory:
         return self.state + self.activations
 
 
-def shard_parameters(c: ModelConfig, tp: int) -> int:
-    """Parameters held by one rank (every sharded matrix split over `tp`, norms whole)."""
-    attn = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
-    return -(-(c.num_hidden_layers * (attn + mlp) + embed) // tp) + norms
-
-
-def job_memory(c: ModelConfig, tp: int, method: str, hp: dict[str, Any]) -> JobMemory:
-    """The estimate of the module's docstring, for stored hyper-parameters."""
-    batch, seq = int(hp["batch_size"]), int(hp["max_seq_len"])
-    if method == "full":
-        trainable = shard_parameters(c, tp)
-    else:
-        r = int(hp["lora_rank"])
-        per_layer = r * ((c.hidden_size + c.q_size) * 2 + (c.hidden_size + c.kv_size) * 2)
-        trainable = c.num_hidden_layers * per_layer
-    heads = -(-c.num_attention_heads // tp)
-    tokens = batch * seq
-    per_layer_act = tokens * (8 * c.hidden_size + 4 * -(-c.intermediate_size // tp)) + 2 * batch * heads * seq * seq
-    logits = 3 * tokens * -(-c.vocab_size // tp)
-    return JobMemory(trainable * _STATE_BYTES, (c.num_hidden_layers * per_layer_act + logits) * _ACT_BYTES)
+def job_memory(c: ModelConfig, tp: int, method: str, hp: dict[str, Any], served_dtype: str = "fp32",
+               device_kind: str = "cpu") -> JobMemory:
+    """The planner's bytes for a stored job's hyper-parameters (see the module docstring)."""
+    full = method == "full"
+    dtype = served_dtype if not full and served_dtype in _SHARED_DTYPES else "fp32"
+    workload = FinetuneWorkload(full=full, lora_rank=int(hp.get("lora_rank", 8)), dtype=dtype,
+                                batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]))
+    plan = plan_memory(c, tp, workload, plan_device("cpu" if device_kind == "cpu" else "h100-80gb"))
+    parts = plan.per_rank_bytes
+    weights = parts["weights"] if full else parts["weights"] - plan.params_per_rank * DTYPE_BYTES[dtype]
+    state = weights + parts["gradients"] + parts["optimizer_states"] + parts["master_weights"]
+    return JobMemory(state, parts["activations"])
 
 
 def available_bytes(device: Any) -> int:
@@ -93,8 +81,10 @@ def available_bytes(device: Any) -> int:
 class JobAdmission:
     """Refuses a job whose estimate does not fit the budget (TooLarge naming the field)."""
 
-    def __init__(self, config: ModelConfig, tp: int, ranks: int, device: Any, limit: int | None) -> None:
+    def __init__(self, config: ModelConfig, tp: int, ranks: int, device: Any, limit: int | None,
+                 served_dtype: str = "fp32") -> None:
         self.config, self.tp, self.ranks, self.device, self.limit = config, tp, ranks, device, limit
+        self.served_dtype = served_dtype  # "fp32", "bf16" or "fp16"
 
     def budget(self) -> tuple[int, str]:
         if self.limit is not None:
@@ -102,7 +92,7 @@ class JobAdmission:
         return available_bytes(self.device), "the memory available now"
 
     def __call__(self, method: str, hp: dict[str, Any]) -> None:
-        need = job_memory(self.config, self.tp, method, hp)
+        need = job_memory(self.config, self.tp, method, hp, self.served_dtype, getattr(self.device, "type", "cpu"))
         total = need.per_rank * self.ranks
         budget, source = self.budget()
         if total <= budget:
@@ -111,6 +101,6 @@ class JobAdmission:
             field = "method" if method == "full" else "hyperparameters.lora_rank"
         else:
             field = "hyperparameters.batch_size" if int(hp["batch_size"]) > 1 else "hyperparameters.max_seq_len"
-        raise TooLarge(f"the job needs about {total / MiB:.0f} MiB ({need.state * self.ranks / MiB:.0f} trainable "
+        raise TooLarge(f"the job needs about {total / MiB:.0f} MiB by tprt plan's arithmetic ({need.state * self.ranks / MiB:.0f} trainable "
                        f"state, {need.activations * self.ranks / MiB:.0f} activations over {self.ranks} ranks), "
                        f"more than the {budget / MiB:.0f} MiB of {source}; lower it", field)

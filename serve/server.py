@@ -267,7 +267,8 @@ class App:
     def _job_admission(self, ctx: TPContext, model: TPLlamaForCausalLM) -> JobAdmission:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
         device = next(model.parameters()).device
-        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit)
+        served = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit, served)
 
     # ----------------------------------------------------------------- life
 

@@ -1,12 +1,15 @@
-"""serve/admission.py: the conservative job-memory estimate and the refusal it leads to."""
+"""serve/admission.py: a job's memory by the planner's arithmetic, and the refusal it leads to."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from serve.admission import JobAdmission, TooLarge, job_memory, shard_parameters
+import math
+
+from serve.admission import JobAdmission, TooLarge, job_memory
 from tprt.model.config import ModelConfig
+from tprt.plan import layout_for, lora_parameters, rank_parameters
 
 # SmolLM2-135M's shape.
 CONFIG = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -15,16 +18,24 @@ CONFIG = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
 LORA = {"batch_size": 4, "max_seq_len": 512, "lora_rank": 8}
 
 
-def test_the_estimate_counts_the_whole_model_and_grows_with_each_field() -> None:
-    assert 134e6 < shard_parameters(CONFIG, 1) < 136e6  # SmolLM2-135M
-    assert shard_parameters(CONFIG, 3) < shard_parameters(CONFIG, 1) / 2.9
+def params(tp: int) -> int:
+    return sum(math.prod(shape) for shape in rank_parameters(CONFIG, layout_for(CONFIG, tp)).values())
+
+
+def test_the_job_counts_its_own_state_and_grows_with_each_field() -> None:
+    assert 134e6 < params(1) < 136e6  # SmolLM2-135M
     lora, full = job_memory(CONFIG, 1, "lora", LORA), job_memory(CONFIG, 1, "full", LORA)
-    assert full.state == 16 * shard_parameters(CONFIG, 1) > 100 * lora.state
-    assert full.activations == lora.activations
+    # full, fp32: its own weights, gradients and AdamW's two moments; LoRA: the same for its factors only
+    assert full.state == 16 * params(1) > 100 * lora.state
+    adapter = sum(math.prod(s) for s in lora_parameters(CONFIG, layout_for(CONFIG, 1), ("q", "k", "v", "o"), 8).values())
+    assert lora.state == 16 * adapter
+    assert job_memory(CONFIG, 3, "full", LORA).state == 16 * params(3) < full.state / 2.5
+    bf16 = job_memory(CONFIG, 1, "lora", LORA, served_dtype="bf16")  # trains on the served bf16 weights
+    assert bf16.state == adapter * (2 + 2 + 4 + 8 + 4)  # weights, gradients + their fp32 copy, moments, masters
     double = job_memory(CONFIG, 1, "lora", {**LORA, "batch_size": 8})
     assert double.activations == 2 * lora.activations
     longer = job_memory(CONFIG, 1, "lora", {**LORA, "max_seq_len": 1024})
-    assert longer.activations > 2 * lora.activations  # attention is quadratic in the length
+    assert longer.activations > 1.9 * lora.activations
 
 
 @pytest.mark.parametrize("method, hp, field", [
