@@ -115,7 +115,31 @@ def check_lm_head(ctx: TPContext, workdir: Path, vocab: int) -> None:
     assert torch.equal(head.argmax(local), full.argmax(-1)), "vocab-parallel argmax differs from full argmax"
 
 
+def check_run_together(ctx: TPContext, workdir: Path) -> None:
+    """A section that fails on the last rank alone raises on every rank (none is left waiting in
+    the next collective); one that succeeds everywhere returns each rank's own value."""
+    from tprt.distributed.together import PeerFailed, run_together
+
+    assert run_together(lambda: ctx.rank * 10, "counting") == ctx.rank * 10
+
+    def fail_on_last() -> None:
+        if ctx.rank == ctx.world_size - 1:
+            raise OSError("disk full")
+
+    try:
+        run_together(fail_on_last, "writing the checkpoint")
+    except PeerFailed as e:
+        assert ctx.rank != ctx.world_size - 1
+        assert str(e) == f"writing the checkpoint failed on rank {ctx.world_size - 1}: OSError: disk full", str(e)
+    except OSError as e:
+        assert ctx.rank == ctx.world_size - 1 and str(e) == "disk full"
+    else:
+        raise AssertionError("the failure was not reported to this rank")
+    assert run_together(lambda: "still in step", "a later section") == "still in step"
+
+
 WORLD2: Checks = [
+    ("run_together", check_run_together),
     ("mlp_grads", check_mlp_grads),
     ("gather_scatter_grads", check_gather_scatter_grads),
     ("embedding", check_embedding),

@@ -23,7 +23,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from tprt.checkpoint.format import MANIFEST_NAME
 from tprt.distributed.context import TPContext
+from tprt.distributed.together import run_together
 from tprt.errors import CheckpointError, ConfigError
 from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
 
@@ -73,26 +74,6 @@ def complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(out: Path) -> Path | None:
     found = complete_checkpoints(out)
     return found[-1][1] if found else None
-
-
-def _together(section: Callable[[], None]) -> None:
-    """Runs this rank's part of `section`, then waits for every rank's, learning whether any
-    failed: then every rank raises. A rank that failed alone (a directory rank 0 cannot create)
-    must not go on to the next collective while the others wait in this one: the world would
-    hang until the collective timeout, and a server's ranks would be broken by one job's fault."""
-    error: Exception | None = None
-    try:
-        section()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
-        error = e
-    if dist.is_initialized():
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
-        if error is None and failed:
-            raise CheckpointError(f"saving the checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
-    if error is not None:
-        raise error
 
 
 def _fsync_file(path: Path) -> None:
@@ -169,7 +150,7 @@ def save_checkpoint(
             prune(out, keep)
 
     for section in (prepare, write_shard, complete):
-        _together(section)
+        run_together(section, "saving the checkpoint")
     return final
 
 

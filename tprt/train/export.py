@@ -34,14 +34,10 @@ from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
 from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.checkpoint.safetensors_io import DTYPES, StreamingSafetensorsWriter
+from tprt.distributed.together import run_together
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-def _world_barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rank_tensors(model: TPLlamaForCausalLM, manifest: Manifest) -> dict[str, torch.Tensor]:
@@ -93,9 +89,13 @@ def _copy_small_files(base: Path, dst: Path, listed: Mapping[str, FileEntry]) ->
 def _staging_dir(out: Path, ctx: TPContext) -> Path:
     """A temporary sibling of `out`, made by the main rank and named to every rank."""
     holder: list[Any] = [None]
-    if ctx.is_main:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        holder[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+
+    def make() -> None:
+        if ctx.is_main:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            holder[0] = tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+
+    run_together(make, f"creating the staging directory for {out}")
     if dist.is_initialized():
         dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
@@ -124,16 +124,21 @@ def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, o
     manifest = ckpt.manifest
     tmp = _staging_dir(out, ctx)
     try:
-        entry: tuple[str, FileEntry] | None = None
-        if ctx.dp_rank == 0:
+        def write_shard() -> tuple[str, FileEntry] | None:
+            if ctx.dp_rank != 0:
+                return None
             fname = rank_file_name(ctx.rank, manifest.tp_size)
             size, sha = _write_rank_file(tmp / fname, _rank_tensors(model, manifest), manifest)
-            entry = (fname, FileEntry(ctx.rank, size, sha))
+            return fname, FileEntry(ctx.rank, size, sha)
+
+        entry = run_together(write_shard, f"writing {out}")
         entries: list[Any] = [entry]
         if ctx.dp_rank == 0 and ctx.world_size > 1:
             entries = [None] * ctx.world_size
             dist.all_gather_object(entries, entry, group=ctx.group)
-        if ctx.is_main:
+        def publish() -> None:
+            if not ctx.is_main:
+                return
             shared = {k: v for k, v in manifest.files.items() if v.rank < 0}  # e.g. files every rank reads
             files = dict(e for e in entries if e is not None)
             extra = {**manifest.extra, "finetuned_from": str(base), **(provenance or {})}
@@ -142,7 +147,8 @@ def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, o
             _copy_small_files(base, tmp, shared)
             write_manifest(tmp, new)
             _publish(tmp, out)
-        _world_barrier()
+
+        run_together(publish, f"writing {out}")
     except BaseException:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,7 +165,10 @@ def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: 
     from tprt.lora.peft_io import lora_state_dict
 
     state = lora_state_dict(attached(model), ctx)
-    if ctx.is_main:
+
+    def write() -> None:
+        if not ctx.is_main:
+            return
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
@@ -173,5 +182,6 @@ def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: 
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    _world_barrier()
+
+    run_together(write, f"writing {out}")
     return out

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, init_distributed
+from tprt.distributed.together import run_together
 from tprt.errors import ConfigError, TprtError
 from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
 from tprt.model.llama import TPLlamaForCausalLM
@@ -298,10 +299,11 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Trains to the last step, then writes the outputs; returns a summary (rank 0's is printed)."""
-        if self.ctx.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        if dist.is_initialized():
-            dist.barrier()
+        def make_out() -> None:
+            if self.ctx.is_main:
+                self.out.mkdir(parents=True, exist_ok=True)
+
+        run_together(make_out, f"creating {self.out}")
         if self.cfg.resume:
             self.resume()
         loss, eval_loss = float("nan"), None
