@@ -66,7 +66,7 @@ def build_rank(cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype = torch.
 
 @dataclass(frozen=True)
 class Collective:
-    op: str  # "all_reduce", "all_gather", "broadcast"
+    op: str  # "all_reduce", "all_gather", "broadcast", "gather"
     shape: tuple[int, ...]  # of this rank's input tensor
     dtype: torch.dtype
     reduce: str | None = None  # "SUM", "MAX" for all_reduce
@@ -92,7 +92,7 @@ class CollectiveLog:
 
     @contextmanager
     def recording(self) -> Iterator[CollectiveLog]:
-        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "gather")}
 
         def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
@@ -100,6 +100,10 @@ class CollectiveLog:
                 op = kwargs.get("op", dist.ReduceOp.SUM) if name == "all_reduce" else None
                 reduce = None if op is None else ("MAX" if op == dist.ReduceOp.MAX else "SUM")
                 self.calls.append(Collective(name, tuple(tensor.shape), tensor.dtype, reduce))
+                if name == "gather" and (args[1] if len(args) > 1 else kwargs.get("gather_list")) is None:
+                    # A simulated rank other than the destination: this process is rank 0 of the
+                    # fake group, where torch demands a list; the fake group moves no data anyway.
+                    return None
                 return fn(*args, **kwargs)
             return call
 

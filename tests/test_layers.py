@@ -242,10 +242,39 @@ def test_kv_cache_write_and_read() -> None:
     assert torch.equal(cache.k[1, 2, :, 1], k[0, 1]) and torch.equal(cache.v[1, 0, :, 4], v[1, 1])
     assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])
     assert not cache.k[0].any(), "layer 0 was written"
+    assert step.starts == (0, 3)  # a chunk of consecutive positions: the mask is a staircase
     allowed = step.mask == 0  # additive mask: 0 where allowed, -inf elsewhere
-    assert allowed[0, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
-    assert allowed[1, 0, 0].tolist() == [True, True, True, True, False]
+    assert allowed.tolist() == [[True, True, True, True, False, False, False, False],
+                                [True, True, True, True, True, False, False, False]]
     assert bool(torch.isneginf(step.mask[~allowed]).all())
+
+
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """SDPA under a mask per row [batch, 1, seq, kv_len] (what the cache built before the staircase)."""
+    hidden = torch.arange(k.shape[2]) > positions[:, None, :, None]
+    mask = torch.zeros(hidden.shape, dtype=q.dtype).masked_fill_(hidden, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("starts,seq", [((0,), 7), ((0, 0, 0), 40), ((5, 0, 5, 5, 17), 33), ((0, 700, 700), 200)])
+def test_prefill_attention_under_the_staircase(starts: tuple[int, ...], seq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk's attention under the staircase mask: bit for bit the per-row mask's while
+    the chunk's mask fits MASK_ELEMENTS; beyond, in query blocks over truncated keys, equal up to
+    rounding, and the mask never holds more than MASK_ELEMENTS."""
+    torch.manual_seed(0)
+    kv_len = max(starts) + seq
+    positions = torch.tensor(starts)[:, None] + torch.arange(seq)
+    q = torch.randn(len(starts), 6, seq, 32)
+    k, v = torch.randn(len(starts), 2, kv_len, 32), torch.randn(len(starts), 2, kv_len, 32)
+    want = _masked_attention(q, k, v, positions)
+    cache = KVCache(1, len(starts), 2, kv_len, 32, torch.float32)
+    step = cache.prepare(positions, None, kv_len, starts)
+    assert torch.equal(step.attend(q, k, v, True), want)
+    cap = seq * kv_len // 3  # too small for the chunk: queries in blocks
+    monkeypatch.setattr("tprt.model.kv_cache.MASK_ELEMENTS", cap)
+    step = cache.prepare(positions, None, kv_len)  # the starts found from the positions
+    assert step.starts == starts and step.mask.numel() <= cap and step.mask.shape[0] < seq
+    torch.testing.assert_close(step.attend(q, k, v, True), want, rtol=1e-5, atol=1e-6)
 
 
 def _ranks_fail(fail_rank: int) -> int:

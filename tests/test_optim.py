@@ -18,6 +18,8 @@ from tprt.distributed.context import TPContext
 from tprt.errors import ValidationError
 from tprt.parallel.spec import TPSpec, set_spec
 from tprt.train.grads import clip_grad_norm
+from tprt.plan import memory as plan_memory
+from tprt.train import optim
 from tprt.train.optim import AdamW, warmup_cosine
 
 HP: dict[str, Any] = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -228,3 +230,28 @@ def worlds(tmp_path_factory: pytest.TempPathFactory) -> dict[int, WorldResults]:
 @pytest.mark.parametrize("tp", (1, 2, 4))
 def test_clip(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
     worlds[tp].assert_ok(check)
+
+
+def test_fused_update_converts_gradients_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 gradients reach the fused kernel GRAD_CHUNK_BYTES of float32 at a time (a larger
+    parameter alone), never all at once, with the weights of one call over every parameter."""
+    calls: list[int] = []
+    fused = torch._fused_adamw_
+
+    def counting(weights: list[torch.Tensor], grads: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        calls.append(sum(g.numel() for g in grads))
+        fused(weights, grads, *args, **kwargs)
+
+    ours, ref = _params(torch.bfloat16), _params(torch.bfloat16)
+    opt, opt_ref = AdamW(ours, **HP), AdamW(ref, **HP)
+    _run(opt_ref, ref, range(3))  # one chunk: every gradient at once
+    monkeypatch.setattr("tprt.train.optim.GRAD_CHUNK_BYTES", 4 * 16 * 8)  # the (8, 16) parameter's float32 gradient
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    _run(opt, ours, range(3))
+    assert calls == [128, 16 + 30] * 3  # (8, 16) fills a chunk; (16,) and (3, 5, 2) share the next
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q) and torch.equal(opt.master(p), opt_ref.master(q))
+
+
+def test_planner_counts_the_update_chunks() -> None:
+    assert plan_memory.GRAD_CHUNK_BYTES == optim.GRAD_CHUNK_BYTES

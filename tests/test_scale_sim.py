@@ -39,6 +39,7 @@ from tprt.engine.static_decode import StaticDecode, buckets, kv_buckets
 from tprt.lora.attach import apply_lora
 from tprt.lora.config import TARGETS
 from tprt.model.config import ModelConfig, TPLayout
+from tprt.model.kv_cache import MASK_ELEMENTS, CacheStep
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.sharding import LAYER_RULES, hf_sources
 from tprt.parallel.spec import get_spec
@@ -181,12 +182,13 @@ def test_published_per_rank_sizes() -> None:
 def inference_collectives(cfg: ModelConfig, layout: TPLayout, rows: int, width: int, full_logits: bool,
                           gathered_rows: int | None = None) -> list[Collective]:
     """Megatron's inference forward: the embedding's all-reduce, two per layer (after attention
-    and after the MLP), each [rows, width, hidden] in the model dtype; then the LM head's gather:
-    the local logits [rows, local_vocab] for sampling, or one (value, id) pair per row for greedy."""
+    and after the MLP), each [rows, width, hidden] in the model dtype; then the LM head's: the
+    local logits [rows, local_vocab] gathered to rank 0 alone for sampling (no other rank holds
+    the vocabulary), or one (value, id) pair per row all-gathered for greedy."""
     h = cfg.hidden_size
     out = [Collective("all_reduce", (rows, width, h), BF16, "SUM")] * (1 + 2 * cfg.num_hidden_layers)
     n = rows if gathered_rows is None else gathered_rows
-    gather = Collective("all_gather", (n, layout.local_vocab), BF16) if full_logits \
+    gather = Collective("gather", (n, layout.local_vocab), BF16) if full_logits \
         else Collective("all_gather", (n, 2), torch.float64)
     return out + [gather]
 
@@ -205,18 +207,20 @@ def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, max_bat
     return out
 
 
-def record_kv_lens(runner: ModelRunner) -> list[int]:
-    """The key length every forward call of `runner` attends over, in order (from now on)."""
-    seen: list[int] = []
+def record_steps(runner: ModelRunner) -> list[CacheStep]:
+    """What every forward call of `runner` attends with (keys, mask), in order (from now on)."""
+    seen: list[CacheStep] = []
     prepare = runner.cache.prepare
 
-    def recording(positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None) -> Any:
-        step = prepare(positions, slots, kv_len)
-        seen.append(step.kv_len)
+    def recording(positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None,
+                  starts: tuple[int, ...] | None = None) -> CacheStep:
+        step = prepare(positions, slots, kv_len, starts)
+        seen.append(step)
         return step
 
     runner.cache.prepare = recording  # type: ignore[method-assign]
     return seen
+
 
 
 def step_kv_lens(plan: StepPlan, max_seq_len: int) -> list[int]:
@@ -267,7 +271,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
     log = CollectiveLog()
     with fake_world(tp), log.recording():
         engine = Engine(build_rank(cfg, tp, 0), None, config, eos_token_ids=())
-        kv_lens = record_kv_lens(engine.runner)
+        steps = record_steps(engine.runner)
         recorder = RecordingRunner(engine.runner, cfg.vocab_size)
         engine.runner = recorder  # type: ignore[assignment]
         prompts = {"short": 40, "long": 600, "logprobs": 100}
@@ -286,6 +290,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         assert max(len(p.decode.slots) for p in plans if p.decode is not None) == 3
         expected = [c for p in plans for c in step_collectives(cfg, layout, p, slots)]
         assert [c for c in rank0 if c.op != "broadcast"] == expected
+        kv_lens = [step.kv_len for step in steps]
         assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
         assert max(kv_lens) <= 1024 < max_seq
         # Each plan reaches the other ranks as one STEP message: a header, then the plan's ints.
@@ -294,13 +299,16 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         for rank in range(1, tp):
             model = build_rank(cfg, tp, rank)
             runner = ModelRunner(model, slots, max_seq, static_decode=True)
-            kv_lens = record_kv_lens(runner)
+            steps = record_steps(runner)
             assert runner.cache.kv.shape == (cfg.num_hidden_layers, slots, 2, 1, max_seq, cfg.head_dim)
             assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * slots * max_seq
             for plan in plans:
-                runner.execute(plan)
+                result = runner.execute(plan)
+                for batch, out in ((plan.prefill, result.prefill), (plan.decode, result.decode)):
+                    if batch is not None and out is not None and batch.full_logits:
+                        assert out.logits is None and out.ids is None, "a follower holds the vocabulary's logits"
             assert log.take() == expected, f"rank {rank}"
-            assert kv_lens == [k for p in plans for k in step_kv_lens(p, max_seq)]
+            assert [step.kv_len for step in steps] == [k for p in plans for k in step_kv_lens(p, max_seq)]
 
 
 def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -> None:
@@ -352,6 +360,29 @@ def test_long_context_decode_70b_tp8() -> None:
             assert result.decode is not None and result.decode.ids is not None
             assert result.decode.ids.shape == (slots,)
             assert log.take() == step_collectives(cfg, layout, plan, slots)
+
+
+def test_long_context_prefill_mask_70b_tp8() -> None:
+    """A 2048-token chunk at the end of the 128K context, beside a second row at another start:
+    the attention mask is one staircase of at most MASK_ELEMENTS (bf16: 32 MiB), not a mask per
+    row of chunk x context (2 x 2048 x 128K x 2 bytes: 1 GiB), and the queries go in blocks."""
+    cfg = real_config("llama-3.1-70b")
+    tp, slots, max_seq, chunk = 8, 2, cfg.max_position_embeddings, 2048
+    layout = TPLayout.for_model(cfg, tp)
+    log = CollectiveLog()
+    with fake_world(tp), log.recording():
+        runner = ModelRunner(build_rank(cfg, tp, 0), slots, max_seq, static_decode=True)
+        steps = record_steps(runner)
+        starts = (max_seq - chunk, max_seq - 3 * chunk)
+        plan = StepPlan(prefill=BatchPlan((0, 1), starts, ((1,) * chunk,) * 2, True))
+        result = runner.execute(plan)
+        assert result.prefill is not None and result.prefill.logits is not None
+        assert result.prefill.logits.shape == (2, cfg.vocab_size)
+        assert log.take() == step_collectives(cfg, layout, plan, slots)
+    (step,) = steps
+    assert step.kv_len == max_seq and step.starts == starts
+    assert step.mask.numel() <= MASK_ELEMENTS and step.mask.shape == (MASK_ELEMENTS // max_seq, max_seq)
+    assert step.mask.numel() * step.mask.element_size() == 32 << 20
 
 
 # ---------------------------------------------------------------- a LoRA step at scale

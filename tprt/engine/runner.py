@@ -2,8 +2,9 @@
 
 The runner owns this rank's model and KV cache. For each batch of the plan it runs one forward
 call (prefill: right-padded chunks, logits of each row's last real token only; decode: one token
-per row) and returns, identically on every rank, either the full-vocabulary logits (gathered over
-the TP group) or just the argmax ids (which exchange one (value, id) pair per row and rank).
+per row) and returns either the full-vocabulary logits, gathered to TP rank 0 only (the rank that
+samples; the others get None and never hold a vocabulary-wide tensor), or the argmax ids on every
+rank (which exchange one (value, id) pair per row and rank).
 
 The runner prepares the model for inference once, in the open: on CPU (`cpu_prepack`) the linear
 layers get packed methods (`tprt.cpu.fast_linear.prepack`) and the compiled one-row decode
@@ -39,7 +40,8 @@ from tprt.engine.static_decode import StaticDecode
 
 @dataclass(frozen=True)
 class BatchResult:
-    """A batch's output: `logits` [rows, vocab] float32 when the plan asked for them, else `ids` [rows]."""
+    """A batch's output: `logits` [rows, vocab] float32 when the plan asked for them (on TP rank 0;
+    None on the others), else `ids` [rows]."""
 
     ids: torch.Tensor | None
     logits: torch.Tensor | None
@@ -120,7 +122,7 @@ class ModelRunner:
         last = torch.tensor([len(t) - 1 for t in batch.tokens], dtype=torch.long, device=self.device)
         slots = torch.tensor(batch.slots, dtype=torch.long, device=self.device)
         local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len,
-                           logits_index=last)  # [rows, local_vocab]
+                           logits_index=last, starts=batch.starts)  # [rows, local_vocab]
         return self._finish(local, batch.full_logits)
 
     def _decode(self, batch: BatchPlan) -> BatchResult:
@@ -138,7 +140,9 @@ class ModelRunner:
         return self._finish(local[:, 0], batch.full_logits)
 
     def _finish(self, local: torch.Tensor, full: bool) -> BatchResult:
-        """local [rows, local_vocab] -> gathered float32 logits, or argmax ids; collective."""
+        """local [rows, local_vocab] -> float32 logits gathered to TP rank 0 (None elsewhere: only
+        rank 0 samples), or argmax ids on every rank; collective."""
         if full:
-            return BatchResult(None, self.model.gather_logits(local).float())
+            logits = self.model.gather_logits_to_first(local)
+            return BatchResult(None, None if logits is None else logits.float())
         return BatchResult(self.model.greedy(local), None)

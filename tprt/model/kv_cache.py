@@ -14,11 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import groupby
 
 import torch
+import torch.nn.functional as F
 
 from tprt.errors import TprtError
 from tprt.cpu.hugepages import huge_tensors
+
+
+# The most elements a prefill's attention mask holds (64 MiB in float32): a chunk whose mask
+# [chunk, kv_len] would be larger attends in blocks of queries (2048 x 128K keys: blocks of 128).
+MASK_ELEMENTS = 1 << 24
 
 
 class CacheFullError(TprtError):
@@ -86,14 +93,17 @@ class KVCache:
         return self.kv.nbytes
 
     def prepare(
-        self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None
+        self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None,
+        starts: tuple[int, ...] | None = None,
     ) -> CacheStep:
         """What every layer needs for one forward step, built once: the write indices and the mask.
 
         positions [batch, seq]: each token's position in its sequence (right padding continues
         the count; padding must stay below max_seq_len). slots [batch]: each row's slot, None for
         row b -> slot b. kv_len: 1 + the largest position in the batch (computed, with a host
-        sync, when not given; the engine knows it).
+        sync, when not given; the engine knows it). starts: when row b's positions are
+        starts[b], starts[b] + 1, ... (a prefill chunk; found by itself on CPU), the mask is one
+        staircase of at most MASK_ELEMENTS, whatever the rows, chunk and context (`CacheStep.attend`).
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
@@ -105,12 +115,44 @@ class KVCache:
             rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [batch, 1]
         else:
             rows = slots[:, None]  # [batch, 1]: broadcasts against positions [batch, seq]
-        keys = self.key_positions[:kv_len]  # [kv_len]
-        hidden = keys[None, None, None, :] > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
-        # Additive, in the cache dtype: SDPA would otherwise convert a bool mask in every layer.
+        if starts is None and positions.device.type == "cpu" and positions.shape[1] > 1:
+            starts = self._chunk_starts(positions)
+        if starts is not None:  # a prefill of consecutive positions: the mask is one staircase
+            return self._staircase_step(rows, slots, positions, kv_len, starts)
+        hidden = self.key_positions[:kv_len] > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=self._additive(hidden))
+
+    def _staircase_step(self, rows: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
+                        kv_len: int, starts: tuple[int, ...]) -> CacheStep:
+        """The mask of a chunk whose row b holds positions starts[b], starts[b] + 1, ...: one
+        staircase T [block, width], T[i, c] hidden when c > corner + i, of which each row's (or
+        query block's) mask is a view (`CacheStep.attend`). When the chunk's whole mask fits in
+        MASK_ELEMENTS, block = the chunk and every row attends over all kv_len keys, as it would
+        under a mask per row; otherwise queries go in blocks over the keys up to the block's end."""
+        seq, spread = positions.shape[1], max(starts) - min(starts)
+        if seq * (kv_len + spread) <= MASK_ELEMENTS:
+            block, width, corner = seq, kv_len + spread, max(starts)
+        else:
+            block = min(seq, max(1, MASK_ELEMENTS // kv_len))
+            width, corner = kv_len, kv_len - block
+        keys = torch.arange(width, device=positions.device)
+        stairs = keys > keys[corner : corner + block, None]  # [block, width]
+        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len,
+                         mask=self._additive(stairs), starts=starts, corner=corner)
+
+    def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
+        """0 where attention is allowed, -inf where `hidden`, in the cache dtype (SDPA would
+        otherwise convert a bool mask into a new float one in every layer)."""
         mask = torch.zeros(hidden.shape, dtype=self.kv.dtype, device=hidden.device)
-        mask.masked_fill_(hidden, float("-inf"))
-        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=mask)
+        return mask.masked_fill_(hidden, float("-inf"))
+
+    @staticmethod
+    def _chunk_starts(positions: torch.Tensor) -> tuple[int, ...] | None:
+        """On the host: each row's first position when every row holds consecutive positions."""
+        first = positions[:, :1]
+        if not bool((positions == first + torch.arange(positions.shape[1])).all()):
+            return None
+        return tuple(first.reshape(-1).tolist())
 
     def _check_in_range(self, positions: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> None:
         """Once per step on CPU, where the native decode path (tprt.cpu.native.rope_cache_kernel)
@@ -148,7 +190,35 @@ class CacheStep:
     slots: torch.Tensor | None  # [batch] slot of each row; None: row b is slot b
     positions: torch.Tensor  # [batch, seq] position of each token
     kv_len: int  # keys 0..kv_len-1 are read
-    mask: torch.Tensor  # [batch, 1, seq, kv_len] additive: 0 where attention is allowed, -inf elsewhere
+    # Additive (0 where attention is allowed, -inf elsewhere): [batch, 1, seq, kv_len], or with
+    # `starts` a staircase [block, kv_len] whose bottom-right corner every query block slices.
+    mask: torch.Tensor
+    starts: tuple[int, ...] | None = None  # row b's positions are starts[b], starts[b] + 1, ...
+    corner: int = 0  # with `starts`: the staircase's first row hides the keys after `corner`
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+        """SDPA of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads, kv_len, head_dim]
+        under the mask. With `starts`, per run of rows sharing a start and per block of queries,
+        over the keys up to the block's last position: those after it are hidden from every
+        query of the block, so leaving them out changes no value, and a block's mask is a view
+        of the staircase. (One call when the rows share a start and the chunk fits one block.)"""
+        if self.starts is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=enable_gqa)
+        block, seq = self.mask.shape[0], q.shape[2]
+        runs, lo = [], 0
+        for start, rows in groupby(self.starts):
+            hi = lo + len(list(rows))
+            parts = []
+            for a in range(0, seq, block):
+                n = min(block, seq - a)
+                keys = self.kv_len if block == seq else start + a + n  # blocks: up to the block's last position
+                first = self.corner + block - n - start - a  # the column of key 0 in the staircase
+                mask = self.mask[block - n :, first : first + keys]  # [n, keys]
+                parts.append(F.scaled_dot_product_attention(q[lo:hi, :, a : a + n], k[lo:hi, :, :keys],
+                                                            v[lo:hi, :, :keys], attn_mask=mask, enable_gqa=enable_gqa))
+            runs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+            lo = hi
+        return runs[0] if len(runs) == 1 else torch.cat(runs, dim=0)
 
     # For tprt.cpu.native's decode kernels, which index by raw pointer: built once per step, not per layer.
     @cached_property

@@ -89,8 +89,7 @@ class Attention(nn.Module):
             # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see new_cache).
             cache_dtype = step.cache.dtype
             k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]
-            out = F.scaled_dot_product_attention(q.to(cache_dtype), k, v, attn_mask=step.cache_step.mask,
-                                                 enable_gqa=self.gqa).to(x.dtype)
+            out = step.cache_step.attend(q.to(cache_dtype), k, v, self.gqa).to(x.dtype)
         out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
         return self.o_proj(out)
 
@@ -187,11 +186,12 @@ class TPLlamaForCausalLM(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
         kv_len: int | None = None,
+        starts: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
 
         Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
-        With `cache`: `positions` is required; see `KVCache.prepare` for `slots` and `kv_len`.
+        With `cache`: `positions` is required; see `KVCache.prepare` for `slots`, `kv_len` and `starts`.
         """
         batch, seq = input_ids.shape
         if positions is None:
@@ -200,7 +200,7 @@ class TPLlamaForCausalLM(nn.Module):
             positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)  # [batch, seq]
         h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        cache_step = cache.prepare(positions, slots, kv_len) if cache is not None else None
+        cache_step = cache.prepare(positions, slots, kv_len, starts) if cache is not None else None
         step = Step(cos, sin, cache, cache_step)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
@@ -217,6 +217,7 @@ class TPLlamaForCausalLM(nn.Module):
         slots: torch.Tensor | None = None,
         kv_len: int | None = None,
         logits_index: torch.Tensor | None = None,
+        starts: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """This rank's logits over its vocabulary rows (padding rows -inf).
 
@@ -224,7 +225,7 @@ class TPLlamaForCausalLM(nn.Module):
         `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
         not build logits it does not need. `gather_logits` turns them into full-vocab logits.
         """
-        h = self.forward_hidden(input_ids, positions, cache, slots, kv_len)  # [batch, seq, hidden]
+        h = self.forward_hidden(input_ids, positions, cache, slots, kv_len, starts)  # [batch, seq, hidden]
         if logits_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
         return self.lm_head(self.norm(h))
@@ -232,6 +233,10 @@ class TPLlamaForCausalLM(nn.Module):
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[..., local_vocab] -> [..., vocab_size] on every rank (padding stripped); all-gathers."""
         return self.lm_head.gather(local_logits)
+
+    def gather_logits_to_first(self, local_logits: torch.Tensor) -> torch.Tensor | None:
+        """[..., local_vocab] -> [..., vocab_size] on TP rank 0, None on the other ranks; gathers."""
+        return self.lm_head.gather_to_first(local_logits)
 
     def greedy(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[..., local_vocab] -> [...] argmax token ids over the whole vocabulary, exchanging only

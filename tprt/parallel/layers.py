@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tprt.distributed.context import TPContext
-from tprt.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
+from tprt.parallel.mappings import copy_to_region, gather_from_region, gather_to_first, reduce_from_region
 
 
 class LinearMethod(Protocol):
@@ -169,6 +169,12 @@ class VocabParallelLMHead(nn.Module):
     def gather(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[..., local_vocab] -> [..., vocab_size]: all-gathers over the TP group, drops padding."""
         return gather_from_region(local_logits, self.tp)[..., : self.vocab_size]
+
+    def gather_to_first(self, local_logits: torch.Tensor) -> torch.Tensor | None:
+        """[..., local_vocab] -> [..., vocab_size] on TP rank 0 only (padding dropped), None on the
+        others: gathers to rank 0, the one that samples."""
+        full = gather_to_first(local_logits, self.tp)
+        return None if full is None else full[..., : self.vocab_size]
 
     def argmax(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[..., local_vocab] -> [...] global token ids of the largest logit (the lowest id on a

@@ -6,6 +6,7 @@ Each is a pair (forward collective, backward collective) over the TP group of a 
 - reduce_from_region: fwd all-reduce     / bwd identity        (output of a row-parallel layer)
 - gather_from_region: fwd all-gather(-1) / bwd split(-1)       (column-parallel output made whole)
 - scatter_to_region:  fwd split(-1)      / bwd all-gather(-1)  (whole input made column-parallel)
+- gather_to_first:    fwd gather(-1) to TP rank 0, None elsewhere / no backward (rank 0 samples)
 
 With one rank every operator is the identity. When autograd is off (inference) the collective
 runs directly, without the cost of an autograd.Function. Only `tprt.parallel.layers` calls these.
@@ -130,3 +131,14 @@ def scatter_to_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
         return _split_last(x, ctx)
     out: torch.Tensor = _ScatterToRegion.apply(x, ctx)
     return out
+
+
+def gather_to_first(x: torch.Tensor, ctx: TPContext) -> torch.Tensor | None:
+    """Inference only: every rank's `x` concatenated along the last dim (rank order) on TP rank 0;
+    None on the other ranks, which so never hold the whole."""
+    if ctx.world_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(ctx.world_size)] if ctx.rank == 0 else None
+    dist.gather(x, parts, group=ctx.group, group_dst=0)
+    return None if parts is None else torch.cat(parts, dim=-1)

@@ -19,7 +19,8 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
   tensors our modules save; only the block inputs plus one block with activation checkpointing)
   and the loss's logits.
 - gradients: one per trainable parameter, in its dtype; for low-precision parameters the fused
-  AdamW update also converts every gradient to float32 at once (counted here too).
+  AdamW update also converts gradients to float32, GRAD_CHUNK_BYTES at a time or one whole
+  parameter when larger (the largest such chunk is counted here too).
 - optimizer_states: AdamW's exp_avg and exp_avg_sq, float32 (`tprt.train.optim.AdamW`).
 - master_weights: float32 copies of low-precision trainable parameters.
 - framework_reserve: what the runtime holds beyond tensors (CUDA context, NCCL and cuBLAS
@@ -51,6 +52,8 @@ GPU_RESERVE = 2 * GIB
 # more, whatever the model's size, once oneDNN's packed matmuls run (its caches and scratch).
 CPU_RESERVE = 16 << 20
 CPU_ONEDNN_RESERVE = 80 << 20
+# tprt.train.optim.GRAD_CHUNK_BYTES (repeated: the planner is torch-free; a test holds them equal).
+GRAD_CHUNK_BYTES = 64 << 20
 
 KINDS = ("weights", "packed_weights", "kv_cache", "activations", "gradients", "optimizer_states",
          "master_weights", "framework_reserve")
@@ -249,7 +252,8 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     b = DTYPE_BYTES[dtype]
     shapes = rank_parameters(cfg, layout)
     params = numel(shapes)
-    trainable = params if w.full else numel(lora_parameters(cfg, layout, w.lora_targets, w.lora_rank))
+    trained = shapes if w.full else lora_parameters(cfg, layout, w.lora_targets, w.lora_rank)
+    trainable = numel(trained)
     tokens = w.batch_size * w.seq_len  # one micro-batch; accumulation adds no activations
     per_layer = _saved_per_token_per_layer(cfg, layout, w)
     h = cfg.hidden_size
@@ -265,9 +269,11 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     cpu = device.kind == "cpu"
     packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
     low = dtype != "fp32"  # float32 masters, and float32 copies of the gradients in the update
+    largest = max(math.prod(shape) for shape in trained.values())
+    fp32_grads = min(4 * trainable, max(GRAD_CHUNK_BYTES, 4 * largest)) if low else 0  # the largest chunk
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=params * b + (0 if w.full else trainable * b), packed_weights=packed,
-                 activations=blocks + loss, gradients=trainable * (b + 4 * low), optimizer_states=trainable * 8,
+                 activations=blocks + loss, gradients=trainable * b + fp32_grads, optimizer_states=trainable * 8,
                  master_weights=trainable * 4 * low, framework_reserve=_reserve(device, packed > 0))
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, trainable, dtype, None, None,
                       kv_bytes_per_token(cfg, layout, dtype), vocab_align,
