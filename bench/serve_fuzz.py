@@ -32,13 +32,9 @@ def main() -> int:
     from hypothesis import HealthCheck, given, settings
 
     from fuzz_requests import Call, calls, send
-    from test_server import TOKEN, ServerProcess, data_dir, server_args
-    from tiny_chat import make_tiny_chat_model
+    from test_server import TOKEN, ServerProcess, prepare_root, server_args
 
-    root = Path(tempfile.mkdtemp(prefix="tprt-fuzz-"))
-    make_tiny_chat_model(root / "model", (2,), max_positions=256)
-    (root / "token").write_text(TOKEN + "\n")
-    data_dir(root, "data")
+    root = prepare_root(Path(tempfile.mkdtemp(prefix="tprt-fuzz-")), context=256)
     srv = ServerProcess(server_args(root) + ["--max-seq-len", "256"], root / "server.log")
     codes: dict[str, int] = {}
     made: list[str] = []

@@ -52,13 +52,9 @@ def main() -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from serve.client import Client
-    from test_server import TOKEN, ServerProcess, data_dir, server_args
-    from tiny_chat import make_tiny_chat_model
+    from test_server import TOKEN, ServerProcess, prepare_root, server_args
 
-    root = Path(tempfile.mkdtemp(prefix="tprt-soak-"))
-    make_tiny_chat_model(root / "model", (2,), max_positions=256)
-    (root / "token").write_text(TOKEN + "\n")
-    data_dir(root, "data")
+    root = prepare_root(Path(tempfile.mkdtemp(prefix="tprt-soak-")), context=256)
     srv = ServerProcess(server_args(root) + ["--max-seq-len", "256"], root / "server.log")
     pids = [srv.proc.pid, *srv.pids]
     codes: dict[str, int] = {}

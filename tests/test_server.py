@@ -137,13 +137,18 @@ def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condit
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("serve")
-    make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
+def prepare_root(root: Path, context: int = CONTEXT) -> Path:
+    """`root` with the tiny chat model at TP 2 (model/tp2), a token file and a data dir: what
+    `server_args(root)` names. Also used by bench/serve_soak.py and bench/serve_fuzz.py."""
+    make_tiny_chat_model(root / "model", (2,), max_positions=context)
     (root / "token").write_text(TOKEN + "\n")
     data_dir(root, "data")
     return root
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_root(tmp_path_factory.mktemp("serve"))
 
 
 def data_dir(root: Path, name: str) -> Path:

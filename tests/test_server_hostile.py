@@ -25,8 +25,7 @@ grpc = pytest.importorskip("grpc")
 from serve.client import Client, field_of  # noqa: E402
 from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.pb import generation_pb2 as gen_pb  # noqa: E402
-from test_server import TOKEN, ServerProcess, data_dir, metric, rpc_error, server_args, wait_for  # noqa: E402
-from tiny_chat import make_tiny_chat_model  # noqa: E402
+from test_server import TOKEN, ServerProcess, data_dir, metric, prepare_root, rpc_error, server_args, wait_for  # noqa: E402
 
 CONTEXT = 256
 MAX_DATASET_BYTES = 4096
@@ -40,11 +39,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("hostile")
-    make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
-    (root / "token").write_text(TOKEN + "\n")
-    data_dir(root, "data")
-    return root
+    return prepare_root(tmp_path_factory.mktemp("hostile"), CONTEXT)
 
 
 @pytest.fixture(scope="module")
