@@ -38,6 +38,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--model", type=Path, required=True, metavar="DIR", help="TP checkpoint directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 = any free port)")
+    s.add_argument("--http-port", type=int, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                        "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (9400; 0 = any; -1 = off)")
     s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="sequences per engine step (16)")
     s.add_argument("--max-queue", type=int, default=256, metavar="N",

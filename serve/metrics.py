@@ -25,8 +25,9 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("tprt_requests", "RPCs finished, by method and outcome (status code)",
-                                ["method", "outcome"], registry=r)
+        self.requests = Counter("tprt_requests", "Calls finished, by protocol (grpc, http), method (RPC name or HTTP "
+                                "route) and outcome (the gRPC status code's name; HTTP errors map to one)",
+                                ["protocol", "method", "outcome"], registry=r)
         self.prompt_tokens = Counter("tprt_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.cached_prompt_tokens = Counter("tprt_prompt_cached_tokens",
                                             "Prompt tokens reused from the prefix cache, counted when requests end",
@@ -61,9 +62,10 @@ class Metrics:
         self._http: Any = None
         self._lock = threading.Lock()
 
-    def outcome(self, method: str, outcome: str, seconds: float) -> None:
-        """Counts a finished RPC (the error interceptor's callback)."""
-        self.requests.labels(method=method.rsplit("/", 1)[-1], outcome=outcome).inc()
+    def outcome(self, method: str, outcome: str, seconds: float, protocol: str = "grpc") -> None:
+        """Counts a finished call (the gRPC error interceptor's callback; the HTTP app's)."""
+        name = method.rsplit("/", 1)[-1] if protocol == "grpc" else method
+        self.requests.labels(protocol=protocol, method=name, outcome=outcome).inc()
 
     def set_jobs(self, counts: dict[str, int]) -> None:
         """Sets the per-state job gauges from a {state: count} snapshot."""

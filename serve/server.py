@@ -38,6 +38,8 @@ from serve.auth import AuthInterceptor, load_token
 from serve.errors import ErrorInterceptor, Redactor
 from serve.executor import RankExecutor
 from serve.finetune import JobManager
+from serve.http_server import HttpServer
+from serve.openai_app import HttpDeps, create_app
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
 from serve.limits import OpenCallLimiter
@@ -72,6 +74,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai_app.py); None: off; 0: any
     max_batch_size: int = 16
     max_queue: int = 256
     auth_token_file: Path | None = None
@@ -105,6 +108,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     for name in ("port", "metrics_port"):
         if not -1 <= getattr(cfg, name) <= 65535:
             raise ConfigError(f"--{name.replace('_', '-')} must be a port number, got {getattr(cfg, name)}")
+    if cfg.http_port is not None and not 0 <= cfg.http_port <= 65535:
+        raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
@@ -184,6 +189,8 @@ class App:
         self._set_health(False)
         self.server = self._grpc_server()
         self.port = self._bind()
+        self.http = HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key) if cfg.http_port is not None else None
+        self.http_app: Any = None
         self.stop = threading.Event()
         self.broken = False
         self.scheduler: Scheduler | None = None
@@ -254,8 +261,12 @@ class App:
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=cfg.max_batch_size,
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
-        generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(self.scheduler, tokenizer, facts, adapters), self.server)
+        generation = GenerationService(self.scheduler, tokenizer, facts, adapters)
+        generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
+        if self.http is not None:
+            token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
+            self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
+                                                cfg.max_message_bytes, generation.max_text_bytes, time.time()))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                               self._job_admission(ctx, model)), self.server)
@@ -290,14 +301,18 @@ class App:
             self.scheduler.start()
             metrics_port = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else -1
             self.server.start()
+            if self.http is not None:
+                self.http.start(self.http_app)
             self._set_health(not self.broken)
-            _announce(self.cfg.host, self.port, metrics_port, ctx, procs)
+            _announce(self.cfg.host, self.port, metrics_port, ctx, procs, self.http)
             while not self.stop.wait(0.5):
                 pass
             return self._drain()
         finally:
             stop_watch.set()
             self.server.stop(0)
+            if self.http is not None:
+                self.http.stop()
             self.metrics.close()
             self.store.close()
             if not self.broken:
@@ -327,6 +342,8 @@ class App:
         if not self.broken:
             self.jobs.pause_for_shutdown(max(5.0, self.cfg.drain_timeout - (time.monotonic() - t0)))
         self.server.stop(grace=1.0).wait(5.0)
+        if self.http is not None:
+            self.http.stop()
         self.scheduler.shutdown(timeout_s=self.cfg.collective_timeout)
         log.info("stopped (%s)", "drained" if clean else "cancelled requests still running at the drain timeout")
         return 1 if self.broken else 0
@@ -356,10 +373,13 @@ def _tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_dir(path)
 
 
-def _announce(host: str, port: int, metrics_port: int, ctx: TPContext, procs: list[Any]) -> None:
+def _announce(host: str, port: int, metrics_port: int, ctx: TPContext, procs: list[Any],
+              http: HttpServer | None) -> None:
     """The one line scripts and tests wait for (stdout), plus the ranks' pids (log)."""
     pids = [os.getpid(), *(p.pid for p in procs)]
     log.info("rank pids: %s", pids)
+    api = f", OpenAI API {http.scheme}://{host}:{http.port}/v1" if http is not None else ""
     metrics = f", metrics http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
-    print(f"tprt serve: listening on {host}:{port} (TP {ctx.world_size}{metrics}; rank pids {pids})", flush=True)
+    print(f"tprt serve: listening on {host}:{port} (TP {ctx.world_size}{api}{metrics}; rank pids {pids})",
+          flush=True)
     sys.stdout.flush()

@@ -114,17 +114,19 @@ def _env() -> dict[str, str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    """The sum of the samples of `name` that have `labels` (and any others), in Prometheus text
+    format (0 when absent)."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    total = 0.0
     for line in text.splitlines():
         if line.startswith("#"):
             continue
         key, _, value = line.rpartition(" ")
         sample, _, lab = key.partition("{")
-        got = ",".join(sorted(lab.rstrip("}").split(","))) if lab else ""
-        if sample == name and got == want:
-            return float(value)
-    return 0.0
+        got = set(lab.rstrip("}").split(",")) if lab else set()
+        if sample == name and want <= got:
+            total += float(value)
+    return total
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:

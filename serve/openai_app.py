@@ -1,0 +1,393 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions.
+
+It sits beside gRPC on rank 0 and shares its scheduler, adapters, bearer token and metrics:
+a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per choice, and
+the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
+FastAPI's SSE encoder, ending with `data: [DONE]`). Each ticket's queue is drained by a small
+thread into the event loop. Whatever ends a request early (the client disconnects, an error)
+cancels its unfinished tickets, so their sequences leave the batch at the next step.
+
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
+of their gRPC code (serve/openai_requests.py). Every call is counted in `tprt_requests_total`
+with `protocol="http"` and the route as `method`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.adapters import AdapterRegistry, AdapterInfo
+from serve.auth import bearer
+from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
+from serve.handlers import ModelFacts
+from serve.metrics import Metrics
+from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
+                                   prepare_chat, prepare_completion)
+from serve.scheduler import Scheduler, Ticket, new_request_id
+from tprt.engine.sequence import TokenEvent
+from tprt.errors import ValidationError
+from tprt.text.tokenizer import Tokenizer
+
+_DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class HttpDeps:
+    """What the HTTP app shares with the gRPC services."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer | None
+    facts: ModelFacts
+    adapters: AdapterRegistry
+    metrics: Metrics
+    token: str | None  # the bearer token (--auth-token-file); None: no auth
+    max_body_bytes: int  # --max-message-bytes
+    max_text_bytes: int | None  # serve/validation.py text_byte_limit
+    started: float  # the models' `created` time
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over the limit, by its Content-Length or as it streams in."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await _send_error(scope, send, self._too_large())
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"the request body is over {self.limit} bytes (--max-message-bytes)")
+
+
+async def _send_error(scope: Scope, send: Send, e: BaseException) -> None:
+    status, body, _ = error_body(e)
+    await JSONResponse(body, status_code=status)(scope, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(deps: HttpDeps) -> FastAPI:
+    """The FastAPI app serving the OpenAI API over `deps`."""
+    api = OpenAIApi(deps)
+    app = FastAPI(title="tprt OpenAI-compatible API", dependencies=[Depends(api.authenticate)],
+                  openapi_url=None, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=deps.max_body_bytes)
+    app.add_exception_handler(RequestValidationError, api.invalid_body)  # type: ignore[arg-type]
+    for known in (ServeError, ValidationError):  # a client's mistake, or a state of the server
+        app.add_exception_handler(known, api.failed)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, api.failed)  # a bug: 500, and uvicorn logs the traceback
+    app.get("/v1/models")(api.models)
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+class OpenAIApi:
+    """The route handlers (see the module docstring)."""
+
+    def __init__(self, deps: HttpDeps) -> None:
+        self.d = deps
+        self._token = deps.token.encode() if deps.token is not None else None
+
+    # ----------------------------------------------------------------- plumbing
+
+    async def authenticate(self, request: Request) -> None:
+        if self._token is None:
+            return
+        got = bearer(request.headers.items())
+        if got is None or not hmac.compare_digest(got.encode(), self._token):
+            raise Unauthenticated("missing or invalid bearer token (header 'Authorization: Bearer <token>')")
+
+    def _count(self, request: Request, outcome: str) -> None:
+        route = request.scope.get("route")
+        self.d.metrics.outcome(getattr(route, "path", request.url.path), outcome, 0.0, protocol="http")
+
+    async def failed(self, request: Request, e: Exception) -> JSONResponse:
+        status, body, outcome = error_body(e)
+        self._count(request, outcome)
+        return JSONResponse(body, status_code=status)
+
+    async def invalid_body(self, request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or "body"
+        why = first.get("msg", "invalid request body")
+        return await self.failed(request, ParamError(f"{param}: {why}", param))
+
+    # ----------------------------------------------------------------- routes
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        created = int(self.d.started)
+        base = self.d.facts.name
+        data = [{"id": base, "object": "model", "created": created, "owned_by": "tprt", "root": base,
+                 "parent": None}]
+        data += [{"id": a.id, "object": "model", "created": created, "owned_by": "tprt", "root": base,
+                  "parent": base} for a in self.d.adapters.list()]
+        self._count(request, "ok")
+        return {"object": "list", "data": data}
+
+    async def completions(self, body: CompletionBody, request: Request) -> Any:
+        return await self._generate(request, body, "text_completion", prepare_completion)
+
+    async def chat_completions(self, body: ChatBody, request: Request) -> Any:
+        return await self._generate(request, body, "chat.completion", prepare_chat)
+
+    # ----------------------------------------------------------------- generation
+
+    def _adapter(self, model: str) -> AdapterInfo | None:
+        if model == self.d.facts.name:
+            return None
+        adapter = self.d.adapters.get(model)
+        if adapter is None:
+            raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
+                           "adapter (see GET /v1/models)", "model")
+        return adapter
+
+    async def _generate(self, request: Request, body: Any, kind: str,
+                        prepare: Callable[..., Prepared]) -> Any:
+        adapter = self._adapter(body.model)
+        d = self.d
+        # Tokenizing and the chat template are CPU work: off the event loop.
+        prepared = await run_in_threadpool(prepare, body, d.tokenizer, d.facts.context_length,
+                                           d.facts.config.vocab_size, d.max_text_bytes)
+        tickets = self._submit(prepared, adapter)
+        reply = Reply(kind, body.model, prepared, d.tokenizer)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventSourceResponse(self._stream(request, tickets, reply, usage))
+        try:
+            async for index, ev in self._events(tickets, request):
+                reply.add(index, ev)
+        except BaseException as e:
+            if isinstance(e, Cancelled):
+                self._count(request, "cancelled")
+            raise
+        self._count(request, "ok")
+        return reply.whole()
+
+    def _submit(self, prepared: Prepared, adapter: AdapterInfo | None) -> list[Ticket]:
+        tickets: list[Ticket] = []
+        try:
+            for p, params in prepared.choices:
+                ticket = Ticket(new_request_id(), prepared.prompts[p], params, adapter.id if adapter else "",
+                                adapter.index if adapter else 0)
+                self.d.scheduler.submit(ticket)
+                tickets.append(ticket)
+        except BaseException:
+            for t in tickets:
+                self.d.scheduler.cancel(t.request_id, "client")
+            raise
+        return tickets
+
+    async def _stream(self, request: Request, tickets: list[Ticket], reply: Reply,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        outcome = "cancelled"  # unless it ends below: the client went away mid-stream
+        try:
+            for chunk in reply.opening():
+                yield format_sse_event(data_str=json.dumps(chunk))
+            async for index, ev in self._events(tickets, request, watch_disconnect=False):
+                yield format_sse_event(data_str=json.dumps(reply.chunk(index, ev, include_usage)))
+            if include_usage:
+                yield format_sse_event(data_str=json.dumps(reply.usage_chunk()))
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001 - after the headers, an error is an event of the stream
+            _, body, outcome = error_body(e)
+            yield format_sse_event(data_str=json.dumps(body))
+        finally:
+            self._count(request, outcome)
+        yield format_sse_event(data_str="[DONE]")
+
+    async def _events(self, tickets: list[Ticket], request: Request,
+                      watch_disconnect: bool = True) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """(choice index, event) of every ticket until each has finished. Cancels the unfinished
+        ones when it is left early; raises a ticket's error. A streaming response notices the
+        disconnect itself (it cancels this generator); a whole response polls for it."""
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
+        for i, t in enumerate(tickets):
+            threading.Thread(target=_pump, args=(t, i, loop, inbox), daemon=True, name="tprt-http-pump").start()
+        pending = len(tickets)
+        try:
+            while pending:
+                try:
+                    index, ev = await asyncio.wait_for(inbox.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if watch_disconnect and await request.is_disconnected():
+                        raise Cancelled("the client disconnected") from None
+                    continue
+                ticket = tickets[index]
+                if isinstance(ev, BaseException):
+                    ticket.done = True
+                    raise ev
+                if ev.finish_reason is not None:
+                    ticket.done = True
+                    pending -= 1
+                    if ev.finish_reason == "cancelled":
+                        raise Unavailable("the request was cancelled: the server is shutting down")
+                yield index, ev
+        finally:
+            for t in tickets:
+                if not t.done:
+                    t.done = True
+                    self.d.scheduler.cancel(t.request_id, "client")
+
+
+def _pump(ticket: Ticket, index: int, loop: asyncio.AbstractEventLoop,
+          inbox: asyncio.Queue[tuple[int, TokenEvent | BaseException]]) -> None:
+    """Moves a ticket's events into the event loop until its last one (the scheduler, or the rank
+    watcher, ends every ticket with a finishing event or an error)."""
+    while True:
+        ev = ticket.events.get()
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, (index, ev))
+        except RuntimeError:  # the loop has closed: the server is stopping
+            return
+        if isinstance(ev, BaseException) or ev.finish_reason is not None:
+            return
+
+
+def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
+    """The legacy completions format's {text: logprob}: tokens of the same text (bytes of a
+    character) share a key, which keeps the most likely of them."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
+
+
+class Reply:
+    """Builds one request's OpenAI response (whole, or as stream chunks) from its events."""
+
+    def __init__(self, kind: str, model: str, prepared: Prepared, tokenizer: Tokenizer | None) -> None:
+        self.chat = kind == "chat.completion"
+        self.kind = kind
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.model = model
+        self.prepared = prepared
+        self.tok = tokenizer
+        count = len(prepared.choices)
+        self.text: list[list[str]] = [[] for _ in range(count)]
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.usage_of: list[Any] = [None] * count
+        self.offset = [0] * count
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id]) if self.tok is not None else ""
+
+    def _logprob_entry(self, index: int, ev: TokenEvent) -> dict[str, Any]:
+        assert ev.token_id is not None and ev.logprob is not None
+        token = self._token_text(ev.token_id)
+        top = [(self._token_text(t), lp) for t, lp in ev.top_logprobs]
+        entry = {"token": token, "logprob": ev.logprob, "bytes": list(token.encode()),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                 "text_offset": self.offset[index]}
+        return entry
+
+    def add(self, index: int, ev: TokenEvent) -> dict[str, Any] | None:
+        """Records one event; returns its logprob entry, if the request asked for logprobs."""
+        entry = None
+        if ev.token_id is not None and ev.logprob is not None:
+            entry = self._logprob_entry(index, ev)
+            self.logprobs[index].append(entry)
+        self.text[index].append(ev.text)
+        self.offset[index] += len(ev.text)
+        if ev.finish_reason is not None:
+            self.finish[index] = ev.finish_reason
+            self.usage_of[index] = ev.usage
+        return entry
+
+    def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": [{k: v for k, v in e.items() if k != "text_offset"} for e in entries]}
+        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
+                "text_offset": [e["text_offset"] for e in entries]}
+
+    def usage(self) -> dict[str, Any]:
+        """Prompt tokens once per prompt (its first choice), completion tokens of every choice."""
+        n = self.prepared.n
+        firsts = [u for i, u in enumerate(self.usage_of) if i % n == 0 and u is not None]
+        prompt = sum(u.prompt_tokens for u in firsts)
+        completion = sum(u.completion_tokens for u in self.usage_of if u is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.text)):
+            text = "".join(self.text[i])
+            choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i],
+                                      "logprobs": self._choice_logprobs(self.logprobs[i])}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chat streams start with each choice's assistant role (as OpenAI's do)."""
+        if not self.chat:
+            return []
+        return [{**self._head("chat.completion.chunk"),
+                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]} for i in range(len(self.text))]
+
+    def chunk(self, index: int, ev: TokenEvent, include_usage: bool) -> dict[str, Any]:
+        entry = self.add(index, ev)
+        logprobs = self._choice_logprobs([entry]) if entry is not None else None
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+        if self.chat:
+            choice["delta"] = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+        else:
+            choice["text"] = ev.text
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": self.usage()}
