@@ -12,18 +12,29 @@ from pathlib import Path
 from convert import engine
 from convert.verify import verify as _verify
 from tprt.checkpoint.format import Manifest
+from tprt.checkpoint.hub import is_hub_id
 from tprt.errors import ConfigError
 
 __all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]
 
 
 def hf_to_tp(
-    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
+    src: Path | str, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
     force: bool = False, progress: bool = False,
+    revision: str | None = None, token: str | None = None, stream: bool = False,
 ) -> Manifest:
-    """HF directory (or .gguf file) -> TP checkpoint with `tp` ranks. `dtype`: bf16, fp16 or fp32
-    (None keeps the source's); the vocabulary is zero-padded to a multiple of vocab_align * tp."""
-    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress)
+    """HF directory, .gguf file or Hub repo id (`org/name`) -> TP checkpoint with `tp` ranks.
+    `dtype`: bf16, fp16 or fp32 (None keeps the source's); the vocabulary is zero-padded to a
+    multiple of vocab_align * tp. For a Hub repo: `revision` (branch, tag or commit), `token`
+    (default: HF_TOKEN or the stored login), and `stream` to delete each shard this run
+    downloaded from the cache once it is converted."""
+    hub = engine.HubOptions(revision, token, stream) if revision or token or stream else None
+    return engine.convert_to_tp(_src(src), Path(dst), tp, dtype, vocab_align, force, progress, hub)
+
+
+def _src(src: Path | str) -> Path | str:
+    """A Hub repo id stays a string; anything else is a local path."""
+    return str(src) if is_hub_id(src) else Path(src)
 
 
 def reshard(

@@ -27,6 +27,7 @@ EPILOG = """\
 examples:
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp4 --tp 4
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp8 --tp 8 --dtype bf16
+  tprt-convert hf-to-tp meta-llama/Llama-3.1-8B-Instruct ./llama8b-tp4 --tp 4 --stream
   tprt-convert reshard ./llama8b-tp8 ./llama8b-tp2 --tp 2
   tprt-convert tp-to-hf ./llama8b-tp2 ./llama8b-hf
   tprt-convert gguf-to-hf ./SmolLM2-135M.Q4_1.gguf ./smollm2-hf
@@ -52,6 +53,15 @@ def _common(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                    help="progress bar on stderr (default: on when stderr is a terminal)")
 
 
+def _hub_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hub source (SRC = org/name)")
+    g.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
+    g.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
+    g.add_argument("--stream", action="store_true",
+                   help="convert shards as they download and delete each from the cache once written, "
+                        "unless it was cached before (disk: output + about two shards)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -59,11 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hf-to-tp", help="HF directory (or .gguf) -> TP checkpoint", formatter_class=fmt,
                        description="Split an HF Llama checkpoint into one safetensors file per TP rank.")
-    p.add_argument("src", type=Path, metavar="SRC", help="HF model directory or .gguf file")
+    p.add_argument("src", metavar="SRC", help="HF model directory, .gguf file or Hub repo id (org/name)")
     p.add_argument("dst", type=Path, metavar="DST", help="TP checkpoint directory to create")
     p.add_argument("--tp", type=int, required=True, metavar="N", help="number of ranks")
     p.add_argument("--vocab-align", type=int, default=64, metavar="A",
                    help="pad the vocabulary to a multiple of A*N rows (default 64)")
+    _hub_flags(p)
     _common(p)
 
     p = sub.add_parser("reshard", help="TP checkpoint -> TP checkpoint with another TP degree", formatter_class=fmt,
@@ -100,9 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _to_tp(args: argparse.Namespace, progress: bool) -> int:
-    fn = api.hf_to_tp if args.command == "hf-to-tp" else api.reshard
-    m = fn(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
-           force=args.force, progress=progress)
+    if args.command == "hf-to-tp":
+        m = api.hf_to_tp(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
+                         force=args.force, progress=progress, revision=args.revision, token=args.token,
+                         stream=args.stream)
+    else:
+        m = api.reshard(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
+                        force=args.force, progress=progress)
     print(f"{args.dst}: TP={m.tp_size}, {len(m.tensors)} tensors, vocabulary {m.vocab_size} "
           f"padded to {m.padded_vocab_size}")
     return 0

@@ -23,7 +23,7 @@ import numpy as np
 from convert.plan import Piece, Plan, TensorPlan
 from convert.progress import Progress
 from convert.sink import FileSink
-from convert.sources import RawSource, TensorSource
+from convert.sources import RawSource, ReleasingSource, TensorSource
 from tprt.errors import CheckpointError, OutputError
 from tprt.checkpoint.safetensors_io import build_header
 
@@ -36,6 +36,7 @@ def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, 
     remaining = Counter(p.file for t in plan.tensors for p in t.pieces)
     sinks: dict[int, FileSink] = {}
     done: dict[str, tuple[int, str]] = {}
+    releases = source.release_after([t.name for t in plan.tensors]) if isinstance(source, ReleasingSource) else {}
     try:
         for t in plan.tensors:
             for p in t.pieces:
@@ -48,6 +49,10 @@ def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, 
                 remaining[p.file] -= 1
                 if remaining[p.file] == 0:
                     done[plan.files[p.file].name] = sinks.pop(p.file).close()
+            if t.name in releases:
+                for open_sink in sinks.values():
+                    open_sink.drain()
+                releases[t.name]()
     except OutputError as e:
         _abort(sinks)
         why = str(e).rsplit(": write failed: ", 1)[-1]

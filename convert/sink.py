@@ -97,9 +97,9 @@ class FileSink:
     def _hash_loop(self) -> None:
         buf: memoryview | None = None
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drain, so the writer never blocks on a dead queue
             try:
+                if self._error is not None:
+                    continue  # drain, so the writer never blocks on a dead queue
                 if isinstance(item, memoryview):
                     self._sha.update(item)
                     continue
@@ -108,6 +108,8 @@ class FileSink:
                     self._hash_read(*item, buf)
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 self._error = e
+            finally:
+                self._queue.task_done()
 
     def _hash_mapped(self, fd: int, pos: int, nbytes: int) -> bool:
         """Hashes a source range through a temporary mapping (no copy); the mapping is dropped at
@@ -130,6 +132,12 @@ class FileSink:
             pread_exact(fd, buf[:n], pos, f"fd {fd}")
             self._sha.update(buf[:n])
             pos, left = pos + n, left - n
+
+    def drain(self) -> None:
+        """Waits until everything written so far is hashed, so the source files it came from may
+        be closed (the hashing thread reads copied ranges back from them)."""
+        self._queue.join()
+        self._check()
 
     def _check(self) -> None:
         if self._error is not None:

@@ -1,0 +1,191 @@
+"""A Hub model repository read as a TensorSource, shard after shard as the conversion reaches it.
+
+The plan needs every tensor's shape, dtype and offset before any data: each shard's header comes
+from the cache when the shard is there, else from two HTTP Range requests (its 8-byte length,
+then the JSON), so nothing is downloaded up front. Shards are then fetched in storage order,
+the next one downloading (huggingface_hub.hf_hub_download, into the standard cache) while the
+current one is converted. With `stream`, a shard that was not in the cache before this run is
+deleted from it once all its tensors are written: raw weights on disk stay at about two shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from convert.rules import is_ignored
+from convert.sources import ByteRange, _PreadFile, as_torch
+from tprt.checkpoint.hub import HubRepo
+from tprt.checkpoint.safetensors_io import MAX_HEADER_BYTES, TensorInfo, parse_header
+from tprt.errors import CheckpointError, ConfigError
+from tprt.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from convert.progress import Progress
+
+
+class HubSource:
+    """Safetensors shards of a resolved HubRepo, downloaded lazily in storage order."""
+
+    def __init__(self, repo: HubRepo, stream: bool) -> None:
+        self.repo = repo
+        self.stream = stream
+        self.path = Path(repo.label)  # names the source in messages
+        self.config_json = repo.config_json()
+        self.config = ModelConfig.from_file(repo.download("config.json"))
+        self.shards, self.weight_map = repo.weight_files()
+        self._aux = {n: repo.download(n).read_bytes() for n in repo.aux_files()}
+        self._was_cached = {s: repo.cached(s) is not None for s in self.shards}
+        self._headers = [self._header(s) for s in self.shards]
+        self._where: dict[str, tuple[int, TensorInfo]] = {}
+        for k, (tensors, shard) in enumerate(zip(self._headers, self.shards)):
+            for name, info in tensors.items():
+                if is_ignored(name):
+                    continue
+                if name in self._where:
+                    raise CheckpointError(f"{repo.label}: tensor {name!r} stored in two shards")
+                if self.weight_map is not None and self.weight_map.get(name) != shard:
+                    raise CheckpointError(f"{repo.label}/{shard}: holds {name!r}, which the index places elsewhere")
+                self._where[name] = (k, info)
+        self._open: dict[int, _PreadFile] = {}
+        self._pending: dict[int, Future[Path]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hub-download")
+        self._progress: Progress | None = None
+
+    # --- headers and downloads ---------------------------------------------------------------
+
+    def _header(self, shard: str) -> dict[str, TensorInfo]:
+        local = self.repo.cached(shard)
+        if local is not None:
+            from tprt.checkpoint.safetensors_io import read_header
+
+            return read_header(local)[0]
+        size = (self.repo.files or {}).get(shard)
+        (n,) = struct.unpack("<Q", self._range(shard, 0, 8))
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{self.repo.label}/{shard}: corrupt safetensors header (declares {n} bytes)")
+        raw = self._range(shard, 8, n)
+        return parse_header(raw, size if size is not None else 8 + n + (1 << 62), f"{self.repo.label}/{shard}")[0]
+
+    def _range(self, shard: str, start: int, nbytes: int) -> bytes:
+        """Bytes [start, start + nbytes) of `shard` at the pinned commit, by an HTTP Range request."""
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        from tprt.checkpoint.hub import _hub_call
+
+        url = hf_hub_url(self.repo.repo_id, shard, revision=self.repo.commit)
+        headers = {**build_hf_headers(token=self.repo.token), "Range": f"bytes={start}-{start + nbytes - 1}"}
+
+        def get() -> bytes:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True) as r:
+                hf_raise_for_status(r)
+                if r.status_code != 206:
+                    raise ConfigError(f"{self.repo.label}/{shard}: the Hub ignored a Range request "
+                                      f"(HTTP {r.status_code}); cannot read the header alone")
+                data = r.read()
+            if len(data) != nbytes:
+                raise CheckpointError(f"{self.repo.label}/{shard}: truncated header ({len(data)} of {nbytes} bytes)")
+            return data
+
+        data: bytes = _hub_call(self.repo, get, shard)
+        return data
+
+    def download_bytes(self) -> int:
+        """Bytes this run will download: the shards not already in the cache."""
+        files = self.repo.files or {}
+        return sum(files.get(s) or 0 for s in self.shards if not self._was_cached[s])
+
+    def attach(self, progress: Progress) -> None:
+        """Counts downloaded bytes on `progress` too (one bar for download and conversion)."""
+        self._progress = progress
+
+    def _fetch(self, k: int) -> Future[Path]:
+        if k not in self._pending:
+            tqdm_class = _forwarding_tqdm(self._progress)
+            self._pending[k] = self._pool.submit(self.repo.download, self.shards[k], tqdm_class)
+        return self._pending[k]
+
+    def _file(self, k: int) -> _PreadFile:
+        f = self._open.get(k)
+        if f is None:
+            path = self._fetch(k).result()
+            if k + 1 < len(self.shards):
+                self._fetch(k + 1)  # the next shard downloads while this one is converted
+            f = self._open[k] = _PreadFile(path)
+            if {n: (i.dtype, i.shape, i.begin) for n, i in f.tensors.items()} != {
+                n: (i.dtype, i.shape, i.begin) for n, i in self._headers[k].items()
+            }:
+                raise CheckpointError(f"{self.repo.label}/{self.shards[k]}: downloaded header differs from the Hub's")
+        return f
+
+    # --- TensorSource ------------------------------------------------------------------------
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: info.shape for n, (_, info) in self._where.items()}
+
+    def order(self) -> list[str]:
+        return sorted(self._where, key=lambda n: (self._where[n][0], self._where[n][1].begin))
+
+    def dtype(self, name: str) -> str:
+        return self._where[name][1].dtype
+
+    def raw_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        return self._file(self._where[name][0]).rows(name, start, stop)
+
+    def byte_ranges(self, name: str, start: int, stop: int) -> list[ByteRange] | None:
+        return [self._file(self._where[name][0]).span(name, start, stop)]
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        info = self._where[name][1]
+        return as_torch(self.raw_rows(name, start, stop), info.dtype, info.shape)
+
+    def aux_files(self) -> dict[str, bytes]:
+        return dict(self._aux)
+
+    def release_after(self, names: list[str]) -> dict[str, Callable[[], None]]:
+        """For the last tensor of each shard in `names` (plan order): closes the shard, and with
+        `stream` deletes it from the cache unless it was there before this run. The caller runs
+        the callback once that tensor's bytes are written and hashed."""
+        last: dict[int, str] = {}
+        for n in names:
+            last[self._where[n][0]] = n
+        return {n: functools.partial(self._release, k) for k, n in last.items()}
+
+    def _release(self, k: int) -> None:
+        f = self._open.pop(k, None)
+        if f is not None:
+            f.close()
+        if self.stream and not self._was_cached[self.shards[k]]:
+            self.repo.delete_cached(self.shards[k])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+
+def _forwarding_tqdm(progress: Progress | None) -> Any:
+    """A silent tqdm class for hf_hub_download whose updates go to our combined bar."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Forward(hf_tqdm):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if progress is not None and n:
+                progress.update(int(n))
+            return None
+
+    return Forward
