@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from convert import api
+from convert import api, engine
 from tprt.errors import OutputError, TprtError
 
 PROG = "tprt-convert"
@@ -150,17 +150,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    kept = _resume_note(args)
     try:
         return _run(args)
     except OutputError as e:
-        return _fail(str(e), 1)
+        return _fail(str(e) + kept(), 1)
     except TprtError as e:
-        return _fail(str(e), 2)
+        return _fail(str(e) + kept(), 2)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        return _fail(f"{where}{e.strerror or e}", 1)
+        return _fail(f"{where}{e.strerror or e}" + kept(), 1)
     except KeyboardInterrupt:
-        return _fail("interrupted; nothing was written", 130)
+        return _fail("interrupted; " + (kept().lstrip("; ") or "nothing was written"), 130)
+
+
+def _resume_note(args: argparse.Namespace) -> Callable[[], str]:
+    """What a failed --stream run left to resume from, if anything."""
+    def note() -> str:
+        if not getattr(args, "stream", False):
+            return ""
+        partial = args.dst.parent / f".{args.dst.name}.{engine.RESUME_DIR}"
+        return f"; the part converted is kept in {partial}: rerun the same command to resume" if partial.is_dir() else ""
+    return note
 
 
 def _fail(message: str, code: int) -> int:

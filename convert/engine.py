@@ -16,6 +16,7 @@ from convert.copy import execute
 from convert.hub_source import HubSource
 from convert.plan import TORCH_NAMES, Plan, parse_dtype, parse_size, plan_hf, plan_tp
 from convert.progress import Progress
+from convert.resume import Journal
 from convert.rules import check_tensor_set, expected_shapes
 from convert.sources import TensorSource, TPSource, open_source
 from tprt.checkpoint.format import FileEntry, Manifest, write_manifest
@@ -25,6 +26,7 @@ from tprt.errors import ConfigError, OutputError
 from tprt.checkpoint.fsutil import atomic_output_dir, write_bytes_atomic
 
 TOOL = "tprt-convert 0.1.0"
+RESUME_DIR = "tprt-partial"  # an interrupted --stream run's output, kept to resume from
 SPACE_MARGIN = 16 << 20  # headroom for the small files and the filesystem's own bookkeeping
 
 
@@ -110,12 +112,13 @@ def _small_files_size(source: TensorSource) -> int:
     return sum(len(b) for b in source.aux_files().values()) + 64 * 1024
 
 
-def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str) -> dict[str, FileEntry]:
-    download = source.download_bytes() if isinstance(source, HubSource) else 0
-    with Progress(plan.total_bytes + download, progress, desc + (" (download+convert)" if download else "")) as bar:
+def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str,
+              journal: Journal | None = None) -> dict[str, FileEntry]:
+    hub = isinstance(source, HubSource)
+    with Progress(plan.total_bytes, progress, desc + (" (download+convert)" if hub else "")) as bar:
         if isinstance(source, HubSource):
             source.attach(bar)
-        done = execute(plan, source, tmp, bar, dst)
+        done = execute(plan, source, tmp, bar, dst, journal)
     return {f.name: FileEntry(f.rank, *done[f.name]) for f in plan.files}
 
 
@@ -141,12 +144,21 @@ def convert_to_tp(
         if isinstance(source, HubSource):
             manifest.extra["source_commit"] = source.repo.commit
         check_free_space(dst, plan.total_bytes + _small_files_size(source))
-        with atomic_output_dir(dst, force) as tmp:
-            files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}")
+        resumable = isinstance(source, HubSource) and source.stream
+        with atomic_output_dir(dst, force, keep=RESUME_DIR if resumable else None) as tmp:
+            journal = Journal(tmp, _plan_key(manifest, plan)) if resumable else None
+            files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}", journal)
             files.update(_write_small_files(tmp, source, out_dtype))
             manifest.files = files
             write_manifest(tmp, manifest)
     return manifest
+
+
+def _plan_key(manifest: Manifest, plan: Plan) -> str:
+    """Identifies the output exactly (source commit, layout, every file's tensors and size), so a
+    resumed run continues only the same conversion."""
+    what = {"extra": manifest.extra, "files": [(f.name, f.entries, f.size) for f in plan.files]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _source_vocab_align(source: TensorSource) -> int:

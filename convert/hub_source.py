@@ -99,11 +99,6 @@ class HubSource:
         data: bytes = _hub_call(self.repo, get, shard)
         return data
 
-    def download_bytes(self) -> int:
-        """Bytes this run will download: the shards not already in the cache."""
-        files = self.repo.files or {}
-        return sum(files.get(s) or 0 for s in self.shards if not self._was_cached[s])
-
     def attach(self, progress: Progress) -> None:
         """Counts downloaded bytes on `progress` too (one bar for download and conversion)."""
         self._progress = progress
@@ -158,6 +153,9 @@ class HubSource:
         last: dict[int, str] = {}
         for n in names:
             last[self._where[n][0]] = n
+        if self._progress is not None:  # what is left to download joins the bar's total
+            files = self.repo.files or {}
+            self._progress.grow(sum(files.get(self.shards[k]) or 0 for k in last if not self._was_cached[self.shards[k]]))
         return {n: functools.partial(self._release, k) for k, n in last.items()}
 
     def _release(self, k: int) -> None:

@@ -30,17 +30,39 @@ _Range = tuple[int, int, int]  # (source fd, offset, nbytes)
 
 
 class FileSink:
-    def __init__(self, path: Path, header: bytes, size: int, max_queued: int = 6) -> None:
+    def __init__(self, path: Path, header: bytes, size: int, max_queued: int = 6, resume_at: int = 0) -> None:
+        """A new file starting with `header`; with `resume_at` > 0, the existing file's first
+        `resume_at` bytes are kept (and hashed again) and writing continues after them."""
         self.path = path
         self.size = size  # what the header promises
         self.written = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if resume_at else os.O_TRUNC), 0o666)
         self._sha = hashlib.sha256()
         self._queue: queue.Queue[memoryview | _Range | None] = queue.Queue(maxsize=max_queued)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._hash_loop, name=f"sha256:{path.name}", daemon=True)
         self._thread.start()
-        self.write(header)
+        if resume_at:
+            self._keep_prefix(resume_at)
+        else:
+            self.write(header)
+
+    def _keep_prefix(self, nbytes: int) -> None:
+        os.ftruncate(self._fd, nbytes)  # drops whatever an interrupted run wrote after it
+        os.lseek(self._fd, nbytes, os.SEEK_SET)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._hash_read(fd, 0, nbytes, memoryview(bytearray(HASH_READ_BYTES)))
+        finally:
+            os.close(fd)
+        self.written = nbytes
+
+    def sync(self) -> None:
+        """Makes everything written so far durable."""
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise self._output_error(e) from e
 
     def write(self, buf: bytes | np.ndarray) -> None:
         """Writes `buf` (contiguous); it is kept by reference until hashed, so do not modify it."""

@@ -5,8 +5,8 @@ It answers what huggingface_hub calls for a model: GET /api/models/{repo}[/revis
 (with X-Repo-Commit, ETag and Content-Length; GET honours Range with 206), and the error codes
 huggingface_hub maps to its exceptions (X-Error-Code: RepoNotFound, RevisionNotFound,
 EntryNotFound, GatedRepo). It counts every request, can drop a connection in the middle of a
-file once, and samples how many shard blobs are in a cache directory whenever a shard download
-starts (the peak number of raw shards on disk).
+file once or fail a file's downloads (410), and samples how many shard blobs are in a cache
+directory whenever a shard download starts (the peak number of raw shards on disk).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class FakeHub:
     ranges: list[str] = field(default_factory=list)  # "path Range" of every ranged GET
     full_gets: Counter[str] = field(default_factory=Counter)  # path -> whole-file GETs
     drop_once: set[str] = field(default_factory=set)  # files whose next full GET dies half-way
+    failing: set[str] = field(default_factory=set)  # files answered 410 (but for header Range reads)
     watch_cache: Path | None = None  # repo cache dir whose shard blobs are counted
     peak_shards: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -154,6 +155,9 @@ class FakeHub:
         headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                    "Accept-Ranges": "bytes"}
         rng = h.headers.get("Range")
+        if filename in self.failing and (head or rng is None):
+            self._error(h, 410, "Gone", "temporarily withdrawn")
+            return
         if head or rng is None:
             if not head:
                 with self._lock:

@@ -190,6 +190,26 @@ def test_connection_dropped_mid_shard_resumes(hub: FakeHub, model: Path, tmp_pat
     assert hub.full_gets[next(p for p in hub.full_gets if p.endswith(shard))] == 1
 
 
+def test_interrupted_stream_resumes_without_refetching(hub: FakeHub, model: Path, tmp_path: Path) -> None:
+    shards = shard_names(model)
+    hub.failing.add(shards[3])
+    dst = tmp_path / "hub"
+    assert main(["hf-to-tp", REPO, str(dst), "--tp", "2", "--stream"]) == 2
+    assert not dst.exists()  # still atomic
+    partial = tmp_path / ".hub.tprt-partial"
+    assert (partial / ".tprt-resume.json").is_file()
+    fetched = {p.rsplit("/", 1)[-1] for p, n in hub.full_gets.items() if n}
+    assert set(shards[:3]) <= fetched and shards[4] not in fetched
+    hub.failing.clear()
+    hub.full_gets.clear()
+    assert main(["hf-to-tp", REPO, str(dst), "--tp", "2", "--stream"]) == 0
+    assert {p.rsplit("/", 1)[-1] for p in hub.full_gets if p.endswith(".safetensors")} == set(shards[3:])
+    assert not partial.exists()
+    api.hf_to_tp(model, tmp_path / "local", tp=2)
+    same_output(tmp_path / "local", dst)
+    assert api.verify(dst) == []
+
+
 def test_offline_with_warm_cache(hub: FakeHub, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     api.hf_to_tp(REPO, tmp_path / "warm", tp=2)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
