@@ -238,5 +238,16 @@ def test_cli_with_hf_endpoint_env(hub: FakeHub, model: Path, tmp_path: Path) -> 
     assert out.stderr.strip().splitlines()[-1].startswith("tprt-convert: error: meta/gated: gated repository")
 
 
+def test_plan_fetches_only_config(hub: FakeHub, capsys: pytest.CaptureFixture[str]) -> None:
+    from tprt.cli.main import main as tprt_main
+
+    assert tprt_main(["plan", "--model", REPO, "--tp", "2", "--device", "cpu", "--json", "serve"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tp"] == 2
+    about_repo = [k for k in hub.requests if REPO in k]  # (huggingface_hub also asks /api/agent-harnesses)
+    assert about_repo and all(k.endswith("/config.json") for k in about_repo)
+    assert tprt_main(["plan", "--model", "nobody/nothing", "--tp", "2", "--device", "cpu", "serve"]) == 2
+
+
 def test_local_flags_rejected_for_local_path(model: Path, tmp_path: Path) -> None:
     assert main(["hf-to-tp", str(model), str(tmp_path / "o"), "--tp", "2", "--stream"]) == 2

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tprt.checkpoint.format import TOKENIZER_FILES
 from tprt.errors import ConfigError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -142,6 +141,8 @@ class HubRepo:
 
     def aux_files(self) -> list[str]:
         """Tokenizer files, generation config and chat template the repository has."""
+        from tprt.checkpoint.format import TOKENIZER_FILES  # here: it imports torch, `tprt plan` does not
+
         return [n for n in TOKENIZER_FILES if self.has(n)]
 
     def delete_cached(self, filename: str) -> None:
@@ -188,7 +189,7 @@ def _hub_call(repo: HubRepo, fn: Any, filename: str | None = None) -> Any:
 
 
 def hub_config(repo_id: str, revision: str | None = None, token: str | None = None) -> Path:
-    """config.json of a Hub model, fetched alone (into the cache); its local path."""
-    repo = HubRepo(repo_id, revision, token)
-    return repo.download("config.json")
+    """config.json of a Hub model, fetched alone (into the cache, or found there offline); its
+    local path. Nothing else is requested: no repo listing, no weights."""
+    return HubRepo(repo_id, revision, token).download("config.json")
 
