@@ -11,8 +11,9 @@ from pathlib import Path
 
 from convert import engine
 from convert.verify import verify as _verify
+from convert.verify import verify_hub
 from tprt.checkpoint.format import Manifest
-from tprt.checkpoint.hub import is_hub_id
+from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.errors import ConfigError
 
 __all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]
@@ -66,7 +67,10 @@ def gguf_to_hf(
     return engine.convert_to_hf(Path(src), Path(dst), dtype, force, progress, max_shard_size)
 
 
-def verify(path: Path) -> list[str]:
+def verify(path: Path | str, revision: str | None = None, token: str | None = None) -> list[str]:
     """Re-reads every file (sha256, size, header) and checks shapes against the manifest and
-    config.json; returns the problems found, one line each (empty when sound)."""
+    config.json; returns the problems found, one line each (empty when sound). A Hub repo id
+    verifies its download in the huggingface_hub cache (sha256 against the Hub's)."""
+    if is_hub_id(path):
+        return verify_hub(HubRepo(str(path), revision, token))
     return _verify(Path(path))

@@ -32,6 +32,7 @@ examples:
   tprt-convert tp-to-hf ./llama8b-tp2 ./llama8b-hf
   tprt-convert gguf-to-hf ./SmolLM2-135M.Q4_1.gguf ./smollm2-hf
   tprt-convert verify ./llama8b-tp4
+  tprt-convert verify meta-llama/Llama-3.1-8B-Instruct
 
 exit status: 0 success, 1 failure (verify found problems, disk full, ...), 2 bad usage or input.
 """
@@ -106,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check a converted directory against its manifest", formatter_class=fmt,
                        description="Recompute every file's sha256 and check sizes, headers and shapes "
                                    "against the manifest and config.json. Exit 1 if anything is wrong.")
-    p.add_argument("dir", type=Path, metavar="DIR", help="TP checkpoint (or HF) directory")
+    p.add_argument("dir", metavar="DIR", help="TP checkpoint (or HF) directory, or a Hub repo id (org/name) "
+                                              "to verify its download in the Hugging Face cache")
+    p.add_argument("--revision", metavar="R", help="for a Hub repo: branch, tag or commit (default: main)")
+    p.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
     return parser
 
 
@@ -132,7 +136,7 @@ def _to_hf(args: argparse.Namespace, progress: bool) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = api.verify(args.dir)
+    problems = api.verify(args.dir, revision=args.revision, token=args.token)
     for line in problems:
         print(line)
     print(f"{args.dir}: " + ("OK" if not problems else f"{len(problems)} problem(s)"), file=sys.stderr)

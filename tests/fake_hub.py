@@ -135,9 +135,16 @@ class FakeHub:
         files = repo.files[sha]
         body = json.dumps({
             "id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": repo.gated,
-            "siblings": [{"rfilename": n, "size": len(d)} for n, d in sorted(files.items())],
+            "siblings": [{"rfilename": n, "size": len(d), **self._lfs(n, d)} for n, d in sorted(files.items())],
         }).encode()
         self._send(h, 200, body, {"Content-Type": "application/json"}, head=False)
+
+    @staticmethod
+    def _lfs(name: str, data: bytes) -> dict[str, object]:
+        """Weights are LFS files on the Hub: the listing carries their sha256."""
+        if not name.endswith((".safetensors", ".bin", ".pth")):
+            return {}
+        return {"lfs": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}}
 
     def _resolve(self, h: BaseHTTPRequestHandler, path: str, head: bool) -> None:
         repo_id, _, rest = path.lstrip("/").partition("/resolve/")

@@ -238,6 +238,18 @@ def test_cli_with_hf_endpoint_env(hub: FakeHub, model: Path, tmp_path: Path) -> 
     assert out.stderr.strip().splitlines()[-1].startswith("tprt-convert: error: meta/gated: gated repository")
 
 
+def test_verify_download(hub: FakeHub, model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", REPO]) == 0
+    blobs = hub.watch_cache / "blobs"  # type: ignore[operator]
+    shard = next(p for p in blobs.iterdir() if p.stat().st_size > 10_000)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # a flipped bit in the cached copy: headers still parse
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", REPO]) == 1
+    assert "differs from the Hub's (sha256 mismatch)" in capsys.readouterr().out
+
+
 def test_plan_fetches_only_config(hub: FakeHub, capsys: pytest.CaptureFixture[str]) -> None:
     from tprt.cli.main import main as tprt_main
 

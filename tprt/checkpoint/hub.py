@@ -44,6 +44,7 @@ class HubRepo:
     token: str | None = None
     commit: str = ""  # set by resolve()
     files: dict[str, int | None] | None = None  # repo file -> size (None: unknown, offline)
+    sha256: dict[str, str] | None = None  # LFS file -> the Hub's sha256 of its content (online only)
 
     @property
     def label(self) -> str:
@@ -64,6 +65,7 @@ class HubRepo:
             raise ConfigError(f"{self.label}: the Hub did not report the revision's commit")
         self.commit = info.sha
         self.files = {s.rfilename: s.size for s in info.siblings or []}
+        self.sha256 = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs is not None}
         if self.has("config.json"):  # fetched by the revision's name so the cache records it (refs/)
             rev = self.revision
             config = _hub_call(self, lambda: hf_hub_download(self.repo_id, "config.json", revision=rev,
