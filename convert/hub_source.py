@@ -15,13 +15,13 @@ import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from convert.rules import is_ignored
 from convert.sources import ByteRange, _PreadFile, as_torch
-from tprt.checkpoint.hub import HubRepo
+from tprt.checkpoint.hub import HubRepo, hub_call
 from tprt.checkpoint.safetensors_io import MAX_HEADER_BYTES, TensorInfo, parse_header
 from tprt.errors import CheckpointError, ConfigError
 from tprt.model.config import ModelConfig
@@ -40,7 +40,7 @@ class HubSource:
         self.stream = stream
         self.path = Path(repo.label)  # names the source in messages
         self.config_json = repo.config_json()
-        self.config = ModelConfig.from_file(repo.download("config.json"))
+        self.config = ModelConfig.from_dict(self.config_json, repo.label)
         self.shards, self.weight_map = repo.weight_files()
         self._aux = {n: repo.download(n).read_bytes() for n in repo.aux_files()}
         self._was_cached = {s: repo.cached(s) is not None for s in self.shards}
@@ -69,18 +69,17 @@ class HubSource:
 
             return read_header(local)[0]
         size = (self.repo.files or {}).get(shard)
+        if size is None:  # online, the listing has every size; offline, shards must be cached
+            raise ConfigError(f"{self.repo.label}/{shard}: not in the cache, and its size is unknown")
         (n,) = struct.unpack("<Q", self._range(shard, 0, 8))
-        if n > MAX_HEADER_BYTES:
+        if n > MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointError(f"{self.repo.label}/{shard}: corrupt safetensors header (declares {n} bytes)")
-        raw = self._range(shard, 8, n)
-        return parse_header(raw, size if size is not None else 8 + n + (1 << 62), f"{self.repo.label}/{shard}")[0]
+        return parse_header(self._range(shard, 8, n), size, f"{self.repo.label}/{shard}")[0]
 
     def _range(self, shard: str, start: int, nbytes: int) -> bytes:
         """Bytes [start, start + nbytes) of `shard` at the pinned commit, by an HTTP Range request."""
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-        from tprt.checkpoint.hub import _hub_call
 
         url = hf_hub_url(self.repo.repo_id, shard, revision=self.repo.commit)
         headers = {**build_hf_headers(token=self.repo.token), "Range": f"bytes={start}-{start + nbytes - 1}"}
@@ -96,7 +95,7 @@ class HubSource:
                 raise CheckpointError(f"{self.repo.label}/{shard}: truncated header ({len(data)} of {nbytes} bytes)")
             return data
 
-        data: bytes = _hub_call(self.repo, get, shard)
+        data: bytes = hub_call(self.repo, get, shard)
         return data
 
     def attach(self, progress: Progress) -> None:
@@ -105,8 +104,8 @@ class HubSource:
 
     def _fetch(self, k: int) -> Future[Path]:
         if k not in self._pending:
-            tqdm_class = _forwarding_tqdm(self._progress)
-            self._pending[k] = self._pool.submit(self.repo.download, self.shards[k], tqdm_class)
+            on_bytes = self._progress.update if self._progress is not None else None
+            self._pending[k] = self._pool.submit(self.repo.download, self.shards[k], on_bytes)
         return self._pending[k]
 
     def _file(self, k: int) -> _PreadFile:
@@ -171,19 +170,3 @@ class HubSource:
             f.close()
         self._open.clear()
 
-
-def _forwarding_tqdm(progress: Progress | None) -> Any:
-    """A silent tqdm class for hf_hub_download whose updates go to our combined bar."""
-    from huggingface_hub.utils import tqdm as hf_tqdm
-
-    class Forward(hf_tqdm):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-
-        def update(self, n: float | None = 1) -> bool | None:
-            if progress is not None and n:
-                progress.update(int(n))
-            return None
-
-    return Forward

@@ -11,35 +11,71 @@ directory whenever a shard download starts (the peak number of raw shards on dis
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 
+Content = bytes | Path  # a file's bytes, or a local file served from disk (benchmark-sized models)
+SEND_CHUNK = 8 << 20
+
+
+def size_of(c: Content) -> int:
+    return len(c) if isinstance(c, bytes) else c.stat().st_size
+
+
+@functools.lru_cache(maxsize=None)
+def digest(c: Content) -> str:
+    """The content's sha256 (its ETag and LFS sha256); for a file on disk, a stand-in derived from
+    its path and size, so that serving a 5 GB shard does not mean hashing it first."""
+    if isinstance(c, bytes):
+        return hashlib.sha256(c).hexdigest()
+    return hashlib.sha256(f"{c}:{size_of(c)}".encode()).hexdigest()
+
+
+def chunks(c: Content, lo: int, hi: int) -> Iterator[bytes]:
+    """Bytes [lo, hi) of the content, a bounded piece at a time."""
+    if isinstance(c, bytes):
+        yield c[lo:hi]
+        return
+    with open(c, "rb") as f:
+        f.seek(lo)
+        while lo < hi:
+            block = f.read(min(SEND_CHUNK, hi - lo))
+            if not block:
+                return
+            lo += len(block)
+            yield block
+
+
 @dataclass
 class FakeRepo:
     revisions: dict[str, str]  # branch or tag -> commit sha
-    files: dict[str, dict[str, bytes]]  # commit sha -> {path in repo: content}
+    files: dict[str, dict[str, Content]]  # commit sha -> {path in repo: content}
     gated: bool = False  # needs a token; 401 without one, 403 with the wrong one
     token: str = "hf_good"
 
 
-def load_dir(path: Path, extra: dict[str, bytes] | None = None) -> dict[str, bytes]:
-    """Every file under `path` keyed by its relative path, plus `extra`."""
-    out = {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+def load_dir(path: Path, extra: dict[str, bytes] | None = None, on_disk: bool = False) -> dict[str, Content]:
+    """Every file under `path` keyed by its relative path (its bytes, or with `on_disk` the file
+    itself, served from disk), plus `extra`."""
+    out: dict[str, Content] = {str(p.relative_to(path)): p if on_disk else p.read_bytes()
+                               for p in sorted(path.rglob("*")) if p.is_file()}
     out.update(extra or {})
     return out
 
 
-def commit_of(files: dict[str, bytes]) -> str:
+def commit_of(files: dict[str, Content]) -> str:
     h = hashlib.sha1()
     for name, data in sorted(files.items()):
-        h.update(name.encode() + hashlib.sha256(data).digest())
+        h.update(name.encode() + digest(data).encode())
     return h.hexdigest()
 
 
@@ -55,7 +91,8 @@ class FakeHub:
     peak_shards: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, repo_id: str, files: dict[str, bytes], gated: bool = False, **more_revisions: dict[str, bytes]) -> str:
+    def add(self, repo_id: str, files: dict[str, Content], gated: bool = False,
+            **more_revisions: dict[str, Content]) -> str:
         """Serves `files` as the repo's main branch (other branches by keyword); returns main's sha."""
         repo = FakeRepo({}, {}, gated)
         for rev, content in {"main": files, **more_revisions}.items():
@@ -135,16 +172,16 @@ class FakeHub:
         files = repo.files[sha]
         body = json.dumps({
             "id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": repo.gated,
-            "siblings": [{"rfilename": n, "size": len(d), **self._lfs(n, d)} for n, d in sorted(files.items())],
+            "siblings": [{"rfilename": n, "size": size_of(d), **self._lfs(n, d)} for n, d in sorted(files.items())],
         }).encode()
         self._send(h, 200, body, {"Content-Type": "application/json"}, head=False)
 
     @staticmethod
-    def _lfs(name: str, data: bytes) -> dict[str, object]:
+    def _lfs(name: str, data: Content) -> dict[str, object]:
         """Weights are LFS files on the Hub: the listing carries their sha256."""
         if not name.endswith((".safetensors", ".bin", ".pth")):
             return {}
-        return {"lfs": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}}
+        return {"lfs": {"size": size_of(data), "sha256": digest(data), "pointerSize": 134}}
 
     def _resolve(self, h: BaseHTTPRequestHandler, path: str, head: bool) -> None:
         repo_id, _, rest = path.lstrip("/").partition("/resolve/")
@@ -159,7 +196,7 @@ class FakeHub:
         if data is None:
             self._error(h, 404, "EntryNotFound", f"{filename} does not exist", {"X-Repo-Commit": sha})
             return
-        headers = {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+        headers = {"X-Repo-Commit": sha, "ETag": f'"{digest(data)}"',
                    "Accept-Ranges": "bytes"}
         rng = h.headers.get("Range")
         if filename in self.failing and (head or rng is None):
@@ -181,41 +218,48 @@ class FakeHub:
             self.ranges.append(f"{path} {rng}")
         lo_s, _, hi_s = rng.removeprefix("bytes=").partition("-")
         lo = int(lo_s)
-        hi = min(int(hi_s) if hi_s else len(data) - 1, len(data) - 1)
-        headers["Content-Range"] = f"bytes {lo}-{hi}/{len(data)}"
-        self._send(h, 206, data[lo : hi + 1], headers, head)
+        size = size_of(data)
+        hi = min(int(hi_s) if hi_s else size - 1, size - 1)
+        headers["Content-Range"] = f"bytes {lo}-{hi}/{size}"
+        self._send(h, 206, data, headers, head, lo, hi + 1)
 
-    def _sample_cache(self, data: bytes) -> None:
+    def _sample_cache(self, data: Content) -> None:
         """Shard blobs in the watched cache now, plus the one this GET is about to deliver."""
         if self.watch_cache is None:
             return
         blobs = self.watch_cache / "blobs"
         names = {p.name.split(".")[0] for p in blobs.iterdir()} if blobs.is_dir() else set()
-        shard_etags = {hashlib.sha256(d).hexdigest() for r in self.repos.values() for fs in r.files.values()
+        shard_etags = {digest(d) for r in self.repos.values() for fs in r.files.values()
                        for n, d in fs.items() if n.endswith(".safetensors")}
-        present = len(names & shard_etags - {hashlib.sha256(data).hexdigest()}) + 1
+        present = len(names & shard_etags - {digest(data)}) + 1
         with self._lock:
             self.peak_shards = max(self.peak_shards, present)
 
     @staticmethod
-    def _send(h: BaseHTTPRequestHandler, status: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+    def _send(h: BaseHTTPRequestHandler, status: int, body: Content, headers: dict[str, str], head: bool,
+              lo: int = 0, hi: int | None = None) -> None:
+        """Bytes [lo, hi) of `body` (default: all of it)."""
+        hi = size_of(body) if hi is None else hi
         h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(len(body)))
+        h.send_header("Content-Length", str(hi - lo))
         h.end_headers()
         if not head:
-            h.wfile.write(body)
+            for block in chunks(body, lo, hi):
+                h.wfile.write(block)
 
     @staticmethod
-    def _send_truncated(h: BaseHTTPRequestHandler, data: bytes, headers: dict[str, str]) -> None:
+    def _send_truncated(h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:
         """Promises the whole file, sends half, and closes the connection."""
+        size = size_of(data)
         h.send_response(200)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Content-Length", str(size))
         h.end_headers()
-        h.wfile.write(data[: len(data) // 2])
+        for block in chunks(data, 0, size // 2):
+            h.wfile.write(block)
         h.wfile.flush()
         h.close_connection = True
         h.connection.close()

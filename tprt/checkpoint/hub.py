@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class HubRepo:
             return self
         from huggingface_hub import HfApi, hf_hub_download
 
-        info = _hub_call(self, lambda: HfApi().model_info(
+        info = hub_call(self, lambda: HfApi().model_info(
             self.repo_id, revision=self.revision, token=self.token, files_metadata=True))
         if not info.sha:
             raise ConfigError(f"{self.label}: the Hub did not report the revision's commit")
@@ -68,8 +69,9 @@ class HubRepo:
         self.sha256 = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs is not None}
         if self.has("config.json"):  # fetched by the revision's name so the cache records it (refs/)
             rev = self.revision
-            config = _hub_call(self, lambda: hf_hub_download(self.repo_id, "config.json", revision=rev,
-                                                             token=self.token), "config.json")
+            quiet = quiet_tqdm(None)
+            config = hub_call(self, lambda: hf_hub_download(self.repo_id, "config.json", revision=rev,
+                                                            token=self.token, tqdm_class=quiet), "config.json")
             if Path(config).parent.name != self.commit:
                 raise ConfigError(f"{self.label}: the revision moved while it was being read; try again")
         return self
@@ -84,12 +86,13 @@ class HubRepo:
                 "run once online, or unset HF_HUB_OFFLINE"
             ) from None
 
-    def download(self, filename: str, tqdm_class: Any = None) -> Path:
-        """The cached path of `filename` at the pinned commit (downloaded if not cached)."""
+    def download(self, filename: str, on_bytes: Callable[[int], None] | None = None) -> Path:
+        """The cached path of `filename` at the pinned commit (downloaded if not cached, without
+        huggingface_hub's own progress bar; `on_bytes` is told of each chunk received)."""
         from huggingface_hub import hf_hub_download
 
-        rev = self.commit or self.revision
-        return Path(_hub_call(self, lambda: hf_hub_download(
+        rev, tqdm_class = self.commit or self.revision, quiet_tqdm(on_bytes)
+        return Path(hub_call(self, lambda: hf_hub_download(
             self.repo_id, filename, revision=rev, token=self.token, tqdm_class=tqdm_class), filename))
 
     def cached(self, filename: str) -> Path | None:
@@ -111,10 +114,12 @@ class HubRepo:
             raise ConfigError(f"{self.label}: no config.json in the repository; not a transformers model")
         path = self.download("config.json")
         try:
-            ModelConfig.from_file(path)
-        except ConfigError as e:
-            raise ConfigError(f"{self.label}: {str(e).split(': ', 1)[-1]}") from None
-        data: dict[str, Any] = json.loads(path.read_text())
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"{self.label}: config.json is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{self.label}: config.json is not a JSON object")
+        ModelConfig.from_dict(data, self.label)
         return data
 
     def weight_files(self) -> tuple[list[str], dict[str, str] | None]:
@@ -158,7 +163,7 @@ class HubRepo:
             blob.unlink(missing_ok=True)
 
 
-def _hub_call(repo: HubRepo, fn: Any, filename: str | None = None) -> Any:
+def hub_call(repo: HubRepo, fn: Any, filename: str | None = None) -> Any:
     """Runs a huggingface_hub call, turning its errors into one ConfigError line."""
     from huggingface_hub import errors
 
@@ -188,6 +193,24 @@ def _hub_call(repo: HubRepo, fn: Any, filename: str | None = None) -> Any:
         if type(e).__module__.split(".")[0] not in ("httpx", "httpx2", "httpcore"):
             raise
         raise ConfigError(f"{what}: cannot reach the Hub ({type(e).__name__}: {e})") from None
+
+
+def quiet_tqdm(on_bytes: Callable[[int], None] | None) -> Any:
+    """A tqdm class for hf_hub_download that draws nothing and hands each update to `on_bytes`
+    (the converter's own bar counts downloads and conversion together)."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class Quiet(hf_tqdm):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if on_bytes is not None and n:
+                on_bytes(int(n))
+            return None
+
+    return Quiet
 
 
 def hub_config(repo_id: str, revision: str | None = None, token: str | None = None) -> Path:
