@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     import torch
 
     from convert.progress import Progress
+
+
+class DownloadCancelled(Exception):
+    """Raised inside huggingface_hub's download loop to stop it when the source closes early."""
 
 
 class HubSource:
@@ -59,6 +64,7 @@ class HubSource:
         self._pending: dict[int, Future[Path]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hub-download")
         self._progress: Progress | None = None
+        self._closing = threading.Event()
 
     # --- headers and downloads ---------------------------------------------------------------
 
@@ -104,9 +110,15 @@ class HubSource:
 
     def _fetch(self, k: int) -> Future[Path]:
         if k not in self._pending:
-            on_bytes = self._progress.update if self._progress is not None else None
-            self._pending[k] = self._pool.submit(self.repo.download, self.shards[k], on_bytes)
+            self._pending[k] = self._pool.submit(self.repo.download, self.shards[k], self._on_bytes)
         return self._pending[k]
+
+    def _on_bytes(self, n: int) -> None:
+        """Called by the download thread for each chunk received."""
+        if self._closing.is_set():
+            raise DownloadCancelled(f"{self.repo.label}: download cancelled")  # hf deletes its partial file
+        if self._progress is not None:
+            self._progress.update(n)
 
     def _file(self, k: int) -> _PreadFile:
         f = self._open.get(k)
@@ -165,6 +177,8 @@ class HubSource:
             self.repo.delete_cached(self.shards[k])
 
     def close(self) -> None:
+        """Stops a download still running (after a failure or Ctrl-C) at its next chunk."""
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for f in self._open.values():
             f.close()

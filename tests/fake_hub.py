@@ -5,7 +5,7 @@ It answers what huggingface_hub calls for a model: GET /api/models/{repo}[/revis
 (with X-Repo-Commit, ETag and Content-Length; GET honours Range with 206), and the error codes
 huggingface_hub maps to its exceptions (X-Error-Code: RepoNotFound, RevisionNotFound,
 EntryNotFound, GatedRepo). It counts every request, can drop a connection in the middle of a
-file once or fail a file's downloads (410), and samples how many shard blobs are in a cache
+file once, fail a file's downloads (410) or send them slowly, and samples how many shard blobs are in a cache
 directory whenever a shard download starts (the peak number of raw shards on disk).
 """
 
@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class FakeHub:
     full_gets: Counter[str] = field(default_factory=Counter)  # path -> whole-file GETs
     drop_once: set[str] = field(default_factory=set)  # files whose next full GET dies half-way
     failing: set[str] = field(default_factory=set)  # files answered 410 (but for header Range reads)
+    chunk_delay: float = 0.0  # seconds slept after every 4 KiB of a whole-file GET (a slow link)
     watch_cache: Path | None = None  # repo cache dir whose shard blobs are counted
     peak_shards: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -212,6 +214,9 @@ class FakeHub:
                 self.drop_once.discard(filename)
                 self._send_truncated(h, data, headers)
                 return
+            if not head and self.chunk_delay:
+                self._send_slowly(h, data, headers)
+                return
             self._send(h, 200, data, headers, head)
             return
         with self._lock:
@@ -248,6 +253,22 @@ class FakeHub:
         if not head:
             for block in chunks(body, lo, hi):
                 h.wfile.write(block)
+
+    def _send_slowly(self, h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:
+        size = size_of(data)
+        h.send_response(200)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(size))
+        h.end_headers()
+        try:
+            for lo in range(0, size, 4096):
+                for block in chunks(data, lo, min(lo + 4096, size)):
+                    h.wfile.write(block)
+                h.wfile.flush()
+                time.sleep(self.chunk_delay)
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True  # the client gave up, as it may
 
     @staticmethod
     def _send_truncated(h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:

@@ -210,6 +210,27 @@ def test_interrupted_stream_resumes_without_refetching(hub: FakeHub, model: Path
     assert api.verify(dst) == []
 
 
+def test_closing_stops_a_running_download(hub: FakeHub, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a failure or Ctrl-C the prefetched download stops at its next chunk, and leaves no
+    partial file in the cache, instead of running to the end of a multi-GB shard."""
+    import time
+
+    from convert.hub_source import HubSource
+    from tprt.checkpoint.hub import HubRepo
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 4096)
+    hub.chunk_delay = 0.05  # the ~80 KB shard takes about a second
+    source = HubSource(HubRepo(REPO).resolve(), stream=True)
+    source.byte_ranges(source.order()[0], 0, 1)  # opens shard 1 (downloaded), starts shard 2
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    source.close()
+    assert time.perf_counter() - t0 < 0.5
+    blobs = hub.watch_cache / "blobs"  # type: ignore[operator]
+    assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
+    assert len([p for p in blobs.iterdir() if p.stat().st_size > 10_000]) == 1  # shard 2 never completed
+
+
 def test_offline_with_warm_cache(hub: FakeHub, model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     api.hf_to_tp(REPO, tmp_path / "warm", tp=2)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
