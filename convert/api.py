@@ -16,7 +16,7 @@ from tprt.checkpoint.format import Manifest
 from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.errors import ConfigError
 
-__all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]
+__all__ = ["gguf_to_hf", "hf_to_tp", "hub_gguf", "reshard", "tp_to_hf", "verify"]
 
 
 def hf_to_tp(
@@ -58,13 +58,33 @@ def tp_to_hf(
 
 
 def gguf_to_hf(
-    src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
-    max_shard_size: int | str | None = None,
+    src: Path | str, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
+    max_shard_size: int | str | None = None, revision: str | None = None, token: str | None = None,
+    gguf_file: str | None = None,
 ) -> list[str]:
-    """.gguf file -> HF directory (dequantised; q/k rows back in HF's rotate-half order)."""
+    """.gguf file -> HF directory (dequantised; q/k rows back in HF's rotate-half order). `src`
+    may be a Hub repo id: its .gguf file (`gguf_file`, needed when it has several) is fetched
+    into the Hugging Face cache first."""
+    if is_hub_id(src):
+        src = hub_gguf(HubRepo(str(src), revision, token).resolve(), gguf_file)
+    elif gguf_file or revision:
+        raise ConfigError(f"{src}: --gguf-file and --revision apply to a Hub repo id (org/name)")
     if Path(src).suffix.lower() != ".gguf":
         raise ConfigError(f"{src}: SRC must be a .gguf file")
     return engine.convert_to_hf(Path(src), Path(dst), dtype, force, progress, max_shard_size)
+
+
+def hub_gguf(repo: HubRepo, name: str | None) -> Path:
+    """The cached path of the repository's .gguf file `name` (None: its only one), fetched alone."""
+    ggufs = sorted(f for f in repo.files or {} if f.lower().endswith(".gguf"))
+    if name is None:
+        if len(ggufs) != 1:
+            found = ", ".join(ggufs[:6]) + (", ..." if len(ggufs) > 6 else "") if ggufs else "none"
+            raise ConfigError(f"{repo.label}: pick one .gguf file with --gguf-file (found: {found})")
+        name = ggufs[0]
+    elif name not in ggufs:
+        raise ConfigError(f"{repo.label}: no file {name!r} in the repository (.gguf files: {', '.join(ggufs) or 'none'})")
+    return repo.download(name)
 
 
 def verify(path: Path | str, revision: str | None = None, token: str | None = None) -> list[str]:

@@ -31,6 +31,7 @@ examples:
   tprt-convert reshard ./llama8b-tp8 ./llama8b-tp2 --tp 2
   tprt-convert tp-to-hf ./llama8b-tp2 ./llama8b-hf
   tprt-convert gguf-to-hf ./SmolLM2-135M.Q4_1.gguf ./smollm2-hf
+  tprt-convert gguf-to-hf org/Model-GGUF ./model-hf --gguf-file model.Q4_1.gguf
   tprt-convert verify ./llama8b-tp4
   tprt-convert verify meta-llama/Llama-3.1-8B-Instruct
 
@@ -99,9 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gguf-to-hf", help=".gguf file -> HF directory", formatter_class=fmt,
                        description="Dequantise a GGUF Llama model into HF safetensors.")
-    p.add_argument("src", type=Path, metavar="SRC.gguf", help="GGUF file")
+    p.add_argument("src", metavar="SRC.gguf", help="GGUF file, or a Hub repo id (org/name) holding one")
     p.add_argument("dst", type=Path, metavar="DST", help="HF directory to create")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE", help="shard size (default 5GB)")
+    g = p.add_argument_group("Hub source (SRC = org/name)")
+    g.add_argument("--gguf-file", metavar="NAME", help="which .gguf file of the repo (needed when it has several)")
+    g.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
+    g.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
     _common(p)
 
     p = sub.add_parser("verify", help="check a converted directory against its manifest", formatter_class=fmt,
@@ -128,9 +133,13 @@ def _to_tp(args: argparse.Namespace, progress: bool) -> int:
 
 
 def _to_hf(args: argparse.Namespace, progress: bool) -> int:
-    fn = api.tp_to_hf if args.command == "tp-to-hf" else api.gguf_to_hf
-    files = fn(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
-               max_shard_size=args.max_shard_size)
+    if args.command == "tp-to-hf":
+        files = api.tp_to_hf(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
+                             max_shard_size=args.max_shard_size)
+    else:
+        files = api.gguf_to_hf(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
+                               max_shard_size=args.max_shard_size, revision=args.revision, token=args.token,
+                               gguf_file=args.gguf_file)
     print(f"{args.dst}: {len(files)} safetensors file(s)")
     return 0
 

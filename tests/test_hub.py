@@ -271,6 +271,23 @@ def test_verify_download(hub: FakeHub, model: Path, capsys: pytest.CaptureFixtur
     assert "differs from the Hub's (sha256 mismatch)" in capsys.readouterr().out
 
 
+def test_gguf_from_hub(hub: FakeHub, tmp_path: Path) -> None:
+    from gguf_helpers import Q, write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.Q8_0.gguf", types={"blk.0.ffn_up.weight": Q.Q8_0})
+    write_tiny_gguf(tmp_path / "m.F32.gguf", seed=1)
+    files = {n: (tmp_path / n).read_bytes() for n in ("m.Q8_0.gguf", "m.F32.gguf")}
+    hub.add("org/m-GGUF", {**files, "README.md": b"# gguf"})
+    with pytest.raises(ConfigError, match=r"^org/m-GGUF: pick one .gguf file with --gguf-file "
+                                          r"\(found: m.F32.gguf, m.Q8_0.gguf\)"):
+        api.gguf_to_hf("org/m-GGUF", tmp_path / "x")
+    api.gguf_to_hf(tmp_path / "m.Q8_0.gguf", tmp_path / "local")
+    assert main(["gguf-to-hf", "org/m-GGUF", str(tmp_path / "hub"), "--gguf-file", "m.Q8_0.gguf"]) == 0
+    for f in (tmp_path / "local").iterdir():
+        assert f.read_bytes() == (tmp_path / "hub" / f.name).read_bytes(), f.name
+    assert {p.rsplit("/", 1)[-1] for p in hub.fetched() if "m-GGUF" in p} == {"m.Q8_0.gguf"}
+
+
 def test_plan_fetches_only_config(hub: FakeHub, capsys: pytest.CaptureFixture[str]) -> None:
     from tprt.cli.main import main as tprt_main
 
