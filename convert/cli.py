@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from convert import api, engine
+from tprt.checkpoint.hub import is_hub_id
 from tprt.errors import OutputError, TprtError
 
 PROG = "tprt-convert"
@@ -56,12 +57,13 @@ def _common(p: argparse.ArgumentParser, dtype: bool = True) -> None:
 
 
 def _hub_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Hub source (SRC = org/name)")
+    g = p.add_argument_group("Hub source (SRC = org/name)", "Shards download one after another while the previous "
+                             "one converts; an interrupted run resumes when rerun.")
     g.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
     g.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
     g.add_argument("--stream", action="store_true",
-                   help="convert shards as they download and delete each from the cache once written, "
-                        "unless it was cached before (disk: output + about two shards)")
+                   help="delete each shard from the Hugging Face cache once its tensors are written, unless "
+                        "it was cached before this run (disk: output + about two shards)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,9 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _resume_note(args: argparse.Namespace) -> Callable[[], str]:
-    """What a failed --stream run left to resume from, if anything."""
+    """What a failed conversion from the Hub left to resume from, if anything."""
     def note() -> str:
-        if not getattr(args, "stream", False):
+        if args.command != "hf-to-tp" or not is_hub_id(args.src):
             return ""
         partial = args.dst.parent / f".{args.dst.name}.{engine.RESUME_DIR}"
         return f"; the part converted is kept in {partial}: rerun the same command to resume" if partial.is_dir() else ""

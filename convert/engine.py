@@ -26,7 +26,7 @@ from tprt.errors import ConfigError, OutputError
 from tprt.checkpoint.fsutil import atomic_output_dir, write_bytes_atomic
 
 TOOL = "tprt-convert 0.1.0"
-RESUME_DIR = "tprt-partial"  # an interrupted --stream run's output, kept to resume from
+RESUME_DIR = "tprt-partial"  # an interrupted Hub conversion's output, kept to resume from
 SPACE_MARGIN = 16 << 20  # headroom for the small files and the filesystem's own bookkeeping
 
 
@@ -143,8 +143,9 @@ def convert_to_tp(
                           "vocab_align": vocab_align}
         if isinstance(source, HubSource):
             manifest.extra["source_commit"] = source.repo.commit
-        check_free_space(dst, plan.total_bytes + _small_files_size(source))
-        resumable = isinstance(source, HubSource) and source.stream
+        resumable = isinstance(source, HubSource)  # a rerun fetches and reads only what is left
+        kept = _kept_bytes(Path(dst)) if resumable else 0
+        check_free_space(dst, plan.total_bytes + _small_files_size(source) - kept)
         with atomic_output_dir(dst, force, keep=RESUME_DIR if resumable else None) as tmp:
             journal = Journal(tmp, _plan_key(manifest, plan)) if resumable else None
             files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}", journal)
@@ -152,6 +153,12 @@ def convert_to_tp(
             manifest.files = files
             write_manifest(tmp, manifest)
     return manifest
+
+
+def _kept_bytes(dst: Path) -> int:
+    """Bytes an interrupted run left in DST's resume directory (already on the disk)."""
+    partial = dst.parent / f".{dst.name}.{RESUME_DIR}"
+    return sum(f.stat().st_size for f in partial.iterdir() if f.is_file()) if partial.is_dir() else 0
 
 
 def _plan_key(manifest: Manifest, plan: Plan) -> str:
