@@ -76,7 +76,7 @@ class HubSource:
             return read_header(local)[0]
         size = (self.repo.files or {}).get(shard)
         if size is None:  # online, the listing has every size; offline, shards must be cached
-            raise ConfigError(f"{self.repo.label}/{shard}: not in the cache, and its size is unknown")
+            raise ConfigError(f"{self.repo.label}/{shard}: not in the Hugging Face cache and HF_HUB_OFFLINE is set")
         (n,) = struct.unpack("<Q", self._range(shard, 0, 8))
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointError(f"{self.repo.label}/{shard}: corrupt safetensors header (declares {n} bytes)")

@@ -5,7 +5,8 @@ HF_TOKEN or the stored login; HF_ENDPOINT, HF_HUB_CACHE/HF_HOME and HF_HUB_OFFLI
 files land in the standard cache (blobs + snapshots/<commit>/ links), so downloads are shared
 with transformers and vLLM. Only the files a conversion reads are ever fetched: config,
 tokenizer files, generation config, chat template, and the safetensors weights with their index.
-Every failure is a one-line ConfigError raised before anything is written.
+Every failure is a one-line ConfigError; those about the repository itself (gated, missing, wrong
+revision, no safetensors, not Llama) come before any output is written.
 """
 
 from __future__ import annotations
