@@ -4,6 +4,12 @@ converter's peak RSS. Every step runs the converter in a fresh child process, wh
 
     python bench/convert_bench.py --layers 2            # about 7.6 GB of bf16 weights
     python bench/convert_bench.py --layers 4            # about 11 GB: RSS must not grow
+    python bench/convert_bench.py --hub-stream --layers 4 --shard-gb 1   # from a fake Hub on loopback
+
+--hub-stream serves the checkpoint from tests/fake_hub.py on loopback (HF_ENDPOINT) and compares
+`tprt-convert hf-to-tp org/name --stream` with downloading first (the same files, with
+huggingface_hub's hf_hub_download, into the cache) and converting the download: wall time and peak disk
+(cache, temporary and final output, sampled every 50 ms).
 
 Needs about 3x the checkpoint size of free disk under --workdir; intermediates are deleted as
 soon as the next step has read them.
@@ -13,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,7 +59,7 @@ def tensor_shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out + [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
 
 
-def write_synthetic(path: Path, layers: int) -> int:
+def write_synthetic(path: Path, layers: int, shard_bytes: int = SHARD_BYTES) -> int:
     """Writes the checkpoint in HF's sharded layout, streaming from one 64 MB block of bf16 noise."""
     path.mkdir(parents=True)
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=layers,
@@ -61,7 +70,7 @@ def write_synthetic(path: Path, layers: int) -> int:
     size = 0
     for name, shape in tensor_shapes(layers):
         nbytes = 2 * int(torch.tensor(shape).prod())
-        if shards[-1] and size + nbytes > SHARD_BYTES:
+        if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append((name, shape))
@@ -170,20 +179,117 @@ def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
     return rows
 
 
+class DiskPeak:
+    """Samples the bytes of regular files under some directories (symlinks not followed)."""
+
+    def __init__(self, *roots: Path) -> None:
+        self.roots, self.peak, self._stop = roots, 0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _usage(self) -> int:
+        total = 0
+        for root in self.roots:
+            for d, _, files in os.walk(root):
+                for f in files:
+                    try:
+                        st = os.lstat(os.path.join(d, f))
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_blocks * 512
+        return total
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self._usage())
+
+    def __enter__(self) -> DiskPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._usage())
+
+
+_DOWNLOAD = (  # the files tprt-convert reads, downloaded one by one into the cache; prints the snapshot
+    "import os, sys\n"
+    "from huggingface_hub import HfApi, hf_hub_download\n"
+    "names = [s.rfilename for s in HfApi().model_info(sys.argv[1]).siblings if s.rfilename.endswith(('.safetensors', '.json'))]\n"
+    "print(os.path.dirname([hf_hub_download(sys.argv[1], n) for n in names][0]))\n"
+)
+
+
+def run_hub(workdir: Path, layers: int, shard_gb: float, tp: int) -> list[dict[str, object]]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_hub import FakeHub, load_dir
+
+    src = workdir / "hf"
+    total = write_synthetic(src, layers, int(shard_gb * 1e9))
+    n_shards = len(list(src.glob("*.safetensors")))
+    print(f"synthetic checkpoint: {layers} layers, {total / 1e9:.2f} GB in {n_shards} shards", flush=True)
+    hub = FakeHub()
+    hub.add("bench/llama-70b-shaped", load_dir(src, on_disk=True))
+    server, url = hub.start()
+    rows: list[dict[str, object]] = []
+    try:
+        for mode in ("download, then convert", "--stream"):
+            run_dir = workdir / "run"  # everything this mode writes: cache, output, temporary output
+            cache, out = run_dir / "cache", run_dir / "out"
+            env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_CACHE": str(cache), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+            t0 = time.perf_counter()
+            with DiskPeak(run_dir) as disk:
+                if mode == "--stream":
+                    subprocess.run([sys.executable, "-m", "convert", "hf-to-tp", "bench/llama-70b-shaped", str(out),
+                                    "--tp", str(tp), "--stream", "--no-progress"], env=env, check=True)
+                else:
+                    snap = subprocess.run([sys.executable, "-c", _DOWNLOAD, "bench/llama-70b-shaped"],
+                                          env=env, check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
+                    subprocess.run([sys.executable, "-m", "convert", "hf-to-tp", snap, str(out), "--tp", str(tp),
+                                    "--no-progress"], env=env, check=True)
+            wall = time.perf_counter() - t0
+            row = dict(mode=mode, layers=layers, gb=round(total / 1e9, 2), shards=n_shards, tp=tp,
+                       seconds=round(wall, 1), peak_disk_gb=round(disk.peak / 1e9, 2),
+                       peak_over_output=round(disk.peak / total, 2))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            shutil.rmtree(run_dir)
+    finally:
+        server.shutdown()
+        shutil.rmtree(src)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[2], help="layer counts to run (default 2)")
     ap.add_argument("--workdir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--no-check", action="store_true", help="skip the bit-identity check of the round trip")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--hub-stream", action="store_true",
+                    help="instead: from a fake Hub on loopback, --stream vs download-then-convert")
+    ap.add_argument("--shard-gb", type=float, default=5.0, help="--hub-stream: shard size in GB (default 5)")
+    ap.add_argument("--tp", type=int, default=8, help="--hub-stream: TP degree (default 8)")
     args = ap.parse_args()
     rows = []
     for layers in args.layers:
         workdir = Path(tempfile.mkdtemp(prefix="tprt-convbench-", dir=args.workdir))
         try:
-            rows += run(workdir, layers, not args.no_check)
+            if args.hub_stream:
+                rows += run_hub(workdir, layers, args.shard_gb, args.tp)
+            else:
+                rows += run(workdir, layers, not args.no_check)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+    if args.hub_stream:
+        print(f"\n{'mode':<24}{'layers':>7}{'GB':>7}{'shards':>7}{'s':>8}{'peak disk GB':>14}{'/ output':>10}")
+        for r in rows:
+            print(f"{r['mode']:<24}{r['layers']:>7}{r['gb']:>7}{r['shards']:>7}{r['seconds']:>8}"
+                  f"{r['peak_disk_gb']:>14}{r['peak_over_output']:>10}")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
     print(f"\n{'step':<12}{'layers':>7}{'GB':>7}{'tprt s':>9}{'cp s':>8}{'ratio':>7}{'peak RSS MiB':>14}")
     for r in rows:
         print(f"{r['step']:<12}{r['layers']:>7}{r['gb']:>7}{r['seconds']:>9}{r['cp_seconds']:>8}"

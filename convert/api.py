@@ -11,19 +11,31 @@ from pathlib import Path
 
 from convert import engine
 from convert.verify import verify as _verify
+from convert.verify import verify_hub
 from tprt.checkpoint.format import Manifest
+from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.errors import ConfigError
 
-__all__ = ["gguf_to_hf", "hf_to_tp", "reshard", "tp_to_hf", "verify"]
+__all__ = ["gguf_to_hf", "hf_to_tp", "hub_gguf", "reshard", "tp_to_hf", "verify"]
 
 
 def hf_to_tp(
-    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
+    src: Path | str, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
     force: bool = False, progress: bool = False,
+    revision: str | None = None, token: str | None = None, stream: bool = False,
 ) -> Manifest:
-    """HF directory (or .gguf file) -> TP checkpoint with `tp` ranks. `dtype`: bf16, fp16 or fp32
-    (None keeps the source's); the vocabulary is zero-padded to a multiple of vocab_align * tp."""
-    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress)
+    """HF directory, .gguf file or Hub repo id (`org/name`) -> TP checkpoint with `tp` ranks.
+    `dtype`: bf16, fp16 or fp32 (None keeps the source's); the vocabulary is zero-padded to a
+    multiple of vocab_align * tp. For a Hub repo: `revision` (branch, tag or commit), `token`
+    (default: HF_TOKEN or the stored login), and `stream` to delete each shard this run
+    downloaded from the cache once it is converted."""
+    hub = engine.HubOptions(revision, token, stream) if revision or token or stream else None
+    return engine.convert_to_tp(_src(src), Path(dst), tp, dtype, vocab_align, force, progress, hub)
+
+
+def _src(src: Path | str) -> Path | str:
+    """A Hub repo id stays a string; anything else is a local path."""
+    return str(src) if is_hub_id(src) else Path(src)
 
 
 def reshard(
@@ -46,16 +58,39 @@ def tp_to_hf(
 
 
 def gguf_to_hf(
-    src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
-    max_shard_size: int | str | None = None,
+    src: Path | str, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
+    max_shard_size: int | str | None = None, revision: str | None = None, token: str | None = None,
+    gguf_file: str | None = None,
 ) -> list[str]:
-    """.gguf file -> HF directory (dequantised; q/k rows back in HF's rotate-half order)."""
+    """.gguf file -> HF directory (dequantised; q/k rows back in HF's rotate-half order). `src`
+    may be a Hub repo id: its .gguf file (`gguf_file`, needed when it has several) is fetched
+    into the Hugging Face cache first."""
+    if is_hub_id(src):
+        src = hub_gguf(HubRepo(str(src), revision, token).resolve(), gguf_file)
+    elif gguf_file or revision:
+        raise ConfigError(f"{src}: --gguf-file and --revision apply to a Hub repo id (org/name)")
     if Path(src).suffix.lower() != ".gguf":
         raise ConfigError(f"{src}: SRC must be a .gguf file")
     return engine.convert_to_hf(Path(src), Path(dst), dtype, force, progress, max_shard_size)
 
 
-def verify(path: Path) -> list[str]:
+def hub_gguf(repo: HubRepo, name: str | None) -> Path:
+    """The cached path of the repository's .gguf file `name` (None: its only one), fetched alone."""
+    ggufs = sorted(f for f in repo.files or {} if f.lower().endswith(".gguf"))
+    if name is None:
+        if len(ggufs) != 1:
+            found = ", ".join(ggufs[:6]) + (", ..." if len(ggufs) > 6 else "") if ggufs else "none"
+            raise ConfigError(f"{repo.label}: pick one .gguf file with --gguf-file (found: {found})")
+        name = ggufs[0]
+    elif name not in ggufs:
+        raise ConfigError(f"{repo.label}: no file {name!r} in the repository (.gguf files: {', '.join(ggufs) or 'none'})")
+    return repo.download(name)
+
+
+def verify(path: Path | str, revision: str | None = None, token: str | None = None) -> list[str]:
     """Re-reads every file (sha256, size, header) and checks shapes against the manifest and
-    config.json; returns the problems found, one line each (empty when sound)."""
+    config.json; returns the problems found, one line each (empty when sound). A Hub repo id
+    verifies its download in the huggingface_hub cache (sha256 against the Hub's)."""
+    if is_hub_id(path):
+        return verify_hub(HubRepo(str(path), revision, token))
     return _verify(Path(path))

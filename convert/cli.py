@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from convert import api
+from convert import api, engine
+from tprt.checkpoint.hub import is_hub_id
 from tprt.errors import OutputError, TprtError
 
 PROG = "tprt-convert"
@@ -27,10 +28,13 @@ EPILOG = """\
 examples:
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp4 --tp 4
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp8 --tp 8 --dtype bf16
+  tprt-convert hf-to-tp meta-llama/Llama-3.1-8B-Instruct ./llama8b-tp4 --tp 4 --stream
   tprt-convert reshard ./llama8b-tp8 ./llama8b-tp2 --tp 2
   tprt-convert tp-to-hf ./llama8b-tp2 ./llama8b-hf
   tprt-convert gguf-to-hf ./SmolLM2-135M.Q4_1.gguf ./smollm2-hf
+  tprt-convert gguf-to-hf org/Model-GGUF ./model-hf --gguf-file model.Q4_1.gguf
   tprt-convert verify ./llama8b-tp4
+  tprt-convert verify meta-llama/Llama-3.1-8B-Instruct
 
 exit status: 0 success, 1 failure (verify found problems, disk full, ...), 2 bad usage or input.
 """
@@ -52,6 +56,16 @@ def _common(p: argparse.ArgumentParser, dtype: bool = True) -> None:
                    help="progress bar on stderr (default: on when stderr is a terminal)")
 
 
+def _hub_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hub source (SRC = org/name)", "Shards download one after another while the previous "
+                             "one converts; an interrupted run resumes when rerun.")
+    g.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
+    g.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
+    g.add_argument("--stream", action="store_true",
+                   help="delete each shard from the Hugging Face cache once its tensors are written, unless "
+                        "it was cached before this run (disk: output + about two shards)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=fmt)
@@ -59,11 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("hf-to-tp", help="HF directory (or .gguf) -> TP checkpoint", formatter_class=fmt,
                        description="Split an HF Llama checkpoint into one safetensors file per TP rank.")
-    p.add_argument("src", type=Path, metavar="SRC", help="HF model directory or .gguf file")
+    p.add_argument("src", metavar="SRC", help="HF model directory, .gguf file or Hub repo id (org/name)")
     p.add_argument("dst", type=Path, metavar="DST", help="TP checkpoint directory to create")
     p.add_argument("--tp", type=int, required=True, metavar="N", help="number of ranks")
     p.add_argument("--vocab-align", type=int, default=64, metavar="A",
                    help="pad the vocabulary to a multiple of A*N rows (default 64)")
+    _hub_flags(p)
     _common(p)
 
     p = sub.add_parser("reshard", help="TP checkpoint -> TP checkpoint with another TP degree", formatter_class=fmt,
@@ -87,37 +102,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gguf-to-hf", help=".gguf file -> HF directory", formatter_class=fmt,
                        description="Dequantise a GGUF Llama model into HF safetensors.")
-    p.add_argument("src", type=Path, metavar="SRC.gguf", help="GGUF file")
+    p.add_argument("src", metavar="SRC.gguf", help="GGUF file, or a Hub repo id (org/name) holding one")
     p.add_argument("dst", type=Path, metavar="DST", help="HF directory to create")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE", help="shard size (default 5GB)")
+    g = p.add_argument_group("Hub source (SRC = org/name)")
+    g.add_argument("--gguf-file", metavar="NAME", help="which .gguf file of the repo (needed when it has several)")
+    g.add_argument("--revision", metavar="R", help="branch, tag or commit (default: main)")
+    g.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
     _common(p)
 
     p = sub.add_parser("verify", help="check a converted directory against its manifest", formatter_class=fmt,
                        description="Recompute every file's sha256 and check sizes, headers and shapes "
                                    "against the manifest and config.json. Exit 1 if anything is wrong.")
-    p.add_argument("dir", type=Path, metavar="DIR", help="TP checkpoint (or HF) directory")
+    p.add_argument("dir", metavar="DIR", help="TP checkpoint (or HF) directory, or a Hub repo id (org/name) "
+                                              "to verify its download in the Hugging Face cache")
+    p.add_argument("--revision", metavar="R", help="for a Hub repo: branch, tag or commit (default: main)")
+    p.add_argument("--token", metavar="T", help="Hub token (default: HF_TOKEN, else the stored login)")
     return parser
 
 
 def _to_tp(args: argparse.Namespace, progress: bool) -> int:
-    fn = api.hf_to_tp if args.command == "hf-to-tp" else api.reshard
-    m = fn(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
-           force=args.force, progress=progress)
+    if args.command == "hf-to-tp":
+        m = api.hf_to_tp(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
+                         force=args.force, progress=progress, revision=args.revision, token=args.token,
+                         stream=args.stream)
+    else:
+        m = api.reshard(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
+                        force=args.force, progress=progress)
     print(f"{args.dst}: TP={m.tp_size}, {len(m.tensors)} tensors, vocabulary {m.vocab_size} "
           f"padded to {m.padded_vocab_size}")
     return 0
 
 
 def _to_hf(args: argparse.Namespace, progress: bool) -> int:
-    fn = api.tp_to_hf if args.command == "tp-to-hf" else api.gguf_to_hf
-    files = fn(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
-               max_shard_size=args.max_shard_size)
+    if args.command == "tp-to-hf":
+        files = api.tp_to_hf(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
+                             max_shard_size=args.max_shard_size)
+    else:
+        files = api.gguf_to_hf(args.src, args.dst, dtype=args.dtype, force=args.force, progress=progress,
+                               max_shard_size=args.max_shard_size, revision=args.revision, token=args.token,
+                               gguf_file=args.gguf_file)
     print(f"{args.dst}: {len(files)} safetensors file(s)")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = api.verify(args.dir)
+    problems = api.verify(args.dir, revision=args.revision, token=args.token)
     for line in problems:
         print(line)
     print(f"{args.dir}: " + ("OK" if not problems else f"{len(problems)} problem(s)"), file=sys.stderr)
@@ -135,17 +165,28 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    kept = _resume_note(args)
     try:
         return _run(args)
     except OutputError as e:
-        return _fail(str(e), 1)
+        return _fail(str(e) + kept(), 1)
     except TprtError as e:
-        return _fail(str(e), 2)
+        return _fail(str(e) + kept(), 2)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        return _fail(f"{where}{e.strerror or e}", 1)
+        return _fail(f"{where}{e.strerror or e}" + kept(), 1)
     except KeyboardInterrupt:
-        return _fail("interrupted; nothing was written", 130)
+        return _fail("interrupted; " + (kept().lstrip("; ") or "nothing was written"), 130)
+
+
+def _resume_note(args: argparse.Namespace) -> Callable[[], str]:
+    """What a failed conversion from the Hub left to resume from, if anything."""
+    def note() -> str:
+        if args.command != "hf-to-tp" or not is_hub_id(args.src):
+            return ""
+        partial = args.dst.parent / f".{args.dst.name}.{engine.RESUME_DIR}"
+        return f"; the part converted is kept in {partial}: rerun the same command to resume" if partial.is_dir() else ""
+    return note
 
 
 def _fail(message: str, code: int) -> int:

@@ -22,22 +22,34 @@ import numpy as np
 
 from convert.plan import Piece, Plan, TensorPlan
 from convert.progress import Progress
+from convert.resume import Journal, ResumeState
 from convert.sink import FileSink
-from convert.sources import RawSource, TensorSource
+from convert.sources import RawSource, ReleasingSource, TensorSource
 from tprt.errors import CheckpointError, OutputError
 from tprt.checkpoint.safetensors_io import build_header
 
 CHUNK_BYTES = 16 << 20  # bytes handled per step
 
 
-def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, dst: Path) -> dict[str, tuple[int, str]]:
+def execute(
+    plan: Plan, source: TensorSource, outdir: Path, progress: Progress, dst: Path, journal: Journal | None = None,
+) -> dict[str, tuple[int, str]]:
     """Writes every file of `plan` under `outdir`; returns file name -> (size, sha256).
-    `dst` names the output in error messages."""
-    remaining = Counter(p.file for t in plan.tensors for p in t.pieces)
+    `dst` names the output in error messages. With a `journal`, a run it records as interrupted
+    resumes after its last checkpoint, and each source release (the end of a shard) is one."""
+    state = journal.prepare() if journal is not None else ResumeState()
+    todo = plan.tensors[state.tensors_done :]
+    remaining = Counter(p.file for t in todo for p in t.pieces)
+    index = {f.name: k for k, f in enumerate(plan.files)}
     sinks: dict[int, FileSink] = {}
-    done: dict[str, tuple[int, str]] = {}
+    done: dict[str, tuple[int, str]] = dict(state.closed)
+    releases = source.release_after([t.name for t in todo]) if isinstance(source, ReleasingSource) else {}
     try:
-        for t in plan.tensors:
+        for name, nbytes in state.written.items():  # files an interrupted run left open
+            f = plan.files[index[name]]
+            sinks[index[name]] = FileSink(outdir / name, b"", f.size, resume_at=nbytes)
+        progress.update(sum(s.written for s in sinks.values()) + sum(size for size, _ in done.values()))
+        for i, t in enumerate(todo, start=state.tensors_done + 1):
             for p in t.pieces:
                 if p.file not in sinks:
                     f = plan.files[p.file]
@@ -48,6 +60,12 @@ def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, 
                 remaining[p.file] -= 1
                 if remaining[p.file] == 0:
                     done[plan.files[p.file].name] = sinks.pop(p.file).close()
+            if t.name in releases:
+                for open_sink in sinks.values():
+                    open_sink.drain()
+                if journal is not None:
+                    _checkpoint(journal, i, sinks, done)
+                releases[t.name]()
     except OutputError as e:
         _abort(sinks)
         why = str(e).rsplit(": write failed: ", 1)[-1]
@@ -55,7 +73,16 @@ def execute(plan: Plan, source: TensorSource, outdir: Path, progress: Progress, 
     except BaseException:
         _abort(sinks)
         raise
+    if journal is not None:
+        journal.remove()
     return done
+
+
+def _checkpoint(journal: Journal, tensors_done: int, sinks: dict[int, FileSink], done: dict[str, tuple[int, str]]) -> None:
+    """Everything written so far made durable, then recorded."""
+    for s in sinks.values():
+        s.sync()
+    journal.save(ResumeState(tensors_done, {s.path.name: s.written for s in sinks.values()}, dict(done)))
 
 
 def _abort(sinks: dict[int, FileSink]) -> None:

@@ -8,26 +8,49 @@ import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from convert.copy import execute
+from convert.hub_source import HubSource
 from convert.plan import TORCH_NAMES, Plan, parse_dtype, parse_size, plan_hf, plan_tp
 from convert.progress import Progress
+from convert.resume import Journal
 from convert.rules import check_tensor_set, expected_shapes
 from convert.sources import TensorSource, TPSource, open_source
 from tprt.checkpoint.format import FileEntry, Manifest, write_manifest
+from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.model.config import TPLayout
 from tprt.errors import ConfigError, OutputError
 from tprt.checkpoint.fsutil import atomic_output_dir, write_bytes_atomic
 
 TOOL = "tprt-convert 0.1.0"
+RESUME_DIR = "tprt-partial"  # an interrupted Hub conversion's output, kept to resume from
 SPACE_MARGIN = 16 << 20  # headroom for the small files and the filesystem's own bookkeeping
 
 
+@dataclass(frozen=True)
+class HubOptions:
+    """How to read a source that is a Hub repo id (`org/name`)."""
+
+    revision: str | None = None
+    token: str | None = None  # None: HF_TOKEN or the stored login
+    stream: bool = False  # delete each newly downloaded shard once converted
+
+
 @contextmanager
-def opened(src: Path) -> Iterator[TensorSource]:
-    source = open_source(Path(src))
+def opened(src: Path | str, hub: HubOptions | None = None) -> Iterator[TensorSource]:
+    """The source at `src`: a local path, or a Hub repo id read through HubSource."""
+    if is_hub_id(src):
+        from convert.hub_source import HubSource
+
+        hub = hub or HubOptions()
+        source: TensorSource = HubSource(HubRepo(str(src), hub.revision, hub.token).resolve(), hub.stream)
+    else:
+        if hub is not None and (hub.revision or hub.stream):
+            raise ConfigError(f"{src}: --revision and --stream apply to a Hub repo id (org/name), not a local path")
+        source = open_source(Path(src))
     try:
         yield source
     finally:
@@ -89,21 +112,25 @@ def _small_files_size(source: TensorSource) -> int:
     return sum(len(b) for b in source.aux_files().values()) + 64 * 1024
 
 
-def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str) -> dict[str, FileEntry]:
-    with Progress(plan.total_bytes, progress, desc) as bar:
-        done = execute(plan, source, tmp, bar, dst)
+def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str,
+              journal: Journal | None = None) -> dict[str, FileEntry]:
+    hub = isinstance(source, HubSource)
+    with Progress(plan.total_bytes, progress, desc + (" (download+convert)" if hub else "")) as bar:
+        if isinstance(source, HubSource):
+            source.attach(bar)
+        done = execute(plan, source, tmp, bar, dst, journal)
     return {f.name: FileEntry(f.rank, *done[f.name]) for f in plan.files}
 
 
 def convert_to_tp(
-    src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
-    force: bool = False, progress: bool = False,
+    src: Path | str, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
+    force: bool = False, progress: bool = False, hub: HubOptions | None = None,
 ) -> Manifest:
     """Any source -> a TP checkpoint with `tp` ranks. vocab_align None: the source checkpoint's
     (when it is a TP checkpoint), else 64."""
     out_dtype = parse_dtype(dtype)
     _refuse_existing(dst, force)
-    with opened(src) as source:
+    with opened(src, hub) as source:
         names = validated_names(source)
         if vocab_align is None:
             vocab_align = _source_vocab_align(source)
@@ -114,13 +141,31 @@ def convert_to_tp(
         manifest.hf_weight_map = _weight_map(source, names)
         manifest.extra = {"tool": TOOL, "source": str(src), "source_format": _format_of(source),
                           "vocab_align": vocab_align}
-        check_free_space(dst, plan.total_bytes + _small_files_size(source))
-        with atomic_output_dir(dst, force) as tmp:
-            files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}")
+        if isinstance(source, HubSource):
+            manifest.extra["source_commit"] = source.repo.commit
+        resumable = isinstance(source, HubSource)  # a rerun fetches and reads only what is left
+        kept = _kept_bytes(Path(dst)) if resumable else 0
+        check_free_space(dst, plan.total_bytes + _small_files_size(source) - kept)
+        with atomic_output_dir(dst, force, keep=RESUME_DIR if resumable else None) as tmp:
+            journal = Journal(tmp, _plan_key(manifest, plan)) if resumable else None
+            files = _run_plan(plan, source, tmp, Path(dst), progress, f"TP={tp}", journal)
             files.update(_write_small_files(tmp, source, out_dtype))
             manifest.files = files
             write_manifest(tmp, manifest)
     return manifest
+
+
+def _kept_bytes(dst: Path) -> int:
+    """Bytes an interrupted run left in DST's resume directory (already on the disk)."""
+    partial = dst.parent / f".{dst.name}.{RESUME_DIR}"
+    return sum(f.stat().st_size for f in partial.iterdir() if f.is_file()) if partial.is_dir() else 0
+
+
+def _plan_key(manifest: Manifest, plan: Plan) -> str:
+    """Identifies the output exactly (source commit, layout, every file's tensors and size), so a
+    resumed run continues only the same conversion."""
+    what = {"extra": manifest.extra, "files": [(f.name, f.entries, f.size) for f in plan.files]}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _source_vocab_align(source: TensorSource) -> int:
@@ -134,6 +179,8 @@ def _source_vocab_align(source: TensorSource) -> int:
 def _format_of(source: TensorSource) -> str:
     if isinstance(source, TPSource):
         return "tp"
+    if isinstance(source, HubSource):
+        return "hf"
     return "gguf" if source.path.suffix.lower() == ".gguf" else "hf"
 
 
@@ -146,14 +193,14 @@ def _weight_map(source: TensorSource, names: list[str]) -> dict[str, str] | None
 
 def convert_to_hf(
     src: Path, dst: Path, dtype: str | None = None, force: bool = False, progress: bool = False,
-    max_shard_size: int | str | None = None,
+    max_shard_size: int | str | None = None, hub: HubOptions | None = None,
 ) -> list[str]:
     """Any source -> an HF directory; returns the safetensors file names written. The source's
     shard layout is reproduced unless `max_shard_size` is given (default grouping: 5GB shards)."""
     out_dtype = parse_dtype(dtype)
     max_shard = None if max_shard_size is None else parse_size(max_shard_size)
     _refuse_existing(dst, force)
-    with opened(src) as source:
+    with opened(src, hub) as source:
         names = validated_names(source)
         shapes = source.shapes()
         dtypes = {n: source.dtype(n) for n in names}

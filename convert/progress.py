@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 
 class Progress:
-    """Counts output bytes; shows size, speed and time left when enabled."""
+    """Counts bytes written (and downloaded, for a Hub source); shows size, speed and time left when enabled."""
 
     def __init__(self, total: int, enabled: bool, desc: str) -> None:
         self._bar: tqdm[Any] | None = None
@@ -23,6 +23,12 @@ class Progress:
     def update(self, nbytes: int) -> None:
         if self._bar is not None and nbytes:
             self._bar.update(nbytes)
+
+    def grow(self, nbytes: int) -> None:
+        """Adds `nbytes` of work (downloads) to the total."""
+        if self._bar is not None and nbytes:
+            self._bar.total = (self._bar.total or 0) + nbytes
+            self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

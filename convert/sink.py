@@ -30,17 +30,39 @@ _Range = tuple[int, int, int]  # (source fd, offset, nbytes)
 
 
 class FileSink:
-    def __init__(self, path: Path, header: bytes, size: int, max_queued: int = 6) -> None:
+    def __init__(self, path: Path, header: bytes, size: int, max_queued: int = 6, resume_at: int = 0) -> None:
+        """A new file starting with `header`; with `resume_at` > 0, the existing file's first
+        `resume_at` bytes are kept (and hashed again) and writing continues after them."""
         self.path = path
         self.size = size  # what the header promises
         self.written = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if resume_at else os.O_TRUNC), 0o666)
         self._sha = hashlib.sha256()
         self._queue: queue.Queue[memoryview | _Range | None] = queue.Queue(maxsize=max_queued)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._hash_loop, name=f"sha256:{path.name}", daemon=True)
         self._thread.start()
-        self.write(header)
+        if resume_at:
+            self._keep_prefix(resume_at)
+        else:
+            self.write(header)
+
+    def _keep_prefix(self, nbytes: int) -> None:
+        os.ftruncate(self._fd, nbytes)  # drops whatever an interrupted run wrote after it
+        os.lseek(self._fd, nbytes, os.SEEK_SET)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            self._hash_read(fd, 0, nbytes, memoryview(bytearray(HASH_READ_BYTES)))
+        finally:
+            os.close(fd)
+        self.written = nbytes
+
+    def sync(self) -> None:
+        """Makes everything written so far durable."""
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise self._output_error(e) from e
 
     def write(self, buf: bytes | np.ndarray) -> None:
         """Writes `buf` (contiguous); it is kept by reference until hashed, so do not modify it."""
@@ -97,9 +119,9 @@ class FileSink:
     def _hash_loop(self) -> None:
         buf: memoryview | None = None
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drain, so the writer never blocks on a dead queue
             try:
+                if self._error is not None:
+                    continue  # drain, so the writer never blocks on a dead queue
                 if isinstance(item, memoryview):
                     self._sha.update(item)
                     continue
@@ -108,6 +130,8 @@ class FileSink:
                     self._hash_read(*item, buf)
             except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
                 self._error = e
+            finally:
+                self._queue.task_done()
 
     def _hash_mapped(self, fd: int, pos: int, nbytes: int) -> bool:
         """Hashes a source range through a temporary mapping (no copy); the mapping is dropped at
@@ -130,6 +154,12 @@ class FileSink:
             pread_exact(fd, buf[:n], pos, f"fd {fd}")
             self._sha.update(buf[:n])
             pos, left = pos + n, left - n
+
+    def drain(self) -> None:
+        """Waits until everything written so far is hashed, so the source files it came from may
+        be closed (the hashing thread reads copied ranges back from them)."""
+        self._queue.join()
+        self._check()
 
     def _check(self) -> None:
         if self._error is not None:

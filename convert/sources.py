@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -68,6 +69,15 @@ class RawSource(Protocol):
     def byte_ranges(self, name: str, start: int, stop: int) -> list[ByteRange] | None:
         """File ranges whose concatenation is the bytes of rows [start, stop), for kernel-side
         copies; None when those rows are not stored contiguously (then use raw_rows)."""
+        ...
+
+
+@runtime_checkable
+class ReleasingSource(Protocol):
+    """A source that frees what it read (a downloaded shard) once the tensors using it are written."""
+
+    def release_after(self, names: list[str]) -> dict[str, Callable[[], None]]:
+        """Tensor -> callback to run once that tensor (in `names` order) is written and hashed."""
         ...
 
 

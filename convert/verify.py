@@ -8,6 +8,7 @@ from pathlib import Path
 from convert.rules import check_tensor_set
 from tprt.parallel.sharding import VOCAB_TENSORS
 from convert.sources import open_hf
+from tprt.checkpoint.hub import HubRepo
 from tprt.checkpoint.format import MANIFEST_NAME, Manifest, is_tp_checkpoint
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import TprtError
@@ -30,6 +31,25 @@ def verify(path: Path) -> list[str]:
         problems += _check_rank(path, manifest, rank)
     problems += _check_config(path, manifest)
     return problems
+
+
+def verify_hub(repo: HubRepo) -> list[str]:
+    """A Hub model as downloaded into the cache (what the converter reads is fetched first, if
+    missing): each safetensors file's sha256 against the Hub's (when online), then the same
+    structural checks as a local HF directory (headers, tensor set and shapes vs config.json)."""
+    try:
+        repo.resolve()
+        repo.config_json()
+        shards, _ = repo.weight_files()
+        paths = {name: repo.download(name) for name in shards}
+    except TprtError as e:
+        return [str(e)]
+    problems = []
+    for name, path in paths.items():
+        want = (repo.sha256 or {}).get(name)
+        if want is not None and sha256_file(path) != want:
+            problems.append(f"{repo.label}: {name}: cached copy {path} differs from the Hub's (sha256 mismatch)")
+    return problems + _verify_hf(paths[shards[0]].parent)
 
 
 def _verify_hf(path: Path) -> list[str]:

@@ -40,16 +40,22 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST") -> Iterator[Path]:
+def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST", keep: str | None = None) -> Iterator[Path]:
     """Yields an empty temporary sibling of `dst`; on success it replaces `dst` (fsynced), on any
-    error it is deleted and `dst` is untouched. An existing `dst` is refused unless `force`."""
+    error it is deleted and `dst` is untouched. An existing `dst` is refused unless `force`.
+    With `keep`, the sibling is `.{dst.name}.{keep}`, reused if a failed run left it, and kept
+    on error, so that a resumable writer can pick up where it stopped."""
     dst = Path(dst)
     if dst.exists() and not force:
         raise TprtError(f"{dst}: {flag} already exists; choose another path or pass --force to replace it")
     parent = dst.parent if str(dst.parent) else Path(".")
     if not parent.is_dir():
         raise TprtError(f"{parent}: parent directory of {flag} does not exist")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
+    if keep is not None:
+        tmp = parent / f".{dst.name}.{keep}"
+        tmp.mkdir(exist_ok=True)
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=parent))
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the result is an ordinary directory
         yield tmp
@@ -67,5 +73,6 @@ def atomic_output_dir(dst: Path, force: bool = False, flag: str = "DST") -> Iter
             os.replace(tmp, dst)
         fsync_dir(parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise

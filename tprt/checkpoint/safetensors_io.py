@@ -114,6 +114,13 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
+    return parse_header(raw, size, str(path))
+
+
+def parse_header(raw: bytes, size: int, path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The JSON header `raw` (the bytes after the 8-byte length) of a safetensors file of `size`
+    bytes, validated as read_header does; `path` names the file in errors."""
+    n = len(raw)
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -14,8 +14,10 @@ PLAN_EPILOG = """examples:
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --lora-rank 16 --seq-len 4096 --batch-size 1
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --full --dtype bf16
   tprt plan --model ./smollm2-tp3 --tp 3 --device cpu --json serve --max-batch-size 8
+  tprt plan --model meta-llama/Llama-3.3-70B-Instruct --tp 8 --device h100-80gb serve
 
---model is an HF model directory, a config.json or a TP checkpoint. Every number is bytes on one
+--model is an HF model directory, a config.json, a TP checkpoint or a Hub repo id (only its
+config.json is fetched, through huggingface_hub and its cache). Every number is bytes on one
 rank, computed from the model's parameter shapes at that TP degree (vocabulary padding, kv-head
 replication, tied embeddings, LoRA factors) and from how tprt allocates on that device (CPU:
 packed weight copies, a float32 KV cache for bf16 models). See docs/SCALE.md.
@@ -25,7 +27,9 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
     """The model/layout/device flags, accepted before or after the workload (after: no defaults,
     so that they do not overwrite what came before)."""
     d: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
-    p.add_argument("--model", type=Path, metavar="SRC", help="HF model directory, config.json or TP checkpoint", **d)
+    p.add_argument("--model", type=Path, metavar="SRC",
+                   help="HF model directory, config.json, TP checkpoint or Hub repo id (org/name)", **d)
+    p.add_argument("--revision", metavar="R", help="for a Hub repo: branch, tag or commit (default: main)", **d)
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree", **d)
     p.add_argument("--dp", type=int, metavar="M", help="data-parallel replicas (default 1)", **d)
     p.add_argument("--device", metavar="{h100-80gb,h200-141gb,a100-80gb,a100-40gb,cpu}", help="one rank's device", **d)
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("model", "tp", "device"):
         if getattr(args, flag, None) is None:
             raise ConfigError(f"tprt plan needs --{flag}")
-    src = read_source(args.model)
+    src = read_source(args.model, getattr(args, "revision", None))
     dp = args.dp if args.dp is not None else 1
     dev = device(args.device, args.device_memory, ranks_per_host=args.tp * dp)
     workload: Workload

@@ -1,4 +1,5 @@
-"""What `tprt plan --model` accepts: an HF model directory, a config.json, or a TP checkpoint."""
+"""What `tprt plan --model` accepts: an HF model directory, a config.json, a TP checkpoint, or a
+Hub repo id (org/name)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,15 @@ class PlanSource:
     dtype: str | None = None  # a TP checkpoint's weights dtype (what the engine loads by default)
 
 
-def read_source(path: Path) -> PlanSource:
-    """The model config (and, for a TP checkpoint, its vocab_align and TP degree) at `path`."""
+def read_source(path: Path, revision: str | None = None) -> PlanSource:
+    """The model config (and, for a TP checkpoint, its vocab_align and TP degree) at `path`, or
+    of the Hub repo `org/name` (at `revision`), whose config.json alone is fetched."""
+    from tprt.checkpoint.hub import hub_config, is_hub_id
+
+    if is_hub_id(path):
+        return PlanSource(ModelConfig.from_file(hub_config(str(path), revision)), DEFAULT_VOCAB_ALIGN, None)
+    if revision is not None:
+        raise ConfigError(f"--revision applies to a Hub repo id (org/name), not to the local path {path}")
     if path.is_file():
         return PlanSource(ModelConfig.from_file(path), DEFAULT_VOCAB_ALIGN, None)
     if not path.is_dir():
