@@ -76,6 +76,8 @@ def _refuse_existing(dst: Path, force: bool) -> None:
 
 def check_free_space(dst: Path, nbytes: int) -> None:
     parent = Path(dst).resolve().parent
+    if not parent.is_dir():  # before disk_usage, which would fail with a traceback
+        raise ConfigError(f"{parent}: parent directory of DST does not exist; create it first")
     free = shutil.disk_usage(parent).free
     if nbytes + SPACE_MARGIN > free:
         raise OutputError(

@@ -140,6 +140,13 @@ def test_existing_dst_needs_force(model: Path, tmp_path: Path, capsys: pytest.Ca
     assert api.verify(dst) == []
 
 
+def test_missing_parent_of_dst(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*to_tp(model, tmp_path / "absent" / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "parent directory of DST does not exist" in err and "absent" in err, err
+    assert not (tmp_path / "absent").exists()
+
+
 def test_not_enough_space_up_front(model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(convert.engine.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))  # type: ignore[attr-defined]
     fails(capsys, to_tp(model, tmp_path / "out"), 1, "not enough free space", "out")
