@@ -287,13 +287,11 @@ def main() -> None:
         for r in rows:
             print(f"{r['mode']:<24}{r['layers']:>7}{r['gb']:>7}{r['shards']:>7}{r['seconds']:>8}"
                   f"{r['peak_disk_gb']:>14}{r['peak_over_output']:>10}")
-        if args.json:
-            args.json.write_text(json.dumps(rows, indent=1))
-        return
-    print(f"\n{'step':<12}{'layers':>7}{'GB':>7}{'tprt s':>9}{'cp s':>8}{'ratio':>7}{'peak RSS MiB':>14}")
-    for r in rows:
-        print(f"{r['step']:<12}{r['layers']:>7}{r['gb']:>7}{r['seconds']:>9}{r['cp_seconds']:>8}"
-              f"{r['ratio_to_cp']:>7}{r['peak_rss_mib']:>14}")
+    else:
+        print(f"\n{'step':<12}{'layers':>7}{'GB':>7}{'tprt s':>9}{'cp s':>8}{'ratio':>7}{'peak RSS MiB':>14}")
+        for r in rows:
+            print(f"{r['step']:<12}{r['layers']:>7}{r['gb']:>7}{r['seconds']:>9}{r['cp_seconds']:>8}"
+                  f"{r['ratio_to_cp']:>7}{r['peak_rss_mib']:>14}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

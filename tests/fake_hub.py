@@ -241,26 +241,26 @@ class FakeHub:
             self.peak_shards = max(self.peak_shards, present)
 
     @staticmethod
-    def _send(h: BaseHTTPRequestHandler, status: int, body: Content, headers: dict[str, str], head: bool,
-              lo: int = 0, hi: int | None = None) -> None:
-        """Bytes [lo, hi) of `body` (default: all of it)."""
-        hi = size_of(body) if hi is None else hi
+    def _start(h: BaseHTTPRequestHandler, status: int, headers: dict[str, str], length: int) -> None:
+        """The status line and headers of a response whose body has `length` bytes."""
         h.send_response(status)
         for k, v in headers.items():
             h.send_header(k, v)
-        h.send_header("Content-Length", str(hi - lo))
+        h.send_header("Content-Length", str(length))
         h.end_headers()
+
+    def _send(self, h: BaseHTTPRequestHandler, status: int, body: Content, headers: dict[str, str], head: bool,
+              lo: int = 0, hi: int | None = None) -> None:
+        """Bytes [lo, hi) of `body` (default: all of it)."""
+        hi = size_of(body) if hi is None else hi
+        self._start(h, status, headers, hi - lo)
         if not head:
             for block in chunks(body, lo, hi):
                 h.wfile.write(block)
 
     def _send_slowly(self, h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:
         size = size_of(data)
-        h.send_response(200)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(size))
-        h.end_headers()
+        self._start(h, 200, headers, size)
         try:
             for lo in range(0, size, 4096):
                 for block in chunks(data, lo, min(lo + 4096, size)):
@@ -270,15 +270,10 @@ class FakeHub:
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True  # the client gave up, as it may
 
-    @staticmethod
-    def _send_truncated(h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:
+    def _send_truncated(self, h: BaseHTTPRequestHandler, data: Content, headers: dict[str, str]) -> None:
         """Promises the whole file, sends half, and closes the connection."""
         size = size_of(data)
-        h.send_response(200)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(size))
-        h.end_headers()
+        self._start(h, 200, headers, size)
         for block in chunks(data, 0, size // 2):
             h.wfile.write(block)
         h.wfile.flush()

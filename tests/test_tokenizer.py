@@ -452,3 +452,27 @@ def test_stop_checker_on_real_stream(bytelevel_dir: Path) -> None:
         if out.finish_reason:
             break
     assert text == "Hello world " and out.stop_reason == "😀 User"
+
+
+def test_long_encode_does_not_hold_the_interpreter(tmp_path: Path) -> None:
+    """A long text's encode leaves the GIL to other threads (a server's stepping thread keeps
+    running while a handler tokenizes): the main thread's longest pause during the call is a small
+    part of it (tokenizers' `encode`, which holds the GIL, pauses it for ~90% of the call)."""
+    import threading
+    import time
+
+    from train_fixtures import write_tokenizer
+
+    tok = Tokenizer.from_dir(write_tokenizer(tmp_path / "tok"))
+    text = "The quick brown fox jumps over the lazy dog, again and again. " * 40_000  # 2.5 MB
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    start = last = time.perf_counter()
+    longest = 0.0
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    total = time.perf_counter() - start
+    assert longest < 0.5 * total, f"the main thread stopped for {longest:.3f} s of a {total:.3f} s encode"
