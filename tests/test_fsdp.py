@@ -11,6 +11,7 @@ and logs the uninterrupted run's losses.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import signal
 import subprocess
@@ -158,3 +159,22 @@ def test_sigkill_and_resume_at_another_dp_degree_repeats_the_loss_curve(setup: d
     losses, expected = _losses(out), _losses(ref)
     assert len(losses) == steps
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
+
+
+def test_planner_fits_70b_full_finetuning_on_one_8xh100_node_only_with_offload() -> None:
+    from tprt.plan.devices import device
+    from tprt.plan.memory import FinetuneWorkload, plan_memory
+    from tprt.plan.source import read_source
+
+    src = read_source(ROOT / "bench" / "configs" / "llama-3.1-70b")
+    w = FinetuneWorkload(full=True, sharded=True, dtype="bf16", batch_size=1, seq_len=4096,
+                         activation_checkpointing=True)
+    h100 = device("h100-80gb")
+    plain = plan_memory(src.config, 8, w, h100)
+    offloaded = plan_memory(src.config, 8, replace(w, offload_optimizer=True), h100)
+    assert not plain.fits and offloaded.fits
+    moved = offloaded.extra["host_bytes_per_rank"]
+    assert moved == 16 * offloaded.extra["sharded_params_per_rank"]  # fp32 shard, gradient, two moments
+    assert plain.peak_bytes_per_rank - offloaded.peak_bytes_per_rank == moved
+    halved = plan_memory(src.config, 4, w, h100, dp=2)  # the same 8 GPUs as dp 2 x tp 4: state halves
+    assert halved.per_rank_bytes["optimizer_states"] < 0.51 * plan_memory(src.config, 4, w, h100).per_rank_bytes["optimizer_states"]
