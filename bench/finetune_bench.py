@@ -18,6 +18,13 @@ step (after a warm-up round) and the ratio of the medians. Memory: peak RSS samp
 training (loading excluded), each implementation in a subprocess of its own. Not part of CI.
 
 tprt runs at TP 1 in one process: on a CPU-only machine more ranks only share the same cores.
+
+    python bench/finetune_bench.py --fsdp [--batch 1] [--seq 128] [--steps 3]
+
+instead measures tprt's sharded full fine-tuning (FSDP2 over dp, `tprt.train.fsdp`) at dp 1/2 x
+tp 1/2, with and without --offload-optimizer cpu, on a random 8-layer Llama (hidden 512, 8 heads,
+4 kv heads: SmolLM2's 9 heads do not split over TP 2): tokens/s of the whole world (best step)
+and each rank's peak RSS (ru_maxrss, loading included) and AdamW state.
 """
 
 from __future__ import annotations
@@ -189,6 +196,75 @@ def _child(a: argparse.Namespace, mode: str, method: str, fraction: float, impl:
     return json.loads(out.strip().splitlines()[-1])
 
 
+FSDP_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=8192, max_position_embeddings=512)
+
+
+def prepare_fsdp_model() -> Path:
+    """The HF directory of the random FSDP_SHAPE Llama, written once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = CACHE / "fsdp-llama-hf"
+    if not hf.exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**FSDP_SHAPE, tie_word_embeddings=False)).save_pretrained(hf)
+    return hf
+
+
+def fsdp_rank(tp_dir: Path, offload: str, batch: int, seq: int, steps: int) -> dict[str, float]:
+    """One rank: `steps` timed full fine-tuning steps (after one warm-up) of FSDP over dp x TP."""
+    import resource
+
+    import torch.distributed as dist
+
+    from tprt.checkpoint.loading import load_model
+    from tprt.distributed.context import init_distributed
+    from tprt.checkpoint.format import TPCheckpoint
+    from tprt.train import fsdp
+    from tprt.train.optim import AdamW
+
+    ctx = init_distributed(tp_size=TPCheckpoint(tp_dir).tp_size)
+    sm = fsdp.shard_model(load_model(tp_dir, ctx, dtype="fp32", requires_grad=True), ctx, fsdp.make_mesh(ctx),
+                          torch.float32, offload)
+    opt = AdamW(list(sm.root.parameters()), lr=1e-4)
+    ids = torch.randint(3, FSDP_SHAPE["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(ctx.dp_rank))
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss, n = sm.root(ids, ids)
+        (loss / n).backward()
+        fsdp.sync_tp_gradients(sm)
+        fsdp.clip_sharded_grad_norm(sm, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return {"step_s": min(times[1:]), "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "optim_mb": fsdp.optimizer_state_bytes(opt) / 2**20}
+
+
+def run_fsdp_grid(a: argparse.Namespace) -> None:
+    from convert import api
+    from tprt.distributed.launcher import launch_local
+
+    hf = prepare_fsdp_model()
+    print(f"FSDP full fine-tuning, random Llama {FSDP_SHAPE}, fp32, batch {a.batch} x seq {a.seq} per DP rank; "
+          f"best of {a.steps} steps; {a.threads} thread(s) per rank")
+    print(f"{'dp':>2} {'tp':>2} {'offload':>7} | {'tok/s':>7} | {'peak RSS MB/rank':>16} {'AdamW MB/rank':>13}")
+    for tp in (1, 2):
+        tp_dir = CACHE / f"fsdp-llama-tp{tp}"
+        if not tp_dir.exists():
+            api.hf_to_tp(hf, tp_dir, tp)
+        for dp in (1, 2):
+            for offload in ("none", "cpu"):
+                r = launch_local(dp * tp, fsdp_rank, (tp_dir, offload, a.batch, a.seq, a.steps),
+                                 threads_per_rank=a.threads, timeout_s=600)
+                tok_s = dp * a.batch * a.seq / max(x["step_s"] for x in r)
+                print(f"{dp:2d} {tp:2d} {offload:>7} | {tok_s:7.1f} | {max(x['peak_mb'] for x in r):16.0f} "
+                      f"{max(x['optim_mb'] for x in r):13.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=2)
@@ -200,6 +276,7 @@ def main() -> None:
                          "oversubscribed cores make multi-threaded timings meaningless)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--methods", default="lora,full", help="methods to measure")
+    ap.add_argument("--fsdp", action="store_true", help="the FSDP dp x tp grid instead (see above)")
     ap.add_argument("--worker", choices=("speed", "memory"), help=argparse.SUPPRESS)
     ap.add_argument("--impl", choices=("tprt", "hf"), help=argparse.SUPPRESS)
     ap.add_argument("--method", choices=("lora", "full"), help=argparse.SUPPRESS)
@@ -208,6 +285,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.worker:
         (run_speed if a.worker == "speed" else run_memory)(a)
+        return
+    if a.fsdp:
+        run_fsdp_grid(a)
         return
     prepare()
     print(f"SmolLM2-135M {a.dtype}, batch {a.batch} x seq {a.seq}, {torch.get_num_threads()} threads; tokens/s of the "

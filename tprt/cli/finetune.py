@@ -92,6 +92,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--seed", type=int, default=0, help="shuffling, split and LoRA init seed (0)")
     f.add_argument("--dtype", choices=("fp32", "bf16"), help="weights and compute (default: fp32 on CPU, bf16 on GPU)")
     f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
+    f.add_argument("--dp", type=int, default=1, metavar="M",
+                   help="data-parallel replicas: start M x tp local ranks (1; under torchrun: WORLD_SIZE / tp). "
+                        "--full shards weights, gradients and optimizer state over them (FSDP2)")
+    f.add_argument("--offload-optimizer", choices=("none", "cpu"), default="none",
+                   help="--full: keep the fp32 weight shards, gradients and AdamW state in host memory and "
+                        "step there (none)")
     f.add_argument("--resume", action="store_true",
                    help="continue from the newest complete checkpoint in --out (a larger --steps trains on; "
                         "the learning-rate schedule stays the original run's)")
@@ -151,7 +157,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         seq_len=a.seq_len, max_grad_norm=a.max_grad_norm, save_every=a.save_every,
         keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
-        activation_checkpointing=a.activation_checkpointing, resume=a.resume, truncate=not a.no_truncate,
+        activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
+        resume=a.resume, truncate=not a.no_truncate,
         progress=not a.no_progress,
     )
     validate(cfg)
@@ -177,6 +184,8 @@ def validate(c: FinetuneConfig) -> None:
     _check(c.save_every >= 0, "--save-every", f"must be >= 0, got {c.save_every}")
     _check(c.keep_checkpoints >= 1, "--keep-checkpoints", f"must be at least 1, got {c.keep_checkpoints}")
     _check(c.eval_every >= 0, "--eval-every", f"must be >= 0, got {c.eval_every}")
+    _check(c.dp >= 1, "--dp", f"must be at least 1, got {c.dp}")
+    _check(c.offload_optimizer == "none" or c.full, "--offload-optimizer", "needs --full (LoRA keeps no large state)")
     _check(c.data.is_file(), "--data", f"{c.data}: no such file")
     _check(c.eval_data is None or c.eval_data.is_file(), "--eval-data", f"{c.eval_data}: no such file")
 
@@ -217,7 +226,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     _check_out(cfg)
     tok = Tokenizer.from_dir(cfg.model)
     dataset = prepare_data(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
-    dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else 1
+    dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else cfg.dp
+    _check(cfg.dp in (1, dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dp}")
     steps = total_steps(cfg, len(dataset.train), dp)
     _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
     r = dataset.report
@@ -225,6 +235,10 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
              r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
     launcher_pid = None if in_distributed_env() else os.getpid()  # local ranks exit if this process dies
+    if not in_distributed_env() and dp > 1:
+        from tprt.distributed.launcher import launch_local
+
+        return dict(launch_local(dp * ckpt.tp_size, train_rank, (cfg, dataset, launcher_pid))[0])
     return dict(run_on_ranks(cfg.model, train_rank, (cfg, dataset, launcher_pid), dp=True))
 
 

@@ -62,6 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     f.add_argument("--seq-len", type=int, default=512, metavar="L", help="tokens per row (512)")
     f.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (1)")
     f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
+    f.add_argument("--offload-optimizer", choices=("none", "cpu"), default="none",
+                   help="--full: fp32 shards, gradients and AdamW state in host memory (none)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,
                                     dtype=args.dtype or ("fp32" if dev.kind == "cpu" else "bf16"),
                                     batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                                    activation_checkpointing=args.activation_checkpointing)
+                                    activation_checkpointing=args.activation_checkpointing,
+                                    sharded=args.full, offload_optimizer=args.offload_optimizer == "cpu")
     plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align)
     print(json.dumps(as_json(plan), indent=2) if args.json else text(plan))
     return 0

@@ -67,22 +67,22 @@ def _finetune(plan: MemoryPlan, w: FinetuneWorkload) -> list[str]:
     out: list[str] = []
     parts, peak = plan.per_rank_bytes, plan.peak_bytes_per_rank
     if w.full:
-        lora = _replan(plan, replace(w, full=False, lora_rank=16))
+        lora = _replan(plan, replace(w, full=False, lora_rank=16, sharded=False, offload_optimizer=False))
         out.append(f"LoRA instead of full (rank 16 on {','.join(lora.workload.lora_targets)}): "  # type: ignore[union-attr]
                    f"{gib(lora.peak_bytes_per_rank)} per rank" + ("" if lora.fits else " (still too much)"))
         states = parts["optimizer_states"]
         bf16_states = peak - states // 2
         out.append(f"bf16 optimizer states (not in tprt yet): -{gib(states // 2)}, {gib(bf16_states)} per rank"
                    + ("" if bf16_states <= plan.device_bytes else " (still too much)"))
-        host = states + parts["master_weights"] + (parts["gradients"] - plan.trainable_params_per_rank * 2
-                                                   if plan.dtype != "fp32" else 0)
-        offloaded = peak - host
-        out.append(f"optimizer offload to host memory (states, masters and the update on the CPU; not in tprt yet): "
-                   f"-{gib(host)}, {gib(offloaded)} per rank" + ("" if offloaded <= plan.device_bytes else " (still too much)"))
-        if plan.dp > 1:
-            zero = peak - (states + parts["master_weights"]) * (plan.dp - 1) // plan.dp
-            out.append(f"optimizer states and masters sharded over the {plan.dp} DP ranks (ZeRO-1, not in tprt yet): "
-                       f"{gib(zero)} per rank" + ("" if zero <= plan.device_bytes else " (still too much)"))
+        if not w.offload_optimizer:
+            off = _replan(plan, replace(w, sharded=True, offload_optimizer=True))
+            out.append(f"--offload-optimizer cpu: {gib(off.peak_bytes_per_rank)} per rank on the device, "
+                       f"{gib(off.extra['host_bytes_per_rank'])} per rank in host memory"
+                       + ("" if off.fits else " (still too much)"))
+        if w.sharded:
+            more = plan_memory(plan.model, plan.tp, w, plan.device, 2 * plan.dp, plan.vocab_align)
+            out.append(f"--dp {2 * plan.dp} (FSDP shards the state over twice the ranks): "
+                       f"{gib(more.peak_bytes_per_rank)} per rank" + ("" if more.fits else " (still too much)"))
     if not w.activation_checkpointing:
         ac = _replan(plan, replace(w, activation_checkpointing=True))
         out.append(f"--activation-checkpointing: activations {gib(parts['activations'])} -> "

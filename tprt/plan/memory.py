@@ -27,6 +27,14 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
   workspaces, allocator slack on GPU; oneDNN scratch and the compiled kernels on CPU).
 
 The peak is their sum: the persistent parts plus the largest transient.
+
+A sharded full fine-tune (`tprt finetune --full`: FSDP2 over dp, `tprt.train.fsdp`) holds each
+parameter's float32 shard (ceil(rows / dp) of its TP slice: master_weights), its float32 gradient
+shard and AdamW's two moments of the shard; weights are the compute-dtype copies FSDP all-gathers:
+the root's (embedding, final norm, LM head, kept through the step) and two decoder blocks (the
+running one and the prefetched next); gradients add one block's unsharded compute-dtype gradients
+and their float32 copy for the reduce-scatter. With `offload_optimizer` the float32 shards, their
+gradients and the moments live in host memory (`extra["host_bytes_per_rank"]`), not on the device.
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ class FinetuneWorkload:
     seq_len: int = 512
     grad_accum: int = 1
     activation_checkpointing: bool = False
+    sharded: bool = False  # full: FSDP over dp as `tprt finetune --full` (False: replicated, the server's)
+    offload_optimizer: bool = False  # sharded: fp32 shards, gradients and moments in host memory
 
 
 Workload = ServeWorkload | FinetuneWorkload
@@ -268,6 +278,14 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4))
     cpu = device.kind == "cpu"
     packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
+    extra: dict[str, Any] = {"tokens_per_micro_batch": tokens, "global_batch_rows": w.batch_size * w.grad_accum * dp}
+    if w.full and w.sharded:
+        parts = _sharded_state(cfg, shapes, b, dp, w.offload_optimizer, extra)
+        parts.update(activations=blocks + loss, framework_reserve=_reserve(device, False))
+        return MemoryPlan(cfg, layout, dp, device, w, parts, params, params, dtype, None, None,
+                          kv_bytes_per_token(cfg, layout, dtype), vocab_align, extra=extra)
+    if w.offload_optimizer:
+        raise ConfigError("--offload-optimizer needs --full (a sharded full fine-tune)")
     low = dtype != "fp32"  # float32 masters, and float32 copies of the gradients in the update
     largest = max(math.prod(shape) for shape in trained.values())
     fp32_grads = min(4 * trainable, max(GRAD_CHUNK_BYTES, 4 * largest)) if low else 0  # the largest chunk
@@ -276,5 +294,27 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
                  activations=blocks + loss, gradients=trainable * b + fp32_grads, optimizer_states=trainable * 8,
                  master_weights=trainable * 4 * low, framework_reserve=_reserve(device, packed > 0))
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, trainable, dtype, None, None,
-                      kv_bytes_per_token(cfg, layout, dtype), vocab_align,
-                      extra={"tokens_per_micro_batch": tokens, "global_batch_rows": w.batch_size * w.grad_accum * dp})
+                      kv_bytes_per_token(cfg, layout, dtype), vocab_align, extra=extra)
+
+
+def shard_numel(shape: tuple[int, ...], dp: int) -> int:
+    """Elements of one DP rank's FSDP shard of a parameter: ceil(rows / dp) rows (the largest shard)."""
+    return -(-shape[0] // dp) * math.prod(shape[1:])
+
+
+def _sharded_state(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], b: int, dp: int, offload: bool,
+                   extra: dict[str, Any]) -> dict[str, int]:
+    """The parameter, gradient and optimizer parts of a sharded full fine-tune (module docstring)."""
+    sharded = sum(shard_numel(s, dp) for s in shapes.values())
+    root = sum(math.prod(s) for n, s in shapes.items() if not n.startswith("layers."))
+    block = sum(math.prod(s) for n, s in shapes.items() if n.startswith("layers.0."))
+    two_blocks = block * min(2, cfg.num_hidden_layers)
+    host = {"master_weights": 4 * sharded, "gradients": 4 * sharded, "optimizer_states": 8 * sharded}
+    extra["sharded_params_per_rank"] = sharded
+    extra["host_bytes_per_rank"] = sum(host.values()) if offload else 0
+    parts = dict.fromkeys(KINDS, 0)
+    parts.update(weights=b * (root + two_blocks), gradients=(b + 4) * block)
+    if not offload:
+        for kind, n in host.items():
+            parts[kind] += n
+    return parts

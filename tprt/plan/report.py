@@ -32,6 +32,8 @@ def _workload_line(plan: MemoryPlan) -> str:
         return (f"workload: serve, {plan.dtype} weights, {plan.kv_dtype} KV cache, max_seq_len {plan.max_seq_len}, "
                 f"max_batch_size {w.max_batch_size}, token_budget {w.token_budget}")
     method = "full" if w.full else f"LoRA rank {w.lora_rank} on {','.join(w.lora_targets)}"
+    if w.full and w.sharded:
+        method += f", FSDP over dp {plan.dp}" + (", optimizer offloaded to the host" if w.offload_optimizer else "")
     return (f"workload: finetune ({method}), {plan.dtype}, batch_size {w.batch_size} x seq_len {w.seq_len} per "
             f"micro-batch, grad_accum {w.grad_accum}, activation checkpointing "
             f"{'on' if w.activation_checkpointing else 'off'}; {plan.trainable_params_per_rank / 1e6:.2f} M "
@@ -47,6 +49,10 @@ def text(plan: MemoryPlan) -> str:
             lines.append(f"  {_LABELS[kind]:<28}{plan.per_rank_bytes[kind] / GIB:>10.2f}")
     peak, dev = plan.peak_bytes_per_rank, plan.device_bytes
     lines.append(f"  {'total (peak)':<28}{peak / GIB:>10.2f}   of {dev / GIB:.2f} ({100 * peak / dev:.0f}%)")
+    host = plan.extra.get("host_bytes_per_rank", 0)
+    if host:
+        lines.append(f"  {'host memory (offloaded)':<28}{host / GIB:>10.2f}   fp32 shards, their gradients and "
+                     f"AdamW state; {host * plan.tp * plan.dp / GIB:.0f} GiB over the {plan.tp * plan.dp} ranks")
     lines.append("")
     kv = plan.kv_bytes_per_token_per_rank
     if isinstance(plan.workload, ServeWorkload):

@@ -8,6 +8,10 @@ Layout under the run's output directory:
         weights-tp00000.safetensors   trainable parameters of TP rank 0 (full: its shard; LoRA: its
         optim-tp00000.pt              adapter shard) and its optimizer state; DP rank 0 writes them
         rng-00000.pt                  torch and Python RNG states of global rank 0, one per rank
+        dcp-tp00000/                  a sharded full fine-tune (FSDP, `tprt.train.fsdp`) instead of
+                                      weights-/optim-: TP rank 0's parameters and optimizer state
+                                      through torch.distributed.checkpoint, each DP rank writing its
+                                      own shards; loadable at another DP degree (DCP reshards)
 
 A checkpoint is written into a hidden sibling (`.tmp-step-...`), every file fsynced, and renamed
 into place by rank 0 once all ranks are done, then the directory is fsynced. A crash at any
@@ -103,6 +107,19 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 @dataclass
+class ShardedState:
+    """What a sharded (FSDP) run saves through torch.distributed.checkpoint: state dicts of
+    DTensors, and the DP group whose ranks write (and read) the shards of one TP rank."""
+
+    state: dict[str, Any]
+    dp_group: dist.ProcessGroup
+
+
+def dcp_dir(path: Path, tp_rank: int) -> Path:
+    return path / f"dcp-tp{tp_rank:05d}"
+
+
+@dataclass
 class TrainState:
     """Everything a checkpoint holds that is the same on every rank."""
 
@@ -114,9 +131,11 @@ class TrainState:
 
 def save_checkpoint(
     out: Path, ctx: TPContext, state: TrainState, weights: Mapping[str, torch.Tensor],
-    optimizer_state: Mapping[str, Any], keep: int,
+    optimizer_state: Mapping[str, Any], keep: int, sharded: ShardedState | None = None,
 ) -> Path:
-    """Writes checkpoint `state.step`; collective over the world (every rank must call it)."""
+    """Writes checkpoint `state.step`; collective over the world (every rank must call it).
+    With `sharded`, every rank writes its DCP shards instead of DP rank 0 writing `weights` and
+    `optimizer_state`."""
     from safetensors.torch import save_file
 
     root = out / CHECKPOINTS
@@ -131,7 +150,12 @@ def save_checkpoint(
 
     def write_shard() -> None:
         _torch_save(rng_state(), tmp / f"rng-{ctx.global_rank:05d}.pt")
-        if ctx.dp_rank == 0:
+        if sharded is not None:
+            import torch.distributed.checkpoint as dcp
+
+            # DCP's file writer fsyncs each file it writes (sync_files defaults to True).
+            dcp.save(sharded.state, checkpoint_id=dcp_dir(tmp, ctx.rank), process_group=sharded.dp_group)
+        elif ctx.dp_rank == 0:
             wpath = tmp / f"weights-tp{ctx.rank:05d}.safetensors"
             save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(wpath))
             _fsync_file(wpath)
@@ -208,6 +232,22 @@ def load_rank_state(path: Path, ctx: TPContext) -> tuple[dict[str, torch.Tensor]
             raise CheckpointError(f"{p}: missing from the checkpoint (needed by TP rank {ctx.rank})")
     weights = load_file(str(wpath), device=str(ctx.device))
     optim = torch.load(opath, map_location=ctx.device, weights_only=False)
+    return weights, optim, load_rng(path, ctx)
+
+
+def load_rng(path: Path, ctx: TPContext) -> dict[str, Any] | None:
+    """This global rank's RNG state, or None when the checkpoint's world had no such rank."""
     rpath = path / f"rng-{ctx.global_rank:05d}.pt"
-    rng = torch.load(rpath, weights_only=False) if rpath.is_file() else None
-    return weights, optim, rng
+    return torch.load(rpath, weights_only=False) if rpath.is_file() else None
+
+
+def load_sharded(path: Path, ctx: TPContext, state: dict[str, Any], dp_group: dist.ProcessGroup) -> None:
+    """Fills `state` (DTensor state dicts, as `ShardedState.state`) in place from the DCP shards of
+    this TP rank, whatever DP degree wrote them; collective over `dp_group`."""
+    import torch.distributed.checkpoint as dcp
+
+    where = dcp_dir(path, ctx.rank)
+    if not where.is_dir():
+        raise CheckpointError(f"{where}: missing from the checkpoint (a sharded full fine-tune needs it; "
+                              "was it written by a LoRA run or an older tprt?)")
+    dcp.load(state, checkpoint_id=where, process_group=dp_group)

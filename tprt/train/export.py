@@ -40,10 +40,11 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-def _rank_tensors(model: TPLlamaForCausalLM, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """HF name -> this rank's slice, split out of the fused parameters (adapters left out)."""
+def _rank_tensors(state: Mapping[str, torch.Tensor], manifest: Manifest) -> dict[str, torch.Tensor]:
+    """HF name -> this rank's slice, split out of the fused parameters of `state` (a model's
+    state dict; adapters left out)."""
     out: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         if ".adapter." in name or name.endswith(".adapter"):
             continue
         row = 0
@@ -116,8 +117,10 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, out: Path,
-                        provenance: Mapping[str, Any] | None = None) -> Path:
+                        provenance: Mapping[str, Any] | None = None,
+                        tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Writes the model as a TP checkpoint shaped like `base` (same TP, dtype, manifest format).
+    `tensors`: the values to write instead of `model.state_dict()` (a sharded model's, gathered).
 
     Collective over the world: the TP ranks of DP rank 0 each write their rank file."""
     ckpt = TPCheckpoint(base)
@@ -128,7 +131,7 @@ def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, o
             if ctx.dp_rank != 0:
                 return None
             fname = rank_file_name(ctx.rank, manifest.tp_size)
-            size, sha = _write_rank_file(tmp / fname, _rank_tensors(model, manifest), manifest)
+            size, sha = _write_rank_file(tmp / fname, _rank_tensors(tensors if tensors is not None else model.state_dict(), manifest), manifest)
             return fname, FileEntry(ctx.rank, size, sha)
 
         entry = run_together(write_shard, f"writing {out}")

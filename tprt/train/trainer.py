@@ -1,5 +1,10 @@
 """The fine-tuning loop: full or LoRA, DP x TP, accumulation, clipping, eval, checkpoints.
 
+A full fine-tune launched by `train_rank` shards its training state over the DP ranks with FSDP2
+(`tprt.train.fsdp`) and checkpoints through torch.distributed.checkpoint; LoRA runs, and Trainers
+built on a bare context (the server's jobs, which have no DP ranks), replicate over DP and
+average gradients (`tprt.train.grads.sync_gradients`).
+
 One `Trainer` per rank. A step takes the next global batch (`BatchStream`: batch_size x
 grad_accum x dp rows), of which this DP rank computes its contiguous share, micro-batch by
 micro-batch; each micro-batch's loss sum is scaled by dp_size / (target tokens of the whole
@@ -26,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, init_distributed
@@ -35,6 +41,7 @@ from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
 from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
+from tprt.train.fsdp import ShardedModel
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
 
 log = logging.getLogger("tprt")
@@ -74,6 +81,8 @@ class FinetuneConfig:
     seed: int = 0
     dtype: str = "fp32"
     activation_checkpointing: bool = False
+    offload_optimizer: str = "none"  # "cpu": FSDP's fp32 shards, gradients and AdamW state in host memory
+    dp: int = 1  # data-parallel ranks the local launcher starts (torchrun: WORLD_SIZE / tp)
     resume: bool = False
     truncate: bool = True
     progress: bool = True
@@ -126,26 +135,42 @@ def train_rank(cfg: FinetuneConfig, dataset: Dataset, launcher_pid: int | None =
     watch_parent(launcher_pid)
     tp = TPCheckpoint(cfg.model).tp_size
     ctx = init_distributed(tp_size=tp)
-    return Trainer(cfg, ctx, dataset).run()
+    mesh = None
+    if cfg.full:
+        from tprt.train.fsdp import make_mesh
+
+        mesh = make_mesh(ctx)
+    return Trainer(cfg, ctx, dataset, mesh=mesh).run()
 
 
 class Trainer:
     """The training state of one rank and the loop over it."""
 
     def __init__(self, cfg: FinetuneConfig, ctx: TPContext, dataset: Dataset,
-                 base: TPLlamaForCausalLM | None = None) -> None:
+                 base: TPLlamaForCausalLM | None = None, mesh: DeviceMesh | None = None) -> None:
         """`base`: for LoRA, a loaded model of cfg.model in cfg.dtype (the server's) whose frozen
-        weights the trainer uses instead of loading its own copy (`shared_twin`)."""
+        weights the trainer uses instead of loading its own copy (`shared_twin`). `mesh`: the
+        world as a [dp, tp] DeviceMesh; a full fine-tune then shards over its `dp` dimension."""
         from tprt.train.optim import AdamW, warmup_cosine
         from tprt.train.step import enable_activation_checkpointing
 
         self.cfg, self.ctx, self.data = cfg, ctx, dataset
         self.out = Path(cfg.out)
         self.run_cfg = run_config(cfg, ctx.world_size, dataset.digest)
+        self.sharded: ShardedModel | None = None
+        if cfg.offload_optimizer != "none" and (mesh is None or not cfg.full):
+            raise ConfigError("--offload-optimizer needs --full (a sharded full fine-tune)")
         if base is not None:
             if cfg.full or base.dtype != parse_dtype(cfg.dtype) or base.tp != ctx:
                 raise ConfigError("only a LoRA job in the base model's dtype and TP context can share its weights")
             self.model = shared_twin(base)
+        elif cfg.full and mesh is not None:
+            from tprt.train.fsdp import shard_model
+
+            # float32 shards are the master weights; FSDP casts to cfg.dtype for compute
+            fp32 = load_model(cfg.model, ctx, dtype="fp32", requires_grad=True)
+            self.sharded = shard_model(fp32, ctx, mesh, parse_dtype(cfg.dtype), cfg.offload_optimizer)
+            self.model = fp32
         else:
             self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
         self.shares_base = base is not None
@@ -193,13 +218,11 @@ class Trainer:
             return
         state = ckpt.read_train_state(path)
         ckpt.check_resume(path, state.run, self.run_cfg)
-        weights, optim, rng = ckpt.load_rank_state(path, self.ctx)
-        with torch.no_grad():
-            for name, p in self.named_trainable().items():
-                if name not in weights:
-                    raise TprtError(f"{path}: no value for trainable parameter {name} (TP rank {self.ctx.rank})")
-                p.copy_(weights[name])
-        self.optimizer.load_state_dict(optim)
+        if self.sharded is not None:
+            rng = self._load_sharded(path)
+        else:
+            rng = self._load_replicated(path)
+
         self.scheduler.load_state_dict(state.scheduler)
         self.stream.load_state_dict(state.data)
         self.step = state.step
@@ -210,8 +233,36 @@ class Trainer:
             self.metrics.truncate_after(self.step)
             log.info("resumed from %s (step %d)", path, self.step)
 
+    def _load_replicated(self, path: Path) -> dict[str, Any] | None:
+        weights, optim, rng = ckpt.load_rank_state(path, self.ctx)
+        with torch.no_grad():
+            for name, p in self.named_trainable().items():
+                if name not in weights:
+                    raise TprtError(f"{path}: no value for trainable parameter {name} (TP rank {self.ctx.rank})")
+                p.copy_(weights[name])
+        self.optimizer.load_state_dict(optim)
+        return rng
+
+    def _load_sharded(self, path: Path) -> dict[str, Any] | None:
+        """Weights and optimizer state from the checkpoint's DCP shards, resharded to this run's DP
+        degree by torch.distributed.checkpoint."""
+        from tprt.train.fsdp import load_state_dicts, state_dicts
+
+        assert self.sharded is not None
+        state = state_dicts(self.sharded, self.optimizer)
+        ckpt.load_sharded(path, self.ctx, state, self.sharded.dp_mesh.get_group())
+        load_state_dicts(self.sharded, self.optimizer, state)
+        return ckpt.load_rng(path, self.ctx)
+
     def save(self) -> None:
         state = ckpt.TrainState(self.step, self.stream.state_dict(), self.run_cfg, self.scheduler.state_dict())
+        if self.sharded is not None:
+            from tprt.train.fsdp import state_dicts
+
+            sharded = ckpt.ShardedState(state_dicts(self.sharded, self.optimizer), self.sharded.dp_mesh.get_group())
+            self.last_saved = ckpt.save_checkpoint(self.out, self.ctx, state, {}, {}, self.cfg.keep_checkpoints,
+                                                   sharded)
+            return
         self.last_saved = ckpt.save_checkpoint(self.out, self.ctx, state, self.named_trainable(),
                                                self.optimizer.state_dict(), self.cfg.keep_checkpoints)
 
@@ -223,6 +274,8 @@ class Trainer:
         sel = torch.tensor(idx, dtype=torch.long)
         ids = rows.input_ids[sel].to(self.ctx.device)
         labels = rows.labels[sel].to(self.ctx.device)
+        if self.sharded is not None:
+            return self.sharded.root(ids, labels)  # type: ignore[no-any-return]
         return compute_loss(self.model, ids, labels)
 
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -244,8 +297,14 @@ class Trainer:
             (ls * scale).backward()
             loss_sum += ls.detach()
         loss = float(self._dp_sum(loss_sum)) / n_global
-        sync_gradients(self.model, self.ctx)
-        grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm, self.ctx)
+        if self.sharded is not None:  # FSDP reduce-scattered (averaged over DP) in the backward
+            from tprt.train.fsdp import clip_sharded_grad_norm, sync_tp_gradients
+
+            sync_tp_gradients(self.sharded)
+            grad_norm = clip_sharded_grad_norm(self.sharded, self.cfg.max_grad_norm)
+        else:
+            sync_gradients(self.model, self.ctx)
+            grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm, self.ctx)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
@@ -270,9 +329,13 @@ class Trainer:
         try:
             idx = list(range(self.ctx.dp_rank, len(rows), self.ctx.dp_size))
             sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-            for i in range(0, len(idx), self.cfg.batch_size):
-                ls, n = self._micro_loss(rows, idx[i : i + self.cfg.batch_size])
-                sums += torch.stack((ls.double(), n.double()))
+            # Sharded, every DP rank runs the same number of forwards (each all-gathers over DP);
+            # a rank short of rows scores row 0 and counts nothing.
+            most = -(-len(rows) // self.ctx.dp_size) if self.sharded is not None else len(idx)
+            for i in range(0, most, self.cfg.batch_size):
+                micro = idx[i : i + self.cfg.batch_size]
+                ls, n = self._micro_loss(rows, micro or [0])
+                sums += torch.stack((ls.double(), n.double())) * (1.0 if micro else 0.0)
             self._dp_sum(sums)
         finally:
             self.model.train()
@@ -327,8 +390,11 @@ class Trainer:
         from tprt.train.export import write_adapter, write_tp_checkpoint
 
         if self.cfg.full:
+            from tprt.train.fsdp import full_state
+
+            tensors = full_state(self.sharded) if self.sharded is not None else None  # all-gathered over DP
             output = write_tp_checkpoint(self.model, self.ctx, Path(self.cfg.model), self.out / "model",
-                                         {"finetune": {"steps": self.step, "lr": self.cfg.lr}})
+                                         {"finetune": {"steps": self.step, "lr": self.cfg.lr}}, tensors)
         else:
             output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
         summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
