@@ -318,7 +318,7 @@ class OpenAIApi:
         adapter = self.d.adapters.get(model)
         if adapter is None:
             raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
-                           "adapter (see GET /v1/models)", "model")
+                           "adapter (the models endpoint lists them)", "model")
         return adapter
 
     async def _generate(self, request: Request, body: Any, kind: str,

@@ -113,7 +113,7 @@ class FileStore:
                 return dict(json.loads(path.read_text()))
         except FileNotFoundError:
             pass
-        raise NotFound(f"no file {echo(file_id)} (see GET /v1/files)", param)
+        raise NotFound(f"no file {echo(file_id)} (the files endpoint lists them)", param)
 
     def content(self, file_id: str) -> Path:
         self.get(file_id)

@@ -357,6 +357,7 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
     for call, kw, kind, param in cases:
         e = bad(call, **kw)
         assert type(e) is kind and e.param == param, (kw, e)
+    assert "(the files endpoint lists them)" in bad(c.files.retrieve, file_id="file-x").message  # not redacted away
     line = bad(c.files.create, file=("mine.jsonl", _chat_jsonl(1) + b"{oops\n"), purpose="fine-tune")
     assert "'mine.jsonl':2: not valid JSON" in line.message and str(api.root) not in line.message
     big = bad(c.files.create, file=("big.jsonl", b"x" * (MAX_DATASET + 1)), purpose="fine-tune")
