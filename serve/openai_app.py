@@ -2,9 +2,8 @@
 /v1/files and /v1/fine_tuning/jobs.
 
 It sits beside gRPC on rank 0 and shares its scheduler, adapters, job manager, bearer token and
-metrics:
-a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per choice, and
-the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
+metrics: a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per
+choice, and the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
 FastAPI's SSE encoder, ending with `data: [DONE]`). Each ticket's queue is drained by a small
 thread into the event loop. Whatever ends a request early (the client disconnects, an error)
 cancels its unfinished tickets, so their sequences leave the batch at the next step.
@@ -15,8 +14,7 @@ FineTuning service sees too).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
 of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor).
-Every call is counted in `tprt_requests_total`
-with `protocol="http"` and the route as `method`.
+Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
 """
 
 from __future__ import annotations

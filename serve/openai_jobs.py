@@ -128,7 +128,12 @@ class JobRequest:
             if hp.learning_rate is not None:
                 raise ParamError("give learning_rate_multiplier or learning_rate, not both",
                                  f"{self.hp_param}.learning_rate")
-            given["learning_rate"] = hp.learning_rate_multiplier * default_of("learning_rate", self.method)
+            base_rate = default_of("learning_rate", self.method)
+            most = 1.0 / base_rate  # our learning rates are in (0, 1]
+            if not 0 < hp.learning_rate_multiplier <= most:
+                raise ParamError(f"must be in (0, {most:g}] (times {base_rate:g}), got {hp.learning_rate_multiplier}",
+                                 f"{self.hp_param}.learning_rate_multiplier")
+            given["learning_rate"] = hp.learning_rate_multiplier * base_rate
         if isinstance(hp.n_epochs, int) and hp.steps is not None:
             raise ParamError("give n_epochs or steps, not both", f"{self.hp_param}.steps")
         if body.seed is not None:
