@@ -110,7 +110,8 @@ class RankExecutor:
         tokens = cfg.batch_size * cfg.grad_accum * self.ctx.dp_size * t.data.train.seq_len
         if self.ctx.rank == 0:
             t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": None})
+                             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": None,
+                             "time_unix_ms": int(time.time() * 1000)})  # when: the OpenAI API's job events
         return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens))
 
     def _cmd_train_save(self) -> str:

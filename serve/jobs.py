@@ -150,6 +150,29 @@ class JobStore:
             ).fetchall()
         return [_from_row(r) for r in rows]
 
+    def page(self, after: str | None, limit: int) -> list[JobRecord]:
+        """Newest first, the `limit` jobs created before job `after` (from the newest when None);
+        KeyError when `after` is not a job."""
+        with self._lock:
+            if after is None:
+                rows = self._db.execute("SELECT * FROM jobs ORDER BY created_ms DESC, id DESC LIMIT ?",
+                                        (limit,)).fetchall()
+            else:
+                mark = self._db.execute("SELECT created_ms FROM jobs WHERE id = ?", (after,)).fetchone()
+                if mark is None:
+                    raise KeyError(after)
+                rows = self._db.execute(
+                    "SELECT * FROM jobs WHERE (created_ms, id) < (?, ?) ORDER BY created_ms DESC, id DESC LIMIT ?",
+                    (mark[0], after, limit)).fetchall()
+        return [_from_row(r) for r in rows]
+
+    def using_dataset(self, dataset: str) -> list[JobRecord]:
+        """The queued and running jobs that will read `dataset` (a path relative to --data-dir)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs WHERE dataset = ? AND state IN (?, ?)",
+                                    (dataset, QUEUED, RUNNING)).fetchall()
+        return [_from_row(r) for r in rows]
+
     def update(self, job_id: str, **changes: Any) -> JobRecord:
         """Sets the given fields; returns the job as stored afterwards. KeyError if unknown."""
         bad = (set(changes) - set(_COLUMNS)) | ({"id"} & set(changes))

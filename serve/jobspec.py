@@ -46,6 +46,12 @@ _HP: dict[str, tuple[Any, Any, float, float, bool]] = {
 _LOW_OPEN = {"learning_rate", "lora_alpha"}
 
 
+def default_of(name: str, method: str) -> Any:
+    """A hyper-parameter's default for "lora" or "full" (None: it depends on the server)."""
+    d_lora, d_full, *_ = _HP[name]
+    return d_lora if method == "lora" else d_full
+
+
 @dataclass
 class JobSpec:
     """A checked CreateJob: the record to store (its dataset was read and found trainable)."""

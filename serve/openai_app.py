@@ -1,15 +1,20 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions,
+/v1/files and /v1/fine_tuning/jobs.
 
-It sits beside gRPC on rank 0 and shares its scheduler, adapters, bearer token and metrics:
-a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per choice, and
-the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
+It sits beside gRPC on rank 0 and shares its scheduler, adapters, job manager, bearer token and
+metrics: a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per
+choice, and the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
 FastAPI's SSE encoder, ending with `data: [DONE]`). Each ticket's queue is drained by a small
 thread into the event loop. Whatever ends a request early (the client disconnects, an error)
 cancels its unfinished tickets, so their sequences leave the batch at the next step.
 
+Files and fine-tuning jobs are thin routes over serve/openai_files.py (the uploaded datasets) and
+serve/openai_jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
+FineTuning service sees too).
+
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-of their gRPC code (serve/openai_requests.py). Every call is counted in `tprt_requests_total`
-with `protocol="http"` and the route as `method`.
+of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor).
+Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,8 +39,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.adapters import AdapterRegistry, AdapterInfo
 from serve.auth import bearer
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
+from serve.finetune import JobManager
 from serve.handlers import ModelFacts
+from serve.jobspec import check_create, hyperparameters
 from serve.metrics import Metrics
+from serve.openai_files import FileStore, dataset_path
+from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
+                               store_job_id, write_sidecar)
 from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
                                    prepare_chat, prepare_completion)
 from serve.scheduler import Scheduler, Ticket, new_request_id
@@ -59,22 +69,34 @@ class HttpDeps:
     max_body_bytes: int  # --max-message-bytes
     max_text_bytes: int | None  # serve/validation.py text_byte_limit
     started: float  # the models' `created` time
+    jobs: JobManager  # the fine-tuning jobs, shared with gRPC
+    files: FileStore  # the uploaded datasets
+    max_dataset_bytes: int  # --max-dataset-bytes
+    admit: Callable[[str, dict[str, Any]], None] | None  # serve/admission.py: a job's memory
+    redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
+
+
+UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit, by its Content-Length or as it streams in."""
+    """ASGI middleware: 413 for a body over the limit, by its Content-Length or as it streams in.
+    A file upload may be as large as a dataset (the file itself is checked by serve/openai_files.py)."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
         self.app = app
         self.limit = limit
+        self.upload_limit = upload_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        upload = scope["path"] == "/v1/files"
+        limit = self.upload_limit if upload else self.limit
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _send_error(scope, send, self._too_large())
+        if length is not None and length.isdigit() and int(length) > limit:
+            await _send_error(scope, send, self._too_large(limit, upload))
             return
         seen = 0
 
@@ -82,14 +104,16 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise self._too_large()
+            if seen > limit:
+                raise self._too_large(limit, upload)
             return message
 
         await self.app(scope, counted, send)
 
-    def _too_large(self) -> PayloadTooLarge:
-        return PayloadTooLarge(f"the request body is over {self.limit} bytes (--max-message-bytes)")
+    @staticmethod
+    def _too_large(limit: int, upload: bool) -> PayloadTooLarge:
+        flag = "--max-dataset-bytes" if upload else "--max-message-bytes"
+        return PayloadTooLarge(f"the request body is over {limit} bytes ({flag})")
 
 
 async def _send_error(scope: Scope, send: Send, e: BaseException) -> None:
@@ -106,7 +130,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     api = OpenAIApi(deps)
     app = FastAPI(title="tprt OpenAI-compatible API", dependencies=[Depends(api.authenticate)],
                   openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=deps.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=deps.max_body_bytes, upload_limit=deps.max_dataset_bytes + UPLOAD_OVERHEAD)
     app.add_exception_handler(RequestValidationError, api.invalid_body)  # type: ignore[arg-type]
     for known in (ServeError, ValidationError):  # a client's mistake, or a state of the server
         app.add_exception_handler(known, api.failed)  # type: ignore[arg-type]
@@ -114,6 +138,17 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    app.post("/v1/files")(api.upload_file)
+    app.get("/v1/files")(api.list_files)
+    app.get("/v1/files/{file_id}")(api.get_file)
+    app.get("/v1/files/{file_id}/content")(api.file_content)
+    app.delete("/v1/files/{file_id}")(api.delete_file)
+    app.post("/v1/fine_tuning/jobs")(api.create_job)
+    app.get("/v1/fine_tuning/jobs")(api.list_jobs)
+    app.get("/v1/fine_tuning/jobs/{job_id}")(api.get_job)
+    app.post("/v1/fine_tuning/jobs/{job_id}/cancel")(api.cancel_job)
+    app.get("/v1/fine_tuning/jobs/{job_id}/events")(api.job_events)
+    app.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")(api.job_checkpoints)
     return app
 
 
@@ -137,8 +172,13 @@ class OpenAIApi:
         route = request.scope.get("route")
         self.d.metrics.outcome(getattr(route, "path", request.url.path), outcome, 0.0, protocol="http")
 
+    def _ok(self, request: Request, value: Any) -> Any:
+        self._count(request, "ok")
+        return value
+
     async def failed(self, request: Request, e: Exception) -> JSONResponse:
         status, body, outcome = error_body(e)
+        body["error"]["message"] = self.d.redact(body["error"]["message"])
         self._count(request, outcome)
         return JSONResponse(body, status_code=status)
 
@@ -167,6 +207,107 @@ class OpenAIApi:
     async def chat_completions(self, body: ChatBody, request: Request) -> Any:
         return await self._generate(request, body, "chat.completion", prepare_chat)
 
+    # ----------------------------------------------------------------- files
+
+    async def upload_file(self, request: Request, file: Annotated[UploadFile, File()],
+                          purpose: Annotated[str, Form()]) -> dict[str, Any]:
+        # Copying, syncing and tokenizing the dataset are blocking work: off the event loop.
+        obj = await run_in_threadpool(self.d.files.add, file.file, file.filename or "upload.jsonl", purpose)
+        return self._ok(request, obj)
+
+    async def list_files(self, request: Request, purpose: str | None = None, after: str | None = None,
+                         limit: int = 10_000, order: str = "desc") -> dict[str, Any]:
+        _check_limit(limit, 10_000)
+        if order not in ("asc", "desc"):
+            raise ParamError(f"{echo(order)}; 'asc' or 'desc'", "order")
+        files = self.d.files.list(purpose)
+        listed = page(files[::-1] if order == "asc" else files, after, limit, "file")
+        return self._ok(request, listed)
+
+    async def get_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        return self._ok(request, self.d.files.get(file_id))
+
+    async def file_content(self, request: Request, file_id: str) -> FileResponse:
+        path = self.d.files.content(file_id)
+        return self._ok(request, FileResponse(path, media_type="application/jsonl"))
+
+    async def delete_file(self, request: Request, file_id: str) -> dict[str, Any]:
+        return self._ok(request, await run_in_threadpool(self.d.files.delete, file_id))
+
+    # ----------------------------------------------------------------- fine-tuning jobs
+
+    async def create_job(self, body: FineTuningJobBody, request: Request) -> dict[str, Any]:
+        # Reading and tokenizing the training file, and the store's writes: off the event loop.
+        return self._ok(request, await run_in_threadpool(self._create_job, body))
+
+    def _create_job(self, body: FineTuningJobBody) -> dict[str, Any]:
+        d = self.d
+        if not d.jobs.accepting:
+            raise Unavailable(d.jobs.refusal)
+        if body.model != d.facts.name:
+            if d.adapters.has(body.model):
+                raise ParamError("fine-tuning an adapter is not supported; name the base model "
+                                 f"{d.facts.name!r}", "model")
+            raise NotFound(f"model {echo(body.model)} is not the served base model {d.facts.name!r}", "model")
+        job = JobRequest(body)
+        with d.files.lock:  # the training file stays until the job is stored
+            d.files.get(body.training_file, "training_file")
+            job.request.dataset_path = dataset_path(body.training_file)
+            try:
+                if job.epochs is not None:
+                    job.set_epoch_steps(self._packed_rows(job))
+                spec = check_create(job.request, d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
+                                    d.adapters.has, d.max_dataset_bytes, d.admit)
+            except ServeError as e:
+                raise job.error(e) if e.field else e from None
+            rec = d.jobs.create(spec)
+        write_sidecar(d.jobs.data_dir, rec, job.sidecar())
+        return job_object(rec, d.facts.name, d.jobs.data_dir)
+
+    def _packed_rows(self, job: JobRequest) -> int:
+        """The training rows of the job's file as it will be packed (for n_epochs)."""
+        from tprt.train.data import prepare_data
+
+        d = self.d
+        hp = hyperparameters(job.request.hyperparameters, job.method, d.facts.context_length)
+        if d.tokenizer is None:
+            raise ParamError("the served model has no tokenizer; fine-tuning needs one", "training_file")
+        try:
+            data = prepare_data(d.jobs.data_dir / job.request.dataset_path, d.tokenizer, hp["max_seq_len"], hp["seed"])
+        except ValidationError as e:
+            raise ParamError(str(e), "training_file") from None
+        return len(data.train)
+
+    async def list_jobs(self, request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
+        _check_limit(limit, 100)
+        try:
+            recs = self.d.jobs.store.page(store_job_id(after) if after is not None else None, limit + 1)
+        except KeyError:
+            raise NotFound(f"no job {echo(after or '')}", "after") from None
+        data = [job_object(r, self.d.facts.name, self.d.jobs.data_dir) for r in recs[:limit]]
+        return self._ok(request, {"object": "list", "data": data, "has_more": len(recs) > limit})
+
+    async def get_job(self, request: Request, job_id: str) -> dict[str, Any]:
+        rec = self.d.jobs.get(store_job_id(job_id))
+        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+
+    async def cancel_job(self, request: Request, job_id: str) -> dict[str, Any]:
+        rec = await run_in_threadpool(self.d.jobs.cancel, store_job_id(job_id))
+        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+
+    async def job_events(self, request: Request, job_id: str, after: str | None = None,
+                         limit: int = 20) -> dict[str, Any]:
+        _check_limit(limit, 1000)
+        rec = self.d.jobs.get(store_job_id(job_id))
+        events = job_events(rec, self.d.jobs.data_dir)[::-1]  # newest first, as OpenAI lists them
+        return self._ok(request, page(events, after, limit, "event"))
+
+    async def job_checkpoints(self, request: Request, job_id: str, after: str | None = None,
+                              limit: int = 10) -> dict[str, Any]:
+        _check_limit(limit, 100)
+        rec = self.d.jobs.get(store_job_id(job_id))
+        return self._ok(request, page(job_checkpoints(rec), after, limit, "checkpoint"))
+
     # ----------------------------------------------------------------- generation
 
     def _adapter(self, model: str) -> AdapterInfo | None:
@@ -175,7 +316,7 @@ class OpenAIApi:
         adapter = self.d.adapters.get(model)
         if adapter is None:
             raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
-                           "adapter (see GET /v1/models)", "model")
+                           "adapter (the models endpoint lists them)", "model")
         return adapter
 
     async def _generate(self, request: Request, body: Any, kind: str,
@@ -265,6 +406,11 @@ class OpenAIApi:
                 if not t.done:
                     t.done = True
                     self.d.scheduler.cancel(t.request_id, "client")
+
+
+def _check_limit(limit: int, most: int) -> None:
+    if not 1 <= limit <= most:
+        raise ParamError(f"must be in [1, {most}], got {limit}", "limit")
 
 
 def _pump(ticket: Ticket, index: int, loop: asyncio.AbstractEventLoop,

@@ -174,7 +174,7 @@ def _resolve(given: dict[str, Any], prompt: list[int], context: int, vocab: int,
                          else InvalidArgument) from None
 
 
-def _renamed(e: ServeError, rename: dict[str, str]) -> ParamError:
+def renamed(e: ServeError, rename: dict[str, str]) -> ParamError:
     """A prompt_ids error with its GenerateRequest field path replaced by the OpenAI parameter."""
     field = e.field or "prompt"
     param = field
@@ -226,7 +226,7 @@ def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int
         try:
             prompts.append(prompt_ids(request, tok, vocab, max_text_bytes=max_text_bytes))
         except ServeError as e:
-            raise _renamed(e, {"prompt_ids.ids": "prompt", "prompt": "prompt"}) from None
+            raise renamed(e, {"prompt_ids.ids": "prompt", "prompt": "prompt"}) from None
     given = _common_fields(body)
     given["max_new_tokens"] = body.max_tokens
     if body.logprobs is not None:
@@ -255,7 +255,7 @@ def prepare_chat(body: ChatBody, tok: Tokenizer | None, context: int, vocab: int
     try:
         ids = prompt_ids(pb.GenerateRequest(chat=chat), tok, vocab, max_text_bytes=max_text_bytes)
     except ServeError as e:
-        raise _renamed(e, {"chat.messages": "messages", "chat": "messages"}) from None
+        raise renamed(e, {"chat.messages": "messages", "chat": "messages"}) from None
     given = _common_fields(body)
     given["max_new_tokens"] = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     given["logprobs"], given["top_logprobs"] = body.logprobs, body.top_logprobs

@@ -40,6 +40,7 @@ from serve.executor import RankExecutor
 from serve.finetune import JobManager
 from serve.http_server import HttpServer
 from serve.openai_app import HttpDeps, create_app
+from serve.openai_files import FileStore
 from serve.handlers import FineTuningService, GenerationService, ModelFacts
 from serve.jobs import JobStore
 from serve.limits import OpenCallLimiter
@@ -263,13 +264,16 @@ class App:
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
         generation = GenerationService(self.scheduler, tokenizer, facts, adapters)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
+        admission = self._job_admission(ctx, model)
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
+            files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store)
             self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
-                                                cfg.max_message_bytes, generation.max_text_bytes, time.time()))
+                                                cfg.max_message_bytes, generation.max_text_bytes, time.time(),
+                                                self.jobs, files, cfg.max_dataset_bytes, admission, self.redact))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
-                              self._job_admission(ctx, model)), self.server)
+                              admission), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,

@@ -1,6 +1,10 @@
 """The OpenAI-compatible HTTP API of `tprt serve --http-port`: a real server at TP 2 on loopback
-(one for the whole file, bearer token on), called with the official `openai` package, and with
-raw httpx for the SSE framing and a disconnect mid-stream.
+(one for the whole file, bearer token on, TLS with a self-signed certificate when openssl is
+there, as gRPC's TLS test does), called with the official `openai` package, and with raw httpx
+for the SSE framing and a disconnect mid-stream. Files and fine-tuning jobs go through the same
+server (one job queue slot, so a second waiting job is a 429); draining and a broken world (503)
+are checked on the app in-process, where a job manager can be put in that state without a
+second server.
 
 The server's batch and queue are small (MAX_BATCH, MAX_QUEUE) so that a full queue (429) takes
 three long requests. Nothing waits for a guessed duration: a request that must still run is one
@@ -10,7 +14,10 @@ of LONG tokens, acted on once its first token has streamed, and cancelled afterw
 from __future__ import annotations
 
 import json
+import math
 import re
+import ssl
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +26,13 @@ import httpx
 import openai
 import pytest
 
-from test_server import CONTEXT, TOKEN, ServerProcess, data_dir, metric, wait_for, wait_idle
+from test_server import CONTEXT, TOKEN, ServerProcess, _self_signed_cert, data_dir, metric, wait_for, wait_idle
 from tiny_chat import make_tiny_chat_model
 
 MAX_BATCH = 2
 MAX_QUEUE = 1
 MAX_BODY = 1 << 20
+MAX_DATASET = 64 << 10  # --max-dataset-bytes: an upload one byte over is a 413
 LONG = CONTEXT - 64
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
@@ -34,15 +42,25 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 class Api:
     """The running server, its OpenAI base URL and clients."""
 
-    def __init__(self, server: ServerProcess) -> None:
+    def __init__(self, server: ServerProcess, root: Path) -> None:
         self.server = server
-        m = re.search(r"OpenAI API (http://[\d.]+:\d+/v1)", server.line)
+        self.root = root
+        m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", server.line)
         assert m, server.line
         self.base_url = m.group(1)
-        self.client = openai.OpenAI(base_url=self.base_url, api_key=TOKEN, max_retries=0, timeout=60)
+        # The server's own certificate is the one to trust (TLS), else the system's (plain HTTP).
+        self.verify = ssl.create_default_context(cafile=str(server.tls_ca)) if server.tls_ca else True
+        self.client = self.openai(TOKEN)
         self.headers = {"Authorization": f"Bearer {TOKEN}"}
         models = self.client.models.list().data
         self.model = models[0].id
+
+    def openai(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60,
+                             http_client=httpx.Client(verify=self.verify))
+
+    def http(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(verify=self.verify, headers=self.headers, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +68,16 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     root = tmp_path_factory.mktemp("http")
     make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
     (root / "token").write_text(TOKEN + "\n")
+    tls = _self_signed_cert(root)
     args = ["--model", str(root / "model" / "tp2"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
             "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
-            "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_BODY)]
-    srv = ServerProcess(args, root / "server.log")
+            "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_BODY),
+            "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1"]
+    args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
+    srv = ServerProcess(args, root / "server.log", tls[0] if tls else None)
     try:
-        yield Api(srv)
+        yield Api(srv, root)
     finally:
         srv.kill()
 
@@ -64,6 +85,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
 def test_models_lists_the_base_model(api: Api) -> None:
     models = api.client.models.list().data
     assert [m.id for m in models] == ["tp2"]
+    assert api.base_url.startswith("https://") == (api.server.tls_ca is not None)  # TLS as gRPC has it
     assert models[0].model_extra is not None and models[0].model_extra["parent"] is None
 
 
@@ -136,11 +158,11 @@ def test_errors_are_typed(api: Api) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         c.chat.completions.create(model="no-such-model", messages=CHAT)  # type: ignore[arg-type]
     assert missing.value.param == "model"
-    stranger = openai.OpenAI(base_url=api.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        stranger.models.list()
-    big = httpx.post(f"{api.base_url}/completions", headers=api.headers, timeout=30,
-                     content=json.dumps({"model": api.model, "prompt": "x" * (MAX_BODY + 1)}))
+        api.openai("wrong").models.list()
+    with api.http(timeout=30) as http:
+        big = http.post(f"{api.base_url}/completions",
+                        content=json.dumps({"model": api.model, "prompt": "x" * (MAX_BODY + 1)}))
     assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -154,7 +176,7 @@ def _first_event(lines: Iterator[str]) -> dict[str, Any]:
 def test_sse_framing(api: Api) -> None:
     body = {"model": api.model, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", f"{api.base_url}/completions", json=body, headers=api.headers, timeout=30) as r:
+    with api.http(timeout=30) as http, http.stream("POST", f"{api.base_url}/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = raw.split("\n\n")
@@ -172,7 +194,7 @@ def test_disconnect_and_full_queue(api: Api) -> None:
                     outcome="cancelled")
     body = {"model": api.model, "prompt": "Tell a long story", "max_tokens": LONG, "temperature": 0,
             "stream": True, "ignore_eos": True}
-    with httpx.Client(headers=api.headers, timeout=60) as http:
+    with api.http(timeout=60) as http:
         streams, readers = [], []  # a reader dropped early would close its connection
         try:
             for _ in range(MAX_BATCH):
@@ -196,3 +218,193 @@ def test_disconnect_and_full_queue(api: Api) -> None:
              20, "the cancels to be counted")
     assert metric(api.server.metrics(), "tprt_requests_total", protocol="http", method="/v1/completions",
                   outcome="resource_exhausted") >= 1
+
+
+# ----------------------------------------------------------------- files and fine-tuning jobs
+
+SEQ_LEN = 64
+
+
+def _chat_jsonl(n: int) -> bytes:
+    """OpenAI's chat fine-tuning format, n examples."""
+    return "".join(json.dumps({"messages": [{"role": "user", "content": f"Q{i}: say hi"},
+                                            {"role": "assistant", "content": "hi there"}]}) + "\n"
+                   for i in range(n)).encode()
+
+
+@pytest.fixture(scope="module")
+def training_file(api: Api) -> str:
+    return api.client.files.create(file=("train.jsonl", _chat_jsonl(8)), purpose="fine-tune").id
+
+
+def _wait_job(api: Api, job_id: str, status: str) -> Any:
+    return wait_for(lambda: (j := api.client.fine_tuning.jobs.retrieve(job_id)).status == status and j, 120,
+                    f"job {job_id} to be {status}")
+
+
+def test_fine_tuning_flow(api: Api, training_file: str) -> None:
+    """Upload, create (n_epochs and a learning-rate multiplier mapped onto steps and a rate), poll
+    to succeeded, events, checkpoints; the fine_tuned_model is listed and answers as gRPC's adapter does."""
+    from tprt.text.tokenizer import Tokenizer
+    from tprt.train.data import prepare_data
+
+    c = api.client
+    uploaded = c.files.retrieve(training_file)
+    assert (uploaded.object, uploaded.purpose, uploaded.status, uploaded.filename) == \
+        ("file", "fine-tune", "processed", "train.jsonl")
+    assert uploaded.bytes == len(_chat_jsonl(8)) and c.files.content(training_file).content == _chat_jsonl(8)
+    assert training_file in [f.id for f in c.files.list(purpose="fine-tune").data]
+    hp: Any = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 500, "max_seq_len": SEQ_LEN, "lora_rank": 4}
+    job = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, suffix="tiny", seed=3,
+                                    method={"type": "supervised", "supervised": {"hyperparameters": hp}})
+    assert job.id.startswith("ftjob-") and job.status == "queued" and job.training_file == training_file
+    ours = (job.model_extra or {})["tprt"]
+    rows = len(prepare_data(api.root / "data" / f"files/{training_file}.jsonl",
+                            Tokenizer.from_dir(api.root / "model" / "tp2"), SEQ_LEN, 3).train)
+    assert ours["hyperparameters"]["steps"] == math.ceil(rows / 4) and ours["hyperparameters"]["seed"] == 3
+    assert ours["hyperparameters"]["learning_rate"] == pytest.approx(500 * 1e-4)
+    with api.server.client() as grpc_client:  # one job store: gRPC sees the HTTP job
+        assert grpc_client.get_job(ours["job_id"]).hyperparameters.steps == ours["hyperparameters"]["steps"]
+        done = _wait_job(api, job.id, "succeeded")
+        tuned = done.fine_tuned_model
+        assert tuned is not None and tuned.startswith("tiny-") and done.user_provided_suffix == "tiny"
+        assert done.trained_tokens == ours["hyperparameters"]["steps"] * 4 * SEQ_LEN and done.finished_at
+        events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
+        assert events[0].message == "The job has successfully completed"
+        assert events[-1].message == "Created fine-tuning job"
+        steps = [e.data["step"] for e in events if e.type == "metrics"]  # type: ignore[index]
+        assert steps == list(range(ours["hyperparameters"]["steps"], 0, -1))
+        older = c.fine_tuning.jobs.list_events(job.id, after=events[0].id, limit=1)
+        assert [e.id for e in older.data] == [events[1].id] and older.has_more
+        [checkpoint] = c.fine_tuning.jobs.checkpoints.list(job.id).data
+        assert checkpoint.fine_tuned_model_checkpoint == tuned and checkpoint.fine_tuning_job_id == job.id
+        listed = {m.id: m for m in c.models.list().data}
+        assert (listed[tuned].model_extra or {})["parent"] == api.model
+        chat = c.chat.completions.create(model=tuned, messages=CHAT, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                         extra_body={"ignore_eos": True})
+        greedy: dict[str, Any] = {"chat": CHAT, "max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True}
+        ref = grpc_client.complete(**greedy, adapter_id=tuned)
+        base = grpc_client.complete(**greedy)
+    assert chat.choices[0].message.content == ref.text and chat.model == tuned
+    assert [t.logprob for t in ref.tokens] != [t.logprob for t in base.tokens]  # the adapter is in effect
+    m = api.server.metrics()
+    for route in ("/v1/files", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{job_id}/events"):
+        assert metric(m, "tprt_requests_total", protocol="http", method=route, outcome="ok") >= 1, route
+
+
+def test_jobs_paging_queue_limit_cancel_across_protocols(api: Api, training_file: str) -> None:
+    c = api.client
+    endless: dict[str, Any] = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100000, "batch_size": 1,
+               "max_seq_len": 16, "lora_rank": 2}
+    with api.server.client() as grpc_client:
+        running = grpc_client.create_job(**endless)  # over gRPC, seen over HTTP
+        running_id = "ft" + running.id
+        _wait_job(api, running_id, "running")
+        hp: Any = {"steps": 5, "batch_size": 1, "max_seq_len": SEQ_LEN, "lora_rank": 2}
+        queued = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, hyperparameters=hp)
+        with pytest.raises(openai.RateLimitError):  # --max-queued-jobs 1
+            c.fine_tuning.jobs.create(model=api.model, training_file=training_file, hyperparameters=hp)
+        first = c.fine_tuning.jobs.list(limit=1)
+        assert [j.id for j in first.data] == [queued.id] and first.has_more
+        second = c.fine_tuning.jobs.list(limit=1, after=queued.id)
+        assert [j.id for j in second.data] == [running_id] and second.data[0].training_file == running.dataset
+        with pytest.raises(openai.BadRequestError) as busy:  # a queued job will read it
+            c.files.delete(training_file)
+        assert busy.value.param == "file_id"
+        assert c.fine_tuning.jobs.cancel(queued.id).status == "cancelled"  # at once
+        assert c.fine_tuning.jobs.cancel(running_id).status == "running"  # at its next step
+        _wait_job(api, running_id, "cancelled")
+        assert grpc_client.get_job(queued.id.removeprefix("ft")).state == grpc_client.get_job(running.id).state
+    assert c.fine_tuning.jobs.list_events(running_id).data[0].message == "The job was cancelled"
+    assert c.fine_tuning.jobs.checkpoints.list(running_id).data == []
+    spare = c.files.create(file=("spare.jsonl", _chat_jsonl(1)), purpose="fine-tune")
+    assert c.files.delete(spare.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(spare.id)
+
+
+def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
+    c = api.client
+
+    def bad(call: Any, **kw: Any) -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as info:
+            call(**kw)
+        return info.value
+
+    create = c.fine_tuning.jobs.create
+    cases: list[tuple[Any, dict[str, Any], type[openai.APIStatusError], str | None]] = [
+        (c.files.create, {"file": ("a.jsonl", _chat_jsonl(1)), "purpose": "assistants"}, openai.BadRequestError,
+         "purpose"),
+        (c.files.create, {"file": ("a.jsonl", b'{"messages": []}\n'), "purpose": "fine-tune"},
+         openai.BadRequestError, "file"),
+        (c.files.retrieve, {"file_id": "file-" + "0" * 24}, openai.NotFoundError, "file_id"),
+        (create, {"model": api.model, "training_file": "file-" + "0" * 24}, openai.NotFoundError, "training_file"),
+        (create, {"model": "gpt-4o-mini", "training_file": training_file}, openai.NotFoundError, "model"),
+        (create, {"model": api.model, "training_file": training_file, "hyperparameters": {"batch_size": 0}},
+         openai.BadRequestError, "hyperparameters.batch_size"),
+        (create, {"model": api.model, "training_file": training_file,
+                  "method": {"type": "supervised", "supervised": {"hyperparameters": {"epochs": 2}}}},
+         openai.BadRequestError, "method.supervised.hyperparameters.epochs"),
+        (create, {"model": api.model, "training_file": training_file,
+                  "hyperparameters": {"learning_rate_multiplier": 1e5}}, openai.BadRequestError,
+         "hyperparameters.learning_rate_multiplier"),
+        (create, {"model": api.model, "training_file": training_file, "method": {"type": "dpo"}},
+         openai.BadRequestError, "method.type"),
+        (create, {"model": api.model, "training_file": training_file, "validation_file": training_file},
+         openai.BadRequestError, "validation_file"),
+        (create, {"model": api.model, "training_file": training_file, "suffix": "no spaces"},
+         openai.BadRequestError, "suffix"),
+        (c.fine_tuning.jobs.retrieve, {"fine_tuning_job_id": "ftjob-nope"}, openai.NotFoundError, "job_id"),
+        (c.fine_tuning.jobs.list, {"limit": 0}, openai.BadRequestError, "limit"),
+    ]
+    for call, kw, kind, param in cases:
+        e = bad(call, **kw)
+        assert type(e) is kind and e.param == param, (kw, e)
+    assert "(the files endpoint lists them)" in bad(c.files.retrieve, file_id="file-x").message  # not redacted away
+    line = bad(c.files.create, file=("mine.jsonl", _chat_jsonl(1) + b"{oops\n"), purpose="fine-tune")
+    assert "'mine.jsonl':2: not valid JSON" in line.message and str(api.root) not in line.message
+    big = bad(c.files.create, file=("big.jsonl", b"x" * (MAX_DATASET + 1)), purpose="fine-tune")
+    assert big.status_code == 413 and "--max-dataset-bytes" in big.message
+    huge = bad(c.files.create, file=("huge.jsonl", b"x" * (2 * MAX_DATASET)), purpose="fine-tune")
+    assert huge.status_code == 413  # refused by its Content-Length, before the body is read
+    with pytest.raises(openai.AuthenticationError):
+        api.openai("wrong").files.list()
+    assert not any(f.filename in ("a.jsonl", "mine.jsonl", "big.jsonl") for f in c.files.list().data)
+
+
+def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
+    """The app in-process (its real routes, job manager and store, called with the openai package
+    through Starlette's test client): a draining server, then one whose world broke, refuses new
+    jobs with 503; a scheduler that refuses work refuses completions the same way."""
+    from starlette.testclient import TestClient
+
+    from serve.adapters import AdapterRegistry
+    from serve.errors import Redactor, Unavailable
+    from serve.finetune import JobManager
+    from serve.jobs import JobStore
+    from serve.metrics import Metrics
+    from serve.openai_app import HttpDeps, create_app
+    from serve.openai_files import FileStore
+
+    class Refusing:
+        def submit(self, ticket: Any) -> None:
+            raise Unavailable("the server is shutting down; retry on another replica")
+
+    store, metrics, adapters = JobStore(tmp_path), Metrics(), AdapterRegistry()
+    jobs = JobManager(store, tmp_path, metrics, adapters, tmp_path, None, 64, lambda: None)
+    facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
+    deps = HttpDeps(Refusing(), None, facts, adapters, metrics, None, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
+                    FileStore(tmp_path, None, 64, 1 << 20, store), 1 << 20, None, Redactor({tmp_path: ""}))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
+                           http_client=TestClient(create_app(deps)))
+    jobs.stop_accepting()
+    for why in ("shutting down", "rank 1 died"):
+        if why != "shutting down":
+            jobs.ranks_broken(why)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.fine_tuning.jobs.create(model="base", training_file="file-" + "0" * 24)
+        assert info.value.status_code == 503 and why in info.value.message
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model="base", prompt=[1, 2, 3], max_tokens=2)
+    assert info.value.status_code == 503 and "shutting down" in info.value.message
+    store.close()

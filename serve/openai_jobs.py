@@ -1,0 +1,288 @@
+"""OpenAI fine-tuning jobs <-> tprt's jobs (the same JobManager and SQLite store as gRPC).
+
+A `POST /v1/fine_tuning/jobs` body becomes the CreateJobRequest gRPC would have sent, checked by
+the same `check_create`: `training_file` is the uploaded file's path under --data-dir
+(serve/openai_files.py), `method.type` must be "supervised" (LoRA unless the extra field
+`full: true` asks for a full fine-tune), and the hyper-parameters map as follows:
+
+    n_epochs                   steps = ceil(n_epochs x packed rows / batch_size)  ("auto": `steps`, default 100)
+    batch_size                 batch_size (sequences per optimizer step)          ("auto": 4)
+    learning_rate_multiplier   learning_rate = multiplier x our default (1e-4 LoRA, 1e-5 full)  ("auto": 1)
+    seed (top level)           seed
+    suffix                     the adapter id, `<suffix>-<6 hex digits>` (`fine_tuned_model`)
+
+and our own settings go in the same hyperparameters object as extras: steps, learning_rate,
+max_seq_len, lora_rank, lora_alpha, weight_decay, warmup_steps, checkpoint_every. What the job
+store does not keep (the epochs asked for, the suffix, metadata) is a small JSON file in the job's
+directory; a job created over gRPC has none and shows its dataset path as `training_file`.
+
+Ids: our job `job-<hex>` is OpenAI's `ftjob-<hex>` (either is accepted). Statuses are ours
+(queued, running, succeeded, failed, cancelled): files are checked at upload and at creation,
+so a job never waits in `validating_files`. Events are derived from the record and the job's
+per-step metrics log; the one checkpoint listed is a succeeded job's output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from serve.errors import NotFound, ServeError, echo
+from serve.jobs import FAILED, SUCCEEDED, JobRecord
+from serve.jobspec import ADAPTER_ID, default_of
+from serve.openai_files import file_of_dataset
+from serve.openai_requests import ParamError, renamed
+from serve.pb import finetuning_pb2 as ft_pb
+from tprt.checkpoint.fsutil import write_bytes_atomic
+
+SIDECAR = "openai.json"
+METRICS_LOG = "metrics.jsonl"  # written by the trainer in the job's directory (tprt.train.plot)
+_SUFFIX_CHARS = 40  # plus "-" and 6 hex digits: within an adapter id's 64
+
+Auto = Literal["auto"]
+
+
+class Hyperparameters(BaseModel):
+    """OpenAI's supervised hyper-parameters, and ours (serve/jobspec.py) as extras."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelled setting is an error, not a default
+
+    n_epochs: int | Auto | None = None
+    batch_size: int | Auto | None = None
+    learning_rate_multiplier: float | Auto | None = None
+    steps: int | None = None
+    learning_rate: float | None = None
+    max_seq_len: int | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    weight_decay: float | None = None
+    warmup_steps: int | None = None
+    checkpoint_every: int | None = None
+
+
+class Supervised(BaseModel):
+    hyperparameters: Hyperparameters | None = None
+
+
+class Method(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    supervised: Supervised | None = None
+
+
+class FineTuningJobBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    suffix: str | None = None
+    seed: int | None = None
+    hyperparameters: Hyperparameters | None = None  # OpenAI's older spelling of method.supervised's
+    method: Method | None = None
+    integrations: list[Any] | None = None
+    metadata: dict[str, str] | None = None
+    full: bool = False  # ours: every weight instead of LoRA; the result is a checkpoint to serve, not an adapter
+
+
+def openai_job_id(job_id: str) -> str:
+    return "ft" + job_id if job_id.startswith("job-") else job_id
+
+
+def store_job_id(given: str) -> str:
+    return given[2:] if given.startswith("ftjob-") else given
+
+
+class JobRequest:
+    """A checked-as-far-as-OpenAI-goes job body: the CreateJobRequest to check further, the
+    parameter prefix its hyper-parameters came under, and what the job store will not keep."""
+
+    def __init__(self, body: FineTuningJobBody) -> None:
+        self.body = body
+        hp, self.hp_param = _chosen_hyperparameters(body)
+        self.hp = hp
+        if body.validation_file:
+            raise ParamError("not supported: jobs on this server do not evaluate; leave it out", "validation_file")
+        if body.integrations:
+            raise ParamError("not supported by this server", "integrations")
+        self.method = "full" if body.full else "lora"
+        adapter_id = ""
+        if body.suffix is not None:
+            if body.full:
+                raise ParamError("a full fine-tune produces a checkpoint, not a model served by name", "suffix")
+            adapter_id = f"{body.suffix}-{secrets.token_hex(3)}"
+            if len(body.suffix) > _SUFFIX_CHARS or not ADAPTER_ID.fullmatch(adapter_id):
+                raise ParamError(f"1-{_SUFFIX_CHARS} characters: letters, digits, '.', '_', '-' (starting with a "
+                                 "letter or digit)", "suffix")
+        given = {name: getattr(hp, name) for name in ("steps", "learning_rate", "max_seq_len", "lora_rank",
+                                                      "lora_alpha", "weight_decay", "warmup_steps", "checkpoint_every")}
+        if isinstance(hp.batch_size, int):
+            given["batch_size"] = hp.batch_size
+        if isinstance(hp.learning_rate_multiplier, float | int):
+            if hp.learning_rate is not None:
+                raise ParamError("give learning_rate_multiplier or learning_rate, not both",
+                                 f"{self.hp_param}.learning_rate")
+            base_rate = default_of("learning_rate", self.method)
+            most = 1.0 / base_rate  # our learning rates are in (0, 1]
+            if not 0 < hp.learning_rate_multiplier <= most:
+                raise ParamError(f"must be in (0, {most:g}] (times {base_rate:g}), got {hp.learning_rate_multiplier}",
+                                 f"{self.hp_param}.learning_rate_multiplier")
+            given["learning_rate"] = hp.learning_rate_multiplier * base_rate
+        if isinstance(hp.n_epochs, int) and hp.steps is not None:
+            raise ParamError("give n_epochs or steps, not both", f"{self.hp_param}.steps")
+        if body.seed is not None:
+            given["seed"] = body.seed
+        self.epochs = hp.n_epochs if isinstance(hp.n_epochs, int) else None
+        if self.epochs is not None and self.epochs < 1:
+            raise ParamError(f"must be >= 1, got {self.epochs}", f"{self.hp_param}.n_epochs")
+        self.request = ft_pb.CreateJobRequest(
+            method=ft_pb.METHOD_FULL if body.full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
+            hyperparameters=ft_pb.Hyperparameters(**{k: v for k, v in given.items() if v is not None}))
+
+    def set_epoch_steps(self, rows: int) -> None:
+        """n_epochs as optimizer steps, once the packed dataset's rows are known."""
+        assert self.epochs is not None
+        batch = self.request.hyperparameters.batch_size if self.request.hyperparameters.HasField("batch_size") \
+            else default_of("batch_size", self.method)
+        self.request.hyperparameters.steps = max(1, math.ceil(self.epochs * rows / batch))
+
+    def error(self, e: ServeError) -> ParamError:
+        """A check_create error with its field as this body spells it."""
+        return renamed(e, {"hyperparameters": self.hp_param, "dataset_path": "training_file",
+                           "dataset": "training_file", "adapter_id": "suffix"})
+
+    def sidecar(self) -> dict[str, Any]:
+        hp = self.hp
+        return {"n_epochs": hp.n_epochs, "batch_size": hp.batch_size,
+                "learning_rate_multiplier": hp.learning_rate_multiplier, "suffix": self.body.suffix,
+                "metadata": self.body.metadata}
+
+
+def _chosen_hyperparameters(body: FineTuningJobBody) -> tuple[Hyperparameters, str]:
+    method = body.method
+    if method is not None and method.type != "supervised":
+        raise ParamError(f"{echo(method.type)}; this server fine-tunes with 'supervised' only", "method.type")
+    nested = method.supervised.hyperparameters if method is not None and method.supervised is not None else None
+    if nested is not None and body.hyperparameters is not None:
+        raise ParamError("give method.supervised.hyperparameters or hyperparameters, not both", "hyperparameters")
+    if nested is not None:
+        return nested, "method.supervised.hyperparameters"
+    return body.hyperparameters or Hyperparameters(), "hyperparameters"
+
+
+# ----------------------------------------------------------------- the job's directory
+
+
+def write_sidecar(data_dir: Path, rec: JobRecord, values: dict[str, Any]) -> None:
+    job_dir = data_dir / "jobs" / rec.id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(job_dir / SIDECAR, json.dumps(values).encode())
+
+
+def read_sidecar(data_dir: Path, rec: JobRecord) -> dict[str, Any]:
+    try:
+        return dict(json.loads((data_dir / "jobs" / rec.id / SIDECAR).read_text()))
+    except FileNotFoundError:  # created over gRPC
+        return {}
+
+
+def _step_records(data_dir: Path, rec: JobRecord) -> list[dict[str, Any]]:
+    """The job's per-step metrics; the line being appended right now, if any, is left out."""
+    try:
+        lines = (data_dir / "jobs" / rec.id / METRICS_LOG).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+# ----------------------------------------------------------------- OpenAI objects
+
+
+def _seconds(ms: int) -> int | None:
+    return ms // 1000 if ms else None
+
+
+def job_object(rec: JobRecord, base_model: str, data_dir: Path) -> dict[str, Any]:
+    """The stored job as OpenAI's `fine_tuning.job`, with our own fields under `tprt`."""
+    side = read_sidecar(data_dir, rec)
+    hp = rec.hyperparameters
+    lr_default = default_of("learning_rate", rec.method)
+    hyper = {"n_epochs": side.get("n_epochs") or "auto", "batch_size": hp.get("batch_size"),
+             "learning_rate_multiplier": float(hp.get("learning_rate", lr_default)) / lr_default}
+    succeeded = rec.state == SUCCEEDED
+    tokens = rec.step * int(hp.get("batch_size", 0)) * int(hp.get("max_seq_len", 0))
+    return {
+        "object": "fine_tuning.job", "id": openai_job_id(rec.id), "model": base_model,
+        "created_at": rec.created_ms // 1000, "finished_at": _seconds(rec.finished_ms),
+        "fine_tuned_model": rec.adapter_id if succeeded and rec.method == "lora" else None,
+        "organization_id": "tprt", "result_files": [], "status": rec.state,
+        "training_file": file_of_dataset(rec.dataset) or rec.dataset, "validation_file": None,
+        "hyperparameters": hyper, "trained_tokens": tokens if succeeded else None,
+        "error": {"code": "job_failed", "message": rec.error, "param": None} if rec.state == FAILED else None,
+        "seed": int(hp.get("seed", 0)), "estimated_finish": None, "integrations": [],
+        "user_provided_suffix": side.get("suffix"), "metadata": side.get("metadata"),
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
+        "tprt": {"job_id": rec.id, "method": rec.method, "step": rec.step, "total_steps": rec.total_steps,
+                 "loss": rec.loss, "output_path": rec.output_path, "hyperparameters": hp},
+    }
+
+
+def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
+    """The job's events, oldest first: created, started, one per optimizer step, and how it ended."""
+    started = rec.started_ms or rec.created_ms
+    raw: list[tuple[int, str, str, dict[str, Any] | None]] = [(rec.created_ms, "info", "Created fine-tuning job", None)]
+    if rec.started_ms:
+        raw.append((rec.started_ms, "info", "Fine-tuning job started", None))
+    for r in _step_records(data_dir, rec):
+        data = {"step": r.get("step"), "total_steps": rec.total_steps, "train_loss": r.get("loss"),
+                "learning_rate": r.get("lr"), "tokens_per_second": r.get("tokens_per_s")}
+        raw.append((int(r.get("time_unix_ms", started)), "info",
+                    f"Step {r.get('step')}/{rec.total_steps}: training loss={r.get('loss')}", data))
+    if rec.state == SUCCEEDED:
+        raw.append((rec.finished_ms, "info", "The job has successfully completed", None))
+    elif rec.state == FAILED:
+        raw.append((rec.finished_ms, "error", f"The job failed: {rec.error}", None))
+    elif rec.state == "cancelled":
+        raw.append((rec.finished_ms, "info", "The job was cancelled", None))
+    elif rec.error:  # queued again after a shutdown or a broken world
+        raw.append((rec.finished_ms or started, "warn", rec.error, None))
+    hexid = rec.id.removeprefix("job-")
+    return [{"object": "fine_tuning.job.event", "id": f"ftevent-{hexid}-{i}", "created_at": ms // 1000,
+             "level": level, "message": message, "data": data, "type": "metrics" if data else "message"}
+            for i, (ms, level, message, data) in enumerate(raw)]
+
+
+def job_checkpoints(rec: JobRecord) -> list[dict[str, Any]]:
+    """A succeeded job's output: its adapter (served by that name) or, for a full fine-tune, the
+    checkpoint directory under --data-dir (served with `tprt serve --model`)."""
+    if rec.state != SUCCEEDED:
+        return []
+    name = rec.adapter_id if rec.method == "lora" else rec.output_path
+    return [{"object": "fine_tuning.job.checkpoint", "id": "ftckpt-" + rec.id.removeprefix("job-"),
+             "created_at": rec.finished_ms // 1000, "fine_tuned_model_checkpoint": name,
+             "fine_tuning_job_id": openai_job_id(rec.id), "step_number": rec.step,
+             "metrics": {"step": rec.step, "train_loss": rec.loss}}]
+
+
+def page(items: list[dict[str, Any]], after: str | None, limit: int, what: str) -> dict[str, Any]:
+    """OpenAI's list page of `items` (newest first): those after the item `after`, at most `limit`."""
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise NotFound(f"no {what} {echo(after)}", "after")
+        start = ids.index(after) + 1
+    data = items[start:start + limit]
+    return {"object": "list", "data": data, "has_more": start + limit < len(items)}
