@@ -2,7 +2,8 @@
 
 Each file is two entries: `<id>.jsonl` (the bytes as uploaded) and `<id>.json` (its OpenAI file
 object). Both are written to a temporary name, synced and renamed into place, the data first, so
-a crash leaves either a whole file or none: a file is listed once its object exists. A dataset is
+a file is listed once its object exists; what a crash leaves half-done (a temporary upload, data
+without its object) was never listed, and the next start removes it. A dataset is
 checked before it is kept, line by line as training reads it (tprt.train.data: JSON objects with
 `text`, `prompt`/`completion` or chat `messages`, tokenized with the served model's tokenizer),
 so a bad line is a 400 naming the file and line at upload, not a failed job later.
@@ -60,6 +61,18 @@ class FileStore:
         # Held by a delete, and by a job's creation from finding its file to storing the job:
         # a file is never deleted under a job that was just accepted.
         self.lock = threading.Lock()
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Removes what a crash mid-upload left: temporary uploads, and data whose object was
+        never written (such a file was never listed, so no client or job knows its id)."""
+        if not self.dir.is_dir():
+            return
+        for tmp in self.dir.glob(".file-*.upload"):
+            tmp.unlink(missing_ok=True)
+        for data in self.dir.glob("file-*.jsonl"):
+            if _FILE_ID.fullmatch(data.stem) and not self._object_path(data.stem).exists():
+                data.unlink(missing_ok=True)
 
     def add(self, upload: IO[bytes], filename: str, purpose: str) -> dict[str, Any]:
         """Checks and keeps one uploaded dataset; returns its file object. Blocking (a thread)."""

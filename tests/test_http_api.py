@@ -408,3 +408,20 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
         client.completions.create(model="base", prompt=[1, 2, 3], max_tokens=2)
     assert info.value.status_code == 503 and "shutting down" in info.value.message
     store.close()
+
+
+def test_file_store_sweeps_what_a_crash_left(tmp_path: Path) -> None:
+    """A crash mid-upload leaves a temporary upload or data without its object: neither was ever
+    listed, and the next start removes both; whole files stay."""
+    from serve.jobs import JobStore
+    from serve.openai_files import FileStore
+
+    files = tmp_path / "files"
+    files.mkdir()
+    whole, orphan = "file-" + "a" * 24, "file-" + "b" * 24
+    (files / f"{whole}.jsonl").write_text('{"text": "hi"}\n')
+    (files / f"{whole}.json").write_text("{}")
+    (files / f"{orphan}.jsonl").write_text('{"text": "hi"}\n')
+    (files / f".file-{'c' * 24}.upload").write_text("half")
+    FileStore(tmp_path, None, 64, 1 << 20, JobStore(tmp_path))
+    assert sorted(p.name for p in files.iterdir()) == [f"{whole}.json", f"{whole}.jsonl"]
