@@ -113,6 +113,9 @@ def _client_parser(sub: Any) -> None:
     create = js.add_parser("create", help="start a fine-tuning job")
     create.add_argument("--dataset", metavar="PATH", help="JSONL path under the server's --data-dir")
     create.add_argument("--inline-file", type=Path, metavar="FILE", help="send this local JSONL file inline")
+    create.add_argument("--validation-dataset", metavar="PATH", default="",
+                        help="held-out JSONL under the server's --data-dir: its loss after the last step is the "
+                             "job's eval_loss")
     create.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA")
     create.add_argument("--adapter-id", default="")
     for name in ("steps", "batch-size", "max-seq-len", "lora-rank", "warmup-steps", "seed", "checkpoint-every"):

@@ -143,12 +143,15 @@ class Client:
     # ----------------------------------------------------------------- fine-tuning
 
     def create_job(self, *, dataset_path: str | None = None, inline_jsonl: str | None = None, full: bool = False,
-                   adapter_id: str = "", timeout: float | None = None, **hyperparameters: Any) -> Any:
-        """A new fine-tuning job (LoRA unless `full`); hyper-parameters as keywords (HP_FIELDS)."""
+                   adapter_id: str = "", validation_dataset_path: str = "", timeout: float | None = None,
+                   **hyperparameters: Any) -> Any:
+        """A new fine-tuning job (LoRA unless `full`); hyper-parameters as keywords (HP_FIELDS);
+        `validation_dataset_path`: held-out data under --data-dir, evaluated after the last step."""
         unknown = set(hyperparameters) - set(HP_FIELDS)
         if unknown:
             raise TypeError(f"unknown hyper-parameter(s): {', '.join(sorted(unknown))}")
-        req = ft_pb.CreateJobRequest(method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA, adapter_id=adapter_id)
+        req = ft_pb.CreateJobRequest(method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
+                                     validation_dataset_path=validation_dataset_path)
         if dataset_path is not None:
             req.dataset_path = dataset_path
         if inline_jsonl is not None:

@@ -81,7 +81,7 @@ def _jobs(c: Client, args: argparse.Namespace) -> int:
         inline = args.inline_file.read_text() if args.inline_file is not None else None
         hp = {k: getattr(args, k) for k in _HP}
         _show(c.create_job(dataset_path=args.dataset, inline_jsonl=inline, full=args.full,
-                           adapter_id=args.adapter_id, **hp))
+                           adapter_id=args.adapter_id, validation_dataset_path=args.validation_dataset, **hp))
     elif action == "get":
         _show(c.get_job(args.job_id))
     elif action == "cancel":

@@ -106,13 +106,14 @@ class RankExecutor:
         with torch.enable_grad():
             loss, grad_norm = t.train_step()
         seconds = time.perf_counter() - t0
+        eval_loss = t.evaluate_if_due()  # with held-out data: after the last step
         cfg = t.cfg
         tokens = cfg.batch_size * cfg.grad_accum * self.ctx.dp_size * t.data.train.seq_len
         if self.ctx.rank == 0:
             t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": None,
+                             "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": eval_loss,
                              "time_unix_ms": int(time.time() * 1000)})  # when: the OpenAI API's job events
-        return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens))
+        return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens), eval_loss)
 
     def _cmd_train_save(self) -> str:
         t = self._need_trainer()

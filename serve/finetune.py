@@ -220,7 +220,8 @@ class JobManager:
         self.metrics.ft_steps.inc()
         self.metrics.ft_tokens.inc(out.tokens)
         self.metrics.ft_loss.set(job.loss)
-        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s)
+        measured = {} if out.eval_loss is None else {"eval_loss": out.eval_loss}
+        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s, **measured)
         every = int(rec.hyperparameters.get("checkpoint_every", 0))
         if job.step >= job.total:
             self._finish(ranks, job, rec)

@@ -24,7 +24,7 @@ STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 _LIVE = (QUEUED, RUNNING, SUCCEEDED)  # the states whose job holds its adapter id
 DB_NAME = "jobs.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: validation_dataset, eval_loss
 
 
 def now_ms() -> int:
@@ -64,6 +64,8 @@ class JobRecord:
     output_path: str = ""  # the adapter or checkpoint written, relative to --data-dir
     checkpoint: str = ""  # the latest resumable training checkpoint, relative to --data-dir
     cancel_requested: bool = False
+    validation_dataset: str = ""  # a held-out JSONL, relative to --data-dir ("" = none)
+    eval_loss: float | None = None  # its loss after the last step
 
     @property
     def terminal(self) -> bool:
@@ -78,10 +80,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     created_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL,
     step INTEGER NOT NULL, total_steps INTEGER NOT NULL, loss REAL NOT NULL,
     tokens_per_second REAL NOT NULL, error TEXT NOT NULL, output_path TEXT NOT NULL,
-    checkpoint TEXT NOT NULL, cancel_requested INTEGER NOT NULL
+    checkpoint TEXT NOT NULL, cancel_requested INTEGER NOT NULL,
+    validation_dataset TEXT NOT NULL DEFAULT '', eval_loss REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, created_ms);
 """
+_ADDED_COLUMNS = {"validation_dataset": "TEXT NOT NULL DEFAULT ''", "eval_loss": "REAL"}  # since schema 1
 
 
 def _to_row(rec: JobRecord) -> tuple[Any, ...]:
@@ -112,7 +116,15 @@ class JobStore:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
+            self._add_new_columns()
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _add_new_columns(self) -> None:
+        """A database from an older server gains the columns added since (schema 1 -> 2)."""
+        have = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        for column, decl in _ADDED_COLUMNS.items():
+            if column not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         with self._lock:
@@ -167,10 +179,11 @@ class JobStore:
         return [_from_row(r) for r in rows]
 
     def using_dataset(self, dataset: str) -> list[JobRecord]:
-        """The queued and running jobs that will read `dataset` (a path relative to --data-dir)."""
+        """The queued and running jobs that will read `dataset` (a path relative to --data-dir), to
+        train on or to evaluate with."""
         with self._lock:
-            rows = self._db.execute("SELECT * FROM jobs WHERE dataset = ? AND state IN (?, ?)",
-                                    (dataset, QUEUED, RUNNING)).fetchall()
+            rows = self._db.execute("SELECT * FROM jobs WHERE ? IN (dataset, validation_dataset) "
+                                    "AND state IN (?, ?)", (dataset, QUEUED, RUNNING)).fetchall()
         return [_from_row(r) for r in rows]
 
     def update(self, job_id: str, **changes: Any) -> JobRecord:

@@ -88,28 +88,28 @@ MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a file
 MAX_NAME_BYTES = 255  # NAME_MAX, per path component
 
 
-def resolve_dataset(data_dir: Path, given: str) -> Path:
-    """`given` (relative to --data-dir, or absolute) as a regular file inside --data-dir."""
+def resolve_dataset(data_dir: Path, given: str, field: str = "dataset_path") -> Path:
+    """`given` (relative to --data-dir, or absolute) as a regular file inside --data-dir; errors name `field`."""
     if not given:
-        raise InvalidArgument("empty path", "dataset_path")
+        raise InvalidArgument("empty path", field)
     if "\0" in given:
-        raise InvalidArgument("a path cannot contain a NUL byte", "dataset_path")
+        raise InvalidArgument("a path cannot contain a NUL byte", field)
     raw = given.encode("utf-8", "surrogatepass")
     if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
         raise InvalidArgument(f"a path is at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per component",
-                              "dataset_path")
+                              field)
     root = data_dir.resolve()
     try:
         path = (root / given).resolve()
         exists, regular = path.exists(), path.is_file()
     except (OSError, ValueError) as e:  # a loop of symlinks, a component that is not a directory, ...
-        raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "dataset_path") from None
+        raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", field) from None
     if not path.is_relative_to(root):
-        raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", "dataset_path")
+        raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", field)
     if not exists:
-        raise NotFound(f"{echo(given)} does not exist under the server's --data-dir", "dataset_path")
+        raise NotFound(f"{echo(given)} does not exist under the server's --data-dir", field)
     if not regular:
-        raise InvalidArgument(f"{echo(given)} is not a regular file", "dataset_path")
+        raise InvalidArgument(f"{echo(given)} is not a regular file", field)
     return path
 
 
@@ -163,12 +163,18 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         if not request.inline_jsonl.strip():
             raise InvalidArgument("empty dataset", "inline_jsonl")
         path = job_dir / DATASET_FILE
+    validation = ""
+    if request.validation_dataset_path:
+        held_out = resolve_dataset(data_dir, request.validation_dataset_path, "validation_dataset_path")
+        _check_dataset_size(held_out.stat().st_size, max_dataset_bytes, "validation_dataset_path")
+        _check_documents(held_out, tokenizer, hp, "validation_dataset_path")
+        validation = str(held_out.relative_to(data_dir))
     try:  # a refused request leaves nothing on disk
         if which == "inline_jsonl":
             job_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(request.inline_jsonl)
         rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
-                        hyperparameters=hp)
+                        hyperparameters=hp, validation_dataset=validation)
         try:
             load_dataset(rec, data_dir, tokenizer)  # refused now, not failed later; not kept (JobManager)
         except TprtError as e:
@@ -180,12 +186,26 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     return JobSpec(rec)
 
 
+def _check_documents(path: Path, tokenizer: Any, hp: dict[str, Any], field: str) -> None:
+    """Refuses a JSONL file training could not read, naming `field`."""
+    from tprt.train.data import load_documents
+
+    try:
+        docs, _ = load_documents(path, tokenizer, int(hp["max_seq_len"]), True)
+    except TprtError as e:
+        raise InvalidArgument(f"{e}", field) from None
+    if not any(d.n_targets for d in docs):
+        raise InvalidArgument("no example has a token to evaluate on (empty, all masked or truncated away)", field)
+
+
 def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:
-    """Reads, tokenizes and packs the job's JSONL (tprt.train.data)."""
+    """Reads, tokenizes and packs the job's JSONL, and its held-out JSONL if any (tprt.train.data)."""
     from tprt.train.data import prepare_data
 
     hp = rec.hyperparameters
-    return prepare_data(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]))
+    held_out = data_dir / rec.validation_dataset if rec.validation_dataset else None
+    return prepare_data(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]),
+                        eval_data=held_out)
 
 
 def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
@@ -200,6 +220,7 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
+        eval_data=data_dir / rec.validation_dataset if rec.validation_dataset else None,
     )
 
 
@@ -210,7 +231,8 @@ def job_pb(rec: JobRecord) -> Any:
                   adapter_id=rec.adapter_id, dataset=rec.dataset, hyperparameters=hp,
                   created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
                   step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,
-                  error=rec.error, output_path=rec.output_path)
+                  error=rec.error, output_path=rec.output_path, validation_dataset=rec.validation_dataset,
+                  eval_loss=rec.eval_loss)
 
 
 def progress_pb(rec: JobRecord) -> Any:

@@ -250,9 +250,12 @@ class OpenAIApi:
                                  f"{d.facts.name!r}", "model")
             raise NotFound(f"model {echo(body.model)} is not the served base model {d.facts.name!r}", "model")
         job = JobRequest(body)
-        with d.files.lock:  # the training file stays until the job is stored
+        with d.files.lock:  # the job's files stay until the job is stored
             d.files.get(body.training_file, "training_file")
             job.request.dataset_path = dataset_path(body.training_file)
+            if body.validation_file:
+                d.files.get(body.validation_file, "validation_file")
+                job.request.validation_dataset_path = dataset_path(body.validation_file)
             try:
                 if job.epochs is not None:
                     job.set_epoch_steps(self._packed_rows(job))

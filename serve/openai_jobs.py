@@ -107,8 +107,6 @@ class JobRequest:
         self.body = body
         hp, self.hp_param = _chosen_hyperparameters(body)
         self.hp = hp
-        if body.validation_file:
-            raise ParamError("not supported: jobs on this server do not evaluate; leave it out", "validation_file")
         if body.integrations:
             raise ParamError("not supported by this server", "integrations")
         self.method = "full" if body.full else "lora"
@@ -155,7 +153,8 @@ class JobRequest:
     def error(self, e: ServeError) -> ParamError:
         """A check_create error with its field as this body spells it."""
         return renamed(e, {"hyperparameters": self.hp_param, "dataset_path": "training_file",
-                           "dataset": "training_file", "adapter_id": "suffix"})
+                           "dataset": "training_file", "adapter_id": "suffix",
+                           "validation_dataset_path": "validation_file"})
 
     def sidecar(self) -> dict[str, Any]:
         hp = self.hp
@@ -228,14 +227,16 @@ def job_object(rec: JobRecord, base_model: str, data_dir: Path) -> dict[str, Any
         "created_at": rec.created_ms // 1000, "finished_at": _seconds(rec.finished_ms),
         "fine_tuned_model": rec.adapter_id if succeeded and rec.method == "lora" else None,
         "organization_id": "tprt", "result_files": [], "status": rec.state,
-        "training_file": file_of_dataset(rec.dataset) or rec.dataset, "validation_file": None,
+        "training_file": file_of_dataset(rec.dataset) or rec.dataset,
+        "validation_file": file_of_dataset(rec.validation_dataset) or rec.validation_dataset or None,
         "hyperparameters": hyper, "trained_tokens": tokens if succeeded else None,
         "error": {"code": "job_failed", "message": rec.error, "param": None} if rec.state == FAILED else None,
         "seed": int(hp.get("seed", 0)), "estimated_finish": None, "integrations": [],
         "user_provided_suffix": side.get("suffix"), "metadata": side.get("metadata"),
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
         "tprt": {"job_id": rec.id, "method": rec.method, "step": rec.step, "total_steps": rec.total_steps,
-                 "loss": rec.loss, "output_path": rec.output_path, "hyperparameters": hp},
+                 "loss": rec.loss, "eval_loss": rec.eval_loss, "output_path": rec.output_path,
+                 "hyperparameters": hp},
     }
 
 
@@ -248,8 +249,11 @@ def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
     for r in _step_records(data_dir, rec):
         data = {"step": r.get("step"), "total_steps": rec.total_steps, "train_loss": r.get("loss"),
                 "learning_rate": r.get("lr"), "tokens_per_second": r.get("tokens_per_s")}
-        raw.append((int(r.get("time_unix_ms", started)), "info",
-                    f"Step {r.get('step')}/{rec.total_steps}: training loss={r.get('loss')}", data))
+        message = f"Step {r.get('step')}/{rec.total_steps}: training loss={r.get('loss')}"
+        if r.get("eval_loss") is not None:  # over the whole validation file, as OpenAI's full_valid_loss
+            data["full_valid_loss"] = r["eval_loss"]
+            message += f", validation loss={r['eval_loss']}"
+        raw.append((int(r.get("time_unix_ms", started)), "info", message, data))
     if rec.state == SUCCEEDED:
         raw.append((rec.finished_ms, "info", "The job has successfully completed", None))
     elif rec.state == FAILED:
@@ -273,7 +277,8 @@ def job_checkpoints(rec: JobRecord) -> list[dict[str, Any]]:
     return [{"object": "fine_tuning.job.checkpoint", "id": "ftckpt-" + rec.id.removeprefix("job-"),
              "created_at": rec.finished_ms // 1000, "fine_tuned_model_checkpoint": name,
              "fine_tuning_job_id": openai_job_id(rec.id), "step_number": rec.step,
-             "metrics": {"step": rec.step, "train_loss": rec.loss}}]
+             "metrics": {"step": rec.step, "train_loss": rec.loss,
+                         **({} if rec.eval_loss is None else {"full_valid_loss": rec.eval_loss})}}]
 
 
 def page(items: list[dict[str, Any]], after: str | None, limit: int, what: str) -> dict[str, Any]:

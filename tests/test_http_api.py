@@ -243,8 +243,9 @@ def _wait_job(api: Api, job_id: str, status: str) -> Any:
 
 
 def test_fine_tuning_flow(api: Api, training_file: str) -> None:
-    """Upload, create (n_epochs and a learning-rate multiplier mapped onto steps and a rate), poll
-    to succeeded, events, checkpoints; the fine_tuned_model is listed and answers as gRPC's adapter does."""
+    """Upload, create (n_epochs and a learning-rate multiplier mapped onto steps and a rate, a
+    validation file), poll to succeeded, events, checkpoints; the fine_tuned_model is listed and
+    answers as gRPC's adapter does."""
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
 
@@ -254,10 +255,13 @@ def test_fine_tuning_flow(api: Api, training_file: str) -> None:
         ("file", "fine-tune", "processed", "train.jsonl")
     assert uploaded.bytes == len(_chat_jsonl(8)) and c.files.content(training_file).content == _chat_jsonl(8)
     assert training_file in [f.id for f in c.files.list(purpose="fine-tune").data]
+    held_out = c.files.create(file=("valid.jsonl", _chat_jsonl(3)), purpose="fine-tune").id
     hp: Any = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 500, "max_seq_len": SEQ_LEN, "lora_rank": 4}
     job = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, suffix="tiny", seed=3,
+                                    validation_file=held_out,
                                     method={"type": "supervised", "supervised": {"hyperparameters": hp}})
     assert job.id.startswith("ftjob-") and job.status == "queued" and job.training_file == training_file
+    assert job.validation_file == held_out
     ours = (job.model_extra or {})["tprt"]
     rows = len(prepare_data(api.root / "data" / f"files/{training_file}.jsonl",
                             Tokenizer.from_dir(api.root / "model" / "tp2"), SEQ_LEN, 3).train)
@@ -272,12 +276,18 @@ def test_fine_tuning_flow(api: Api, training_file: str) -> None:
         events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
         assert events[0].message == "The job has successfully completed"
         assert events[-1].message == "Created fine-tuning job"
-        steps = [e.data["step"] for e in events if e.type == "metrics"]  # type: ignore[index]
-        assert steps == list(range(ours["hyperparameters"]["steps"], 0, -1))
+        metrics = [e.data for e in events if e.type == "metrics"]
+        assert [m["step"] for m in metrics] == list(range(ours["hyperparameters"]["steps"], 0, -1))  # type: ignore[index]
+        # The validation file is evaluated after the last step only; its loss is reported three ways.
+        valid_loss = metrics[0]["full_valid_loss"]  # type: ignore[index]
+        assert math.isfinite(valid_loss) and valid_loss > 0
+        assert not any("full_valid_loss" in m for m in metrics[1:])  # type: ignore[operator]
+        assert grpc_client.get_job(ours["job_id"]).eval_loss == pytest.approx(valid_loss)
         older = c.fine_tuning.jobs.list_events(job.id, after=events[0].id, limit=1)
         assert [e.id for e in older.data] == [events[1].id] and older.has_more
         [checkpoint] = c.fine_tuning.jobs.checkpoints.list(job.id).data
         assert checkpoint.fine_tuned_model_checkpoint == tuned and checkpoint.fine_tuning_job_id == job.id
+        assert checkpoint.metrics.full_valid_loss == pytest.approx(valid_loss)
         listed = {m.id: m for m in c.models.list().data}
         assert (listed[tuned].model_extra or {})["parent"] == api.model
         chat = c.chat.completions.create(model=tuned, messages=CHAT, max_tokens=8, temperature=0,  # type: ignore[arg-type]
@@ -350,8 +360,8 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
          "hyperparameters.learning_rate_multiplier"),
         (create, {"model": api.model, "training_file": training_file, "method": {"type": "dpo"}},
          openai.BadRequestError, "method.type"),
-        (create, {"model": api.model, "training_file": training_file, "validation_file": training_file},
-         openai.BadRequestError, "validation_file"),
+        (create, {"model": api.model, "training_file": training_file, "validation_file": "file-" + "1" * 24},
+         openai.NotFoundError, "validation_file"),
         (create, {"model": api.model, "training_file": training_file, "suffix": "no spaces"},
          openai.BadRequestError, "suffix"),
         (c.fine_tuning.jobs.retrieve, {"fine_tuning_job_id": "ftjob-nope"}, openai.NotFoundError, "job_id"),

@@ -36,6 +36,7 @@ CONTEXT = 64
 WAIT_S = 10.0
 TOKENS_PER_STEP = 64
 STEP_SECONDS = 0.5
+EVAL_LOSS = 2.5
 
 
 # ----------------------------------------------------------------- fakes
@@ -47,7 +48,8 @@ KINDS = {TrainStart: "train_start", TrainStep: "train_step", TrainSave: "train_s
 class FakeRanks:
     """tprt.distributed.ranks.RankGroup as the job manager uses it: `run(command)` returns rank 0's result.
 
-    It plays the ranks' side (serve.executor.RankExecutor's commands): a step's loss is 1/step;
+    It plays the ranks' side (serve.executor.RankExecutor's commands): a step's loss is 1/step,
+    and the last step of a job with held-out rows reports an eval loss of EVAL_LOSS;
     "train_save" writes the step into the job's directory and "train_start" with resume=True
     reads it back (so a restarted server resumes there); "load_adapter" fails for a directory
     that does not exist. `fail` maps a command kind to the error every rank would report."""
@@ -58,6 +60,7 @@ class FakeRanks:
         self.started: list[dict[str, Any]] = []  # train_start's arguments
         self.loaded: list[str] = []  # adapter ids
         self._config: Any = None
+        self._dataset: Any = None
         self._step = 0
 
     def run(self, cmd: RankCommand) -> Any:
@@ -81,14 +84,16 @@ class FakeRanks:
 
     def _train_start(self, config: Any, dataset: Any, resume: bool) -> TrainStarted:
         self.started.append({"config": config, "dataset": dataset, "resume": resume})
-        self._config = config
+        self._config, self._dataset = config, dataset
         self._step = int((config.out / "checkpoint-step").read_text()) if resume else 0
         return TrainStarted(self._step, int(config.steps))
 
     def _train_step(self) -> TrainStepResult:
         self._step += 1
+        last = self._step == self._config.steps
         return TrainStepResult(step=self._step, loss=1.0 / self._step, grad_norm=0.5, seconds=STEP_SECONDS,
-                               tokens=TOKENS_PER_STEP)
+                               tokens=TOKENS_PER_STEP,
+                               eval_loss=EVAL_LOSS if last and self._dataset.eval is not None else None)
 
     def _train_save(self) -> str:
         self._config.out.mkdir(parents=True, exist_ok=True)
@@ -148,10 +153,11 @@ class Server:
         self.wakes += 1
         self.woken.set()
 
-    def create(self, full: bool = False, adapter_id: str = "", **hp: Any) -> str:
+    def create(self, full: bool = False, adapter_id: str = "", validation: str = "", **hp: Any) -> str:
         """A CreateJob request checked as the service does; returns the job id."""
         req = ft_pb.CreateJobRequest(dataset_path="train.jsonl", adapter_id=adapter_id,
-                                     method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA)
+                                     method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA,
+                                     validation_dataset_path=validation)
         for key, value in {"steps": 3, "max_seq_len": 16, "batch_size": 1, **hp}.items():
             setattr(req.hyperparameters, key, value)
         spec = check_create(req, self.store, self.data_dir, self.tokenizer, CONTEXT, self.adapters.has)
@@ -223,6 +229,54 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
     assert s.gauge("succeeded") == 1 and s.gauge("running") == 0
     assert s.metric("tprt_finetune_steps_total") == 4 and s.metric("tprt_finetune_loss") == 0.25
     assert s.metric("tprt_finetune_tokens_total") == 4 * TOKENS_PER_STEP
+
+
+def test_a_validation_dataset_is_checked_evaluated_and_its_loss_kept(server: Callable[[], Server]) -> None:
+    from serve.errors import InvalidArgument
+    from serve.jobspec import job_pb
+
+    s = server()
+    (s.data_dir / "valid.jsonl").write_text('{"text": "held out one"}\n{"text": "held out two"}\n')
+    (s.data_dir / "empty.jsonl").write_text("")
+    job_id = s.create(steps=2, validation="valid.jsonl")
+    assert s.job(job_id).validation_dataset == "valid.jsonl"
+    s.run(1)
+    started = s.ranks.started[0]
+    assert len(started["dataset"].eval) == 2 and started["config"].eval_data == s.data_dir / "valid.jsonl"
+    s.run(1)
+    assert s.job(job_id).eval_loss is None  # measured after the last step only
+    s.run(1)  # the last step, then the adapter is written and loaded
+    rec = s.job(job_id)
+    assert (rec.state, rec.eval_loss) == (SUCCEEDED, EVAL_LOSS)
+    assert job_pb(rec).eval_loss == EVAL_LOSS and job_pb(rec).validation_dataset == "valid.jsonl"
+    assert not job_pb(s.job(s.create(steps=1))).HasField("eval_loss")  # none given: none measured
+    for given, kind in (("nope.jsonl", NotFound), ("../outside.jsonl", InvalidArgument),
+                        ("empty.jsonl", InvalidArgument)):
+        with pytest.raises(kind) as info:
+            s.create(validation=given)
+        assert info.value.field == "validation_dataset_path", given
+
+
+def test_a_store_from_schema_1_gains_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "jobs.sqlite3")
+    db.executescript("""CREATE TABLE jobs (
+        id TEXT PRIMARY KEY, method TEXT NOT NULL, dataset TEXT NOT NULL, adapter_id TEXT NOT NULL,
+        hyperparameters TEXT NOT NULL, state TEXT NOT NULL, created_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL,
+        finished_ms INTEGER NOT NULL, step INTEGER NOT NULL, total_steps INTEGER NOT NULL, loss REAL NOT NULL,
+        tokens_per_second REAL NOT NULL, error TEXT NOT NULL, output_path TEXT NOT NULL, checkpoint TEXT NOT NULL,
+        cancel_requested INTEGER NOT NULL);
+        INSERT INTO jobs VALUES ('job-old', 'lora', 'd.jsonl', 'a', '{}', 'succeeded', 1, 2, 3, 4, 4, 0.5, 9.0, '',
+                                 'jobs/job-old/adapter', '', 0);""")
+    db.commit()
+    db.close()
+    store = JobStore(tmp_path)
+    old = store.get("job-old")
+    assert (old.state, old.loss, old.validation_dataset, old.eval_loss) == (SUCCEEDED, 0.5, "", None)
+    store.update("job-old", eval_loss=1.25)
+    assert store.get("job-old").eval_loss == 1.25
+    store.close()
 
 
 def test_a_full_job_writes_a_model_and_serves_nothing_new(server: Callable[[], Server]) -> None:

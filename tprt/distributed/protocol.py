@@ -84,6 +84,7 @@ class TrainStepResult:
     grad_norm: float
     seconds: float
     tokens: int  # tokens in the global batch
+    eval_loss: float | None = None  # measured after this step (the last, with held-out data), else None
 
 
 @dataclass(frozen=True)

@@ -320,6 +320,10 @@ class Trainer:
         return loss, grad_norm
 
     @torch.no_grad()
+    def evaluate_if_due(self) -> float | None:
+        """The eval loss after an evaluation step (every `eval_every` steps and the last), else None."""
+        return self.evaluate() if self._due(self.cfg.eval_every) else None
+
     def evaluate(self) -> float | None:
         """Mean loss per target token over the eval rows (each DP rank its share)."""
         rows = self.data.eval
@@ -376,7 +380,7 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, grad_norm = self.train_step()
                 seconds = time.perf_counter() - t0
-                step_eval = self.evaluate() if self._due(self.cfg.eval_every) else None
+                step_eval = self.evaluate_if_due()
                 eval_loss = step_eval if step_eval is not None else eval_loss
                 tok_s = self._log_step(loss, grad_norm, lr, seconds, step_eval)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:.0f}", refresh=False)
