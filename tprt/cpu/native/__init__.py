@@ -3,6 +3,11 @@
 - `gemv_kernel(weight)`: x @ W^T for one-row inputs (batch-1 decode), reading W as one
   sequential stream: 19-24 GB/s on one core where oneDNN's and torch's one-row kernels reach
   10-15 (docs/PERF.md). `tprt.cpu.fast_linear` times it against torch's variants per weight shape.
+- `set_threads(n)`: the GEMVs and the fused layer halves below split each weight's rows over n
+  threads of the kernels' own persistent pool (pthreads that spin briefly, then sleep, between
+  calls; a spinning barrier between a fused kernel's sections): one decode row streams the
+  weights on every core given. Every output is computed by one thread with the one-thread code,
+  so results equal one thread's bit for bit.
 - `gemv_rows_kernel(weight)`: the same for a few rows (decode of 2-8 sequences), each weight row
   read once for all of them: 2-2.5x oneDNN at 2 rows, even with it from about 4.
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
@@ -54,8 +59,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
-               "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F],
-               "tprt_attention_decode": [_P] * 15 + [_I] * 8 + [_F, _F]}
+               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
+               "tprt_attention_decode": [_P] * 13 + [_I] * 8 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -137,11 +142,27 @@ def _library() -> ctypes.CDLL | None:
         for suffix in _DTYPE_SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
+    lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def set_threads(n: int) -> int:
+    """Makes the kernels share their work among n threads (the caller and n - 1 workers of the
+    kernels' own pool, which sleep when idle); returns the count in effect (1 without the kernels,
+    fewer than n if the system refused threads). Results do not depend on it."""
+    lib = _library()
+    return 1 if lib is None else int(lib.tprt_pool_set_threads(max(1, n)))
+
+
+def threads() -> int:
+    """How many threads the kernels use (1 at start-up, or without the kernels)."""
+    lib = _library()
+    return 1 if lib is None else int(lib.tprt_pool_threads())
 
 
 def _function(name: str, weight: torch.Tensor, dims: int) -> Any | None:
@@ -296,10 +317,10 @@ def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: tor
         if x.numel() != hidden or x.dtype != dtype:
             raise ValueError(f"native mlp_decode expects one row of {hidden} {dtype} values, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
-        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        out = torch.empty_like(x)
         act, work = torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=torch.float32)
-        fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), normed.data_ptr(),
-           act.data_ptr(), work.data_ptr(), hidden, inter, eps)
+        fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), act.data_ptr(),
+           work.data_ptr(), hidden, inter, eps)
         return out
 
     return run
@@ -330,13 +351,12 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
         slot, position = _decode_indices("attention_decode", cache_step, 1)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        out = torch.empty_like(x)
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
-        q, scores = torch.empty(n_heads * d, dtype=torch.float32), torch.empty(cache_step.kv_len, dtype=torch.float32)
+        q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), slot, position, out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
-           attn.data_ptr(), q.data_ptr(), scores.data_ptr(), hidden, n_heads, n_kv_heads, d, *store.stride()[:4],
-           eps, d ** -0.5)
+           store.data_ptr(), slot, position, out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), q.data_ptr(),
+           hidden, n_heads, n_kv_heads, d, *store.stride()[:4], eps, d ** -0.5)
         return out
 
     return run

@@ -23,10 +23,187 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* ---- The thread pool: every core for one decode row ----
+   Batch-1 decode streams every weight once per token, and one core's stream reads well below the
+   machine's bandwidth. The kernels below therefore split each weight's rows across a persistent
+   pool of pthreads: the caller is thread 0, the workers wait for a task by spinning briefly (the
+   next kernel call is usually microseconds away) and then sleep on a futex, and the sections of a
+   fused kernel are separated by a spinning barrier. An OpenMP region per small op costs a
+   fork/join each; this costs one wake-up per kernel call and a barrier per section. Each output
+   is computed by one thread with the one-thread code, so results equal the one-thread results bit
+   for bit. tprt_pool_set_threads(1), the start-up state, runs everything on the caller. */
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#define POOL_MAX_THREADS 256
+#define POOL_SPIN_NS 200000  /* a worker spins this long for the next task before it sleeps */
+#define WAIT_SPIN_NS 50000   /* a waiter spins this long before it yields the core between checks */
+#define PARALLEL_MIN_ELEMENTS 65536  /* smaller products are not worth a wake-up */
+
+typedef void (*pool_task)(void *arg, int ith, int nth);
+
+static struct {
+    pthread_mutex_t lock;          /* held by the caller of a task, and while resizing */
+    _Atomic int threads;           /* workers + the caller */
+    pthread_t workers[POOL_MAX_THREADS];
+    _Atomic uint32_t generation;   /* bumped to hand out a task (the workers' futex word) */
+    uint32_t start_generation;     /* the generation workers created by a resize start from */
+    _Atomic int sleepers;          /* workers asleep (or about to be) on the futex */
+    _Atomic int busy;              /* workers still inside the current task */
+    _Atomic int stop;
+    pool_task task;
+    void *arg;
+    _Atomic int arrived;           /* the barrier: threads at it, and how many times it opened */
+    _Atomic uint32_t opened;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Spins until *word != value: pauses for WAIT_SPIN_NS, then yields between checks (on a busy
+   machine the thread being waited for may need this core). */
+static void wait_changed(_Atomic uint32_t *word, uint32_t value) {
+    int64_t start = 0;
+    for (unsigned spins = 0; atomic_load_explicit(word, memory_order_acquire) == value; spins++) {
+        if ((spins & 63) != 63) { cpu_relax(); continue; }
+        int64_t t = now_ns();
+        if (!start) start = t;
+        else if (t - start > WAIT_SPIN_NS) sched_yield();
+    }
+}
+
+static void pool_barrier(int nth) {
+    if (nth == 1) return;
+    uint32_t opened = atomic_load_explicit(&pool.opened, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.opened, 1, memory_order_release);
+    } else {
+        wait_changed(&pool.opened, opened);
+    }
+}
+
+static void *pool_worker(void *index) {
+    int ith = (int)(intptr_t)index;
+    uint32_t seen = pool.start_generation;
+    for (;;) {
+        int64_t start = now_ns();
+        uint32_t g;
+        for (unsigned spins = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; spins++) {
+            if ((spins & 63) != 63 || now_ns() - start < POOL_SPIN_NS) { cpu_relax(); continue; }
+            atomic_fetch_add(&pool.sleepers, 1);  /* then re-checked by the kernel: no lost wake-up */
+            syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            start = now_ns();
+        }
+        seen = g;
+        if (atomic_load(&pool.stop)) return NULL;
+        pool.task(pool.arg, ith, pool.threads);
+        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
+    }
+}
+
+static void pool_release(void) {  /* the pool's lock held */
+    if (pool.threads == 1) return;
+    atomic_store(&pool.stop, 1);
+    atomic_fetch_add(&pool.generation, 1);
+    syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    for (int i = 1; i < pool.threads; i++) pthread_join(pool.workers[i], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.threads = 1;
+}
+
+/* A forked child has none of the parent's workers: it starts over on one thread. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.threads = 1;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.arrived, 0);
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Sets the pool to n threads (the caller included; at least 1); returns how many it has (fewer
+   when the system refused to create more). */
+int64_t tprt_pool_set_threads(int64_t n) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pool_register_fork);
+    n = n < 1 ? 1 : n > POOL_MAX_THREADS ? POOL_MAX_THREADS : n;
+    pthread_mutex_lock(&pool.lock);
+    if (n != pool.threads) {
+        pool_release();
+        pool.start_generation = atomic_load(&pool.generation);
+        while (pool.threads < n &&
+               pthread_create(&pool.workers[pool.threads], NULL, pool_worker, (void *)(intptr_t)pool.threads) == 0)
+            pool.threads++;
+    }
+    int64_t got = pool.threads;
+    pthread_mutex_unlock(&pool.lock);
+    return got;
+}
+
+int64_t tprt_pool_threads(void) { return pool.threads; }
+
+/* task(arg, i, n) on every thread i of the pool, the caller as thread 0; returns when all are
+   done. A caller finding the pool in use by another thread runs the task alone (n = 1). */
+static void pool_run(pool_task task, void *arg) {
+    if (pool.threads == 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        task(arg, 0, 1);
+        return;
+    }
+    int n = pool.threads;
+    if (n == 1) {
+        pthread_mutex_unlock(&pool.lock);
+        task(arg, 0, 1);
+        return;
+    }
+    pool.task = task;
+    pool.arg = arg;
+    atomic_store(&pool.busy, n - 1);
+    atomic_fetch_add(&pool.generation, 1);
+    if (atomic_load(&pool.sleepers) > 0)
+        syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    task(arg, 0, n);
+    int64_t start = 0;
+    for (unsigned spins = 0; atomic_load_explicit(&pool.busy, memory_order_acquire) != 0; spins++) {
+        if ((spins & 63) != 63) { cpu_relax(); continue; }
+        int64_t t = now_ns();
+        if (!start) start = t;
+        else if (t - start > WAIT_SPIN_NS) sched_yield();
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Thread ith's share [lo, hi) of n items, in blocks of `align` (outputs of different threads
+   then do not share a cache line, and vector loops see the same chunks as on one thread). */
+static inline void share(int64_t n, int64_t align, int ith, int nth, int64_t *lo, int64_t *hi) {
+    int64_t blocks = (n + align - 1) / align;
+    *lo = blocks * ith / nth * align;
+    *hi = blocks * (ith + 1) / nth * align;
+    if (*lo > n) *lo = n;
+    if (*hi > n) *hi = n;
+}
+
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
    hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
-void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
     int64_t full = k / 64 * 64, rest = k - full;
     __mmask32 m0 = (__mmask32)(rest >= 32 ? 0xffffffffu : (1ull << rest) - 1);
     __mmask32 m1 = (__mmask32)(rest > 32 ? (1ull << (rest - 32)) - 1 : 0);
@@ -47,7 +224,7 @@ void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n
     }
 }
 #else
-void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
     float xf[k];
     for (int64_t c = 0; c < k; c++) xf[c] = bf16_to_f32(x[c]);
     for (int64_t r = 0; r < n; r++) {
@@ -76,7 +253,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 }
 
 /* fp32: one row at a time (a sequential stream). */
-void tprt_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k) {
+static void gemv_f32_serial(const float *w, const float *x, float *y, int64_t n, int64_t k) {
     for (int64_t r = 0; r < n; r++) y[r] = dot_f32(w + r * k, x, k);
 }
 
@@ -111,36 +288,53 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
    [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
    torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
-#define ROPE_CACHE(SUFFIX, T, LOAD, ROUND)                                                                   \
+/* One head h of one row's fused projection qkv [nh + 2 nkv, d] to its place: a q head rotated into
+   q_out [nh, d], a k head rotated into the cache at `slot` (the row's slot and position), a v head
+   copied there. */
+#define ROPE_HEAD(SUFFIX, T, LOAD, ROUND)                                                                    \
+static void rope_head_##SUFFIX(const T *qkv, const T *c, const T *s, float *q_out, float *slot, int64_t h,   \
+                               int64_t nh, int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {            \
+    const T *x = qkv + h * d;                                                                                 \
+    int64_t half = d / 2;                                                                                     \
+    if (h >= nh + nkv) {                                                                                      \
+        float *o = slot + s_kv + (h - nh - nkv) * s_head;                                                     \
+        for (int64_t i = 0; i < d; i++) o[i] = LOAD(x[i]);                                                    \
+        return;                                                                                               \
+    }                                                                                                         \
+    float *o = h < nh ? q_out + h * d : slot + (h - nh) * s_head;                                             \
+    for (int64_t i = 0; i < d; i++) {                                                                         \
+        float rotated = LOAD(x[i < half ? i + half : i - half]);                                              \
+        o[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(c[i])) + rotated * LOAD(s[i]));                                  \
+    }                                                                                                         \
+}
+
+/* Decode step of attention's input side, one token per row: rotates q and k of the fused
+   projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
+   negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
+   position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
+   torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
+#define ROPE_CACHE(SUFFIX, T)                                                                                \
 void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, float *cache,          \
                               const int64_t *slots, const int64_t *positions, int64_t rows, int64_t nh,       \
                               int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,          \
                               int64_t s_pos) {                                                                \
-    int64_t half = d / 2, heads = nh + 2 * nkv;                                                               \
+    int64_t heads = nh + 2 * nkv;                                                                             \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
-        const T *c = cos + r * d, *s = sin + r * d;                                                           \
         float *slot = cache + slots[r] * s_slot + positions[r] * s_pos;                                       \
-        for (int64_t h = 0; h < nh + nkv; h++) {                                                              \
-            const T *x = qkv + (r * heads + h) * d;                                                           \
-            float *o = h < nh ? q_out + (r * nh + h) * d : slot + (h - nh) * s_head;                          \
-            for (int64_t i = 0; i < d; i++) {                                                                 \
-                float rotated = LOAD(x[i < half ? i + half : i - half]);                                      \
-                o[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(c[i])) + rotated * LOAD(s[i]));                          \
-            }                                                                                                 \
-        }                                                                                                     \
-        for (int64_t h = 0; h < nkv; h++) {                                                                   \
-            const T *x = qkv + (r * heads + nh + nkv + h) * d;                                                \
-            float *o = slot + s_kv + h * s_head;                                                              \
-            for (int64_t i = 0; i < d; i++) o[i] = LOAD(x[i]);                                                \
-        }                                                                                                     \
+        for (int64_t h = 0; h < heads; h++)                                                                   \
+            rope_head_##SUFFIX(qkv + r * heads * d, cos + r * d, sin + r * d, q_out + r * nh * d, slot, h,    \
+                               nh, nkv, d, s_kv, s_head);                                                     \
     }                                                                                                         \
 }
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-ROPE_CACHE(f32, float, f32_load, f32_round)
-ROPE_CACHE(bf16, uint16_t, bf16_to_f32, bf16_round)
+ROPE_HEAD(f32, float, f32_load, f32_round)
+ROPE_HEAD(bf16, uint16_t, bf16_to_f32, bf16_round)
+ROPE_CACHE(f32, float)
+ROPE_CACHE(bf16, uint16_t)
 
 /* exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop calling it
    vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
@@ -287,68 +481,148 @@ static void silu_inplace(float *g, int64_t n) {
 /* The MLP half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x), the fused
    gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops round in the model
    dtype; out is this rank's partial product (the caller all-reduces it and adds the residual).
-   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: normed
-   [hidden] and gate_up [2 inter] in the model dtype, work [inter] float32. */
+   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: gate_up
+   [2 inter] in the model dtype, work [inter] float32. Two parallel sections: each thread
+   normalises x itself (no barrier for it) and takes a share of the intermediate features (their
+   gate and up rows, then their activation), then a share of the down rows. */
+typedef struct {
+    const void *x, *norm_w, *w_gate_up, *w_down;
+    void *out, *gate_up;
+    float *work;
+    int64_t hidden, inter;
+    float eps;
+} mlp_job;
+
 #define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
+static void mlp_task_##SUFFIX(void *arg, int ith, int nth) {                                                  \
+    const mlp_job *j = arg;                                                                                   \
+    int64_t hidden = j->hidden, inter = j->inter, lo, hi;                                                     \
+    const T *w_gate_up = j->w_gate_up, *w_down = j->w_down;                                                   \
+    T *gate_up = j->gate_up, normed[hidden];                                                                  \
+    float *work = j->work;                                                                                    \
+    tprt_rms_norm_##SUFFIX(j->x, j->norm_w, normed, 1, hidden, j->eps);                                       \
+    share(inter, 16, ith, nth, &lo, &hi);                                                                     \
+    gemv_##SUFFIX##_serial(w_gate_up + lo * hidden, normed, gate_up + lo, hi - lo, hidden);                   \
+    gemv_##SUFFIX##_serial(w_gate_up + (inter + lo) * hidden, normed, gate_up + inter + lo, hi - lo, hidden); \
+    for (int64_t i = lo; i < hi; i++) work[i] = LOAD(gate_up[i]);                                            \
+    silu_inplace(work + lo, hi - lo);                                                                         \
+    for (int64_t i = lo; i < hi; i++) /* the activation overwrites the gate half */                          \
+        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                 \
+    pool_barrier(nth);                                                                                        \
+    share(hidden, 16, ith, nth, &lo, &hi);                                                                    \
+    gemv_##SUFFIX##_serial(w_down + lo * inter, gate_up, (T *)j->out + lo, hi - lo, inter);                   \
+}                                                                                                             \
 void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
-                              T *normed, T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {  \
-    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
-    tprt_gemv_##SUFFIX(w_gate_up, normed, gate_up, 2 * inter, hidden);                                       \
-    for (int64_t i = 0; i < inter; i++) work[i] = LOAD(gate_up[i]);                                         \
-    silu_inplace(work, inter);                                                                              \
-    for (int64_t i = 0; i < inter; i++) /* the activation overwrites the gate half */                       \
-        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                \
-    tprt_gemv_##SUFFIX(w_down, gate_up, out, hidden, inter);                                                 \
+                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
+    mlp_job j = {x, norm_w, w_gate_up, w_down, out, gate_up, work, hidden, inter, eps};                        \
+    pool_run(mlp_task_##SUFFIX, &j);                                                                          \
 }
 
 MLP_DECODE(f32, float, f32_load, f32_store)
 MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
-   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (tprt_rope_cache), the
-   attention over the cache (tprt_decode_attention) and the o GEMV; out is this rank's partial
+   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (as tprt_rope_cache), the
+   attention over the cache (as tprt_decode_attention) and the o GEMV; out is this rank's partial
    product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden, nh d]; slot/position point at one int64
-   each; scratch: normed [hidden], qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q
-   [nh d] and scores [position + 1] float32. */
-#define ATTENTION_DECODE(SUFFIX, T)                                                                          \
+   each; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32.
+   Three parallel sections: each thread normalises x itself, projects a share of the heads and
+   rotates or stores them; then attends for a share of the q heads; then takes a share of the o rows. */
+typedef struct {
+    const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
+    float *cache;
+    int64_t slot, position;
+    void *out, *qkv, *attn;
+    float *q;
+    int64_t hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos;
+    float eps, scale;
+} attention_job;
+
+#define ATTENTION_DECODE(SUFFIX, T, STORE)                                                                   \
+static void attention_task_##SUFFIX(void *arg, int ith, int nth) {                                            \
+    const attention_job *j = arg;                                                                             \
+    int64_t hidden = j->hidden, nh = j->nh, nkv = j->nkv, d = j->d, group = nh / nkv, len = j->position + 1;  \
+    int64_t lo, hi;                                                                                           \
+    const T *w_qkv = j->w_qkv;                                                                                \
+    T *qkv = j->qkv, *attn = j->attn, normed[hidden];                                                         \
+    float *layer = j->cache + j->slot * j->s_slot, *slot = layer + j->position * j->s_pos;                    \
+    tprt_rms_norm_##SUFFIX(j->x, j->norm_w, normed, 1, hidden, j->eps);                                       \
+    share(nh + 2 * nkv, 1, ith, nth, &lo, &hi);                                                               \
+    gemv_##SUFFIX##_serial(w_qkv + lo * d * hidden, normed, qkv + lo * d, (hi - lo) * d, hidden);             \
+    for (int64_t h = lo; h < hi; h++)                                                                         \
+        rope_head_##SUFFIX(qkv, j->cos, j->sin, j->q, slot, h, nh, nkv, d, j->s_kv, j->s_head);               \
+    pool_barrier(nth);                                                                                        \
+    share(nh, 1, ith, nth, &lo, &hi);                                                                         \
+    float scores[len], acc[group * d];                                                                        \
+    for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
+        int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
+        const float *keys = layer + kv * j->s_head;                                                           \
+        attend_group(j->q + h * d, keys, keys + j->s_kv, len, end - h, d, j->s_pos, j->scale, scores, acc);    \
+        for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
+        h = end;                                                                                              \
+    }                                                                                                         \
+    pool_barrier(nth);                                                                                        \
+    share(hidden, 16, ith, nth, &lo, &hi);                                                                    \
+    gemv_##SUFFIX##_serial((const T *)j->w_o + lo * nh * d, attn, (T *)j->out + lo, hi - lo, nh * d);         \
+}                                                                                                             \
 void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o, const T *cos,  \
                                     const T *sin, float *cache, const int64_t *slot, const int64_t *position, \
-                                    T *out, T *normed, T *qkv, T *attn, float *q, float *scores,             \
-                                    int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t s_slot,       \
-                                    int64_t s_kv, int64_t s_head, int64_t s_pos, float eps, float scale) {    \
-    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
-    tprt_gemv_##SUFFIX(w_qkv, normed, qkv, (nh + 2 * nkv) * d, hidden);                                      \
-    tprt_rope_cache_##SUFFIX(qkv, cos, sin, q, cache, slot, position, 1, nh, nkv, d, s_slot, s_kv, s_head,   \
-                             s_pos);                                                                         \
-    tprt_decode_attention_##SUFFIX(q, cache, slot, position, attn, scores, 1, nh, nkv, d, s_slot, s_kv,      \
-                                   s_head, s_pos, scale);                                                    \
-    tprt_gemv_##SUFFIX(w_o, attn, out, hidden, nh * d);                                                      \
+                                    T *out, T *qkv, T *attn, float *q, int64_t hidden, int64_t nh,            \
+                                    int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,     \
+                                    int64_t s_pos, float eps, float scale) {                                  \
+    attention_job j = {x, norm_w, w_qkv, w_o, cos, sin, cache, *slot, *position, out, qkv, attn, q, hidden,    \
+                       nh, nkv, d, s_slot, s_kv, s_head, s_pos, eps, scale};                                  \
+    pool_run(attention_task_##SUFFIX, &j);                                                                    \
 }
 
-ATTENTION_DECODE(f32, float)
-ATTENTION_DECODE(bf16, uint16_t)
+ATTENTION_DECODE(f32, float, f32_store)
+ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
 
-/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T. Like the
-   one-row GEMV, each weight row is read once, front to back, and serves every input row:
-   oneDNN's kernels for so few rows stream the weights at half the bandwidth. One function per
-   row count keeps its accumulators in registers; tprt_gemv_rows_* dispatches on m (other
-   counts, 1 included, go one row at a time). */
+/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, Y's rows
+   `ldy` apart. Like the one-row GEMV, each weight row is read once, front to back, and serves
+   every input row: oneDNN's kernels for so few rows stream the weights at half the bandwidth.
+   One function per row count keeps its accumulators in registers; gemv_rows_*_serial dispatches
+   on m (other counts, 1 included, go one row at a time). */
 #define GEMV_ROWS_DISPATCH(SUFFIX, T)                                                                        \
-void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
-    static void (*const kernel[])(const T *, const T *, T *, int64_t, int64_t) = {                          \
+static void gemv_rows_##SUFFIX##_serial(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k,        \
+                                        int64_t ldy) {                                                        \
+    static void (*const kernel[])(const T *, const T *, T *, int64_t, int64_t, int64_t) = {                 \
         0, 0, gemv_rows_##SUFFIX##_2, gemv_rows_##SUFFIX##_3, gemv_rows_##SUFFIX##_4, gemv_rows_##SUFFIX##_5,  \
         gemv_rows_##SUFFIX##_6, gemv_rows_##SUFFIX##_7, gemv_rows_##SUFFIX##_8};                              \
     if (m >= 2 && m <= 8) {                                                                                   \
-        kernel[m](w, x, y, n, k);                                                                             \
+        kernel[m](w, x, y, n, k, ldy);                                                                        \
         return;                                                                                               \
     }                                                                                                         \
-    for (int64_t i = 0; i < m; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+    for (int64_t i = 0; i < m; i++) gemv_##SUFFIX##_serial(w, x + i * k, y + i * ldy, n, k);                 \
+}                                                                                                             \
+static void gemv_task_##SUFFIX(void *arg, int ith, int nth) {                                                 \
+    const gemv_job *j = arg;                                                                                  \
+    int64_t lo, hi;                                                                                           \
+    share(j->n, 16, ith, nth, &lo, &hi);                                                                      \
+    if (hi > lo)                                                                                              \
+        gemv_rows_##SUFFIX##_serial((const T *)j->w + lo * j->k, j->x, (T *)j->y + lo, j->m, hi - lo, j->k, j->n); \
+}                                                                                                             \
+/* x [m, k] times w [n, k] transposed into y [m, n], w's rows shared among the pool's threads. */            \
+void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
+    gemv_job j = {w, x, y, m, n, k};                                                                          \
+    if (n * k < PARALLEL_MIN_ELEMENTS) gemv_task_##SUFFIX(&j, 0, 1);                                          \
+    else pool_run(gemv_task_##SUFFIX, &j);                                                                    \
+}                                                                                                             \
+/* The one-row product y [n] = w [n, k] x [k]. */                                                            \
+void tprt_gemv_##SUFFIX(const T *w, const T *x, T *y, int64_t n, int64_t k) {                                 \
+    tprt_gemv_rows_##SUFFIX(w, x, y, 1, n, k);                                                                \
 }
+
+typedef struct {
+    const void *w, *x;
+    void *y;
+    int64_t m, n, k;
+} gemv_job;
 
 /* Without AVX-512: the same functions, one row at a time. */
 #define GEMV_ROWS_ONE(SUFFIX, T, M)                                                                          \
-static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, int64_t k) {                   \
-    for (int64_t i = 0; i < M; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, int64_t k, int64_t ldy) {      \
+    for (int64_t i = 0; i < M; i++) gemv_##SUFFIX##_serial(w, x + i * k, y + i * ldy, n, k);                 \
 }
 #define GEMV_ROWS_BY_ROW(SUFFIX, T)                                                                          \
     GEMV_ROWS_ONE(SUFFIX, T, 2) GEMV_ROWS_ONE(SUFFIX, T, 3) GEMV_ROWS_ONE(SUFFIX, T, 4)                     \
@@ -357,7 +631,8 @@ static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, in
 
 #if defined(__AVX512BF16__)
 #define GEMV_ROWS_BF16(M)                                                                                    \
-static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {     \
+static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k,        \
+                               int64_t ldy) {                                                                  \
     int64_t full = k / 32 * 32, rest = k - full;                                                              \
     __mmask32 tail = (__mmask32)((1ull << rest) - 1);                                                         \
     for (int64_t r = 0; r < n; r++) {                                                                         \
@@ -374,7 +649,7 @@ static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y
             for (int m = 0; m < M; m++)                                                                       \
                 acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full)); \
         }                                                                                                     \
-        for (int m = 0; m < M; m++) y[m * n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]));                 \
+        for (int m = 0; m < M; m++) y[m * ldy + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]));                 \
     }                                                                                                         \
 }
 GEMV_ROWS_BF16(2) GEMV_ROWS_BF16(3) GEMV_ROWS_BF16(4) GEMV_ROWS_BF16(5) GEMV_ROWS_BF16(6) GEMV_ROWS_BF16(7)
@@ -386,7 +661,7 @@ GEMV_ROWS_DISPATCH(bf16, uint16_t)
 
 #if defined(__AVX512F__)
 #define GEMV_ROWS_F32(M)                                                                                     \
-static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k) {              \
+static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t ldy) {  \
     int64_t full = k / 16 * 16, rest = k - full;                                                              \
     __mmask16 tail = (__mmask16)((1u << rest) - 1);                                                           \
     for (int64_t r = 0; r < n; r++) {                                                                         \
@@ -402,7 +677,7 @@ static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t 
             for (int m = 0; m < M; m++)                                                                       \
                 acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * k + full), acc[m]);          \
         }                                                                                                     \
-        for (int m = 0; m < M; m++) y[m * n + r] = _mm512_reduce_add_ps(acc[m]);                              \
+        for (int m = 0; m < M; m++) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m]);                              \
     }                                                                                                         \
 }
 GEMV_ROWS_F32(2) GEMV_ROWS_F32(3) GEMV_ROWS_F32(4) GEMV_ROWS_F32(5) GEMV_ROWS_F32(6) GEMV_ROWS_F32(7)
