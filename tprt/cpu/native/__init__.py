@@ -89,11 +89,11 @@ def _ours(directory: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _build(compiler: str, source_path: Path) -> Path:
+    source = source_path.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
-    name = f"kernels-{key}.so"
+    name = f"{source_path.stem}-{key}.so"
     # A read-only home (some CI and container setups) falls back to a per-user temporary directory.
     for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"tprt-{os.getuid()}" / "native"):
         if _ours(directory) and (directory / name).exists():
@@ -107,14 +107,14 @@ def _build(compiler: str) -> Path:
     else:
         raise RuntimeError(f"no writable directory of this user for the compiled kernels (tried {cache_dir()})")
     target = directory / name
-    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source_path.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        command = [compiler, *FLAGS, "-o", tmp, str(source_path), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             last = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-            raise RuntimeError(f"{compiler} failed on {SOURCE}: {last[0]}")
+            raise RuntimeError(f"{compiler} failed on {source_path}: {last[0]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -122,21 +122,30 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
+def compile_library(source: Path, what: str) -> ctypes.CDLL | None:
+    """The C file `source` built (once per source, flags and CPU) and loaded, or None (saying why
+    once, at warning level, as `what` unavailable) without a compiler, on a build error, off
+    Linux or with TPRT_NATIVE=0."""
     if os.environ.get("TPRT_NATIVE", "1") == "0":
-        log.info("tprt native kernels disabled by TPRT_NATIVE=0")
+        log.info("%s disabled by TPRT_NATIVE=0", what)
         return None
     if platform.system() != "Linux":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("tprt native kernels unavailable: no C compiler (set CC or install gcc); using torch's kernels")
+        log.warning("%s unavailable: no C compiler (set CC or install gcc); using torch's kernels", what)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return ctypes.CDLL(str(_build(compiler, source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("tprt native kernels unavailable (%s); using torch's kernels", exc)
+        log.warning("%s unavailable (%s); using torch's kernels", what, exc)
+        return None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = compile_library(SOURCE, "tprt native kernels")
+    if lib is None:
         return None
     for name, argtypes in _SIGNATURES.items():
         for suffix in _DTYPE_SUFFIX.values():
