@@ -25,13 +25,18 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* ---- The thread pool: every core for one decode row ----
    Batch-1 decode streams every weight once per token, and one core's stream reads well below the
-   machine's bandwidth. The kernels below therefore split each weight's rows across a persistent
-   pool of pthreads: the caller is thread 0, the workers wait for a task by spinning briefly (the
-   next kernel call is usually microseconds away) and then sleep on a futex, and the sections of a
-   fused kernel are separated by a spinning barrier. An OpenMP region per small op costs a
-   fork/join each; this costs one wake-up per kernel call and a barrier per section. Each output
-   is computed by one thread with the one-thread code, so results equal the one-thread results bit
-   for bit. tprt_pool_set_threads(1), the start-up state, runs everything on the caller. */
+   machine's bandwidth. The kernels below therefore split their work across a persistent pool of
+   pthreads: the caller works too, and the workers wait for the next call by spinning briefly (it
+   is usually microseconds away) and then sleep on a futex. A call is a few sections run in order
+   (a GEMV: one; a fused layer half: three or four, e.g. RMSNorm, then the q/k/v rows with their
+   RoPE, then attention, then the o rows); a section's work is cut into chunks of rows (or heads)
+   that the threads claim from an atomic counter, and the next section starts when every chunk of
+   this one is done. Claiming instead of fixed shares keeps a thread that the OS has descheduled
+   (a busy machine) from holding the others up: whoever runs takes the next chunk. An OpenMP
+   region per small op costs a fork/join each; this costs one wake-up per call and an atomic per
+   chunk. Each output is computed by one thread with the one-thread code, so results equal the
+   one-thread results bit for bit. tprt_pool_set_threads(1), the start-up state, runs everything
+   on the caller. */
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -43,25 +48,36 @@ static inline uint16_t f32_to_bf16(float f) {
 #include <sys/syscall.h>
 
 #define POOL_MAX_THREADS 256
-#define POOL_SPIN_NS 200000  /* a worker spins this long for the next task before it sleeps */
-#define WAIT_SPIN_NS 50000   /* a waiter spins this long before it yields the core between checks */
-#define PARALLEL_MIN_ELEMENTS 65536  /* smaller products are not worth a wake-up */
+#define POOL_SPIN_NS 200000           /* a worker spins this long for the next call before it sleeps */
+#define WAIT_SPIN_NS 20000            /* a waiter spins this long before it yields the core between checks */
+#define PARALLEL_MIN_ELEMENTS 65536   /* smaller products are not worth a wake-up */
+#define CHUNK_BYTES (256 * 1024)      /* weight bytes per chunk at most: a descheduled thread holds little */
+#define CHUNKS_PER_THREAD 4           /* at least, where the section is large enough */
+#define MAX_SECTIONS 4
 
-typedef void (*pool_task)(void *arg, int ith, int nth);
+typedef void (*section_fn)(void *arg, int64_t lo, int64_t hi);  /* units [lo, hi) of a section */
+typedef struct {
+    section_fn run;
+    int64_t units, block;  /* units in all, and per chunk */
+} section;
+typedef struct {
+    void *arg;
+    int n;
+    section s[MAX_SECTIONS];
+    _Atomic int64_t next[MAX_SECTIONS], done[MAX_SECTIONS];  /* chunks claimed, chunks finished */
+} pool_job;
 
 static struct {
-    pthread_mutex_t lock;          /* held by the caller of a task, and while resizing */
+    pthread_mutex_t lock;          /* held by the caller of a job, and while resizing */
     _Atomic int threads;           /* workers + the caller */
     pthread_t workers[POOL_MAX_THREADS];
-    _Atomic uint32_t generation;   /* bumped to hand out a task (the workers' futex word) */
+    _Atomic uint32_t generation;   /* bumped to hand out a job (the workers' futex word) */
     uint32_t start_generation;     /* the generation workers created by a resize start from */
+    _Atomic uint32_t open;         /* the generation whose job may still be joined; 0: none */
+    _Atomic int active;            /* workers that may be touching the open job */
     _Atomic int sleepers;          /* workers asleep (or about to be) on the futex */
-    _Atomic int busy;              /* workers still inside the current task */
     _Atomic int stop;
-    pool_task task;
-    void *arg;
-    _Atomic int arrived;           /* the barrier: threads at it, and how many times it opened */
-    _Atomic uint32_t opened;
+    pool_job *_Atomic job;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
 
 static inline void cpu_relax(void) {
@@ -76,31 +92,34 @@ static inline int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Spins until *word != value: pauses for WAIT_SPIN_NS, then yields between checks (on a busy
-   machine the thread being waited for may need this core). */
-static void wait_changed(_Atomic uint32_t *word, uint32_t value) {
-    int64_t start = 0;
-    for (unsigned spins = 0; atomic_load_explicit(word, memory_order_acquire) == value; spins++) {
-        if ((spins & 63) != 63) { cpu_relax(); continue; }
-        int64_t t = now_ns();
-        if (!start) start = t;
-        else if (t - start > WAIT_SPIN_NS) sched_yield();
+/* One round of waiting: pause, and after WAIT_SPIN_NS yield the core between checks (on a busy
+   machine the thread being waited for may need it). `start` is 0 on the first round. */
+static inline void wait_round(unsigned spins, int64_t *start) {
+    if ((spins & 63) != 63) { cpu_relax(); return; }
+    int64_t t = now_ns();
+    if (!*start) *start = t;
+    else if (t - *start > WAIT_SPIN_NS) sched_yield();
+}
+
+/* The job's sections in order, claiming chunks until none is left, then waiting for the
+   section's last chunks (another thread's) before the next. */
+static void run_sections(pool_job *j) {
+    for (int s = 0; s < j->n; s++) {
+        const section *sec = &j->s[s];
+        int64_t chunks = (sec->units + sec->block - 1) / sec->block, c;
+        while ((c = atomic_fetch_add_explicit(&j->next[s], 1, memory_order_relaxed)) < chunks) {
+            int64_t lo = c * sec->block, hi = lo + sec->block < sec->units ? lo + sec->block : sec->units;
+            sec->run(j->arg, lo, hi);
+            atomic_fetch_add_explicit(&j->done[s], 1, memory_order_release);
+        }
+        int64_t start = 0;
+        for (unsigned spins = 0; atomic_load_explicit(&j->done[s], memory_order_acquire) < chunks; spins++)
+            wait_round(spins, &start);
     }
 }
 
-static void pool_barrier(int nth) {
-    if (nth == 1) return;
-    uint32_t opened = atomic_load_explicit(&pool.opened, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&pool.arrived, 1, memory_order_acq_rel) == nth - 1) {
-        atomic_store_explicit(&pool.arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&pool.opened, 1, memory_order_release);
-    } else {
-        wait_changed(&pool.opened, opened);
-    }
-}
-
-static void *pool_worker(void *index) {
-    int ith = (int)(intptr_t)index;
+static void *pool_worker(void *unused) {
+    (void)unused;
     uint32_t seen = pool.start_generation;
     for (;;) {
         int64_t start = now_ns();
@@ -114,8 +133,11 @@ static void *pool_worker(void *index) {
         }
         seen = g;
         if (atomic_load(&pool.stop)) return NULL;
-        pool.task(pool.arg, ith, pool.threads);
-        atomic_fetch_sub_explicit(&pool.busy, 1, memory_order_release);
+        /* Join only while the job is open: the caller closes it, then waits for `active` to
+           drop to 0, so a worker that comes too late never touches a finished job. */
+        atomic_fetch_add(&pool.active, 1);
+        if (atomic_load(&pool.open) == g) run_sections(atomic_load(&pool.job));
+        atomic_fetch_sub(&pool.active, 1);
     }
 }
 
@@ -134,7 +156,8 @@ static void pool_after_fork(void) {
     pthread_mutex_init(&pool.lock, NULL);
     pool.threads = 1;
     atomic_store(&pool.sleepers, 0);
-    atomic_store(&pool.arrived, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.open, 0);
 }
 
 static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
@@ -149,8 +172,7 @@ int64_t tprt_pool_set_threads(int64_t n) {
     if (n != pool.threads) {
         pool_release();
         pool.start_generation = atomic_load(&pool.generation);
-        while (pool.threads < n &&
-               pthread_create(&pool.workers[pool.threads], NULL, pool_worker, (void *)(intptr_t)pool.threads) == 0)
+        while (pool.threads < n && pthread_create(&pool.workers[pool.threads], NULL, pool_worker, NULL) == 0)
             pool.threads++;
     }
     int64_t got = pool.threads;
@@ -160,46 +182,40 @@ int64_t tprt_pool_set_threads(int64_t n) {
 
 int64_t tprt_pool_threads(void) { return pool.threads; }
 
-/* task(arg, i, n) on every thread i of the pool, the caller as thread 0; returns when all are
-   done. A caller finding the pool in use by another thread runs the task alone (n = 1). */
-static void pool_run(pool_task task, void *arg) {
+/* Units per chunk for a section of `units` units of `unit_bytes` weight bytes each: blocks of
+   `align` units (outputs of different chunks then do not share a cache line, and vector loops
+   see the same blocks as on one thread), at least CHUNKS_PER_THREAD chunks per thread where
+   possible, at most CHUNK_BYTES of weights per chunk unless one block is larger. */
+static int64_t chunk_units(int64_t units, int64_t unit_bytes, int64_t align) {
+    int64_t per = (units + CHUNKS_PER_THREAD * pool.threads - 1) / (CHUNKS_PER_THREAD * pool.threads);
+    int64_t cap = CHUNK_BYTES / (unit_bytes > 0 ? unit_bytes : 1);
+    per = per < cap ? per : cap;
+    per = (per + align - 1) / align * align;
+    return per > 0 ? per : align;
+}
+
+/* Runs the job's sections on the pool, the caller included; returns when all are done. A caller
+   finding the pool in use by another thread runs them alone. */
+static void pool_run(pool_job *j) {
     if (pool.threads == 1 || pthread_mutex_trylock(&pool.lock) != 0) {
-        task(arg, 0, 1);
+        run_sections(j);
         return;
     }
-    int n = pool.threads;
-    if (n == 1) {
-        pthread_mutex_unlock(&pool.lock);
-        task(arg, 0, 1);
-        return;
+    if (pool.threads > 1) {
+        atomic_store(&pool.job, j);
+        uint32_t g = atomic_load(&pool.generation) + 1;
+        if (!g) g = 1;  /* 0 means "none open" */
+        atomic_store(&pool.open, g);
+        atomic_store(&pool.generation, g);
+        if (atomic_load(&pool.sleepers) > 0)
+            syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     }
-    pool.task = task;
-    pool.arg = arg;
-    atomic_store(&pool.busy, n - 1);
-    atomic_fetch_add(&pool.generation, 1);
-    if (atomic_load(&pool.sleepers) > 0)
-        syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    task(arg, 0, n);
+    run_sections(j);
+    atomic_store(&pool.open, 0);
     int64_t start = 0;
-    for (unsigned spins = 0; atomic_load_explicit(&pool.busy, memory_order_acquire) != 0; spins++) {
-        if ((spins & 63) != 63) { cpu_relax(); continue; }
-        int64_t t = now_ns();
-        if (!start) start = t;
-        else if (t - start > WAIT_SPIN_NS) sched_yield();
-    }
+    for (unsigned spins = 0; atomic_load(&pool.active) != 0; spins++) wait_round(spins, &start);
     pthread_mutex_unlock(&pool.lock);
 }
-
-/* Thread ith's share [lo, hi) of n items, in blocks of `align` (outputs of different threads
-   then do not share a cache line, and vector loops see the same chunks as on one thread). */
-static inline void share(int64_t n, int64_t align, int ith, int nth, int64_t *lo, int64_t *hi) {
-    int64_t blocks = (n + align - 1) / align;
-    *lo = blocks * ith / nth * align;
-    *hi = blocks * (ith + 1) / nth * align;
-    if (*lo > n) *lo = n;
-    if (*hi > n) *hi = n;
-}
-
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
    hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
@@ -482,40 +498,49 @@ static void silu_inplace(float *g, int64_t n) {
    gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops round in the model
    dtype; out is this rank's partial product (the caller all-reduces it and adds the residual).
    w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: gate_up
-   [2 inter] in the model dtype, work [inter] float32. Two parallel sections: each thread
-   normalises x itself (no barrier for it) and takes a share of the intermediate features (their
-   gate and up rows, then their activation), then a share of the down rows. */
+   [2 inter] in the model dtype, work [inter] float32. Sections: the norm; chunks of intermediate
+   features (their gate and up rows, then their activation); chunks of down rows. */
 typedef struct {
     const void *x, *norm_w, *w_gate_up, *w_down;
-    void *out, *gate_up;
+    void *out, *normed, *gate_up;
     float *work;
     int64_t hidden, inter;
     float eps;
-} mlp_job;
+} mlp_args;
 
 #define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
-static void mlp_task_##SUFFIX(void *arg, int ith, int nth) {                                                  \
-    const mlp_job *j = arg;                                                                                   \
-    int64_t hidden = j->hidden, inter = j->inter, lo, hi;                                                     \
-    const T *w_gate_up = j->w_gate_up, *w_down = j->w_down;                                                   \
-    T *gate_up = j->gate_up, normed[hidden];                                                                  \
-    float *work = j->work;                                                                                    \
-    tprt_rms_norm_##SUFFIX(j->x, j->norm_w, normed, 1, hidden, j->eps);                                       \
-    share(inter, 16, ith, nth, &lo, &hi);                                                                     \
-    gemv_##SUFFIX##_serial(w_gate_up + lo * hidden, normed, gate_up + lo, hi - lo, hidden);                   \
-    gemv_##SUFFIX##_serial(w_gate_up + (inter + lo) * hidden, normed, gate_up + inter + lo, hi - lo, hidden); \
+static void mlp_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
+    const mlp_args *a = arg;                                                                                  \
+    (void)lo, (void)hi;                                                                                       \
+    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
+}                                                                                                             \
+static void mlp_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const mlp_args *a = arg;                                                                                  \
+    int64_t hidden = a->hidden, inter = a->inter;                                                             \
+    const T *w = a->w_gate_up;                                                                                \
+    T *gate_up = a->gate_up;                                                                                  \
+    float *work = a->work;                                                                                    \
+    gemv_##SUFFIX##_serial(w + lo * hidden, a->normed, gate_up + lo, hi - lo, hidden);                        \
+    gemv_##SUFFIX##_serial(w + (inter + lo) * hidden, a->normed, gate_up + inter + lo, hi - lo, hidden);      \
     for (int64_t i = lo; i < hi; i++) work[i] = LOAD(gate_up[i]);                                            \
     silu_inplace(work + lo, hi - lo);                                                                         \
     for (int64_t i = lo; i < hi; i++) /* the activation overwrites the gate half */                          \
         gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                 \
-    pool_barrier(nth);                                                                                        \
-    share(hidden, 16, ith, nth, &lo, &hi);                                                                    \
-    gemv_##SUFFIX##_serial(w_down + lo * inter, gate_up, (T *)j->out + lo, hi - lo, inter);                   \
+}                                                                                                             \
+static void mlp_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
+    const mlp_args *a = arg;                                                                                  \
+    gemv_##SUFFIX##_serial((const T *)a->w_down + lo * a->inter, a->gate_up, (T *)a->out + lo, hi - lo, a->inter); \
 }                                                                                                             \
 void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
                               T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
-    mlp_job j = {x, norm_w, w_gate_up, w_down, out, gate_up, work, hidden, inter, eps};                        \
-    pool_run(mlp_task_##SUFFIX, &j);                                                                          \
+    T normed[hidden];                                                                                         \
+    mlp_args a = {x, norm_w, w_gate_up, w_down, out, normed, gate_up, work, hidden, inter, eps};               \
+    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
+    pool_job j = {.arg = &a, .n = 3, .s = {{mlp_norm_##SUFFIX, 1, 1},                                         \
+                                           {mlp_gate_up_##SUFFIX, inter, chunk_units(inter, 2 * row, 16)},    \
+                                           {mlp_down_##SUFFIX, hidden, chunk_units(hidden, row * inter / hidden, 16)}}}; \
+    if (3 * inter * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                         \
+    else pool_run(&j);                                                                                        \
 }
 
 MLP_DECODE(f32, float, f32_load, f32_store)
@@ -526,53 +551,69 @@ MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
    attention over the cache (as tprt_decode_attention) and the o GEMV; out is this rank's partial
    product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden, nh d]; slot/position point at one int64
    each; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32.
-   Three parallel sections: each thread normalises x itself, projects a share of the heads and
-   rotates or stores them; then attends for a share of the q heads; then takes a share of the o rows. */
+   Sections: the norm; chunks of heads (their q/k/v rows, then their RoPE or cache write); chunks
+   of q heads (their attention); chunks of o rows. */
 typedef struct {
     const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
     float *cache;
     int64_t slot, position;
-    void *out, *qkv, *attn;
+    void *out, *normed, *qkv, *attn;
     float *q;
     int64_t hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos;
     float eps, scale;
-} attention_job;
+} attention_args;
 
 #define ATTENTION_DECODE(SUFFIX, T, STORE)                                                                   \
-static void attention_task_##SUFFIX(void *arg, int ith, int nth) {                                            \
-    const attention_job *j = arg;                                                                             \
-    int64_t hidden = j->hidden, nh = j->nh, nkv = j->nkv, d = j->d, group = nh / nkv, len = j->position + 1;  \
-    int64_t lo, hi;                                                                                           \
-    const T *w_qkv = j->w_qkv;                                                                                \
-    T *qkv = j->qkv, *attn = j->attn, normed[hidden];                                                         \
-    float *layer = j->cache + j->slot * j->s_slot, *slot = layer + j->position * j->s_pos;                    \
-    tprt_rms_norm_##SUFFIX(j->x, j->norm_w, normed, 1, hidden, j->eps);                                       \
-    share(nh + 2 * nkv, 1, ith, nth, &lo, &hi);                                                               \
-    gemv_##SUFFIX##_serial(w_qkv + lo * d * hidden, normed, qkv + lo * d, (hi - lo) * d, hidden);             \
+static void attention_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
+    const attention_args *a = arg;                                                                            \
+    (void)lo, (void)hi;                                                                                       \
+    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
+}                                                                                                             \
+static void attention_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                     \
+    const attention_args *a = arg;                                                                            \
+    int64_t d = a->d;                                                                                         \
+    float *slot = a->cache + a->slot * a->s_slot + a->position * a->s_pos;                                    \
+    gemv_##SUFFIX##_serial((const T *)a->w_qkv + lo * d * a->hidden, a->normed, (T *)a->qkv + lo * d, (hi - lo) * d, \
+                           a->hidden);                                                                        \
     for (int64_t h = lo; h < hi; h++)                                                                         \
-        rope_head_##SUFFIX(qkv, j->cos, j->sin, j->q, slot, h, nh, nkv, d, j->s_kv, j->s_head);               \
-    pool_barrier(nth);                                                                                        \
-    share(nh, 1, ith, nth, &lo, &hi);                                                                         \
+        rope_head_##SUFFIX(a->qkv, a->cos, a->sin, a->q, slot, h, a->nh, a->nkv, d, a->s_kv, a->s_head);      \
+}                                                                                                             \
+static void attention_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                    \
+    const attention_args *a = arg;                                                                            \
+    int64_t d = a->d, group = a->nh / a->nkv, len = a->position + 1;                                          \
+    const float *layer = a->cache + a->slot * a->s_slot;                                                      \
+    T *attn = a->attn;                                                                                        \
     float scores[len], acc[group * d];                                                                        \
     for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
         int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
-        const float *keys = layer + kv * j->s_head;                                                           \
-        attend_group(j->q + h * d, keys, keys + j->s_kv, len, end - h, d, j->s_pos, j->scale, scores, acc);    \
+        const float *keys = layer + kv * a->s_head;                                                           \
+        attend_group(a->q + h * d, keys, keys + a->s_kv, len, end - h, d, a->s_pos, a->scale, scores, acc);   \
         for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
         h = end;                                                                                              \
     }                                                                                                         \
-    pool_barrier(nth);                                                                                        \
-    share(hidden, 16, ith, nth, &lo, &hi);                                                                    \
-    gemv_##SUFFIX##_serial((const T *)j->w_o + lo * nh * d, attn, (T *)j->out + lo, hi - lo, nh * d);         \
+}                                                                                                             \
+static void attention_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const attention_args *a = arg;                                                                            \
+    int64_t k = a->nh * a->d;                                                                                 \
+    gemv_##SUFFIX##_serial((const T *)a->w_o + lo * k, a->attn, (T *)a->out + lo, hi - lo, k);                \
 }                                                                                                             \
 void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o, const T *cos,  \
                                     const T *sin, float *cache, const int64_t *slot, const int64_t *position, \
                                     T *out, T *qkv, T *attn, float *q, int64_t hidden, int64_t nh,            \
                                     int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,     \
                                     int64_t s_pos, float eps, float scale) {                                  \
-    attention_job j = {x, norm_w, w_qkv, w_o, cos, sin, cache, *slot, *position, out, qkv, attn, q, hidden,    \
-                       nh, nkv, d, s_slot, s_kv, s_head, s_pos, eps, scale};                                  \
-    pool_run(attention_task_##SUFFIX, &j);                                                                    \
+    T normed[hidden];                                                                                         \
+    attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, *slot, *position, out, normed, qkv, attn, q,   \
+                        hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos, eps, scale};                         \
+    int64_t heads = nh + 2 * nkv, row = (int64_t)sizeof(T) * hidden;                                          \
+    /* a chunk of q heads is a whole GQA group where there are groups enough to go round */                   \
+    int64_t attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;                                            \
+    pool_job j = {.arg = &a, .n = 4, .s = {{attention_norm_##SUFFIX, 1, 1},                                   \
+                                           {attention_heads_##SUFFIX, heads, chunk_units(heads, d * row, 1)},  \
+                                           {attention_attend_##SUFFIX, nh, attend_block},                     \
+                                           {attention_o_##SUFFIX, hidden, chunk_units(hidden, row * nh * d / hidden, 16)}}}; \
+    if ((heads + nh) * d * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                  \
+    else pool_run(&j);                                                                                        \
 }
 
 ATTENTION_DECODE(f32, float, f32_store)
@@ -595,18 +636,16 @@ static void gemv_rows_##SUFFIX##_serial(const T *w, const T *x, T *y, int64_t m,
     }                                                                                                         \
     for (int64_t i = 0; i < m; i++) gemv_##SUFFIX##_serial(w, x + i * k, y + i * ldy, n, k);                 \
 }                                                                                                             \
-static void gemv_task_##SUFFIX(void *arg, int ith, int nth) {                                                 \
-    const gemv_job *j = arg;                                                                                  \
-    int64_t lo, hi;                                                                                           \
-    share(j->n, 16, ith, nth, &lo, &hi);                                                                      \
-    if (hi > lo)                                                                                              \
-        gemv_rows_##SUFFIX##_serial((const T *)j->w + lo * j->k, j->x, (T *)j->y + lo, j->m, hi - lo, j->k, j->n); \
+static void gemv_section_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                       \
+    const gemv_args *a = arg;                                                                                 \
+    gemv_rows_##SUFFIX##_serial((const T *)a->w + lo * a->k, a->x, (T *)a->y + lo, a->m, hi - lo, a->k, a->n); \
 }                                                                                                             \
-/* x [m, k] times w [n, k] transposed into y [m, n], w's rows shared among the pool's threads. */            \
+/* x [m, k] times w [n, k] transposed into y [m, n], chunks of w's rows shared by the pool. */               \
 void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
-    gemv_job j = {w, x, y, m, n, k};                                                                          \
-    if (n * k < PARALLEL_MIN_ELEMENTS) gemv_task_##SUFFIX(&j, 0, 1);                                          \
-    else pool_run(gemv_task_##SUFFIX, &j);                                                                    \
+    gemv_args a = {w, x, y, m, n, k};                                                                         \
+    pool_job j = {.arg = &a, .n = 1, .s = {{gemv_section_##SUFFIX, n, chunk_units(n, k * (int64_t)sizeof(T), 16)}}}; \
+    if (n * k < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                                      \
+    else pool_run(&j);                                                                                        \
 }                                                                                                             \
 /* The one-row product y [n] = w [n, k] x [k]. */                                                            \
 void tprt_gemv_##SUFFIX(const T *w, const T *x, T *y, int64_t n, int64_t k) {                                 \
@@ -617,7 +656,7 @@ typedef struct {
     const void *w, *x;
     void *y;
     int64_t m, n, k;
-} gemv_job;
+} gemv_args;
 
 /* Without AVX-512: the same functions, one row at a time. */
 #define GEMV_ROWS_ONE(SUFFIX, T, M)                                                                          \
