@@ -140,6 +140,23 @@ def ours_decode(engine: Engine, prompt: list[int], batch: int, n1: int, n2: int,
     return batch * (n2 - n1) / (t2 - t1)
 
 
+def alternate_threads(engine: Engine, prompt: list[int], n1: int, n2: int, repeats: int,
+                      threads: int) -> tuple[float, float]:
+    """Batch-1 decode tokens/s with the kernels on `threads` threads and on one, measured in
+    alternation (`repeats` rounds of each, best kept), so that other jobs' load falls on both alike."""
+    from tprt.cpu import native
+
+    rates: dict[int, float] = {threads: 0.0, 1: 0.0}
+    try:
+        for _ in range(repeats):
+            for t in rates:
+                native.set_threads(t)
+                rates[t] = max(rates[t], ours_decode(engine, prompt, 1, n1, n2, 1))
+    finally:
+        native.set_threads(threads)
+    return rates[threads], rates[1]
+
+
 def hf_decode(model: Any, prompt: list[int], batch: int, n1: int, n2: int, repeats: int) -> float:
     x = torch.tensor([prompt] * batch)
 
@@ -239,7 +256,10 @@ def single_rank(workdir: Path, args: argparse.Namespace, bw: float, bw1: float) 
         engine = Engine(model, tok, EngineConfig(max_batch=16, max_seq_len=max(640, len(prompt) + n2 + 8)))
         r: dict[str, Any] = {"weight_bytes": weight_bytes(model)}
         r["floor"], r["floor_1thread"] = bw / r["weight_bytes"], bw1 / r["weight_bytes"]
-        r["ours_b1"] = ours_decode(engine, prompt, 1, n1, n2, args.repeats)
+        if args.alternate:
+            r["ours_b1"], r["ours_b1_1thread"] = alternate_threads(engine, prompt, n1, n2, args.repeats, args.threads)
+        else:
+            r["ours_b1"] = ours_decode(engine, prompt, 1, n1, n2, args.repeats)
         peer = llama_cpp_decode(workdir, dtype, prompt, n1, n2, args.repeats, args.threads)
         if peer is not None:
             r["llama_cpp_weights"], r["llama_cpp_b1"] = peer
@@ -261,13 +281,15 @@ def single_rank(workdir: Path, args: argparse.Namespace, bw: float, bw1: float) 
     return out
 
 
-def _tp_rank(workdir: str, tokens: int, repeats: int) -> dict[str, Any] | None:
+def _tp_rank(workdir: str, tokens: int, repeats: int, shm: bool) -> dict[str, Any] | None:
     """Batch-1 fp32 decode on this TP world, then the same all-reduces timed alone (the
-    hidden-state ones through the path the model uses: shared memory when the world has it)."""
+    hidden-state ones through the path the model uses: shared memory when the world has it,
+    unless `shm` is false)."""
     import torch.distributed as dist
 
     from tprt.parallel.mappings import reduce_from_region
 
+    os.environ["TPRT_SHM_ALLREDUCE"] = "1" if shm else "0"  # here: the launcher's ranks may not inherit ours
     ctx = init_distributed()
     model = load_model(Path(workdir) / f"tp{ctx.world_size}", ctx, "fp32")
     tok = Tokenizer.from_dir(Path(workdir) / f"tp{ctx.world_size}")
@@ -285,19 +307,25 @@ def _tp_rank(workdir: str, tokens: int, repeats: int) -> dict[str, Any] | None:
     parts = [torch.empty_like(pair) for _ in range(ctx.world_size)]
     n_steps = 32
 
-    def comm() -> None:
+    def all_reduces() -> None:
         for _ in range(n_steps):
             for _ in range(1 + 2 * model.config.num_hidden_layers):
                 reduce_from_region(h, ctx)
+
+    def others() -> None:
+        for _ in range(n_steps):
             dist.all_gather(parts, pair, group=ctx.group)
             dist.broadcast(torch.zeros(1, dtype=torch.int64), group=ctx.group, group_src=0)
             dist.broadcast(torch.zeros(16, dtype=torch.int64), group=ctx.group, group_src=0)
 
     dist.barrier(group=ctx.group)
-    comm_s = best(comm, repeats) / n_steps
+    allreduce_s = best(all_reduces, repeats) / n_steps
+    dist.barrier(group=ctx.group)
+    other_s = best(others, repeats) / n_steps
     if not engine.is_driver:
         return None
-    return {"tokens_per_s": rate, "comm_s_per_token": comm_s, "allreduce_share": comm_s * rate,
+    return {"tokens_per_s": rate, "allreduce_s_per_token": allreduce_s, "allreduce_share": allreduce_s * rate,
+            "other_collectives_s_per_token": other_s, "other_collectives_share": other_s * rate,
             "allreduce": "shared memory" if ctx.shm is not None else "gloo"}
 
 
@@ -306,13 +334,10 @@ def tp_comparison(workdir: Path, tp: int, tokens: int, repeats: int) -> dict[str
     memory and through gloo, and at TP=1 on one thread."""
     from tprt.distributed.launcher import launch_local
 
-    job = (str(workdir), tokens, repeats)
     out: dict[str, Any] = {}
-    for label, flag in (("shm", "1"), ("gloo", "0")):
-        os.environ["TPRT_SHM_ALLREDUCE"] = flag  # the ranks inherit it
-        out[label] = launch_local(tp, _tp_rank, job, threads_per_rank=1)[0]
-    os.environ.pop("TPRT_SHM_ALLREDUCE")
-    out["tp1_one_thread"] = launch_local(1, _tp_rank, job, threads_per_rank=1)[0]
+    for label, shm in (("shm", True), ("gloo", False)):
+        out[label] = launch_local(tp, _tp_rank, (str(workdir), tokens, repeats, shm), threads_per_rank=1)[0]
+    out["tp1_one_thread"] = launch_local(1, _tp_rank, (str(workdir), tokens, repeats, True), threads_per_rank=1)[0]
     out["ratio_shm"] = out["shm"]["tokens_per_s"] / out["tp1_one_thread"]["tokens_per_s"]
     out["ratio_gloo"] = out["gloo"]["tokens_per_s"] / out["tp1_one_thread"]["tokens_per_s"]
     return out
@@ -330,8 +355,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="--tokens 48 --repeats 2")
     ap.add_argument("--b1-only", action="store_true",
                     help="TP=1: only batch-1 decode (ours, llama.cpp, the floor): quick before/after comparisons")
-    ap.add_argument("--no-tp", action="store_true", help="skip the TP comparison")
+    ap.add_argument("--alternate", action="store_true",
+                    help="batch-1 decode also with the kernels on one thread, the two measured in alternation")
+    ap.add_argument("--no-tp", "--no-tp3", action="store_true", help="skip the TP comparison")
     ap.add_argument("--only-tp", type=int, metavar="N", help="only the TP comparison, at TP=N (default 3)")
+    ap.add_argument("--only-tp3", dest="only_tp", action="store_const", const=3, help="--only-tp 3")
     ap.add_argument("--tiny", action="store_true", help="the TP comparison on a tiny random model, not SmolLM2")
     args = ap.parse_args()
     if args.quick:
@@ -341,7 +369,7 @@ def main() -> None:
     global CLOCK
     torch.set_num_threads(args.threads)
     tp = args.only_tp or 3
-    workdir = prepare(args.workdir, (1,) if args.no_tp else (1, tp))
+    workdir = prepare(args.workdir, (1,) if args.no_tp or args.tiny else (1, tp))
     if args.clock == "cpu":
         CLOCK = time.process_time
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
@@ -369,6 +397,10 @@ def report(r: dict[str, Any]) -> None:
         print(f"{dt}: batch-1 decode {x['ours_b1']:.1f} tok/s | floor {x['floor']:.1f} "
               f"({x['ours_b1'] / x['floor']:.0%} of the {r['threads']}-thread floor, "
               f"{x['ours_b1'] / x['floor_1thread']:.0%} of the 1-thread floor)")
+        if "ours_b1_1thread" in x:
+            print(f"{dt}: kernels on one thread, in alternation: {x['ours_b1_1thread']:.1f} tok/s "
+                  f"({x['ours_b1'] / x['ours_b1_1thread']:.2f}x; {x['ours_b1_1thread'] / x['floor_1thread']:.0%} "
+                  f"of the 1-thread floor)")
         if x.get("llama_cpp_b1"):
             print(f"{dt}: llama.cpp ({x['llama_cpp_weights']}) {x['llama_cpp_b1']:.1f} tok/s "
                   f"(ours {x['ours_b1'] / x['llama_cpp_b1']:.2f}x)")
@@ -387,8 +419,9 @@ def report(r: dict[str, Any]) -> None:
             run = t[label]
             print(f"TP={t['tp']} ({t['model']}, all-reduce through {run['allreduce']}) batch-1 fp32 decode "
                   f"{run['tokens_per_s']:.1f} tok/s vs TP=1 (1 thread) {t['tp1_one_thread']['tokens_per_s']:.1f} "
-                  f"({t['ratio_' + label]:.2f}x); all-reduce share of a token {run['allreduce_share']:.0%} "
-                  f"({run['comm_s_per_token'] * 1e3:.2f} ms)")
+                  f"({t['ratio_' + label]:.2f}x); all-reduces {run['allreduce_s_per_token'] * 1e3:.2f} ms "
+                  f"({run['allreduce_share']:.0%} of a token), the greedy gather and plan broadcasts "
+                  f"{run['other_collectives_s_per_token'] * 1e3:.2f} ms ({run['other_collectives_share']:.0%})")
 
 
 if __name__ == "__main__":
