@@ -278,7 +278,39 @@ def check_wrong_tp(ctx: TPContext, workdir: Path) -> None:
     assert "\n" not in msg and f"tp_size={other}" in msg and f"has {ctx.world_size} TP rank" in msg, msg
 
 
+def check_shm_allreduce_matches_gloo(ctx: TPContext, workdir: Path) -> None:
+    """The TP group's shared-memory all-reduce (local CPU ranks: tprt.distributed.shm_allreduce)
+    against gloo's, fp32 and bf16, odd sizes, a non-contiguous tensor and one larger than a slot
+    (chunked): bit-equal at 2 ranks; beyond, within one rounding per addition (the order of the
+    sums differs); every rank gets the same bits."""
+    import torch.distributed as dist
+
+    from tprt.distributed.shm_allreduce import SLOT_BYTES
+
+    if ctx.world_size == 1:
+        assert ctx.shm is None
+        return
+    assert ctx.shm is not None  # local ranks on CPU
+    g = torch.Generator().manual_seed(ctx.rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        eps = torch.finfo(dtype).eps
+        for n in (1, 576, 1001, SLOT_BYTES // dtype.itemsize + 3):
+            for x in ((torch.randn(n, generator=g) * 4).to(dtype), (torch.randn(5, 2 * n, generator=g)).to(dtype)[:, ::2]):
+                ours, theirs, bound = x.clone(), x.clone(), x.abs().float()
+                assert ctx.shm.all_reduce(ours) is ours
+                dist.all_reduce(theirs, group=ctx.group)
+                dist.all_reduce(bound, group=ctx.group)
+                if ctx.world_size == 2:
+                    assert torch.equal(ours, theirs), (dtype, n)
+                else:
+                    assert ((ours.float() - theirs.float()).abs() <= ctx.world_size * eps * bound).all(), (dtype, n)
+                everyone = [torch.empty_like(ours) for _ in range(ctx.world_size)]
+                dist.all_gather(everyone, ours.contiguous(), group=ctx.group)
+                assert all(torch.equal(e, everyone[0]) for e in everyone), (dtype, n)
+
+
 CHECKS: Checks = [
+    ("shm_allreduce", check_shm_allreduce_matches_gloo),
     *((f"{n}-logits", partial(check_logits, name=n)) for n in CONFIGS),
     *((f"{n}-cached_prefill", partial(check_cached_prefill, name=n)) for n in CONFIGS),
     *((f"{n}-greedy", partial(check_greedy, name=n)) for n in CONFIGS),

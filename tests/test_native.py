@@ -237,3 +237,51 @@ def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path
     assert all(torch.equal(a, b) for a, b in zip(frozen.parameters(), trainable.parameters()))
     cache = frozen.new_cache(2, 16)
     assert not cache.kv.any()  # zeroed (masked entries still enter attention's weighted sum)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
+    """The pool's kernels at 2 and 3 threads give one thread's results bit for bit: the GEMV and
+    the few-row GEMV (row counts that split unevenly, large enough to be shared), the fused MLP
+    half (intermediate sizes off the 16-wide blocks) and the fused attention half (its output and
+    the k/v it writes into the cache), on heads that split unevenly."""
+    from tprt.model.kv_cache import KVCache
+
+    if not native.available():
+        assert native.set_threads(3) == 1 and native.threads() == 1
+        return
+    torch.manual_seed(0)
+    hidden, d, nh, nkv = 200, 64, 6, 2
+    gemvs = [(native.gemv_kernel(w), native.gemv_rows_kernel(w), w.shape[1])
+             for w in (torch.randn(1001, 333).to(dtype), torch.randn(7, 31).to(dtype), torch.randn(333, 200).to(dtype))]
+    mlps = [native.mlp_decode_kernel(torch.rand(hidden).to(dtype), 1e-5, (torch.randn(2 * inter, hidden) / 8).to(dtype),
+                                     (torch.randn(hidden, inter) / 8).to(dtype)) for inter in (37, 333)]
+    attention = native.attention_decode_kernel(torch.rand(hidden).to(dtype), 1e-5,
+                                               (torch.randn((nh + 2 * nkv) * d, hidden) / 8).to(dtype),
+                                               (torch.randn(hidden, nh * d) / 8).to(dtype), nh, nkv)
+    assert attention is not None and all(m is not None for m in mlps)
+    cos, sin = torch.rand(1, 1, 1, d).to(dtype), torch.rand(1, 1, 1, d).to(dtype)
+    x = torch.randn(1, 1, hidden).to(dtype)
+
+    def everything() -> list[torch.Tensor]:
+        outs = []
+        for one, few, k in gemvs:
+            assert one is not None and few is not None
+            outs.append(one(torch.linspace(-1, 1, k).to(dtype).view(1, k)))
+            outs += [few(torch.linspace(-1, 1, rows * k).to(dtype).view(rows, k)) for rows in (2, 5, 8)]
+        outs += [mlp(x) for mlp in mlps if mlp is not None]
+        cache = KVCache(1, 2, nkv, 40, d, torch.float32)
+        step = cache.prepare(torch.tensor([[37]]), torch.tensor([1]))
+        cache.kv.normal_(generator=torch.Generator().manual_seed(1))
+        outs += [attention(x, cos, sin, cache, step, 0), cache.kv.clone()]
+        return outs
+
+    try:
+        assert native.set_threads(1) == 1
+        want = everything()
+        for threads in (2, 3):
+            assert native.set_threads(threads) == threads == native.threads()
+            got = everything()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), threads
+    finally:
+        native.set_threads(1)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tprt.cpu import native
+from tprt.cpu.threads import decode_threads
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
 
@@ -199,6 +200,7 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
     faster frozen-base products without the timing)."""
     if not supported(model):
         return {}
+    native.set_threads(decode_threads())  # before the timings, so the native GEMV is timed as it will run
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
     groups: dict[tuple[int, ...], list[Layer]] = {}
     for layer in layers:

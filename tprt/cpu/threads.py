@@ -1,4 +1,10 @@
-"""Keeping torch's OpenMP workers fast when the model runs on a thread other than the main one.
+"""Thread set-up for CPU inference.
+
+`decode_threads()`: how many threads tprt's compiled decode kernels (`tprt.cpu.native`) share
+their work among: the torch threads this process was given (tprt's launcher gives each rank
+cores / TP, `--threads` overrides it; torch's default is every core).
+
+Keeping torch's OpenMP workers fast when the model runs on a thread other than the main one:
 
 libgomp (torch's OpenMP runtime on Linux) keeps a pool of worker threads for each thread that
 has run a parallel region, until that thread exits. When the pools together hold more threads
@@ -14,7 +20,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+
+def decode_threads() -> int:
+    """Threads for the compiled decode kernels: this process's torch thread count."""
+    return torch.get_num_threads()
 
 
 def run_on_exiting_thread(fn: Callable[[], T]) -> T:

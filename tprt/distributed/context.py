@@ -2,7 +2,8 @@
 
 `init_distributed()` reads the environment that torchrun (single- or multi-node) or
 `tprt.distributed.launcher.launch_local` sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
-returns a frozen `TPContext`. Nothing below this module reads the environment.
+returns a frozen `TPContext`. Nothing below this module reads the environment. On CPU, a TP group
+whose ranks share a host also gets a shared-memory all-reduce (tprt.distributed.shm_allreduce).
 
 The world is laid out as a 2-D mesh [dp, tp] with the TP ranks innermost (consecutive global
 ranks share a TP group, so on a multi-GPU node TP traffic stays on NVLink). Inference uses
@@ -19,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tprt.distributed.shm_allreduce import ShmAllReduce, for_group
 from tprt.errors import ConfigError
 
 log = logging.getLogger("tprt")
@@ -37,6 +39,9 @@ class TPContext:
     dp_group: dist.ProcessGroup | None = None  # ranks holding the same TP shard; None when dp_size == 1
     dp_rank: int = 0
     dp_size: int = 1
+    # The TP group's all-reduce through shared memory when its ranks share a host (CPU, gloo);
+    # tprt.distributed.shm_allreduce. None: every collective goes through `group`.
+    shm: ShmAllReduce | None = None
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> TPContext:
@@ -101,6 +106,7 @@ def init_distributed(
     if tp < 1 or world % tp:
         raise ConfigError(f"--tp {tp} does not divide the world size {world}")
     tp_group, dp_group = build_mesh_groups(world, tp, rank)
+    shm = for_group(tp_group, rank % tp, tp, timeout_s) if backend == "gloo" and device.type == "cpu" and tp > 1 else None
     return TPContext(
         group=tp_group,
         rank=rank % tp,
@@ -111,6 +117,7 @@ def init_distributed(
         dp_group=dp_group,
         dp_rank=rank // tp,
         dp_size=world // tp,
+        shm=shm,
     )
 
 

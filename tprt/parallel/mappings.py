@@ -23,7 +23,10 @@ from tprt.distributed.context import TPContext
 
 
 def _all_reduce(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
-    """Sums `x` over the TP group, in place."""
+    """Sums `x` over the TP group, in place: through shared memory where the group has it (CPU
+    ranks on one host, float32/bfloat16), else through the process group."""
+    if ctx.shm is not None and ctx.shm.supports(x):
+        return ctx.shm.all_reduce(x)
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=ctx.group)
     return x
 

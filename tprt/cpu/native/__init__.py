@@ -3,6 +3,11 @@
 - `gemv_kernel(weight)`: x @ W^T for one-row inputs (batch-1 decode), reading W as one
   sequential stream: 19-24 GB/s on one core where oneDNN's and torch's one-row kernels reach
   10-15 (docs/PERF.md). `tprt.cpu.fast_linear` times it against torch's variants per weight shape.
+- `set_threads(n)`: the GEMVs and the fused layer halves below split each weight's rows over n
+  threads of the kernels' own persistent pool (pthreads that spin briefly, then sleep, between
+  calls; a spinning barrier between a fused kernel's sections): one decode row streams the
+  weights on every core given. Every output is computed by one thread with the one-thread code,
+  so results equal one thread's bit for bit.
 - `gemv_rows_kernel(weight)`: the same for a few rows (decode of 2-8 sequences), each weight row
   read once for all of them: 2-2.5x oneDNN at 2 rows, even with it from about 4.
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
@@ -54,8 +59,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
-               "tprt_mlp_decode": [_P] * 8 + [_I, _I, _F],
-               "tprt_attention_decode": [_P] * 15 + [_I] * 8 + [_F, _F]}
+               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
+               "tprt_attention_decode": [_P] * 13 + [_I] * 8 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -84,11 +89,11 @@ def _ours(directory: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _build(compiler: str, source_path: Path) -> Path:
+    source = source_path.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
-    name = f"kernels-{key}.so"
+    name = f"{source_path.stem}-{key}.so"
     # A read-only home (some CI and container setups) falls back to a per-user temporary directory.
     for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"tprt-{os.getuid()}" / "native"):
         if _ours(directory) and (directory / name).exists():
@@ -102,14 +107,14 @@ def _build(compiler: str) -> Path:
     else:
         raise RuntimeError(f"no writable directory of this user for the compiled kernels (tried {cache_dir()})")
     target = directory / name
-    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=target.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{source_path.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        command = [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        command = [compiler, *FLAGS, "-o", tmp, str(source_path), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             last = result.stderr.strip().splitlines()[-1:] or [f"exit status {result.returncode}"]
-            raise RuntimeError(f"{compiler} failed on {SOURCE}: {last[0]}")
+            raise RuntimeError(f"{compiler} failed on {source_path}: {last[0]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -117,31 +122,56 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@cache
-def _library() -> ctypes.CDLL | None:
+def compile_library(source: Path, what: str) -> ctypes.CDLL | None:
+    """The C file `source` built (once per source, flags and CPU) and loaded, or None (saying why
+    once, at warning level, as `what` unavailable) without a compiler, on a build error, off
+    Linux or with TPRT_NATIVE=0."""
     if os.environ.get("TPRT_NATIVE", "1") == "0":
-        log.info("tprt native kernels disabled by TPRT_NATIVE=0")
+        log.info("%s disabled by TPRT_NATIVE=0", what)
         return None
     if platform.system() != "Linux":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("tprt native kernels unavailable: no C compiler (set CC or install gcc); using torch's kernels")
+        log.warning("%s unavailable: no C compiler (set CC or install gcc); using torch's kernels", what)
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return ctypes.CDLL(str(_build(compiler, source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("tprt native kernels unavailable (%s); using torch's kernels", exc)
+        log.warning("%s unavailable (%s); using torch's kernels", what, exc)
+        return None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    lib = compile_library(SOURCE, "tprt native kernels")
+    if lib is None:
         return None
     for name, argtypes in _SIGNATURES.items():
         for suffix in _DTYPE_SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
+    lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
     return lib
 
 
 def available() -> bool:
     return _library() is not None
+
+
+def set_threads(n: int) -> int:
+    """Makes the kernels share their work among n threads (the caller and n - 1 workers of the
+    kernels' own pool, which sleep when idle); returns the count in effect (1 without the kernels,
+    fewer than n if the system refused threads). Results do not depend on it."""
+    lib = _library()
+    return 1 if lib is None else int(lib.tprt_pool_set_threads(max(1, n)))
+
+
+def threads() -> int:
+    """How many threads the kernels use (1 at start-up, or without the kernels)."""
+    lib = _library()
+    return 1 if lib is None else int(lib.tprt_pool_threads())
 
 
 def _function(name: str, weight: torch.Tensor, dims: int) -> Any | None:
@@ -296,10 +326,10 @@ def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: tor
         if x.numel() != hidden or x.dtype != dtype:
             raise ValueError(f"native mlp_decode expects one row of {hidden} {dtype} values, got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
-        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        out = torch.empty_like(x)
         act, work = torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=torch.float32)
-        fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), normed.data_ptr(),
-           act.data_ptr(), work.data_ptr(), hidden, inter, eps)
+        fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), act.data_ptr(),
+           work.data_ptr(), hidden, inter, eps)
         return out
 
     return run
@@ -330,13 +360,12 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
         slot, position = _decode_indices("attention_decode", cache_step, 1)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        out, normed = torch.empty_like(x), torch.empty(hidden, dtype=dtype)
+        out = torch.empty_like(x)
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
-        q, scores = torch.empty(n_heads * d, dtype=torch.float32), torch.empty(cache_step.kv_len, dtype=torch.float32)
+        q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), slot, position, out.data_ptr(), normed.data_ptr(), qkv.data_ptr(),
-           attn.data_ptr(), q.data_ptr(), scores.data_ptr(), hidden, n_heads, n_kv_heads, d, *store.stride()[:4],
-           eps, d ** -0.5)
+           store.data_ptr(), slot, position, out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), q.data_ptr(),
+           hidden, n_heads, n_kv_heads, d, *store.stride()[:4], eps, d ** -0.5)
         return out
 
     return run

@@ -23,10 +23,203 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* ---- The thread pool: every core for one decode row ----
+   Batch-1 decode streams every weight once per token, and one core's stream reads well below the
+   machine's bandwidth. The kernels below therefore split their work across a persistent pool of
+   pthreads: the caller works too, and the workers wait for the next call by spinning briefly (it
+   is usually microseconds away) and then sleep on a futex. A call is a few sections run in order
+   (a GEMV: one; a fused layer half: three or four, e.g. RMSNorm, then the q/k/v rows with their
+   RoPE, then attention, then the o rows); a section's work is cut into chunks of rows (or heads)
+   that the threads claim from an atomic counter, and the next section starts when every chunk of
+   this one is done. Claiming instead of fixed shares keeps a thread that the OS has descheduled
+   (a busy machine) from holding the others up: whoever runs takes the next chunk. An OpenMP
+   region per small op costs a fork/join each; this costs one wake-up per call and an atomic per
+   chunk. Each output is computed by one thread with the one-thread code, so results equal the
+   one-thread results bit for bit. tprt_pool_set_threads(1), the start-up state, runs everything
+   on the caller. */
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#define POOL_MAX_THREADS 256
+#define POOL_SPIN_NS 200000           /* a worker spins this long for the next call before it sleeps */
+#define WAIT_SPIN_NS 20000            /* a waiter spins this long before it yields the core between checks */
+#define PARALLEL_MIN_ELEMENTS 65536   /* smaller products are not worth a wake-up */
+#define CHUNK_BYTES (256 * 1024)      /* weight bytes per chunk at most: a descheduled thread holds little */
+#define CHUNKS_PER_THREAD 4           /* at least, where the section is large enough */
+#define MAX_SECTIONS 4
+
+typedef void (*section_fn)(void *arg, int64_t lo, int64_t hi);  /* units [lo, hi) of a section */
+typedef struct {
+    section_fn run;
+    int64_t units, block;  /* units in all, and per chunk */
+} section;
+typedef struct {
+    void *arg;
+    int n;
+    section s[MAX_SECTIONS];
+    _Atomic int64_t next[MAX_SECTIONS], done[MAX_SECTIONS];  /* chunks claimed, chunks finished */
+} pool_job;
+
+static struct {
+    pthread_mutex_t lock;          /* held by the caller of a job, and while resizing */
+    _Atomic int threads;           /* workers + the caller */
+    pthread_t workers[POOL_MAX_THREADS];
+    _Atomic uint32_t generation;   /* bumped to hand out a job (the workers' futex word) */
+    uint32_t start_generation;     /* the generation workers created by a resize start from */
+    _Atomic uint32_t open;         /* the generation whose job may still be joined; 0: none */
+    _Atomic int active;            /* workers that may be touching the open job */
+    _Atomic int sleepers;          /* workers asleep (or about to be) on the futex */
+    _Atomic int stop;
+    pool_job *_Atomic job;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* One round of waiting: pause, and after WAIT_SPIN_NS yield the core between checks (on a busy
+   machine the thread being waited for may need it). `start` is 0 on the first round. */
+static inline void wait_round(unsigned spins, int64_t *start) {
+    if ((spins & 63) != 63) { cpu_relax(); return; }
+    int64_t t = now_ns();
+    if (!*start) *start = t;
+    else if (t - *start > WAIT_SPIN_NS) sched_yield();
+}
+
+/* The job's sections in order, claiming chunks until none is left, then waiting for the
+   section's last chunks (another thread's) before the next. */
+static void run_sections(pool_job *j) {
+    for (int s = 0; s < j->n; s++) {
+        const section *sec = &j->s[s];
+        int64_t chunks = (sec->units + sec->block - 1) / sec->block, c;
+        while ((c = atomic_fetch_add_explicit(&j->next[s], 1, memory_order_relaxed)) < chunks) {
+            int64_t lo = c * sec->block, hi = lo + sec->block < sec->units ? lo + sec->block : sec->units;
+            sec->run(j->arg, lo, hi);
+            atomic_fetch_add_explicit(&j->done[s], 1, memory_order_release);
+        }
+        int64_t start = 0;
+        for (unsigned spins = 0; atomic_load_explicit(&j->done[s], memory_order_acquire) < chunks; spins++)
+            wait_round(spins, &start);
+    }
+}
+
+static void *pool_worker(void *unused) {
+    (void)unused;
+    uint32_t seen = pool.start_generation;
+    for (;;) {
+        int64_t start = now_ns();
+        uint32_t g;
+        for (unsigned spins = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; spins++) {
+            if ((spins & 63) != 63 || now_ns() - start < POOL_SPIN_NS) { cpu_relax(); continue; }
+            atomic_fetch_add(&pool.sleepers, 1);  /* then re-checked by the kernel: no lost wake-up */
+            syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            start = now_ns();
+        }
+        seen = g;
+        if (atomic_load(&pool.stop)) return NULL;
+        /* Join only while the job is open: the caller closes it, then waits for `active` to
+           drop to 0, so a worker that comes too late never touches a finished job. */
+        atomic_fetch_add(&pool.active, 1);
+        if (atomic_load(&pool.open) == g) run_sections(atomic_load(&pool.job));
+        atomic_fetch_sub(&pool.active, 1);
+    }
+}
+
+static void pool_release(void) {  /* the pool's lock held */
+    if (pool.threads == 1) return;
+    atomic_store(&pool.stop, 1);
+    atomic_fetch_add(&pool.generation, 1);
+    syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    for (int i = 1; i < pool.threads; i++) pthread_join(pool.workers[i], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.threads = 1;
+}
+
+/* A forked child has none of the parent's workers: it starts over on one thread. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.threads = 1;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.open, 0);
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Sets the pool to n threads (the caller included; at least 1); returns how many it has (fewer
+   when the system refused to create more). */
+int64_t tprt_pool_set_threads(int64_t n) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pool_register_fork);
+    n = n < 1 ? 1 : n > POOL_MAX_THREADS ? POOL_MAX_THREADS : n;
+    pthread_mutex_lock(&pool.lock);
+    if (n != pool.threads) {
+        pool_release();
+        pool.start_generation = atomic_load(&pool.generation);
+        while (pool.threads < n && pthread_create(&pool.workers[pool.threads], NULL, pool_worker, NULL) == 0)
+            pool.threads++;
+    }
+    int64_t got = pool.threads;
+    pthread_mutex_unlock(&pool.lock);
+    return got;
+}
+
+int64_t tprt_pool_threads(void) { return pool.threads; }
+
+/* Units per chunk for a section of `units` units of `unit_bytes` weight bytes each: blocks of
+   `align` units (outputs of different chunks then do not share a cache line, and vector loops
+   see the same blocks as on one thread), at least CHUNKS_PER_THREAD chunks per thread where
+   possible, at most CHUNK_BYTES of weights per chunk unless one block is larger. */
+static int64_t chunk_units(int64_t units, int64_t unit_bytes, int64_t align) {
+    int64_t per = (units + CHUNKS_PER_THREAD * pool.threads - 1) / (CHUNKS_PER_THREAD * pool.threads);
+    int64_t cap = CHUNK_BYTES / (unit_bytes > 0 ? unit_bytes : 1);
+    per = per < cap ? per : cap;
+    per = (per + align - 1) / align * align;
+    return per > 0 ? per : align;
+}
+
+/* Runs the job's sections on the pool, the caller included; returns when all are done. A caller
+   finding the pool in use by another thread runs them alone. */
+static void pool_run(pool_job *j) {
+    if (pool.threads == 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        run_sections(j);
+        return;
+    }
+    if (pool.threads > 1) {
+        atomic_store(&pool.job, j);
+        uint32_t g = atomic_load(&pool.generation) + 1;
+        if (!g) g = 1;  /* 0 means "none open" */
+        atomic_store(&pool.open, g);
+        atomic_store(&pool.generation, g);
+        if (atomic_load(&pool.sleepers) > 0)
+            syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
+    run_sections(j);
+    atomic_store(&pool.open, 0);
+    int64_t start = 0;
+    for (unsigned spins = 0; atomic_load(&pool.active) != 0; spins++) wait_round(spins, &start);
+    pthread_mutex_unlock(&pool.lock);
+}
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
    hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
-void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
     int64_t full = k / 64 * 64, rest = k - full;
     __mmask32 m0 = (__mmask32)(rest >= 32 ? 0xffffffffu : (1ull << rest) - 1);
     __mmask32 m1 = (__mmask32)(rest > 32 ? (1ull << (rest - 32)) - 1 : 0);
@@ -47,7 +240,7 @@ void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n
     }
 }
 #else
-void tprt_gemv_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
+static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {
     float xf[k];
     for (int64_t c = 0; c < k; c++) xf[c] = bf16_to_f32(x[c]);
     for (int64_t r = 0; r < n; r++) {
@@ -76,7 +269,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 }
 
 /* fp32: one row at a time (a sequential stream). */
-void tprt_gemv_f32(const float *w, const float *x, float *y, int64_t n, int64_t k) {
+static void gemv_f32_serial(const float *w, const float *x, float *y, int64_t n, int64_t k) {
     for (int64_t r = 0; r < n; r++) y[r] = dot_f32(w + r * k, x, k);
 }
 
@@ -111,36 +304,53 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
    [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
    torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
-#define ROPE_CACHE(SUFFIX, T, LOAD, ROUND)                                                                   \
+/* One head h of one row's fused projection qkv [nh + 2 nkv, d] to its place: a q head rotated into
+   q_out [nh, d], a k head rotated into the cache at `slot` (the row's slot and position), a v head
+   copied there. */
+#define ROPE_HEAD(SUFFIX, T, LOAD, ROUND)                                                                    \
+static void rope_head_##SUFFIX(const T *qkv, const T *c, const T *s, float *q_out, float *slot, int64_t h,   \
+                               int64_t nh, int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {            \
+    const T *x = qkv + h * d;                                                                                 \
+    int64_t half = d / 2;                                                                                     \
+    if (h >= nh + nkv) {                                                                                      \
+        float *o = slot + s_kv + (h - nh - nkv) * s_head;                                                     \
+        for (int64_t i = 0; i < d; i++) o[i] = LOAD(x[i]);                                                    \
+        return;                                                                                               \
+    }                                                                                                         \
+    float *o = h < nh ? q_out + h * d : slot + (h - nh) * s_head;                                             \
+    for (int64_t i = 0; i < d; i++) {                                                                         \
+        float rotated = LOAD(x[i < half ? i + half : i - half]);                                              \
+        o[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(c[i])) + rotated * LOAD(s[i]));                                  \
+    }                                                                                                         \
+}
+
+/* Decode step of attention's input side, one token per row: rotates q and k of the fused
+   projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
+   negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
+   position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
+   torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
+#define ROPE_CACHE(SUFFIX, T)                                                                                \
 void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, float *cache,          \
                               const int64_t *slots, const int64_t *positions, int64_t rows, int64_t nh,       \
                               int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,          \
                               int64_t s_pos) {                                                                \
-    int64_t half = d / 2, heads = nh + 2 * nkv;                                                               \
+    int64_t heads = nh + 2 * nkv;                                                                             \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
-        const T *c = cos + r * d, *s = sin + r * d;                                                           \
         float *slot = cache + slots[r] * s_slot + positions[r] * s_pos;                                       \
-        for (int64_t h = 0; h < nh + nkv; h++) {                                                              \
-            const T *x = qkv + (r * heads + h) * d;                                                           \
-            float *o = h < nh ? q_out + (r * nh + h) * d : slot + (h - nh) * s_head;                          \
-            for (int64_t i = 0; i < d; i++) {                                                                 \
-                float rotated = LOAD(x[i < half ? i + half : i - half]);                                      \
-                o[i] = ROUND(ROUND(LOAD(x[i]) * LOAD(c[i])) + rotated * LOAD(s[i]));                          \
-            }                                                                                                 \
-        }                                                                                                     \
-        for (int64_t h = 0; h < nkv; h++) {                                                                   \
-            const T *x = qkv + (r * heads + nh + nkv + h) * d;                                                \
-            float *o = slot + s_kv + h * s_head;                                                              \
-            for (int64_t i = 0; i < d; i++) o[i] = LOAD(x[i]);                                                \
-        }                                                                                                     \
+        for (int64_t h = 0; h < heads; h++)                                                                   \
+            rope_head_##SUFFIX(qkv + r * heads * d, cos + r * d, sin + r * d, q_out + r * nh * d, slot, h,    \
+                               nh, nkv, d, s_kv, s_head);                                                     \
     }                                                                                                         \
 }
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-ROPE_CACHE(f32, float, f32_load, f32_round)
-ROPE_CACHE(bf16, uint16_t, bf16_to_f32, bf16_round)
+ROPE_HEAD(f32, float, f32_load, f32_round)
+ROPE_HEAD(bf16, uint16_t, bf16_to_f32, bf16_round)
+ROPE_CACHE(f32, float)
+ROPE_CACHE(bf16, uint16_t)
 
 /* exp(x) for x <= 0 (softmax after subtracting the max), branch-free so the loop calling it
    vectorises: x = n ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
@@ -287,68 +497,171 @@ static void silu_inplace(float *g, int64_t n) {
 /* The MLP half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x), the fused
    gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops round in the model
    dtype; out is this rank's partial product (the caller all-reduces it and adds the residual).
-   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: normed
-   [hidden] and gate_up [2 inter] in the model dtype, work [inter] float32. */
+   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: gate_up
+   [2 inter] in the model dtype, work [inter] float32. Sections: the norm; chunks of intermediate
+   features (their gate and up rows, then their activation); chunks of down rows. */
+typedef struct {
+    const void *x, *norm_w, *w_gate_up, *w_down;
+    void *out, *normed, *gate_up;
+    float *work;
+    int64_t hidden, inter;
+    float eps;
+} mlp_args;
+
 #define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
+static void mlp_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
+    const mlp_args *a = arg;                                                                                  \
+    (void)lo, (void)hi;                                                                                       \
+    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
+}                                                                                                             \
+static void mlp_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const mlp_args *a = arg;                                                                                  \
+    int64_t hidden = a->hidden, inter = a->inter;                                                             \
+    const T *w = a->w_gate_up;                                                                                \
+    T *gate_up = a->gate_up;                                                                                  \
+    float *work = a->work;                                                                                    \
+    gemv_##SUFFIX##_serial(w + lo * hidden, a->normed, gate_up + lo, hi - lo, hidden);                        \
+    gemv_##SUFFIX##_serial(w + (inter + lo) * hidden, a->normed, gate_up + inter + lo, hi - lo, hidden);      \
+    for (int64_t i = lo; i < hi; i++) work[i] = LOAD(gate_up[i]);                                            \
+    silu_inplace(work + lo, hi - lo);                                                                         \
+    for (int64_t i = lo; i < hi; i++) /* the activation overwrites the gate half */                          \
+        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                 \
+}                                                                                                             \
+static void mlp_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
+    const mlp_args *a = arg;                                                                                  \
+    gemv_##SUFFIX##_serial((const T *)a->w_down + lo * a->inter, a->gate_up, (T *)a->out + lo, hi - lo, a->inter); \
+}                                                                                                             \
 void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
-                              T *normed, T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {  \
-    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
-    tprt_gemv_##SUFFIX(w_gate_up, normed, gate_up, 2 * inter, hidden);                                       \
-    for (int64_t i = 0; i < inter; i++) work[i] = LOAD(gate_up[i]);                                         \
-    silu_inplace(work, inter);                                                                              \
-    for (int64_t i = 0; i < inter; i++) /* the activation overwrites the gate half */                       \
-        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                \
-    tprt_gemv_##SUFFIX(w_down, gate_up, out, hidden, inter);                                                 \
+                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
+    T normed[hidden];                                                                                         \
+    mlp_args a = {x, norm_w, w_gate_up, w_down, out, normed, gate_up, work, hidden, inter, eps};               \
+    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
+    pool_job j = {.arg = &a, .n = 3, .s = {{mlp_norm_##SUFFIX, 1, 1},                                         \
+                                           {mlp_gate_up_##SUFFIX, inter, chunk_units(inter, 2 * row, 16)},    \
+                                           {mlp_down_##SUFFIX, hidden, chunk_units(hidden, row * inter / hidden, 16)}}}; \
+    if (3 * inter * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                         \
+    else pool_run(&j);                                                                                        \
 }
 
 MLP_DECODE(f32, float, f32_load, f32_store)
 MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
-   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (tprt_rope_cache), the
-   attention over the cache (tprt_decode_attention) and the o GEMV; out is this rank's partial
+   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (as tprt_rope_cache), the
+   attention over the cache (as tprt_decode_attention) and the o GEMV; out is this rank's partial
    product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden, nh d]; slot/position point at one int64
-   each; scratch: normed [hidden], qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q
-   [nh d] and scores [position + 1] float32. */
-#define ATTENTION_DECODE(SUFFIX, T)                                                                          \
+   each; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32.
+   Sections: the norm; chunks of heads (their q/k/v rows, then their RoPE or cache write); chunks
+   of q heads (their attention); chunks of o rows. */
+typedef struct {
+    const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
+    float *cache;
+    int64_t slot, position;
+    void *out, *normed, *qkv, *attn;
+    float *q;
+    int64_t hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos;
+    float eps, scale;
+} attention_args;
+
+#define ATTENTION_DECODE(SUFFIX, T, STORE)                                                                   \
+static void attention_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
+    const attention_args *a = arg;                                                                            \
+    (void)lo, (void)hi;                                                                                       \
+    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
+}                                                                                                             \
+static void attention_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                     \
+    const attention_args *a = arg;                                                                            \
+    int64_t d = a->d;                                                                                         \
+    float *slot = a->cache + a->slot * a->s_slot + a->position * a->s_pos;                                    \
+    gemv_##SUFFIX##_serial((const T *)a->w_qkv + lo * d * a->hidden, a->normed, (T *)a->qkv + lo * d, (hi - lo) * d, \
+                           a->hidden);                                                                        \
+    for (int64_t h = lo; h < hi; h++)                                                                         \
+        rope_head_##SUFFIX(a->qkv, a->cos, a->sin, a->q, slot, h, a->nh, a->nkv, d, a->s_kv, a->s_head);      \
+}                                                                                                             \
+static void attention_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                    \
+    const attention_args *a = arg;                                                                            \
+    int64_t d = a->d, group = a->nh / a->nkv, len = a->position + 1;                                          \
+    const float *layer = a->cache + a->slot * a->s_slot;                                                      \
+    T *attn = a->attn;                                                                                        \
+    float scores[len], acc[group * d];                                                                        \
+    for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
+        int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
+        const float *keys = layer + kv * a->s_head;                                                           \
+        attend_group(a->q + h * d, keys, keys + a->s_kv, len, end - h, d, a->s_pos, a->scale, scores, acc);   \
+        for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
+        h = end;                                                                                              \
+    }                                                                                                         \
+}                                                                                                             \
+static void attention_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const attention_args *a = arg;                                                                            \
+    int64_t k = a->nh * a->d;                                                                                 \
+    gemv_##SUFFIX##_serial((const T *)a->w_o + lo * k, a->attn, (T *)a->out + lo, hi - lo, k);                \
+}                                                                                                             \
 void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o, const T *cos,  \
                                     const T *sin, float *cache, const int64_t *slot, const int64_t *position, \
-                                    T *out, T *normed, T *qkv, T *attn, float *q, float *scores,             \
-                                    int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t s_slot,       \
-                                    int64_t s_kv, int64_t s_head, int64_t s_pos, float eps, float scale) {    \
-    tprt_rms_norm_##SUFFIX(x, norm_w, normed, 1, hidden, eps);                                               \
-    tprt_gemv_##SUFFIX(w_qkv, normed, qkv, (nh + 2 * nkv) * d, hidden);                                      \
-    tprt_rope_cache_##SUFFIX(qkv, cos, sin, q, cache, slot, position, 1, nh, nkv, d, s_slot, s_kv, s_head,   \
-                             s_pos);                                                                         \
-    tprt_decode_attention_##SUFFIX(q, cache, slot, position, attn, scores, 1, nh, nkv, d, s_slot, s_kv,      \
-                                   s_head, s_pos, scale);                                                    \
-    tprt_gemv_##SUFFIX(w_o, attn, out, hidden, nh * d);                                                      \
+                                    T *out, T *qkv, T *attn, float *q, int64_t hidden, int64_t nh,            \
+                                    int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,     \
+                                    int64_t s_pos, float eps, float scale) {                                  \
+    T normed[hidden];                                                                                         \
+    attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, *slot, *position, out, normed, qkv, attn, q,   \
+                        hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos, eps, scale};                         \
+    int64_t heads = nh + 2 * nkv, row = (int64_t)sizeof(T) * hidden;                                          \
+    /* a chunk of q heads is a whole GQA group where there are groups enough to go round */                   \
+    int64_t attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;                                            \
+    pool_job j = {.arg = &a, .n = 4, .s = {{attention_norm_##SUFFIX, 1, 1},                                   \
+                                           {attention_heads_##SUFFIX, heads, chunk_units(heads, d * row, 1)},  \
+                                           {attention_attend_##SUFFIX, nh, attend_block},                     \
+                                           {attention_o_##SUFFIX, hidden, chunk_units(hidden, row * nh * d / hidden, 16)}}}; \
+    if ((heads + nh) * d * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                  \
+    else pool_run(&j);                                                                                        \
 }
 
-ATTENTION_DECODE(f32, float)
-ATTENTION_DECODE(bf16, uint16_t)
+ATTENTION_DECODE(f32, float, f32_store)
+ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
 
-/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T. Like the
-   one-row GEMV, each weight row is read once, front to back, and serves every input row:
-   oneDNN's kernels for so few rows stream the weights at half the bandwidth. One function per
-   row count keeps its accumulators in registers; tprt_gemv_rows_* dispatches on m (other
-   counts, 1 included, go one row at a time). */
+/* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, Y's rows
+   `ldy` apart. Like the one-row GEMV, each weight row is read once, front to back, and serves
+   every input row: oneDNN's kernels for so few rows stream the weights at half the bandwidth.
+   One function per row count keeps its accumulators in registers; gemv_rows_*_serial dispatches
+   on m (other counts, 1 included, go one row at a time). */
 #define GEMV_ROWS_DISPATCH(SUFFIX, T)                                                                        \
-void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
-    static void (*const kernel[])(const T *, const T *, T *, int64_t, int64_t) = {                          \
+static void gemv_rows_##SUFFIX##_serial(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k,        \
+                                        int64_t ldy) {                                                        \
+    static void (*const kernel[])(const T *, const T *, T *, int64_t, int64_t, int64_t) = {                 \
         0, 0, gemv_rows_##SUFFIX##_2, gemv_rows_##SUFFIX##_3, gemv_rows_##SUFFIX##_4, gemv_rows_##SUFFIX##_5,  \
         gemv_rows_##SUFFIX##_6, gemv_rows_##SUFFIX##_7, gemv_rows_##SUFFIX##_8};                              \
     if (m >= 2 && m <= 8) {                                                                                   \
-        kernel[m](w, x, y, n, k);                                                                             \
+        kernel[m](w, x, y, n, k, ldy);                                                                        \
         return;                                                                                               \
     }                                                                                                         \
-    for (int64_t i = 0; i < m; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+    for (int64_t i = 0; i < m; i++) gemv_##SUFFIX##_serial(w, x + i * k, y + i * ldy, n, k);                 \
+}                                                                                                             \
+static void gemv_section_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                       \
+    const gemv_args *a = arg;                                                                                 \
+    gemv_rows_##SUFFIX##_serial((const T *)a->w + lo * a->k, a->x, (T *)a->y + lo, a->m, hi - lo, a->k, a->n); \
+}                                                                                                             \
+/* x [m, k] times w [n, k] transposed into y [m, n], chunks of w's rows shared by the pool. */               \
+void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
+    gemv_args a = {w, x, y, m, n, k};                                                                         \
+    pool_job j = {.arg = &a, .n = 1, .s = {{gemv_section_##SUFFIX, n, chunk_units(n, k * (int64_t)sizeof(T), 16)}}}; \
+    if (n * k < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                                      \
+    else pool_run(&j);                                                                                        \
+}                                                                                                             \
+/* The one-row product y [n] = w [n, k] x [k]. */                                                            \
+void tprt_gemv_##SUFFIX(const T *w, const T *x, T *y, int64_t n, int64_t k) {                                 \
+    tprt_gemv_rows_##SUFFIX(w, x, y, 1, n, k);                                                                \
 }
+
+typedef struct {
+    const void *w, *x;
+    void *y;
+    int64_t m, n, k;
+} gemv_args;
 
 /* Without AVX-512: the same functions, one row at a time. */
 #define GEMV_ROWS_ONE(SUFFIX, T, M)                                                                          \
-static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, int64_t k) {                   \
-    for (int64_t i = 0; i < M; i++) tprt_gemv_##SUFFIX(w, x + i * k, y + i * n, n, k);                       \
+static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, int64_t k, int64_t ldy) {      \
+    for (int64_t i = 0; i < M; i++) gemv_##SUFFIX##_serial(w, x + i * k, y + i * ldy, n, k);                 \
 }
 #define GEMV_ROWS_BY_ROW(SUFFIX, T)                                                                          \
     GEMV_ROWS_ONE(SUFFIX, T, 2) GEMV_ROWS_ONE(SUFFIX, T, 3) GEMV_ROWS_ONE(SUFFIX, T, 4)                     \
@@ -357,7 +670,8 @@ static void gemv_rows_##SUFFIX##_##M(const T *w, const T *x, T *y, int64_t n, in
 
 #if defined(__AVX512BF16__)
 #define GEMV_ROWS_BF16(M)                                                                                    \
-static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k) {     \
+static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t n, int64_t k,        \
+                               int64_t ldy) {                                                                  \
     int64_t full = k / 32 * 32, rest = k - full;                                                              \
     __mmask32 tail = (__mmask32)((1ull << rest) - 1);                                                         \
     for (int64_t r = 0; r < n; r++) {                                                                         \
@@ -374,7 +688,7 @@ static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y
             for (int m = 0; m < M; m++)                                                                       \
                 acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * k + full)); \
         }                                                                                                     \
-        for (int m = 0; m < M; m++) y[m * n + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]));                 \
+        for (int m = 0; m < M; m++) y[m * ldy + r] = f32_to_bf16(_mm512_reduce_add_ps(acc[m]));                 \
     }                                                                                                         \
 }
 GEMV_ROWS_BF16(2) GEMV_ROWS_BF16(3) GEMV_ROWS_BF16(4) GEMV_ROWS_BF16(5) GEMV_ROWS_BF16(6) GEMV_ROWS_BF16(7)
@@ -386,7 +700,7 @@ GEMV_ROWS_DISPATCH(bf16, uint16_t)
 
 #if defined(__AVX512F__)
 #define GEMV_ROWS_F32(M)                                                                                     \
-static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k) {              \
+static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t ldy) {  \
     int64_t full = k / 16 * 16, rest = k - full;                                                              \
     __mmask16 tail = (__mmask16)((1u << rest) - 1);                                                           \
     for (int64_t r = 0; r < n; r++) {                                                                         \
@@ -402,7 +716,7 @@ static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t 
             for (int m = 0; m < M; m++)                                                                       \
                 acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + m * k + full), acc[m]);          \
         }                                                                                                     \
-        for (int m = 0; m < M; m++) y[m * n + r] = _mm512_reduce_add_ps(acc[m]);                              \
+        for (int m = 0; m < M; m++) y[m * ldy + r] = _mm512_reduce_add_ps(acc[m]);                              \
     }                                                                                                         \
 }
 GEMV_ROWS_F32(2) GEMV_ROWS_F32(3) GEMV_ROWS_F32(4) GEMV_ROWS_F32(5) GEMV_ROWS_F32(6) GEMV_ROWS_F32(7)
