@@ -12,6 +12,11 @@ nothing beyond a Python check per layer.
 Routing is decided on the host from the plan, identically on every TP rank, and involves no
 communication: a LoRA module's own TP rules (row-parallel deltas added before the base
 all-reduce) are unchanged.
+
+Tiers: an installed adapter is on the model's device and can be routed to; `offload` takes it off
+the layers and keeps its modules in host memory (`host`), `restore` puts them back under the same
+index, `drop` forgets it. Which adapters sit in which tier is rank 0's decision (serve/adapter_pool.py);
+every rank applies the same moves, so the tiers agree across the TP group.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class AdapterPool:
     def __init__(self, model: TPLlamaForCausalLM) -> None:
         self.model = model
         self.installed: set[int] = set()  # the indices adapters are installed under
+        self.host: dict[int, LoRAAdapter] = {}  # offloaded adapters (host memory), by index
+        self._device_copies: dict[int, LoRAAdapter] = {}  # what is installed, to offload it again
         # [(adapter index, rows or None for every row)]; empty: every row is the base model
         self.groups: list[tuple[int, torch.Tensor | None]] = []
 
@@ -58,6 +65,40 @@ class AdapterPool:
                 raise ValueError("a base layer already has an adapter that is not an AdapterSet")
             linear.adapter.members[str(index)] = module.eval().requires_grad_(False)
         self.installed.add(index)
+        self._device_copies[index] = adapter
+        self.host.pop(index, None)
+
+    def _uninstall(self, index: int) -> LoRAAdapter | None:
+        """Takes adapter `index`'s modules off every layer; returns the adapter (None: not installed)."""
+        for adapter_set in self.sets():
+            if str(index) in adapter_set.members:
+                del adapter_set.members[str(index)]
+        self.installed.discard(index)
+        return self._device_copies.pop(index, None)
+
+    def offload(self, index: int) -> None:
+        """Moves an installed adapter to host memory; rows can no longer be routed to it."""
+        adapter = self._uninstall(index)
+        if adapter is None:
+            raise KeyError(f"adapter index {index} is not installed")
+        for _, module in adapter.pieces:
+            module.to("cpu")
+        self.host[index] = adapter
+
+    def restore(self, index: int) -> None:
+        """Installs an offloaded adapter again, on the model's device, under the same index."""
+        adapter = self.host.pop(index, None)
+        if adapter is None:
+            raise KeyError(f"adapter index {index} is not in host memory")
+        device = self.model.tp.device
+        for _, module in adapter.pieces:
+            module.to(device)
+        self.install(index, adapter)
+
+    def drop(self, index: int) -> None:
+        """Forgets adapter `index`, installed or offloaded (no-op when unknown)."""
+        self._uninstall(index)
+        self.host.pop(index, None)
 
     def route(self, row_adapters: Sequence[int], device: torch.device) -> None:
         """Sets the rows of the next forward call: row_adapters[b] is row b's adapter index."""
