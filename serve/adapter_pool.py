@@ -119,12 +119,16 @@ class AdapterPool:
 
     def load(self, ranks: Any, adapter_id: str, path: Path, pin: bool = False, source_job_id: str = "") -> AdapterInfo:
         """Loads (or reloads) an adapter onto the device under a new index, making room first.
-        FailedPrecondition when it has requests in flight (a reload) or no device room can be made
-        (every device adapter pinned or busy); CommandFailed when a rank could not read it."""
-        old = self.registry.get(adapter_id)
-        if old is not None and self.registry.in_flight(adapter_id):
+        FailedPrecondition when it has requests in flight (a reload) or too many are pinned;
+        QueueFull when no device room can be made (every device adapter pinned or busy);
+        CommandFailed when a rank could not read it."""
+        if self.registry.has(adapter_id) and self.registry.in_flight(adapter_id):
             raise FailedPrecondition(f"adapter {echo(adapter_id)} has requests in flight; load it again when they "
                                      "finish, or under another id", "id")
+        return self._load(ranks, adapter_id, path, pin, source_job_id)
+
+    def _load(self, ranks: Any, adapter_id: str, path: Path, pin: bool, source_job_id: str) -> AdapterInfo:
+        old = self.registry.get(adapter_id)
         if pin and not (old is not None and old.pinned):
             pinned = sum(a.pinned for a in self.registry.in_tier(DEVICE))
             if pinned >= self.max_loras:
@@ -170,7 +174,7 @@ class AdapterPool:
             self._update_gauges()
             return info.index
         try:
-            return self.load(ranks, adapter_id, info.path, info.pinned, info.source_job_id).index
+            return self._load(ranks, adapter_id, info.path, info.pinned, info.source_job_id).index
         except CommandFailed as e:
             raise InvalidArgument(f"adapter {echo(adapter_id)} could not be loaded: {e}", "adapter_id") from None
 
