@@ -183,6 +183,9 @@ class AdapterPool:
         for info in self.registry.unloadable():
             self._drop(ranks, info)
             self.registry.remove(info.id)
+            if self.metrics is not None:
+                self.metrics.forget_adapter(info.id)
+            self._update_gauges()
             log.info("adapter %s unloaded", info.id)
 
     # ----------------------------------------------------------------- tiers
@@ -217,8 +220,6 @@ class AdapterPool:
             ranks.run(MoveAdapter(info.index, "drop"))
             if self.registry.has(info.id):
                 self.registry.add(_on_disk(info))
-            if self.metrics is not None:
-                self.metrics.forget_adapter(info.id)
             self._update_gauges()
 
     def _count_eviction(self, tier: str) -> None:

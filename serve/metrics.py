@@ -58,8 +58,9 @@ class Metrics:
         self.healthy = Gauge("tprt_serving", "1 while every rank is up and the server accepts requests",
                              registry=r)
         self.info = Info("tprt_model", "The served model", registry=r)
-        # LoRA adapters (serve/adapter_pool.py). The per-adapter label set is bounded by the pool:
-        # an adapter's series are removed when it leaves host memory (forget_adapter).
+        # LoRA adapters (serve/adapter_pool.py). The per-adapter label set is bounded by the pool's
+        # registry (adapters loaded or found under --data-dir, in any tier): an adapter's series
+        # are removed when it is unloaded (forget_adapter).
         self.adapter_requests = Counter("tprt_adapter_requests", "Generation requests naming each adapter",
                                         ["adapter"], registry=r)
         self.adapter_tokens = Counter("tprt_adapter_generated_tokens", "Tokens generated with each adapter",
@@ -88,7 +89,7 @@ class Metrics:
             self.jobs.labels(state=state).set(counts.get(state, 0))
 
     def forget_adapter(self, adapter_id: str) -> None:
-        """Removes an adapter's per-adapter series (it left the pool)."""
+        """Removes an adapter's per-adapter series (it was unloaded)."""
         for family in (self.adapter_requests, self.adapter_tokens):
             try:
                 family.remove(adapter_id)
