@@ -29,7 +29,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -719,18 +719,18 @@ def _write_random_adapter(workdir: Path, path: Path, targets: tuple[str, ...], r
     import torch
     from safetensors.torch import save_file
 
+    from tprt.lora.fit import in_out
     from tprt.lora.peft_io import adapter_config, peft_key
     from tprt.model.config import ModelConfig
 
     c = ModelConfig.from_dict(json.loads((workdir / "model" / "hf" / "config.json").read_text()))
-    h = hidden or c.hidden_size
-    shapes = {"q": (h, c.q_size), "k": (h, c.kv_size), "v": (h, c.kv_size), "o": (c.q_size, h),
-              "gate": (h, c.intermediate_size), "up": (h, c.intermediate_size), "down": (c.intermediate_size, h)}
+    if hidden is not None:
+        c = replace(c, hidden_size=hidden)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(c.num_hidden_layers):
         for t in targets:
-            n_in, n_out = shapes[t]
+            n_in, n_out = in_out(c, t)
             tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
             tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * 0.5
     path.mkdir(parents=True)

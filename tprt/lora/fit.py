@@ -27,7 +27,7 @@ class AdapterFacts:
     alpha: float
 
 
-def _in_out(config: ModelConfig, target: str) -> tuple[int, int]:
+def in_out(config: ModelConfig, target: str) -> tuple[int, int]:
     """The unsharded (in, out) features of a target projection."""
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
     return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h),
@@ -62,7 +62,7 @@ def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
     want: dict[str, tuple[int, int]] = {}
     for layer in range(config.num_hidden_layers):
         for t in facts.targets:
-            n_in, n_out = _in_out(config, t)
+            n_in, n_out = in_out(config, t)
             want[peft_key(layer, t, "A")] = (facts.rank, n_in)
             want[peft_key(layer, t, "B")] = (n_out, facts.rank)
     with safe_open(str(weights), framework="pt") as f:
