@@ -158,7 +158,9 @@ class AdapterSet(nn.Module):
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]] = {}
         self._slots: dict[int, int] = {}
         self._version = -1
-        self._positions: tuple[Grouped | None, torch.Tensor | None] = (None, None)
+        # The groups' factors picked from the stacks for the last routing's adapters, per target:
+        # a decode step routes like the one before it, so the gathers are reused until it changes.
+        self._picked: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]] = ((), [])
 
     def applies(self) -> bool:
         """Whether the current routing sends rows to a member of this set (tprt.parallel.layers.adapted)."""
@@ -181,14 +183,12 @@ class AdapterSet(nn.Module):
 
     def _grouped(self, g: Grouped, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The grouped path (see the module docstring); y is updated in place."""
-        stacks = self._current_stacks()
-        positions = self._group_positions(g, x.device)
         n = len(g.indices)
         xs = x.index_select(0, g.perm)  # [groups * size, ..., in]
         xg = xs.reshape(n, -1, xs.shape[-1])  # [groups, size * tokens, in]
-        for a_stack, b_stack, cols in stacks.values():
-            z = torch.bmm(xg, a_stack.index_select(0, positions).transpose(1, 2))  # [groups, size * tokens, r]
-            d = torch.bmm(z, b_stack.index_select(0, positions).transpose(1, 2))  # [groups, size * tokens, out]
+        for a_t, b_t, cols in self._factors(g.indices, x.device):
+            z = torch.bmm(xg, a_t)  # [groups, size * tokens, r]
+            d = torch.bmm(z, b_t)  # [groups, size * tokens, out]
             d = d.reshape(*xs.shape[:-1], d.shape[-1])
             if g.mask is not None:
                 d = d * g.mask.view(-1, *([1] * (d.dim() - 1)))
@@ -196,14 +196,18 @@ class AdapterSet(nn.Module):
             dest.index_add_(0, g.perm, d)
         return y
 
-    def _group_positions(self, g: Grouped, device: torch.device) -> torch.Tensor:
-        """Each group's position in this set's stacks (0: the adapter does not target this layer),
-        computed once per routing."""
-        routing, positions = self._positions
-        if routing is not g or positions is None:
-            positions = torch.tensor([self._slots.get(i, 0) for i in g.indices], device=device)
-            self._positions = (g, positions)
-        return positions
+    def _factors(self, indices: tuple[int, ...], device: torch.device
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]:
+        """Per target: A^T [groups, in, r] and (scale B)^T [groups, r, out] of the groups' adapters
+        (zeros for one that does not target this layer), and the output columns they add to."""
+        stacks = self._current_stacks()
+        key = (self.pool.version, *indices)
+        if self._picked[0] != key:
+            positions = torch.tensor([self._slots.get(i, 0) for i in indices], device=device)
+            picked = [(a.index_select(0, positions).transpose(1, 2).contiguous(),
+                       b.index_select(0, positions).transpose(1, 2).contiguous(), cols) for a, b, cols in stacks.values()]
+            self._picked = (key, picked)
+        return self._picked[1]
 
     def _current_stacks(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]:
         """Every member's factors stacked per target (rebuilt when the installed adapters change)."""
@@ -211,7 +215,6 @@ class AdapterSet(nn.Module):
             return self._stacks
         members = sorted((int(k), cast(LoRAModule, m)) for k, m in self.members.items())
         self._slots = {index: pos for pos, (index, _) in enumerate(members, start=1)}
-        self._positions = (None, None)
         self._stacks = {}
         targets = dict.fromkeys(t for _, m in members for t in m.lora_A)
         for t in targets:
