@@ -129,13 +129,17 @@ class AdapterPool:
 class Grouped:
     """A mixed routing's rows grouped by adapter: `perm` [groups * size] the rows of each group in
     turn, each group padded to `size` by repeating its first row; `mask` [groups * size, 1] zero
-    on padding (None without padding); `indices` each group's adapter index."""
+    on padding (None without padding); `indices` each group's adapter index; `inverse` where each
+    row is in `perm` when every row is there once (no padding, no base rows: the deltas are then
+    put back in row order with a gather, cheaper than a scatter-add), else None."""
 
-    def __init__(self, indices: tuple[int, ...], perm: torch.Tensor, mask: torch.Tensor | None, size: int) -> None:
+    def __init__(self, indices: tuple[int, ...], perm: torch.Tensor, mask: torch.Tensor | None, size: int,
+                 inverse: torch.Tensor | None) -> None:
         self.indices = indices
         self.perm = perm
         self.mask = mask
         self.size = size
+        self.inverse = inverse
 
     @classmethod
     def of(cls, rows: dict[int, list[int]], device: torch.device) -> Grouped:
@@ -143,7 +147,11 @@ class Grouped:
         perm = [b for r in rows.values() for b in r + [r[0]] * (size - len(r))]
         real = [1.0 * (j < len(r)) for r in rows.values() for j in range(size)]
         mask = None if all(real) else torch.tensor(real, device=device)[:, None]
-        return cls(tuple(rows), torch.tensor(perm, device=device), mask, size)
+        inverse = None
+        if mask is None and sorted(perm) == list(range(len(perm))):
+            where = {b: j for j, b in enumerate(perm)}
+            inverse = torch.tensor([where[b] for b in range(len(perm))], device=device)
+        return cls(tuple(rows), torch.tensor(perm, device=device), mask, size, inverse)
 
 
 class AdapterSet(nn.Module):
@@ -193,7 +201,10 @@ class AdapterSet(nn.Module):
             if g.mask is not None:
                 d = d * g.mask.view(-1, *([1] * (d.dim() - 1)))
             dest = y if cols is None else y[..., cols[0] : cols[1]]
-            dest.index_add_(0, g.perm, d)
+            if g.inverse is not None:
+                dest.add_(d.index_select(0, g.inverse))
+            else:
+                dest.index_add_(0, g.perm, d)
         return y
 
     def _factors(self, indices: tuple[int, ...], device: torch.device
