@@ -24,7 +24,9 @@ demand; rounds of the same c streams, alternating, best of --repeats each: on th
 on one adapter, spread over the N adapters (one batch mixes them), and spread over the N adapters
 but scheduled one adapter per batch (each adapter's streams run together, one adapter after the
 other: what a scheduler that batches one adapter at a time achieves at best). Reported: tokens/s
-of each and mixed / one-adapter (goal >= 0.8).
+of each and mixed / one-adapter (goal >= 0.8). The prompts repeat, so prefix reuse favours the
+one-adapter round (every stream shares its adapter's cached prompts); `--no-prefix-cache`
+compares the adapters' compute alone.
 
 Bounded: every call has a deadline, the server is stopped with SIGTERM (then killed) at the end.
 The machine may be shared with other work: compare the ratios, not the absolute numbers.
@@ -230,7 +232,8 @@ def run_adapters(args: argparse.Namespace, model: Path) -> None:
     server = LocalServer(["--model", str(model), "--metrics-port", "-1", "--data-dir", str(data),
                           "--max-batch-size", str(c), "--max-queue", str(c), "--max-seq-len", str(args.max_seq_len),
                           "--threads", str(args.threads), "--log-level", "warning", "--max-loras", str(args.adapters),
-                          *(["--dtype", args.dtype] if args.dtype else [])], args.workdir / "server.log")
+                          *(["--dtype", args.dtype] if args.dtype else []),
+                          *([] if args.prefix_cache else ["--no-prefix-cache"])], args.workdir / "server.log")
     try:
         with Client(server.target) as client:
             for name in ["", *ids]:  # warm-up; loads every adapter
@@ -241,7 +244,7 @@ def run_adapters(args: argparse.Namespace, model: Path) -> None:
     for name, tok_s in best.items():
         print(f"{c} streams, {name:22s}: {tok_s:8.1f} tok/s", flush=True)
     out = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "streams": c, "adapters": args.adapters,
-           "lora_rank": args.lora_rank, "tokens_per_s": best,
+           "lora_rank": args.lora_rank, "prefix_cache": args.prefix_cache, "tokens_per_s": best,
            "mixed_over_one_adapter": best["mixed"] / best["one_adapter"],
            "mixed_over_one_adapter_per_batch": best["mixed"] / best["one_adapter_per_batch"],
            "one_adapter_over_base": best["one_adapter"] / best["base"]}

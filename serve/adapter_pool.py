@@ -29,6 +29,7 @@ from typing import Any
 
 from serve.adapters import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
 from serve.errors import FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
+from serve.jobspec import ADAPTER_ID
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, MoveAdapter
 from tprt.distributed.ranks import CommandFailed
@@ -66,9 +67,9 @@ class AdapterPool:
         NotFound otherwise (or while it is being unloaded); InvalidArgument when its files do not
         fit this server."""
         info = self.registry.acquire(adapter_id)
-        if info is None and not self.registry.has(adapter_id):
-            path = self.data_dir / ADAPTERS_DIR / adapter_id
-            if "/" not in adapter_id and adapter_id not in ("", ".", "..") and path.is_dir():
+        if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id):
+            path = self.data_dir / ADAPTERS_DIR / adapter_id  # the id's characters keep it a plain name
+            if path.is_dir():
                 facts = self.describe(path, "adapter_id")
                 if not self.registry.has(adapter_id):  # another request may have registered it meanwhile
                     self.registry.add(AdapterInfo(adapter_id, path, facts.rank, facts.alpha,

@@ -126,7 +126,7 @@ def test_unload_waits_for_requests_in_flight(pool: AdapterPool) -> None:
 
 
 def test_unknown_adapters_and_bad_directories(pool: AdapterPool, tmp_path: Path) -> None:
-    for name in ("missing", "../adapters/a", ""):
+    for name in ("missing", "../adapters/a", "", "x" * 400, "a\0b"):
         with pytest.raises(NotFound) as e:
             pool.acquire(name)
         assert e.value.field == "adapter_id"
