@@ -507,7 +507,8 @@ def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
         return {k: (alone[k].token_ids, alone[k].logprobs, mixed[k].token_ids, mixed[k].logprobs) for k in alone}
 
     plans: list[StepPlan] = []
-    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn, plans, setup=_install_adapters)
+    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn, plans, model=model, setup=_install_adapters)
     assert any(p.decode and len(set(p.decode.adapters)) == 5 for p in plans), "no decode step mixed all five"
     assert any(p.prefill and len(set(p.prefill.adapters)) == 5 for p in plans), "no prefill mixed all five"
     for k, (ids, lps, mixed_ids, mixed_lps) in out.items():

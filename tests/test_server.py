@@ -809,6 +809,9 @@ def test_many_adapters_share_batches_through_the_pool(workdir: Path, server: Ser
         err = rpc_error(call)
         assert (err.code(), field_of(err)) == (code, field), err.details()
     assert "another base model" in rpc_error(lambda: client.load_adapter("x", path="adapters/other-base")).details()
+    listed = subprocess.run([sys.executable, "-m", "tprt.cli", "client", "--server", server.target, "--token-file",
+                             str(workdir / "token"), "adapters", "list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "pool-a  device  rank 2" in listed.stdout and "pinned" in listed.stdout, listed
     client.unload_adapter("pool-a")  # pinned adapters unload too
     assert "pool-a" not in {a.id for a in client.list_adapters()}
 

@@ -71,8 +71,8 @@ class AdapterPool:
             linear = site.linear
             if linear.adapter is None:
                 linear.adapter = AdapterSet(self)
-            elif not isinstance(linear.adapter, AdapterSet):
-                raise ValueError("a base layer already has an adapter that is not an AdapterSet")
+            elif not isinstance(linear.adapter, AdapterSet) or linear.adapter.pool is not self:
+                raise ValueError("a base layer already has an adapter that is not this pool's AdapterSet")
             linear.adapter.members[str(index)] = module.eval().requires_grad_(False)
         self.installed.add(index)
         self.version += 1
