@@ -18,6 +18,16 @@ same 4 prompts, so after the first round most prompt tokens are reused (each lev
 share). `--unique-prompts` makes every prompt distinct (only the chat template's system prompt
 stays shared); `--no-prefix-cache` turns reuse off in the server and the peer alike.
 
+Many adapters (`--adapters N`, e.g. `--adapters 8 --streams 16`): N random rank-`--lora-rank` PEFT
+adapters on every projection are written under the server's --data-dir/adapters/ and loaded on
+demand; rounds of the same c streams, alternating, best of --repeats each: on the base model, all
+on one adapter, spread over the N adapters (one batch mixes them), and spread over the N adapters
+but scheduled one adapter per batch (each adapter's streams run together, one adapter after the
+other: what a scheduler that batches one adapter at a time achieves at best). Reported: tokens/s
+of each and mixed / one-adapter (goal >= 0.8). The prompts repeat, so prefix reuse favours the
+one-adapter round (every stream shares its adapter's cached prompts); `--no-prefix-cache`
+compares the adapters' compute alone.
+
 Bounded: every call has a deadline, the server is stopped with SIGTERM (then killed) at the end.
 The machine may be shared with other work: compare the ratios, not the absolute numbers.
 """
@@ -123,12 +133,12 @@ def engine_rank(model_dir: str, prompt: str, tokens: int, max_batch: int, max_se
     return best
 
 
-def stream(client: Any, prompt: str, tokens: int) -> tuple[float, int, float, int, int]:
+def stream(client: Any, prompt: str, tokens: int, adapter_id: str = "") -> tuple[float, int, float, int, int]:
     """One greedy stream: (time to first token, tokens, wall seconds, prompt tokens, of them reused)."""
     t0 = time.perf_counter()
     first, n, usage = None, 0, None
     for msg in client.generate(chat=[{"role": "user", "content": prompt}], max_new_tokens=tokens,
-                               temperature=0, ignore_eos=True, timeout=600):
+                               temperature=0, ignore_eos=True, timeout=600, adapter_id=adapter_id):
         if msg.HasField("token"):
             n += 1
             first = first or time.perf_counter()
@@ -154,6 +164,96 @@ def round_of(client: Any, c: int, tokens: int, unique_prompts: bool = False) -> 
             "prompt_reused": reused}
 
 
+def write_adapters(model_dir: Path, data_dir: Path, n: int, rank: int) -> list[str]:
+    """n random PEFT LoRA adapters (every projection, rank `rank`) under data_dir/adapters/; their ids."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tprt.lora.config import TARGETS
+    from tprt.lora.fit import in_out
+    from tprt.lora.peft_io import adapter_config, peft_key
+    from tprt.model.config import ModelConfig
+
+    config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    ids = [f"bench-{i}" for i in range(n)]
+    for i, name in enumerate(ids):
+        path = data_dir / "adapters" / name
+        if path.exists():
+            continue
+        g = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for t in TARGETS:
+                n_in, n_out = in_out(config, t)
+                tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
+                tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * 0.01
+        path.mkdir(parents=True)
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config(TARGETS, rank, 2.0 * rank, 0.0, None)))
+    return ids
+
+
+def adapter_rounds(client: Any, ids: list[str], c: int, tokens: int, repeats: int) -> dict[str, float]:
+    """Best tokens/s of each way of serving c streams (see the module docstring), rounds alternating."""
+    def together(adapters: list[str]) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(adapters)) as pool:
+            results = list(pool.map(lambda ia: stream(client, PROMPTS[ia[0] % len(PROMPTS)], tokens, ia[1]),
+                                    enumerate(adapters)))
+        return sum(r[1] for r in results), time.perf_counter() - t0
+
+    def one_adapter_per_batch() -> tuple[int, float]:
+        total, wall = 0, 0.0
+        for name in ids:
+            n, seconds = together([name] * (c // len(ids)))
+            total, wall = total + n, wall + seconds
+        return total, wall
+
+    ways = {"base": lambda: together([""] * c), "one_adapter": lambda: together([ids[0]] * c),
+            "mixed": lambda: together([ids[i % len(ids)] for i in range(c)]),
+            "one_adapter_per_batch": one_adapter_per_batch}
+    best = {k: 0.0 for k in ways}
+    for _ in range(repeats):
+        for name, way in ways.items():
+            n, seconds = way()
+            best[name] = max(best[name], n / seconds)
+    return best
+
+
+def run_adapters(args: argparse.Namespace, model: Path) -> None:
+    from serve.client import Client
+    from serve.local import LocalServer
+
+    c = max(args.streams)
+    if c % args.adapters:
+        raise SystemExit(f"--streams {c} must be a multiple of --adapters {args.adapters}")
+    data = args.workdir / "data"
+    ids = write_adapters(model, data, args.adapters, args.lora_rank)
+    server = LocalServer(["--model", str(model), "--metrics-port", "-1", "--data-dir", str(data),
+                          "--max-batch-size", str(c), "--max-queue", str(c), "--max-seq-len", str(args.max_seq_len),
+                          "--threads", str(args.threads), "--log-level", "warning", "--max-loras", str(args.adapters),
+                          *(["--dtype", args.dtype] if args.dtype else []),
+                          *([] if args.prefix_cache else ["--no-prefix-cache"])], args.workdir / "server.log")
+    try:
+        with Client(server.target) as client:
+            for name in ["", *ids]:  # warm-up; loads every adapter
+                stream(client, PROMPTS[0], 4, name)
+            best = adapter_rounds(client, ids, c, args.tokens, args.repeats)
+    finally:
+        server.stop()
+    for name, tok_s in best.items():
+        print(f"{c} streams, {name:22s}: {tok_s:8.1f} tok/s", flush=True)
+    out = {"tp": args.tp, "tokens": args.tokens, "threads": args.threads, "streams": c, "adapters": args.adapters,
+           "lora_rank": args.lora_rank, "prefix_cache": args.prefix_cache, "tokens_per_s": best,
+           "mixed_over_one_adapter": best["mixed"] / best["one_adapter"],
+           "mixed_over_one_adapter_per_batch": best["mixed"] / best["one_adapter_per_batch"],
+           "one_adapter_over_base": best["one_adapter"] / best["base"]}
+    print(f"mixed / one adapter: {out['mixed_over_one_adapter']:.2f} (goal >= 0.8); mixed / one adapter per "
+          f"batch: {out['mixed_over_one_adapter_per_batch']:.2f}; one adapter / base: {out['one_adapter_over_base']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-serve-bench"))
@@ -172,7 +272,13 @@ def main() -> None:
                     help="make every request's prompt distinct, so that only the chat template's system prompt "
                          "is shared (default: the 4 prompts repeat, as retries and shared prompts do)")
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--adapters", type=int, metavar="N",
+                    help="instead: the many-adapters comparison over N adapters (see above)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="rank of the --adapters adapters (16)")
     args = ap.parse_args()
+    if args.adapters:
+        run_adapters(args, prepare(args.workdir, args.tp))
+        return
     from serve.client import Client
     from serve.local import LocalServer
     from tprt.distributed.launcher import launch_local

@@ -71,6 +71,12 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--job-memory-limit", type=int, metavar="BYTES",
                    help="memory a fine-tuning job may need (a conservative estimate, all local ranks); "
                         "larger jobs get RESOURCE_EXHAUSTED (default: the memory available at CreateJob)")
+    s.add_argument("--max-loras", type=int, default=8, metavar="N",
+                   help="LoRA adapters on the device at once, mixed in one batch (8); more are evicted "
+                        "least recently used first, pinned ones never")
+    s.add_argument("--max-cpu-loras", type=int, default=8, metavar="N",
+                   help="more adapters kept in host memory, beyond --max-loras (8; 0 = none)")
+    s.add_argument("--max-lora-rank", type=int, default=64, metavar="R", help="largest LoRA rank accepted (64)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -108,6 +114,15 @@ def _client_parser(sub: Any) -> None:
     t.add_argument("prompt")
     cs.add_parser("info", help="model, TP degree, context length, adapters")
     cs.add_parser("health", help="the health status")
+    adapters = cs.add_parser("adapters", help="LoRA adapters: list, load, unload")
+    ads = adapters.add_subparsers(dest="adapters_command", required=True, metavar="ACTION")
+    ads.add_parser("list", help="every adapter with its tier, rank, targets and requests served")
+    load = ads.add_parser("load", help="load an adapter (replaces one loaded under the same id)")
+    load.add_argument("id", nargs="?", help="the id requests name (default with --job-id: the job's adapter id)")
+    load.add_argument("--path", metavar="DIR", help="PEFT adapter directory under the server's --data-dir")
+    load.add_argument("--job-id", metavar="ID", help="a succeeded LoRA job's adapter")
+    load.add_argument("--pin", action="store_true", help="never evict it from the device")
+    ads.add_parser("unload", help="unload an adapter once its requests finish").add_argument("id")
     jobs = cs.add_parser("jobs", help="fine-tuning jobs")
     js = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
     create = js.add_parser("create", help="start a fine-tuning job")

@@ -140,6 +140,25 @@ class Client:
         resp = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
+    # ----------------------------------------------------------------- adapters
+
+    def load_adapter(self, adapter_id: str = "", *, path: str | None = None, job_id: str | None = None,
+                     pin: bool = False, timeout: float | None = None) -> Any:
+        """Loads a LoRA adapter from `path` (under the server's --data-dir) or a succeeded job."""
+        req = pb.LoadAdapterRequest(id=adapter_id, pin=pin)
+        if path is not None:
+            req.path = path
+        if job_id is not None:
+            req.job_id = job_id
+        return self.generation.LoadAdapter(req, **self._kw(timeout))
+
+    def unload_adapter(self, adapter_id: str, timeout: float | None = None) -> None:
+        """Returns once the adapter's requests in flight have finished and it is freed."""
+        self.generation.UnloadAdapter(pb.UnloadAdapterRequest(id=adapter_id), **self._kw(timeout))
+
+    def list_adapters(self, timeout: float | None = None) -> list[Any]:
+        return list(self.generation.ListAdapters(pb.ListAdaptersRequest(), **self._kw(timeout)).adapters)
+
     # ----------------------------------------------------------------- fine-tuning
 
     def create_job(self, *, dataset_path: str | None = None, inline_jsonl: str | None = None, full: bool = False,

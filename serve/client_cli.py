@@ -97,6 +97,22 @@ def _jobs(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapters(c: Client, args: argparse.Namespace) -> int:
+    action = args.adapters_command
+    if action == "load":
+        if (args.path is None) == (args.job_id is None):
+            raise ConfigError("give exactly one of --path DIR or --job-id ID")
+        _show(c.load_adapter(args.id or "", path=args.path, job_id=args.job_id, pin=args.pin))
+    elif action == "unload":
+        c.unload_adapter(args.id)
+        print(f"unloaded {args.id}")
+    else:
+        for a in c.list_adapters():
+            print(f"{a.id}  {a.tier:6s}  rank {a.rank}  alpha {a.alpha:g}  targets {','.join(a.targets) or '-'}  "
+                  f"{'pinned  ' if a.pinned else ''}requests {a.requests}")
+    return 0
+
+
 def run_client(args: argparse.Namespace) -> int:
     """Runs one `tprt client` call; a server error prints its code and message (exit 1)."""
     try:
@@ -111,6 +127,8 @@ def run_client(args: argparse.Namespace) -> int:
                 _show(c.model_info())
             elif cmd == "health":
                 print(c.health_check())
+            elif cmd == "adapters":
+                return _adapters(c, args)
             else:
                 return _jobs(c, args)
             return 0

@@ -16,11 +16,12 @@ state and activations, not a second copy of the rank's shard. A full fine-tune c
 weights, so it loads its own float32 copy of the checkpoint (the price: one more copy of the
 shard plus optimizer state while it runs).
 
-Adapters: a finished LoRA job's adapter is read for the *served* model on every rank
-(`tprt.lora.peft_io.read_adapter`) and installed under a small integer index in the engine's
-adapter pool (`tprt.lora.routing.AdapterPool`); every loaded adapter stays installed, and each
-row of a batch is routed to its request's adapter (or none) by the step plan, so requests for
-different adapters and for the base model share batches.
+Adapters: an adapter (a finished LoRA job's, or one loaded by name) is read for the *served*
+model on every rank (`tprt.lora.peft_io.read_adapter`) and installed under the integer index rank
+0 gave this load in the engine's adapter pool (`tprt.lora.routing.AdapterPool`); each row of a
+batch is routed to its request's adapter (or none) by the step plan, so requests for different
+adapters and for the base model share batches. `MoveAdapter` moves a loaded adapter between the
+device and host tiers or drops it, as rank 0's pool (serve/adapter_pool.py) decides.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from tprt.distributed.protocol import (AdapterLoaded, Command, LoadAdapter, TrainAbort, TrainFinish, TrainSave,
-                                       TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from tprt.distributed.protocol import (AdapterLoaded, Command, LoadAdapter, MoveAdapter, TrainAbort, TrainFinish,
+                                       TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.errors import TprtError
 from tprt.model.llama import TPLlamaForCausalLM
 
@@ -73,8 +74,11 @@ class RankExecutor:
             case TrainAbort():
                 self._cmd_train_abort()
                 return None
-            case LoadAdapter(adapter_id, path):
-                return self._cmd_load_adapter(adapter_id, path)
+            case LoadAdapter(adapter_id, path, index):
+                return self._cmd_load_adapter(adapter_id, path, index)
+            case MoveAdapter(index, tier):
+                self._cmd_move_adapter(index, tier)
+                return None
         raise TprtError(f"unknown command {type(cmd).__name__}")
 
     def abandon(self) -> None:
@@ -142,16 +146,34 @@ class RankExecutor:
 
     # ----------------------------------------------------------------- adapters
 
-    def _cmd_load_adapter(self, adapter_id: str, path: str) -> AdapterLoaded:
-        """Loads a PEFT LoRA adapter into the engine's adapter pool; returns its rank, alpha and index,
-        the index being what a plan routes rows to (the same on every rank: commands run in the
-        same order everywhere)."""
+    def _cmd_load_adapter(self, adapter_id: str, path: str, index: int) -> AdapterLoaded:
+        """Loads a PEFT LoRA adapter into the engine's adapter pool under `index` (0: a new index
+        for a new id, the same for a reload); returns its rank, alpha, index and targets, the
+        index being what a plan routes rows to (the same on every rank: commands run in the same
+        order everywhere)."""
         from tprt.lora.peft_io import read_adapter
 
         adapter = read_adapter(self.model, path, self.ctx)
-        index = self.adapters.get(adapter_id) or len(self.adapters) + 1  # reloading keeps its index
+        if not index:
+            index = self.adapters.get(adapter_id) or max(self.adapters.values(), default=0) + 1
         self.engine.runner.adapters.install(index, adapter)  # replaces a previous version
         self.adapters[adapter_id] = index
-        if self.engine.is_driver:  # rank 0 schedules: a reloaded adapter's old keys/values are stale
+        self._forget_prefixes(index)  # a reload under an index: its old keys/values are stale
+        return AdapterLoaded(adapter.rank, adapter.alpha, index, adapter.targets)
+
+    def _cmd_move_adapter(self, index: int, tier: str) -> None:
+        pool = self.engine.runner.adapters
+        if tier == "device":
+            pool.restore(index)
+        elif tier == "host":
+            pool.offload(index)
+        elif tier == "drop":
+            pool.drop(index)
+            self._forget_prefixes(index)
+            self.adapters = {a: i for a, i in self.adapters.items() if i != index}
+        else:
+            raise TprtError(f"unknown adapter tier {tier!r}")
+
+    def _forget_prefixes(self, index: int) -> None:
+        if self.engine.is_driver:  # rank 0 schedules and holds the prefix records
             self.engine.forget_prefixes(index)
-        return AdapterLoaded(adapter.rank, adapter.alpha, index)

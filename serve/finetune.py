@@ -7,8 +7,9 @@ SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holdi
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
 
-A finished LoRA job's adapter is loaded into the served model on every rank and registered under
-its adapter id: servable at once, no restart (and again at every start-up). A full fine-tune
+A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
+id, on the device: servable at once, no restart (and again at every start-up; evicted and
+reloaded like any other adapter). A full fine-tune
 writes a TP checkpoint (`output_path`) to serve with `tprt serve --model`.
 """
 
@@ -22,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable, echo
+from serve.adapter_pool import AdapterPool
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo
 from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
-from tprt.distributed.protocol import LoadAdapter, TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
+from tprt.distributed.protocol import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.errors import TprtError
 
@@ -45,7 +46,7 @@ class _Active:
 class JobManager:
     """Rank 0's view of the jobs; `has_work`/`step` are the scheduler's side-work interface."""
 
-    def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterRegistry,
+    def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterPool,
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
                  max_queued: int | None = None, redact: Callable[[str], str] = str) -> None:
         self.store = store
@@ -160,13 +161,11 @@ class JobManager:
             if rec.method == "lora" and rec.output_path:
                 try:
                     self._load_adapter(ranks, rec)
-                except CommandFailed as e:
+                except (CommandFailed, ServeError) as e:
                     log.error("job %s: adapter %s not loaded: %s", rec.id, rec.adapter_id, e)
 
     def _load_adapter(self, ranks: RankGroup, rec: JobRecord) -> None:
-        path = self.data_dir / rec.output_path
-        loaded = ranks.run(LoadAdapter(rec.adapter_id, str(path)))
-        self.adapters.add(AdapterInfo(rec.adapter_id, path, loaded.rank, loaded.alpha, rec.id, loaded.index))
+        self.adapters.load(ranks, rec.adapter_id, self.data_dir / rec.output_path, source_job_id=rec.id)
 
     # ----------------------------------------------------------------- scheduler side
 

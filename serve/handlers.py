@@ -13,21 +13,27 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from serve.adapters import AdapterRegistry
-from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, Unavailable, echo
+from serve.adapter_pool import AdapterPool
+from serve.adapters import AdapterInfo, AdapterRegistry
+from serve.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
+                          echo)
 from serve.finetune import JobManager
-from serve.jobspec import DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
+from serve.jobs import SUCCEEDED, JobStore
+from serve.jobspec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
 from serve.pb import finetuning_pb2 as ft_pb
 from serve.pb import finetuning_pb2_grpc as ft_grpc
 from serve.pb import generation_pb2 as pb
 from serve.pb import generation_pb2_grpc as pb_grpc
 from serve.scheduler import Scheduler, Ticket, new_request_id
 from serve.validation import prompt_ids, sampling_params, text_byte_limit
+from tprt.distributed.ranks import CommandFailed
 from tprt.model.config import ModelConfig
 from tprt.engine.sampling import MAX_TOP_LOGPROBS
 from tprt.engine.sequence import TokenEvent
@@ -56,11 +62,13 @@ class GenerationService(GenerationServicer):
     """tprt.v1.Generation on rank 0."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, facts: ModelFacts,
-                 adapters: AdapterRegistry) -> None:
+                 adapters: AdapterRegistry, pool: AdapterPool | None = None, store: JobStore | None = None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.facts = facts
         self.adapters = adapters
+        self.pool = pool  # the adapter tiers (LoadAdapter, UnloadAdapter); None: adapters come from jobs only
+        self.store = store  # the job store, for LoadAdapter(job_id)
         self.max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
 
     # ----------------------------------------------------------------- RPCs
@@ -99,15 +107,58 @@ class GenerationService(GenerationServicer):
             num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
             max_position_embeddings=c.max_position_embeddings, rope_theta=c.rope_theta,
             tie_word_embeddings=c.tie_word_embeddings)
-        adapters = [pb.Adapter(id=a.id, rank=a.rank, alpha=a.alpha, source_job_id=a.source_job_id)
-                    for a in self.adapters.list()]
+        adapters = [adapter_pb(a) for a in self.adapters.list()]
         return pb.ModelInfoResponse(
             model=f.name, config=config, tp_size=f.tp_size, context_length=f.context_length,
             max_batch_size=f.max_batch_size, dtype=f.dtype, eos_token_ids=list(f.eos_token_ids),
             has_chat_template=bool(self.tokenizer is not None and self.tokenizer.chat_template),
             adapters=adapters, max_top_logprobs=MAX_TOP_LOGPROBS)
 
+    def LoadAdapter(self, request: Any, context: grpc.ServicerContext) -> Any:
+        pool = self._need_pool()
+        adapter_id, job_id = request.id, ""
+        source = request.WhichOneof("source")
+        if source == "job_id":
+            rec = self.store.get(request.job_id) if self.store is not None and request.job_id else None
+            if rec is None:
+                raise NotFound(f"no job {echo(request.job_id)}", "job_id")
+            if rec.method != "lora" or rec.state != SUCCEEDED or not rec.output_path:
+                raise FailedPrecondition(f"job {rec.id} has no adapter (a {rec.method} job, {rec.state})", "job_id")
+            path, adapter_id, job_id = pool.data_dir / rec.output_path, adapter_id or rec.adapter_id, rec.id
+        elif source == "path":
+            path = pool.resolve_path(request.path)
+        else:
+            raise InvalidArgument("give the adapter's path (under --data-dir) or a job_id", "path")
+        if not ADAPTER_ID.fullmatch(adapter_id):
+            raise InvalidArgument("1-64 characters: letters, digits, '.', '_', '-' (starting with a letter or digit)",
+                                  "id")
+        pool.describe(path, "path" if source == "path" else "job_id")  # rank limit, base model
+        future = self.scheduler.call(lambda ranks: pool.load(ranks, adapter_id, path, request.pin, job_id))
+        try:
+            info = _wait(future, context)
+        except CommandFailed as e:
+            raise InvalidArgument(f"the adapter could not be loaded: {e}", "path") from None
+        return adapter_pb(info)
+
+    def UnloadAdapter(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self._need_pool().begin_unload(request.id)
+        self.scheduler.wake()
+        while not self.adapters.wait_removed(request.id, _POLL_S):
+            if self.scheduler.broken is not None:
+                raise Unavailable(f"the server cannot unload adapters: {self.scheduler.broken}")
+            if not context.is_active():
+                raise DeadlineExceeded("the adapter's requests had not finished; it is still being unloaded")
+        return pb.UnloadAdapterResponse()
+
+    def ListAdapters(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return pb.ListAdaptersResponse(adapters=[adapter_pb(a) for a in self.adapters.list()])
+
     # ----------------------------------------------------------------- helpers
+
+    def _need_pool(self) -> AdapterPool:
+        if self.pool is None:
+            raise FailedPrecondition("this server has no adapter pool", "id")
+        return self.pool
 
     def _submit(self, request: Any, context: grpc.ServicerContext) -> Ticket:
         """Checks the request and queues it; the RPC's end cancels it."""
@@ -115,7 +166,7 @@ class GenerationService(GenerationServicer):
         params = sampling_params(request.sampling, len(ids), self.facts.context_length,
                                  self.facts.config.vocab_size, self.tokenizer is not None)
         adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
-        if request.adapter_id and adapter is None:
+        if request.adapter_id and adapter is None and self.pool is None:  # a pool also loads adapters on demand
             raise NotFound(f"no adapter {echo(request.adapter_id)} is loaded (see ModelInfo)", "adapter_id")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
@@ -183,6 +234,21 @@ class GenerationService(GenerationServicer):
         if ev.finish_reason is not None:
             self._finish(out, ev)
         return out
+
+
+def adapter_pb(a: AdapterInfo) -> Any:
+    return pb.Adapter(id=a.id, rank=a.rank, alpha=a.alpha, source_job_id=a.source_job_id, targets=list(a.targets),
+                      tier=a.tier, pinned=a.pinned, requests=a.requests)
+
+
+def _wait(future: Future[Any], context: grpc.ServicerContext) -> Any:
+    """The scheduler thread's result of a call, while the RPC is alive."""
+    while True:
+        try:
+            return future.result(timeout=_POLL_S)
+        except FutureTimeout:
+            if not context.is_active():
+                raise DeadlineExceeded("the call ended before the server finished it") from None
 
 
 class FineTuningService(FineTuningServicer):

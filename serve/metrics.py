@@ -17,6 +17,7 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # Inter-token latency: 1 ms .. 2.5 s.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ADAPTER_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 
@@ -57,6 +58,21 @@ class Metrics:
         self.healthy = Gauge("tprt_serving", "1 while every rank is up and the server accepts requests",
                              registry=r)
         self.info = Info("tprt_model", "The served model", registry=r)
+        # LoRA adapters (serve/adapter_pool.py). The per-adapter label set is bounded by the pool's
+        # registry (adapters loaded or found under --data-dir, in any tier): an adapter's series
+        # are removed when it is unloaded (forget_adapter).
+        self.adapter_requests = Counter("tprt_adapter_requests", "Generation requests naming each adapter",
+                                        ["adapter"], registry=r)
+        self.adapter_tokens = Counter("tprt_adapter_generated_tokens", "Tokens generated with each adapter",
+                                      ["adapter"], registry=r)
+        self.adapters_resident = Gauge("tprt_adapters", "Adapters by tier: device (routable), host (host memory), "
+                                       "disk (known, not loaded)", ["tier"], registry=r)
+        self.adapter_loads = Counter("tprt_adapter_loads", "Adapters loaded from disk onto the device", registry=r)
+        self.adapter_evictions = Counter("tprt_adapter_evictions", "Adapters evicted, by the tier they left "
+                                         "(device: to host memory; host: dropped)", ["tier"], registry=r)
+        self.adapters_per_step = Histogram("tprt_adapters_per_step", "Distinct adapters among the sequences of "
+                                           "each engine step (0: base model only)", buckets=ADAPTER_STEP_BUCKETS,
+                                           registry=r)
         for state in JOB_STATES:
             self.jobs.labels(state=state).set(0)
         self._http: Any = None
@@ -71,6 +87,14 @@ class Metrics:
         """Sets the per-state job gauges from a {state: count} snapshot."""
         for state in JOB_STATES:
             self.jobs.labels(state=state).set(counts.get(state, 0))
+
+    def forget_adapter(self, adapter_id: str) -> None:
+        """Removes an adapter's per-adapter series (it was unloaded)."""
+        for family in (self.adapter_requests, self.adapter_tokens):
+            try:
+                family.remove(adapter_id)
+            except KeyError:
+                pass
 
     def serve(self, host: str, port: int) -> int:
         """Starts the /metrics HTTP endpoint; returns the bound port (useful with port 0)."""

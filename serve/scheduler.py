@@ -9,10 +9,14 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
 3. runs one engine step (a collective: the plan is broadcast to every rank) and hands each
    event to its ticket's queue;
    Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
-   to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps;
+   to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps.
+   A ticket's adapter is made resident on the device as it joins (serve/adapter_pool.py); when
+   the pool cannot make room, the ticket waits and later ones go ahead;
 4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
    generation is idle, and at least every `side_every_s` while it is busy;
-5. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
+5. runs control calls handed to it (`call`: loading an adapter) and removes adapters being
+   unloaded once their requests have finished;
+6. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
    followers every `keepalive_s`.
 
 The queue is bounded: `submit()` raises QueueFull (RESOURCE_EXHAUSTED) at once when `max_queue`
@@ -25,15 +29,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import Future
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
-from serve.errors import QueueFull, Unavailable
+from serve.adapter_pool import AdapterPool
+from serve.errors import QueueFull, ServeError, Unavailable
 from serve.metrics import Metrics
 from tprt.distributed.ranks import RankGroup
 from tprt.engine.core import EngineLike
@@ -83,7 +89,7 @@ class Scheduler:
 
     def __init__(self, engine: EngineLike, ranks: RankGroup, metrics: Metrics, max_queue: int,
                  max_batch: int, keepalive_s: float = 2.0, side_every_s: float = 1.0,
-                 on_broken: Callable[[str], None] | None = None) -> None:
+                 on_broken: Callable[[str], None] | None = None, adapters: AdapterPool | None = None) -> None:
         self.engine = engine
         self.ranks = ranks
         self.metrics = metrics
@@ -92,7 +98,10 @@ class Scheduler:
         self.keepalive_s = keepalive_s
         self.side_every_s = side_every_s
         self.side: SideWork | None = None
+        # Resolves tickets' adapters to device indices as they join (None: the ticket's own index).
+        self.adapters = adapters
         self._on_broken = on_broken
+        self._calls: list[tuple[Callable[[RankGroup], Any], Future[Any]]] = []
         self._cv = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._cancels: list[tuple[str, str]] = []  # (request_id, reason)
@@ -110,18 +119,40 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, ticket: Ticket) -> None:
-        """Queues a ticket; QueueFull when the queue is full, Unavailable when shutting down or broken."""
+        """Queues a ticket; QueueFull when the queue is full, Unavailable when shutting down or
+        broken, NotFound when it names an adapter the pool does not know."""
+        pooled = bool(ticket.adapter_id) and self.adapters is not None
+        if pooled:
+            assert self.adapters is not None
+            self.adapters.acquire(ticket.adapter_id)
+        try:
+            with self._cv:
+                if self.broken is not None:
+                    raise Unavailable(f"the server cannot generate: {self.broken}")
+                if not self._accepting:
+                    raise Unavailable("the server is shutting down; retry on another replica")
+                free_slots = max(0, self.max_batch - len(self._live))  # these join at the next step
+                if len(self._waiting) >= self.max_queue + free_slots:
+                    raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+                self._waiting.append(ticket)
+                self.metrics.waiting.set(len(self._waiting))
+                self._cv.notify()
+        except ServeError:
+            if pooled:
+                self._release_adapter(ticket)
+            raise
+
+    def call(self, fn: Callable[[RankGroup], Any]) -> Future[Any]:
+        """Runs `fn(ranks)` on the scheduler thread between steps (it may send commands to the
+        ranks); the future holds its result or error."""
+        future: Future[Any] = Future()
         with self._cv:
             if self.broken is not None:
-                raise Unavailable(f"the server cannot generate: {self.broken}")
-            if not self._accepting:
-                raise Unavailable("the server is shutting down; retry on another replica")
-            free_slots = max(0, self.max_batch - len(self._live))  # these join at the next step
-            if len(self._waiting) >= self.max_queue + free_slots:
-                raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self._waiting.append(ticket)
-            self.metrics.waiting.set(len(self._waiting))
+                future.set_exception(Unavailable(f"the server cannot run commands: {self.broken}"))
+                return future
+            self._calls.append((fn, future))
             self._cv.notify()
+        return future
 
     def cancel(self, request_id: str, reason: str = "client") -> None:
         """Takes the request out of the queue or the batch at the next step (no-op when finished)."""
@@ -176,12 +207,16 @@ class Scheduler:
                 return
             self.broken = reason
             tickets = list(self._waiting) + list(self._live.values())
+            calls, self._calls = self._calls, []
             self._waiting.clear()
             self._live.clear()
             self._cv.notify()
         log.error("serving stopped: %s", reason)
         for t in tickets:
+            self._release_adapter(t)
             t.events.put(Unavailable(f"the server cannot generate: {reason}"))
+        for _, future in calls:
+            future.set_exception(Unavailable(f"the server cannot run commands: {reason}"))
         self.metrics.waiting.set(0)
         self.metrics.running.set(0)
         if self._on_broken is not None:
@@ -201,11 +236,11 @@ class Scheduler:
 
     def _iteration(self) -> bool:
         """One pass of the loop; False when the thread should end."""
-        cancels, admitted = self._take_work()
+        cancels = self._take_work()
         if self.broken is not None:
             return False
-        for t in admitted:  # before the cancellations, which may name a ticket admitted just now
-            self._admit(t)
+        self._run_calls()
+        self._admit_waiting()  # before the cancellations, which may name a ticket admitted just now
         for rid, reason in cancels:
             self._apply_cancel(rid, reason)
         self._expire_deadlines()
@@ -220,38 +255,90 @@ class Scheduler:
                 side.step(self.ranks)
                 self._last_side = time.monotonic()
                 ran = True
+        if self.adapters is not None:
+            self.adapters.finish_unloads(self.ranks)
         if not ran and time.monotonic() - self.ranks.last_collective >= self.keepalive_s:
             self.ranks.keepalive()
         with self._cv:
             return not (self._stop and not self._live and not self._waiting)
 
-    def _take_work(self) -> tuple[list[tuple[str, str]], list[Ticket]]:
-        """Waits for something to do (bounded by the keepalive); takes cancellations and admissions."""
+    def _take_work(self) -> list[tuple[str, str]]:
+        """Waits for something to do (bounded by the keepalive); takes the cancellations."""
         with self._cv:
-            idle = not (self._waiting or self._cancels or self._stop or self._side_wake or self.engine.has_work)
+            idle = not (self._waiting or self._cancels or self._stop or self._side_wake or self._calls
+                        or self.engine.has_work)
             side_busy = self.side is not None and self.side.has_work()
             if idle and not side_busy:
                 self._cv.wait(self.keepalive_s)
             self._side_wake = False
             cancels, self._cancels = self._cancels, []
-            admitted = []
-            room = self.max_batch - self.engine.num_unfinished
-            while self._waiting and room > 0:
-                admitted.append(self._waiting.popleft())
+            return cancels
+
+    def _run_calls(self) -> None:
+        with self._cv:
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn(self.ranks))
+            except Exception as e:  # noqa: BLE001 - the caller's; a broken world shows at the next step
+                future.set_exception(e)
+
+    def _admit_waiting(self) -> None:
+        """Moves queued tickets into the engine, in order, while it has room; a ticket whose
+        adapter cannot be made resident now stays queued, ahead of later arrivals."""
+        room = self.max_batch - self.engine.num_unfinished
+        deferred: list[Ticket] = []
+        while room > 0:
+            with self._cv:
+                if not self._waiting:
+                    break
+                t = self._waiting.popleft()
+                self._live[t.request_id] = t  # so that a cancellation finds it while it resolves
+            resolved = self._resolve_adapter(t)
+            if resolved:
+                self._admit(t)
                 room -= 1
-            for t in admitted:
-                self._live[t.request_id] = t
+            elif resolved is not None:
+                deferred.append(t)
+        with self._cv:
+            for t in deferred:
+                self._live.pop(t.request_id, None)
+            self._waiting.extendleft(reversed(deferred))
             self.metrics.waiting.set(len(self._waiting))
-            return cancels, admitted
+
+    def _resolve_adapter(self, t: Ticket) -> bool | None:
+        """Sets the ticket's adapter index from the pool (loading the adapter if needed): True;
+        False when it must wait for room; None when it failed (the ticket got the error)."""
+        if not t.adapter_id or self.adapters is None:
+            return True
+        try:
+            index = self.adapters.make_resident(self.ranks, t.adapter_id)
+        except ServeError as e:
+            self._fail(t, e)
+            return None
+        if index is None:
+            return False
+        t.adapter_index = index
+        return True
+
+    def _fail(self, t: Ticket, error: BaseException) -> None:
+        with self._cv:
+            self._live.pop(t.request_id, None)
+        self._release_adapter(t)
+        t.events.put(error)
+
+    def _release_adapter(self, t: Ticket) -> None:
+        if t.adapter_id and self.adapters is not None:
+            self.adapters.release(t.adapter_id, t.admitted is not None)
 
     def _admit(self, t: Ticket) -> None:
         try:
             self.engine.add(t.prompt, t.params, t.request_id, adapter=t.adapter_index)
         except ValidationError as e:  # checked by the handler already; a race or a bug
-            with self._cv:
-                self._live.pop(t.request_id, None)
-            t.events.put(e)
+            self._fail(t, e)
             return
+        if t.adapter_id and self.adapters is not None:
+            self.adapters.registry.start(t.adapter_id)
         t.admitted = time.monotonic()
         self.metrics.queue_time.observe(t.admitted - t.arrival)
         self.metrics.prompt_tokens.inc(len(t.prompt))
@@ -262,6 +349,7 @@ class Scheduler:
                 if t.request_id == rid:
                     self._waiting.remove(t)
                     t.cancel_reason = reason
+                    self._release_adapter(t)
                     t.events.put(TokenEvent(rid, None, "", finish_reason="cancelled"))
                     return
             t2 = self._live.get(rid)
@@ -287,6 +375,9 @@ class Scheduler:
         self.metrics.step_time.observe(now - t0)
         if running:
             self.metrics.batch_size.observe(running)
+            with self._cv:
+                adapters = {t.adapter_id for t in self._live.values() if t.adapter_id and t.admitted is not None}
+            self.metrics.adapters_per_step.observe(len(adapters))
         for ev in events:
             self._deliver(ev, now)
         self._update_gauges()
@@ -298,8 +389,12 @@ class Scheduler:
                 del self._live[ev.request_id]
         if t is None:
             return
+        if ev.finish_reason is not None:
+            self._release_adapter(t)
         if ev.token_id is not None:
             self.metrics.generated_tokens.inc()
+            if t.adapter_id:
+                self.metrics.adapter_tokens.labels(adapter=t.adapter_id).inc()
             if t.last_token is None:
                 self.metrics.ttft.observe(now - t.arrival)
             else:

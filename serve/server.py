@@ -32,6 +32,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serve.adapter_pool import AdapterPool
 from serve.adapters import AdapterRegistry
 from serve.admission import JobAdmission
 from serve.auth import AuthInterceptor, load_token
@@ -94,6 +95,9 @@ class ServeConfig:
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
+    max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapter_pool.py)
+    max_cpu_loras: int = 8  # more adapters kept in host memory
+    max_lora_rank: int = 64  # adapters of a higher rank are refused
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -102,7 +106,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_open_calls", "job_memory_limit"):
+                 "max_queued_jobs", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -111,6 +115,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
             raise ConfigError(f"--{name.replace('_', '-')} must be a port number, got {getattr(cfg, name)}")
     if cfg.http_port is not None and not 0 <= cfg.http_port <= 65535:
         raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
+    if cfg.max_cpu_loras < 0:
+        raise ConfigError(f"--max-cpu-loras must be at least 0, got {cfg.max_cpu_loras}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
@@ -252,17 +258,20 @@ class App:
         cfg = self.cfg
         executor = RankExecutor(model, engine, cfg.model, Path(cfg.data_dir))
         ranks = RankGroup(ctx, executor)
-        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, cfg.max_batch_size,
-                                   keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken)
         adapters = AdapterRegistry()
-        self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, adapters, Path(cfg.model), tokenizer,
+        pool = AdapterPool(adapters, Path(cfg.data_dir), self.metrics, model.config, cfg.max_loras, cfg.max_cpu_loras,
+                           cfg.max_lora_rank)
+        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, cfg.max_batch_size,
+                                   keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
+                                   adapters=pool)
+        self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
                                engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact)
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=cfg.max_batch_size,
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
-        generation = GenerationService(self.scheduler, tokenizer, facts, adapters)
+        generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
         admission = self._job_admission(ctx, model)
         if self.http is not None:

@@ -469,7 +469,57 @@ def check_rank_protocol(ctx: TPContext, wd: Path) -> None:
     assert records == [(want, 1)] * ctx.world_size, records
 
 
+# Adapters routed per row in one batch: (targets, rank), different ranks and target sets.
+ENGINE_ADAPTERS = ((("q", "v", "down"), 4), (("k", "o"), 2), (("gate", "up"), 8),
+                   (("q", "k", "v", "o", "gate", "up", "down"), 3))
+
+
+def _install_adapters(engine: Engine) -> None:
+    """Installs ENGINE_ADAPTERS under indices 1.. with non-zero B (the same on every rank)."""
+    from tprt.lora.attach import build_lora
+
+    model = engine.runner.model
+    for index, (targets, rank) in enumerate(ENGINE_ADAPTERS, start=1):
+        adapter = build_lora(model, targets, rank, 2.0 * rank, seed=index)
+        gen = torch.Generator().manual_seed(index)
+        with torch.no_grad():
+            for _, module in adapter.pieces:
+                for b in module.lora_B.values():
+                    b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+        engine.runner.adapters.install(index, adapter)
+
+
+def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
+    """Base rows and rows of four adapters (different ranks and targets) prefilled and decoded in
+    the same batches give every request the tokens and log-probabilities it gets alone."""
+    prompts = _ref(wd)["prompts"]
+    # (prompt, adapter index): one prompt under the base model and every adapter, another under two
+    requests = [(prompts[0], a) for a in range(5)] + [(prompts[1], 2), (prompts[1], 4)]
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        def run(batch: list[int]) -> dict[str, Completion]:
+            for i in batch:
+                engine.add(requests[i][0], _greedy(5, logprobs=True), str(i), adapter=requests[i][1])
+            return run_to_completion(engine)
+
+        alone = {str(i): run([i])[str(i)] for i in range(len(requests))}
+        mixed = run(list(range(len(requests))))
+        return {k: (alone[k].token_ids, alone[k].logprobs, mixed[k].token_ids, mixed[k].logprobs) for k in alone}
+
+    plans: list[StepPlan] = []
+    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn, plans, model=model, setup=_install_adapters)
+    assert any(p.decode and len(set(p.decode.adapters)) == 5 for p in plans), "no decode step mixed all five"
+    assert any(p.prefill and len(set(p.prefill.adapters)) == 5 for p in plans), "no prefill mixed all five"
+    for k, (ids, lps, mixed_ids, mixed_lps) in out.items():
+        assert mixed_ids == ids, f"request {k}"
+        assert max(abs(a - b) for a, b in zip(mixed_lps, lps)) < 1e-4, f"request {k}"
+    for k in ("1", "2", "3", "4"):  # each adapter changes the base model's outputs for prompt 0
+        assert max(abs(a - b) for a, b in zip(out[k][1], out["0"][1])) > 1e-3, f"adapter {k} changed nothing"
+
+
 CHECKS: Checks = [
+    ("mixed_adapters", check_mixed_adapters),
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
     ("join_midrun", check_join_midrun),

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from serve.adapter_pool import AdapterPool
 from serve.adapters import AdapterRegistry
 from serve.errors import FailedPrecondition, NotFound, Unavailable
 from serve.finetune import JobManager
@@ -80,7 +81,7 @@ class FakeRanks:
             case TrainAbort():
                 return self._train_abort()
             case LoadAdapter():
-                return self._load_adapter(cmd.adapter_id, cmd.path)
+                return self._load_adapter(cmd.adapter_id, cmd.path, cmd.index)
 
     def _train_start(self, config: Any, dataset: Any, resume: bool) -> TrainStarted:
         self.started.append({"config": config, "dataset": dataset, "resume": resume})
@@ -108,11 +109,11 @@ class FakeRanks:
     def _train_abort(self) -> None:
         self._config = None
 
-    def _load_adapter(self, adapter_id: str, path: str) -> AdapterLoaded:
+    def _load_adapter(self, adapter_id: str, path: str, index: int) -> AdapterLoaded:
         if not Path(path).is_dir():
             raise CommandFailed(f"{path}: no such adapter")
         self.loaded.append(adapter_id)
-        return AdapterLoaded(rank=4, alpha=8.0, index=len(self.loaded))
+        return AdapterLoaded(rank=4, alpha=8.0, index=index)
 
 
 class FakeContext:
@@ -143,10 +144,11 @@ class Server:
         self.recovered = self.store.recover(data_dir)  # as App does at start-up
         self.metrics = Metrics()
         self.adapters = AdapterRegistry()
+        self.pool = AdapterPool(self.adapters, data_dir, self.metrics)
         self.wakes = 0
         self.woken = threading.Event()
         self.ranks = FakeRanks()
-        self.jobs = JobManager(self.store, data_dir, self.metrics, self.adapters, data_dir / "model", tokenizer,
+        self.jobs = JobManager(self.store, data_dir, self.metrics, self.pool, data_dir / "model", tokenizer,
                                CONTEXT, self._wake)
 
     def _wake(self) -> None:

@@ -53,6 +53,15 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, float]] = {  # name -> (config
     "tied-mlp": ("tied", ("q", "gate", "up"), 8, 8.0),
 }
 CONFIG_SEEDS = {"gqa": 20, "rope_pad": 21, "tied": 22}
+# Adapters served side by side in one batch (tprt.lora.routing) on the gqa model: different ranks
+# and target sets. name -> (targets, rank, alpha)
+MIXED: dict[str, tuple[tuple[str, ...], int, float]] = {
+    "all-r4": (("q", "k", "v", "o", "gate", "up", "down"), 4, 8.0),
+    "q-r2": (("q",), 2, 4.0),
+    "kvo-down-r8": (("k", "v", "o", "down"), 8, 16.0),
+    "mlp-r3": (("gate", "up"), 3, 6.0),
+}
+MIXED_ROWS = (0, 1, 2, 3, 4, 2)  # each row's adapter: 0 the base model, i MIXED's i-th
 TPS = (1, 2, 4)
 LR = 5e-3
 
@@ -126,7 +135,30 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
     for case, (name, *_) in CASES.items():
         torch.save(_reference(root / f"{name}-hf", case), root / f"{case}-ref.pt")
+    torch.save(_mixed_reference(root / "gqa-hf", root / "mixed"), root / "mixed-ref.pt")
     return root
+
+
+def _mixed_reference(hf_dir: Path, out: Path) -> dict[str, Any]:
+    """PEFT's logits of each MIXED_ROWS row with its adapter alone (random A and B, saved with
+    save_pretrained under out/<name>), and the plain model's for base rows."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ids = torch.randint(3, base.config.vocab_size, (len(MIXED_ROWS), 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    logits = plain.clone()
+    for i, (name, (targets, rank, alpha)) in enumerate(MIXED.items(), start=1):
+        torch.manual_seed(i)
+        model = get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                               _peft_config(targets, rank, alpha))
+        model.save_pretrained(out / name)
+        rows = [r for r, a in enumerate(MIXED_ROWS) if a == i]
+        with torch.no_grad():
+            logits[rows] = model(input_ids=ids[rows]).logits
+    return {"ids": ids, "logits": logits, "plain": plain}
 
 
 # ----------------------------------------------------------------------------- helpers (every rank)
@@ -244,7 +276,37 @@ def check_merge(ctx: TPContext, workdir: Path, case: str) -> None:
     compare_to_ref(model, ref["merged"], "weight", 1e-6)
 
 
+def check_mixed_batch(ctx: TPContext, workdir: Path) -> None:
+    """One batch of base rows and rows of four adapters (different ranks and targets, read from
+    PEFT's save_pretrained): every row's logits equal that row run alone with its adapter, and
+    PEFT's on the unsharded model."""
+    from tprt.lora.routing import AdapterPool
+
+    ref = torch.load(workdir / "mixed-ref.pt")
+    model = load_model(workdir / f"gqa-tp{ctx.world_size}", ctx).eval()
+    prepack(model, tune=False)  # as the server's runner does
+    pool = AdapterPool(model)
+    for i, name in enumerate(MIXED, start=1):
+        pool.install(i, read_adapter(model, workdir / "mixed" / name, ctx))
+    ids = ref["ids"]
+    with torch.no_grad():
+        # MIXED_ROWS pads its groups and has a base row; the second routing has neither (every row
+        # in exactly one full group: the deltas go back by a gather instead of a scatter-add).
+        for rows in (MIXED_ROWS, (3, 1, 1, 3, 2, 2)):
+            pool.route(rows, ids.device)
+            mixed = model.gather_logits(model(ids))
+            for r, adapter in enumerate(rows):
+                pool.route([adapter], ids.device)
+                alone = model.gather_logits(model(ids[r : r + 1]))[0]
+                assert_rel(mixed[r], alone, f"row {r} (adapter {adapter}) of {rows} vs alone", 1e-5)
+                if rows == MIXED_ROWS:
+                    assert_rel(mixed[r], ref["logits"][r], f"row {r} (adapter {adapter}) vs PEFT", 1e-5)
+                    changed = (mixed[r] - ref["plain"][r]).abs().max().item()
+                    assert (changed > 1e-3) == (adapter != 0), f"row {r}: adapter {adapter} changed {changed:.1e}"
+
+
 CHECKS: Checks = [
+    ("mixed_batch", check_mixed_batch),
     *((f"{c}-{kind}", partial(fn, case=c)) for c in CASES
       for kind, fn in (("forward_backward", check_forward_backward), ("steps", check_steps), ("merge", check_merge))),
 ]

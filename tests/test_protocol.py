@@ -15,8 +15,8 @@ import torch
 
 from serve.executor import RankExecutor
 from tprt.distributed.context import TPContext
-from tprt.distributed.protocol import (AdapterLoaded, Command, Header, LoadAdapter, RankCommand, Tag, TrainAbort,
-                                       TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult,
+from tprt.distributed.protocol import (AdapterLoaded, Command, Header, LoadAdapter, MoveAdapter, RankCommand, Tag,
+                                       TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult,
                                        send_command, send_signal, send_step)
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.engine.plan import StepPlan
@@ -31,7 +31,8 @@ def _train_start() -> TrainStart:
 
 
 def _every_command() -> list[Command[Any]]:
-    return [_train_start(), TrainStep(), TrainSave(), TrainFinish(1.25), TrainAbort(), LoadAdapter("tuned", "/a")]
+    return [_train_start(), TrainStep(), TrainSave(), TrainFinish(1.25), TrainAbort(), LoadAdapter("tuned", "/a", 3),
+            MoveAdapter(3, "host")]
 
 
 @pytest.mark.parametrize("tag", list(Tag))
@@ -95,15 +96,17 @@ def test_executor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(executor, "_cmd_train_save", handler("save", "ckpt/step-3"))
     monkeypatch.setattr(executor, "_cmd_train_finish", handler("finish", "out/adapter"))
     monkeypatch.setattr(executor, "_cmd_load_adapter", handler("load", AdapterLoaded(8, 16.0, 1)))
+    monkeypatch.setattr(executor, "_cmd_move_adapter", handler("move", None))
     ranks = RankGroup(ctx, executor)
     start = _train_start()
     assert ranks.run(start) == TrainStarted(2, 10)
     assert ranks.run(TrainStep()) == step
     assert ranks.run(TrainSave()) == "ckpt/step-3"
     assert ranks.run(TrainFinish(1.25)) == "out/adapter"
-    assert ranks.run(LoadAdapter("tuned", "/a")) == AdapterLoaded(rank=8, alpha=16.0, index=1)
+    assert ranks.run(LoadAdapter("tuned", "/a", 1)) == AdapterLoaded(rank=8, alpha=16.0, index=1)
+    assert ranks.run(MoveAdapter(1, "host")) is None
     assert calls == [("start", (start.config, start.dataset, True)), ("step", ()), ("save", ()),
-                     ("finish", (1.25,)), ("load", ("tuned", "/a"))]
+                     ("finish", (1.25,)), ("load", ("tuned", "/a", 1)), ("move", (1, "host"))]
 
     executor.trainer = object()
     assert ranks.run(TrainAbort()) is None and executor.trainer is None  # the real handler

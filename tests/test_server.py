@@ -29,7 +29,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +167,8 @@ def server_args(root: Path, data: Path | None = None) -> list[str]:
             "--data-dir", str(data or root / "data"), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
             "--drain-timeout", "20", "--threads", "1", "--collective-timeout", "30",
-            "--max-message-bytes", str(MAX_MESSAGE)]
+            "--max-message-bytes", str(MAX_MESSAGE), "--max-loras", "2", "--max-cpu-loras", "1",
+            "--max-lora-rank", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -702,3 +703,149 @@ def test_serve_demo_walkthrough(workdir: Path, capsys: pytest.CaptureFixture[str
     assert lines[-1].endswith("exited with status 0"), lines[-1]
     answers = [line for line in capsys.readouterr().out.splitlines() if line.startswith("    assistant: ")]
     assert len(answers) == 2 and all(len(a) > len("    assistant: ") for a in answers), answers
+
+
+# ----------------------------------------------------------------- many adapters
+
+
+POOL_ADAPTERS = {"pool-a": (("q", "v"), 2), "pool-b": (("k", "o", "down"), 8), "pool-c": (("gate", "up"), 4),
+                 "pool-d": (("q", "k", "v", "o", "gate", "up", "down"), 3)}  # name -> (targets, rank)
+
+
+def _write_random_adapter(workdir: Path, path: Path, targets: tuple[str, ...], rank: int, seed: int,
+                          hidden: int | None = None) -> None:
+    """A PEFT adapter directory for the test model (random A and B: it changes the outputs);
+    `hidden` other than the model's: an adapter built for another base model."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tprt.lora.fit import in_out
+    from tprt.lora.peft_io import adapter_config, peft_key
+    from tprt.model.config import ModelConfig
+
+    c = ModelConfig.from_dict(json.loads((workdir / "model" / "hf" / "config.json").read_text()))
+    if hidden is not None:
+        c = replace(c, hidden_size=hidden)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_hidden_layers):
+        for t in targets:
+            n_in, n_out = in_out(c, t)
+            tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
+            tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * 0.5
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config(targets, rank, 2.0 * rank, 0.0, None)))
+
+
+def _answer(client: Client, ids: list[int], adapter_id: str = "", n: int = 6) -> tuple[list[int], list[float], Any]:
+    out = client.complete(prompt_ids=ids, adapter_id=adapter_id, max_new_tokens=n, temperature=0, ignore_eos=True,
+                          logprobs=True)
+    return [t.id for t in out.tokens], [t.logprob for t in out.tokens], out.usage
+
+
+def _same(got: tuple[list[int], list[float], Any], want: tuple[list[int], list[float], Any], what: str) -> None:
+    assert got[0] == want[0], what
+    assert max(abs(a - b) for a, b in zip(got[1], want[1])) < 1e-4, what
+
+
+def test_many_adapters_share_batches_through_the_pool(workdir: Path, server: ServerProcess, client: Client) -> None:
+    """Four adapters (ranks 2-8, different targets) loaded on demand from --data-dir/adapters/ on a
+    server holding two on the device and one in host memory (server_args): concurrent streams
+    across them and the base model get what each gets alone, through evictions and reloads; a
+    pinned adapter stays on the device; errors name their field; the adapter metrics move."""
+    data = workdir / "data"
+    for seed, (name, (targets, rank)) in enumerate(POOL_ADAPTERS.items()):
+        _write_random_adapter(workdir, data / "adapters" / name, targets, rank, seed)
+    ids = list(client.tokenize("Q3: say hi").ids)
+    names = ["", *POOL_ADAPTERS]
+    alone = {name: _answer(client, ids, name) for name in names}  # each loaded on demand; two evicted meanwhile
+    for name in POOL_ADAPTERS:  # each adapter changes the outputs
+        assert max(abs(a - b) for a, b in zip(alone[name][1], alone[""][1])) > 1e-3, name
+    tiers = {a.id: a for a in client.list_adapters()}
+    assert sum(a.tier == "device" for a in tiers.values()) == 2 and sum(a.tier == "host" for a in tiers.values()) == 1
+    assert {n: (tuple(tiers[n].targets), tiers[n].rank) for n in POOL_ADAPTERS} == POOL_ADAPTERS
+
+    def stream(i: int) -> tuple[list[int], list[float], Any]:
+        chunks = list(client.generate(prompt_ids=ids, adapter_id=names[i % 5], max_new_tokens=6, temperature=0,
+                                      ignore_eos=True, logprobs=True))
+        return [c.token.id for c in chunks if c.HasField("token")], \
+            [c.token.logprob for c in chunks if c.HasField("token")], chunks[-1].usage
+
+    with ThreadPoolExecutor(10) as threads:
+        for i, got in enumerate(threads.map(stream, range(10))):
+            _same(got, alone[names[i % 5]], f"stream {i} ({names[i % 5] or 'base'})")
+    m = server.metrics()
+    assert metric(m, "tprt_adapter_evictions_total", tier="device") >= 2
+    assert metric(m, "tprt_adapter_loads_total") >= 4 and metric(m, "tprt_adapters", tier="device") == 2
+    assert metric(m, "tprt_adapter_requests_total", adapter="pool-b") >= 1
+    assert metric(m, "tprt_adapter_generated_tokens_total", adapter="pool-b") >= 6
+    steps = metric(m, "tprt_adapters_per_step_count")
+    assert 0 < metric(m, "tprt_adapters_per_step_bucket", le="1.0") < steps  # some steps mixed adapters
+
+    # Pinned: requests for the three others evict around it.
+    pinned = client.load_adapter("pool-a", path="adapters/pool-a", pin=True)
+    assert (pinned.tier, pinned.pinned, pinned.rank) == ("device", True, 2)
+    for name in ("pool-b", "pool-c", "pool-d", "pool-b"):
+        _same(_answer(client, ids, name), alone[name], f"{name} after evictions")
+    tiers = {a.id: a for a in client.list_adapters()}
+    assert tiers["pool-a"].tier == "device" and tiers["pool-a"].pinned and tiers["pool-b"].tier == "device"
+    _same(_answer(client, ids, "pool-a"), alone["pool-a"], "pool-a reloaded pinned")
+
+    # Errors name their field.
+    _write_random_adapter(workdir, data / "adapters" / "other-base", ("q",), 2, 9, hidden=48)
+    _write_random_adapter(workdir, data / "big-rank", ("q",), 32, 9)
+    for call, code, field in (
+        (lambda: client.load_adapter("x", path="../elsewhere"), grpc.StatusCode.INVALID_ARGUMENT, "path"),
+        (lambda: client.load_adapter("x", path="big-rank"), grpc.StatusCode.INVALID_ARGUMENT, "path"),
+        (lambda: client.load_adapter("x", path="adapters/other-base"), grpc.StatusCode.INVALID_ARGUMENT, "path"),
+        (lambda: client.load_adapter("x", path="no-such-dir"), grpc.StatusCode.NOT_FOUND, "path"),
+        (lambda: client.load_adapter("bad id!", path="adapters/pool-a"), grpc.StatusCode.INVALID_ARGUMENT, "id"),
+        (lambda: client.load_adapter(job_id="job-none"), grpc.StatusCode.NOT_FOUND, "job_id"),
+        (lambda: client.complete(prompt_ids=ids, adapter_id="other-base"), grpc.StatusCode.INVALID_ARGUMENT,
+         "adapter_id"),
+        (lambda: client.unload_adapter("no-such-adapter"), grpc.StatusCode.NOT_FOUND, "id"),
+    ):
+        err = rpc_error(call)
+        assert (err.code(), field_of(err)) == (code, field), err.details()
+    assert "another base model" in rpc_error(lambda: client.load_adapter("x", path="adapters/other-base")).details()
+    listed = subprocess.run([sys.executable, "-m", "tprt.cli", "client", "--server", server.target, "--token-file",
+                             str(workdir / "token"), "adapters", "list"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "pool-a  device  rank 2" in listed.stdout and "pinned" in listed.stdout, listed
+    client.unload_adapter("pool-a")  # pinned adapters unload too
+    assert "pool-a" not in {a.id for a in client.list_adapters()}
+
+
+def test_unloading_lets_requests_in_flight_finish(workdir: Path, client: Client) -> None:
+    """UnloadAdapter returns once the adapter's streams have finished; meanwhile new requests for it
+    are refused; reloaded (on demand, from its directory), it answers as before, and no keys or
+    values cached under the earlier load are reused."""
+    path = workdir / "data" / "adapters" / "pool-e"
+    _write_random_adapter(workdir, path, ("q", "down"), 4, 11)
+    ids = list(client.tokenize("Q5: say hi").ids)
+    first = _answer(client, ids, "pool-e")
+    assert _answer(client, ids, "pool-e")[2].cached_prompt_tokens > 0  # its prefix is reused while loaded
+    n_long = 1500
+    long_stream = client.generate(prompt_ids=ids, adapter_id="pool-e", max_new_tokens=n_long, temperature=0,
+                                  ignore_eos=True)
+    next(long_stream)  # it is running
+
+    def refused() -> bool:
+        try:
+            client.complete(prompt_ids=ids, adapter_id="pool-e", max_new_tokens=1)
+            return False
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.NOT_FOUND, e.details()
+            return True
+
+    with ThreadPoolExecutor(1) as threads:
+        unloaded = threads.submit(client.unload_adapter, "pool-e")
+        wait_for(refused, 30, "requests for an adapter being unloaded to be refused")
+        assert not unloaded.done() and "pool-e" in {a.id for a in client.list_adapters()}  # its stream runs
+        rest = list(long_stream)
+        unloaded.result(timeout=60)
+    assert rest[-1].usage.completion_tokens == n_long and rest[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+    assert "pool-e" not in {a.id for a in client.list_adapters()}
+    again = _answer(client, ids, "pool-e")  # on demand again: a new load
+    _same(again, first, "pool-e reloaded")
+    assert again[2].cached_prompt_tokens == 0

@@ -92,6 +92,7 @@ class AdapterLoaded:
     rank: int
     alpha: float
     index: int  # where the ranks hold the adapter: what a step plan routes rows to
+    targets: tuple[str, ...] = ()  # the projections it adapts (q, k, v, o, gate, up, down)
 
 
 @dataclass(frozen=True)
@@ -127,13 +128,24 @@ class TrainAbort(Command[None]):
 
 @dataclass(frozen=True)
 class LoadAdapter(Command[AdapterLoaded]):
-    """Loads a PEFT LoRA adapter into the served model (reloading an id keeps its index)."""
+    """Loads a PEFT LoRA adapter into the served model under `index` (rank 0 gives every load a
+    new one, so keys and values cached for an earlier load are never matched), on the device.
+    index 0: the executor picks one (a new index per id)."""
 
     adapter_id: str
     path: str
+    index: int = 0
 
 
-RankCommand = TrainStart | TrainStep | TrainSave | TrainFinish | TrainAbort | LoadAdapter
+@dataclass(frozen=True)
+class MoveAdapter(Command[None]):
+    """Moves a loaded adapter between tiers: "device" (routable), "host" (host memory) or "drop" (forgotten)."""
+
+    index: int
+    tier: str
+
+
+RankCommand = TrainStart | TrainStep | TrainSave | TrainFinish | TrainAbort | LoadAdapter | MoveAdapter
 
 
 # ----------------------------------------------------------------- transport (TP group, from rank 0)

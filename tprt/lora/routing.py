@@ -4,24 +4,37 @@ A server keeps every loaded adapter on the model at once, in an `AdapterPool` (t
 runner holds one). Each targeted base layer gets one `AdapterSet` as its `adapter`, holding that
 layer's module of every installed adapter by a small integer index (0 is reserved for the base
 model). Before each forward call the pool's owner routes the batch's rows (`route`: which index
-each row uses); every AdapterSet then applies each adapter to its rows only: the whole batch at
-once when all rows share one adapter, otherwise per group of rows (gathered, adapted, scattered
-back). Rows of the base model pass through untouched, so a batch without adapter rows costs
-nothing beyond a Python check per layer.
+each row uses); every AdapterSet then applies each adapter to its rows only. When all rows share
+one adapter, its module runs on the whole batch. Otherwise (Punica's grouped idea) the rows are
+grouped by adapter once per routing, each group padded to the largest group's size, and each
+target of a set costs the same few operations however many adapters the batch mixes: one gather
+of the adapter rows' inputs, each group's A and B picked from the set's stacks of every member's
+factors (zero-padded to the largest rank, B pre-scaled by alpha / r; position 0 is all zeros for
+adapters that do not target this layer), two batched matmuls over the groups, and one
+index_add_ of the deltas into the base output (padding rows masked to zero). Rows of the base
+model are in no group: they pay nothing, and a batch without adapter rows costs only a Python
+check per layer.
 
 Routing is decided on the host from the plan, identically on every TP rank, and involves no
 communication: a LoRA module's own TP rules (row-parallel deltas added before the base
 all-reduce) are unchanged.
+
+Tiers: an installed adapter is on the model's device and can be routed to; `offload` takes it off
+the layers and keeps its modules in host memory (`host`), `restore` puts them back under the same
+index, `drop` forgets it. Which adapters sit in which tier is rank 0's decision (serve/adapter_pool.py);
+every rank applies the same moves, so the tiers agree across the TP group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from tprt.lora.attach import LoRAAdapter
+from tprt.lora.modules import LoRAModule
 from tprt.model.llama import TPLlamaForCausalLM
 
 BASE = 0  # the index of "no adapter"
@@ -33,6 +46,10 @@ class AdapterPool:
     def __init__(self, model: TPLlamaForCausalLM) -> None:
         self.model = model
         self.installed: set[int] = set()  # the indices adapters are installed under
+        self.version = 0  # bumped whenever the installed set changes (AdapterSet stacks are rebuilt)
+        self.grouped: Grouped | None = None  # the current mixed routing (None: one adapter or none)
+        self.host: dict[int, LoRAAdapter] = {}  # offloaded adapters (host memory), by index
+        self._device_copies: dict[int, LoRAAdapter] = {}  # what is installed, to offload it again
         # [(adapter index, rows or None for every row)]; empty: every row is the base model
         self.groups: list[tuple[int, torch.Tensor | None]] = []
 
@@ -54,21 +71,87 @@ class AdapterPool:
             linear = site.linear
             if linear.adapter is None:
                 linear.adapter = AdapterSet(self)
-            elif not isinstance(linear.adapter, AdapterSet):
-                raise ValueError("a base layer already has an adapter that is not an AdapterSet")
+            elif not isinstance(linear.adapter, AdapterSet) or linear.adapter.pool is not self:
+                raise ValueError("a base layer already has an adapter that is not this pool's AdapterSet")
             linear.adapter.members[str(index)] = module.eval().requires_grad_(False)
         self.installed.add(index)
+        self.version += 1
+        self._device_copies[index] = adapter
+        self.host.pop(index, None)
+
+    def _uninstall(self, index: int) -> LoRAAdapter | None:
+        """Takes adapter `index`'s modules off every layer; returns the adapter (None: not installed)."""
+        for adapter_set in self.sets():
+            if str(index) in adapter_set.members:
+                del adapter_set.members[str(index)]
+        self.installed.discard(index)
+        self.version += 1
+        return self._device_copies.pop(index, None)
+
+    def offload(self, index: int) -> None:
+        """Moves an installed adapter to host memory; rows can no longer be routed to it."""
+        adapter = self._uninstall(index)
+        if adapter is None:
+            raise KeyError(f"adapter index {index} is not installed")
+        for _, module in adapter.pieces:
+            module.to("cpu")
+        self.host[index] = adapter
+
+    def restore(self, index: int) -> None:
+        """Installs an offloaded adapter again, on the model's device, under the same index."""
+        adapter = self.host.pop(index, None)
+        if adapter is None:
+            raise KeyError(f"adapter index {index} is not in host memory")
+        device = self.model.tp.device
+        for _, module in adapter.pieces:
+            module.to(device)
+        self.install(index, adapter)
+
+    def drop(self, index: int) -> None:
+        """Forgets adapter `index`, installed or offloaded (no-op when unknown)."""
+        self._uninstall(index)
+        self.host.pop(index, None)
 
     def route(self, row_adapters: Sequence[int], device: torch.device) -> None:
         """Sets the rows of the next forward call: row_adapters[b] is row b's adapter index."""
         indices = set(row_adapters) - {BASE}
+        self.grouped = None
         if not indices:
             self.groups = []
         elif len(set(row_adapters)) == 1:
             self.groups = [(row_adapters[0], None)]
         else:
-            self.groups = [(i, torch.tensor([b for b, a in enumerate(row_adapters) if a == i], device=device))
-                           for i in sorted(indices)]
+            rows = {i: [b for b, a in enumerate(row_adapters) if a == i] for i in sorted(indices)}
+            self.groups = [(i, torch.tensor(r, device=device)) for i, r in rows.items()]
+            self.grouped = Grouped.of(rows, device)
+
+
+class Grouped:
+    """A mixed routing's rows grouped by adapter: `perm` [groups * size] the rows of each group in
+    turn, each group padded to `size` by repeating its first row; `mask` [groups * size, 1] zero
+    on padding (None without padding); `indices` each group's adapter index; `inverse` where each
+    row is in `perm` when every row is there once (no padding, no base rows: the deltas are then
+    put back in row order with a gather, cheaper than a scatter-add), else None."""
+
+    def __init__(self, indices: tuple[int, ...], perm: torch.Tensor, mask: torch.Tensor | None, size: int,
+                 inverse: torch.Tensor | None) -> None:
+        self.indices = indices
+        self.perm = perm
+        self.mask = mask
+        self.size = size
+        self.inverse = inverse
+
+    @classmethod
+    def of(cls, rows: dict[int, list[int]], device: torch.device) -> Grouped:
+        size = max(len(r) for r in rows.values())
+        perm = [b for r in rows.values() for b in r + [r[0]] * (size - len(r))]
+        real = [1.0 * (j < len(r)) for r in rows.values() for j in range(size)]
+        mask = None if all(real) else torch.tensor(real, device=device)[:, None]
+        inverse = None
+        if mask is None and sorted(perm) == list(range(len(perm))):
+            where = {b: j for j, b in enumerate(perm)}
+            inverse = torch.tensor([where[b] for b in range(len(perm))], device=device)
+        return cls(tuple(rows), torch.tensor(perm, device=device), mask, size, inverse)
 
 
 class AdapterSet(nn.Module):
@@ -78,6 +161,14 @@ class AdapterSet(nn.Module):
         super().__init__()
         self.pool = pool
         self.members = nn.ModuleDict()  # str(adapter index) -> that adapter's module for this layer
+        # Per target: (A [1 + members, r_max, in], B * scale [1 + members, out, r_max], (start, stop) or
+        # None for every output column), built for pool version `_version`; `_slots` adapter index -> position.
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]] = {}
+        self._slots: dict[int, int] = {}
+        self._version = -1
+        # The groups' factors picked from the stacks for the last routing's adapters, per target:
+        # a decode step routes like the one before it, so the gathers are reused until it changes.
+        self._picked: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]] = ((), [])
 
     def applies(self) -> bool:
         """Whether the current routing sends rows to a member of this set (tprt.parallel.layers.adapted)."""
@@ -85,6 +176,9 @@ class AdapterSet(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [rows, ...] the layer's input, y [rows, ...] its base output."""
+        grouped = self.pool.grouped
+        if grouped is not None and not torch.is_grad_enabled():
+            return self._grouped(grouped, x, y)
         for index, rows in self.pool.groups:
             if str(index) not in self.members:  # this adapter does not target this layer
                 continue
@@ -94,3 +188,59 @@ class AdapterSet(nn.Module):
             else:
                 y = y.index_copy(0, rows, member(x.index_select(0, rows), y.index_select(0, rows)))
         return y
+
+    def _grouped(self, g: Grouped, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The grouped path (see the module docstring); y is updated in place."""
+        n = len(g.indices)
+        xs = x.index_select(0, g.perm)  # [groups * size, ..., in]
+        xg = xs.reshape(n, -1, xs.shape[-1])  # [groups, size * tokens, in]
+        for a_t, b_t, cols in self._factors(g.indices, x.device):
+            z = torch.bmm(xg, a_t)  # [groups, size * tokens, r]
+            d = torch.bmm(z, b_t)  # [groups, size * tokens, out]
+            d = d.reshape(*xs.shape[:-1], d.shape[-1])
+            if g.mask is not None:
+                d = d * g.mask.view(-1, *([1] * (d.dim() - 1)))
+            dest = y if cols is None else y[..., cols[0] : cols[1]]
+            if g.inverse is not None:
+                dest.add_(d.index_select(0, g.inverse))
+            else:
+                dest.index_add_(0, g.perm, d)
+        return y
+
+    def _factors(self, indices: tuple[int, ...], device: torch.device
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]:
+        """Per target: A^T [groups, in, r] and (scale B)^T [groups, r, out] of the groups' adapters
+        (zeros for one that does not target this layer), and the output columns they add to."""
+        stacks = self._current_stacks()
+        key = (self.pool.version, *indices)
+        if self._picked[0] != key:
+            positions = torch.tensor([self._slots.get(i, 0) for i in indices], device=device)
+            picked = [(a.index_select(0, positions).transpose(1, 2).contiguous(),
+                       b.index_select(0, positions).transpose(1, 2).contiguous(), cols) for a, b, cols in stacks.values()]
+            self._picked = (key, picked)
+        return self._picked[1]
+
+    def _current_stacks(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]:
+        """Every member's factors stacked per target (rebuilt when the installed adapters change)."""
+        if self._version == self.pool.version:
+            return self._stacks
+        members = sorted((int(k), cast(LoRAModule, m)) for k, m in self.members.items())
+        self._slots = {index: pos for pos, (index, _) in enumerate(members, start=1)}
+        self._stacks = {}
+        targets = dict.fromkeys(t for _, m in members for t in m.lora_A)
+        for t in targets:
+            having = [(pos, m) for pos, (_, m) in enumerate(members, start=1) if t in m.lora_A]
+            first = having[0][1]
+            a0, b0 = first.lora_A[t], first.lora_B[t]
+            r_max = max(m.lora_A[t].shape[0] for _, m in having)
+            a_stack = a0.new_zeros(len(members) + 1, r_max, a0.shape[1])
+            b_stack = b0.new_zeros(len(members) + 1, b0.shape[0], r_max)
+            for pos, m in having:
+                r = m.lora_A[t].shape[0]
+                a_stack[pos, :r] = m.lora_A[t].detach()
+                b_stack[pos, :, :r] = m.lora_B[t].detach() * m.scale
+            segments = getattr(first, "segments", None)
+            cols = None if segments is None else (segments[t].start, segments[t].stop)
+            self._stacks[t] = (a_stack, b_stack, cols)
+        self._version = self.pool.version
+        return self._stacks

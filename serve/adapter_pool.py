@@ -1,0 +1,238 @@
+"""Rank 0's adapter pool: which LoRA adapters sit on the device, which in host memory, which on disk.
+
+Up to `max_loras` adapters are on the device (installed in every rank's model, routable), up to
+`max_cpu_loras` more in host memory (a move back is a copy, not a read from disk); the rest are
+only known by their directory. When a request needs an adapter that is not on the device, the
+least recently used device adapter that is neither pinned nor has rows in the running batch moves
+to host memory (and the least recently used host adapter beyond `max_cpu_loras` is dropped), then
+the wanted one is restored from host memory or loaded from disk. When no device adapter can make
+room, the request waits in the queue (requests for other adapters go ahead).
+
+Every load gets a new index (a load generation): the engine's prefix cache keys keys and values by
+index (tprt.engine.prefix_cache), so an unloaded or reloaded adapter's cached blocks never match.
+A move between device and host keeps the index: the weights are the same.
+
+Threads: `acquire`/`release`, `describe` and `begin_unload` run on handler threads; everything that
+sends a command to the ranks (`load`, `make_resident`, `finish_unloads`) runs on the scheduler thread
+(or at start-up, before it runs), the only one that talks to the ranks.
+
+On-demand loading: a request naming an adapter that is not registered but whose directory exists
+as `--data-dir/adapters/<id>/` registers it (on disk) and loads it when the request joins the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
+from serve.adapters import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
+from serve.errors import FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
+from serve.jobspec import ADAPTER_ID
+from serve.metrics import Metrics
+from tprt.distributed.protocol import LoadAdapter, MoveAdapter
+from tprt.distributed.ranks import CommandFailed
+from tprt.errors import TprtError
+from tprt.lora.fit import AdapterFacts, check_fits, read_facts
+from tprt.model.config import ModelConfig
+
+log = logging.getLogger("tprt.serve")
+
+ADAPTERS_DIR = "adapters"  # --data-dir/adapters/<id>/: adapters loaded on demand by id
+
+
+class AdapterPool:
+    """The adapter tiers of one server (see the module docstring)."""
+
+    def __init__(self, registry: AdapterRegistry, data_dir: Path, metrics: Metrics | None = None,
+                 base: ModelConfig | None = None, max_loras: int = 8, max_cpu_loras: int = 8,
+                 max_rank: int = 64) -> None:
+        if max_loras < 1 or max_cpu_loras < 0 or max_rank < 1:
+            raise ValueError("max_loras and max_rank must be at least 1, max_cpu_loras at least 0")
+        self.registry = registry
+        self.data_dir = Path(data_dir)
+        self.metrics = metrics
+        self.base = base  # the served model's config: adapters are checked against it (None: not checked)
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.max_rank = max_rank
+        self._indices = itertools.count(1)
+
+    # ----------------------------------------------------------------- handler threads
+
+    def acquire(self, adapter_id: str) -> AdapterInfo:
+        """A request names `adapter_id`: counts it (release it when the request ends). An adapter
+        not yet registered is registered from `--data-dir/adapters/<id>/` when that exists.
+        NotFound otherwise (or while it is being unloaded); InvalidArgument when its files do not
+        fit this server."""
+        info = self.registry.acquire(adapter_id)
+        if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id):
+            path = self.data_dir / ADAPTERS_DIR / adapter_id  # the id's characters keep it a plain name
+            if path.is_dir():
+                facts = self.describe(path, "adapter_id")
+                if not self.registry.has(adapter_id):  # another request may have registered it meanwhile
+                    self.registry.add(AdapterInfo(adapter_id, path, facts.rank, facts.alpha,
+                                                  targets=facts.targets, tier=DISK))
+                info = self.registry.acquire(adapter_id)
+        if info is None:
+            raise NotFound(f"no adapter {echo(adapter_id)} is loaded or under --data-dir/{ADAPTERS_DIR}/ "
+                           "(see ListAdapters)", "adapter_id")
+        if self.metrics is not None:
+            self.metrics.adapter_requests.labels(adapter=adapter_id).inc()
+        return info
+
+    def release(self, adapter_id: str, started: bool) -> None:
+        self.registry.release(adapter_id, started)
+
+    def describe(self, path: Path, field: str) -> AdapterFacts:
+        """The adapter directory's facts, checked against this server (rank limit, base model);
+        InvalidArgument naming `field` otherwise."""
+        try:
+            facts = read_facts(path, self.max_rank)
+            if self.base is not None:
+                check_fits(path, self.base, facts)
+        except TprtError as e:
+            raise InvalidArgument(str(e), field) from None
+        return facts
+
+    def resolve_path(self, given: str) -> Path:
+        """An adapter directory named by a LoadAdapter request: relative to --data-dir (or absolute)
+        and inside it. InvalidArgument('path') outside; NotFound('path') when it is no directory."""
+        root = self.data_dir.resolve()
+        try:
+            path = (root / given).resolve()
+        except (OSError, RuntimeError) as e:
+            raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "path") from None
+        if not path.is_relative_to(root):
+            raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", "path")
+        if not path.is_dir():
+            raise NotFound(f"{echo(given)} is not a directory under the server's --data-dir", "path")
+        return path
+
+    def begin_unload(self, adapter_id: str) -> None:
+        """New requests for the adapter are refused; it leaves once its requests finish
+        (`finish_unloads`, on the scheduler thread). NotFound when it is not registered."""
+        if not self.registry.mark_unloading(adapter_id):
+            raise NotFound(f"no adapter {echo(adapter_id)} is loaded (see ListAdapters)", "id")
+
+    # ----------------------------------------------------------------- scheduler thread
+
+    def load(self, ranks: Any, adapter_id: str, path: Path, pin: bool = False, source_job_id: str = "") -> AdapterInfo:
+        """Loads (or reloads) an adapter onto the device under a new index, making room first.
+        FailedPrecondition when it has requests in flight (a reload) or too many are pinned;
+        QueueFull when no device room can be made (every device adapter pinned or busy);
+        CommandFailed when a rank could not read it."""
+        if self.registry.has(adapter_id) and self.registry.in_flight(adapter_id):
+            raise FailedPrecondition(f"adapter {echo(adapter_id)} has requests in flight; load it again when they "
+                                     "finish, or under another id", "id")
+        return self._load(ranks, adapter_id, path, pin, source_job_id)
+
+    def _load(self, ranks: Any, adapter_id: str, path: Path, pin: bool, source_job_id: str) -> AdapterInfo:
+        old = self.registry.get(adapter_id)
+        if pin and not (old is not None and old.pinned):
+            pinned = sum(a.pinned for a in self.registry.in_tier(DEVICE))
+            if pinned >= self.max_loras:
+                raise FailedPrecondition(f"{pinned} adapters are pinned already, as many as --max-loras allows", "pin")
+        if old is not None:
+            self._drop(ranks, old)
+        if not self._make_room(ranks, adapter_id):
+            if old is not None:  # known again, on disk, as before the attempt
+                self.registry.add(old if old.tier == DISK else _on_disk(old))
+            raise QueueFull(f"all {self.max_loras} device adapter slots hold pinned adapters or adapters in use "
+                            "(--max-loras); retry later", "id")
+        index = next(self._indices)
+        try:
+            loaded = ranks.run(LoadAdapter(adapter_id, str(path), index))
+        except CommandFailed:
+            if old is not None:
+                self.registry.add(_on_disk(old))
+            raise
+        requests = old.requests if old is not None else 0
+        info = AdapterInfo(adapter_id, Path(path), loaded.rank, loaded.alpha, source_job_id, loaded.index,
+                           loaded.targets, DEVICE, pin, requests)
+        self.registry.add(info)
+        if self.metrics is not None:
+            self.metrics.adapter_loads.inc()
+        self._update_gauges()
+        log.info("adapter %s loaded (index %d%s)", adapter_id, loaded.index, ", pinned" if pin else "")
+        return info
+
+    def make_resident(self, ranks: Any, adapter_id: str) -> int | None:
+        """The device index of the adapter, restoring or loading it first when needed; None when
+        no device room can be made now (the request waits). NotFound when it is not registered
+        (it was unloaded); InvalidArgument when its directory can no longer be loaded."""
+        info = self.registry.get(adapter_id)
+        if info is None:
+            raise NotFound(f"adapter {echo(adapter_id)} was unloaded", "adapter_id")
+        if info.tier == DEVICE:
+            return info.index
+        if not self._make_room(ranks, adapter_id):
+            return None
+        if info.tier == HOST:
+            ranks.run(MoveAdapter(info.index, DEVICE))
+            self.registry.update(adapter_id, tier=DEVICE)
+            self._update_gauges()
+            return info.index
+        try:
+            return self._load(ranks, adapter_id, info.path, info.pinned, info.source_job_id).index
+        except CommandFailed as e:
+            raise InvalidArgument(f"adapter {echo(adapter_id)} could not be loaded: {e}", "adapter_id") from None
+
+    def finish_unloads(self, ranks: Any) -> None:
+        """Removes every adapter being unloaded whose requests have finished."""
+        for info in self.registry.unloadable():
+            self._drop(ranks, info)
+            self.registry.remove(info.id)
+            if self.metrics is not None:
+                self.metrics.forget_adapter(info.id)
+            self._update_gauges()
+            log.info("adapter %s unloaded", info.id)
+
+    # ----------------------------------------------------------------- tiers
+
+    def _make_room(self, ranks: Any, wanted: str) -> bool:
+        """Frees a device slot for `wanted` unless it has one or one is free; False when every
+        device adapter is pinned or has rows in the batch."""
+        device = [a for a in self.registry.in_tier(DEVICE) if a.id != wanted]
+        if len(device) < self.max_loras:
+            return True
+        victims = [a for a in device if not a.pinned and not self.registry.running(a.id)]
+        if not victims:
+            return False
+        victim = victims[0]  # least recently used
+        if self.max_cpu_loras == 0:
+            self._drop(ranks, victim)
+            self._count_eviction(DEVICE)
+            return True
+        ranks.run(MoveAdapter(victim.index, HOST))
+        self.registry.update(victim.id, tier=HOST)
+        self._count_eviction(DEVICE)
+        host = [a for a in self.registry.in_tier(HOST) if a.id != wanted]
+        for extra in host[: max(0, len(host) - self.max_cpu_loras)]:
+            self._drop(ranks, extra)
+            self._count_eviction(HOST)
+        self._update_gauges()
+        return True
+
+    def _drop(self, ranks: Any, info: AdapterInfo) -> None:
+        """Frees the adapter's weights on every rank; it stays known, on disk."""
+        if info.tier != DISK:
+            ranks.run(MoveAdapter(info.index, "drop"))
+            if self.registry.has(info.id):
+                self.registry.add(_on_disk(info))
+            self._update_gauges()
+
+    def _count_eviction(self, tier: str) -> None:
+        if self.metrics is not None:
+            self.metrics.adapter_evictions.labels(tier=tier).inc()
+
+    def _update_gauges(self) -> None:
+        if self.metrics is not None:
+            for tier in TIERS:
+                self.metrics.adapters_resident.labels(tier=tier).set(len(self.registry.in_tier(tier)))
+
+
+def _on_disk(info: AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(info.id, info.path, info.rank, info.alpha, info.source_job_id, 0, info.targets, DISK,
+                       info.pinned, info.requests)
