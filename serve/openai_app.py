@@ -36,7 +36,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.adapters import AdapterRegistry, AdapterInfo
+from serve.adapters import AdapterRegistry
 from serve.auth import bearer
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
 from serve.finetune import JobManager
@@ -47,7 +47,7 @@ from serve.openai_files import FileStore, dataset_path
 from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
 from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
-                                   prepare_chat, prepare_completion)
+                                   prepare_chat, prepare_completion, renamed)
 from serve.scheduler import Scheduler, Ticket, new_request_id
 from tprt.engine.sequence import TokenEvent
 from tprt.errors import ValidationError
@@ -313,14 +313,17 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------- generation
 
-    def _adapter(self, model: str) -> AdapterInfo | None:
+    def _adapter(self, model: str) -> tuple[str, int]:
+        """The adapter id and index `model` names ("", 0: the base model). With an adapter pool,
+        an id not yet registered goes to the scheduler, whose pool loads it from
+        --data-dir/adapters/<id>/ or refuses it (NotFound)."""
         if model == self.d.facts.name:
-            return None
+            return "", 0
         adapter = self.d.adapters.get(model)
-        if adapter is None:
+        if adapter is None and self.d.scheduler.adapters is None:
             raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
                            "adapter (the models endpoint lists them)", "model")
-        return adapter
+        return model, adapter.index if adapter is not None else 0
 
     async def _generate(self, request: Request, body: Any, kind: str,
                         prepare: Callable[..., Prepared]) -> Any:
@@ -344,17 +347,19 @@ class OpenAIApi:
         self._count(request, "ok")
         return reply.whole()
 
-    def _submit(self, prepared: Prepared, adapter: AdapterInfo | None) -> list[Ticket]:
+    def _submit(self, prepared: Prepared, adapter: tuple[str, int]) -> list[Ticket]:
+        adapter_id, index = adapter
         tickets: list[Ticket] = []
         try:
             for p, params in prepared.choices:
-                ticket = Ticket(new_request_id(), prepared.prompts[p], params, adapter.id if adapter else "",
-                                adapter.index if adapter else 0)
+                ticket = Ticket(new_request_id(), prepared.prompts[p], params, adapter_id, index)
                 self.d.scheduler.submit(ticket)
                 tickets.append(ticket)
-        except BaseException:
+        except BaseException as e:
             for t in tickets:
                 self.d.scheduler.cancel(t.request_id, "client")
+            if isinstance(e, ServeError) and e.field == "adapter_id":  # the pool's refusal: the request says `model`
+                raise renamed(e, {"adapter_id": "model"}) from None
             raise
         return tickets
 

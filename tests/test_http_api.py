@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import ssl
 import types
 from collections.abc import Iterator
@@ -297,6 +298,15 @@ def test_fine_tuning_flow(api: Api, training_file: str) -> None:
         base = grpc_client.complete(**greedy)
     assert chat.choices[0].message.content == ref.text and chat.model == tuned
     assert [t.logprob for t in ref.tokens] != [t.logprob for t in base.tokens]  # the adapter is in effect
+    # An adapter directory under --data-dir/adapters/ is loaded on demand by a request naming it.
+    data = api.root / "data"
+    shutil.copytree(data / done.model_extra["tprt"]["output_path"], data / "adapters" / "copied-tiny")  # type: ignore[index]
+    copied = c.chat.completions.create(model="copied-tiny", messages=CHAT, max_tokens=8, temperature=0,  # type: ignore[arg-type]
+                                       extra_body={"ignore_eos": True})
+    assert copied.choices[0].message.content == ref.text and copied.model == "copied-tiny"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        c.chat.completions.create(model="never-saved", messages=CHAT, max_tokens=1)  # type: ignore[arg-type]
+    assert unknown.value.param == "model"
     m = api.server.metrics()
     for route in ("/v1/files", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{job_id}/events"):
         assert metric(m, "tprt_requests_total", protocol="http", method=route, outcome="ok") >= 1, route
