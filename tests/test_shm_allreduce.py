@@ -76,3 +76,44 @@ def test_a_peer_that_never_arrives_times_out() -> None:
         assert 0.3 <= time.monotonic() - t0 < 5
     finally:
         Path(path).unlink()
+
+
+def _join_group(store_path: str, rank: int, hide_peers: bool, out: Any) -> None:
+    """Joins a 2-rank gloo world and reports whether for_group attached; `hide_peers`: this rank
+    cannot see the other's process (as in a container with its own pid namespace)."""
+    import torch.distributed as dist
+
+    if hide_peers:
+        shm_allreduce._sees = lambda pid: pid == os.getpid()  # type: ignore[assignment]
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        shm = shm_allreduce.for_group(dist.group.WORLD, rank, 2, 30.0)
+        if shm is not None:
+            shm.all_reduce(x := torch.full((3,), float(rank + 1)))
+            out.put((rank, x.tolist()))
+        else:
+            out.put((rank, None))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hidden", [None, 1])
+def test_for_group_attaches_every_rank_or_none(tmp_path: Path, hidden: int | None) -> None:
+    """Every rank of the group gets the segment, or (one rank unable to see its peers) none does,
+    and the group keeps gloo; nothing is left in /dev/shm either way."""
+    attaches = hidden is None and shm_allreduce._library() is not None  # no C compiler: gloo throughout
+    before = set(shm_allreduce.SHM_DIR.glob("tprt-allreduce-*"))
+    mp = multiprocessing.get_context("fork")
+    out = mp.Queue()
+    procs = [mp.Process(target=_join_group, args=(str(tmp_path / "store"), r, r == hidden, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=60) for _ in range(2))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got == ({0: [3.0] * 3, 1: [3.0] * 3} if attaches else {0: None, 1: None})
+    assert set(shm_allreduce.SHM_DIR.glob("tprt-allreduce-*")) == before

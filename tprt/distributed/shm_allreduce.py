@@ -118,10 +118,22 @@ class ShmAllReduce:
         return x
 
 
+def _sees(pid: int) -> bool:
+    """Whether `pid` is a process this one can see (the liveness checks need it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by another user
+        return True
+    return True
+
+
 def for_group(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float) -> ShmAllReduce | None:
     """This rank's attachment to a segment shared by the group's ranks, or None when they do not
-    all run on this host, the C library or /dev/shm is missing on one of them, or
-    TPRT_SHM_ALLREDUCE=0. Collective over `group` (gloo)."""
+    all run on this host, the C library or /dev/shm is missing on one of them, a rank cannot open
+    the segment or see its peers' processes (containers sharing a host but not /dev/shm or pids),
+    or TPRT_SHM_ALLREDUCE=0. Collective over `group` (gloo); every rank decides alike."""
     usable = os.environ.get("TPRT_SHM_ALLREDUCE", "1") != "0" and SHM_DIR.is_dir() and _library() is not None
     gathered: list[tuple[str, bool, int] | None] = [None] * world
     dist.all_gather_object(gathered, (_host(), usable, os.getpid()), group=group)
@@ -132,10 +144,16 @@ def for_group(group: dist.ProcessGroup, rank: int, world: int, timeout_s: float)
     path = [ShmAllReduce.create_segment(world) if rank == 0 else None]
     dist.broadcast_object_list(path, group=group, group_src=0)
     assert path[0] is not None
+    shm: ShmAllReduce | None = None
     try:
-        shm = ShmAllReduce(path[0], rank, world, timeout_s, pids)
-        dist.barrier(group=group)  # every rank has it mapped: the name can go
+        if all(_sees(pid) for pid in pids):
+            shm = ShmAllReduce(path[0], rank, world, timeout_s, pids)
+    except OSError:  # another /dev/shm than rank 0's
+        shm = None
+    attached: list[bool | None] = [None] * world
+    try:
+        dist.all_gather_object(attached, shm is not None, group=group)  # every rank has it mapped: the name can go
     finally:
         if rank == 0:
             os.unlink(path[0])
-    return shm
+    return shm if all(attached) else None
