@@ -86,8 +86,25 @@ class EngineConfig:
     one_row_threads: int | None = 1
     # Share the KV blocks of common prompt prefixes (see the module docstring).
     prefix_cache: bool = True
-    kv_cache_tokens: int | None = None  # KV positions in the pool; None: max_batch x max_seq_len
+    kv_cache_tokens: int | None = None  # KV positions in the pool; None: see gpu_memory_fraction
     kv_block_size: int = DEFAULT_BLOCK_SIZE  # positions per KV block
+    # CUDA, without kv_cache_tokens: the pool takes this share of the device memory free after the
+    # weights (the smallest over the TP ranks). Otherwise (and off CUDA) the pool holds
+    # max_batch x max_seq_len positions, as many as one slot per sequence would.
+    gpu_memory_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The KV block pool and the prefix cache, for metrics: blocks now, and counts since start."""
+
+    block_size: int
+    blocks_used: int  # held by live sequences (a shared block once)
+    blocks_cached: int  # held by no one, kept for prefix reuse (evicted when the pool needs room)
+    blocks_total: int
+    prefix_queried_tokens: int  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int  # of those, found in shared blocks
+    preemptions: int  # sequences preempted (blocks freed, recomputed later)
 
 
 class EngineLike(Protocol):
@@ -108,6 +125,9 @@ class EngineLike(Protocol):
     @property
     def kv_tokens(self) -> int: ...
 
+    @property
+    def kv_stats(self) -> KVStats: ...
+
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
 
     def cancel(self, request_id: str) -> bool: ...
@@ -124,7 +144,7 @@ class Engine:
         self.ctx = model.tp
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
-        n_blocks = kv_pool_blocks(config, self.max_seq_len)
+        n_blocks = kv_pool_blocks(config, self.max_seq_len, _free_memory_tokens(model, config))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.cache_dtype, config.cpu_prepack, config.static_decode,
                                   config.one_row_threads)
@@ -173,6 +193,11 @@ class Engine:
     def kv_blocks(self) -> tuple[int, int, int]:
         """(blocks held by live sequences, blocks cached for prefix reuse, blocks in all)."""
         return self._pool.used, self._pool.cached, self._pool.capacity
+
+    @property
+    def kv_stats(self) -> KVStats:
+        return KVStats(self._pool.block_size, *self.kv_blocks, self.prefix_queried_tokens, self.prefix_hit_tokens,
+                       self.preemptions)
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
@@ -436,15 +461,34 @@ def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
     return adapters if any(adapters) else ()
 
 
-def kv_pool_blocks(config: EngineConfig, max_seq_len: int) -> int:
-    """Blocks in the KV pool (scratch included): enough for kv_cache_tokens, which must hold one
-    sequence of max_seq_len (so the oldest admitted sequence can always finish)."""
+def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:
+    """Blocks in the KV pool (scratch included): enough for kv_cache_tokens (else for
+    `free_memory_tokens`, else for max_batch x max_seq_len), which must hold one sequence of
+    max_seq_len (so the oldest admitted sequence can always finish)."""
     if config.kv_block_size < 1:
         raise ConfigError(f"kv_block_size must be at least 1, got {config.kv_block_size}")
-    tokens = config.max_batch * max_seq_len if config.kv_cache_tokens is None else config.kv_cache_tokens
+    tokens = config.kv_cache_tokens or free_memory_tokens or config.max_batch * max_seq_len
     if tokens < max_seq_len:
         raise ConfigError(f"kv_cache_tokens={tokens} cannot hold one sequence of max_seq_len={max_seq_len}")
     return -(-tokens // config.kv_block_size) + 1
+
+
+def _free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig) -> int | None:
+    """With gpu_memory_fraction on CUDA (and no kv_cache_tokens): the KV positions that fit in
+    that share of the device memory free now (after the weights), the smallest over the TP
+    ranks so every rank's pool is the same (collective). None otherwise."""
+    fraction, ctx = config.gpu_memory_fraction, model.tp
+    if fraction is None or config.kv_cache_tokens is not None or ctx.device.type != "cuda":
+        return None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
+    cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(ctx.device)
+    tokens = torch.tensor([int(free * fraction) // per_token], device=ctx.device)
+    if ctx.world_size > 1:
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
+    return int(tokens)
 
 
 def _context(config: EngineConfig, model_max: int) -> int:
