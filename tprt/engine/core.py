@@ -120,12 +120,6 @@ class EngineLike(Protocol):
     def max_seq_len(self) -> int: ...
 
     @property
-    def kv_capacity(self) -> int: ...
-
-    @property
-    def kv_tokens(self) -> int: ...
-
-    @property
     def kv_stats(self) -> KVStats: ...
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
@@ -304,29 +298,37 @@ class Engine:
         the pool runs dry, the most recently admitted sequences are preempted (`_preempt`), so
         the oldest always progress and admitted work finishes. Then waiting sequences are
         admitted in order while the budget, `max_batch` and free blocks last (admission never
-        preempts)."""
+        preempts). The prefill batch is right-padded to its longest chunk, so the budget bounds
+        its padded size (rows x width): many short rows beside a long one would otherwise
+        compute mostly padding."""
         decode_rows: list[Sequence] = []
         prefill_rows: list[tuple[Sequence, int]] = []
-        budget = self.config.token_budget - sum(s.status is Status.RUNNING for s in self._running)
+        total = self.config.token_budget - sum(s.status is Status.RUNNING for s in self._running)
+        budget, width = total, 0
+
+        def widest() -> int:  # the longest chunk another prefill row may have (0: no row fits)
+            cap = min(budget, total // (len(prefill_rows) + 1))
+            return cap if cap >= width else 0
+
         i = 0
         while i < len(self._running):  # preemption removes from the end
             seq = self._running[i]
             if seq.status is Status.RUNNING:
                 if self._grow(seq, seq.length):  # the input token goes at position length - 1
                     decode_rows.append(seq)
-            elif budget > 0:
+            elif widest() > 0:
                 room = (len(seq.blocks) + self._pool.available) * self._pool.block_size - seq.num_computed
-                n = min(seq.prefill_target - seq.num_computed, budget, max(room, 1))
+                n = min(seq.prefill_target - seq.num_computed, widest(), max(room, 1))
                 if self._grow(seq, seq.num_computed + n):
                     prefill_rows.append((seq, n))
-                    budget -= n
+                    budget, width = budget - n, max(width, n)
             i += 1
-        while self._waiting and budget > 0 and len(self._running) < self.config.max_batch:
-            n = self._admit(self._waiting[0], budget)
+        while self._waiting and widest() > 0 and len(self._running) < self.config.max_batch:
+            n = self._admit(self._waiting[0], widest())
             if not n:
                 break
             prefill_rows.append((self._running[-1], n))
-            budget -= n
+            budget, width = budget - n, max(width, n)
         prefill = None
         if prefill_rows:
             prefill = BatchPlan(

@@ -109,7 +109,8 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
    projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
    negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
-   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos (the paged
+   cache passes each row's block as its slot and the offset in it as its position). Rounds as
    torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
 #define ROPE_CACHE(SUFFIX, T, LOAD, ROUND)                                                                   \
 void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, float *cache,          \
