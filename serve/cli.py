@@ -42,7 +42,14 @@ def _serve_parser(sub: Any) -> None:
                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (9400; 0 = any; -1 = off)")
-    s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="sequences per engine step (16)")
+    s.add_argument("--max-batch-size", type=int, metavar="N",
+                   help="running sequences at once (default: 256 on a GPU, 16 on CPU)")
+    s.add_argument("--kv-cache-tokens", type=int, metavar="N",
+                   help="KV cache positions per rank, shared by all sequences in blocks (default: on CUDA "
+                        "--gpu-memory-fraction of the free memory, else max batch size x max seq len)")
+    s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
+    s.add_argument("--gpu-memory-fraction", type=float, metavar="F",
+                   help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
     s.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for the batch; more are refused with RESOURCE_EXHAUSTED (256)")
     s.add_argument("--auth-token-file", type=Path, metavar="FILE", help="require 'authorization: Bearer <token>'")
@@ -55,8 +62,8 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
     s.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
     s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="prefill every prompt in full (default: a prompt starting with tokens a KV slot still "
-                        "holds, e.g. a shared system prompt or an earlier turn, reuses their keys and values)")
+                   help="prefill every prompt in full (default: a prompt starting with whole KV blocks another "
+                        "sequence holds or left cached, e.g. a shared system prompt or an earlier turn, shares them)")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")

@@ -49,8 +49,16 @@ class Metrics:
         self.steps = Counter("tprt_engine_steps", "Engine steps run", registry=r)
         self.step_time = Histogram("tprt_engine_step_duration_seconds", "Wall time of one engine step",
                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.kv_usage = Gauge("tprt_kv_cache_usage_ratio", "KV cache positions in use / capacity", registry=r)
-        self.kv_slots = Gauge("tprt_kv_cache_slots_used", "KV cache slots held by sequences", registry=r)
+        self.kv_usage = Gauge("tprt_kv_cache_usage_ratio", "KV cache blocks held by sequences / all blocks",
+                              registry=r)
+        self.kv_blocks = Gauge("tprt_kv_cache_blocks", "KV cache blocks by state: used (held by sequences, a "
+                               "shared block once), cached (kept for prefix reuse), free", ["state"], registry=r)
+        self.prefix_queries = Counter("tprt_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache "
+                                      "when sequences are admitted", registry=r)
+        self.prefix_hits = Counter("tprt_prefix_cache_hit_tokens", "Of those, tokens found in shared KV blocks",
+                                   registry=r)
+        self.preemptions = Counter("tprt_preemptions", "Sequences preempted for KV blocks (recomputed later)",
+                                   registry=r)
         self.jobs = Gauge("tprt_finetune_jobs", "Fine-tuning jobs by state", ["state"], registry=r)
         self.ft_tokens = Counter("tprt_finetune_tokens", "Tokens trained on", registry=r)
         self.ft_steps = Counter("tprt_finetune_steps", "Fine-tuning optimizer steps", registry=r)

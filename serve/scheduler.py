@@ -93,6 +93,7 @@ class Scheduler:
         self.engine = engine
         self.ranks = ranks
         self.metrics = metrics
+        self._kv_seen = engine.kv_stats  # what the metrics' KV counters have counted so far
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.keepalive_s = keepalive_s
@@ -408,7 +409,15 @@ class Scheduler:
         t.events.put(ev)
 
     def _update_gauges(self) -> None:
-        n = self.engine.num_unfinished
-        self.metrics.running.set(n)
-        self.metrics.kv_slots.set(n)
-        self.metrics.kv_usage.set(self.engine.kv_tokens / self.engine.kv_capacity)  # the engine keeps the count
+        m, kv = self.metrics, self.engine.kv_stats
+        m.running.set(self.engine.num_unfinished)
+        m.kv_usage.set(kv.blocks_used / kv.blocks_total)  # the engine keeps the counts
+        for state, n in (("used", kv.blocks_used), ("cached", kv.blocks_cached),
+                         ("free", kv.blocks_total - kv.blocks_used - kv.blocks_cached)):
+            m.kv_blocks.labels(state).set(n)
+        # The engine counts since it started; the counters advance by what is new.
+        last = self._kv_seen
+        m.prefix_queries.inc(kv.prefix_queried_tokens - last.prefix_queried_tokens)
+        m.prefix_hits.inc(kv.prefix_hit_tokens - last.prefix_hit_tokens)
+        m.preemptions.inc(kv.preemptions - last.preemptions)
+        self._kv_seen = kv

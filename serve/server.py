@@ -53,7 +53,7 @@ from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
 from tprt.distributed.launcher import start_followers, stop_followers, watch
 from tprt.distributed.ranks import RankGroup, follower_loop
-from tprt.engine.core import Engine, EngineConfig
+from tprt.engine.core import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
 from tprt.errors import ConfigError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.llama import TPLlamaForCausalLM
@@ -77,7 +77,7 @@ class ServeConfig:
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
     http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai_app.py); None: off; 0: any
-    max_batch_size: int = 16
+    max_batch_size: int | None = None  # running sequences; None: DEFAULT_MAX_BATCH for the device
     max_queue: int = 256
     auth_token_file: Path | None = None
     tls_cert: Path | None = None
@@ -88,6 +88,9 @@ class ServeConfig:
     max_seq_len: int | None = None
     token_budget: int = 2048
     prefix_cache: bool = True  # tprt.engine.prefix_cache
+    kv_cache_tokens: int | None = None  # KV pool positions per rank; None: see EngineConfig
+    kv_block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_fraction: float | None = None  # CUDA: the KV pool's share of free memory (default 0.9)
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
@@ -106,7 +109,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank"):
+                 "max_queued_jobs", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank",
+                 "kv_cache_tokens", "kv_block_size"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -117,6 +121,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
     if cfg.max_cpu_loras < 0:
         raise ConfigError(f"--max-cpu-loras must be at least 0, got {cfg.max_cpu_loras}")
+    if cfg.gpu_memory_fraction is not None and not 0 < cfg.gpu_memory_fraction <= 1:
+        raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {cfg.gpu_memory_fraction}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
@@ -135,9 +141,24 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     return ckpt
 
 
+# Running sequences when --max-batch-size is not given: on a GPU the paged KV pool (sized by free
+# memory) holds far more than 16 sequences' tokens, and decode throughput grows with the batch.
+DEFAULT_MAX_BATCH = {"cuda": 256, "cpu": 16}
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+
 def engine_config(cfg: ServeConfig) -> EngineConfig:
-    return EngineConfig(max_batch=cfg.max_batch_size, max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
-                        prefix_cache=cfg.prefix_cache)
+    fraction = cfg.gpu_memory_fraction if cfg.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
+    return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
+                        prefix_cache=cfg.prefix_cache, kv_cache_tokens=cfg.kv_cache_tokens,
+                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction)
+
+
+def max_batch_size(cfg: ServeConfig) -> int:
+    """--max-batch-size, or the default for this machine's device (CUDA when it has one)."""
+    if cfg.max_batch_size is not None:
+        return cfg.max_batch_size
+    return DEFAULT_MAX_BATCH["cuda" if torch.cuda.is_available() else "cpu"]
 
 
 def run_serve(cfg: ServeConfig) -> int:
@@ -214,7 +235,7 @@ class App:
             interceptors.append(auth)
         # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
         # that need no token (serve/limits.py), so that those can never take the others' threads.
-        workers = cfg.max_batch_size + cfg.max_queue + 32 + 2 * cfg.max_open_calls
+        workers = max_batch_size(cfg) + cfg.max_queue + 32 + 2 * cfg.max_open_calls
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
@@ -261,7 +282,7 @@ class App:
         adapters = AdapterRegistry()
         pool = AdapterPool(adapters, Path(cfg.data_dir), self.metrics, model.config, cfg.max_loras, cfg.max_cpu_loras,
                            cfg.max_lora_rank)
-        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, cfg.max_batch_size,
+        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, max_batch_size(cfg),
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
                                    adapters=pool)
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
@@ -269,7 +290,7 @@ class App:
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
-                           context_length=engine.max_seq_len, max_batch_size=cfg.max_batch_size,
+                           context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
         generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)

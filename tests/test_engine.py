@@ -151,8 +151,9 @@ def check_greedy_batch(ctx: TPContext, wd: Path) -> None:
 
 
 def check_small_budget(ctx: TPContext, wd: Path) -> None:
-    """2 slots and 5 tokens per step: prompts prefill in chunks and wait for slots, finished
-    sequences' slots are compacted (KV moves), and every output still equals transformers'."""
+    """2 sequences at once, 5 tokens per step and KV blocks of an odd size (3): prompts prefill
+    in chunks across block edges and wait their turn, finished sequences' blocks are reused by
+    later ones, and every output still equals transformers'."""
     ref, plans = _ref(wd), []
 
     def fn(engine: Engine) -> dict[str, list[int]]:
@@ -160,13 +161,17 @@ def check_small_budget(ctx: TPContext, wd: Path) -> None:
             engine.add(p, _greedy(N_NEW - i), str(i))  # different lengths: sequences leave at different steps
         return _ids(run_to_completion(engine))
 
-    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64, token_budget=5), fn, plans)
+    cfg = EngineConfig(max_batch=2, max_seq_len=64, token_budget=5, kv_block_size=3, prefix_cache=False)
+    out = _drive(ctx, wd, cfg, fn, plans)
     for i, want in enumerate(ref["greedy"]):
         assert out[str(i)] == want[: N_NEW - i], f"prompt {i}: {out[str(i)]} != {want[: N_NEW - i]}"
     assert any(p.prefill and max(map(len, p.prefill.tokens)) < 5 and p.decode for p in plans), "no mixed step"
-    assert any(p.moves for p in plans), "no slot was compacted"
-    assert all(p.prefill is None or sum(map(len, p.prefill.tokens)) + len(p.decode.slots if p.decode else ()) <= 5
+    assert all(p.prefill is None or sum(map(len, p.prefill.tokens)) + (p.decode.rows if p.decode else 0) <= 5
                for p in plans), "token budget exceeded"
+    tables = [t for p in plans for b in (p.prefill, p.decode) if b is not None for t in b.tables]
+    assert all(len(t) == len(set(t)) and 0 not in t for t in tables), "a block twice in a table, or scratch"
+    firsts = {t[0] for t in tables}
+    assert len(firsts) < len(ref["prompts"]), f"no block was reused by a later sequence: {firsts}"
 
 
 def check_join_midrun(ctx: TPContext, wd: Path) -> None:
@@ -194,13 +199,36 @@ def check_join_midrun(ctx: TPContext, wd: Path) -> None:
             steps(1)
         return _ids(done)
 
-    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn)
     want = dict(zip("abcde", [ref["greedy"][i] for i in (0, 1, 2, 3, 0)]))
-    assert out == want, f"{out} != {want}"
+    for block_size in (1, 16):  # a block per token; every sequence in one block
+        out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=block_size), fn)
+        assert out == want, f"blocks of {block_size}: {out} != {want}"
+
+
+def check_preemption(ctx: TPContext, wd: Path) -> None:
+    """A KV pool too small for every running sequence (40 positions, in blocks of 4, for four
+    sequences of up to 32): the most recently admitted are preempted and recomputed, and every
+    request still gives its greedy tokens; an ample pool gives the same without preempting."""
+    ref = _ref(wd)
+    preempted: list[int] = []
+
+    def fn(engine: Engine) -> dict[str, list[int]]:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, _greedy(), str(i))
+        done = _ids(run_to_completion(engine))
+        preempted.append(engine.preemptions)
+        assert engine.kv_blocks[0] == 0, "blocks still held"
+        return done
+
+    small = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=40, kv_cache_tokens=40, kv_block_size=4), fn)
+    ample = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=40, kv_block_size=4), fn)
+    assert small == ample == {str(i): want for i, want in enumerate(ref["greedy"])}, (small, ample)
+    if ctx.rank == 0:
+        assert preempted[0] > 0 and preempted[1] == 0, preempted
 
 
 def check_cancel(ctx: TPContext, wd: Path) -> None:
-    """Cancelling a running request frees its slot for a waiting one; a waiting one can be cancelled."""
+    """Cancelling a running request frees its place for a waiting one; a waiting one can be cancelled."""
     ref = _ref(wd)
 
     def fn(engine: Engine) -> dict[str, Any]:
@@ -218,13 +246,13 @@ def check_cancel(ctx: TPContext, wd: Path) -> None:
         return {"cancelled": cancelled, "b": [e.token_id for e in first if e.request_id == "b"],
                 "a": [e.token_id for e in first + events if e.request_id == "a"] + done["a"].token_ids,
                 "c": [e.token_id for e in events if e.request_id == "c"] + done["c"].token_ids,
-                "free": engine._slots.count(None)}
+                "free": engine.kv_blocks[0] == 0}
 
     out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn)
     assert out["cancelled"] == ["b", "d"]
     assert out["b"] == ref["greedy"][1][:2]
     assert out["a"] == ref["greedy"][0] and out["c"] == ref["greedy"][2], out
-    assert out["free"] == 2, "slots not released"
+    assert out["free"], "blocks not released"
 
 
 def check_stops(ctx: TPContext, wd: Path) -> None:
@@ -311,10 +339,10 @@ def check_seeded(ctx: TPContext, wd: Path) -> None:
 
 def check_static_decode(ctx: TPContext, wd: Path) -> None:
     """The static-shape decode (what CUDA graphs replay; eager on CPU): batches padded to buckets
-    (padding rows write into a slot whose prompt is still being prefilled in chunks), attention
-    over the whole cache, sequences joining and leaving - still transformers' tokens."""
+    (padding rows write into the scratch block while a prompt is still being prefilled in chunks),
+    attention over a bucket of keys, sequences joining and leaving - still transformers' tokens."""
     ref = _ref(wd)
-    order = (0, 2, 3, 1)  # with 5 tokens per step: 3 decode rows (bucket 4) while slot 3 prefills
+    order = (0, 2, 3, 1)  # with 5 tokens per step: 3 decode rows (bucket 4) while the 4th prefills
 
     def fn(engine: Engine) -> dict[str, list[int]]:
         assert engine.runner.static is not None and engine.runner.static.buckets == [1, 2, 4]
@@ -373,11 +401,12 @@ def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
 
 
 def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
-    """Prompts starting with tokens a slot holds reuse them (a KV copy, then only the rest is
-    prefilled) and still give transformers' tokens: the next turn of a finished sequence (its
-    prompt and output, from the freed slot itself), the same prompt again (copied from the live
-    sequence of the previous one, which has not computed past it yet), and a request whose first
-    tokens are shared. With prefix_cache off nothing is reused and the tokens are the same."""
+    """Prompts starting with tokens held in named KV blocks point at those blocks (only the rest
+    is prefilled) and still give transformers' tokens: the next turn of a finished sequence (its
+    prompt and output, cached after it ended), the same prompt again (sharing the blocks the
+    previous one's next turn holds, live, in the same step), and a request whose first tokens are
+    shared. Blocks of one token, so every shared token counts. With prefix_cache off nothing is
+    reused and the tokens are the same."""
     ref = _ref(wd)
     p0, p1, want0 = ref["prompts"][0], ref["prompts"][2], ref["greedy"][0]
     turn = p0 + want0[:3]  # the conversation continued: A's prompt and the start of its answer
@@ -385,7 +414,7 @@ def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
     def fn(engine: Engine) -> dict[str, Any]:
         engine.add(p0, _greedy(), "a")
         first = run_to_completion(engine)["a"]
-        engine.add(turn, _greedy(N_NEW - 3), "turn")  # A's freed slot holds p0 + want0[:N_NEW - 1]
+        engine.add(turn, _greedy(N_NEW - 3), "turn")  # A's cached blocks hold p0 + want0[:N_NEW - 1]
         engine.add(p0, _greedy(), "again")  # only "turn" holds p0 now, live, at that step
         engine.add(p1, _greedy(), "other")  # "Hi" shares its first token(s) with "Hello there"
         done = run_to_completion(engine)
@@ -393,20 +422,21 @@ def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
         return {k: (c.token_ids, c.usage.cached_prompt_tokens if c.usage else -1) for k, c in done.items()}
 
     plans: list[StepPlan] = []
-    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64), fn, plans)
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=1), fn, plans)
     shared = next(i for i, (x, y) in enumerate(zip(p0, p1)) if x != y)
     assert out["a"] == (want0, 0), out["a"]
     assert out["turn"] == (want0[3:], len(turn) - 1), out["turn"]
     assert out["again"] == (want0, len(p0) - 1), out["again"]
     assert out["other"] == (ref["greedy"][2], shared), out["other"]
-    joint = [p for p in plans if p.prefill and len(p.prefill.slots) == 3]
+    joint = [p for p in plans if p.prefill and p.prefill.rows == 3]
     assert len(joint) == 1 and joint[0].prefill, f"the three should be prefilled together: {plans}"
     assert joint[0].prefill.starts == (len(turn) - 1, len(p0) - 1, shared), joint[0]
-    turn_slot, again_slot, _ = joint[0].prefill.slots
-    assert (turn_slot, again_slot, len(p0) - 1) in joint[0].moves, f"no copy from the live sequence: {joint[0]}"
+    turn_table, again_table, other_table = joint[0].prefill.tables
+    assert again_table[: len(p0) - 1] == turn_table[: len(p0) - 1], "the same prompt's blocks are not shared"
+    assert other_table[:shared] == turn_table[:shared], "the shared first tokens' blocks are not shared"
 
     # Off: the same tokens, nothing reused.
-    off = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, prefix_cache=False), fn)
+    off = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=1, prefix_cache=False), fn)
     assert off == {k: (ids, 0) for k, (ids, _) in out.items()}, off
 
 
@@ -523,6 +553,7 @@ CHECKS: Checks = [
     ("greedy_batch", check_greedy_batch),
     ("small_budget", check_small_budget),
     ("join_midrun", check_join_midrun),
+    ("preemption", check_preemption),
     ("cancel", check_cancel),
     ("stops", check_stops),
     ("logprobs", check_logprobs),
@@ -577,16 +608,18 @@ def test_validation(workdir: Path) -> None:
 
 
 def test_kv_token_count(workdir: Path) -> None:
-    """The engine counts the KV positions its live sequences hold (the server's usage gauge reads it)."""
-    engine = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=2, max_seq_len=32))
-    assert (engine.kv_tokens, engine.kv_capacity) == (0, 64)
+    """The engine counts the KV positions in blocks its live sequences hold (the server's usage
+    gauge reads it); a finished sequence's full blocks stay cached for prefix reuse."""
+    engine = Engine(_model(TPContext.single(), workdir), None,
+                    EngineConfig(max_batch=2, max_seq_len=32, kv_block_size=4))
+    assert (engine.kv_tokens, engine.kv_capacity, engine.kv_blocks) == (0, 64, (0, 0, 16))
     engine.add([5] * 7, _greedy(3), "a")
     engine.add([6] * 4, _greedy(2), "b")
-    assert engine.kv_tokens == 0  # waiting: no slot yet
-    engine.step()  # both prompts prefilled, a first token sampled for each
-    assert engine.kv_tokens == 7 + 4
-    engine.step()  # each first token computed; b has its two tokens and frees its slot
-    assert engine.kv_tokens == 7 + 1
+    assert engine.kv_tokens == 0  # waiting: no blocks yet
+    engine.step()  # both prompts prefilled (blocks of 4: 2 + 1), a first token sampled for each
+    assert engine.kv_tokens == 4 * (2 + 1)
+    engine.step()  # each first token computed (b needs a 2nd block); b has its two tokens and ends
+    assert engine.kv_blocks == (2, 1, 16)  # b's full block of [6] * 4 is cached, its partial one freed
     run_to_completion(engine)
     assert engine.kv_tokens == 0
 
@@ -594,9 +627,8 @@ def test_kv_token_count(workdir: Path) -> None:
 def test_plan_roundtrip() -> None:
     """A plan survives its wire encoding."""
     plan = StepPlan(
-        moves=((3, 0, 17), (2, 1, 0)),
-        prefill=BatchPlan((0, 4), (0, 16), ((5, 6, 7), (8,)), full_logits=True),
-        decode=BatchPlan((1, 2), (9, 30), ((3,), (4,)), full_logits=False, adapters=(0, 2)),
+        prefill=BatchPlan(((1,), (4, 2, 9)), (0, 16), ((5, 6, 7), (8,)), full_logits=True),
+        decode=BatchPlan(((3, 5), (6,)), (9, 30), ((3,), (4,)), full_logits=False, adapters=(0, 2)),
     )
     assert StepPlan.decode_from(plan.encode()) == plan
     assert StepPlan.decode_from(StepPlan().encode()) == StepPlan()
@@ -635,8 +667,8 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV,
     and each half of a layer in one call for one row) gives
-    the logits and the cache contents of the torch path, for rows in scattered slots at uneven
-    positions, whether the slots are given (index_select read) or implicit (view read)."""
+    the logits and the cache contents of the torch path (gather + SDPA), for rows in scattered
+    KV blocks at uneven positions."""
     from tprt.cpu import native
     from tprt.cpu.fast_linear import prepack, supported
     from tprt.cpu.native_layers import (NativeAttention, NativeDecoderLayer, NativeRMSNorm, install_native_layers,
@@ -673,27 +705,27 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
             assert use_native_halves(fast, i, attention_half, mlp_half).self_attn is attn
     vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
-    caches = [m.new_cache(4, 64) for m in (plain, fast)]
+    caches = [m.new_cache(40, 4) for m in (plain, fast)]  # blocks of 4 positions, block 0 scratch
     assert caches[0].dtype == caches[1].dtype == torch.float32
+    order = torch.randperm(39, generator=torch.Generator().manual_seed(0)) + 1
+    tables = [order[8 * i : 8 * i + 8] for i in range(3)]  # scattered blocks, 32 positions per row
     with torch.inference_mode():
-        for model, cache in zip((plain, fast), caches):  # prefill each prompt into slot 3, 0, 2
-            for slot, p in zip((3, 0, 2), prompts):
-                model(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
+        for model, cache in zip((plain, fast), caches):  # prefill each prompt into its blocks
+            for table, p in zip(tables, prompts):
+                model(torch.tensor([p]), torch.arange(len(p))[None], cache, table[None])
         positions = torch.tensor([[len(p)] for p in prompts])
-        for slots in (torch.tensor([3, 0, 2]), None):
+        rows = torch.stack(tables)
+        for _ in range(2):  # uneven positions, crossing block edges
             ids = torch.tensor([[11], [12], [13]])
-            if slots is None:  # rows 0, 1, 2 are slots 0, 1, 2: copy the prefilled slots there first
-                for cache in caches:
-                    cache.kv[:, :3] = cache.kv[:, [3, 0, 2]].clone()
-            want = plain(ids, positions, caches[0], slots)[..., :vocab].float()
-            got = fast(ids, positions, caches[1], slots)[..., :vocab].float()
-            assert (got - want).abs().max() <= tol * want.abs().max(), slots
+            want = plain(ids, positions, caches[0], rows)[..., :vocab].float()
+            got = fast(ids, positions, caches[1], rows)[..., :vocab].float()
+            assert (got - want).abs().max() <= tol * want.abs().max(), positions
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
             positions = positions + 1
-        for step in range(2):  # one row (slot 2): each half of a layer in one call
-            ids, pos, slot = torch.tensor([[14 + step]]), positions[2:3] + step, torch.tensor([2])
-            want = plain(ids, pos, caches[0], slot)[..., :vocab].float()
-            got = fast(ids, pos, caches[1], slot)[..., :vocab].float()
+        for step in range(2):  # one row: each half of a layer in one call
+            ids, pos, table = torch.tensor([[14 + step]]), positions[2:3] + step, rows[2:3]
+            want = plain(ids, pos, caches[0], table)[..., :vocab].float()
+            got = fast(ids, pos, caches[1], table)[..., :vocab].float()
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max(), "one row"
 
@@ -751,7 +783,8 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
     from tprt.lora.attach import build_lora
 
     model = load_model(workdir / "tp1", TPContext.single())
-    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64))
+    engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=4, max_seq_len=64,
+                                                                          kv_block_size=1))
     for index, (seed, targets) in enumerate(((1, ["q", "v", "down"]), (2, ["k", "o", "gate", "up"])), start=1):
         adapter = build_lora(model, targets, 4, 8.0, seed=seed)
         gen = torch.Generator().manual_seed(seed)

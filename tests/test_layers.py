@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mp import Checks, WorldResults, names, run_world
 from tprt.model.config import ModelConfig, RopeScaling
 from tprt.distributed.context import TPContext, init_distributed
-from tprt.model.kv_cache import CacheFullError, KVCache
+from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
 from tprt.distributed.launcher import LaunchError, launch_local
 from tprt.model.llama import RMSNorm
 from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
@@ -217,36 +217,42 @@ def test_rmsnorm_matches_transformers(dtype: torch.dtype) -> None:
     _close(ours(x).float(), ref(x).float(), f"rmsnorm {dtype}", tol)
 
 
-def test_kv_cache_slots_and_bounds() -> None:
-    cache = KVCache(n_layers=1, n_slots=2, n_kv_heads=1, max_seq_len=8, head_dim=4, dtype=torch.float32)
-    a, b = cache.allocate(), cache.allocate()
-    assert {a, b} == {0, 1} and cache.n_free == 0
-    with pytest.raises(CacheFullError, match="all 2 slots"):
-        cache.allocate()
-    cache.release(a)
-    with pytest.raises(ValueError, match="not allocated"):
-        cache.release(a)
-    assert cache.allocate() == a
-    with pytest.raises(CacheFullError, match="max_seq_len=8"):
-        cache.prepare(torch.tensor([[7, 8]]))
+def test_kv_cache_bounds() -> None:
+    """Block ids outside the pool and positions past kv_len are refused before any write."""
+    cache = KVCache(n_layers=1, n_blocks=3, n_kv_heads=1, block_size=4, head_dim=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"block ids must lie in \[0, 3\)"):
+        cache.prepare(torch.tensor([[0, 1]]), torch.tensor([[3]]))
+    with pytest.raises(ValueError, match="kv_len=2"):
+        cache.prepare(torch.tensor([[0, 2]]), torch.tensor([[1]]), kv_len=2)
+    with pytest.raises(ValueError, match="at least 2 blocks"):
+        KVCache(1, 1, 1, 4, 4, torch.float32)
 
 
-def test_kv_cache_write_and_read() -> None:
-    """Rows land at (slot, position) and read back per row's slot; the mask is position-causal."""
-    cache = KVCache(n_layers=2, n_slots=3, n_kv_heads=2, max_seq_len=6, head_dim=4, dtype=torch.float32)
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16])
+def test_kv_cache_write_and_read(block_size: int) -> None:
+    """Tokens land at (table[p // block_size], p % block_size) and read back in position order
+    through each row's table; positions past a row's table go to the scratch block; the mask is
+    position-causal."""
+    cache = KVCache(n_layers=2, n_blocks=12, n_kv_heads=2, block_size=block_size, head_dim=4, dtype=torch.float32)
     k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # [batch, seq, kv_heads, head_dim]
     positions = torch.tensor([[0, 1], [3, 4]])
-    step = cache.prepare(positions, slots=torch.tensor([2, 0]))
+    tables = torch.tensor([[7, 3, 9, 1, 5], [2, 11, 4, 6, 10]])[:, : -(-5 // block_size)]
+    step = cache.prepare(positions, tables)
     keys, values = cache.update(1, torch.stack((k, v), dim=2), step)  # [batch, kv_heads, kv_len 5, head_dim]
     assert keys.shape == (2, 2, 5, 4)
-    assert torch.equal(cache.k[1, 2, :, 1], k[0, 1]) and torch.equal(cache.v[1, 0, :, 4], v[1, 1])
+    at = lambda row, p: (int(tables[row, p // block_size]), p % block_size)  # noqa: E731
+    assert torch.equal(cache.kv[1, at(0, 1)[0], 0, :, at(0, 1)[1]], k[0, 1])
+    assert torch.equal(cache.kv[1, at(1, 4)[0], 1, :, at(1, 4)[1]], v[1, 1])
     assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])
-    assert not cache.k[0].any(), "layer 0 was written"
+    assert not cache.kv[0].any(), "layer 0 was written"
     assert step.starts == (0, 3)  # a chunk of consecutive positions: the mask is a staircase
     allowed = step.mask == 0  # additive mask: 0 where allowed, -inf elsewhere
     assert allowed.tolist() == [[True, True, True, True, False, False, False, False],
                                 [True, True, True, True, True, False, False, False]]
     assert bool(torch.isneginf(step.mask[~allowed]).all())
+    # A table too short for the batch's positions (a padding token): the write goes to scratch.
+    short = cache.prepare(torch.tensor([[block_size]]), torch.tensor([[8]]))
+    assert short.write_blocks.tolist() == [[SCRATCH_BLOCK]] and short.tables.tolist() == [[8, SCRATCH_BLOCK]]
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -267,12 +273,13 @@ def test_prefill_attention_under_the_staircase(starts: tuple[int, ...], seq: int
     q = torch.randn(len(starts), 6, seq, 32)
     k, v = torch.randn(len(starts), 2, kv_len, 32), torch.randn(len(starts), 2, kv_len, 32)
     want = _masked_attention(q, k, v, positions)
-    cache = KVCache(1, len(starts), 2, kv_len, 32, torch.float32)
-    step = cache.prepare(positions, None, kv_len, starts)
+    cache = KVCache(1, 2, 2, kv_len, 32, torch.float32)  # the tables do not matter to the mask
+    tables = torch.ones(len(starts), 1, dtype=torch.long)
+    step = cache.prepare(positions, tables, kv_len, starts)
     assert torch.equal(step.attend(q, k, v, True), want)
     cap = seq * kv_len // 3  # too small for the chunk: queries in blocks
     monkeypatch.setattr("tprt.model.kv_cache.MASK_ELEMENTS", cap)
-    step = cache.prepare(positions, None, kv_len)  # the starts found from the positions
+    step = cache.prepare(positions, tables, kv_len)  # the starts found from the positions
     assert step.starts == starts and step.mask.numel() <= cap and step.mask.shape[0] < seq
     torch.testing.assert_close(step.attend(q, k, v, True), want, rtol=1e-5, atol=1e-6)
 

@@ -3,8 +3,8 @@
 One module-scoped setup writes three tiny HF checkpoints (gqa, rope_pad, tied), converts each to
 TP 1/2/4/8 with `convert.api.hf_to_tp`, and records transformers' logits (per prompt, fp32) and
 greedy generations. Each TP world (tests/mp.py: one gloo world per size) then runs every check:
-uneven batched prompts, cached prefill/decode with continuous-batching slots, recomputation
-without the cache, bf16 loading and a TP mismatch.
+uneven batched prompts, cached prefill/decode with continuous batching over a paged KV cache
+(blocks of 5), recomputation without the cache, bf16 loading and a TP mismatch.
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float =
 
 @dataclass
 class _Seq:
-    """A sequence being generated: its prompt, slot, greedy tokens and their full logits."""
+    """A sequence being generated: its prompt, KV block table, greedy tokens and their full logits."""
 
     prompt: list[int]
-    slot: int
+    table: list[int]
     out: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -132,7 +132,7 @@ def _step(model: TPLlamaForCausalLM, cache: KVCache, seqs: list[_Seq]) -> None:
     positions = torch.tensor(starts)[:, None] + torch.arange(ids.shape[1])  # [batch, seq]; padding continues
     with torch.inference_mode():
         local = model(
-            ids, positions, cache, slots=torch.tensor([s.slot for s in seqs]),
+            ids, positions, cache, torch.tensor([s.table for s in seqs]),
             kv_len=int(positions.max()) + 1, logits_index=torch.tensor(lens) - 1,
         )  # [batch, local_vocab]
         full = model.gather_logits(local)  # [batch, vocab]
@@ -141,12 +141,23 @@ def _step(model: TPLlamaForCausalLM, cache: KVCache, seqs: list[_Seq]) -> None:
         s.logits.append(row)
 
 
-def _garbage_cache(model: TPLlamaForCausalLM, n_slots: int) -> KVCache:
-    """A cache whose every entry holds (finite) junk, as slots left by earlier sequences do."""
-    cache = model.new_cache(n_slots, max_seq_len=64)
-    cache.k.normal_()
-    cache.v.normal_()
-    return cache
+BLOCK = 5  # positions per KV block: an odd size, so sequences cross block edges at odd places
+TABLE = 13  # blocks per sequence: 65 positions
+
+
+def _garbage_cache(model: TPLlamaForCausalLM, n_seqs: int) -> tuple[KVCache, list[int]]:
+    """A paged cache for n_seqs sequences whose every entry holds (finite) junk, as blocks left by
+    earlier sequences do, and its free blocks in a scattered order."""
+    cache = model.new_cache(n_seqs * TABLE + 1, BLOCK)
+    cache.kv.normal_()
+    free = (torch.randperm(n_seqs * TABLE, generator=torch.Generator().manual_seed(n_seqs)) + 1).tolist()
+    return cache, free
+
+
+def _take(free: list[int]) -> list[int]:
+    """A sequence's block table, from the free blocks."""
+    table, free[:] = free[:TABLE], free[TABLE:]
+    return table
 
 
 # ----------------------------------------------------------------------------- checks (every rank)
@@ -164,14 +175,15 @@ def check_logits(ctx: TPContext, workdir: Path, name: str) -> None:
 
 
 def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
-    """Prefill into a cache (rows -> slots 0..B-1) with last-position logits only; the
+    """Prefill into a paged cache (rows in scattered blocks) with last-position logits only; the
     vocab-parallel greedy pick equals the argmax of the gathered logits."""
     ref, model = _ref(workdir, name), _model(ctx, workdir, name)
     ids, lens = _pad(ref["prompts"])
     positions = torch.arange(ids.shape[1]).expand_as(ids)  # [batch, seq]
-    cache = _garbage_cache(model, n_slots=len(lens))
+    cache, free = _garbage_cache(model, len(lens))
+    tables = torch.tensor([_take(free) for _ in lens])
     with torch.inference_mode():
-        local = model(ids, positions, cache, logits_index=torch.tensor(lens) - 1)  # [batch, local_vocab]
+        local = model(ids, positions, cache, tables, logits_index=torch.tensor(lens) - 1)  # [batch, local_vocab]
         full = model.gather_logits(local)
     assert full.shape == (len(lens), model.config.vocab_size)
     with torch.inference_mode():
@@ -182,11 +194,11 @@ def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
 
 
 def check_greedy(ctx: TPContext, workdir: Path, name: str) -> None:
-    """32 greedy tokens for the whole batch (cache slots out of order) equal transformers'
+    """32 greedy tokens for the whole batch (in scattered KV blocks of 5) equal transformers'
     generate(); every cached decode step's logits equal a recomputation without the cache."""
     ref, model = _ref(workdir, name), _model(ctx, workdir, name)
-    cache = _garbage_cache(model, n_slots=4)
-    seqs = [_Seq(p, slot) for p, slot in zip(ref["prompts"], (3, 0, 1))]
+    cache, free = _garbage_cache(model, 4)
+    seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
     for _ in range(N_NEW):
         _step(model, cache, seqs)
     for b, s in enumerate(seqs):
@@ -200,21 +212,19 @@ def check_greedy(ctx: TPContext, workdir: Path, name: str) -> None:
 
 
 def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:
-    """Sequences join and leave: A leaves, C takes A's slot (stale keys beyond C's length) and
+    """Sequences join and leave: A leaves, C takes A's blocks (stale keys beyond C's length) and
     prefills alone while B decodes, D joins in a step that mixes its prefill with decodes."""
     ref, model = _ref(workdir, name), _model(ctx, workdir, name)
     prompts, want = ref["prompts"], ref["generated"]
-    cache = _garbage_cache(model, n_slots=3)
-    a, b = _Seq(prompts[0], cache.allocate()), _Seq(prompts[1], cache.allocate())
+    cache, free = _garbage_cache(model, 3)
+    a, b = _Seq(prompts[0], _take(free)), _Seq(prompts[1], _take(free))
     for _ in range(7):
         _step(model, cache, [a, b])
-    cache.release(a.slot)
-    c = _Seq(prompts[2], cache.allocate())
-    assert c.slot == a.slot
+    c = _Seq(prompts[2], a.table)
     _step(model, cache, [c])
     for _ in range(5):
         _step(model, cache, [c, b])
-    d = _Seq(prompts[0], cache.allocate())
+    d = _Seq(prompts[0], _take(free))
     for _ in range(6):
         _step(model, cache, [b, d, c])
     for label, s, w in (("A", a, want[0]), ("B", b, want[1]), ("C", c, want[2]), ("D", d, want[0])):
@@ -231,13 +241,13 @@ def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
     for b, n in enumerate(lens):
         _assert_close(full[b, :n], ref["logits"][b], f"bf16 prompt {b}", 5e-2)
     # Cached decode: on CPU the cache (and so attention) is float32 under bf16 weights.
-    cache = model.new_cache(1, max_seq_len=64)
+    cache = model.new_cache(TABLE + 1, BLOCK)
     assert cache.dtype == torch.float32
-    prompt = torch.tensor([ref["prompts"][0]])
+    prompt, table = torch.tensor([ref["prompts"][0]]), torch.arange(1, TABLE + 1)[None]
     n = prompt.shape[1]
     with torch.inference_mode():
-        model(prompt[:, :-1], torch.arange(n - 1)[None], cache)
-        last = model.gather_logits(model(prompt[:, -1:], torch.tensor([[n - 1]]), cache))[0, 0]
+        model(prompt[:, :-1], torch.arange(n - 1)[None], cache, table)
+        last = model.gather_logits(model(prompt[:, -1:], torch.tensor([[n - 1]]), cache, table))[0, 0]
     _assert_close(last[None], ref["logits"][0][n - 1 : n], "bf16 cached decode", 5e-2)
 
 

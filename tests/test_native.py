@@ -3,6 +3,8 @@ tprt.cpu.hugepages: the huge-page buffers that weights and the KV cache live in.
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import shutil
 import subprocess
@@ -114,7 +116,8 @@ def test_rms_norm_matches_module(dtype: torch.dtype) -> None:
 def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
     """The decode-attention kernel against SDPA with the engine's causal mask: head_dim 64 and
     128 (the vectorised paths) and 24 (the generic one), groups of 1 and 3 q heads per kv head,
-    rows in scattered slots at positions from 0 to past a 16-key block."""
+    blocks of 1, 5 and 16 positions, rows in scattered blocks at positions from 0 to past a
+    16-key block."""
     from tprt.model.kv_cache import KVCache
 
     attend = native.decode_attention_kernel(dtype)
@@ -123,19 +126,20 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
         return
     assert attend is not None
     torch.manual_seed(0)
-    for d in (24, 64, 128):
-        for nh, nkv in ((6, 2), (4, 4)):
-            cache = KVCache(2, 5, nkv, 48, d, torch.float32)
-            cache.kv.normal_()
-            positions = torch.tensor([[0], [16], [33], [5]])
-            step = cache.prepare(positions, torch.tensor([4, 0, 2, 1]))
-            q = torch.randn(4, nh, 1, d) * 3  # sharper softmaxes than unit scale
-            k, v = cache.read(1, step)
-            want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
-            got = attend(q, cache, step, 1)
-            assert got.shape == (4, 1, nh * d) and got.dtype == dtype
-            tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
-            assert (got.float() - want.transpose(1, 2).reshape(4, 1, nh * d)).abs().max() <= tol * want.abs().max(), (d, nh)
+    for d, (nh, nkv), size in itertools.product((24, 64, 128), ((6, 2), (4, 4)), (1, 5, 16)):
+        width = -(-34 // size)
+        cache = KVCache(2, 4 * width + 1, nkv, size, d, torch.float32)
+        cache.kv.normal_()
+        positions = torch.tensor([[0], [16], [33], [5]])
+        tables = (torch.randperm(4 * width, generator=torch.Generator().manual_seed(d + size)) + 1).view(4, width)
+        step = cache.prepare(positions, tables)
+        q = torch.randn(4, nh, 1, d) * 3  # sharper softmaxes than unit scale
+        k, v = cache.read(1, step)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
+        got = attend(q, cache, step, 1)
+        assert got.shape == (4, 1, nh * d) and got.dtype == dtype
+        tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+        assert (got.float() - want.transpose(1, 2).reshape(4, 1, nh * d)).abs().max() <= tol * want.abs().max(), (d, nh, size)
     with pytest.raises(ValueError, match="decode_attention"):
         attend(q.to(torch.bfloat16), cache, step, 1)
     with pytest.raises(ValueError, match="decode_attention"):  # more rows than the step has positions
@@ -235,7 +239,7 @@ def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path
     assert len(storages) == 1
     assert len({p.untyped_storage().data_ptr() for p in trainable.parameters()}) == len(list(trainable.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(frozen.parameters(), trainable.parameters()))
-    cache = frozen.new_cache(2, 16)
+    cache = frozen.new_cache(3, 16)
     assert not cache.kv.any()  # zeroed (masked entries still enter attention's weighted sum)
 
 
@@ -243,8 +247,8 @@ def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path
 def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
     """The pool's kernels at 2 and 3 threads give one thread's results bit for bit: the GEMV and
     the few-row GEMV (row counts that split unevenly, large enough to be shared), the fused MLP
-    half (intermediate sizes off the 16-wide blocks) and the fused attention half (its output and
-    the k/v it writes into the cache), on heads that split unevenly."""
+    half (intermediate sizes off the 16-wide blocks) and the fused attention half over a paged
+    cache (its output and the k/v it writes), on heads that split unevenly."""
     from tprt.model.kv_cache import KVCache
 
     if not native.available():
@@ -270,8 +274,9 @@ def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
             outs.append(one(torch.linspace(-1, 1, k).to(dtype).view(1, k)))
             outs += [few(torch.linspace(-1, 1, rows * k).to(dtype).view(rows, k)) for rows in (2, 5, 8)]
         outs += [mlp(x) for mlp in mlps if mlp is not None]
-        cache = KVCache(1, 2, nkv, 40, d, torch.float32)
-        step = cache.prepare(torch.tensor([[37]]), torch.tensor([1]))
+        cache = KVCache(1, 9, nkv, 5, d, torch.float32)  # 40 positions in scattered blocks of 5
+        table = (torch.randperm(8, generator=torch.Generator().manual_seed(2)) + 1).view(1, 8)
+        step = cache.prepare(torch.tensor([[37]]), table)
         cache.kv.normal_(generator=torch.Generator().manual_seed(1))
         outs += [attention(x, cos, sin, cache, step, 0), cache.kv.clone()]
         return outs

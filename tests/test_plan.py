@@ -89,7 +89,11 @@ def test_serving_numbers() -> None:
     assert plan.dtype == plan.kv_dtype == "bf16" and plan.fits
     assert plan.weights_bytes_per_rank == 2 * numel(rank_parameters(cfg, plan.layout))
     assert plan.kv_bytes_per_token_per_rank == 80 * 2 * 1 * 128 * 2  # one kv head per rank
-    assert plan.per_rank_bytes["kv_cache"] == 16 * 8192 * plan.kv_bytes_per_token_per_rank
+    # The paged pool: max_batch_size x max_seq_len positions in blocks of 16, and the scratch block.
+    assert plan.per_rank_bytes["kv_cache"] == (16 * 8192 + 16) * plan.kv_bytes_per_token_per_rank
+    paged = plan_memory(cfg, 8, ServeWorkload(max_seq_len=8192, max_batch_size=64, kv_cache_tokens=100_000,
+                                              kv_block_size=32), device("h100-80gb"))
+    assert paged.per_rank_bytes["kv_cache"] == (3125 + 1) * 32 * plan.kv_bytes_per_token_per_rank
     free = plan.device_bytes - plan.non_kv_bytes
     assert plan.max_kv_tokens == free // plan.kv_bytes_per_token_per_rank
     cpu = plan_memory(cfg, 8, ServeWorkload(dtype="bf16", max_seq_len=8192), device("cpu", 4096))

@@ -1,77 +1,81 @@
-"""tprt.engine.prefix_cache: the bookkeeping behind prefix reuse (the engine's use of it is checked against
-transformers in tests/test_engine.py: check_prefix_reuse and the mixed-adapter test)."""
+"""tprt.engine.prefix_cache.BlockPool: block allocation, prefix sharing by chained block digests,
+reference counts and LRU eviction (the engine's use of it is checked against transformers in
+tests/test_engine.py)."""
 
 from __future__ import annotations
 
-import random
+import pytest
 
-from tprt.engine.prefix_cache import PrefixCache, common_prefix
+from tprt.engine.prefix_cache import BlockPool
 
-
-def test_common_prefix_matches_a_plain_loop() -> None:
-    rng = random.Random(0)
-    for _ in range(2000):
-        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
-        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
-        limit = rng.randrange(0, 50)
-        want = 0
-        while want < min(len(a), len(b), limit) and a[want] == b[want]:
-            want += 1
-        assert common_prefix(a, b, limit) == want, (a, b, limit)
+SYSTEM = list(range(100, 164))  # a 64-token shared prefix: 4 blocks of 16
 
 
-def test_match_takes_the_longest_prefix_under_the_same_key_and_leaves_the_last_token() -> None:
-    cache = PrefixCache(4)
-    base, lora = cache.key(0), cache.key(1)
-    cache.keep(0, [1, 2, 3], base)
-    cache.keep(1, [1, 2, 3, 4, 5, 6], lora)
-    cache.keep(2, [1, 2, 9], base)
-    assert cache.match([1, 2, 3, 4, 5], base) == (0, 3)
-    assert cache.match([1, 2, 3, 4, 5], lora) == (1, 4), "the prompt's last token must be computed"
-    assert cache.match([1, 2, 3], base) == (0, 2)
-    assert cache.match([7, 2, 3], base) == (None, 0)
-    # a live sequence's computed tokens count too, and win when longer
-    assert cache.match([1, 2, 3, 4, 5], base, [(3, [1, 2, 3, 4], base)]) == (3, 4)
-    assert cache.match([1, 2, 3, 4, 5], base, [(3, [1, 2, 3, 4], lora)]) == (0, 3)
+def _sequence(pool: BlockPool, tokens: list[int], key: object = (0, 0)) -> tuple[list[int], list[bytes], int]:
+    """Admits a sequence as the engine does: shared blocks for its prefix, new ones for the rest,
+    all of it computed and its full blocks named. Returns (blocks, digests, shared tokens)."""
+    blocks, digests = pool.match(tokens, key, len(tokens) - 1)
+    shared = len(blocks) * pool.block_size
+    assert pool.grow(blocks, len(tokens))
+    pool.name(blocks, digests, tokens, key)
+    return blocks, digests, shared
 
 
-def test_invalidate_forgets_one_adapter_and_changes_its_key() -> None:
-    cache = PrefixCache(2)
-    old = cache.key(1)
-    cache.keep(0, [1, 2, 3], old)
-    cache.keep(1, [1, 2, 3], cache.key(0))
-    cache.invalidate(1)
-    assert cache.key(1) != old
-    assert cache.match([1, 2, 3, 4], cache.key(1)) == (None, 0)
-    assert cache.match([1, 2, 3, 4], old, [(0, [1, 2, 3], old)]) == (0, 3), "live rows carry their own key"
-    assert cache.match([1, 2, 3, 4], cache.key(0)) == (1, 3), "other adapters' records stay"
-    assert cache.match([1, 2, 3, 4], old) == (None, 0), "the old version's record is dropped"
+def test_common_prefix_is_held_once() -> None:
+    """N sequences sharing a 64-token prefix hold its 4 blocks once, each referenced N times."""
+    pool = BlockPool(n_blocks=200, block_size=16)
+    seqs = [_sequence(pool, SYSTEM + [i] * 20) for i in range(8)]
+    prefix = seqs[0][0][:4]
+    assert all(blocks[:4] == prefix for blocks, _, _ in seqs)
+    assert [shared for _, _, shared in seqs] == [0] + [64] * 7
+    assert all(pool.refs(b) == 8 for b in prefix)
+    assert pool.used == 4 + 8 * 2  # the prefix once, then 20 tokens (2 blocks) per sequence
 
 
-def test_slot_for_prefers_the_source_then_empty_then_least_recently_kept() -> None:
-    cache = PrefixCache(4)
-    key = cache.key(0)
-    for slot in (2, 0, 1):  # kept in this order: slot 2 is the oldest record
-        cache.keep(slot, [slot + 1], key)
-    assert cache.slot_for([0, 1, 2, 3], source=1) == 1, "the source slot itself: no copy"
-    assert cache.slot_for([0, 1, 2, 3], source=None) == 3, "an empty slot before any record"
-    assert cache.slot_for([0, 1, 2], source=None) == 2, "then the least recently kept record"
-    assert cache.slot_for([0, 2], source=3) == 2, "a live source: a free slot, the oldest record"
-    cache.drop(2)
-    assert cache.slot_for([0, 1, 2], source=None) == 2
+def test_the_cache_key_separates_adapters() -> None:
+    pool = BlockPool(n_blocks=50, block_size=16)
+    base, _, _ = _sequence(pool, SYSTEM + [1])
+    adapted, _, shared = _sequence(pool, SYSTEM + [1], key=(3, 0))
+    assert shared == 0 and not set(base) & set(adapted)
+    again, _, shared = _sequence(pool, SYSTEM + [2], key=(3, 0))
+    assert shared == 64 and again[:4] == adapted[:4]
 
 
-def test_relocate_saves_a_record_from_packing_unless_every_free_slot_holds_a_newer_one() -> None:
-    cache = PrefixCache(4)
-    key = cache.key(0)
-    cache.keep(3, [9], key)  # older
-    cache.keep(0, [1, 2, 3], key)  # slot 0 is about to receive a live sequence
-    assert cache.relocate(0, [2, 3]) == (2, 3), "an empty free slot first"
-    assert cache.match([1, 2, 3, 4], key) == (2, 3) and cache.relocate(0, [3]) is None
-    cache.keep(1, [5, 6], key)  # newest
-    assert cache.relocate(1, [3]) == (3, 2), "evicts the older record"
-    assert cache.match([9, 9], key) == (None, 0)
-    cache.keep(0, [7, 7], key)
-    cache.keep(3, [8], key)  # newer than slot 0's
-    assert cache.relocate(0, [3]) is None, "every free slot holds a newer record"
-    assert cache.match([7, 7, 7], key) == (0, 2), "the hole's record is left in place (then overwritten)"
+def test_referenced_blocks_are_never_evicted_and_eviction_is_lru() -> None:
+    """Released named blocks stay cached and are shared by a later match; when the pool needs
+    room it evicts unreferenced blocks, least recently released first (a sequence's last block
+    before its first), never one a live sequence holds; an exhausted pool refuses."""
+    pool = BlockPool(n_blocks=9, block_size=4)  # 8 usable blocks
+    a, _, _ = _sequence(pool, list(range(8)))  # 2 full blocks, named
+    b, _, _ = _sequence(pool, list(range(50, 58)))
+    pool.release(a)
+    pool.release(b)
+    assert (pool.used, pool.cached, pool.available) == (0, 4, 8)
+    live, _, shared = _sequence(pool, list(range(9)))  # a's two blocks, from the cache, and a new one
+    assert shared == 8 and pool.cached == 2 and pool.refs(live[0]) == 1
+    held: list[int] = []
+    assert pool.grow(held, 3 * 4) and pool.cached == 2  # the last 3 free blocks: nothing evicted
+    more: list[int] = []
+    assert pool.grow(more, 4) and pool.cached == 1  # evicts b's last block (released before its first)
+    first, _ = pool.match(list(range(50, 58)), (0, 0), 7)
+    assert len(first) == 1 and pool.available == 0  # b's first block survived, and is now referenced
+    assert not pool.grow(more, 8), "the pool handed out a block it does not have"
+    assert len({*live, *held, *more, *first}) == 8 and all(pool.refs(x) == 1 for x in live + held + more + first)
+
+
+def test_release_checks_references() -> None:
+    pool = BlockPool(n_blocks=3, block_size=2)
+    blocks: list[int] = []
+    assert pool.grow(blocks, 3) and blocks == [1, 2] and pool.available == 0
+    again = list(blocks)
+    pool.release(blocks)
+    with pytest.raises(ValueError, match="released more often"):
+        pool.release(again)
+
+
+def test_without_sharing_nothing_is_named() -> None:
+    pool = BlockPool(n_blocks=20, block_size=4, share=False)
+    first, _, _ = _sequence(pool, SYSTEM[:12])
+    pool.release(first)
+    _, _, shared = _sequence(pool, SYSTEM[:12])
+    assert shared == 0 and pool.cached == 0

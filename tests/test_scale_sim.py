@@ -31,7 +31,7 @@ from bench.gpu_bench import random_model
 from convert.plan import plan_tp
 from fake_world import CONFIGS, Collective, CollectiveLog, build_rank, fake_world, real_config
 from tprt.distributed.context import TPContext
-from tprt.engine.core import Engine, EngineConfig, run_to_completion
+from tprt.engine.core import Engine, EngineConfig, kv_pool_blocks, run_to_completion
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.runner import BatchResult, ModelRunner, StepResult
 from tprt.engine.sampling import SamplingParams
@@ -198,11 +198,10 @@ def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, max_bat
     `max_batch` slots (packed decode rows padded to a batch bucket)."""
     out = []
     if plan.prefill is not None:
-        out += inference_collectives(cfg, layout, len(plan.prefill.slots), plan.prefill.width, plan.prefill.full_logits)
+        out += inference_collectives(cfg, layout, plan.prefill.rows, plan.prefill.width, plan.prefill.full_logits)
     if plan.decode is not None:
-        n = len(plan.decode.slots)
-        packed = plan.decode.slots == tuple(range(n))
-        rows = next(b for b in buckets(max_batch) if b >= n) if packed else n
+        n = plan.decode.rows
+        rows = next(b for b in buckets(max_batch) if b >= n)  # static decode: padded to a bucket
         out += inference_collectives(cfg, layout, rows, 1, plan.decode.full_logits, gathered_rows=n)
     return out
 
@@ -212,9 +211,9 @@ def record_steps(runner: ModelRunner) -> list[CacheStep]:
     seen: list[CacheStep] = []
     prepare = runner.cache.prepare
 
-    def recording(positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None,
+    def recording(positions: torch.Tensor, tables: torch.Tensor, kv_len: int | None = None,
                   starts: tuple[int, ...] | None = None) -> CacheStep:
-        step = prepare(positions, slots, kv_len, starts)
+        step = prepare(positions, tables, kv_len, starts)
         seen.append(step)
         return step
 
@@ -225,13 +224,11 @@ def record_steps(runner: ModelRunner) -> list[CacheStep]:
 
 def step_kv_lens(plan: StepPlan, max_seq_len: int) -> list[int]:
     """The keys each forward call of the plan must read: the prefill's up to its last position;
-    a static (packed) decode step's the smallest key bucket holding its rows, not the whole
-    cache of every slot."""
+    a static decode step's the smallest key bucket holding its rows, not max_seq_len."""
     out = [plan.prefill.kv_len] if plan.prefill is not None else []
     if plan.decode is not None:
         need = plan.decode.kv_len
-        packed = plan.decode.slots == tuple(range(len(plan.decode.slots)))
-        out.append(next(k for k in kv_buckets(max_seq_len) if k >= need) if packed else need)
+        out.append(next(k for k in kv_buckets(max_seq_len) if k >= need))
     return out
 
 
@@ -251,7 +248,7 @@ class RecordingRunner:
     def _values(self, batch: BatchPlan | None, result: BatchResult | None) -> BatchResult | None:
         if batch is None or result is None:
             return None
-        rows = len(batch.slots)
+        rows = batch.rows
         if batch.full_logits:
             assert result.ids is None and result.logits is not None
             assert result.logits.shape == (rows, self.vocab) and result.logits.dtype == torch.float32
@@ -287,7 +284,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         assert any(p.prefill is not None and any(len(t) < prompts["long"] for t in p.prefill.tokens) and
                    p.prefill.starts != (0,) * len(p.prefill.starts) for p in plans), "no chunked prefill"
         assert any(p.prefill is not None and p.decode is not None for p in plans), "no mixed step"
-        assert max(len(p.decode.slots) for p in plans if p.decode is not None) == 3
+        assert max(p.decode.rows for p in plans if p.decode is not None) == 3
         expected = [c for p in plans for c in step_collectives(cfg, layout, p, slots)]
         assert [c for c in rank0 if c.op != "broadcast"] == expected
         kv_lens = [step.kv_len for step in steps]
@@ -298,10 +295,13 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
 
         for rank in range(1, tp):
             model = build_rank(cfg, tp, rank)
-            runner = ModelRunner(model, slots, max_seq, static_decode=True)
+            runner = ModelRunner(model, kv_pool_blocks(config, max_seq), config.kv_block_size, slots, max_seq,
+                                 static_decode=True)
             steps = record_steps(runner)
-            assert runner.cache.kv.shape == (cfg.num_hidden_layers, slots, 2, 1, max_seq, cfg.head_dim)
-            assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * slots * max_seq
+            n_blocks = slots * max_seq // config.kv_block_size + 1  # the same pool as rank 0's, and scratch
+            assert runner.cache.kv.shape == (cfg.num_hidden_layers, n_blocks, 2, 1, config.kv_block_size,
+                                             cfg.head_dim)
+            assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * n_blocks * config.kv_block_size
             for plan in plans:
                 result = runner.execute(plan)
                 for batch, out in ((plan.prefill, result.prefill), (plan.decode, result.decode)):
@@ -343,19 +343,22 @@ def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -
 
 
 def test_long_context_decode_70b_tp8() -> None:
-    """Sixteen slots of the full 128K context on the last rank: a cache of more than 2**31
-    elements, rows at its very end, in slot order and not (the gathered read)."""
+    """Sixteen sequences of the full 128K context on the last rank: a paged cache of more than
+    2**31 elements, rows at their very end, their block tables in pool order and not."""
     cfg = real_config("llama-3.1-70b")
-    tp, slots, max_seq = 8, 16, cfg.max_position_embeddings
+    tp, slots, max_seq, size = 8, 16, cfg.max_position_embeddings, 16
+    per_seq = max_seq // size
     layout = TPLayout.for_model(cfg, tp)
     log = CollectiveLog()
     with fake_world(tp), log.recording():
-        runner = ModelRunner(build_rank(cfg, tp, tp - 1), slots, max_seq, static_decode=True)
+        runner = ModelRunner(build_rank(cfg, tp, tp - 1), slots * per_seq + 1, size, slots, max_seq,
+                             static_decode=True)
         assert runner.cache.kv.numel() > 2**31
-        assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * slots * max_seq
+        assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * (slots * per_seq + 1) * size
         starts = tuple(max_seq - 1 - s for s in range(slots))
         for order in (tuple(range(slots)), tuple(reversed(range(slots)))):
-            plan = StepPlan(decode=BatchPlan(order, starts, ((1,),) * slots, False))
+            tables = tuple(tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in order)
+            plan = StepPlan(decode=BatchPlan(tables, starts, ((1,),) * slots, False))
             result = runner.execute(plan)
             assert result.decode is not None and result.decode.ids is not None
             assert result.decode.ids.shape == (slots,)
@@ -371,10 +374,12 @@ def test_long_context_prefill_mask_70b_tp8() -> None:
     layout = TPLayout.for_model(cfg, tp)
     log = CollectiveLog()
     with fake_world(tp), log.recording():
-        runner = ModelRunner(build_rank(cfg, tp, 0), slots, max_seq, static_decode=True)
+        per_seq = max_seq // 16
+        runner = ModelRunner(build_rank(cfg, tp, 0), slots * per_seq + 1, 16, slots, max_seq, static_decode=True)
         steps = record_steps(runner)
         starts = (max_seq - chunk, max_seq - 3 * chunk)
-        plan = StepPlan(prefill=BatchPlan((0, 1), starts, ((1,) * chunk,) * 2, True))
+        tables = tuple(tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots))
+        plan = StepPlan(prefill=BatchPlan(tables, starts, ((1,) * chunk,) * 2, True))
         result = runner.execute(plan)
         assert result.prefill is not None and result.prefill.logits is not None
         assert result.prefill.logits.shape == (2, cfg.vocab_size)

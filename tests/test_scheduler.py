@@ -21,6 +21,7 @@ import pytest
 from serve.errors import QueueFull, Unavailable
 from serve.metrics import Metrics
 from serve.scheduler import Scheduler, Ticket
+from tprt.engine.core import KVStats
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
 from tprt.errors import ValidationError
@@ -33,9 +34,9 @@ FOREVER = 10**9  # max_new_tokens of a request that only ends when cancelled
 
 
 class FakeEngine:
-    """tprt.engine.core.EngineLike: has_work, num_unfinished, max_seq_len, kv_capacity, kv_tokens,
-    add, cancel, step. A running request gets one token per step (ids 1, 2, ...)
-    until max_new_tokens; a cancellation frees the slot at once and is reported by the next step,
+    """tprt.engine.core.EngineLike: has_work, num_unfinished, max_seq_len, kv_stats, add, cancel,
+    step. A running request gets one token per step (ids 1, 2, ...)
+    until max_new_tokens; a cancellation frees its KV at once and is reported by the next step,
     as the real engine does. step() blocks until `run_steps` (or `run_freely`) lets it go."""
 
     max_seq_len = 64
@@ -69,6 +70,10 @@ class FakeEngine:
     @property
     def kv_tokens(self) -> int:
         return sum(self._prompt_len[rid] + self._made[rid] for rid in self._left)
+
+    @property
+    def kv_stats(self) -> KVStats:  # blocks of one position, nothing cached, shared or preempted
+        return KVStats(1, self.kv_tokens, 0, self.kv_capacity, 0, 0, 0)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         if request_id in self.refuse:
@@ -196,8 +201,8 @@ class World:
         self.scheduler.start()
         self.started = True
 
-    def metric(self, name: str) -> float:
-        value = self.metrics.registry.get_sample_value(name)
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, labels)
         assert value is not None, name
         return value
 
@@ -310,7 +315,7 @@ def test_cancelling_frees_the_slot_and_the_queue_place(world: Callable[..., Worl
     w.engine.run_steps(2)
     assert [e.finish_reason for e in events(later)] == [None, "length"]
     w.scheduler.cancel("later")  # already finished: nothing happens
-    wait_for(lambda: w.metric("tprt_kv_cache_slots_used") == 0 and w.metric("tprt_running_requests") == 0,
+    wait_for(lambda: w.metric("tprt_kv_cache_blocks", state="used") == 0 and w.metric("tprt_running_requests") == 0,
              "the gauges to show an empty batch")
     assert w.scheduler.in_flight == 0 and w.engine.cancelled == ["running"]
 
@@ -402,7 +407,7 @@ def test_metrics_count_tokens_latencies_and_gauges(world: Callable[..., World]) 
     w.scheduler.submit(cancelled)
     w.start()
     w.engine.run_steps()  # each has its first token
-    assert w.metric("tprt_running_requests") == 2 and w.metric("tprt_kv_cache_slots_used") == 2
+    assert w.metric("tprt_running_requests") == 2 and w.metric("tprt_kv_cache_blocks", state="used") == 5 + 1 + 2 + 1
     capacity = FakeEngine.kv_capacity  # the engine owns the count and the capacity
     assert w.metric("tprt_kv_cache_usage_ratio") == (5 + 1 + 2 + 1) / capacity  # prompts + generated
     w.engine.run_steps(2)  # "done" ends after its third token
@@ -420,7 +425,7 @@ def test_metrics_count_tokens_latencies_and_gauges(world: Callable[..., World]) 
     assert m("tprt_prompt_cached_tokens_total") == 2  # from each request's final usage
     assert m("tprt_engine_steps_total") == w.engine.steps
     assert m("tprt_batch_size_count") == 4  # the steps that had running sequences
-    assert m("tprt_waiting_requests") == 0 and m("tprt_kv_cache_slots_used") == 0
+    assert m("tprt_waiting_requests") == 0 and m("tprt_kv_cache_blocks", state="used") == 0
     assert m("tprt_kv_cache_usage_ratio") == 0
 
 

@@ -199,7 +199,7 @@ def wait_idle(server: ServerProcess) -> None:
     def idle() -> bool:
         m = server.metrics()
         return all(metric(m, name) == 0 for name in
-                   ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_slots_used"))
+                   ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_usage_ratio"))
 
     wait_for(idle, 20, "the server to be idle")
 
@@ -261,7 +261,7 @@ def test_cancel_frees_the_slot(server: ServerProcess, client: Client) -> None:
     call = client.generate("cancel me", max_new_tokens=LONG, temperature=0, ignore_eos=True)
     for _, _ in zip(range(2), call):  # running: two tokens streamed
         pass
-    assert metric(server.metrics(), "tprt_kv_cache_slots_used") == 1
+    assert metric(server.metrics(), "tprt_running_requests") == 1
     call.cancel()
     wait_idle(server)
     wait_for(lambda: metric(server.metrics(), "tprt_requests_total", method="Generate", outcome="cancelled")
@@ -273,7 +273,7 @@ def test_deadline_ends_a_running_request_and_frees_its_slot(server: ServerProces
     wait_idle(server)
     call = client.generate("slow", max_new_tokens=LONG, temperature=0, ignore_eos=True, timeout=DEADLINE_S)
     got = [next(call)]  # running: its first token streamed
-    assert metric(server.metrics(), "tprt_kv_cache_slots_used") == 1
+    assert metric(server.metrics(), "tprt_running_requests") == 1
     with pytest.raises(grpc.RpcError) as info:
         got.extend(call)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -418,13 +418,17 @@ def test_model_info_and_reflection(client: Client) -> None:
 
 def test_metrics_count(server: ServerProcess, client: Client) -> None:
     before = server.metrics()
-    done = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
-    # The same prompt again reuses its keys and values from the slot the first one freed
-    # (tprt.engine.prefix_cache, on both ranks): all but the last prompt token, and the same answer.
-    again = client.complete("count me", max_new_tokens=5, temperature=0, ignore_eos=True)
+    prompt = "count me, " * 5
+    done = client.complete(prompt, max_new_tokens=5, temperature=0, ignore_eos=True)
+    # The same prompt again shares the KV blocks the first one left cached (tprt.engine.prefix_cache,
+    # on both ranks): the whole blocks of all but the last prompt token, and the same answer.
+    again = client.complete(prompt, max_new_tokens=5, temperature=0, ignore_eos=True)
     after = server.metrics()
     delta = lambda name, **lab: metric(after, name, **lab) - metric(before, name, **lab)  # noqa: E731
-    assert again.usage.cached_prompt_tokens == again.usage.prompt_tokens - 1 and again.text == done.text
+    shared = (again.usage.prompt_tokens - 1) // 16 * 16
+    assert again.usage.cached_prompt_tokens == shared > 0 and again.text == done.text
+    assert delta("tprt_prefix_cache_hit_tokens_total") == shared
+    assert delta("tprt_prefix_cache_queried_tokens_total") == 2 * done.usage.prompt_tokens
     assert delta("tprt_prompt_cached_tokens_total") == (done.usage.cached_prompt_tokens
                                                         + again.usage.cached_prompt_tokens)
     assert delta("tprt_requests_total", method="Complete", outcome="ok") == 2
@@ -436,6 +440,7 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
     assert delta("tprt_queue_time_seconds_count") == 2
     assert delta("tprt_engine_steps_total") >= 10
     for name in ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_usage_ratio",
+                 "tprt_kv_cache_blocks", "tprt_preemptions_total",
                  "tprt_batch_size_count", "tprt_finetune_tokens_total", "tprt_finetune_loss"):
         assert re.search(rf"^{name}(\{{.*\}})? ", after, re.M), name
     assert 'tprt_finetune_jobs{state="running"}' in after
@@ -446,6 +451,34 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
     assert metric(after, "tprt_serving") == 1
     assert metric(after, "tprt_requests_total", method="Generate", outcome="internal") == 0
     assert metric(after, "tprt_requests_total", method="Complete", outcome="internal") == 0
+
+
+def test_small_kv_budget_serves_48_streams_sharing_a_system_prompt(workdir: Path, client: Client) -> None:
+    """A KV cache of 8192 positions, far below 48 sequences x 4096: 48 concurrent streams with a
+    600-token system prompt all finish, with the module server's greedy tokens, and the metrics
+    show the prompt's blocks shared (hits) and every block returned at the end."""
+    system = ("You are a terse assistant; answer in one word. " * 13)[:600]
+    prompts = [f"{system}Q{i}: colour?" for i in range(48)]
+    srv = ServerProcess([*server_args(workdir, data_dir(workdir, "data-kv")), "--max-batch-size", "48",
+                         "--max-queue", "8", "--kv-cache-tokens", "8192"], workdir / "server-kv.log")
+    try:
+        with srv.client() as small:
+            def run(p: str) -> list[int]:
+                return [c.token.id for c in small.generate(p, max_new_tokens=8, temperature=0, ignore_eos=True)]
+
+            with ThreadPoolExecutor(48) as pool:
+                outputs = list(pool.map(run, prompts))
+            assert all(len(ids) == 8 for ids in outputs)
+            for i in (0, 17, 47):  # the same tokens as a server with ample KV memory
+                assert outputs[i] == [c.token.id for c in client.generate(prompts[i], max_new_tokens=8, temperature=0,
+                                                                           ignore_eos=True)], i
+            m = srv.metrics()
+            prefix = (len(small.tokenize(system).ids) - 1) // 16 * 16  # its whole blocks (BOS included)
+            assert metric(m, "tprt_prefix_cache_hit_tokens_total") >= (48 - 8) * prefix > 0
+            wait_for(lambda: metric(srv.metrics(), "tprt_kv_cache_blocks", state="used") == 0, 20, "blocks returned")
+            assert metric(srv.metrics(), "tprt_kv_cache_blocks", state="cached") > 0
+    finally:
+        srv.kill()
 
 
 # ----------------------------------------------------------------- torchrun

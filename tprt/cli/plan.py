@@ -50,7 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16}",
                    help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine)")
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per sequence (default: min(model's, 2048))")
-    s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="KV slots, sequences at once (16)")
+    s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="running sequences at once (16)")
+    s.add_argument("--kv-cache-tokens", type=int, metavar="N",
+                   help="KV cache positions per rank (default: max batch size x max seq len)")
+    s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
     f = work.add_parser("finetune", help="a step of `tprt finetune`")
     _common(f, suppress=True)
     m = f.add_mutually_exclusive_group()
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     workload: Workload
     if args.workload == "serve":
         workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
-                                 max_batch_size=args.max_batch_size)
+                                 max_batch_size=args.max_batch_size, kv_cache_tokens=args.kv_cache_tokens,
+                                 kv_block_size=args.kv_block_size)
     else:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
         workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,

@@ -14,21 +14,25 @@ API (rank 0 drives, every other TP rank follows):
         engine.follow()                         # executes rank 0's plans until close() (or a command)
 
 A step has two halves. *What to do* is decided on rank 0 by the scheduler and written down as a
-`tprt.engine.plan.StepPlan` (plain data: slot moves, a prefill batch of uneven prompt chunks, a decode
-batch of one token per running sequence), which is sent to the other ranks as a STEP message of
-the rank protocol (tprt.distributed.protocol). *Doing it* is
-`tprt.engine.runner.ModelRunner.execute(plan)`, identical on every rank. The scheduler admits waiting
-prompts in arrival order while slots and the per-step token budget last (decode rows count one
-token each; a prompt longer than what is left is prefilled in chunks over several steps), so
-sequences join and leave at any step. Finished sequences free their KV slot at once; the next plan
-moves the highest occupied slot into the hole, keeping the running sequences in slots 0..n-1 so
-the decode step reads the cache through views instead of copying it.
+`tprt.engine.plan.StepPlan` (plain data: a prefill batch of uneven prompt chunks and a decode batch
+of one token per running sequence, each row with its KV block table), which is sent to the other
+ranks as a STEP message of the rank protocol (tprt.distributed.protocol). *Doing it* is
+`tprt.engine.runner.ModelRunner.execute(plan)`, identical on every rank.
 
-Prefix reuse (`EngineConfig.prefix_cache`, on by default; tprt.engine.prefix_cache): a new prompt that
-begins with tokens some slot already holds (a finished sequence's slot keeps its keys and values
-until it is reused, least recently freed first; a running sequence's slot holds its own) starts
-from a KV copy of those positions, and only the rest is prefilled. Usage reports how many prompt
-tokens were reused.
+The KV cache is paged (tprt.model.kv_cache): a pool of `kv_cache_tokens` positions in blocks of
+`kv_block_size`, of which each sequence holds the blocks its tokens fill, taken as it grows and
+returned when it ends, so memory follows the tokens in use rather than max_batch x max_seq_len.
+The scheduler admits waiting prompts in arrival order while the per-step token budget, the
+`max_batch` running sequences and free blocks last (decode rows count one token each; a prompt
+longer than what is left is prefilled in chunks over several steps), so sequences join and leave
+at any step. When the pool runs out, the most recently admitted sequences are preempted: their
+blocks are freed and they are recomputed later, so admitted work always finishes.
+
+Prefix sharing (`EngineConfig.prefix_cache`, on by default; tprt.engine.prefix_cache): full blocks
+are named by a digest chained over their tokens, their parent and the adapter key, and a new
+prompt whose leading blocks match named ones (held by live sequences, or cached after they ended,
+least recently used evicted first) points at them instead of computing them. Usage reports how
+many prompt tokens were reused.
 
 Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
 batch's input tokens), so no extra collective is needed and no rank needs the tokenizer or an
@@ -55,7 +59,7 @@ from tprt.errors import ConfigError, ValidationError
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.distributed.protocol import Tag, receive_header, receive_step, send_signal, send_step
 from tprt.engine.plan import BatchPlan, StepPlan
-from tprt.engine.prefix_cache import PrefixCache
+from tprt.engine.prefix_cache import BlockPool
 from tprt.engine.request import check_request
 from tprt.engine.runner import BatchResult, ModelRunner
 from tprt.engine.sampling import SamplingParams, sample
@@ -63,11 +67,12 @@ from tprt.engine.sequence import Sequence, Status, TokenEvent, Usage
 from tprt.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 2048
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 16  # sequences holding a KV slot at once (prefilling or decoding)
+    max_batch: int = 16  # sequences admitted at once (prefilling or decoding)
     max_seq_len: int | None = None  # tokens per sequence (prompt + output); None: min(model's, 2048)
     token_budget: int = 2048  # tokens per step: one per decoding sequence plus prefill chunks
     seed: int | None = None  # base seed for sampled requests without their own seed
@@ -79,8 +84,27 @@ class EngineConfig:
     # small ops (docs/PERF.md); the free cores go to a server's I/O threads. Other steps use the
     # caller's thread count.
     one_row_threads: int | None = 1
-    # Reuse the keys and values of a prompt prefix another slot holds (see the module docstring).
+    # Share the KV blocks of common prompt prefixes (see the module docstring).
     prefix_cache: bool = True
+    kv_cache_tokens: int | None = None  # KV positions in the pool; None: see gpu_memory_fraction
+    kv_block_size: int = DEFAULT_BLOCK_SIZE  # positions per KV block
+    # CUDA, without kv_cache_tokens: the pool takes this share of the device memory free after the
+    # weights (the smallest over the TP ranks). Otherwise (and off CUDA) the pool holds
+    # max_batch x max_seq_len positions, as many as one slot per sequence would.
+    gpu_memory_fraction: float | None = None
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The KV block pool and the prefix cache, for metrics: blocks now, and counts since start."""
+
+    block_size: int
+    blocks_used: int  # held by live sequences (a shared block once)
+    blocks_cached: int  # held by no one, kept for prefix reuse (evicted when the pool needs room)
+    blocks_total: int
+    prefix_queried_tokens: int  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int  # of those, found in shared blocks
+    preemptions: int  # sequences preempted (blocks freed, recomputed later)
 
 
 class EngineLike(Protocol):
@@ -96,10 +120,7 @@ class EngineLike(Protocol):
     def max_seq_len(self) -> int: ...
 
     @property
-    def kv_capacity(self) -> int: ...
-
-    @property
-    def kv_tokens(self) -> int: ...
+    def kv_stats(self) -> KVStats: ...
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
 
@@ -117,18 +138,23 @@ class Engine:
         self.ctx = model.tp
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
-        self.runner = ModelRunner(model, config.max_batch, self.max_seq_len, config.cache_dtype,
-                                  config.cpu_prepack, config.static_decode, config.one_row_threads)
+        n_blocks = kv_pool_blocks(config, self.max_seq_len, _free_memory_tokens(model, config))
+        self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
+                                  config.cache_dtype, config.cpu_prepack, config.static_decode,
+                                  config.one_row_threads)
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = tuple(eos_token_ids)
         self._seeds = random.Random(config.seed)
         self._waiting: deque[Sequence] = deque()
-        self._prefilling: list[Sequence] = []  # in admission order
-        self._slots: list[Sequence | None] = [None] * config.max_batch
+        self._running: list[Sequence] = []  # admitted (prefilling or decoding), in admission order
         self._by_id: dict[str, Sequence] = {}
-        self._prefix = PrefixCache(config.max_batch) if config.prefix_cache else None
+        self._pool = BlockPool(n_blocks, config.kv_block_size, share=config.prefix_cache)
+        self._adapter_versions: dict[int, int] = {}
+        self.preemptions = 0  # sequences preempted (blocks freed, recomputed later)
+        self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # of those, found in shared blocks
         self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
         self._closed = False
 
@@ -149,13 +175,23 @@ class Engine:
 
     @property
     def kv_capacity(self) -> int:
-        """KV cache positions in all: slots times tokens per sequence."""
-        return self.config.max_batch * self.max_seq_len
+        """KV cache positions in all (the pool's blocks, scratch excluded)."""
+        return self._pool.capacity * self._pool.block_size
 
     @property
     def kv_tokens(self) -> int:
-        """KV cache positions holding a live sequence's keys and values (prompt and output so far)."""
-        return sum(s.num_computed for s in self._slots if s is not None)
+        """KV cache positions in blocks held by live sequences (a shared block counts once)."""
+        return self._pool.used * self._pool.block_size
+
+    @property
+    def kv_blocks(self) -> tuple[int, int, int]:
+        """(blocks held by live sequences, blocks cached for prefix reuse, blocks in all)."""
+        return self._pool.used, self._pool.cached, self._pool.capacity
+
+    @property
+    def kv_stats(self) -> KVStats:
+        return KVStats(self._pool.block_size, *self.kv_blocks, self.prefix_queried_tokens, self.prefix_hit_tokens,
+                       self.preemptions)
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
@@ -166,16 +202,14 @@ class Engine:
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
         seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
-        if self._prefix is not None:
-            seq.cache_key = self._prefix.key(adapter)
+        seq.cache_key = (adapter, self._adapter_versions.get(adapter, 0))
         self._by_id[request_id] = seq
         self._waiting.append(seq)
 
     def forget_prefixes(self, adapter: int) -> None:
         """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
         keys and values computed with the old ones are never reused."""
-        if self._prefix is not None:
-            self._prefix.invalidate(adapter)
+        self._adapter_versions[adapter] = self._adapter_versions.get(adapter, 0) + 1
 
     def _check_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
         """The prompt as ints; the request checked by the front ends' own resolver (defensive)."""
@@ -189,7 +223,7 @@ class Engine:
         return prompt
 
     def cancel(self, request_id: str) -> bool:
-        """Ends a request now and frees its slot; the next step reports it as "cancelled".
+        """Ends a request now and frees its blocks; the next step reports it as "cancelled".
         False when the request is unknown or already finished."""
         self._require_driver()
         seq = self._by_id.get(request_id)
@@ -219,7 +253,7 @@ class Engine:
             events += self._after_prefill(plan.prefill, prefill_rows, result.prefill)
         if plan.decode is not None and result.decode is not None:
             for seq in decode_rows:
-                seq.num_computed += 1
+                self._computed(seq, 1)
             events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode)
         return events
 
@@ -257,112 +291,122 @@ class Engine:
     # ----------------------------------------------------------------- scheduling
 
     def _schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]], list[Sequence]]:
-        """This step's plan, the prefill rows as (sequence, chunk length) and the decode rows."""
-        moves = self._compact()
-        decode_rows = [s for s in self._slots if s is not None and s.status is Status.RUNNING]
-        prefill_rows, copies = self._admit(self.config.token_budget - len(decode_rows))
+        """This step's plan, the prefill rows as (sequence, chunk length) and the decode rows.
+
+        Admitted sequences, oldest first, each get the blocks for this step's tokens: one token
+        per decoding sequence, then prefill chunks from what is left of the token budget. When
+        the pool runs dry, the most recently admitted sequences are preempted (`_preempt`), so
+        the oldest always progress and admitted work finishes. Then waiting sequences are
+        admitted in order while the budget, `max_batch` and free blocks last (admission never
+        preempts). The prefill batch is right-padded to its longest chunk, so the budget bounds
+        its padded size (rows x width): many short rows beside a long one would otherwise
+        compute mostly padding."""
+        decode_rows: list[Sequence] = []
+        prefill_rows: list[tuple[Sequence, int]] = []
+        total = self.config.token_budget - sum(s.status is Status.RUNNING for s in self._running)
+        budget, width = total, 0
+
+        def widest() -> int:  # the longest chunk another prefill row may have (0: no row fits)
+            cap = min(budget, total // (len(prefill_rows) + 1))
+            return cap if cap >= width else 0
+
+        i = 0
+        while i < len(self._running):  # preemption removes from the end
+            seq = self._running[i]
+            if seq.status is Status.RUNNING:
+                if self._grow(seq, seq.length):  # the input token goes at position length - 1
+                    decode_rows.append(seq)
+            elif widest() > 0:
+                room = (len(seq.blocks) + self._pool.available) * self._pool.block_size - seq.num_computed
+                n = min(seq.prefill_target - seq.num_computed, widest(), max(room, 1))
+                if self._grow(seq, seq.num_computed + n):
+                    prefill_rows.append((seq, n))
+                    budget, width = budget - n, max(width, n)
+            i += 1
+        while self._waiting and widest() > 0 and len(self._running) < self.config.max_batch:
+            n = self._admit(self._waiting[0], widest())
+            if not n:
+                break
+            prefill_rows.append((self._running[-1], n))
+            budget, width = budget - n, max(width, n)
         prefill = None
         if prefill_rows:
             prefill = BatchPlan(
-                slots=tuple(s.slot or 0 for s, _ in prefill_rows),
+                tables=tuple(tuple(s.blocks) for s, _ in prefill_rows),
                 starts=tuple(s.num_computed for s, _ in prefill_rows),
-                tokens=tuple(tuple(s.prompt[s.num_computed : s.num_computed + n]) for s, n in prefill_rows),
-                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == len(s.prompt)),
+                tokens=tuple(tuple(s.tokens(s.num_computed + n)[s.num_computed :]) for s, n in prefill_rows),
+                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
                 adapters=_adapters([s for s, _ in prefill_rows]),
             )
         decode = None
         if decode_rows:
             decode = BatchPlan(
-                slots=tuple(s.slot or 0 for s in decode_rows),
+                tables=tuple(tuple(s.blocks) for s in decode_rows),
                 starts=tuple(s.length - 1 for s in decode_rows),
                 tokens=tuple((s.output[-1],) for s in decode_rows),
                 full_logits=any(s.needs_logits for s in decode_rows),
                 adapters=_adapters(decode_rows),
             )
-        return StepPlan(tuple(moves + copies), prefill, decode), prefill_rows, decode_rows
+        return StepPlan(prefill, decode), prefill_rows, decode_rows
 
-    def _compact(self) -> list[tuple[int, int, int]]:
-        """Moves the highest occupied slots into the holes below, so slots 0..n-1 are in use.
-        A hole's prefix record (a sequence that just finished there) is first copied to a free
-        slot above, so packing does not throw away what the next turn would reuse."""
-        used = [i for i, s in enumerate(self._slots) if s is not None]
-        n = len(used)
-        holes = [i for i in range(n) if self._slots[i] is None]
-        spare = [i for i in range(n, len(self._slots)) if self._slots[i] is None]  # free, above the moves
-        moves = []
-        for hole, src in zip(holes, [i for i in reversed(used) if i >= n]):
-            seq = self._slots[src]
-            assert seq is not None
-            if self._prefix is not None:
-                kept = self._prefix.relocate(hole, spare)
-                if kept is not None:
-                    moves.append((hole, *kept))
-            self._slots[src], self._slots[hole], seq.slot = None, seq, hole
-            moves.append((src, hole, seq.num_computed))
-            if self._prefix is not None:  # src keeps a copy of what it held
-                self._prefix.drop(hole)
-                self._prefix.keep(src, seq.computed_tokens(), seq.cache_key)
-        return moves
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
+        recently admitted sequences while the pool is short; False when seq itself was the one
+        preempted (it then waits at the head of the queue)."""
+        while not self._pool.grow(seq.blocks, tokens):
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
 
-    def _admit(self, budget: int) -> tuple[list[tuple[Sequence, int]], list[tuple[int, int, int]]]:
-        """Prefill rows for this step: sequences already prefilling, then waiting ones in order,
-        while the token budget and the slots last; and the KV copies that give new sequences
-        their reused prefixes. Right padding must stay inside the cache, so a row is skipped when
-        the batch's width would push another row's padding past its end."""
-        rows: list[tuple[Sequence, int]] = []
-        copies: list[tuple[int, int, int]] = []
-        width, room = 0, self.max_seq_len
-        for seq in [*self._prefilling, *self._waiting]:
-            if budget <= 0:
-                break
-            source, start = None, seq.num_computed
-            if seq.slot is None:
-                if None not in self._slots:
-                    break
-                source, start = self._reusable(seq)
-            n = min(len(seq.prompt) - start, budget)
-            seq_room = self.max_seq_len - start
-            if max(width, n) > min(room, seq_room):
-                continue
-            if seq.slot is None:
-                copies += self._take_slot(seq, source, start)
-            rows.append((seq, n))
-            width, room, budget = max(width, n), min(room, seq_room), budget - n
-        return rows, copies
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees an admitted sequence's blocks and queues it first, to be recomputed: its prompt
+        and output so far are prefilled again (its full blocks stay cached for that, until
+        evicted) and sampling continues where it stopped."""
+        self._pool.release(seq.blocks)
+        seq.digests.clear()
+        seq.num_computed = 0
+        seq.prefill_target = seq.length
+        seq.status = Status.WAITING
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
 
-    def _reusable(self, seq: Sequence) -> tuple[int | None, int]:
-        """(slot, n): where the longest computed prefix of seq's prompt is, and its length."""
-        if self._prefix is None:
-            return None, 0
-        live = ((slot, s.computed_tokens(), s.cache_key) for slot, s in enumerate(self._slots)
-                if s is not None and s.num_computed and s.prompt[0] == seq.prompt[0])
-        return self._prefix.match(seq.prompt, seq.cache_key, live)
-
-    def _take_slot(self, seq: Sequence, source: int | None, reused: int) -> list[tuple[int, int, int]]:
-        """Gives seq a slot holding its first `reused` prompt positions (copied from `source`
-        when it takes another slot); returns the copy, if any. Copies run before the step's
-        prefill, in order, so a source taken by a later admission is read before it is written."""
-        free = [i for i, s in enumerate(self._slots) if s is None]
-        if self._prefix is None:
-            seq.slot = free[0]
-        else:
-            seq.slot = self._prefix.slot_for(free, source)
-            self._prefix.drop(seq.slot)
-        self._slots[seq.slot] = seq
-        self._waiting.remove(seq)
-        self._prefilling.append(seq)
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Admits the waiting `seq` with its first chunk of at most `budget` tokens (after the
+        longest prefix of named blocks it can reuse); returns the chunk's length, 0 when the pool
+        cannot hold even one more token now."""
+        tokens = seq.tokens(seq.prefill_target)
+        # The last token is always computed, for its logits.
+        blocks, digests = self._pool.match(tokens, seq.cache_key, seq.prefill_target - 1)
+        start = len(blocks) * self._pool.block_size
+        room = (len(blocks) + self._pool.available) * self._pool.block_size - start
+        n = min(seq.prefill_target - start, budget, room)
+        if n <= 0 or not self._pool.grow(blocks, start + n):
+            self._pool.release(blocks)
+            return 0
+        self.prefix_queried_tokens += seq.prefill_target
+        self.prefix_hit_tokens += start
+        seq.blocks, seq.digests = blocks, digests
+        seq.num_computed = start
+        if not seq.output:
+            seq.cached_prompt_tokens = start
         seq.status = Status.PREFILLING
-        seq.num_computed = seq.cached_prompt_tokens = reused
-        return [(source, seq.slot, reused)] if reused and source is not None and source != seq.slot else []
+        self._waiting.popleft()
+        self._running.append(seq)
+        return n
+
+    def _computed(self, seq: Sequence, n: int) -> None:
+        """n more of seq's tokens are in its blocks: the blocks they fill get their names."""
+        seq.num_computed += n
+        if seq.num_computed // self._pool.block_size > len(seq.digests):
+            self._pool.name(seq.blocks, seq.digests, seq.computed_tokens(), seq.cache_key)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            if self._prefix is not None:
-                self._prefix.keep(seq.slot, seq.computed_tokens(), seq.cache_key)
-            self._slots[seq.slot] = None
-            seq.slot = None
-        if seq in self._prefilling:
-            self._prefilling.remove(seq)
+        self._pool.release(seq.blocks)
+        if seq in self._running:
+            self._running.remove(seq)
         seq.status = Status.FINISHED
         self._by_id.pop(seq.request_id, None)
 
@@ -373,9 +417,8 @@ class Engine:
         """Advances each row past its chunk; rows that finished their prompt get a first token."""
         done_seqs, done_rows = [], []
         for i, (seq, n) in enumerate(rows):
-            seq.num_computed += n
-            if seq.num_computed == len(seq.prompt):
-                self._prefilling.remove(seq)
+            self._computed(seq, n)
+            if seq.num_computed == seq.prefill_target:
                 seq.status = Status.RUNNING
                 done_seqs.append(seq)
                 done_rows.append(i)
@@ -418,6 +461,36 @@ def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
     """Each row's adapter index for a BatchPlan; () when every row is the base model."""
     adapters = tuple(s.adapter for s in rows)
     return adapters if any(adapters) else ()
+
+
+def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:
+    """Blocks in the KV pool (scratch included): enough for kv_cache_tokens (else for
+    `free_memory_tokens`, else for max_batch x max_seq_len), which must hold one sequence of
+    max_seq_len (so the oldest admitted sequence can always finish)."""
+    if config.kv_block_size < 1:
+        raise ConfigError(f"kv_block_size must be at least 1, got {config.kv_block_size}")
+    tokens = config.kv_cache_tokens or free_memory_tokens or config.max_batch * max_seq_len
+    if tokens < max_seq_len:
+        raise ConfigError(f"kv_cache_tokens={tokens} cannot hold one sequence of max_seq_len={max_seq_len}")
+    return -(-tokens // config.kv_block_size) + 1
+
+
+def _free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig) -> int | None:
+    """With gpu_memory_fraction on CUDA (and no kv_cache_tokens): the KV positions that fit in
+    that share of the device memory free now (after the weights), the smallest over the TP
+    ranks so every rank's pool is the same (collective). None otherwise."""
+    fraction, ctx = config.gpu_memory_fraction, model.tp
+    if fraction is None or config.kv_cache_tokens is not None or ctx.device.type != "cuda":
+        return None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
+    cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(ctx.device)
+    tokens = torch.tensor([int(free * fraction) // per_token], device=ctx.device)
+    if ctx.world_size > 1:
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
+    return int(tokens)
 
 
 def _context(config: EngineConfig, model_max: int) -> int:

@@ -1,7 +1,7 @@
 """What one engine step does, as plain data that rank 0 decides and every rank executes.
 
-A `StepPlan` holds only model inputs (no sampling state, no text): KV-cache slot moves, one
-prefill batch and one decode batch. Rank 0's scheduler builds it; it travels to the other TP
+A `StepPlan` holds only model inputs (no sampling state, no text): one prefill batch and one
+decode batch, each row with its KV block table (tprt.model.kv_cache). Rank 0's scheduler builds it; it travels to the other TP
 ranks as a list of ints (`encode` / `decode_from`) in a STEP message of the rank protocol
 (`tprt.distributed.protocol`: a header, then the ints as one int64 tensor); every rank then runs
 `tprt.engine.runner.ModelRunner.execute(plan)` and so issues the same collectives in the same order.
@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """One forward call over rows of (slot, start position, token ids)."""
+    """One forward call over rows of (block table, start position, token ids)."""
 
-    slots: tuple[int, ...]  # KV-cache slot of each row
+    tables: tuple[tuple[int, ...], ...]  # each row's KV-cache blocks, in order (covering its tokens)
     starts: tuple[int, ...]  # position of each row's first token
     tokens: tuple[tuple[int, ...], ...]  # each row's tokens (a prompt chunk, or the last sampled id)
     full_logits: bool  # gather full-vocabulary logits (sampling, logprobs) rather than argmax ids only
     adapters: tuple[int, ...] = ()  # each row's adapter index (tprt.lora.routing); () = the base model for all
 
     def __post_init__(self) -> None:
-        if not len(self.slots) == len(self.starts) == len(self.tokens) or not self.slots:
-            raise ValueError("BatchPlan: slots, starts and tokens must be non-empty and of equal length")
-        if self.adapters and len(self.adapters) != len(self.slots):
+        if not len(self.tables) == len(self.starts) == len(self.tokens) or not self.tables:
+            raise ValueError("BatchPlan: tables, starts and tokens must be non-empty and of equal length")
+        if self.adapters and len(self.adapters) != len(self.tables):
             raise ValueError("BatchPlan: adapters must be empty or one per row")
 
     @property
@@ -38,10 +38,14 @@ class BatchPlan:
         """1 + the largest position the batch writes (padding included)."""
         return max(self.starts) + self.width
 
+    @property
+    def rows(self) -> int:
+        return len(self.tables)
+
     def encode(self) -> list[int]:
-        out = [len(self.slots), int(self.full_logits), int(bool(self.adapters)), *self.slots, *self.starts,
-               *(len(t) for t in self.tokens), *self.adapters]
-        for t in self.tokens:
+        out = [len(self.tables), int(self.full_logits), int(bool(self.adapters)), *self.starts,
+               *(len(t) for t in self.tokens), *(len(t) for t in self.tables), *self.adapters]
+        for t in (*self.tokens, *self.tables):
             out.extend(t)
         return out
 
@@ -50,33 +54,30 @@ class BatchPlan:
         """Reads a batch written by `encode` at data[i:]; returns it and the index after it."""
         n, full, routed = data[i], bool(data[i + 1]), bool(data[i + 2])
         i += 3
-        slots, starts, lens = data[i : i + n], data[i + n : i + 2 * n], data[i + 2 * n : i + 3 * n]
+        starts, lens, table_lens = data[i : i + n], data[i + n : i + 2 * n], data[i + 2 * n : i + 3 * n]
         i += 3 * n
         adapters = tuple(data[i : i + n]) if routed else ()
         i += n if routed else 0
-        tokens = []
-        for length in lens:
-            tokens.append(tuple(data[i : i + length]))
+        runs = []
+        for length in (*lens, *table_lens):
+            runs.append(tuple(data[i : i + length]))
             i += length
-        return cls(tuple(slots), tuple(starts), tuple(tokens), full, adapters), i
+        return cls(tuple(runs[n:]), tuple(starts), tuple(runs[:n]), full, adapters), i
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Everything every rank must do for one engine step, in order: moves, prefill, decode."""
+    """Everything every rank must do for one engine step, in order: prefill, then decode."""
 
-    moves: tuple[tuple[int, int, int], ...] = ()  # (src slot, dst slot, positions) KV copies
     prefill: BatchPlan | None = None
     decode: BatchPlan | None = None
 
     @property
     def empty(self) -> bool:
-        return not self.moves and self.prefill is None and self.decode is None
+        return self.prefill is None and self.decode is None
 
     def encode(self) -> list[int]:
-        out = [len(self.moves)]
-        for move in self.moves:
-            out.extend(move)
+        out = []
         for batch in (self.prefill, self.decode):
             out.append(int(batch is not None))
             if batch is not None:
@@ -85,9 +86,7 @@ class StepPlan:
 
     @classmethod
     def decode_from(cls, data: list[int]) -> StepPlan:
-        n_moves = data[0]
-        moves = tuple((data[1 + 3 * k], data[2 + 3 * k], data[3 + 3 * k]) for k in range(n_moves))
-        i = 1 + 3 * n_moves
+        i = 0
         batches: list[BatchPlan | None] = []
         for _ in range(2):
             present, i = data[i], i + 1
@@ -95,5 +94,4 @@ class StepPlan:
             if present:
                 batch, i = BatchPlan.decode(data, i)
             batches.append(batch)
-        return cls(moves, batches[0], batches[1])
-
+        return cls(batches[0], batches[1])

@@ -1,117 +1,147 @@
-"""Prefix reuse: a new prompt starts from the keys and values a KV slot already holds.
+"""The KV block pool on rank 0: which blocks each sequence holds, and prefix sharing between them.
 
-A finished sequence's slot keeps its prompt's and output's keys and values until something
-overwrites it; a running sequence's slot holds them too. When a request arrives whose prompt
-begins with tokens one of those slots holds (the same chat system prompt, the next turn of a
-conversation, a retried request), the engine copies those positions into the new sequence's slot
-(one KV move in the step plan, or none when the new sequence takes that very slot) and prefills
-only the rest. The copy is ~100 KB per token for SmolLM2 against ~0.3 GFLOP of prefill per token.
+The paged KV cache (tprt.model.kv_cache) is a pool of blocks of `block_size` positions; this is
+its bookkeeping, kept by rank 0 only (the other ranks get each row's block table in the plan).
+A sequence takes blocks as it grows (`grow`) and gives them back when it ends or is preempted
+(`release`). Block 0 is the cache's scratch block and is never handed out.
 
-This module is rank 0's bookkeeping only: which token ids each *free* slot still holds (a live
-sequence's slot is described by the sequence itself), and which slot a new sequence should take.
-Nothing is stored beyond the KV cache the engine already has, so the cache costs no memory; a free
-slot's record is lost when the slot is reused, least recently kept first.
-
-Keys and values depend on the adapter a row was routed to, so a record matches only requests for
-the same adapter, and replacing an adapter's weights (`invalidate`) forgets its records.
+Prefix sharing at block granularity: once every position of a block is computed, the block is
+named by a digest chained over its tokens, its parent block's digest and the cache key the
+sequence's keys and values were computed with (the adapter: its keys and values differ, and the
+engine changes the key when an adapter's weights change). A new sequence whose prompt begins with
+named blocks under the same key points its table at them instead of computing them (`match`):
+64 streams sharing a system prompt hold it once. Blocks carry reference counts; a named block
+nobody references stays cached (its keys and values intact) until the pool needs room, then the
+least recently released goes first. A referenced block is never evicted, and a full block is
+never written again, so sharing needs no copies.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import hashlib
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
-# (adapter index, version of its weights): what keys and values were computed with.
-CacheKey = tuple[int, int]
+from tprt.model.kv_cache import SCRATCH_BLOCK
 
-
-@dataclass(frozen=True)
-class _Held:
-    tokens: list[int]  # ids at positions 0..len-1 of the slot, keys and values computed
-    key: CacheKey
-    kept: int  # when the slot was freed (or last refreshed): least recent is reused first
+Digest = bytes
 
 
-def common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of a and b, at most `limit` (binary search over slice
-    comparisons, which run in C: a 2k-token prompt costs ~11 compares, not 2k Python steps)."""
-    hi = min(len(a), len(b), limit)
-    if hi <= 0 or a[0] != b[0]:
-        return 0
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 1  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def chain_digest(parent: Digest, key: Hashable, tokens: Sequence[int]) -> Digest:
+    """The name of a full block: its tokens, its parent's name and the cache key. (A cryptographic
+    digest, so equal names mean equal contents; `repr(key)` keeps the key opaque here.)"""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(repr(key).encode())
+    h.update(b"\0")
+    h.update(",".join(map(str, tokens)).encode())
+    return h.digest()
 
 
-class PrefixCache:
-    """What each free KV slot still holds, for `match` and `slot_for` (see the module docstring)."""
+ROOT: Digest = b""  # the parent of a sequence's first block
 
-    def __init__(self, n_slots: int) -> None:
-        self._held: list[_Held | None] = [None] * n_slots
-        self._versions: dict[int, int] = {}
-        self._clock = itertools.count()
 
-    def key(self, adapter: int) -> CacheKey:
-        """The key a request routed to `adapter` computes its keys and values with, now."""
-        return adapter, self._versions.get(adapter, 0)
+class BlockPool:
+    """Free, referenced and cached blocks of one KV cache (see the module docstring)."""
 
-    def keep(self, slot: int, tokens: list[int], key: CacheKey) -> None:
-        """Slot is free (or was copied elsewhere) and still holds `tokens` computed under `key`."""
-        self._held[slot] = _Held(tokens, key, next(self._clock)) if tokens else None
+    def __init__(self, n_blocks: int, block_size: int, share: bool = True) -> None:
+        if n_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is scratch), got {n_blocks}")
+        self.block_size = block_size
+        self.n_blocks = n_blocks
+        self.share = share  # name full blocks and match prefixes (prefix caching)
+        self._free = list(range(n_blocks - 1, SCRATCH_BLOCK, -1))  # a stack: low ids first
+        self._refs = [0] * n_blocks
+        self._by_digest: dict[Digest, int] = {}
+        self._digest_of: dict[int, Digest] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: least recent first
 
-    def drop(self, slot: int) -> None:
-        """Slot is about to be overwritten."""
-        self._held[slot] = None
+    @property
+    def capacity(self) -> int:
+        """Blocks that can hold a sequence's keys and values (all but scratch)."""
+        return self.n_blocks - 1
 
-    def invalidate(self, adapter: int) -> None:
-        """The adapter's weights changed: what was computed with the old ones never matches again."""
-        self._versions[adapter] = self._versions.get(adapter, 0) + 1
-        self._held = [h if h is None or h.key[0] != adapter else None for h in self._held]
+    @property
+    def available(self) -> int:
+        """Blocks a sequence can take now: free ones and cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cached)
 
-    def match(self, prompt: list[int], key: CacheKey,
-              live: Iterable[tuple[int, list[int], CacheKey]] = ()) -> tuple[int | None, int]:
-        """(slot, n): the slot holding the longest prefix of `prompt` computed under `key`, among
-        the free slots' records and the `live` (slot, computed tokens, key) of running sequences,
-        and how many positions it covers. At most len(prompt) - 1: the prompt's last token is
-        always computed, for its logits. (None, 0) when nothing matches."""
-        limit = len(prompt) - 1
-        best: tuple[int | None, int] = (None, 0)
-        held = ((slot, h.tokens, h.key) for slot, h in enumerate(self._held) if h is not None)
-        for slot, tokens, k in itertools.chain(held, live):
-            if k == key:
-                n = common_prefix(prompt, tokens, limit)
-                if n > best[1]:
-                    best = (slot, n)
-        return best
+    @property
+    def used(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.capacity - self.available
 
-    def relocate(self, slot: int, free: Sequence[int]) -> tuple[int, int] | None:
-        """`slot` is about to be overwritten (a live sequence is moved into it to keep the slots
-        packed): (free slot, positions) to copy its record to first, and the record follows; None
-        when it holds nothing, or every free slot holds a more recent record (kept instead)."""
-        held = self._held[slot]
-        if held is None or not free:
-            return None
-        target = self.slot_for(free, None)
-        target_held = self._held[target]
-        if target_held is not None and target_held.kept > held.kept:
-            return None
-        self._held[target], self._held[slot] = held, None
-        return target, len(held.tokens)
+    @property
+    def cached(self) -> int:
+        return len(self._cached)
 
-    def slot_for(self, free: Sequence[int], source: int | None) -> int:
-        """Which free slot a new sequence takes: its prefix's own slot when that is free (no copy),
-        else a free slot holding nothing, else the one whose record was kept longest ago."""
-        if source is not None and source in free:
-            return source
-        empty = [s for s in free if self._held[s] is None]
-        if empty:
-            return empty[0]
-        return min(free, key=lambda s: self._held[s].kept)  # type: ignore[union-attr]
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def match(self, tokens: Sequence[int], key: Hashable, limit: int) -> tuple[list[int], list[Digest]]:
+        """The named blocks holding the longest block-aligned prefix of `tokens` (at most `limit`
+        tokens) computed under `key`, each now referenced once more, and their digests."""
+        blocks: list[int] = []
+        digests: list[Digest] = []
+        if not self.share:
+            return blocks, digests
+        parent, size = ROOT, self.block_size
+        for start in range(0, limit - size + 1, size):
+            digest = chain_digest(parent, key, tokens[start : start + size])
+            block = self._by_digest.get(digest)
+            if block is None:
+                break
+            self._take(block)
+            blocks.append(block)
+            digests.append(digest)
+            parent = digest
+        return blocks, digests
+
+    def grow(self, blocks: list[int], tokens: int) -> bool:
+        """Appends blocks to `blocks` until they hold `tokens` positions; False (and nothing
+        taken) when the pool has too few."""
+        need = -(-tokens // self.block_size) - len(blocks)
+        if need > self.available:
+            return False
+        for _ in range(need):
+            if not self._free:  # evict the least recently released cached block
+                victim, _ = self._cached.popitem(last=False)
+                del self._by_digest[self._digest_of.pop(victim)]
+                self._free.append(victim)
+            block = self._free.pop()
+            self._refs[block] = 1
+            blocks.append(block)
+        return True
+
+    def name(self, blocks: list[int], digests: list[Digest], tokens: Sequence[int], key: Hashable) -> None:
+        """Names the blocks that `tokens` (a sequence's computed tokens) fill completely and are
+        not yet named, extending `digests`; a block whose contents another block already holds
+        stays unnamed (freed, not cached, at release)."""
+        if not self.share:
+            return
+        size = self.block_size
+        for i in range(len(digests), len(tokens) // size):
+            parent = digests[-1] if digests else ROOT
+            digest = chain_digest(parent, key, tokens[i * size : (i + 1) * size])
+            digests.append(digest)
+            if digest not in self._by_digest and blocks[i] not in self._digest_of:
+                self._by_digest[digest] = blocks[i]
+                self._digest_of[blocks[i]] = digest
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops one reference to each block; an unreferenced named block is cached (most
+        recently released last, the sequence's last block first to go), any other is freed."""
+        for block in reversed(blocks):
+            self._refs[block] -= 1
+            if self._refs[block] < 0:
+                raise ValueError(f"block {block} released more often than taken")
+            if self._refs[block] == 0:
+                if block in self._digest_of:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+        blocks.clear()
+
+    def _take(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._cached.pop(block)
+        self._refs[block] += 1

@@ -12,8 +12,8 @@ layers are swapped in (`tprt.cpu.native_layers.install_native_layers`). It holds
 adapters served side by side (`adapters`, tprt.lora.routing) and routes each batch's rows through
 it before the forward call.
 
-Decode rows whose slots are exactly 0..n-1 (the engine keeps sequences packed) read the cache
-through views, without copying every row's keys and values each step.
+Each row of a batch carries its block table (tprt.model.kv_cache); the runner pads the tables
+into one [rows, blocks] tensor with the scratch block, where padding tokens write.
 
 On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default)
 and every other step on the caller's thread count, as llama.cpp separates --threads and
@@ -32,7 +32,7 @@ import torch
 from tprt.cpu.fast_linear import prepack
 from tprt.cpu.native_layers import install_native_layers
 from tprt.lora.routing import AdapterPool
-from tprt.model.kv_cache import KVCache
+from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.static_decode import StaticDecode
@@ -54,9 +54,9 @@ class StepResult:
 
 
 class ModelRunner:
-    """This rank's model and KV cache, driven by plans."""
+    """This rank's model and paged KV cache, driven by plans."""
 
-    def __init__(self, model: TPLlamaForCausalLM, n_slots: int, max_seq_len: int,
+    def __init__(self, model: TPLlamaForCausalLM, n_blocks: int, block_size: int, max_batch: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
                  static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
         self.model = model
@@ -66,20 +66,18 @@ class ModelRunner:
         # The adapters served side by side (tprt.lora.routing); each batch's rows are routed to them.
         self.adapters = AdapterPool(model)
         self.device = model.tp.device
-        self.cache: KVCache = model.new_cache(n_slots, max_seq_len, cache_dtype)
+        self.cache: KVCache = model.new_cache(n_blocks, block_size, cache_dtype)
         self._arange = torch.arange(max_seq_len, device=self.device)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
-        # Packed decode batches on static shapes (CUDA graphs on GPU); see tprt.engine.static_decode.
-        self.static = StaticDecode(model, self.cache, n_slots) if static_decode else None
+        # Decode batches on static shapes (CUDA graphs on GPU); see tprt.engine.static_decode.
+        self.static = StaticDecode(model, self.cache, max_batch, max_seq_len) if static_decode else None
         self.one_row_threads = one_row_threads if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Runs the plan's KV moves, prefill and decode; collective over the TP group."""
+        """Runs the plan's prefill and decode; collective over the TP group."""
         with self._threads_for(plan):
-            for src, dst, n in plan.moves:
-                self._move(src, dst, n)
             prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
             decode = self._decode(plan.decode) if plan.decode is not None else None
         return StepResult(prefill, decode)
@@ -89,7 +87,7 @@ class ModelRunner:
         """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
         (setting it takes microseconds and keeps oneDNN's packed weights)."""
         threads = torch.get_num_threads()
-        one_row = plan.prefill is None and plan.decode is not None and len(plan.decode.slots) == 1
+        one_row = plan.prefill is None and plan.decode is not None and plan.decode.rows == 1
         if not one_row or self.one_row_threads is None or self.one_row_threads >= threads:
             yield
             return
@@ -106,11 +104,11 @@ class ModelRunner:
         elif any(batch.adapters):
             raise RuntimeError("the plan routes rows to adapters but none is installed on this rank")
 
-    def _move(self, src: int, dst: int, n: int) -> None:
-        """Copies the first n positions of slot src's keys and values to slot dst."""
-        if n > 0 and src != dst:
-            self.cache.k[:, dst, :, :n].copy_(self.cache.k[:, src, :, :n])
-            self.cache.v[:, dst, :, :n].copy_(self.cache.v[:, src, :, :n])
+    def _tables(self, batch: BatchPlan) -> torch.Tensor:
+        """The rows' block tables as one [rows, longest] int64 tensor, padded with the scratch block."""
+        width = max(len(t) for t in batch.tables)
+        rows = [list(t) + [SCRATCH_BLOCK] * (width - len(t)) for t in batch.tables]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _prefill(self, batch: BatchPlan) -> BatchResult:
         self._route(batch)
@@ -120,23 +118,20 @@ class ModelRunner:
         starts = torch.tensor(batch.starts, dtype=torch.long, device=self.device)
         positions = starts[:, None] + self._arange[:width]  # [rows, width]; padding continues the count
         last = torch.tensor([len(t) - 1 for t in batch.tokens], dtype=torch.long, device=self.device)
-        slots = torch.tensor(batch.slots, dtype=torch.long, device=self.device)
-        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len,
+        local = self.model(ids, positions, self.cache, tables=self._tables(batch), kv_len=batch.kv_len,
                            logits_index=last, starts=batch.starts)  # [rows, local_vocab]
         return self._finish(local, batch.full_logits)
 
     def _decode(self, batch: BatchPlan) -> BatchResult:
-        n = len(batch.slots)
         self._route(batch)
-        packed = batch.slots == tuple(range(n))
         # A CUDA graph replays the layers as captured: only when no adapter acts on these rows.
-        if packed and self.static is not None and not self.model.has_adapters():
-            local = self.static.run([t[0] for t in batch.tokens], list(batch.starts))  # [rows, local_vocab]
+        if self.static is not None and not self.model.has_adapters():
+            local = self.static.run([t[0] for t in batch.tokens], list(batch.starts), batch.tables)  # [rows, local_vocab]
             return self._finish(local, batch.full_logits)
         ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
         positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
-        slots = None if packed else torch.tensor(batch.slots, dtype=torch.long, device=self.device)
-        local = self.model(ids, positions, self.cache, slots=slots, kv_len=batch.kv_len)  # [rows, 1, local_vocab]
+        local = self.model(ids, positions, self.cache, tables=self._tables(batch),
+                           kv_len=batch.kv_len)  # [rows, 1, local_vocab]
         return self._finish(local[:, 0], batch.full_logits)
 
     def _finish(self, local: torch.Tensor, full: bool) -> BatchResult:

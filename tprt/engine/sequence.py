@@ -16,8 +16,8 @@ FinishReason = Literal["stop", "length", "cancelled"]
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # added, no slot yet
-    PREFILLING = "prefilling"  # has a slot, part of the prompt is in the cache
+    WAITING = "waiting"  # added (or preempted), holds no KV blocks
+    PREFILLING = "prefilling"  # admitted: part of its tokens are in the cache
     RUNNING = "running"  # prompt done, decoding one token per step
     FINISHED = "finished"
 
@@ -64,10 +64,12 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.adapter = adapter  # adapter index its rows are routed to (tprt.lora.routing); 0: the base model
-        self.slot: int | None = None
+        self.blocks: list[int] = []  # its KV block table (tprt.engine.prefix_cache.BlockPool)
+        self.digests: list[bytes] = []  # the names of its full blocks, in order
         self.num_computed = 0  # tokens whose keys and values are in the cache
-        self.cached_prompt_tokens = 0  # of those, prompt tokens reused from another slot (tprt.engine.prefix_cache)
-        self.cache_key = (adapter, 0)  # what its keys and values are computed with (tprt.engine.prefix_cache)
+        self.prefill_target = len(prompt)  # tokens to prefill before sampling: the prompt, or all so far after preemption
+        self.cached_prompt_tokens = 0  # prompt tokens reused from shared blocks (tprt.engine.prefix_cache)
+        self.cache_key: tuple[int, int] = (adapter, 0)  # what its keys and values are computed with
         self.output: list[int] = []
         self.generator = None
         if seed is not None:
@@ -104,10 +106,13 @@ class Sequence:
             self.status = Status.FINISHED
         return out
 
-    def computed_tokens(self) -> list[int]:
-        """The ids whose keys and values are in this sequence's slot (positions 0..num_computed-1)."""
-        n = self.num_computed
+    def tokens(self, n: int) -> list[int]:
+        """Its first n ids (prompt, then output)."""
         return self.prompt[:n] if n <= len(self.prompt) else self.prompt + self.output[: n - len(self.prompt)]
+
+    def computed_tokens(self) -> list[int]:
+        """The ids whose keys and values are in its blocks (positions 0..num_computed-1)."""
+        return self.tokens(self.num_computed)
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt), len(self.output), self.cached_prompt_tokens)

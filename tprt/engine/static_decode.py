@@ -5,20 +5,14 @@ A decode step's Python and kernel-launch overhead is what separates a small mode
 the memory-bandwidth floor on a GPU. With static shapes the whole forward (every layer, its
 all-reduces over NCCL, the LM head) is captured once per pair of buckets and replayed with one launch:
 
-- inputs live in fixed buffers: ids [max_batch, 1], positions [max_batch, 1];
-- the batch is padded to a bucket (1, 2, 4, 8, ...); padding row b writes its key/value at
-  position max_seq_len - 1 of slot b, which no sequence has reached (a sequence that has is
-  decoding its last token in a real row) and no reused prefix holds (tprt.engine.prefix_cache: a
-  sequence's last position is never computed), and the cache's rule holds: a position is always
-  written before it is read;
+- inputs live in fixed buffers: ids [max_batch, 1], positions [max_batch, 1] and the block
+  tables [max_batch, blocks of max_seq_len] (tprt.model.kv_cache), static inputs of the graph;
+- the batch is padded to a bucket (1, 2, 4, 8, ...); a padding row's table is all scratch block
+  and its position 0, so it writes only into the scratch block, which no sequence reads;
 - the attention spans a bucket of keys (256, 512, ... up to max_seq_len: the smallest holding
-  every row's position; the mask hides the future), so kv_len is static per graph. Not
-  max_seq_len always: with a long context each step would read every slot's whole cache,
-  however short the sequences (at 128K, 16 slots of 70B at TP 8: 86 GB a step). The padding
-  rows' writes at max_seq_len - 1 lie past the keys read and their outputs are dropped. On CPU,
-  where the native decode kernels size their scratch by kv_len and read up to each row's
-  position, the keys stay max_seq_len (static decode on CPU only tests the logic);
-- rows must sit in slots 0..n-1 (the engine keeps them packed); otherwise the eager path runs.
+  every row's position; the mask hides the future), so kv_len, and the blocks gathered, are
+  static per graph. Not max_seq_len always: with a long context each step would read every
+  row's whole table, however short the sequences (at 128K, 16 rows of 70B at TP 8: 86 GB a step).
 
 Every rank executes the same plans, so every rank captures the same buckets in the same order
 (capture includes the collectives). Off CUDA the same static forward runs eagerly, which is how
@@ -32,7 +26,7 @@ import logging
 
 import torch
 
-from tprt.model.kv_cache import KVCache
+from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache, blocks_for
 from tprt.model.llama import TPLlamaForCausalLM
 
 log = logging.getLogger("tprt")
@@ -57,17 +51,19 @@ def kv_buckets(max_seq_len: int, smallest: int = 256) -> list[int]:
 
 
 class StaticDecode:
-    """Decode steps for packed rows (slots 0..n-1), on static buffers; graphs when on CUDA."""
+    """Decode steps on static buffers; graphs when on CUDA."""
 
-    def __init__(self, model: TPLlamaForCausalLM, cache: KVCache, max_batch: int, use_graphs: bool | None = None):
+    def __init__(self, model: TPLlamaForCausalLM, cache: KVCache, max_batch: int, max_seq_len: int,
+                 use_graphs: bool | None = None):
         self.model, self.cache = model, cache
         device = model.tp.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets = buckets(max_batch)
-        # Key lengths attended over (see the module docstring for why CPU keeps the whole cache).
-        self.kv_buckets = [cache.max_seq_len] if device.type == "cpu" else kv_buckets(cache.max_seq_len)
+        self.kv_buckets = kv_buckets(max_seq_len)  # key lengths attended over
         self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
         self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
+        width = blocks_for(max_seq_len, cache.block_size)
+        self.tables = torch.full((max_batch, width), SCRATCH_BLOCK, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, kv_len)
         self.failed = False  # capture failed once: stay eager
 
@@ -80,21 +76,26 @@ class StaticDecode:
     def _forward(self, batch: int, kv_len: int) -> torch.Tensor:
         """The static forward over the first `batch` buffer rows, attending over `kv_len` keys
         -> [batch, local_vocab]."""
-        local = self.model(self.ids[:batch], self.positions[:batch], self.cache, slots=None,
+        local = self.model(self.ids[:batch], self.positions[:batch], self.cache, tables=self.tables[:batch],
                            kv_len=kv_len)  # [batch, 1, local_vocab]
         return local[:, 0]
 
     @torch.inference_mode()
-    def run(self, tokens: list[int], starts: list[int]) -> torch.Tensor:
-        """Local logits [n, local_vocab] of rows 0..n-1 (slot i, input tokens[i] at starts[i]);
-        collective over the TP group."""
+    def run(self, tokens: list[int], starts: list[int], tables: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        """Local logits [n, local_vocab] of n rows (input tokens[i] at starts[i], blocks
+        tables[i]); collective over the TP group."""
         n = len(tokens)
         batch, kv_len = self.bucket(n), self.kv_bucket(max(starts) + 1)
         device = self.ids.device
-        self.ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=device.type == "cuda")
-        self.positions[:n, 0].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=device.type == "cuda")
+        cuda = device.type == "cuda"
+        width = self.tables.shape[1]
+        padded = [list(t) + [SCRATCH_BLOCK] * (width - len(t)) for t in tables]
+        self.ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=cuda)
+        self.positions[:n, 0].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=cuda)
+        self.tables[:n].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=cuda)
         self.ids[n:batch] = 0
-        self.positions[n:batch] = self.cache.max_seq_len - 1
+        self.positions[n:batch] = 0
+        self.tables[n:batch] = SCRATCH_BLOCK
         if not self.use_graphs or self.failed:
             return self._forward(batch, kv_len)[:n]
         if (batch, kv_len) not in self.graphs:

@@ -1,13 +1,18 @@
-"""A preallocated KV cache for continuous batching: one slot per live sequence.
+"""A paged KV cache: a pool of fixed-size blocks per rank, read and written through block tables.
 
-Layout: one tensor [n_layers, n_slots, 2 (k, v), n_local_kv_heads, max_seq_len, head_dim] (this
-rank's kv heads only), so one indexed write stores a step's k and v and one gather reads them.
-A sequence owns a slot from `allocate()` until `release()` (or the engine's own bookkeeping);
-the token at position p of the sequence in slot s has its k and v at [layer, s, :, :, p].
-Nothing records lengths: the model writes each token at its position before attending, and a
-query at position p sees cache positions <= p only, so whatever an earlier owner (or a padding
-token) left beyond a sequence's length is never read before it is overwritten. The engine keeps
-lengths (it knows them anyway).
+Layout: one tensor [n_layers, n_blocks, 2 (k, v), n_local_kv_heads, block_size, head_dim] (this
+rank's kv heads only). A sequence's keys and values live in the blocks its block table lists, in
+order: position p is at offset p % block_size of block table[p // block_size]. Which blocks a
+sequence holds, and which it shares with others (a common prompt prefix), is rank 0's
+bookkeeping (tprt.engine.prefix_cache.BlockPool); every rank gets the tables in the step plan.
+
+Block 0 is scratch, never handed to a sequence: a table is padded with it, so the writes of
+padding tokens (right padding of a prefill batch, the padding rows of a static decode batch) land
+there and are never read. Nothing records lengths: the model writes each token at its position
+before attending, and a query at position p sees positions <= p only, so whatever a block held
+before (or a padding token left in a sequence's last, partly filled block) is never read before
+it is overwritten. A full block is never written again (its positions are all computed), which is
+what lets sequences share it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from itertools import groupby
 import torch
 import torch.nn.functional as F
 
-from tprt.errors import TprtError
 from tprt.cpu.hugepages import huge_tensors
 
 
@@ -27,103 +31,84 @@ from tprt.cpu.hugepages import huge_tensors
 # [chunk, kv_len] would be larger attends in blocks of queries (2048 x 128K keys: blocks of 128).
 MASK_ELEMENTS = 1 << 24
 
+SCRATCH_BLOCK = 0  # never holds a sequence's keys and values (see the module docstring)
 
-class CacheFullError(TprtError):
-    """Every slot is taken, or a position is past the cache's max_seq_len."""
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """How many blocks hold `tokens` positions."""
+    return -(-tokens // block_size)
 
 
 class KVCache:
-    """k/v storage for `n_slots` sequences of up to `max_seq_len` tokens, for every layer."""
+    """k/v storage for every layer in `n_blocks` blocks of `block_size` positions (block 0: scratch)."""
 
     def __init__(
         self,
         n_layers: int,
-        n_slots: int,
+        n_blocks: int,
         n_kv_heads: int,
-        max_seq_len: int,
+        block_size: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layers, n_slots, 2, n_kv_heads, max_seq_len, head_dim)
-        # [layer, slot, k/v, kv_head, position, head_dim]; on CPU on huge pages (attention streams it).
+        if n_blocks < 2 or block_size < 1:
+            raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch) of at least 1 position, "
+                             f"got {n_blocks} of {block_size}")
+        shape = (n_layers, n_blocks, 2, n_kv_heads, block_size, head_dim)
+        # [layer, block, k/v, kv_head, offset, head_dim]; on CPU on huge pages (attention streams it).
         # Zeros, not empty: masked-out entries still enter SDPA's weighted sum (with weight 0),
         # and 0 * NaN from uninitialised memory would poison the output.
         if torch.device(device).type == "cpu":
             self.kv = huge_tensors([shape], dtype)[0].zero_()
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        self.n_slots = n_slots
-        self.max_seq_len = max_seq_len
-        # Key positions 0..max_seq_len-1, sliced each step to build the attention mask.
-        self.key_positions = torch.arange(max_seq_len, device=device)
-        self._free = list(range(n_slots - 1, -1, -1))  # a stack: the lowest slot is handed out first
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        """A free slot for a new sequence."""
-        if not self._free:
-            raise CacheFullError(f"KV cache full: all {self.n_slots} slots are in use")
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        """Returns `slot` to the pool; its contents need no clearing."""
-        if not 0 <= slot < self.n_slots or slot in self._free:
-            raise ValueError(f"slot {slot} is not allocated")
-        self._free.append(slot)
+        self.n_blocks = n_blocks
+        self.block_size = block_size
 
     @property
     def dtype(self) -> torch.dtype:
         return self.kv.dtype
 
-    @property
-    def k(self) -> torch.Tensor:
-        """[layer, slot, kv_head, position, head_dim] view of the keys."""
-        return self.kv[:, :, 0]
-
-    @property
-    def v(self) -> torch.Tensor:
-        """[layer, slot, kv_head, position, head_dim] view of the values."""
-        return self.kv[:, :, 1]
-
     def nbytes(self) -> int:
         return self.kv.nbytes
 
     def prepare(
-        self, positions: torch.Tensor, slots: torch.Tensor | None = None, kv_len: int | None = None,
+        self, positions: torch.Tensor, tables: torch.Tensor, kv_len: int | None = None,
         starts: tuple[int, ...] | None = None,
     ) -> CacheStep:
-        """What every layer needs for one forward step, built once: the write indices and the mask.
+        """What every layer needs for one forward step, built once: the write indices, the block
+        tables to read through and the mask.
 
         positions [batch, seq]: each token's position in its sequence (right padding continues
-        the count; padding must stay below max_seq_len). slots [batch]: each row's slot, None for
-        row b -> slot b. kv_len: 1 + the largest position in the batch (computed, with a host
-        sync, when not given; the engine knows it). starts: when row b's positions are
-        starts[b], starts[b] + 1, ... (a prefill chunk; found by itself on CPU), the mask is one
-        staircase of at most MASK_ELEMENTS, whatever the rows, chunk and context (`CacheStep.attend`).
+        the count). tables [batch, n] int64: each row's blocks in order; positions past a row's
+        blocks write to the scratch block (padding). kv_len: 1 + the largest position in the batch
+        (computed, with a host sync, when not given; the engine knows it). starts: when row b's
+        positions are starts[b], starts[b] + 1, ... (a prefill chunk; found by itself on CPU),
+        the mask is one staircase of at most MASK_ELEMENTS, whatever the rows, chunk and context
+        (`CacheStep.attend`).
         """
         if kv_len is None:
             kv_len = int(positions.max()) + 1
-        if kv_len > self.max_seq_len:
-            raise CacheFullError(f"position {kv_len - 1} is past the KV cache's max_seq_len={self.max_seq_len}")
+        need = blocks_for(kv_len, self.block_size)
+        if tables.shape[1] < need:  # padding positions past every row's blocks: the scratch block
+            tables = F.pad(tables, (0, need - tables.shape[1]), value=SCRATCH_BLOCK)
+        tables = tables[:, :need]
         if positions.device.type == "cpu":
-            self._check_in_range(positions, slots, kv_len)
-        if slots is None:
-            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [batch, 1]
-        else:
-            rows = slots[:, None]  # [batch, 1]: broadcasts against positions [batch, seq]
+            self._check_in_range(positions, tables, kv_len)
+        write_blocks = tables.gather(1, torch.div(positions, self.block_size, rounding_mode="floor"))
+        write_offsets = positions % self.block_size
         if starts is None and positions.device.type == "cpu" and positions.shape[1] > 1:
             starts = self._chunk_starts(positions)
         if starts is not None:  # a prefill of consecutive positions: the mask is one staircase
-            return self._staircase_step(rows, slots, positions, kv_len, starts)
-        hidden = self.key_positions[:kv_len] > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
-        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len, mask=self._additive(hidden))
+            return self._staircase_step(write_blocks, write_offsets, tables, positions, kv_len, starts)
+        keys = torch.arange(kv_len, device=positions.device)
+        hidden = keys > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(hidden),
+                         self.block_size)
 
-    def _staircase_step(self, rows: torch.Tensor, slots: torch.Tensor | None, positions: torch.Tensor,
-                        kv_len: int, starts: tuple[int, ...]) -> CacheStep:
+    def _staircase_step(self, write_blocks: torch.Tensor, write_offsets: torch.Tensor, tables: torch.Tensor,
+                        positions: torch.Tensor, kv_len: int, starts: tuple[int, ...]) -> CacheStep:
         """The mask of a chunk whose row b holds positions starts[b], starts[b] + 1, ...: one
         staircase T [block, width], T[i, c] hidden when c > corner + i, of which each row's (or
         query block's) mask is a view (`CacheStep.attend`). When the chunk's whole mask fits in
@@ -137,8 +122,8 @@ class KVCache:
             width, corner = kv_len, kv_len - block
         keys = torch.arange(width, device=positions.device)
         stairs = keys > keys[corner : corner + block, None]  # [block, width]
-        return CacheStep(rows=rows, slots=slots, positions=positions, kv_len=kv_len,
-                         mask=self._additive(stairs), starts=starts, corner=corner)
+        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(stairs),
+                         self.block_size, starts=starts, corner=corner)
 
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where attention is allowed, -inf where `hidden`, in the cache dtype (SDPA would
@@ -154,31 +139,27 @@ class KVCache:
             return None
         return tuple(first.reshape(-1).tolist())
 
-    def _check_in_range(self, positions: torch.Tensor, slots: torch.Tensor | None, kv_len: int) -> None:
+    def _check_in_range(self, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> None:
         """Once per step on CPU, where the native decode path (tprt.cpu.native.rope_cache_kernel)
         writes into the cache through raw pointers: no layer may write outside it. (On GPU the
         checks would cost a device sync per step, and CUDA-graph capture forbids them.)"""
         if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= kv_len):
             raise ValueError(f"positions must lie in [0, kv_len={kv_len})")
-        rows = positions.shape[0] if slots is None else slots.numel()
-        if slots is None and rows > self.n_slots:
-            raise ValueError(f"{rows} rows without slots, but the cache has {self.n_slots} slots")
-        if slots is not None and rows and (int(slots.min()) < 0 or int(slots.max()) >= self.n_slots):
-            raise ValueError(f"slots must lie in [0, {self.n_slots})")
+        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= self.n_blocks):
+            raise ValueError(f"block ids must lie in [0, {self.n_blocks})")
 
     def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
-        (slot, position) and returns `read(layer, step)`."""
-        self.kv[layer][step.rows, :, :, step.positions] = kv  # [slot, k/v, kv_head, position, head_dim]
+        (block, offset) and returns `read(layer, step)`."""
+        self.kv[layer][step.write_blocks, :, :, step.write_offsets] = kv  # [block, k/v, kv_head, offset, head_dim]
         return self.read(layer, step)
 
     def read(self, layer: int, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's keys and values up to kv_len, each [batch, n_kv_heads, kv_len, head_dim]."""
-        cache = self.kv[layer]  # [slot, k/v, kv_head, position, head_dim]
-        if step.slots is None:
-            both = cache[: step.rows.shape[0], :, :, : step.kv_len]  # a view, no copy
-        else:
-            both = cache[:, :, :, : step.kv_len].index_select(0, step.slots)  # [batch, k/v, kv_head, kv_len, head_dim]
+        """Each row's keys and values up to kv_len, gathered from its blocks in order, each
+        [batch, n_kv_heads, kv_len, head_dim]."""
+        blocks = self.kv[layer][step.tables]  # [batch, n, k/v, kv_head, block_size, head_dim]
+        batch, n, _, nkv, size, d = blocks.shape
+        both = blocks.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, nkv, n * size, d)[:, :, :, : step.kv_len]
         return both[:, 0], both[:, 1]
 
 
@@ -186,13 +167,15 @@ class KVCache:
 class CacheStep:
     """One forward step's view of the cache, shared by every layer."""
 
-    rows: torch.Tensor  # [batch, 1] slot of each row, for writing
-    slots: torch.Tensor | None  # [batch] slot of each row; None: row b is slot b
+    write_blocks: torch.Tensor  # [batch, seq] the block each token's k/v is written to
+    write_offsets: torch.Tensor  # [batch, seq] its offset in that block
+    tables: torch.Tensor  # [batch, ceil(kv_len / block_size)] each row's blocks, read in order
     positions: torch.Tensor  # [batch, seq] position of each token
     kv_len: int  # keys 0..kv_len-1 are read
     # Additive (0 where attention is allowed, -inf elsewhere): [batch, 1, seq, kv_len], or with
     # `starts` a staircase [block, kv_len] whose bottom-right corner every query block slices.
     mask: torch.Tensor
+    block_size: int
     starts: tuple[int, ...] | None = None  # row b's positions are starts[b], starts[b] + 1, ...
     corner: int = 0  # with `starts`: the staircase's first row hides the keys after `corner`
 
@@ -222,9 +205,14 @@ class CacheStep:
 
     # For tprt.cpu.native's decode kernels, which index by raw pointer: built once per step, not per layer.
     @cached_property
-    def flat_rows(self) -> torch.Tensor:
-        """[batch] int64, contiguous: each row's slot."""
-        return self.rows.reshape(-1).to(torch.int64).contiguous()
+    def flat_write_blocks(self) -> torch.Tensor:
+        """[batch * seq] int64, contiguous: each token's block."""
+        return self.write_blocks.reshape(-1).to(torch.int64).contiguous()
+
+    @cached_property
+    def flat_write_offsets(self) -> torch.Tensor:
+        """[batch * seq] int64, contiguous: each token's offset in its block."""
+        return self.write_offsets.reshape(-1).to(torch.int64).contiguous()
 
     @cached_property
     def flat_positions(self) -> torch.Tensor:

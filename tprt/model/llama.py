@@ -86,7 +86,7 @@ class Attention(nn.Module):
         else:
             # [batch, seq, k/v, nkv, head_dim]; in inference a view of the projection
             kv = torch.stack((k, v), dim=2) if autograd else qkv[:, :, nh:].unflatten(2, (2, nkv))
-            # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see new_cache).
+            # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see default_cache_dtype).
             cache_dtype = step.cache.dtype
             k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]
             out = step.cache_step.attend(q.to(cache_dtype), k, v, self.gqa).to(x.dtype)
@@ -172,10 +172,11 @@ class TPLlamaForCausalLM(nn.Module):
             return torch.float32
         return self.dtype
 
-    def new_cache(self, n_slots: int, max_seq_len: int, dtype: torch.dtype | None = None) -> KVCache:
-        """A zeroed KV cache for this rank's kv heads (dtype: `default_cache_dtype()` when None)."""
+    def new_cache(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
+        """A zeroed paged KV cache of `n_blocks` blocks (block 0 is scratch) of `block_size`
+        positions for this rank's kv heads (dtype: `default_cache_dtype()` when None)."""
         return KVCache(
-            self.config.num_hidden_layers, n_slots, self.layout.local_kv_heads, max_seq_len,
+            self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
             self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device,
         )
 
@@ -184,14 +185,15 @@ class TPLlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
+        tables: torch.Tensor | None = None,
         kv_len: int | None = None,
         starts: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
 
         Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
-        With `cache`: `positions` is required; see `KVCache.prepare` for `slots`, `kv_len` and `starts`.
+        With `cache`: `positions` and `tables` (each row's blocks) are required; see
+        `KVCache.prepare` for `tables`, `kv_len` and `starts`.
         """
         batch, seq = input_ids.shape
         if positions is None:
@@ -200,7 +202,11 @@ class TPLlamaForCausalLM(nn.Module):
             positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)  # [batch, seq]
         h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        cache_step = cache.prepare(positions, slots, kv_len, starts) if cache is not None else None
+        cache_step = None
+        if cache is not None:
+            if tables is None:
+                raise ValueError("block tables are required with a KV cache")
+            cache_step = cache.prepare(positions, tables, kv_len, starts)
         step = Step(cos, sin, cache, cache_step)
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
@@ -214,7 +220,7 @@ class TPLlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
+        tables: torch.Tensor | None = None,
         kv_len: int | None = None,
         logits_index: torch.Tensor | None = None,
         starts: tuple[int, ...] | None = None,
@@ -225,7 +231,7 @@ class TPLlamaForCausalLM(nn.Module):
         `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
         not build logits it does not need. `gather_logits` turns them into full-vocab logits.
         """
-        h = self.forward_hidden(input_ids, positions, cache, slots, kv_len, starts)  # [batch, seq, hidden]
+        h = self.forward_hidden(input_ids, positions, cache, tables, kv_len, starts)  # [batch, seq, hidden]
         if logits_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
         return self.lm_head(self.norm(h))

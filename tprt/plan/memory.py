@@ -10,9 +10,10 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
   weights it holds one more copy of that group (the largest is counted). This transient is gone
   before the KV cache is allocated, so on CPU the sum is an upper bound of the peak by at most
   the cache and activations. GPUs keep no copy.
-- kv_cache: `KVCache` [layers, slots, 2, local kv heads, max_seq_len, head_dim], allocated whole
-  when the engine starts; its dtype is the model's except float32 for bf16/fp16 on CPU
-  (`TPLlamaForCausalLM.default_cache_dtype`).
+- kv_cache: the paged `KVCache` [layers, blocks, 2, local kv heads, block size, head_dim]:
+  kv_cache_tokens positions (default max_batch_size x max_seq_len) in blocks, plus one scratch
+  block, allocated whole when the engine starts; its dtype is the model's except float32 for
+  bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`).
 - activations: serving, the largest transient of one forward step of `token_budget` tokens
   (a layer's MLP or attention intermediates, the attention mask, the sampled rows' logits);
   fine-tuning, what autograd keeps for the backward of one micro-batch (per layer and token, the
@@ -82,7 +83,9 @@ class ServeWorkload:
     dtype: str | None = None  # compute dtype; None: the checkpoint's (config.json's torch_dtype)
     kv_dtype: str | None = None  # None: as the engine picks (the model's; float32 for bf16/fp16 on CPU)
     max_seq_len: int | None = None  # tokens per sequence; None: min(model's, 2048), as the engine
-    max_batch_size: int = 16  # KV slots (EngineConfig.max_batch)
+    max_batch_size: int = 16  # running sequences (EngineConfig.max_batch)
+    kv_cache_tokens: int | None = None  # KV pool positions; None: max_batch_size x max_seq_len, as the engine
+    kv_block_size: int = 16  # positions per KV block (EngineConfig.kv_block_size)
     token_budget: int = 2048  # tokens per step (EngineConfig.token_budget)
     cpu_prepack: bool = True  # EngineConfig.cpu_prepack
 
@@ -200,7 +203,8 @@ def _check_positive(**values: int | None) -> None:
 
 def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: Device, dp: int,
                 vocab_align: int) -> MemoryPlan:
-    _check_positive(max_batch_size=w.max_batch_size, max_seq_len=w.max_seq_len, token_budget=w.token_budget)
+    _check_positive(max_batch_size=w.max_batch_size, max_seq_len=w.max_seq_len, token_budget=w.token_budget,
+                    kv_cache_tokens=w.kv_cache_tokens, kv_block_size=w.kv_block_size)
     dtype = dtype_name(w.dtype or cfg.torch_dtype)
     cpu = device.kind == "cpu"
     kv_dtype = dtype_name(w.kv_dtype) if w.kv_dtype else ("fp32" if cpu else dtype)
@@ -217,12 +221,15 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
     # In inference each op's inputs die with it: the widest moment of a layer is the residual,
     # its norm, and either the MLP (gate_up, silu(gate), the product) or attention (qkv, q/k/v
-    # in the cache dtype, the output, the additive mask over the keys).
+    # in the cache dtype, the output, the additive mask over the keys), plus each row's keys and
+    # values gathered from its KV blocks.
     mlp = tokens * b * (2 * h + 4 * inter)
-    attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len))
+    gathered = min(w.max_batch_size, tokens) * max_seq_len * 2 * kv * cb
+    attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len)) + gathered
     logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
     packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
-    kv_cache = per_token * w.max_batch_size * max_seq_len
+    pool = w.kv_cache_tokens or w.max_batch_size * max_seq_len
+    kv_cache = per_token * (-(-pool // w.kv_block_size) + 1) * w.kv_block_size  # and the scratch block
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
                  activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))

@@ -13,10 +13,12 @@
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
   of torch's five or six ops (2 us instead of 15-35 us per call at decode sizes).
 - `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the float32
-  KV cache and q's conversion to float32, in one call instead of about ten ops per layer.
-- `decode_attention_kernel(dtype)`: a decode step's attention over the float32 KV cache, each
-  row up to its own position, every kv head's keys and values read once for its group of q heads
-  (SDPA's CPU kernel spends ~2 us per (row, head) pair around ~0.1 us of arithmetic).
+  paged KV cache (tprt.model.kv_cache) and q's conversion to float32, in one call instead of
+  about ten ops per layer.
+- `decode_attention_kernel(dtype)`: a decode step's attention over the float32 paged KV cache,
+  each row up to its own position through its block table, every kv head's keys and values read
+  once for its group of q heads (SDPA's CPU kernel spends ~2 us per (row, head) pair around
+  ~0.1 us of arithmetic).
 - `mlp_decode_kernel(...)`: a decoder layer's MLP half for one row (RMSNorm, gate/up GEMV,
   SwiGLU, down GEMV) in one call instead of about ten ops and six module calls;
   `attention_decode_kernel(...)` the same for its attention half (RMSNorm, q/k/v GEMV, RoPE and
@@ -58,9 +60,10 @@ _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
-               "tprt_rope_cache": [_P] * 7 + [_I] * 8, "tprt_decode_attention": [_P] * 6 + [_I] * 8 + [_F],
+               "tprt_rope_cache": [_P] * 7 + [_I] * 8,
+               "tprt_paged_decode_attention": [_P] * 6 + [_I] * 10 + [_F],
                "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
-               "tprt_attention_decode": [_P] * 13 + [_I] * 8 + [_F, _F]}
+               "tprt_paged_attention_decode": [_P] * 15 + [_I] * 9 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -239,22 +242,32 @@ def rms_norm_kernel(weight: torch.Tensor, eps: float) -> Kernel | None:
 
 
 def _decode_indices(kernel: str, cache_step: Any, rows: int) -> tuple[int, int]:
-    """Pointers to each row's slot and position (int64) of a decode step, after checking that
-    it has exactly `rows` rows of one token each: the kernels index both per row. The values
-    were range-checked by `KVCache.prepare`."""
-    slots, positions = cache_step.flat_rows, cache_step.flat_positions
-    if slots.numel() != rows or positions.numel() != rows:
-        raise ValueError(f"native {kernel}: {rows} rows, but the cache step has {slots.numel()} slots "
+    """Pointers to each row's write block and offset (int64) of a decode step, after checking
+    that it has exactly `rows` rows of one token each: the kernels index both per row. The
+    values were range-checked by `KVCache.prepare`."""
+    blocks, offsets = cache_step.flat_write_blocks, cache_step.flat_write_offsets
+    if blocks.numel() != rows or offsets.numel() != rows:
+        raise ValueError(f"native {kernel}: {rows} rows, but the cache step has {blocks.numel()} blocks "
+                         f"and {offsets.numel()} offsets to write")
+    return blocks.data_ptr(), offsets.data_ptr()
+
+
+def _block_tables(kernel: str, cache_step: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's block table [rows, blocks] (int64, unit stride along a row) and position
+    [rows] (int64, contiguous) of a decode step."""
+    tables, positions = cache_step.tables, cache_step.flat_positions
+    if tables.shape[0] != rows or positions.numel() != rows or tables.stride(-1) != 1 or tables.dtype != torch.int64:
+        raise ValueError(f"native {kernel}: {rows} rows, but the cache step has {tables.shape[0]} block tables "
                          f"and {positions.numel()} positions")
-    return slots.data_ptr(), positions.data_ptr()
+    return tables, positions
 
 
 def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A function (qkv, cos, sin, cache, cache_step, layer) -> q for one decode token per row, or
     None like `gemv_kernel`. qkv [batch, 1, nh + 2 nkv, d] is the fused projection in `dtype`,
     cos/sin [batch, 1, 1, d] from `tprt.model.rope.rope_angles`; k and v are rotated (k) and written
-    into the float32 `cache` (a `tprt.model.kv_cache.KVCache`) at the step's slots and positions
-    (checked in range by `KVCache.prepare`); returns q rotated, float32, [batch, nh, 1, d]."""
+    into the float32 `cache` (a `tprt.model.kv_cache.KVCache`) at the step's write blocks and
+    offsets (checked in range by `KVCache.prepare`); returns q rotated, float32, [batch, nh, 1, d]."""
     lib = _library()
     if lib is None or dtype not in _DTYPE_SUFFIX:
         return None
@@ -262,17 +275,17 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
 
     def run(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:
-        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
         batch, seq, heads, d = qkv.shape
         nkv = store.shape[2]
         nh = heads - 2 * nkv
         if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.dtype != torch.float32
                 or store.stride(-1) != 1 or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
             raise ValueError(f"native rope_cache: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} / cache {store.dtype}")
-        slots, positions = _decode_indices("rope_cache", cache_step, batch)
+        blocks, offsets = _decode_indices("rope_cache", cache_step, batch)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
-        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), slots, positions,
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), blocks, offsets,
            batch, nh, nkv, d, *store.stride()[:4])
         return q
 
@@ -282,26 +295,27 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
 def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A function (q, cache, cache_step, layer) -> attention output for one decode token per
     row, or None like `gemv_kernel`. q [batch, nh, 1, d] float32 (from `rope_cache_kernel`);
-    row b attends to its slot's keys and values at positions 0..its own (the decode step's causal
-    mask; positions checked in range by `KVCache.prepare`); returns [batch, 1, nh * d] in `dtype`."""
+    row b attends to its keys and values at positions 0..its own, read through its block table
+    (the decode step's causal mask; blocks and positions checked in range by `KVCache.prepare`);
+    returns [batch, 1, nh * d] in `dtype`."""
     lib = _library()
     if lib is None or dtype not in _DTYPE_SUFFIX:
         return None
-    fn = getattr(lib, f"tprt_decode_attention_{_DTYPE_SUFFIX[dtype]}")
+    fn = getattr(lib, f"tprt_paged_decode_attention_{_DTYPE_SUFFIX[dtype]}")
 
     def run(q: torch.Tensor, cache: Any, cache_step: Any, layer: int) -> torch.Tensor:
-        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
         batch, nh, seq, d = q.shape
         nkv = store.shape[2]
         if (seq != 1 or q.dtype != torch.float32 or store.dtype != torch.float32 or store.stride(-1) != 1
                 or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"):
             raise ValueError(f"native decode_attention: unsupported q {tuple(q.shape)} {q.dtype} / cache {store.dtype}")
-        slots, positions = _decode_indices("decode_attention", cache_step, batch)
+        tables, positions = _block_tables("decode_attention", cache_step, batch)
         q = q.contiguous()
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
         scratch = torch.empty(cache_step.kv_len, dtype=torch.float32)
-        fn(q.data_ptr(), store.data_ptr(), slots, positions, out.data_ptr(), scratch.data_ptr(),
-           batch, nh, nkv, d, *store.stride()[:4], d ** -0.5)
+        fn(q.data_ptr(), store.data_ptr(), tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
+           scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5)
         return out
 
     return run
@@ -339,9 +353,10 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
                             n_heads: int, n_kv_heads: int) -> Callable[..., torch.Tensor] | None:
     """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
     decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
-    residual add), writing the row's k and v into the float32 `cache` like `rope_cache_kernel`;
+    residual add), writing the row's k and v into the float32 paged `cache` like
+    `rope_cache_kernel` and attending through its block table like `decode_attention_kernel`;
     or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama)."""
-    fn = _function("tprt_attention_decode", qkv_weight, 2)
+    fn = _function("tprt_paged_attention_decode", qkv_weight, 2)
     hidden = norm_weight.shape[0]
     d = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
     weights = [w.detach().contiguous() for w in (norm_weight, qkv_weight, o_weight)]
@@ -353,19 +368,21 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:  # the closure keeps the weights alive
-        store = cache.kv[layer]  # [slot, k/v, kv_head, position, d]
+        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
                 or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
                 or store.shape[-1] != d):
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
-        slot, position = _decode_indices("attention_decode", cache_step, 1)
+        block, offset = _decode_indices("attention_decode", cache_step, 1)
+        table, position = _block_tables("attention_decode", cache_step, 1)
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty_like(x)
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
         q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), slot, position, out.data_ptr(), qkv.data_ptr(), attn.data_ptr(), q.data_ptr(),
-           hidden, n_heads, n_kv_heads, d, *store.stride()[:4], eps, d ** -0.5)
+           store.data_ptr(), block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
+           attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3], *store.stride()[:4], eps,
+           d ** -0.5)
         return out
 
     return run

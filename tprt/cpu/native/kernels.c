@@ -302,7 +302,8 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
    projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
    negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
-   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos (the paged
+   cache passes each row's block as its slot and the offset in it as its position). Rounds as
    torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
 /* One head h of one row's fused projection qkv [nh + 2 nkv, d] to its place: a q head rotated into
    q_out [nh, d], a k head rotated into the cache at `slot` (the row's slot and position), a v head
@@ -347,6 +348,7 @@ void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q
 static inline float f32_load(float x) { return x; }
 static inline float f32_round(float x) { return x; }
 static inline float bf16_round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+static inline float f32_store(float x) { return x; }
 ROPE_HEAD(f32, float, f32_load, f32_round)
 ROPE_HEAD(bf16, uint16_t, bf16_to_f32, bf16_round)
 ROPE_CACHE(f32, float)
@@ -364,28 +366,6 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
-}
-
-/* Decode attention, one query token per row, over the float32 KV cache: for row r the keys and
-   values of its slot at positions 0..positions[r] (the causal mask of a decode step, so no mask
-   tensor), grouped-query (q head h reads kv head h / (nh / nkv), as SDPA's enable_gqa).
-   q [rows, nh, d] float32 (from tprt_rope_cache); out [rows, nh * d] in the model dtype; cache
-   and strides as tprt_rope_cache. Scores live in `scratch` (at least max position + 1 floats).
-   Sums run in another order than SDPA's (differences in rounding only). */
-static void attend_group_generic(const float *q, const float *keys, const float *values, int64_t len,
-                                 int64_t group, int64_t d, int64_t s_pos, float scale, float *scratch, float *out) {
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scratch, top = -INFINITY, sum = 0, *o = out + g * d;
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = dot_f32(q + g * d, keys + t * s_pos, d) * scale;
-            top = s[t] > top ? s[t] : top;
-        }
-        for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
-        for (int64_t i = 0; i < d; i++) o[i] = 0;
-        for (int64_t t = 0; t < len; t++)
-            for (int64_t i = 0; i < d; i++) o[i] += s[t] * values[t * s_pos + i];
-        for (int64_t i = 0; i < d; i++) o[i] /= sum;
-    }
 }
 
 #if defined(__AVX512F__)
@@ -418,63 +398,7 @@ static inline float softmax512(float *s, int64_t len) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* The same for head_dim = 16 * M, with q's and the output's M vectors kept in registers. */
-#define ATTEND_GROUP_512(M)                                                                                   \
-static void attend_group_##M(const float *q, const float *keys, const float *values, int64_t len,             \
-                             int64_t group, int64_t s_pos, float scale, float *s, float *out) {               \
-    for (int64_t g = 0; g < group; g++) {                                                                     \
-        __m512 qv[M], acc[M];                                                                                 \
-        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
-        for (int64_t t = 0; t < len; t++) {                                                                   \
-            const float *k = keys + t * s_pos;                                                                \
-            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                              \
-            for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);           \
-            s[t] = _mm512_reduce_add_ps(a) * scale;                                                           \
-        }                                                                                                     \
-        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
-        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
-        for (int64_t t = 0; t < len; t++) {                                                                   \
-            __m512 p = _mm512_set1_ps(s[t]);                                                                  \
-            const float *v = values + t * s_pos;                                                              \
-            for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);     \
-        }                                                                                                     \
-        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
-    }                                                                                                         \
-}
-ATTEND_GROUP_512(4)
-ATTEND_GROUP_512(8)
 #endif
-
-/* One (row, kv head): the keys and values stay in cache while each q head of the group reads them. */
-static void attend_group(const float *q, const float *keys, const float *values, int64_t len, int64_t group,
-                         int64_t d, int64_t s_pos, float scale, float *scratch, float *out) {
-#if defined(__AVX512F__)
-    if (d == 64) return attend_group_4(q, keys, values, len, group, s_pos, scale, scratch, out);
-    if (d == 128) return attend_group_8(q, keys, values, len, group, s_pos, scale, scratch, out);
-#endif
-    attend_group_generic(q, keys, values, len, group, d, s_pos, scale, scratch, out);
-}
-
-#define DECODE_ATTENTION(SUFFIX, T, STORE)                                                                   \
-void tprt_decode_attention_##SUFFIX(const float *q, const float *cache, const int64_t *slots,                 \
-                                    const int64_t *positions, T *out, float *scratch, int64_t rows,           \
-                                    int64_t nh, int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv,         \
-                                    int64_t s_head, int64_t s_pos, float scale) {                             \
-    int64_t group = nh / nkv;                                                                                 \
-    float acc[group * d];                                                                                     \
-    for (int64_t r = 0; r < rows; r++)                                                                        \
-        for (int64_t j = 0; j < nkv; j++) {                                                                   \
-            const float *keys = cache + slots[r] * s_slot + j * s_head;                                       \
-            attend_group(q + (r * nh + j * group) * d, keys, keys + s_kv, positions[r] + 1, group, d, s_pos,  \
-                         scale, scratch, acc);                                                                \
-            T *o = out + (r * nh + j * group) * d;                                                            \
-            for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
-        }                                                                                                     \
-}
-
-static inline float f32_store(float x) { return x; }
-DECODE_ATTENTION(f32, float, f32_store)
-DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
 
 /* silu(g) = g * sigmoid(g) in place, float32, with e = exp(-|g|) <= 1 so one exp serves both signs:
    sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. */
@@ -545,79 +469,6 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
 
 MLP_DECODE(f32, float, f32_load, f32_store)
 MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-
-/* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
-   the fused q/k/v GEMV, RoPE with the k/v write into the float32 cache (as tprt_rope_cache), the
-   attention over the cache (as tprt_decode_attention) and the o GEMV; out is this rank's partial
-   product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden, nh d]; slot/position point at one int64
-   each; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32.
-   Sections: the norm; chunks of heads (their q/k/v rows, then their RoPE or cache write); chunks
-   of q heads (their attention); chunks of o rows. */
-typedef struct {
-    const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
-    float *cache;
-    int64_t slot, position;
-    void *out, *normed, *qkv, *attn;
-    float *q;
-    int64_t hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos;
-    float eps, scale;
-} attention_args;
-
-#define ATTENTION_DECODE(SUFFIX, T, STORE)                                                                   \
-static void attention_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
-    const attention_args *a = arg;                                                                            \
-    (void)lo, (void)hi;                                                                                       \
-    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
-}                                                                                                             \
-static void attention_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                     \
-    const attention_args *a = arg;                                                                            \
-    int64_t d = a->d;                                                                                         \
-    float *slot = a->cache + a->slot * a->s_slot + a->position * a->s_pos;                                    \
-    gemv_##SUFFIX##_serial((const T *)a->w_qkv + lo * d * a->hidden, a->normed, (T *)a->qkv + lo * d, (hi - lo) * d, \
-                           a->hidden);                                                                        \
-    for (int64_t h = lo; h < hi; h++)                                                                         \
-        rope_head_##SUFFIX(a->qkv, a->cos, a->sin, a->q, slot, h, a->nh, a->nkv, d, a->s_kv, a->s_head);      \
-}                                                                                                             \
-static void attention_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                    \
-    const attention_args *a = arg;                                                                            \
-    int64_t d = a->d, group = a->nh / a->nkv, len = a->position + 1;                                          \
-    const float *layer = a->cache + a->slot * a->s_slot;                                                      \
-    T *attn = a->attn;                                                                                        \
-    float scores[len], acc[group * d];                                                                        \
-    for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
-        int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
-        const float *keys = layer + kv * a->s_head;                                                           \
-        attend_group(a->q + h * d, keys, keys + a->s_kv, len, end - h, d, a->s_pos, a->scale, scores, acc);   \
-        for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
-        h = end;                                                                                              \
-    }                                                                                                         \
-}                                                                                                             \
-static void attention_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
-    const attention_args *a = arg;                                                                            \
-    int64_t k = a->nh * a->d;                                                                                 \
-    gemv_##SUFFIX##_serial((const T *)a->w_o + lo * k, a->attn, (T *)a->out + lo, hi - lo, k);                \
-}                                                                                                             \
-void tprt_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o, const T *cos,  \
-                                    const T *sin, float *cache, const int64_t *slot, const int64_t *position, \
-                                    T *out, T *qkv, T *attn, float *q, int64_t hidden, int64_t nh,            \
-                                    int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,     \
-                                    int64_t s_pos, float eps, float scale) {                                  \
-    T normed[hidden];                                                                                         \
-    attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, *slot, *position, out, normed, qkv, attn, q,   \
-                        hidden, nh, nkv, d, s_slot, s_kv, s_head, s_pos, eps, scale};                         \
-    int64_t heads = nh + 2 * nkv, row = (int64_t)sizeof(T) * hidden;                                          \
-    /* a chunk of q heads is a whole GQA group where there are groups enough to go round */                   \
-    int64_t attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;                                            \
-    pool_job j = {.arg = &a, .n = 4, .s = {{attention_norm_##SUFFIX, 1, 1},                                   \
-                                           {attention_heads_##SUFFIX, heads, chunk_units(heads, d * row, 1)},  \
-                                           {attention_attend_##SUFFIX, nh, attend_block},                     \
-                                           {attention_o_##SUFFIX, hidden, chunk_units(hidden, row * nh * d / hidden, 16)}}}; \
-    if ((heads + nh) * d * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                  \
-    else pool_run(&j);                                                                                        \
-}
-
-ATTENTION_DECODE(f32, float, f32_store)
-ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
 
 /* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, Y's rows
    `ldy` apart. Like the one-row GEMV, each weight row is read once, front to back, and serves
@@ -725,3 +576,181 @@ GEMV_ROWS_F32(8)
 GEMV_ROWS_BY_ROW(f32, float)
 #endif
 GEMV_ROWS_DISPATCH(f32, float)
+
+/* ---- Paged decode attention (tprt.model.kv_cache: the KV cache is a pool of fixed-size blocks).
+
+   One layer of the float32 cache is [block, k/v, kv_head, offset, d] with element strides
+   s_block, s_kv, s_head, s_pos; a sequence's position p lives in block table[p / bs] at offset
+   p % bs. Decode attention, one query token per row: row r attends to its keys and values at
+   positions 0..positions[r] (the causal mask of a decode step, so no mask tensor), read block by
+   block through its table (row r's table starts at tables + r * s_table), grouped-query (q head h
+   reads kv head h / (nh / nkv), as SDPA's enable_gqa). q [rows, nh, d] float32 (tprt_rope_cache
+   writes it, and the new k/v, given each row's block and offset); out [rows, nh * d] in the model
+   dtype. Scores live in `scratch` (at least max position + 1 floats). Sums run in another order
+   than SDPA's (differences in rounding only). */
+static void paged_attend_generic(const float *q, const float *head, const int64_t *table, int64_t len,
+                                 int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
+                                 int64_t s_pos, float scale, float *s, float *out) {
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY, sum = 0, *o = out + g * d;
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            const float *keys = head + table[b] * s_block;
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {
+                s[t] = dot_f32(q + g * d, keys + u * s_pos, d) * scale;
+                top = s[t] > top ? s[t] : top;
+            }
+        }
+        for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
+        for (int64_t i = 0; i < d; i++) o[i] = 0;
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            const float *values = head + table[b] * s_block + s_kv;
+            for (int64_t u = 0; u < bs && t < len; u++, t++)
+                for (int64_t i = 0; i < d; i++) o[i] += s[t] * values[u * s_pos + i];
+        }
+        for (int64_t i = 0; i < d; i++) o[i] /= sum;
+    }
+}
+
+#if defined(__AVX512F__)
+/* The same for head_dim = 16 * M, with q's and the output's M vectors kept in registers. */
+#define PAGED_ATTEND_512(M)                                                                                   \
+static void paged_attend_##M(const float *q, const float *head, const int64_t *table, int64_t len,            \
+                             int64_t group, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos,         \
+                             float scale, float *s, float *out) {                                             \
+    for (int64_t g = 0; g < group; g++) {                                                                     \
+        __m512 qv[M], acc[M];                                                                                 \
+        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
+        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
+            const float *keys = head + table[b] * s_block;                                                    \
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
+                const float *k = keys + u * s_pos;                                                            \
+                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                          \
+                for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);       \
+                s[t] = _mm512_reduce_add_ps(a) * scale;                                                       \
+            }                                                                                                 \
+        }                                                                                                     \
+        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
+        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
+        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
+            const float *values = head + table[b] * s_block + s_kv;                                           \
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
+                __m512 p = _mm512_set1_ps(s[t]);                                                              \
+                const float *v = values + u * s_pos;                                                          \
+                for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]); \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
+    }                                                                                                         \
+}
+PAGED_ATTEND_512(4)
+PAGED_ATTEND_512(8)
+#endif
+
+/* One (row, kv head): each q head of the group reads the head's keys and values (kept in cache). */
+static void paged_attend(const float *q, const float *head, const int64_t *table, int64_t len, int64_t group,
+                         int64_t d, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos, float scale,
+                         float *scratch, float *out) {
+#if defined(__AVX512F__)
+    if (d == 64) return paged_attend_4(q, head, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 128) return paged_attend_8(q, head, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+#endif
+    paged_attend_generic(q, head, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+}
+
+#define PAGED_DECODE_ATTENTION(SUFFIX, T, STORE)                                                             \
+void tprt_paged_decode_attention_##SUFFIX(const float *q, const float *cache, const int64_t *tables,           \
+                                          const int64_t *positions, T *out, float *scratch, int64_t rows,     \
+                                          int64_t nh, int64_t nkv, int64_t d, int64_t bs, int64_t s_table,    \
+                                          int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
+                                          float scale) {                                                      \
+    int64_t group = nh / nkv;                                                                                 \
+    float acc[group * d];                                                                                     \
+    for (int64_t r = 0; r < rows; r++)                                                                        \
+        for (int64_t j = 0; j < nkv; j++) {                                                                   \
+            paged_attend(q + (r * nh + j * group) * d, cache + j * s_head, tables + r * s_table,              \
+                         positions[r] + 1, group, d, bs, s_block, s_kv, s_pos, scale, scratch, acc);          \
+            T *o = out + (r * nh + j * group) * d;                                                            \
+            for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
+        }                                                                                                     \
+}
+
+PAGED_DECODE_ATTENTION(f32, float, f32_store)
+PAGED_DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
+
+/* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
+   the fused q/k/v GEMV, RoPE with the k/v write into the paged float32 cache at (block, offset)
+   (as tprt_rope_cache), the attention over the row's blocks (as tprt_paged_decode_attention) and
+   the o GEMV; out is this rank's partial product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden,
+   nh d]; block/offset/position point at one int64 each, table at the row's block ids; scratch:
+   qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32. Sections of the
+   thread pool: the norm; chunks of heads (their q/k/v rows, then their RoPE or cache write);
+   chunks of q heads (their attention); chunks of o rows. Each output is computed by one thread
+   with the one-thread code, so any thread count gives the same bits. */
+typedef struct {
+    const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
+    float *cache;
+    const int64_t *table;
+    int64_t block, offset, len;
+    void *out, *normed, *qkv, *attn;
+    float *q;
+    int64_t hidden, nh, nkv, d, bs, s_block, s_kv, s_head, s_pos;
+    float eps, scale;
+} paged_attention_args;
+
+#define PAGED_ATTENTION_DECODE(SUFFIX, T, STORE)                                                             \
+static void paged_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                          \
+    const paged_attention_args *a = arg;                                                                      \
+    (void)lo, (void)hi;                                                                                       \
+    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
+}                                                                                                             \
+static void paged_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const paged_attention_args *a = arg;                                                                      \
+    int64_t d = a->d;                                                                                         \
+    float *at = a->cache + a->block * a->s_block + a->offset * a->s_pos;                                      \
+    gemv_##SUFFIX##_serial((const T *)a->w_qkv + lo * d * a->hidden, a->normed, (T *)a->qkv + lo * d,          \
+                           (hi - lo) * d, a->hidden);                                                         \
+    for (int64_t h = lo; h < hi; h++)                                                                         \
+        rope_head_##SUFFIX(a->qkv, a->cos, a->sin, a->q, at, h, a->nh, a->nkv, d, a->s_kv, a->s_head);        \
+}                                                                                                             \
+static void paged_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                        \
+    const paged_attention_args *a = arg;                                                                      \
+    int64_t d = a->d, group = a->nh / a->nkv;                                                                 \
+    T *attn = a->attn;                                                                                        \
+    float scores[a->len], acc[group * d];                                                                     \
+    for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
+        int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
+        paged_attend(a->q + h * d, a->cache + kv * a->s_head, a->table, a->len, end - h, d, a->bs, a->s_block, \
+                     a->s_kv, a->s_pos, a->scale, scores, acc);                                               \
+        for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
+        h = end;                                                                                              \
+    }                                                                                                         \
+}                                                                                                             \
+static void paged_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                             \
+    const paged_attention_args *a = arg;                                                                      \
+    int64_t k = a->nh * a->d;                                                                                 \
+    gemv_##SUFFIX##_serial((const T *)a->w_o + lo * k, a->attn, (T *)a->out + lo, hi - lo, k);                \
+}                                                                                                             \
+void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
+                                          const T *cos, const T *sin, float *cache, const int64_t *block,     \
+                                          const int64_t *offset, const int64_t *table,                       \
+                                          const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
+                                          int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
+                                          int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
+                                          float eps, float scale) {                                           \
+    T normed[hidden];                                                                                         \
+    paged_attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, table, *block, *offset, *position + 1,  \
+                              out, normed, qkv, attn, q, hidden, nh, nkv, d, bs, s_block, s_kv, s_head,       \
+                              s_pos, eps, scale};                                                             \
+    int64_t heads = nh + 2 * nkv, row = (int64_t)sizeof(T) * hidden;                                          \
+    /* a chunk of q heads is a whole GQA group where there are groups enough to go round */                   \
+    int64_t attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;                                            \
+    pool_job j = {.arg = &a, .n = 4, .s = {{paged_norm_##SUFFIX, 1, 1},                                       \
+                                           {paged_heads_##SUFFIX, heads, chunk_units(heads, d * row, 1)},      \
+                                           {paged_attend_##SUFFIX, nh, attend_block},                         \
+                                           {paged_o_##SUFFIX, hidden, chunk_units(hidden, row * nh * d / hidden, 16)}}}; \
+    if ((heads + nh) * d * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                  \
+    else pool_run(&j);                                                                                        \
+}
+
+PAGED_ATTENTION_DECODE(f32, float, f32_store)
+PAGED_ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)

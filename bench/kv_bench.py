@@ -1,0 +1,160 @@
+"""The paged KV cache against the slot cache it replaced, on the real SmolLM2-135M-Instruct, in one run.
+
+    python bench/kv_bench.py --baseline /path/to/checkout-with-slots    # about 5-10 minutes on 2 cores
+
+Each workload runs in a fresh process per implementation, alternating (baseline, ours, baseline,
+ours, ... for --repeats): the baseline process imports tprt from --baseline (a checkout of the
+code before the paged cache, e.g. `git worktree add ../base <commit>`), ours from this checkout.
+Both use the same weights (bench/generate_bench.py's workdir), the same KV memory and the
+engine's defaults otherwise (prefix caching on). Reported, per implementation:
+
+- capacity: one KV budget (--budget positions, max_seq_len 1024) and 32 requests of a length mix
+  (prompts of 100-600 tokens, 8-24 new tokens, seeded): the most sequences running at once and
+  the throughput. The slot cache holds budget // max_seq_len sequences whatever their length; the
+  paged one as many as their tokens fit.
+- shared prefix: --streams N requests (32 and 64) with one --prefix-token system prompt and a
+  short question each, all arriving at once; time to first token (median, max) and aggregate
+  generated tokens/s (first token to last), greedy, 16 new tokens each.
+
+Time is wall time: the machine may be shared, so compare implementations within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_SEQ_LEN = 1024
+
+
+def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | None) -> Any:
+    """An engine over tp1 in this process's tprt (ours or the baseline's): the same KV memory
+    either way (kv_tokens, or max_batch x max_seq_len)."""
+    from tprt.checkpoint.loading import load_model
+    from tprt.distributed.context import TPContext
+    from tprt.engine.core import Engine, EngineConfig
+
+    fields = EngineConfig.__dataclass_fields__
+    kw: dict[str, Any] = {"max_batch": max_batch, "max_seq_len": max_seq_len}
+    if kv_tokens is not None and "kv_cache_tokens" in fields:
+        kw["kv_cache_tokens"] = kv_tokens
+    return Engine(load_model(model_dir, TPContext.single(), "fp32"), None, EngineConfig(**kw), eos_token_ids=())
+
+
+def _drive(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Adds every request at once and steps to the end: first-token times, the most sequences
+    decoding in one step, generated tokens and the time from the first token to the last."""
+    from tprt.engine.sampling import SamplingParams
+
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(requests):
+        engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True), str(i))
+    first: dict[str, float] = {}
+    peak = tokens = 0
+    while engine.has_work:
+        events = engine.step()
+        now = time.perf_counter()
+        tokens += sum(e.token_id is not None for e in events)
+        peak = max(peak, sum(1 for e in events if e.token_id is not None))
+        for e in events:
+            first.setdefault(e.request_id, now - start)
+    end = time.perf_counter() - start
+    ttft = sorted(first.values())
+    return {"peak_running": peak, "tokens": tokens, "seconds": end, "tokens_per_s": tokens / (end - ttft[0]),
+            "ttft_median_s": statistics.median(ttft), "ttft_max_s": ttft[-1]}
+
+
+def _capacity_requests(seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 40000) for _ in range(rng.randrange(100, 600))], rng.randrange(8, 25))
+            for _ in range(32)]
+
+
+def _shared_requests(streams: int, prefix: int) -> list[tuple[list[int], int]]:
+    system = [(i * 7919) % 40000 + 100 for i in range(prefix)]
+    return [(system + [(s * 31 + k) % 40000 + 100 for k in range(12)], 16) for s in range(streams)]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One workload in this process; prints one JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model_dir = args.workdir / "tp1"
+    if args.workload == "capacity":
+        slots = args.budget // MAX_SEQ_LEN
+        paged = "kv_cache_tokens" in _engine_fields()
+        # The slot cache: budget // max_seq_len sequences; the paged one: as many as fit (up to 64).
+        engine = _engine(model_dir, 64 if paged else slots, MAX_SEQ_LEN, args.budget)
+        result = _drive(engine, _capacity_requests())
+    else:
+        streams = int(args.workload.removeprefix("shared"))
+        engine = _engine(model_dir, streams, args.prefix + 32, None)
+        result = _drive(engine, _shared_requests(streams, args.prefix))
+    print(json.dumps(result))
+
+
+def _engine_fields() -> dict[str, Any]:
+    from tprt.engine.core import EngineConfig
+
+    return EngineConfig.__dataclass_fields__
+
+
+def _run(root: Path, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", workload, "--workdir", str(args.workdir),
+               "--budget", str(args.budget), "--prefix", str(args.prefix), "--threads", str(args.threads)]
+    out = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"{workload} under {root} failed:\n{out.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, help="a checkout of the slot-cache code (required unless --child)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-generate-bench"),
+                    help="bench/generate_bench.py's workdir (SmolLM2 converted; made when missing)")
+    ap.add_argument("--budget", type=int, default=8192, help="KV positions for the capacity workload (8192)")
+    ap.add_argument("--prefix", type=int, default=1000, help="shared system prompt tokens (1000)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation (1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a shared machine more threads than free cores stall every op)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        args.workload = args.child
+        child(args)
+        return
+    if args.baseline is None:
+        ap.error("--baseline is required")
+    sys.path.insert(0, str(ROOT / "bench"))
+    from generate_bench import prepare
+
+    prepare(args.workdir)
+    print(f"load average before: {os.getloadavg()}", file=sys.stderr)
+    report: dict[str, Any] = {"budget": args.budget, "max_seq_len": MAX_SEQ_LEN, "prefix": args.prefix}
+    for workload in ["capacity", *(f"shared{n}" for n in args.streams)]:
+        runs: dict[str, list[dict[str, Any]]] = {"slots": [], "paged": []}
+        for _ in range(args.repeats):
+            runs["slots"].append(_run(args.baseline.resolve(), workload, args))
+            runs["paged"].append(_run(ROOT, workload, args))
+        report[workload] = runs
+        print(workload, json.dumps(runs), file=sys.stderr)
+    report["load_average_after"] = os.getloadavg()
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
