@@ -291,8 +291,9 @@ def check_mixed_batch(ctx: TPContext, workdir: Path) -> None:
     ids = ref["ids"]
     with torch.no_grad():
         # MIXED_ROWS pads its groups and has a base row; the second routing has neither (every row
-        # in exactly one full group: the deltas go back by a gather instead of a scatter-add).
-        for rows in (MIXED_ROWS, (3, 1, 1, 3, 2, 2)):
+        # in exactly one full group: the deltas go back by a gather instead of a scatter-add); the
+        # third has full groups and base rows after them (no padding, yet not every row grouped).
+        for rows in (MIXED_ROWS, (3, 1, 1, 3, 2, 2), (2, 2, 3, 3, 0, 0)):
             pool.route(rows, ids.device)
             mixed = model.gather_logits(model(ids))
             for r, adapter in enumerate(rows):
@@ -351,6 +352,20 @@ def test_trained_adapter_loads_in_peft(worlds: dict[int, WorldResults], workdir:
 
 def _tp1(workdir: Path, name: str = "gqa") -> TPLlamaForCausalLM:
     return load_model(workdir / f"{name}-tp1", TPContext.single())
+
+
+def test_grouping_gathers_back_only_when_every_row_is_grouped() -> None:
+    """The deltas go back by a gather only when every row of the batch is in a group exactly once;
+    with base rows left over (even after full groups) they are scattered, so base rows get nothing."""
+    from tprt.lora.routing import Grouped
+
+    cpu = torch.device("cpu")
+    every = Grouped.of({1: [1, 2], 2: [0, 3]}, 4, cpu)
+    assert every.inverse is not None and every.perm[every.inverse].tolist() == [0, 1, 2, 3] and every.mask is None
+    for rows, n in (({1: [0]}, 2), ({2: [0, 1], 3: [2, 3]}, 6)):
+        assert Grouped.of(rows, n, cpu).inverse is None, (rows, n)
+    padded = Grouped.of({1: [0, 2, 3], 2: [1]}, 4, cpu)
+    assert padded.inverse is None and padded.mask is not None and padded.mask.view(-1).tolist() == [1, 1, 1, 1, 0, 0]
 
 
 def test_unknown_target_is_named(workdir: Path) -> None:

@@ -123,7 +123,7 @@ class AdapterPool:
         else:
             rows = {i: [b for b, a in enumerate(row_adapters) if a == i] for i in sorted(indices)}
             self.groups = [(i, torch.tensor(r, device=device)) for i, r in rows.items()]
-            self.grouped = Grouped.of(rows, device)
+            self.grouped = Grouped.of(rows, len(row_adapters), device)
 
 
 class Grouped:
@@ -142,13 +142,14 @@ class Grouped:
         self.inverse = inverse
 
     @classmethod
-    def of(cls, rows: dict[int, list[int]], device: torch.device) -> Grouped:
+    def of(cls, rows: dict[int, list[int]], n_rows: int, device: torch.device) -> Grouped:
+        """`rows`: each adapter's rows of a batch of `n_rows` (base rows are in none)."""
         size = max(len(r) for r in rows.values())
         perm = [b for r in rows.values() for b in r + [r[0]] * (size - len(r))]
         real = [1.0 * (j < len(r)) for r in rows.values() for j in range(size)]
         mask = None if all(real) else torch.tensor(real, device=device)[:, None]
         inverse = None
-        if mask is None and sorted(perm) == list(range(len(perm))):
+        if mask is None and sorted(perm) == list(range(n_rows)):  # every row, once
             where = {b: j for j, b in enumerate(perm)}
             inverse = torch.tensor([where[b] for b in range(len(perm))], device=device)
         return cls(tuple(rows), torch.tensor(perm, device=device), mask, size, inverse)
