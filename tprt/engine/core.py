@@ -80,9 +80,9 @@ class EngineConfig:
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
     static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
     # CPU: torch threads for steps that only decode one row (None: leave the thread count alone).
-    # The one-row kernels are single-threaded and more threads only add OpenMP fork/joins to the
-    # small ops (docs/PERF.md); the free cores go to a server's I/O threads. Other steps use the
-    # caller's thread count.
+    # The one-row kernels run on their own thread pool (tprt.cpu.native.set_threads), and torch's
+    # threads would only add OpenMP fork/joins to the few small ops left (docs/PERF.md). Other
+    # steps use the caller's thread count.
     one_row_threads: int | None = 1
     # Share the KV blocks of common prompt prefixes (see the module docstring).
     prefix_cache: bool = True

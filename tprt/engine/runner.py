@@ -15,10 +15,10 @@ it before the forward call.
 Each row of a batch carries its block table (tprt.model.kv_cache); the runner pads the tables
 into one [rows, blocks] tensor with the scratch block, where padding tokens write.
 
-On CPU a step that decodes a single row runs on `one_row_threads` torch threads (1 by default)
-and every other step on the caller's thread count, as llama.cpp separates --threads and
---threads-batch: one-row decode is bound by one core's memory stream, batches and prefills by
-arithmetic.
+On CPU a step that decodes a single row runs its few torch ops on `one_row_threads` torch
+threads (1 by default) while its GEMVs and fused layer halves stream the weights on the native
+kernels' own pool (tprt.cpu.native.set_threads: every thread given); every other step runs on
+the caller's thread count.
 """
 
 from __future__ import annotations
