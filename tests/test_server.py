@@ -855,7 +855,7 @@ def test_unloading_lets_requests_in_flight_finish(workdir: Path, client: Client)
     values cached under the earlier load are reused."""
     path = workdir / "data" / "adapters" / "pool-e"
     _write_random_adapter(workdir, path, ("q", "down"), 4, 11)
-    ids = list(client.tokenize("Q5: say hi").ids)
+    ids = list(client.tokenize("Q5: " + "say hi, " * 12).ids)  # full KV blocks, which alone are shared
     first = _answer(client, ids, "pool-e")
     assert _answer(client, ids, "pool-e")[2].cached_prompt_tokens > 0  # its prefix is reused while loaded
     n_long = 1500
