@@ -663,6 +663,34 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     assert packed.layers[0].mlp.down_proj.weight.grad is not None
 
 
+def test_prepack_times_one_row_variants_as_decode_runs_them(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row steps run torch's ops on `one_row_threads` and the native kernels on their own pool
+    (every thread given): the one-row variants are timed that way, so a torch product timed on
+    two threads cannot win and then run on one."""
+    from tprt.cpu import fast_linear, native
+
+    model = load_model(workdir / "tp1", TPContext.single(), "fp32")
+    if not fast_linear.supported(model):
+        pytest.skip("no oneDNN fp32 on this CPU")
+    timed: list[tuple[int, int, int]] = []  # (rows, torch threads, native pool threads) of each timing
+    time_group = fast_linear._time_group
+
+    def spy(fns: Any, x: torch.Tensor, repeats: int = 3) -> float:
+        timed.append((x.shape[0], torch.get_num_threads(), native.threads()))
+        return time_group(fns, x, repeats)
+
+    monkeypatch.setattr(fast_linear, "_time_group", spy)
+    with fast_linear.torch_thread_count(2):
+        chosen = fast_linear.prepack(model, one_row_threads=1)
+        assert torch.get_num_threads() == 2  # restored
+    one_row = [(t, pool) for rows, t, pool in timed if rows == 1]
+    per_shape = len(one_row) // len(chosen)
+    assert per_shape == len(fast_linear.VARIANTS) - (not native.available())  # native skipped without a compiler
+    # per shape: native (when built) first, on its pool of 2 with torch's 2; then packed, transposed, dense on 1
+    want = ([(2, 2)] if native.available() else []) + [(1, native.threads())] * 3
+    assert one_row == want * len(chosen), one_row
+
+
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV,

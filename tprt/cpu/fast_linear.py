@@ -31,7 +31,8 @@ at prepack time, so weights changed in place afterwards need `prepack(model)` ag
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -148,9 +149,11 @@ def _weight(layer: Layer) -> torch.Tensor:
 
 def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int = 3) -> float:
     """Best time of one pass of x through every layer of a group (streams their weights): CPU
-    time on one thread (steadier under other processes' load), wall time on several (CPU time
-    would count a multi-threaded kernel's work on every core against it)."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    time when torch and the native pool run on one thread (steadier under other processes'
+    load), wall time otherwise (CPU time would count a multi-threaded kernel's work on every core
+    against it)."""
+    single = torch.get_num_threads() == 1 and native.threads() == 1
+    clock = time.process_time if single else time.perf_counter
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up
         t0 = clock()
@@ -160,8 +163,11 @@ def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tens
     return best
 
 
-def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
-    """The fastest variant for one-row inputs over a group of same-shape weights, and its callables."""
+def _tune_one_row(weights: list[torch.Tensor], torch_threads: int | None
+                  ) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """The fastest variant for one-row inputs over a group of same-shape weights, and its
+    callables; torch's variants timed on `torch_threads` (None: the current count), the threads
+    one-row steps will give them (the native one runs on its own pool)."""
     x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype)  # not randn: leave the global RNG alone
     best: tuple[float, str, list[Callable[[torch.Tensor], torch.Tensor]]] | None = None
     for name in VARIANTS:
@@ -169,7 +175,8 @@ def _tune_one_row(weights: list[torch.Tensor]) -> tuple[str, list[Callable[[torc
         fns = [fn for fn in made if fn is not None]
         if len(fns) < len(made):
             continue  # not available here (native: no compiler, or another dtype)
-        t = _time_group(fns, x)
+        with torch_thread_count(None if name == "native" else torch_threads):
+            t = _time_group(fns, x)
         if best is None or t < best[0]:
             best = (t, name, fns)
         del fns, made  # drop this variant's copies before building the next
@@ -193,14 +200,18 @@ def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tenso
     return frozenset(won), fns if won else None
 
 
-def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
+def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int | None = None) -> dict[str, str]:
     """Gives every linear layer and the LM head a `FastLinear` as its method when
     `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
     when nothing was done). Without `tune`, one-row inputs use the packed weight too (training:
-    faster frozen-base products without the timing)."""
+    faster frozen-base products without the timing). `one_row_threads`: the torch threads
+    one-row steps run on (tprt.engine.runner; None: the current count), which torch's one-row
+    variants are timed with."""
     if not supported(model):
         return {}
     native.set_threads(decode_threads())  # before the timings, so the native GEMV is timed as it will run
+    if one_row_threads is not None:  # one-row steps never raise the count (tprt.engine.runner)
+        one_row_threads = min(one_row_threads, torch.get_num_threads())
     layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
     groups: dict[tuple[int, ...], list[Layer]] = {}
     for layer in layers:
@@ -210,7 +221,7 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
         for shape, group in groups.items():
             weights = [_weight(layer) for layer in group]
             many = [_packed(w) for w in weights]
-            name, ones = _tune_one_row(weights) if tune else ("packed", many)
+            name, ones = _tune_one_row(weights, one_row_threads) if tune else ("packed", many)
             if name == "packed":
                 ones = many  # the same copy serves both
             few_rows, fews = _tune_few_rows(weights, many) if tune else (frozenset(), None)
@@ -218,6 +229,20 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True) -> dict[str, str]:
                 layer.method = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
             chosen["x".join(map(str, shape))] = name
     return chosen
+
+
+@contextmanager
+def torch_thread_count(threads: int | None) -> Iterator[None]:
+    """torch's thread count set to `threads` inside (None: unchanged), restored after."""
+    before = torch.get_num_threads()
+    if threads is None or threads == before:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def one_row_native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:

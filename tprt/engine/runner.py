@@ -61,7 +61,7 @@ class ModelRunner:
                  static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
         self.model = model
         if cpu_prepack:  # no-ops off CPU: packed matmuls, then the compiled one-row decode layers
-            prepack(model)
+            prepack(model, one_row_threads=one_row_threads)
             install_native_layers(model)
         # The adapters served side by side (tprt.lora.routing); each batch's rows are routed to them.
         self.adapters = AdapterPool(model)
