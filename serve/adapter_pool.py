@@ -179,6 +179,17 @@ class AdapterPool:
         except CommandFailed as e:
             raise InvalidArgument(f"adapter {echo(adapter_id)} could not be loaded: {e}", "adapter_id") from None
 
+    def next_eviction(self) -> str | None:
+        """The device adapter that will make room next when the device is full: the least
+        recently used one that is not pinned, rows running or not (None: there is room, or every
+        device adapter is pinned). The scheduler stops admitting its new requests while another
+        adapter's request waits for room, so its rows drain and a steady stream of requests for
+        the loaded adapters cannot keep the waiting one out for ever."""
+        device = self.registry.in_tier(DEVICE)
+        if len(device) < self.max_loras:
+            return None
+        return next((a.id for a in device if not a.pinned), None)
+
     def finish_unloads(self, ranks: Any) -> None:
         """Removes every adapter being unloaded whose requests have finished."""
         for info in self.registry.unloadable():

@@ -11,7 +11,9 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
    Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
    to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps.
    A ticket's adapter is made resident on the device as it joins (serve/adapter_pool.py); when
-   the pool cannot make room, the ticket waits and later ones go ahead;
+   the pool cannot make room, the ticket waits and later ones go ahead, except those for the
+   adapter that will make room next (so that its rows drain: a waiting adapter is never
+   starved by steady traffic to the loaded ones);
 4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
    generation is idle, and at least every `side_every_s` while it is busy;
 5. runs control calls handed to it (`call`: loading an adapter) and removes adapters being
@@ -286,21 +288,29 @@ class Scheduler:
 
     def _admit_waiting(self) -> None:
         """Moves queued tickets into the engine, in order, while it has room; a ticket whose
-        adapter cannot be made resident now stays queued, ahead of later arrivals."""
+        adapter cannot be made resident now stays queued, ahead of later arrivals, and later
+        tickets for the adapter that will make room next wait too, so that its rows drain."""
         room = self.max_batch - self.engine.num_unfinished
         deferred: list[Ticket] = []
+        draining: set[str] = set()  # adapters whose new tickets wait so that one can be evicted
         while room > 0:
             with self._cv:
                 if not self._waiting:
                     break
                 t = self._waiting.popleft()
                 self._live[t.request_id] = t  # so that a cancellation finds it while it resolves
+            if t.adapter_id in draining:
+                deferred.append(t)
+                continue
             resolved = self._resolve_adapter(t)
             if resolved:
                 self._admit(t)
                 room -= 1
             elif resolved is not None:
                 deferred.append(t)
+                victim = self.adapters.next_eviction() if self.adapters is not None else None
+                if victim is not None:
+                    draining.add(victim)
         with self._cv:
             for t in deferred:
                 self._live.pop(t.request_id, None)

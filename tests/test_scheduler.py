@@ -10,9 +10,11 @@ side work and the "exit" command at shutdown.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -163,6 +165,13 @@ class FakeRanks:
     def stepped(self) -> None:
         self.last_collective = time.monotonic()
 
+    def run(self, cmd: Any) -> Any:
+        """An adapter command of serve/adapter_pool.py: loads answer as the ranks would."""
+        from tprt.distributed.protocol import AdapterLoaded, LoadAdapter
+
+        self.commands.append(type(cmd).__name__)
+        return AdapterLoaded(4, 8.0, cmd.index, ("q",)) if isinstance(cmd, LoadAdapter) else None
+
 
 class FakeSideWork:
     """Fine-tuning's place in the scheduler (serve.scheduler.SideWork): `turns` steps of work."""
@@ -188,13 +197,13 @@ class FakeSideWork:
 class World:
     """A scheduler over the fakes, with the broken-world callback recorded."""
 
-    def __init__(self, max_batch: int, max_queue: int, keepalive_s: float) -> None:
+    def __init__(self, max_batch: int, max_queue: int, keepalive_s: float, adapters: Any = None) -> None:
         self.engine = FakeEngine()
         self.ranks = FakeRanks()
         self.metrics = Metrics()
         self.broken: list[str] = []
         self.scheduler = Scheduler(self.engine, self.ranks, self.metrics, max_queue=max_queue, max_batch=max_batch,
-                                   keepalive_s=keepalive_s, on_broken=self.broken.append)
+                                   keepalive_s=keepalive_s, on_broken=self.broken.append, adapters=adapters)
         self.started = False
 
     def start(self) -> None:
@@ -211,8 +220,8 @@ class World:
 def world() -> Iterator[Callable[..., World]]:
     made: list[World] = []
 
-    def make(max_batch: int = 2, max_queue: int = 2, keepalive_s: float = 5.0) -> World:
-        made.append(World(max_batch, max_queue, keepalive_s))
+    def make(max_batch: int = 2, max_queue: int = 2, keepalive_s: float = 5.0, adapters: Any = None) -> World:
+        made.append(World(max_batch, max_queue, keepalive_s, adapters))
         return made[-1]
 
     yield make
@@ -222,9 +231,10 @@ def world() -> Iterator[Callable[..., World]]:
         w.scheduler.shutdown(WAIT_S)
 
 
-def ticket(name: str, new_tokens: int = 3, prompt: int = 4, adapter: int = 0, deadline: float | None = None) -> Ticket:
+def ticket(name: str, new_tokens: int = 3, prompt: int = 4, adapter: int = 0, deadline: float | None = None,
+           adapter_id: str = "") -> Ticket:
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    return Ticket(name, list(range(1, prompt + 1)), params, adapter_index=adapter, deadline=deadline)
+    return Ticket(name, list(range(1, prompt + 1)), params, adapter_id, adapter_index=adapter, deadline=deadline)
 
 
 def events(t: Ticket) -> list[TokenEvent]:
@@ -440,3 +450,34 @@ def test_idle_ranks_get_side_work_keepalives_and_exit(world: Callable[..., World
     assert side.ranks_seen == [w.ranks] * 3 and w.engine.calls == 0  # an idle engine is never stepped
     w.scheduler.shutdown(WAIT_S)
     assert w.ranks.commands == ["exit"]
+
+
+def test_a_ticket_waiting_for_adapter_room_is_not_starved(world: Callable[..., World], tmp_path: Path) -> None:
+    """One device slot, held by adapter a under a steady stream of a's requests: b's request waits
+    for room, and a's requests after it wait too, so a's rows drain, a is evicted and b runs."""
+    from serve.adapter_pool import ADAPTERS_DIR, AdapterPool
+    from serve.adapters import AdapterRegistry
+    from tprt.lora.peft_io import adapter_config
+
+    for name in "ab":
+        (tmp_path / ADAPTERS_DIR / name).mkdir(parents=True)
+        (tmp_path / ADAPTERS_DIR / name / "adapter_config.json").write_text(
+            json.dumps(adapter_config(["q"], 4, 8.0, 0.0, None)))
+    pool = AdapterPool(AdapterRegistry(), tmp_path, Metrics(), max_loras=1, max_cpu_loras=0)
+    w = world(max_batch=4, max_queue=8, adapters=pool)
+    first = ticket("a1", 2, adapter_id="a")
+    w.scheduler.submit(first)
+    w.start()
+    w.engine.wait_parked()
+    waiting = ticket("b1", 1, adapter_id="b")
+    later = [ticket(f"a{i}", 2, adapter_id="a") for i in range(2, 5)]
+    for t in [waiting, *later]:
+        w.scheduler.submit(t)
+    w.engine.run_steps()  # a1 still runs: b1 cannot get the slot, and a's later tickets wait behind it
+    assert [rid for rid, _ in w.engine.added] == ["a1"]
+    w.engine.run_steps()  # a1 ends: a is evicted, b1 joins; a's tickets wait for b1's rows to end
+    assert [rid for rid, _ in w.engine.added] == ["a1", "b1"]
+    w.engine.run_steps(2)
+    assert [rid for rid, _ in w.engine.added] == ["a1", "b1", "a2", "a3", "a4"]
+    w.engine.run_freely()
+    assert all(events(t)[-1].finish_reason == "length" for t in [first, waiting, *later])
