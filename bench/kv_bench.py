@@ -142,7 +142,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     from generate_bench import prepare
 
-    prepare(args.workdir)
+    prepare(args.workdir, (1,))
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     report: dict[str, Any] = {"budget": args.budget, "max_seq_len": MAX_SEQ_LEN, "prefix": args.prefix}
     for workload in ["capacity", *(f"shared{n}" for n in args.streams)]:
