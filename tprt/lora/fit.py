@@ -9,12 +9,11 @@ widths or layer count).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from tprt.errors import CheckpointError, ConfigError
-from tprt.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_key, read_adapter_config
+from tprt.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_key, read_adapter_config, read_config_file
 from tprt.model.config import ModelConfig
 
 
@@ -37,14 +36,7 @@ def in_out(config: ModelConfig, target: str) -> tuple[int, int]:
 def read_facts(path: Path, max_rank: int | None = None) -> AdapterFacts:
     """The adapter's targets, rank and alpha; ConfigError for a missing or unsupported config or a
     rank over `max_rank`."""
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path.name}/{ADAPTER_CONFIG}: not found; expected a PEFT LoRA adapter directory") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path.name}/{ADAPTER_CONFIG}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path.name}/{ADAPTER_CONFIG}: expected a JSON object")
+    cfg = read_config_file(path, f"{path.name}/{ADAPTER_CONFIG}", ConfigError)
     targets, rank, alpha, _ = read_adapter_config(cfg, f"{path.name}/{ADAPTER_CONFIG}")
     if max_rank is not None and rank > max_rank:
         raise ConfigError(f"{path.name}: LoRA rank r={rank} is over this server's limit of {max_rank} (--max-lora-rank)")

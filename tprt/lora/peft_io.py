@@ -120,18 +120,28 @@ def read_adapter_config(cfg: dict[str, Any], source: str = ADAPTER_CONFIG) -> tu
     return targets, int(rank), float(alpha), dropout  # type: ignore[arg-type]
 
 
+def read_config_file(path: Path, shown: str, error: type[ConfigError] | type[CheckpointError]) -> dict[str, Any]:
+    """The adapter directory `path`'s adapter_config.json as a dict; `error` naming it as `shown`
+    (a path, or just a name where the full path is not to be shown) when it is missing, not
+    JSON or not an object."""
+    try:
+        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise error(f"{shown}: not found; expected a PEFT LoRA adapter directory") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{shown}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise error(f"{shown}: expected a JSON object")
+    return cfg
+
+
 def read_adapter(model: TPLlamaForCausalLM, path: str | Path, ctx: TPContext) -> LoRAAdapter:
     """The PEFT LoRA adapter in directory `path` (adapter_config.json and adapter_model.safetensors,
     as PEFT's save_pretrained writes them), built for `model` and filled; not attached."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path / ADAPTER_CONFIG}: not found; expected a PEFT LoRA adapter directory") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / ADAPTER_CONFIG}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = read_config_file(path, str(path / ADAPTER_CONFIG), CheckpointError)
     targets, rank, alpha, dropout = read_adapter_config(cfg, str(path / ADAPTER_CONFIG))
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
