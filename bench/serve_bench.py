@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/: the adapter writer
 
 import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to the in-process peer too
 
@@ -166,30 +166,17 @@ def round_of(client: Any, c: int, tokens: int, unique_prompts: bool = False) -> 
 
 def write_adapters(model_dir: Path, data_dir: Path, n: int, rank: int) -> list[str]:
     """n random PEFT LoRA adapters (every projection, rank `rank`) under data_dir/adapters/; their ids."""
-    import torch
-    from safetensors.torch import save_file
+    from train_fixtures import write_random_adapter
 
     from tprt.lora.config import TARGETS
-    from tprt.lora.fit import in_out
-    from tprt.lora.peft_io import adapter_config, peft_key
     from tprt.model.config import ModelConfig
 
     config = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     ids = [f"bench-{i}" for i in range(n)]
     for i, name in enumerate(ids):
         path = data_dir / "adapters" / name
-        if path.exists():
-            continue
-        g = torch.Generator().manual_seed(i)
-        tensors = {}
-        for layer in range(config.num_hidden_layers):
-            for t in TARGETS:
-                n_in, n_out = in_out(config, t)
-                tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
-                tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * 0.01
-        path.mkdir(parents=True)
-        save_file(tensors, str(path / "adapter_model.safetensors"))
-        (path / "adapter_config.json").write_text(json.dumps(adapter_config(TARGETS, rank, 2.0 * rank, 0.0, None)))
+        if not path.exists():
+            write_random_adapter(path, config, TARGETS, rank, i, 0.01)
     return ids
 
 

@@ -42,6 +42,7 @@ from serve.jobs import RUNNING, JobRecord, JobStore  # noqa: E402
 from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.pb import generation_pb2 as gen_pb  # noqa: E402
 from tiny_chat import make_tiny_chat_model  # noqa: E402
+from train_fixtures import write_random_adapter  # noqa: E402
 
 TOKEN = "s3cret-token"
 MAX_BATCH = 16
@@ -749,26 +750,10 @@ def _write_random_adapter(workdir: Path, path: Path, targets: tuple[str, ...], r
                           hidden: int | None = None) -> None:
     """A PEFT adapter directory for the test model (random A and B: it changes the outputs);
     `hidden` other than the model's: an adapter built for another base model."""
-    import torch
-    from safetensors.torch import save_file
-
-    from tprt.lora.fit import in_out
-    from tprt.lora.peft_io import adapter_config, peft_key
     from tprt.model.config import ModelConfig
 
     c = ModelConfig.from_dict(json.loads((workdir / "model" / "hf" / "config.json").read_text()))
-    if hidden is not None:
-        c = replace(c, hidden_size=hidden)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(c.num_hidden_layers):
-        for t in targets:
-            n_in, n_out = in_out(c, t)
-            tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
-            tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * 0.5
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    (path / "adapter_config.json").write_text(json.dumps(adapter_config(targets, rank, 2.0 * rank, 0.0, None)))
+    write_random_adapter(path, c if hidden is None else replace(c, hidden_size=hidden), targets, rank, seed, 0.5)
 
 
 def _answer(client: Client, ids: list[int], adapter_id: str = "", n: int = 6) -> tuple[list[int], list[float], Any]:

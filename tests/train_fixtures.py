@@ -4,6 +4,7 @@ and tiny Llama checkpoints (HF and TP) that use it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,25 @@ def make_tiny_model(root: Path, tp: int, name: str = "gqa", seed: int = 0) -> tu
     tp_dir = root / f"{name}-tp{tp}"
     hf_to_tp(hf, tp_dir, tp)
     return hf, tp_dir
+
+
+def write_random_adapter(path: Path, config: Any, targets: Sequence[str], rank: int, seed: int,
+                         b_scale: float) -> None:
+    """A PEFT LoRA adapter directory for a model of `config` (tprt.model.config.ModelConfig) with
+    seeded random A (unit-scale rows) and B (times `b_scale`, so it changes the outputs)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tprt.lora.fit import in_out
+    from tprt.lora.peft_io import adapter_config, peft_key
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for t in targets:
+            n_in, n_out = in_out(config, t)
+            tensors[peft_key(layer, t, "A")] = torch.randn(rank, n_in, generator=g) / n_in ** 0.5
+            tensors[peft_key(layer, t, "B")] = torch.randn(n_out, rank, generator=g) * b_scale
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config(list(targets), rank, 2.0 * rank, 0.0, None)))
