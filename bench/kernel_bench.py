@@ -4,6 +4,7 @@ to the read bandwidth of a plain sum on the same pages.
 
     python bench/kernel_bench.py                 # bf16 and fp32, 1 thread
     python bench/kernel_bench.py --repeats 5
+    python bench/kernel_bench.py --threads 2     # torch and the native pool on 2 threads
 
 Every candidate streams all 30 layers' q/k/v, o, gate/up and down weights plus the LM head once
 per pass (weights allocated as the model's are: one tensor each on ordinary pages, one block
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    native.set_threads(args.threads)  # the native GEMV's own pool: the same thread count as torch's
     if not native.available():
         print("note: tprt's native kernels are unavailable here (no C compiler?); torch's only", file=sys.stderr)
     for huge in (False, True):
