@@ -44,3 +44,34 @@ def make_hf_llama(path: Path, name: str = "gqa", dtype: torch.dtype = torch.floa
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **save_kwargs)
     return path
+
+
+def force_native_decode(model: Any, stack: bool = True) -> list[int]:
+    """Gives every decoder layer of `model` its fused one-row halves (tprt.cpu.native) whatever
+    prepack's timing chose, and with `stack` the one-call decode of every layer on top
+    (tprt.cpu.native_layers.install_native_stack); without, clears it (the per-half path).
+    Returns counters [half calls, stack calls] that the wrapped kernels advance (zeros, and
+    nothing changed, where the native kernels are unavailable)."""
+    from tprt.cpu import native
+    from tprt.cpu.native_layers import install_native_stack, use_native_halves
+
+    calls = [0, 0]
+
+    def counted(fn: Any, i: int) -> Any:
+        def run(*a: Any) -> Any:
+            calls[i] += 1
+            return fn(*a)
+        return run
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
+                                           attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+        m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
+                                     mlp.gate_up_proj.weight, mlp.down_proj.weight)
+        if a is not None and m is not None:
+            use_native_halves(model, i, counted(a, 0), counted(m, 0))
+    model.one_row_stack = None
+    if stack and install_native_stack(model) is not None:
+        model.one_row_stack.kernel = counted(model.one_row_stack.kernel, 1)
+    return calls

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import force_native_decode
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.distributed.context import TPContext
@@ -355,35 +356,13 @@ def check_static_decode(ctx: TPContext, wd: Path) -> None:
         assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != {want}"
 
 
-def _force_fused(model: TPLlamaForCausalLM, calls: list[int]) -> None:
-    """Swaps in every layer's fused one-row halves (tprt.cpu.native) whatever prepack's timing chose;
-    calls[0] counts their calls. A no-op where the native kernels are unavailable."""
-    from tprt.cpu import native
-    from tprt.cpu.native_layers import use_native_halves
-
-    def counted(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def run(*a: Any) -> torch.Tensor:
-            calls[0] += 1
-            return fn(*a)
-        return run
-
-    for i, layer in enumerate(model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                           attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
-        m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                                     mlp.gate_up_proj.weight, mlp.down_proj.weight)
-        if a is not None and m is not None:
-            use_native_halves(model, i, counted(a), counted(m))
-
-
 def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
     """CPU: one-row decode through each layer's two fused halves (tprt.cpu.native, forced here
-    whatever prepack's timing chose), their partial products all-reduced over the TP group:
-    transformers' greedy tokens, and the fused calls really ran on every rank."""
+    whatever prepack's timing chose), their partial products all-reduced over the TP group, and
+    then through the one call running every layer (the all-reduces in C through shared memory
+    where TP > 1): transformers' greedy tokens both ways, and the fused calls really ran on every rank."""
     from tprt.cpu import native
 
-    calls = [0]
     ref = _ref(wd)
 
     def fn(engine: Engine) -> list[list[int]]:
@@ -393,11 +372,18 @@ def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
             outs.append(run_to_completion(engine)[str(i)].token_ids)
         return outs
 
-    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
-    out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn, model=model,
-                 setup=lambda engine: _force_fused(engine.runner.model, calls))
-    assert out == [ref["greedy"][0], ref["greedy"][3]], out
-    assert (calls[0] > 0) == native.available(), calls
+    for stack in (False, True):
+        model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
+        counters: list[list[int]] = []  # [half calls, stack calls]
+        out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn, model=model,
+                     setup=lambda engine: counters.append(force_native_decode(engine.runner.model, stack)))
+        assert out == [ref["greedy"][0], ref["greedy"][3]], (stack, out)
+        calls = counters[0]
+        half_calls, stack_calls = calls
+        if stack:  # every one-row step in one call: no half called alone
+            assert (stack_calls > 0, half_calls) == (native.available(), 0), calls
+        else:
+            assert (half_calls > 0, stack_calls) == (native.available(), 0), calls
 
 
 def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
@@ -694,13 +680,13 @@ def test_prepack_times_one_row_variants_as_decode_runs_them(workdir: Path, monke
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
 def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float) -> None:
     """CPU: decode through the compiled kernels (RoPE + cache write, attention, RMSNorm, one-row GEMV,
-    and each half of a layer in one call for one row) gives
-    the logits and the cache contents of the torch path (gather + SDPA), for rows in scattered
-    KV blocks at uneven positions."""
+    and for one row each half of a layer in one call, or every layer in one call) gives the logits
+    and the cache contents of the torch path (gather + SDPA), for rows in scattered KV blocks at
+    uneven positions; every layer in one call gives the halves' bits."""
     from tprt.cpu import native
     from tprt.cpu.fast_linear import prepack, supported
     from tprt.cpu.native_layers import (NativeAttention, NativeDecoderLayer, NativeRMSNorm, install_native_layers,
-                                        use_native_halves)
+                                        install_native_stack, use_native_halves)
     from tprt.model.llama import DecoderLayer
 
     ctx = TPContext.single()
@@ -750,10 +736,16 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
             assert (got - want).abs().max() <= tol * want.abs().max(), positions
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
             positions = positions + 1
-        for step in range(2):  # one row: each half of a layer in one call
+        stack = install_native_stack(fast)  # every layer of a one-row step in one call
+        assert (stack is not None) == expect_native
+        for step in range(2):  # one row: each half of a layer in one call, then all layers in one
             ids, pos, table = torch.tensor([[14 + step]]), positions[2:3] + step, rows[2:3]
             want = plain(ids, pos, caches[0], table)[..., :vocab].float()
-            got = fast(ids, pos, caches[1], table)[..., :vocab].float()
+            fast.one_row_stack = None
+            halves = fast(ids, pos, caches[1], table)[..., :vocab].float()
+            fast.one_row_stack = stack
+            got = fast(ids, pos, caches[1], table)[..., :vocab].float()  # writes the same k/v again
+            assert torch.equal(got, halves), "one row: the stack's bits differ from the halves'"
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max(), "one row"
 
@@ -823,8 +815,7 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
         engine.runner.adapters.install(index, adapter)
     from tprt.cpu import native
 
-    fused = [0]  # calls of the fused one-row layer halves
-    _force_fused(model, fused)
+    fused = force_native_decode(model)  # calls of the fused halves, of the one-call stack
     prompts = _ref(workdir)["prompts"]
     requests = [(prompts[0], 0), (prompts[1], 1), (prompts[2], 2), (prompts[0], 1)]
 
@@ -835,11 +826,12 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
 
     alone = {}
     for i, r in enumerate(requests):
-        before = fused[0]
+        before = list(fused)
         alone[str(i)] = run([(i, r)])[str(i)]
-        # a base row alone decodes through the fused halves; an adapter's rows never do (each
-        # adapter targets a layer of each half: 1 q/v and down, 2 k/o and gate/up)
-        assert (fused[0] > before) == (r[1] == 0 and native.available()), (i, fused[0] - before)
+        # a base row alone decodes through the one-call stack; an adapter's rows never do, nor
+        # through the halves (each adapter targets a layer of each half: 1 q/v and down, 2 k/o and gate/up)
+        assert fused[1] - before[1] > 0 if r[1] == 0 and native.available() else fused[1] == before[1], (i, fused)
+        assert fused[0] == before[0], (i, fused)
     mixed = run(list(enumerate(requests)))
     assert alone["0"].logprobs != alone["3"].logprobs, "adapter 1 did not change prompt 0's outputs"
     for k, want in alone.items():

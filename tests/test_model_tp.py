@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import make_hf_llama
+from helpers import force_native_decode, make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.model.config import ModelConfig
@@ -211,6 +211,33 @@ def check_greedy(ctx: TPContext, workdir: Path, name: str) -> None:
         _assert_close(torch.stack(s.logits), full[b, n - 1 : n - 1 + N_NEW], f"prompt {b} cached vs recomputed", 1e-5)
 
 
+def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "fp32") -> None:
+    """CPU one-row decode with every layer in one compiled call (tprt.cpu.native_layers' stack; the
+    all-reduces in C through shared memory where TP > 1), each prompt alone: every decode step's
+    logits bit-equal to the same layers run half by half, and in fp32 transformers' greedy tokens."""
+    from tprt.cpu import native
+
+    ref = _ref(workdir, name)
+    model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, dtype=dtype)  # its own: kernels are set on it
+    calls = force_native_decode(model)
+    stack = model.one_row_stack
+    assert (stack is not None) == native.available()
+    cache, free = _garbage_cache(model, 3)
+    for b, prompt in enumerate(ref["prompts"]):
+        seq = _Seq(prompt, _take(free))
+        _step(model, cache, [seq])  # prefill
+        for _ in range(N_NEW - 1):
+            model.one_row_stack = None  # the halves first: the stack then rewrites the same k/v
+            halves = _Seq(prompt, seq.table, list(seq.out))
+            _step(model, cache, [halves])
+            model.one_row_stack = stack
+            _step(model, cache, [seq])
+            assert torch.equal(seq.logits[-1], halves.logits[-1]), f"prompt {b}: stack and halves differ"
+        if dtype == "fp32":
+            assert seq.out == ref["generated"][b], f"prompt {b}: greedy tokens differ from transformers' generate"
+    assert (calls[1] == len(ref["prompts"]) * (N_NEW - 1)) == native.available(), calls
+
+
 def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:
     """Sequences join and leave: A leaves, C takes A's blocks (stale keys beyond C's length) and
     prefills alone while B decodes, D joins in a step that mixes its prefill with decodes."""
@@ -325,6 +352,8 @@ CHECKS: Checks = [
     *((f"{n}-cached_prefill", partial(check_cached_prefill, name=n)) for n in CONFIGS),
     *((f"{n}-greedy", partial(check_greedy, name=n)) for n in CONFIGS),
     ("gqa-continuous", partial(check_continuous, name="gqa")),
+    *((f"{n}-native_stack", partial(check_native_stack, name=n)) for n in ("gqa", "tied")),
+    ("tied-native_stack_bf16", partial(check_native_stack, name="tied", dtype="bf16")),
     *((f"{n}-backward", partial(check_backward, name=n)) for n in CONFIGS),
     ("tied-bf16", partial(check_bf16, name="tied")),
     ("wrong_tp", check_wrong_tp),

@@ -3,6 +3,8 @@ tprt.cpu.hugepages: the huge-page buffers that weights and the KV cache live in.
 
 from __future__ import annotations
 
+import ctypes
+
 import itertools
 
 import os
@@ -247,8 +249,9 @@ def test_frozen_weights_share_one_block_and_trainable_ones_do_not(tmp_path: Path
 def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
     """The pool's kernels at 2 and 3 threads give one thread's results bit for bit: the GEMV and
     the few-row GEMV (row counts that split unevenly, large enough to be shared), the fused MLP
-    half (intermediate sizes off the 16-wide blocks) and the fused attention half over a paged
-    cache (its output and the k/v it writes), on heads that split unevenly."""
+    half (intermediate sizes off the 16-wide blocks), the fused attention half over a paged
+    cache (its output and the k/v it writes), on heads that split unevenly, and a stack of
+    three layers in one call (tprt.cpu.native.decode_stack_kernel)."""
     from tprt.model.kv_cache import KVCache
 
     if not native.available():
@@ -264,6 +267,11 @@ def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
                                                (torch.randn((nh + 2 * nkv) * d, hidden) / 8).to(dtype),
                                                (torch.randn(hidden, nh * d) / 8).to(dtype), nh, nkv)
     assert attention is not None and all(m is not None for m in mlps)
+    layers = [(torch.rand(hidden).to(dtype), (torch.randn((nh + 2 * nkv) * d, hidden) / 8).to(dtype),
+               (torch.randn(hidden, nh * d) / 8).to(dtype), torch.rand(hidden).to(dtype),
+               (torch.randn(2 * 333, hidden) / 8).to(dtype), (torch.randn(hidden, 333) / 8).to(dtype)) for _ in range(3)]
+    stack = native.decode_stack_kernel(layers, 1e-5, nh, nkv)
+    assert stack is not None
     cos, sin = torch.rand(1, 1, 1, d).to(dtype), torch.rand(1, 1, 1, d).to(dtype)
     x = torch.randn(1, 1, hidden).to(dtype)
 
@@ -279,6 +287,9 @@ def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
         step = cache.prepare(torch.tensor([[37]]), table)
         cache.kv.normal_(generator=torch.Generator().manual_seed(1))
         outs += [attention(x, cos, sin, cache, step, 0), cache.kv.clone()]
+        cache = KVCache(3, 9, nkv, 5, d, torch.float32)  # the stack of 3 layers, same blocks
+        cache.kv.normal_(generator=torch.Generator().manual_seed(3))
+        outs += [stack(x, cos, sin, cache, step), cache.kv.clone()]
         return outs
 
     try:
@@ -290,3 +301,92 @@ def test_threaded_kernels_equal_one_thread(dtype: torch.dtype) -> None:
             assert all(torch.equal(a, b) for a, b in zip(got, want)), threads
     finally:
         native.set_threads(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_stack_equals_its_layers_half_by_half(dtype: torch.dtype) -> None:
+    """Every layer of a one-row step in one call (tprt.cpu.native.decode_stack_kernel) gives the
+    bits of the same layers run half by half from Python (each half's kernel, the residual adds in
+    torch), and writes the same keys and values, at 1 and 2 threads; bad inputs are refused."""
+    from tprt.model.kv_cache import KVCache
+
+    if not native.available():
+        return
+    torch.manual_seed(1)
+    hidden, d, nh, nkv, inter = 128, 32, 4, 2, 96
+    layers = [(torch.rand(hidden).to(dtype), (torch.randn((nh + 2 * nkv) * d, hidden) / 8).to(dtype),
+               (torch.randn(hidden, nh * d) / 8).to(dtype), torch.rand(hidden).to(dtype),
+               (torch.randn(2 * inter, hidden) / 8).to(dtype), (torch.randn(hidden, inter) / 8).to(dtype))
+              for _ in range(4)]
+    stack = native.decode_stack_kernel(layers, 1e-6, nh, nkv)
+    halves = [(native.attention_decode_kernel(a, 1e-6, qkv, o, nh, nkv), native.mlp_decode_kernel(m, 1e-6, gu, down))
+              for a, qkv, o, m, gu, down in layers]
+    assert stack is not None
+    cos, sin = torch.rand(1, 1, 1, d).to(dtype), torch.rand(1, 1, 1, d).to(dtype)
+    x = torch.randn(1, 1, hidden).to(dtype)
+    table = torch.tensor([[3, 1, 4, 2]])
+    step = KVCache(4, 5, nkv, 4, d, torch.float32).prepare(torch.tensor([[13]]), table)
+
+    def by_halves(cache: KVCache) -> torch.Tensor:
+        h = x
+        for i, (attention, mlp) in enumerate(halves):
+            assert attention is not None and mlp is not None
+            h = h + attention(h, cos, sin, cache, step, i)
+            h = h + mlp(h)
+        return h
+
+    try:
+        for threads in (1, 2):
+            native.set_threads(threads)
+            caches = [KVCache(4, 5, nkv, 4, d, torch.float32) for _ in range(2)]
+            for c in caches:
+                c.kv.normal_(generator=torch.Generator().manual_seed(5))
+            want, got = by_halves(caches[0]), stack(x, cos, sin, caches[1], step)
+            assert torch.equal(got, want) and torch.equal(caches[1].kv, caches[0].kv), threads
+            assert not torch.equal(got, x)
+    finally:
+        native.set_threads(1)
+    with pytest.raises(ValueError, match="decode_stack"):
+        stack(torch.randn(2, 1, hidden).to(dtype), cos, sin, caches[1], step)
+
+    # Where TP > 1, each half's partial product goes through the all-reduce given, in place: a C
+    # callable doubling it stands for two ranks with equal partials (doubling rounds exactly).
+    calls: list[int] = []
+    fail_at = [0]
+
+    def double(ctx: int, data: int, n: int, code: int) -> int:
+        calls.append(code)
+        if len(calls) == fail_at[0]:
+            return 2  # "rank 1 exited"
+        elem = torch.empty(0, dtype=dtype).element_size()
+        buf = (ctypes.c_char * (n * elem)).from_address(data)
+        t = torch.frombuffer(buf, dtype=dtype)
+        t.mul_(2)
+        return 0
+
+    c_double = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)(double)
+    errors: list[int] = []
+
+    def check(status: int) -> None:
+        errors.append(status)
+        raise RuntimeError(f"all-reduce failed: {status}")
+
+    reduced = native.decode_stack_kernel(layers, 1e-6, nh, nkv, (ctypes.cast(c_double, ctypes.c_void_p).value, 0, check))
+    assert reduced is not None
+    caches = [KVCache(4, 5, nkv, 4, d, torch.float32) for _ in range(2)]
+    h = x
+    for i, (attention, mlp) in enumerate(halves):
+        assert attention is not None and mlp is not None
+        h = h + 2 * attention(h, cos, sin, caches[0], step, i)
+        h = h + 2 * mlp(h)
+    assert torch.equal(reduced(x, cos, sin, caches[1], step), h) and torch.equal(caches[1].kv, caches[0].kv)
+    assert calls == [{torch.float32: 0, torch.bfloat16: 1}[dtype]] * 8 and not errors  # two per layer
+    calls.clear()
+    fail_at[0] = 3
+    with pytest.raises(RuntimeError, match="all-reduce failed: 2"):
+        reduced(x, cos, sin, caches[1], step)
+    assert len(calls) == 3 and errors == [2]  # none after the failure
+    assert native.decode_stack_kernel(layers[:1] + [layers[1][:5]], 1e-6, nh, nkv) is None  # a layer short of a weight
+    mismatched = list(layers[1])
+    mismatched[4] = torch.randn(2 * inter + 2, hidden).to(dtype)  # another intermediate size
+    assert native.decode_stack_kernel([layers[0], tuple(mismatched)], 1e-6, nh, nkv) is None

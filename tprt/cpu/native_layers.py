@@ -12,6 +12,10 @@ inference step it was written for and otherwise falls back to the reference math
   layer all-reduces; the attention half also needs a float32 cache. A half gets its kernel only
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
+- `NativeDecodeStack` (the model's `one_row_stack`): where every layer has both halves' kernels,
+  a one-row step with autograd off, a float32 cache and no adapter acting runs every layer in one
+  compiled call, with the all-reduces between halves in C through the TP group's shared-memory
+  all-reduce where TP > 1 (so not where the group has none: ranks on several hosts).
 
 Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
 unavailable (no C compiler, another dtype): the model then keeps the reference modules.
@@ -94,6 +98,51 @@ class NativeDecoderLayer(DecoderLayer):
         return h + mlp(self.post_attention_layernorm(h))
 
 
+class NativeDecodeStack:
+    """The model's `one_row_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for the steps
+    that `NativeDecoderLayer` would run half by half in every layer; None for the others."""
+
+    def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
+        self.kernel = kernel
+        self.linears = model.linears()
+
+    def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor | None:
+        if (h.numel() != h.shape[-1] or torch.is_grad_enabled() or step.cache is None or step.cache_step is None
+                or step.cache.dtype != torch.float32 or adapted(*self.linears)):
+            return None
+        return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
+
+
+def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
+    """Sets `model.one_row_stack` to a NativeDecodeStack where every layer is a
+    NativeDecoderLayer with both halves and the TP group (if any) all-reduces through shared
+    memory; returns it, or None (and clears it) where it does not apply."""
+    model.one_row_stack = None
+    layers = list(model.layers)
+    shm = model.tp.shm
+    if not all(isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
+               and layer.mlp_half is not None for layer in layers) or (model.tp.world_size > 1 and shm is None):
+        return None
+    weights: list[tuple[torch.Tensor, ...]] = []
+    for layer in layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        weights.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
+                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+    first = layers[0]
+    assert isinstance(first, DecoderLayer)
+    all_reduce = None
+    if model.tp.world_size > 1:
+        assert shm is not None
+        all_reduce = (*shm.c_function(), shm.check)
+    kernel = native.decode_stack_kernel(weights, first.input_layernorm.eps, first.self_attn.n_heads,
+                                        first.self_attn.n_kv, all_reduce)
+    if kernel is None:
+        return None
+    model.one_row_stack = stack = NativeDecodeStack(model, kernel)
+    return stack
+
+
 def _take_over(new: nn.Module, old: nn.Module) -> None:
     """Gives `new` (built on the meta device) `old`'s own parameters and submodules: the swap
     shares every tensor and each child's state (its linear method, its adapter)."""
@@ -140,6 +189,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
         if attention_half is not None or mlp_half is not None:
             use_native_halves(model, i, attention_half, mlp_half)
     model.norm = _norm(model.norm)
+    install_native_stack(model)
 
 
 def use_native_halves(model: TPLlamaForCausalLM, index: int, attention_half: Kernel | None,

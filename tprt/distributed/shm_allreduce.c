@@ -148,3 +148,18 @@ int64_t tprt_shm_all_reduce(void *base, int64_t rank, int64_t world, int64_t slo
     }
     return 0;
 }
+
+/* One rank's attachment, for C callers (tprt_decode_stack in tprt/cpu/native/kernels.c, given
+   tprt_shm_all_reduce_group's address and a pointer to this): the arguments of
+   tprt_shm_all_reduce that stay the same from call to call. */
+typedef struct {
+    void *base;
+    int64_t rank, world, slot_bytes;
+    uint64_t *seq;
+    double timeout_s;
+} shm_group;
+
+int64_t tprt_shm_all_reduce_group(void *group, void *data, int64_t n, int64_t dtype) {
+    const shm_group *g = group;
+    return tprt_shm_all_reduce(g->base, g->rank, g->world, g->slot_bytes, g->seq, data, n, dtype, g->timeout_s);
+}

@@ -47,6 +47,12 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+class _Group(ctypes.Structure):
+    """shm_allreduce.c's shm_group: one rank's attachment, for C callers."""
+    _fields_ = [("base", _P), ("rank", _I), ("world", _I), ("slot_bytes", _I),
+                ("seq", ctypes.POINTER(ctypes.c_uint64)), ("timeout_s", ctypes.c_double)]
+
+
 def _host() -> str:
     """This host's identity: its name and this boot (two containers may share a hostname)."""
     try:
@@ -77,6 +83,7 @@ class ShmAllReduce:
             os.close(fd)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._seq = ctypes.c_uint64(0)
+        self._group: _Group | None = None  # made by c_function
         lib.tprt_shm_register(self._base, rank)
 
     @staticmethod
@@ -106,6 +113,24 @@ class ShmAllReduce:
         status = self._lib.tprt_shm_all_reduce(self._base, self.rank, self.world, self.slot_bytes,
                                                ctypes.byref(self._seq), flat.data_ptr(), flat.numel(),
                                                _DTYPES[x.dtype], self.timeout_s)
+        self.check(status)
+        if flat is not x:
+            x.copy_(flat)
+        return x
+
+    def c_function(self) -> tuple[int, int]:
+        """(address of a C function `int64_t f(void *ctx, void *data, int64_t n, int64_t dtype)`
+        doing `all_reduce` on n values of dtype code 0 (float32) or 1 (bfloat16), address of its
+        ctx) for compiled callers (tprt.cpu.native.decode_stack_kernel): they pass its non-zero
+        returns to `check`. Both stay valid while this object lives."""
+        self._group = _Group(self._base, self.rank, self.world, self.slot_bytes,
+                             ctypes.pointer(self._seq), self.timeout_s)
+        function = ctypes.cast(self._lib.tprt_shm_all_reduce_group, ctypes.c_void_p).value
+        assert function is not None
+        return function, ctypes.addressof(self._group)
+
+    def check(self, status: int) -> None:
+        """Raises the error for a non-zero status of the C all-reduce."""
         if status > 0:
             peer = status - 1
             raise RuntimeError(f"shared-memory all-reduce: TP rank {peer} (pid {self.pids[peer]}) exited "
@@ -113,9 +138,6 @@ class ShmAllReduce:
         if status < 0:
             raise RuntimeError(f"shared-memory all-reduce: no answer from every TP rank within {self.timeout_s:g} s "
                                f"(rank {self.rank})")
-        if flat is not x:
-            x.copy_(flat)
-        return x
 
 
 def _sees(pid: int) -> bool:

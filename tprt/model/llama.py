@@ -8,10 +8,13 @@ time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
 Every module here has one forward: the math. Faster paths are chosen after loading, in the open:
 each linear layer's `method` (tprt.parallel.layers; CPU-packed by `tprt.cpu.fast_linear.prepack`),
 and, for CPU decode, subclasses of RMSNorm, Attention and DecoderLayer that run compiled kernels
-for one-row steps (`tprt.cpu.native_layers.install_native_layers` swaps them in).
+for one-row steps, and a compiled call running every layer of a one-row step
+(`tprt.cpu.native_layers.install_native_layers` swaps them in and sets `one_row_stack`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -146,6 +149,9 @@ class TPLlamaForCausalLM(nn.Module):
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         # Training: recompute each block's activations in the backward (tprt.train.step).
         self.checkpoint_layers = False
+        # CPU decode: every layer of a one-row step in one compiled call, set by
+        # tprt.cpu.native_layers.install_native_layers; returns None for steps it does not take.
+        self.one_row_stack: Callable[[torch.Tensor, Step], torch.Tensor | None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -208,6 +214,8 @@ class TPLlamaForCausalLM(nn.Module):
                 raise ValueError("block tables are required with a KV cache")
             cache_step = cache.prepare(positions, tables, kv_len, starts)
         step = Step(cos, sin, cache, cache_step)
+        if self.one_row_stack is not None and (out := self.one_row_stack(h, step)) is not None:
+            return out
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
                 h = checkpoint(layer, h, step, use_reentrant=False)

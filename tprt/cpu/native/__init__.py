@@ -23,6 +23,9 @@
   SwiGLU, down GEMV) in one call instead of about ten ops and six module calls;
   `attention_decode_kernel(...)` the same for its attention half (RMSNorm, q/k/v GEMV, RoPE and
   cache write, attention, o GEMV).
+- `decode_stack_kernel(...)`: every decoder layer of a one-row step in one call (both halves of
+  each layer, the residual adds and, where TP > 1, the all-reduces through a compiled all-reduce
+  such as tprt.distributed.shm_allreduce's), run as one job of the thread pool.
 
 The C source is compiled with the system's C compiler (`$CC`, else `cc`) and `-march=native`
 into a per-user cache (`$TPRT_CACHE_DIR`, else `~/.cache/tprt`), keyed by the source, the flags
@@ -154,6 +157,9 @@ def _library() -> ctypes.CDLL | None:
         for suffix in _DTYPE_SUFFIX.values():
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = argtypes, None
+    for suffix in _DTYPE_SUFFIX.values():
+        fn = getattr(lib, f"tprt_decode_stack_{suffix}")
+        fn.argtypes, fn.restype = [_P] * 9, _I
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
     lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
     return lib
@@ -383,6 +389,72 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
            store.data_ptr(), block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
            attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3], *store.stride()[:4], eps,
            d ** -0.5)
+        return out
+
+    return run
+
+
+class _DecodeStack(ctypes.Structure):
+    """kernels.c's decode_stack: the model, for tprt_decode_stack."""
+    _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
+                ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P)]
+
+
+class _DecodeCache(ctypes.Structure):
+    """kernels.c's decode_cache: where a step's keys and values go, layer 0's and the stride to the next."""
+    _fields_ = [("cache", _P), ("s_layer", _I), ("block_size", _I), ("s_block", _I), ("s_kv", _I),
+                ("s_head", _I), ("s_pos", _I)]
+
+
+def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
+                        all_reduce: tuple[int, int, Callable[[int], None]] | None = None
+                        ) -> Callable[..., torch.Tensor] | None:
+    """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
+    final norm) for one decode row h [1, 1, hidden], writing each layer's k and v into the float32
+    paged `cache` and attending through the row's block table as `attention_decode_kernel`; or
+    None like `gemv_kernel`. `layers`: per decoder layer, its (input norm, q/k/v, o, post-attention
+    norm, gate/up, down) weights as the halves' kernels take them. `all_reduce` (where TP > 1):
+    (address of a C function `int64_t f(void *ctx, void *data, int64_t n, int64_t dtype)` summing
+    a partial product over the TP group in place, its ctx, a function raising for its non-zero
+    returns), e.g. `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`."""
+    if not layers:
+        return None
+    norm0, qkv0, o0, _, gate_up0, _ = layers[0]
+    fn = _function("tprt_decode_stack", qkv0, 2)
+    hidden, inter = norm0.shape[0], gate_up0.shape[0] // 2
+    d = qkv0.shape[0] // (n_heads + 2 * n_kv_heads)
+    shapes = [(hidden,), ((n_heads + 2 * n_kv_heads) * d, hidden), (hidden, n_heads * d), (hidden,),
+              (2 * inter, hidden), (hidden, inter)]
+    weights = [w.detach().contiguous() for layer in layers for w in layer]
+    if (fn is None or n_heads % n_kv_heads or any(len(layer) != 6 for layer in layers)
+            or any(w.dtype != qkv0.dtype or w.device.type != "cpu" for w in weights)
+            or any(tuple(w.shape) != shape for layer in layers for w, shape in zip(layer, shapes))):
+        return None
+    dtype = qkv0.dtype
+    pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
+    model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
+                         ctypes.addressof(pointers), function, ctx)
+
+    alive = (weights, pointers)  # what `model` points to, kept alive by the closure
+
+    def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
+        assert alive
+        kv = cache.kv  # [layer, block, k/v, kv_head, offset, d]
+        if (h.numel() != hidden or h.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
+                or kv.dtype != torch.float32 or kv.stride(-1) != 1 or kv.shape[0] != len(layers)
+                or kv.shape[3] != n_kv_heads or kv.shape[-1] != d):
+            raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} / cache "
+                             f"{tuple(kv.shape)} {kv.dtype}")
+        block, offset = _decode_indices("decode_stack", cache_step, 1)
+        table, position = _block_tables("decode_stack", cache_step, 1)
+        out, cos, sin = h.contiguous().clone(), cos.contiguous(), sin.contiguous()
+        where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5])
+        status = fn(ctypes.addressof(model), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), ctypes.addressof(where),
+                    block, offset, table.data_ptr(), position.data_ptr())
+        if status:
+            assert check is not None, status
+            check(status)
         return out
 
     return run

@@ -53,18 +53,17 @@ static inline uint16_t f32_to_bf16(float f) {
 #define PARALLEL_MIN_ELEMENTS 65536   /* smaller products are not worth a wake-up */
 #define CHUNK_BYTES (256 * 1024)      /* weight bytes per chunk at most: a descheduled thread holds little */
 #define CHUNKS_PER_THREAD 4           /* at least, where the section is large enough */
-#define MAX_SECTIONS 4
 
 typedef void (*section_fn)(void *arg, int64_t lo, int64_t hi);  /* units [lo, hi) of a section */
 typedef struct {
     section_fn run;
+    void *arg;
     int64_t units, block;  /* units in all, and per chunk */
 } section;
 typedef struct {
-    void *arg;
-    int n;
-    section s[MAX_SECTIONS];
-    _Atomic int64_t next[MAX_SECTIONS], done[MAX_SECTIONS];  /* chunks claimed, chunks finished */
+    const section *s;
+    int64_t n;
+    _Atomic int64_t *next, *done;  /* per section: chunks claimed, chunks finished */
 } pool_job;
 
 static struct {
@@ -104,12 +103,12 @@ static inline void wait_round(unsigned spins, int64_t *start) {
 /* The job's sections in order, claiming chunks until none is left, then waiting for the
    section's last chunks (another thread's) before the next. */
 static void run_sections(pool_job *j) {
-    for (int s = 0; s < j->n; s++) {
+    for (int64_t s = 0; s < j->n; s++) {
         const section *sec = &j->s[s];
         int64_t chunks = (sec->units + sec->block - 1) / sec->block, c;
         while ((c = atomic_fetch_add_explicit(&j->next[s], 1, memory_order_relaxed)) < chunks) {
             int64_t lo = c * sec->block, hi = lo + sec->block < sec->units ? lo + sec->block : sec->units;
-            sec->run(j->arg, lo, hi);
+            sec->run(sec->arg, lo, hi);
             atomic_fetch_add_explicit(&j->done[s], 1, memory_order_release);
         }
         int64_t start = 0;
@@ -216,6 +215,34 @@ static void pool_run(pool_job *j) {
     for (unsigned spins = 0; atomic_load(&pool.active) != 0; spins++) wait_round(spins, &start);
     pthread_mutex_unlock(&pool.lock);
 }
+
+/* Runs sections s[0..n) in order: on the pool when `parallel` (worth a wake-up), else on the caller. */
+static void run_job(const section *s, int64_t n, int parallel) {
+    _Atomic int64_t counters[2 * n];
+    for (int64_t i = 0; i < 2 * n; i++) atomic_init(&counters[i], 0);
+    pool_job j = {s, n, counters, counters + n};
+    if (parallel) pool_run(&j);
+    else run_sections(&j);
+}
+/* Software prefetch PREFETCH_BYTES ahead of a weight stream, two cache lines at a time (the 128
+   bytes a GEMV loop step reads). The hardware prefetcher alone keeps too few lines in flight: a
+   plain read of a large buffer measured 15 GB/s on one thread and 30 on two, and 19 and 37 with
+   this (bench/kernel_bench.py). Prefetches never fault, so running past a matrix's end is harmless. */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 1024
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
+static inline void prefetch_ahead(const void *p) {
+#if defined(__x86_64__)
+    _mm_prefetch((const char *)p + PREFETCH_BYTES, PREFETCH_HINT);
+    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, PREFETCH_HINT);
+#else
+    (void)p;
+#endif
+}
+
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
    hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
@@ -228,6 +255,7 @@ static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, 
         __m512 a0 = _mm512_setzero_ps(), a1 = a0;
         int64_t c = 0;
         for (; c < full; c += 64) {
+            prefetch_ahead(row + c);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(row + c), (__m512bh)_mm512_loadu_si512(x + c));
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(row + c + 32), (__m512bh)_mm512_loadu_si512(x + c + 32));
         }
@@ -279,6 +307,8 @@ static void gemv_f32_serial(const float *w, const float *x, float *y, int64_t n,
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t c = 0;
         for (; c < full; c += 64) {
+            prefetch_ahead(row + c);
+            prefetch_ahead(row + c + 32);
             a0 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c), _mm512_loadu_ps(x + c), a0);
             a1 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 16), _mm512_loadu_ps(x + c + 16), a1);
             a2 = _mm512_fmadd_ps(_mm512_loadu_ps(row + c + 32), _mm512_loadu_ps(x + c + 32), a2);
@@ -456,6 +486,12 @@ typedef struct {
     float eps;
 } mlp_args;
 
+/* The MLP half's sections after its norm, over args `a`: chunks of intermediate features, then
+   chunks of down rows (`row`: bytes of a weight row of `hidden` values). */
+#define MLP_SECTIONS(SUFFIX, a, hidden, inter, row)                                                           \
+    {mlp_gate_up_##SUFFIX, a, inter, chunk_units(inter, 2 * (row), 16)},                                      \
+    {mlp_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
+
 #define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
 static void mlp_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
     const mlp_args *a = arg;                                                                                  \
@@ -484,11 +520,8 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
     T normed[hidden];                                                                                         \
     mlp_args a = {x, norm_w, w_gate_up, w_down, out, normed, gate_up, work, hidden, inter, eps};               \
     int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
-    pool_job j = {.arg = &a, .n = 3, .s = {{mlp_norm_##SUFFIX, 1, 1},                                         \
-                                           {mlp_gate_up_##SUFFIX, inter, chunk_units(inter, 2 * row, 16)},    \
-                                           {mlp_down_##SUFFIX, hidden, chunk_units(hidden, row * inter / hidden, 16)}}}; \
-    if (3 * inter * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                         \
-    else pool_run(&j);                                                                                        \
+    section s[] = {{mlp_norm_##SUFFIX, &a, 1, 1}, MLP_SECTIONS(SUFFIX, &a, hidden, inter, row)};              \
+    run_job(s, 3, 3 * inter * hidden >= PARALLEL_MIN_ELEMENTS);                                               \
 }
 
 MLP_DECODE(f32, float, f32_load, f32_store)
@@ -518,9 +551,8 @@ static void gemv_section_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
 /* x [m, k] times w [n, k] transposed into y [m, n], chunks of w's rows shared by the pool. */               \
 void tprt_gemv_rows_##SUFFIX(const T *w, const T *x, T *y, int64_t m, int64_t n, int64_t k) {                \
     gemv_args a = {w, x, y, m, n, k};                                                                         \
-    pool_job j = {.arg = &a, .n = 1, .s = {{gemv_section_##SUFFIX, n, chunk_units(n, k * (int64_t)sizeof(T), 16)}}}; \
-    if (n * k < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                                      \
-    else pool_run(&j);                                                                                        \
+    section s = {gemv_section_##SUFFIX, &a, n, chunk_units(n, k * (int64_t)sizeof(T), 16)};                    \
+    run_job(&s, 1, n * k >= PARALLEL_MIN_ELEMENTS);                                                           \
 }                                                                                                             \
 /* The one-row product y [n] = w [n, k] x [k]. */                                                            \
 void tprt_gemv_##SUFFIX(const T *w, const T *x, T *y, int64_t n, int64_t k) {                                 \
@@ -721,6 +753,13 @@ typedef struct {
     float eps, scale;
 } paged_attention_args;
 
+/* The attention half's sections after its norm, over args `a`: chunks of q/k/v heads, chunks of q
+   heads (a whole GQA group per chunk where there are groups enough to go round), chunks of o rows. */
+#define ATTENTION_SECTIONS(SUFFIX, a, hidden, nh, nkv, d, row)                                                \
+    {paged_heads_##SUFFIX, a, (nh) + 2 * (nkv), chunk_units((nh) + 2 * (nkv), (d) * (row), 1)},               \
+    {paged_attend_##SUFFIX, a, nh, (nkv) >= 2 * pool.threads ? (nh) / (nkv) : 1},                             \
+    {paged_o_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (nh) * (d) / (hidden), 16)}
+
 #define PAGED_ATTENTION_DECODE(SUFFIX, T, STORE)                                                             \
 static void paged_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                          \
     const paged_attention_args *a = arg;                                                                      \
@@ -765,16 +804,113 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
     paged_attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, table, *block, *offset, *position + 1,  \
                               out, normed, qkv, attn, q, hidden, nh, nkv, d, bs, s_block, s_kv, s_head,       \
                               s_pos, eps, scale};                                                             \
-    int64_t heads = nh + 2 * nkv, row = (int64_t)sizeof(T) * hidden;                                          \
-    /* a chunk of q heads is a whole GQA group where there are groups enough to go round */                   \
-    int64_t attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;                                            \
-    pool_job j = {.arg = &a, .n = 4, .s = {{paged_norm_##SUFFIX, 1, 1},                                       \
-                                           {paged_heads_##SUFFIX, heads, chunk_units(heads, d * row, 1)},      \
-                                           {paged_attend_##SUFFIX, nh, attend_block},                         \
-                                           {paged_o_##SUFFIX, hidden, chunk_units(hidden, row * nh * d / hidden, 16)}}}; \
-    if ((heads + nh) * d * hidden < PARALLEL_MIN_ELEMENTS) run_sections(&j);                                  \
-    else pool_run(&j);                                                                                        \
+    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
+    section s[] = {{paged_norm_##SUFFIX, &a, 1, 1}, ATTENTION_SECTIONS(SUFFIX, &a, hidden, nh, nkv, d, row)};  \
+    run_job(s, 4, (nh + 2 * nkv + nh) * d * hidden >= PARALLEL_MIN_ELEMENTS);                                 \
 }
 
 PAGED_ATTENTION_DECODE(f32, float, f32_store)
 PAGED_ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
+
+/* ---- Every decoder layer of a one-row decode step in one call ----
+   The halves above cost a call from Python each, with its argument checks, and the residual adds
+   and the all-reduces between them are more; for a small model that was about a fifth of a token.
+   tprt_decode_stack runs every layer as one job of the pool: per layer, the residual add with the
+   attention norm (one unit), the attention half's sections, the all-reduce of its partial product
+   (one unit, where TP > 1), the residual add with the MLP norm, the MLP half's sections and its
+   all-reduce; then the last residual add. The threads stay in the job from the first layer to the
+   last, meeting at each section's end. The rounding is the per-half path's: the halves run the
+   same section code, and h + partial is rounded to the model dtype as torch's add rounds it. */
+typedef int64_t (*all_reduce_fn)(void *ctx, void *data, int64_t n, int64_t dtype);
+#define DTYPE_CODE_F32 0  /* the all-reduce's dtype codes (tprt/distributed/shm_allreduce.c) */
+#define DTYPE_CODE_BF16 1
+
+/* The model, built once by tprt.cpu.native.decode_stack_kernel. */
+typedef struct {
+    int64_t layers, hidden, inter, nh, nkv, d;
+    float eps, scale;
+    const void *const *weights;  /* per layer, 6 pointers: input norm, q/k/v, o, post-attention norm, gate/up, down */
+    all_reduce_fn all_reduce;    /* sums a partial product over the TP group in place; NULL: TP = 1 */
+    void *all_reduce_ctx;
+} decode_stack;
+
+/* One decode step's place in the paged float32 cache: layer 0's [block, k/v, kv_head, offset, d]
+   with element strides, the next layer's s_layer further on. */
+typedef struct {
+    float *cache;
+    int64_t s_layer, block_size, s_block, s_kv, s_head, s_pos;
+} decode_cache;
+
+typedef struct {
+    void *h;
+    const void *partial, *norm_w;  /* partial: NULL for none to add; norm_w: NULL for no norm */
+    void *normed;
+    int64_t n;
+    float eps;
+} add_norm_args;
+
+typedef struct {
+    const decode_stack *m;
+    void *data;
+    int64_t n, dtype;
+    int64_t *status;  /* the first failure's code; later all-reduces are skipped */
+} all_reduce_args;
+
+static void all_reduce_section(void *arg, int64_t lo, int64_t hi) {
+    const all_reduce_args *a = arg;
+    (void)lo, (void)hi;
+    if (*a->status == 0) *a->status = a->m->all_reduce(a->m->all_reduce_ctx, a->data, a->n, a->dtype);
+}
+
+#define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
+static void add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
+    const add_norm_args *a = arg;                                                                             \
+    T *h = a->h;                                                                                              \
+    const T *partial = a->partial;                                                                            \
+    (void)lo, (void)hi;                                                                                       \
+    if (partial)                                                                                              \
+        for (int64_t i = 0; i < a->n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));                       \
+    if (a->norm_w) tprt_rms_norm_##SUFFIX(h, a->norm_w, a->normed, 1, a->n, a->eps);                           \
+}                                                                                                             \
+/* h [hidden]: the embedded token in, the last layer's output (before the final norm) out. cos/sin     \
+   [d] are the step's RoPE angles; block/offset/table/position as for tprt_paged_attention_decode.    \
+   Returns 0, or the all-reduce's failure code (tprt_shm_all_reduce's). */                              \
+int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, const T *cos, const T *sin,                  \
+                                   const decode_cache *c, const int64_t *block, const int64_t *offset,       \
+                                   const int64_t *table, const int64_t *position) {                          \
+    int64_t L = m->layers, hidden = m->hidden, inter = m->inter, nh = m->nh, nkv = m->nkv, d = m->d;         \
+    int64_t row = (int64_t)sizeof(T) * hidden, status = 0, reduce = m->all_reduce != NULL;                   \
+    T normed[hidden], partial[hidden], qkv[(nh + 2 * nkv) * d], attn[nh * d], gate_up[2 * inter];             \
+    float q[nh * d], work[inter];                                                                             \
+    paged_attention_args att[L];                                                                              \
+    mlp_args mlp[L];                                                                                          \
+    add_norm_args add[2 * L + 1];                                                                             \
+    all_reduce_args red = {m, partial, hidden, DTYPE_CODE, &status};                                          \
+    section s[L * (8 + 2 * reduce) + 1];                                                                      \
+    int64_t n = 0;                                                                                            \
+    for (int64_t l = 0; l < L; l++) {                                                                         \
+        const void *const *w = m->weights + 6 * l;                                                            \
+        att[l] = (paged_attention_args){h, w[0], w[1], w[2], cos, sin, c->cache + l * c->s_layer, table,       \
+                                        *block, *offset, *position + 1, partial, normed, qkv, attn, q, hidden,  \
+                                        nh, nkv, d, c->block_size, c->s_block, c->s_kv, c->s_head, c->s_pos,    \
+                                        m->eps, m->scale};                                                    \
+        mlp[l] = (mlp_args){h, w[3], w[4], w[5], partial, normed, gate_up, work, hidden, inter, m->eps};       \
+        add[2 * l] = (add_norm_args){h, l ? partial : NULL, w[0], normed, hidden, m->eps};                    \
+        add[2 * l + 1] = (add_norm_args){h, partial, w[3], normed, hidden, m->eps};                           \
+        s[n++] = (section){add_norm_##SUFFIX, &add[2 * l], 1, 1};                                             \
+        section half[] = {ATTENTION_SECTIONS(SUFFIX, &att[l], hidden, nh, nkv, d, row)};                       \
+        for (int i = 0; i < 3; i++) s[n++] = half[i];                                                         \
+        if (reduce) s[n++] = (section){all_reduce_section, &red, 1, 1};                                       \
+        s[n++] = (section){add_norm_##SUFFIX, &add[2 * l + 1], 1, 1};                                         \
+        section mlp_half[] = {MLP_SECTIONS(SUFFIX, &mlp[l], hidden, inter, row)};                             \
+        for (int i = 0; i < 2; i++) s[n++] = mlp_half[i];                                                     \
+        if (reduce) s[n++] = (section){all_reduce_section, &red, 1, 1};                                       \
+    }                                                                                                         \
+    add[2 * L] = (add_norm_args){h, L ? partial : NULL, NULL, NULL, hidden, m->eps};                          \
+    s[n++] = (section){add_norm_##SUFFIX, &add[2 * L], 1, 1};                                                 \
+    run_job(s, n, L * ((2 * nh + 2 * nkv) * d + 3 * inter) * hidden >= PARALLEL_MIN_ELEMENTS);               \
+    return status;                                                                                            \
+}
+
+DECODE_STACK(f32, float, f32_load, f32_store, DTYPE_CODE_F32)
+DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
