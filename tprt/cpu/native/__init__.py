@@ -160,6 +160,7 @@ def _library() -> ctypes.CDLL | None:
     for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"tprt_decode_stack_{suffix}")
         fn.argtypes, fn.restype = [_P] * 9, _I
+    lib.tprt_stream_sum_f32.argtypes, lib.tprt_stream_sum_f32.restype = [_P, _I], ctypes.c_double
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
     lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
     return lib
@@ -175,6 +176,18 @@ def set_threads(n: int) -> int:
     fewer than n if the system refused threads). Results do not depend on it."""
     lib = _library()
     return 1 if lib is None else int(lib.tprt_pool_set_threads(max(1, n)))
+
+
+def stream_sum(x: torch.Tensor) -> float | None:
+    """The sum of a contiguous CPU float32 tensor, read by the pool's threads with the GEMVs'
+    software prefetching: a plain read of memory at the rate the kernels can stream weights (the
+    bandwidth floor of bench/generate_bench.py). None without the kernels."""
+    lib = _library()
+    if lib is None:
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"native stream_sum expects a contiguous CPU float32 tensor, got {x.dtype} on {x.device}")
+    return float(lib.tprt_stream_sum_f32(x.data_ptr(), x.numel()))
 
 
 def threads() -> int:

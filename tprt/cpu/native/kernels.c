@@ -51,8 +51,12 @@ static inline uint16_t f32_to_bf16(float f) {
 #define POOL_SPIN_NS 200000           /* a worker spins this long for the next call before it sleeps */
 #define WAIT_SPIN_NS 20000            /* a waiter spins this long before it yields the core between checks */
 #define PARALLEL_MIN_ELEMENTS 65536   /* smaller products are not worth a wake-up */
-#define CHUNK_BYTES (256 * 1024)      /* weight bytes per chunk at most: a descheduled thread holds little */
-#define CHUNKS_PER_THREAD 4           /* at least, where the section is large enough */
+#ifndef CHUNK_BYTES
+#define CHUNK_BYTES (1024 * 1024)     /* weight bytes per chunk at most: a descheduled thread holds little */
+#endif
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 2           /* at least, where the section is large enough */
+#endif
 
 typedef void (*section_fn)(void *arg, int64_t lo, int64_t hi);  /* units [lo, hi) of a section */
 typedef struct {
@@ -243,6 +247,61 @@ static inline void prefetch_ahead(const void *p) {
 #endif
 }
 
+/* The first PREFETCH_BYTES of a stream, which prefetch_ahead's distance skips: a chunk of rows
+   starts with them all in flight rather than waiting for each in turn. */
+static inline void prefetch_start(const void *p) {
+#if defined(__x86_64__)
+    for (int64_t i = 0; i < PREFETCH_BYTES; i += 64) _mm_prefetch((const char *)p + i, PREFETCH_HINT);
+#else
+    (void)p;
+#endif
+}
+
+/* The sum of x[0..n) float32, on the pool: a plain read of memory with the GEMVs' prefetching,
+   for benchmarks' bandwidth floor (bench/generate_bench.py). Partial sums per chunk, added in
+   chunk order, so the result does not depend on the thread count. */
+typedef struct {
+    const float *x;
+    int64_t n, block;
+    double *parts;
+} sum_args;
+
+static void sum_section(void *arg, int64_t lo, int64_t hi) {
+    const sum_args *a = arg;
+    const float *x = a->x + lo;
+    int64_t n = hi - lo, i = 0;
+    float s = 0;
+#if defined(__AVX512F__)
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    /* The prefetches on a pointer of their own, hidden from the compiler: addressed off the loads'
+       register (what it otherwise makes of x + i + PREFETCH_BYTES), this read measured 32 GB/s on
+       two threads here instead of 38. */
+    const char *ahead = (const char *)x + PREFETCH_BYTES;
+    __asm__("" : "+r"(ahead));
+    prefetch_start(x);
+    for (; i + 64 <= n; i += 64, ahead += 256) {
+        for (int line = 0; line < 256; line += 64) _mm_prefetch(ahead + line, PREFETCH_HINT);
+        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(x + i));
+        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(x + i + 16));
+        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(x + i + 32));
+        s3 = _mm512_add_ps(s3, _mm512_loadu_ps(x + i + 48));
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+#endif
+    for (; i < n; i++) s += x[i];
+    a->parts[lo / a->block] = s;
+}
+
+double tprt_stream_sum_f32(const float *x, int64_t n) {
+    int64_t block = chunk_units(n, 4, 1024), chunks = (n + block - 1) / block;
+    double parts[chunks], total = 0;
+    sum_args a = {x, n, block, parts};
+    section s = {sum_section, &a, n, block};
+    run_job(&s, 1, 1);
+    for (int64_t c = 0; c < chunks; c++) total += parts[c];
+    return total;
+}
+
 #if defined(__AVX512BF16__)
 /* One row at a time, front to back: the weight is read as one sequential stream, which the
    hardware prefetcher follows at full bandwidth (interleaving several rows measured up to 2x slower). */
@@ -250,6 +309,7 @@ static void gemv_bf16_serial(const uint16_t *w, const uint16_t *x, uint16_t *y, 
     int64_t full = k / 64 * 64, rest = k - full;
     __mmask32 m0 = (__mmask32)(rest >= 32 ? 0xffffffffu : (1ull << rest) - 1);
     __mmask32 m1 = (__mmask32)(rest > 32 ? (1ull << (rest - 32)) - 1 : 0);
+    prefetch_start(w);
     for (int64_t r = 0; r < n; r++) {
         const uint16_t *row = w + r * k;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0;
@@ -302,6 +362,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
 static void gemv_f32_serial(const float *w, const float *x, float *y, int64_t n, int64_t k) {
     int64_t full = k / 64 * 64;
+    prefetch_start(w);
     for (int64_t r = 0; r < n; r++) {
         const float *row = w + r * k;
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
