@@ -328,6 +328,7 @@ def check_shm_allreduce_matches_gloo(ctx: TPContext, workdir: Path) -> None:
         assert ctx.shm is None
         return
     assert ctx.shm is not None  # local ranks on CPU
+    assert ctx.shm.c_function() == ctx.shm.c_function()  # one C context however many callers (models) ask
     g = torch.Generator().manual_seed(ctx.rank)
     for dtype in (torch.float32, torch.bfloat16):
         eps = torch.finfo(dtype).eps

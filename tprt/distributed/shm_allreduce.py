@@ -123,8 +123,9 @@ class ShmAllReduce:
         doing `all_reduce` on n values of dtype code 0 (float32) or 1 (bfloat16), address of its
         ctx) for compiled callers (tprt.cpu.native.decode_stack_kernel): they pass its non-zero
         returns to `check`. Both stay valid while this object lives."""
-        self._group = _Group(self._base, self.rank, self.world, self.slot_bytes,
-                             ctypes.pointer(self._seq), self.timeout_s)
+        if self._group is None:  # one, shared by every caller: a second would orphan the first's pointer
+            self._group = _Group(self._base, self.rank, self.world, self.slot_bytes,
+                                 ctypes.pointer(self._seq), self.timeout_s)
         function = ctypes.cast(self._lib.tprt_shm_all_reduce_group, ctypes.c_void_p).value
         assert function is not None
         return function, ctypes.addressof(self._group)
