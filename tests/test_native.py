@@ -390,3 +390,24 @@ def test_decode_stack_equals_its_layers_half_by_half(dtype: torch.dtype) -> None
     mismatched = list(layers[1])
     mismatched[4] = torch.randn(2 * inter + 2, hidden).to(dtype)  # another intermediate size
     assert native.decode_stack_kernel([layers[0], tuple(mismatched)], 1e-6, nh, nkv) is None
+
+
+def test_stream_sum_reads_every_value_the_same_at_any_thread_count() -> None:
+    """The benchmarks' prefetching read (native.stream_sum) sums every value, odd lengths and
+    chunk edges included, with the same bits at 1, 2 and 3 threads; other tensors are refused."""
+    if not native.available():
+        assert native.stream_sum(torch.ones(3)) is None
+        return
+    x = torch.rand(3_000_001, generator=torch.Generator().manual_seed(0))  # several chunks, an odd tail
+    try:
+        sums = []
+        for threads in (1, 2, 3):
+            native.set_threads(threads)
+            sums.append(native.stream_sum(x))
+    finally:
+        native.set_threads(1)
+    assert sums[0] == sums[1] == sums[2]
+    assert abs(sums[0] - x.double().sum().item()) <= 1e-4 * x.numel()
+    assert native.stream_sum(torch.ones(5)) == 5.0
+    with pytest.raises(ValueError, match="stream_sum"):
+        native.stream_sum(torch.ones(4, 4)[:, 0])
