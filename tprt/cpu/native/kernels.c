@@ -642,11 +642,13 @@ static void gemv_rows_bf16_##M(const uint16_t *w, const uint16_t *x, uint16_t *y
                                int64_t ldy) {                                                                  \
     int64_t full = k / 32 * 32, rest = k - full;                                                              \
     __mmask32 tail = (__mmask32)((1ull << rest) - 1);                                                         \
+    prefetch_start(w);                                                                                        \
     for (int64_t r = 0; r < n; r++) {                                                                         \
         const uint16_t *row = w + r * k;                                                                      \
         __m512 acc[M];                                                                                        \
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                             \
         for (int64_t c = 0; c < full; c += 32) {                                                              \
+            _mm_prefetch((const char *)(row + c) + PREFETCH_BYTES, PREFETCH_HINT);                            \
             __m512bh wv = (__m512bh)_mm512_loadu_si512(row + c);                                              \
             for (int m = 0; m < M; m++)                                                                       \
                 acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * k + c));          \
@@ -671,11 +673,13 @@ GEMV_ROWS_DISPATCH(bf16, uint16_t)
 static void gemv_rows_f32_##M(const float *w, const float *x, float *y, int64_t n, int64_t k, int64_t ldy) {  \
     int64_t full = k / 16 * 16, rest = k - full;                                                              \
     __mmask16 tail = (__mmask16)((1u << rest) - 1);                                                           \
+    prefetch_start(w);                                                                                        \
     for (int64_t r = 0; r < n; r++) {                                                                         \
         const float *row = w + r * k;                                                                         \
         __m512 acc[M];                                                                                        \
         for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();                                             \
         for (int64_t c = 0; c < full; c += 16) {                                                              \
+            _mm_prefetch((const char *)(row + c) + PREFETCH_BYTES, PREFETCH_HINT);                            \
             __m512 wv = _mm512_loadu_ps(row + c);                                                             \
             for (int m = 0; m < M; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * k + c), acc[m]);  \
         }                                                                                                     \
