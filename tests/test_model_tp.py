@@ -212,9 +212,10 @@ def check_greedy(ctx: TPContext, workdir: Path, name: str) -> None:
 
 
 def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "fp32") -> None:
-    """CPU one-row decode with every layer in one compiled call (tprt.cpu.native_layers' stack; the
-    all-reduces in C through shared memory where TP > 1), each prompt alone: every decode step's
-    logits bit-equal to the same layers run half by half, and in fp32 transformers' greedy tokens."""
+    """CPU decode with every layer in one compiled call (tprt.cpu.native_layers' stack; the
+    all-reduces in C through shared memory where TP > 1). Each prompt alone: every decode step's
+    logits bit-equal to the same layers run half by half. All prompts in one batch (3 rows per
+    step): logits close to the layers run one by one. In fp32, transformers' greedy tokens."""
     from tprt.cpu import native
 
     ref = _ref(workdir, name)
@@ -222,7 +223,7 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     calls = force_native_decode(model)
     stack = model.one_row_stack
     assert (stack is not None) == native.available()
-    cache, free = _garbage_cache(model, 3)
+    cache, free = _garbage_cache(model, 6)
     for b, prompt in enumerate(ref["prompts"]):
         seq = _Seq(prompt, _take(free))
         _step(model, cache, [seq])  # prefill
@@ -236,6 +237,20 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
         if dtype == "fp32":
             assert seq.out == ref["generated"][b], f"prompt {b}: greedy tokens differ from transformers' generate"
     assert (calls[1] == len(ref["prompts"]) * (N_NEW - 1)) == native.available(), calls
+    # Every prompt in one batch: decode steps of 3 rows in one call each, against the layers one by one.
+    seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
+    _step(model, cache, seqs)  # one padded prefill: the module path
+    for _ in range(N_NEW - 1):
+        model.one_row_stack = None
+        modules = [_Seq(s.prompt, s.table, list(s.out)) for s in seqs]
+        _step(model, cache, modules)
+        model.one_row_stack = stack
+        _step(model, cache, seqs)
+        for s, m in zip(seqs, modules):  # the few-row products and SwiGLU round their own way
+            _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else 2e-2)
+    if dtype == "fp32":
+        assert [s.out for s in seqs] == ref["generated"], "3 rows: greedy tokens differ from transformers' generate"
+    assert (calls[1] == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == native.available(), calls
 
 
 def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:

@@ -347,7 +347,7 @@ def test_decode_stack_equals_its_layers_half_by_half(dtype: torch.dtype) -> None
     finally:
         native.set_threads(1)
     with pytest.raises(ValueError, match="decode_stack"):
-        stack(torch.randn(2, 1, hidden).to(dtype), cos, sin, caches[1], step)
+        stack(torch.randn(1, 2, hidden).to(dtype), cos, sin, caches[1], step)  # two tokens in a row
 
     # Where TP > 1, each half's partial product goes through the all-reduce given, in place: a C
     # callable doubling it stands for two ranks with equal partials (doubling rounds exactly).

@@ -13,9 +13,10 @@ inference step it was written for and otherwise falls back to the reference math
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
 - `NativeDecodeStack` (the model's `one_row_stack`): where every layer has both halves' kernels,
-  a one-row step with autograd off, a float32 cache and no adapter acting runs every layer in one
-  compiled call, with the all-reduces between halves in C through the TP group's shared-memory
-  all-reduce where TP > 1 (so not where the group has none: ranks on several hosts).
+  a decode step of 1 to 8 rows with autograd off, a float32 cache and no adapter acting runs
+  every layer in one compiled call, with the all-reduces between halves in C through the TP
+  group's shared-memory all-reduce where TP > 1 (so not where the group has none: ranks on
+  several hosts). One row gets the halves' bits.
 
 Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
 unavailable (no C compiler, another dtype): the model then keeps the reference modules.
@@ -99,15 +100,17 @@ class NativeDecoderLayer(DecoderLayer):
 
 
 class NativeDecodeStack:
-    """The model's `one_row_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for the steps
-    that `NativeDecoderLayer` would run half by half in every layer; None for the others."""
+    """The model's `one_row_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for decode
+    steps of 1 to STACK_MAX_ROWS rows (one row: those `NativeDecoderLayer` would run half by half
+    in every layer); None for the others."""
 
     def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
         self.kernel = kernel
         self.linears = model.linears()
 
     def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor | None:
-        if (h.numel() != h.shape[-1] or torch.is_grad_enabled() or step.cache is None or step.cache_step is None
+        if (h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
+                or step.cache is None or step.cache_step is None
                 or step.cache.dtype != torch.float32 or adapted(*self.linears)):
             return None
         return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)

@@ -23,9 +23,9 @@
   SwiGLU, down GEMV) in one call instead of about ten ops and six module calls;
   `attention_decode_kernel(...)` the same for its attention half (RMSNorm, q/k/v GEMV, RoPE and
   cache write, attention, o GEMV).
-- `decode_stack_kernel(...)`: every decoder layer of a one-row step in one call (both halves of
-  each layer, the residual adds and, where TP > 1, the all-reduces through a compiled all-reduce
-  such as tprt.distributed.shm_allreduce's), run as one job of the thread pool.
+- `decode_stack_kernel(...)`: every decoder layer of a decode step of 1-8 rows in one call (both
+  halves of each layer, the residual adds and, where TP > 1, the all-reduces through a compiled
+  all-reduce such as tprt.distributed.shm_allreduce's), run as one job of the thread pool.
 
 The C source is compiled with the system's C compiler (`$CC`, else `cc`) and `-march=native`
 into a per-user cache (`$TPRT_CACHE_DIR`, else `~/.cache/tprt`), keyed by the source, the flags
@@ -159,7 +159,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = argtypes, None
     for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"tprt_decode_stack_{suffix}")
-        fn.argtypes, fn.restype = [_P] * 9, _I
+        fn.argtypes, fn.restype = [_P, _P, _I] + [_P] * 6 + [_I, _P], _I
     lib.tprt_stream_sum_f32.argtypes, lib.tprt_stream_sum_f32.restype = [_P, _I], ctypes.c_double
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
     lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
@@ -419,17 +419,22 @@ class _DecodeCache(ctypes.Structure):
                 ("s_head", _I), ("s_pos", _I)]
 
 
+STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS)
+
+
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
                         all_reduce: tuple[int, int, Callable[[int], None]] | None = None
                         ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
-    final norm) for one decode row h [1, 1, hidden], writing each layer's k and v into the float32
-    paged `cache` and attending through the row's block table as `attention_decode_kernel`; or
-    None like `gemv_kernel`. `layers`: per decoder layer, its (input norm, q/k/v, o, post-attention
-    norm, gate/up, down) weights as the halves' kernels take them. `all_reduce` (where TP > 1):
-    (address of a C function `int64_t f(void *ctx, void *data, int64_t n, int64_t dtype)` summing
-    a partial product over the TP group in place, its ctx, a function raising for its non-zero
-    returns), e.g. `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`."""
+    final norm) for a decode step of 1 to STACK_MAX_ROWS rows of one token, h [rows, 1, hidden],
+    writing each layer's k and v into the float32 paged `cache` and each row attending through its
+    block table up to its own position, as `attention_decode_kernel` does for one row; or None
+    like `gemv_kernel`. One row gives the bits of the per-half kernels. `layers`: per decoder
+    layer, its (input norm, q/k/v, o, post-attention norm, gate/up, down) weights as the halves'
+    kernels take them. `all_reduce` (where TP > 1): (address of a C function `int64_t f(void *ctx,
+    void *data, int64_t n, int64_t dtype)` summing a partial product over the TP group in place,
+    its ctx, a function raising for its non-zero returns), e.g.
+    `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`."""
     if not layers:
         return None
     norm0, qkv0, o0, _, gate_up0, _ = layers[0]
@@ -448,23 +453,24 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
     model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
                          ctypes.addressof(pointers), function, ctx)
-
     alive = (weights, pointers)  # what `model` points to, kept alive by the closure
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive
         kv = cache.kv  # [layer, block, k/v, kv_head, offset, d]
-        if (h.numel() != hidden or h.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
+        rows = h.shape[0]
+        if (h.dim() != 3 or h.shape[1:] != (1, hidden) or not 1 <= rows <= STACK_MAX_ROWS or h.dtype != dtype
+                or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d or cos.numel() != rows * d
                 or kv.dtype != torch.float32 or kv.stride(-1) != 1 or kv.shape[0] != len(layers)
                 or kv.shape[3] != n_kv_heads or kv.shape[-1] != d):
-            raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} / cache "
-                             f"{tuple(kv.shape)} {kv.dtype}")
-        block, offset = _decode_indices("decode_stack", cache_step, 1)
-        table, position = _block_tables("decode_stack", cache_step, 1)
+            raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} (1 to {STACK_MAX_ROWS} "
+                             f"rows of one token) / cache {tuple(kv.shape)} {kv.dtype}")
+        blocks, offsets = _decode_indices("decode_stack", cache_step, rows)
+        tables, positions = _block_tables("decode_stack", cache_step, rows)
         out, cos, sin = h.contiguous().clone(), cos.contiguous(), sin.contiguous()
         where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5])
-        status = fn(ctypes.addressof(model), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), ctypes.addressof(where),
-                    block, offset, table.data_ptr(), position.data_ptr())
+        status = fn(ctypes.addressof(model), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
+                    ctypes.addressof(where), blocks, offsets, tables.data_ptr(), tables.stride(0), positions.data_ptr())
         if status:
             assert check is not None, status
             check(status)

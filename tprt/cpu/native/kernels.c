@@ -877,18 +877,23 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
 PAGED_ATTENTION_DECODE(f32, float, f32_store)
 PAGED_ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
 
-/* ---- Every decoder layer of a one-row decode step in one call ----
+/* ---- Every decoder layer of a decode step of 1-8 rows in one call ----
    The halves above cost a call from Python each, with its argument checks, and the residual adds
    and the all-reduces between them are more; for a small model that was about a fifth of a token.
+   A step of a few rows took the module path, about forty Python-level ops per layer.
    tprt_decode_stack runs every layer as one job of the pool: per layer, the residual add with the
    attention norm (one unit), the attention half's sections, the all-reduce of its partial product
    (one unit, where TP > 1), the residual add with the MLP norm, the MLP half's sections and its
    all-reduce; then the last residual add. The threads stay in the job from the first layer to the
-   last, meeting at each section's end. The rounding is the per-half path's: the halves run the
-   same section code, and h + partial is rounded to the model dtype as torch's add rounds it. */
+   last, meeting at each section's end. Each weight row is read once for every row of the step
+   (gemv_rows_*_serial; one row: the one-row GEMV). One row gets the per-half path's bits: the
+   same kernels, chunks and roundings, and h + partial rounded to the model dtype as torch's add
+   rounds it. Several rows get the module path's roundings, not its bits (the few-row products
+   and SwiGLU's exp are tprt's own). */
 typedef int64_t (*all_reduce_fn)(void *ctx, void *data, int64_t n, int64_t dtype);
 #define DTYPE_CODE_F32 0  /* the all-reduce's dtype codes (tprt/distributed/shm_allreduce.c) */
 #define DTYPE_CODE_BF16 1
+#define STACK_MAX_ROWS 8
 
 /* The model, built once by tprt.cpu.native.decode_stack_kernel. */
 typedef struct {
@@ -906,75 +911,156 @@ typedef struct {
     int64_t s_layer, block_size, s_block, s_kv, s_head, s_pos;
 } decode_cache;
 
-typedef struct {
-    void *h;
-    const void *partial, *norm_w;  /* partial: NULL for none to add; norm_w: NULL for no norm */
-    void *normed;
-    int64_t n;
-    float eps;
-} add_norm_args;
-
+/* What every section of a step shares: the step's rows and their buffers, each [rows, ...]. */
 typedef struct {
     const decode_stack *m;
-    void *data;
-    int64_t n, dtype;
-    int64_t *status;  /* the first failure's code; later all-reduces are skipped */
-} all_reduce_args;
+    const decode_cache *c;
+    int64_t rows, s_table;
+    const int64_t *blocks, *offsets, *tables, *positions;  /* per row; a row's table at tables + r * s_table */
+    const void *cos, *sin;                                  /* [rows, d] */
+    void *h, *normed, *partial, *qkv, *attn, *gate_up, *act;
+    float *q, *work;
+    int64_t status;  /* the first all-reduce failure's code; later all-reduces are skipped */
+} stack_step;
 
-static void all_reduce_section(void *arg, int64_t lo, int64_t hi) {
-    const all_reduce_args *a = arg;
-    (void)lo, (void)hi;
-    if (*a->status == 0) *a->status = a->m->all_reduce(a->m->all_reduce_ctx, a->data, a->n, a->dtype);
-}
+typedef struct {  /* a section's layer */
+    stack_step *t;
+    int64_t layer;
+    const void *norm;  /* add_norm: the norm to apply after the residual add (NULL: none) */
+    int first;         /* add_norm: nothing to add yet (layer 0's input) */
+} stack_layer;
 
 #define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
-static void add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
-    const add_norm_args *a = arg;                                                                             \
-    T *h = a->h;                                                                                              \
-    const T *partial = a->partial;                                                                            \
+static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
+    const stack_layer *a = arg;                                                                               \
+    stack_step *t = a->t;                                                                                     \
+    int64_t n = t->m->hidden;                                                                                 \
+    T *h = t->h;                                                                                              \
+    const T *partial = t->partial;                                                                            \
     (void)lo, (void)hi;                                                                                       \
-    if (partial)                                                                                              \
-        for (int64_t i = 0; i < a->n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));                       \
-    if (a->norm_w) tprt_rms_norm_##SUFFIX(h, a->norm_w, a->normed, 1, a->n, a->eps);                           \
+    if (!a->first)                                                                                            \
+        for (int64_t i = 0; i < t->rows * n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));               \
+    if (a->norm) tprt_rms_norm_##SUFFIX(h, a->norm, t->normed, t->rows, n, t->m->eps);                        \
 }                                                                                                             \
-/* h [hidden]: the embedded token in, the last layer's output (before the final norm) out. cos/sin     \
-   [d] are the step's RoPE angles; block/offset/table/position as for tprt_paged_attention_decode.    \
-   Returns 0, or the all-reduce's failure code (tprt_shm_all_reduce's). */                              \
-int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, const T *cos, const T *sin,                  \
-                                   const decode_cache *c, const int64_t *block, const int64_t *offset,       \
-                                   const int64_t *table, const int64_t *position) {                          \
+static void stack_reduce_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                        \
+    stack_step *t = ((const stack_layer *)arg)->t;                                                            \
+    (void)lo, (void)hi;                                                                                       \
+    if (t->status == 0)                                                                                       \
+        t->status = t->m->all_reduce(t->m->all_reduce_ctx, t->partial, t->rows * t->m->hidden, DTYPE_CODE);   \
+}                                                                                                             \
+/* heads [lo, hi): their q/k/v rows for every row, then each row's RoPE or cache write */                  \
+static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
+    const stack_layer *a = arg;                                                                               \
+    const stack_step *t = a->t;                                                                               \
+    const decode_stack *m = t->m;                                                                             \
+    const decode_cache *c = t->c;                                                                             \
+    int64_t d = m->d, heads = m->nh + 2 * m->nkv;                                                             \
+    const T *w = m->weights[6 * a->layer + 1];                                                                \
+    float *cache = c->cache + a->layer * c->s_layer;                                                          \
+    gemv_rows_##SUFFIX##_serial(w + lo * d * m->hidden, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d, \
+                                m->hidden, heads * d);                                                        \
+    for (int64_t r = 0; r < t->rows; r++) {                                                                   \
+        float *at = cache + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;                             \
+        for (int64_t h = lo; h < hi; h++)                                                                     \
+            rope_head_##SUFFIX((const T *)t->qkv + r * heads * d, (const T *)t->cos + r * d,                  \
+                               (const T *)t->sin + r * d, t->q + r * m->nh * d, at, h, m->nh, m->nkv, d,      \
+                               c->s_kv, c->s_head);                                                           \
+    }                                                                                                         \
+}                                                                                                             \
+/* units [lo, hi) of rows x q heads: runs of q heads of one row sharing a kv head */                         \
+static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                        \
+    const stack_layer *a = arg;                                                                               \
+    const stack_step *t = a->t;                                                                               \
+    const decode_stack *m = t->m;                                                                             \
+    const decode_cache *c = t->c;                                                                             \
+    int64_t d = m->d, nh = m->nh, group = nh / m->nkv, longest = 0;                                           \
+    for (int64_t r = lo / nh; r <= (hi - 1) / nh; r++)                                                        \
+        longest = t->positions[r] + 1 > longest ? t->positions[r] + 1 : longest;                              \
+    float scores[longest], acc[group * d];                                                                    \
+    const float *cache = c->cache + a->layer * c->s_layer;                                                    \
+    T *attn = t->attn;                                                                                        \
+    for (int64_t u = lo; u < hi;) {                                                                           \
+        int64_t r = u / nh, h = u % nh, kv = h / group;                                                       \
+        int64_t end = (kv + 1) * group < nh ? (kv + 1) * group : nh;                                          \
+        end = end < h + (hi - u) ? end : h + (hi - u);                                                        \
+        paged_attend(t->q + (r * nh + h) * d, cache + kv * c->s_head, t->tables + r * t->s_table,             \
+                     t->positions[r] + 1, end - h, d, c->block_size, c->s_block, c->s_kv, c->s_pos, m->scale, \
+                     scores, acc);                                                                            \
+        for (int64_t i = 0; i < (end - h) * d; i++) attn[(r * nh + h) * d + i] = STORE(acc[i]);               \
+        u += end - h;                                                                                         \
+    }                                                                                                         \
+}                                                                                                             \
+static void stack_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                             \
+    const stack_layer *a = arg;                                                                               \
+    const stack_step *t = a->t;                                                                               \
+    const decode_stack *m = t->m;                                                                             \
+    int64_t k = m->nh * m->d;                                                                                 \
+    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 2] + lo * k, t->attn, (T *)t->partial + lo, \
+                                t->rows, hi - lo, k, m->hidden);                                              \
+}                                                                                                             \
+/* features [lo, hi): their gate and up rows for every row, then each row's SwiGLU into act */               \
+static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                       \
+    const stack_layer *a = arg;                                                                               \
+    const stack_step *t = a->t;                                                                               \
+    const decode_stack *m = t->m;                                                                             \
+    int64_t hidden = m->hidden, inter = m->inter;                                                             \
+    const T *w = m->weights[6 * a->layer + 4];                                                                \
+    T *gate_up = t->gate_up, *act = t->act;                                                                   \
+    gemv_rows_##SUFFIX##_serial(w + lo * hidden, t->normed, gate_up + lo, t->rows, hi - lo, hidden, 2 * inter); \
+    gemv_rows_##SUFFIX##_serial(w + (inter + lo) * hidden, t->normed, gate_up + inter + lo, t->rows, hi - lo,  \
+                                hidden, 2 * inter);                                                           \
+    for (int64_t r = 0; r < t->rows; r++) {                                                                   \
+        const T *g = gate_up + r * 2 * inter;                                                                 \
+        float *work = t->work + r * inter;                                                                    \
+        for (int64_t i = lo; i < hi; i++) work[i] = LOAD(g[i]);                                               \
+        silu_inplace(work + lo, hi - lo);                                                                     \
+        for (int64_t i = lo; i < hi; i++) act[r * inter + i] = STORE(LOAD(STORE(work[i])) * LOAD(g[inter + i])); \
+    }                                                                                                         \
+}                                                                                                             \
+static void stack_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                          \
+    const stack_layer *a = arg;                                                                               \
+    const stack_step *t = a->t;                                                                               \
+    const decode_stack *m = t->m;                                                                             \
+    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 5] + lo * m->inter, t->act,             \
+                                (T *)t->partial + lo, t->rows, hi - lo, m->inter, m->hidden);                 \
+}                                                                                                             \
+/* h [rows, hidden]: the embedded tokens in, the last layer's outputs (before the final norm) out.     \
+   cos/sin [rows, d] are the step's RoPE angles; blocks/offsets: each row's write block and offset,    \
+   tables: each row's block table (s_table apart), positions: each row's position. Returns 0, or the   \
+   all-reduce's failure code (tprt_shm_all_reduce's). */                                                 \
+int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, const T *cos, const T *sin,    \
+                                   const decode_cache *c, const int64_t *blocks, const int64_t *offsets,     \
+                                   const int64_t *tables, int64_t s_table, const int64_t *positions) {        \
     int64_t L = m->layers, hidden = m->hidden, inter = m->inter, nh = m->nh, nkv = m->nkv, d = m->d;         \
-    int64_t row = (int64_t)sizeof(T) * hidden, status = 0, reduce = m->all_reduce != NULL;                   \
-    T normed[hidden], partial[hidden], qkv[(nh + 2 * nkv) * d], attn[nh * d], gate_up[2 * inter];             \
-    float q[nh * d], work[inter];                                                                             \
-    paged_attention_args att[L];                                                                              \
-    mlp_args mlp[L];                                                                                          \
-    add_norm_args add[2 * L + 1];                                                                             \
-    all_reduce_args red = {m, partial, hidden, DTYPE_CODE, &status};                                          \
+    int64_t row = (int64_t)sizeof(T) * hidden, reduce = m->all_reduce != NULL;                               \
+    if (rows < 1 || rows > STACK_MAX_ROWS) return -2;                                                         \
+    T normed[rows * hidden], partial[rows * hidden], qkv[rows * (nh + 2 * nkv) * d], attn[rows * nh * d];     \
+    T gate_up[rows * 2 * inter], act[rows * inter];                                                           \
+    float q[rows * nh * d], work[rows * inter];                                                               \
+    stack_step t = {m, c, rows, s_table, blocks, offsets, tables, positions, cos, sin, h, normed, partial,   \
+                    qkv, attn, gate_up, act, q, work, 0};                                                     \
+    stack_layer at[L], add[2 * L + 1];                                                                        \
     section s[L * (8 + 2 * reduce) + 1];                                                                      \
-    int64_t n = 0;                                                                                            \
+    int64_t n = 0, heads = nh + 2 * nkv, attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;             \
     for (int64_t l = 0; l < L; l++) {                                                                         \
         const void *const *w = m->weights + 6 * l;                                                            \
-        att[l] = (paged_attention_args){h, w[0], w[1], w[2], cos, sin, c->cache + l * c->s_layer, table,       \
-                                        *block, *offset, *position + 1, partial, normed, qkv, attn, q, hidden,  \
-                                        nh, nkv, d, c->block_size, c->s_block, c->s_kv, c->s_head, c->s_pos,    \
-                                        m->eps, m->scale};                                                    \
-        mlp[l] = (mlp_args){h, w[3], w[4], w[5], partial, normed, gate_up, work, hidden, inter, m->eps};       \
-        add[2 * l] = (add_norm_args){h, l ? partial : NULL, w[0], normed, hidden, m->eps};                    \
-        add[2 * l + 1] = (add_norm_args){h, partial, w[3], normed, hidden, m->eps};                           \
-        s[n++] = (section){add_norm_##SUFFIX, &add[2 * l], 1, 1};                                             \
-        section half[] = {ATTENTION_SECTIONS(SUFFIX, &att[l], hidden, nh, nkv, d, row)};                       \
-        for (int i = 0; i < 3; i++) s[n++] = half[i];                                                         \
-        if (reduce) s[n++] = (section){all_reduce_section, &red, 1, 1};                                       \
-        s[n++] = (section){add_norm_##SUFFIX, &add[2 * l + 1], 1, 1};                                         \
-        section mlp_half[] = {MLP_SECTIONS(SUFFIX, &mlp[l], hidden, inter, row)};                             \
-        for (int i = 0; i < 2; i++) s[n++] = mlp_half[i];                                                     \
-        if (reduce) s[n++] = (section){all_reduce_section, &red, 1, 1};                                       \
+        at[l] = (stack_layer){&t, l, NULL, 0};                                                                \
+        add[2 * l] = (stack_layer){&t, l, w[0], l == 0};                                                      \
+        add[2 * l + 1] = (stack_layer){&t, l, w[3], 0};                                                       \
+        s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * l], 1, 1};                                       \
+        s[n++] = (section){stack_heads_##SUFFIX, &at[l], heads, chunk_units(heads, d * row, 1)};              \
+        s[n++] = (section){stack_attend_##SUFFIX, &at[l], rows * nh, attend_block};                          \
+        s[n++] = (section){stack_o_##SUFFIX, &at[l], hidden, chunk_units(hidden, row * nh * d / hidden, 16)}; \
+        if (reduce) s[n++] = (section){stack_reduce_##SUFFIX, &at[l], 1, 1};                                  \
+        s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * l + 1], 1, 1};                                   \
+        s[n++] = (section){stack_gate_up_##SUFFIX, &at[l], inter, chunk_units(inter, 2 * row, 16)};           \
+        s[n++] = (section){stack_down_##SUFFIX, &at[l], hidden, chunk_units(hidden, row * inter / hidden, 16)}; \
+        if (reduce) s[n++] = (section){stack_reduce_##SUFFIX, &at[l], 1, 1};                                  \
     }                                                                                                         \
-    add[2 * L] = (add_norm_args){h, L ? partial : NULL, NULL, NULL, hidden, m->eps};                          \
-    s[n++] = (section){add_norm_##SUFFIX, &add[2 * L], 1, 1};                                                 \
+    add[2 * L] = (stack_layer){&t, L, NULL, L == 0};                                                          \
+    s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * L], 1, 1};                                           \
     run_job(s, n, L * ((2 * nh + 2 * nkv) * d + 3 * inter) * hidden >= PARALLEL_MIN_ELEMENTS);               \
-    return status;                                                                                            \
+    return t.status;                                                                                          \
 }
 
 DECODE_STACK(f32, float, f32_load, f32_store, DTYPE_CODE_F32)
