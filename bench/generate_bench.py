@@ -244,11 +244,14 @@ def llama_cpp_decode(workdir: Path, dtype: str, prompt: list[int], n1: int, n2: 
 
 
 def prefill_rates(engine: Engine, hf: Any, n: int, repeats: int) -> tuple[float, float]:
-    """Tokens/s of prefilling one n-token prompt (and sampling one token): ours, transformers."""
+    """Tokens/s of prefilling one n-token prompt (and sampling one token): ours, transformers.
+    Each of our calls gets a prompt of its own (another first token), or the prefix cache would
+    serve all but its last block from the call before."""
     prompt = [(i * 7919) % 40000 + 100 for i in range(n)]
+    calls = iter(range(1, 1 << 30))
 
     def ours() -> None:
-        engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=1), "p")
+        engine.add([next(calls)] + prompt[1:], SamplingParams(temperature=0.0, max_new_tokens=1), "p")
         run_to_completion(engine)
 
     def theirs() -> None:
