@@ -71,7 +71,7 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
                                      mlp.gate_up_proj.weight, mlp.down_proj.weight)
         if a is not None and m is not None:
             use_native_halves(model, i, counted(a, 0), counted(m, 0))
-    model.one_row_stack = None
+    model.decode_stack = None
     if stack and install_native_stack(model) is not None:
-        model.one_row_stack.kernel = counted(model.one_row_stack.kernel, 1)
+        model.decode_stack.kernel = counted(model.decode_stack.kernel, 1)
     return calls

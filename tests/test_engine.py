@@ -741,9 +741,9 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
         for step in range(2):  # one row: each half of a layer in one call, then all layers in one
             ids, pos, table = torch.tensor([[14 + step]]), positions[2:3] + step, rows[2:3]
             want = plain(ids, pos, caches[0], table)[..., :vocab].float()
-            fast.one_row_stack = None
+            fast.decode_stack = None
             halves = fast(ids, pos, caches[1], table)[..., :vocab].float()
-            fast.one_row_stack = stack
+            fast.decode_stack = stack
             got = fast(ids, pos, caches[1], table)[..., :vocab].float()  # writes the same k/v again
             assert torch.equal(got, halves), "one row: the stack's bits differ from the halves'"
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"

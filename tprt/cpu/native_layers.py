@@ -12,7 +12,7 @@ inference step it was written for and otherwise falls back to the reference math
   layer all-reduces; the attention half also needs a float32 cache. A half gets its kernel only
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
-- `NativeDecodeStack` (the model's `one_row_stack`): where every layer has both halves' kernels,
+- `NativeDecodeStack` (the model's `decode_stack`): where every layer has both halves' kernels,
   a decode step of 1 to 8 rows with autograd off, a float32 cache and no adapter acting runs
   every layer in one compiled call, with the all-reduces between halves in C through the TP
   group's shared-memory all-reduce where TP > 1 (so not where the group has none: ranks on
@@ -100,7 +100,7 @@ class NativeDecoderLayer(DecoderLayer):
 
 
 class NativeDecodeStack:
-    """The model's `one_row_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for decode
+    """The model's `decode_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for decode
     steps of 1 to STACK_MAX_ROWS rows (one row: those `NativeDecoderLayer` would run half by half
     in every layer); None for the others."""
 
@@ -117,10 +117,10 @@ class NativeDecodeStack:
 
 
 def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
-    """Sets `model.one_row_stack` to a NativeDecodeStack where every layer is a
+    """Sets `model.decode_stack` to a NativeDecodeStack where every layer is a
     NativeDecoderLayer with both halves and the TP group (if any) all-reduces through shared
     memory; returns it, or None (and clears it) where it does not apply."""
-    model.one_row_stack = None
+    model.decode_stack = None
     layers = list(model.layers)
     shm = model.tp.shm
     if not all(isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
@@ -142,7 +142,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
                                         first.self_attn.n_kv, all_reduce)
     if kernel is None:
         return None
-    model.one_row_stack = stack = NativeDecodeStack(model, kernel)
+    model.decode_stack = stack = NativeDecodeStack(model, kernel)
     return stack
 
 

@@ -8,8 +8,8 @@ time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
 Every module here has one forward: the math. Faster paths are chosen after loading, in the open:
 each linear layer's `method` (tprt.parallel.layers; CPU-packed by `tprt.cpu.fast_linear.prepack`),
 and, for CPU decode, subclasses of RMSNorm, Attention and DecoderLayer that run compiled kernels
-for one-row steps, and a compiled call running every layer of a one-row step
-(`tprt.cpu.native_layers.install_native_layers` swaps them in and sets `one_row_stack`).
+for one-row steps, and a compiled call running every layer of a decode step of a few rows
+(`tprt.cpu.native_layers.install_native_layers` swaps them in and sets `decode_stack`).
 """
 
 from __future__ import annotations
@@ -149,9 +149,9 @@ class TPLlamaForCausalLM(nn.Module):
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         # Training: recompute each block's activations in the backward (tprt.train.step).
         self.checkpoint_layers = False
-        # CPU decode: every layer of a one-row step in one compiled call, set by
+        # CPU decode: every layer of a decode step of 1-8 rows in one compiled call, set by
         # tprt.cpu.native_layers.install_native_layers; returns None for steps it does not take.
-        self.one_row_stack: Callable[[torch.Tensor, Step], torch.Tensor | None] | None = None
+        self.decode_stack: Callable[[torch.Tensor, Step], torch.Tensor | None] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -214,7 +214,7 @@ class TPLlamaForCausalLM(nn.Module):
                 raise ValueError("block tables are required with a KV cache")
             cache_step = cache.prepare(positions, tables, kv_len, starts)
         step = Step(cos, sin, cache, cache_step)
-        if self.one_row_stack is not None and (out := self.one_row_stack(h, step)) is not None:
+        if self.decode_stack is not None and (out := self.decode_stack(h, step)) is not None:
             return out
         for layer in self.layers:
             if self.checkpoint_layers and torch.is_grad_enabled():
