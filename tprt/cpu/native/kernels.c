@@ -533,61 +533,6 @@ static void silu_inplace(float *g, int64_t n) {
     }
 }
 
-/* The MLP half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x), the fused
-   gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops round in the model
-   dtype; out is this rank's partial product (the caller all-reduces it and adds the residual).
-   w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down [hidden, inter]; scratch: gate_up
-   [2 inter] in the model dtype, work [inter] float32. Sections: the norm; chunks of intermediate
-   features (their gate and up rows, then their activation); chunks of down rows. */
-typedef struct {
-    const void *x, *norm_w, *w_gate_up, *w_down;
-    void *out, *normed, *gate_up;
-    float *work;
-    int64_t hidden, inter;
-    float eps;
-} mlp_args;
-
-/* The MLP half's sections after its norm, over args `a`: chunks of intermediate features, then
-   chunks of down rows (`row`: bytes of a weight row of `hidden` values). */
-#define MLP_SECTIONS(SUFFIX, a, hidden, inter, row)                                                           \
-    {mlp_gate_up_##SUFFIX, a, inter, chunk_units(inter, 2 * (row), 16)},                                      \
-    {mlp_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
-
-#define MLP_DECODE(SUFFIX, T, LOAD, STORE)                                                                   \
-static void mlp_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
-    const mlp_args *a = arg;                                                                                  \
-    (void)lo, (void)hi;                                                                                       \
-    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
-}                                                                                                             \
-static void mlp_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
-    const mlp_args *a = arg;                                                                                  \
-    int64_t hidden = a->hidden, inter = a->inter;                                                             \
-    const T *w = a->w_gate_up;                                                                                \
-    T *gate_up = a->gate_up;                                                                                  \
-    float *work = a->work;                                                                                    \
-    gemv_##SUFFIX##_serial(w + lo * hidden, a->normed, gate_up + lo, hi - lo, hidden);                        \
-    gemv_##SUFFIX##_serial(w + (inter + lo) * hidden, a->normed, gate_up + inter + lo, hi - lo, hidden);      \
-    for (int64_t i = lo; i < hi; i++) work[i] = LOAD(gate_up[i]);                                            \
-    silu_inplace(work + lo, hi - lo);                                                                         \
-    for (int64_t i = lo; i < hi; i++) /* the activation overwrites the gate half */                          \
-        gate_up[i] = STORE(LOAD(STORE(work[i])) * LOAD(gate_up[inter + i]));                                 \
-}                                                                                                             \
-static void mlp_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                            \
-    const mlp_args *a = arg;                                                                                  \
-    gemv_##SUFFIX##_serial((const T *)a->w_down + lo * a->inter, a->gate_up, (T *)a->out + lo, hi - lo, a->inter); \
-}                                                                                                             \
-void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
-                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
-    T normed[hidden];                                                                                         \
-    mlp_args a = {x, norm_w, w_gate_up, w_down, out, normed, gate_up, work, hidden, inter, eps};               \
-    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
-    section s[] = {{mlp_norm_##SUFFIX, &a, 1, 1}, MLP_SECTIONS(SUFFIX, &a, hidden, inter, row)};              \
-    run_job(s, 3, 3 * inter * hidden >= PARALLEL_MIN_ELEMENTS);                                               \
-}
-
-MLP_DECODE(f32, float, f32_load, f32_store)
-MLP_DECODE(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-
 /* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, Y's rows
    `ldy` apart. Like the one-row GEMV, each weight row is read once, front to back, and serves
    every input row: oneDNN's kernels for so few rows stream the weights at half the bandwidth.
@@ -798,85 +743,6 @@ void tprt_paged_decode_attention_##SUFFIX(const float *q, const float *cache, co
 PAGED_DECODE_ATTENTION(f32, float, f32_store)
 PAGED_DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
 
-/* The attention half of a decoder layer for one row (batch-1 decode), in one call: RMSNorm(x),
-   the fused q/k/v GEMV, RoPE with the k/v write into the paged float32 cache at (block, offset)
-   (as tprt_rope_cache), the attention over the row's blocks (as tprt_paged_decode_attention) and
-   the o GEMV; out is this rank's partial product. w_qkv [(nh + 2 nkv) d, hidden], w_o [hidden,
-   nh d]; block/offset/position point at one int64 each, table at the row's block ids; scratch:
-   qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32. Sections of the
-   thread pool: the norm; chunks of heads (their q/k/v rows, then their RoPE or cache write);
-   chunks of q heads (their attention); chunks of o rows. Each output is computed by one thread
-   with the one-thread code, so any thread count gives the same bits. */
-typedef struct {
-    const void *x, *norm_w, *w_qkv, *w_o, *cos, *sin;
-    float *cache;
-    const int64_t *table;
-    int64_t block, offset, len;
-    void *out, *normed, *qkv, *attn;
-    float *q;
-    int64_t hidden, nh, nkv, d, bs, s_block, s_kv, s_head, s_pos;
-    float eps, scale;
-} paged_attention_args;
-
-/* The attention half's sections after its norm, over args `a`: chunks of q/k/v heads, chunks of q
-   heads (a whole GQA group per chunk where there are groups enough to go round), chunks of o rows. */
-#define ATTENTION_SECTIONS(SUFFIX, a, hidden, nh, nkv, d, row)                                                \
-    {paged_heads_##SUFFIX, a, (nh) + 2 * (nkv), chunk_units((nh) + 2 * (nkv), (d) * (row), 1)},               \
-    {paged_attend_##SUFFIX, a, nh, (nkv) >= 2 * pool.threads ? (nh) / (nkv) : 1},                             \
-    {paged_o_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (nh) * (d) / (hidden), 16)}
-
-#define PAGED_ATTENTION_DECODE(SUFFIX, T, STORE)                                                             \
-static void paged_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                          \
-    const paged_attention_args *a = arg;                                                                      \
-    (void)lo, (void)hi;                                                                                       \
-    tprt_rms_norm_##SUFFIX(a->x, a->norm_w, a->normed, 1, a->hidden, a->eps);                                 \
-}                                                                                                             \
-static void paged_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                         \
-    const paged_attention_args *a = arg;                                                                      \
-    int64_t d = a->d;                                                                                         \
-    float *at = a->cache + a->block * a->s_block + a->offset * a->s_pos;                                      \
-    gemv_##SUFFIX##_serial((const T *)a->w_qkv + lo * d * a->hidden, a->normed, (T *)a->qkv + lo * d,          \
-                           (hi - lo) * d, a->hidden);                                                         \
-    for (int64_t h = lo; h < hi; h++)                                                                         \
-        rope_head_##SUFFIX(a->qkv, a->cos, a->sin, a->q, at, h, a->nh, a->nkv, d, a->s_kv, a->s_head);        \
-}                                                                                                             \
-static void paged_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                        \
-    const paged_attention_args *a = arg;                                                                      \
-    int64_t d = a->d, group = a->nh / a->nkv;                                                                 \
-    T *attn = a->attn;                                                                                        \
-    float scores[a->len], acc[group * d];                                                                     \
-    for (int64_t h = lo; h < hi;) { /* runs of q heads that share a kv head */                                \
-        int64_t kv = h / group, end = (kv + 1) * group < hi ? (kv + 1) * group : hi;                          \
-        paged_attend(a->q + h * d, a->cache + kv * a->s_head, a->table, a->len, end - h, d, a->bs, a->s_block, \
-                     a->s_kv, a->s_pos, a->scale, scores, acc);                                               \
-        for (int64_t i = 0; i < (end - h) * d; i++) attn[h * d + i] = STORE(acc[i]);                          \
-        h = end;                                                                                              \
-    }                                                                                                         \
-}                                                                                                             \
-static void paged_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                             \
-    const paged_attention_args *a = arg;                                                                      \
-    int64_t k = a->nh * a->d;                                                                                 \
-    gemv_##SUFFIX##_serial((const T *)a->w_o + lo * k, a->attn, (T *)a->out + lo, hi - lo, k);                \
-}                                                                                                             \
-void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
-                                          const T *cos, const T *sin, float *cache, const int64_t *block,     \
-                                          const int64_t *offset, const int64_t *table,                       \
-                                          const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
-                                          int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
-                                          int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
-                                          float eps, float scale) {                                           \
-    T normed[hidden];                                                                                         \
-    paged_attention_args a = {x, norm_w, w_qkv, w_o, cos, sin, cache, table, *block, *offset, *position + 1,  \
-                              out, normed, qkv, attn, q, hidden, nh, nkv, d, bs, s_block, s_kv, s_head,       \
-                              s_pos, eps, scale};                                                             \
-    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
-    section s[] = {{paged_norm_##SUFFIX, &a, 1, 1}, ATTENTION_SECTIONS(SUFFIX, &a, hidden, nh, nkv, d, row)};  \
-    run_job(s, 4, (nh + 2 * nkv + nh) * d * hidden >= PARALLEL_MIN_ELEMENTS);                                 \
-}
-
-PAGED_ATTENTION_DECODE(f32, float, f32_store)
-PAGED_ATTENTION_DECODE(bf16, uint16_t, f32_to_bf16)
-
 /* ---- Every decoder layer of a decode step of 1-8 rows in one call ----
    The halves above cost a call from Python each, with its argument checks, and the residual adds
    and the all-reduces between them are more; for a small model that was about a fifth of a token.
@@ -929,6 +795,18 @@ typedef struct {  /* a section's layer */
     const void *norm;  /* add_norm: the norm to apply after the residual add (NULL: none) */
     int first;         /* add_norm: nothing to add yet (layer 0's input) */
 } stack_layer;
+
+/* A layer's attention sections after its norm (over `rows` rows): chunks of q/k/v heads, chunks
+   of rows x q heads (a whole GQA group per chunk where there are groups enough to go round),
+   chunks of o rows. Its MLP sections after its norm: chunks of intermediate features, chunks of
+   down rows. `row`: bytes of a weight row of `hidden` values. */
+#define ATTENTION_SECTIONS(SUFFIX, a, rows, hidden, nh, nkv, d, row)                                          \
+    {stack_heads_##SUFFIX, a, (nh) + 2 * (nkv), chunk_units((nh) + 2 * (nkv), (d) * (row), 1)},               \
+    {stack_attend_##SUFFIX, a, (rows) * (nh), (nkv) >= 2 * pool.threads ? (nh) / (nkv) : 1},                  \
+    {stack_o_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (nh) * (d) / (hidden), 16)}
+#define MLP_SECTIONS(SUFFIX, a, hidden, inter, row)                                                           \
+    {stack_gate_up_##SUFFIX, a, inter, chunk_units(inter, 2 * (row), 16)},                                    \
+    {stack_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
 
 #define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
 static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
@@ -1041,21 +919,20 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
                     qkv, attn, gate_up, act, q, work, 0};                                                     \
     stack_layer at[L], add[2 * L + 1];                                                                        \
     section s[L * (8 + 2 * reduce) + 1];                                                                      \
-    int64_t n = 0, heads = nh + 2 * nkv, attend_block = nkv >= 2 * pool.threads ? nh / nkv : 1;             \
+    int64_t n = 0;                                                                                            \
     for (int64_t l = 0; l < L; l++) {                                                                         \
         const void *const *w = m->weights + 6 * l;                                                            \
         at[l] = (stack_layer){&t, l, NULL, 0};                                                                \
         add[2 * l] = (stack_layer){&t, l, w[0], l == 0};                                                      \
         add[2 * l + 1] = (stack_layer){&t, l, w[3], 0};                                                       \
-        s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * l], 1, 1};                                       \
-        s[n++] = (section){stack_heads_##SUFFIX, &at[l], heads, chunk_units(heads, d * row, 1)};              \
-        s[n++] = (section){stack_attend_##SUFFIX, &at[l], rows * nh, attend_block};                          \
-        s[n++] = (section){stack_o_##SUFFIX, &at[l], hidden, chunk_units(hidden, row * nh * d / hidden, 16)}; \
-        if (reduce) s[n++] = (section){stack_reduce_##SUFFIX, &at[l], 1, 1};                                  \
-        s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * l + 1], 1, 1};                                   \
-        s[n++] = (section){stack_gate_up_##SUFFIX, &at[l], inter, chunk_units(inter, 2 * row, 16)};           \
-        s[n++] = (section){stack_down_##SUFFIX, &at[l], hidden, chunk_units(hidden, row * inter / hidden, 16)}; \
-        if (reduce) s[n++] = (section){stack_reduce_##SUFFIX, &at[l], 1, 1};                                  \
+        section layer[] = {{stack_add_norm_##SUFFIX, &add[2 * l], 1, 1},                                      \
+                           ATTENTION_SECTIONS(SUFFIX, &at[l], rows, hidden, nh, nkv, d, row),                 \
+                           {stack_reduce_##SUFFIX, &at[l], 1, 1},                                             \
+                           {stack_add_norm_##SUFFIX, &add[2 * l + 1], 1, 1},                                  \
+                           MLP_SECTIONS(SUFFIX, &at[l], hidden, inter, row),                                  \
+                           {stack_reduce_##SUFFIX, &at[l], 1, 1}};                                            \
+        for (int i = 0; i < 9; i++)  /* the all-reduces (layer[4], layer[8]) only where TP > 1 */              \
+            if (reduce || (i != 4 && i != 8)) s[n++] = layer[i];                                              \
     }                                                                                                         \
     add[2 * L] = (stack_layer){&t, L, NULL, L == 0};                                                          \
     s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * L], 1, 1};                                           \
@@ -1065,3 +942,48 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
 
 DECODE_STACK(f32, float, f32_load, f32_store, DTYPE_CODE_F32)
 DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
+
+/* The halves of a decoder layer for one row (batch-1 decode), each in one call and one job of the
+   pool, from the stack's sections; out is this rank's partial product (the caller all-reduces it
+   and adds the residual). Attention: RMSNorm(x), the fused q/k/v GEMV, RoPE with the k/v write
+   into the paged float32 cache at (block, offset) (as tprt_rope_cache), the attention over the
+   row's blocks (as tprt_paged_decode_attention) and the o GEMV; w_qkv [(nh + 2 nkv) d, hidden],
+   w_o [hidden, nh d]; block/offset/position point at one int64 each, table at the row's block
+   ids; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32. MLP:
+   RMSNorm(x), the fused gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops
+   round in the model dtype; w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down
+   [hidden, inter]; scratch: gate_up [2 inter] in the model dtype, work [inter] float32. */
+#define DECODE_HALVES(SUFFIX, T)                                                                              \
+void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
+                                          const T *cos, const T *sin, float *cache, const int64_t *block,     \
+                                          const int64_t *offset, const int64_t *table,                       \
+                                          const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
+                                          int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
+                                          int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
+                                          float eps, float scale) {                                           \
+    const void *weights[6] = {norm_w, w_qkv, w_o, NULL, NULL, NULL};                                          \
+    decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL};                             \
+    decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos};                                            \
+    T normed[hidden];                                                                                         \
+    stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, (void *)x, normed, out, qkv, attn, \
+                    NULL, NULL, q, NULL, 0};                                                                  \
+    stack_layer norm = {&t, 0, norm_w, 1}, layer = {&t, 0, NULL, 0};                                          \
+    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
+    section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, ATTENTION_SECTIONS(SUFFIX, &layer, 1, hidden, nh, nkv, d, row)}; \
+    run_job(s, 4, (nh + 2 * nkv + nh) * d * hidden >= PARALLEL_MIN_ELEMENTS);                                 \
+}                                                                                                             \
+void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
+                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
+    const void *weights[6] = {NULL, NULL, NULL, norm_w, w_gate_up, w_down};                                   \
+    decode_stack m = {1, hidden, inter, 0, 0, 0, eps, 0, weights, NULL, NULL};                                \
+    T normed[hidden], act[inter];                                                                             \
+    stack_step t = {&m, NULL, 1, 0, NULL, NULL, NULL, NULL, NULL, NULL, (void *)x, normed, out, NULL, NULL,   \
+                    gate_up, act, NULL, work, 0};                                                             \
+    stack_layer norm = {&t, 0, norm_w, 1}, layer = {&t, 0, NULL, 0};                                          \
+    int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
+    section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, MLP_SECTIONS(SUFFIX, &layer, hidden, inter, row)}; \
+    run_job(s, 3, 3 * inter * hidden >= PARALLEL_MIN_ELEMENTS);                                               \
+}
+
+DECODE_HALVES(f32, float)
+DECODE_HALVES(bf16, uint16_t)
