@@ -8,7 +8,6 @@ save_pretrained writes it, without attaching it to the model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from tprt.errors import CheckpointError, ConfigError
 from tprt.lora.attach import LoRAAdapter, build_lora
 from tprt.lora.config import HF_MODULES, TARGETS, check_hparams, hf_names, normalize_targets
 from tprt.lora.sites import full_factor, full_shape, local_factor
+from tprt.model.config import read_json_object
 from tprt.model.llama import TPLlamaForCausalLM
 
 PEFT_PREFIX = "base_model.model.model.layers"
@@ -124,15 +124,7 @@ def read_config_file(path: Path, shown: str, error: type[ConfigError] | type[Che
     """The adapter directory `path`'s adapter_config.json as a dict; `error` naming it as `shown`
     (a path, or just a name where the full path is not to be shown) when it is missing, not
     JSON or not an object."""
-    try:
-        cfg = json.loads((path / ADAPTER_CONFIG).read_text())
-    except FileNotFoundError:
-        raise error(f"{shown}: not found; expected a PEFT LoRA adapter directory") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{shown}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    if not isinstance(cfg, dict):
-        raise error(f"{shown}: expected a JSON object")
-    return cfg
+    return read_json_object(path / ADAPTER_CONFIG, shown, "a PEFT LoRA adapter directory", error)
 
 
 def read_adapter(model: TPLlamaForCausalLM, path: str | Path, ctx: TPContext) -> LoRAAdapter:

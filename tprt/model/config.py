@@ -7,10 +7,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tprt.errors import ConfigError
+from tprt.errors import CheckpointError, ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def read_json_object(path: Path, shown: str, expected: str,
+                     error: type[ConfigError] | type[CheckpointError]) -> dict[str, Any]:
+    """The JSON object in the file `path`; `error` naming it as `shown` (a path, or a shorter
+    name) when it is missing (saying `expected` is what should be there), not JSON or not an object."""
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(f"{shown}: not found; expected {expected}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{shown}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict):
+        raise error(f"{shown}: expected a JSON object")
+    return d
 
 
 @dataclass(frozen=True)
@@ -102,15 +117,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
-        try:
-            d = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: not found; expected a Hugging Face config.json") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(d, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json_object(path, str(path), "a Hugging Face config.json", ConfigError),
+                             source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
