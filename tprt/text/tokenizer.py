@@ -92,6 +92,9 @@ class _TokenizersBackend:
     def special_ids(self) -> frozenset[int]:
         return self._special
 
+    def to_json(self) -> str:
+        return str(self._tok.to_str())
+
 
 class _SentencePieceBackend:
     """tokenizer.model through sentencepiece, split around special/added tokens like HF's slow tokenizers."""
@@ -108,6 +111,7 @@ class _SentencePieceBackend:
                               "tokenizer.model (Meta's original Llama 3 release) is not supported, "
                               "use the Hugging Face tokenizer.json") from None
         self._plain = self._sp if legacy else _without_dummy_prefix(self._sp)
+        self._fragment: Any = None if legacy else self._plain  # no dummy prefix, whatever `legacy` says
         self._legacy = legacy
         self._tokens: dict[str, AddedToken] = {t.content: t for t in added}
         for content in named.values():  # bos/eos/unk/pad written in text are matched too
@@ -157,6 +161,11 @@ class _SentencePieceBackend:
             out.append(token.content if token else self._sp.id_to_piece(i))
             after_text = after_text or not (token is None or token.special)
         return "".join(out)
+
+    def encode_fragment(self, text: str) -> list[int]:
+        if self._fragment is None:
+            self._fragment = _without_dummy_prefix(self._sp)
+        return list(self._fragment.encode(text))
 
     def _decode_run(self, run: list[int], restore_space: bool) -> str:
         """sentencepiece drops the leading space of every call: the dummy prefix, except where the
@@ -247,6 +256,18 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self.chat_templates.get("default")
+
+    def encode_fragment(self, text: str) -> list[int]:
+        """`text` as it is tokenized inside a sequence: no special tokens and, for sentencepiece,
+        no dummy-prefix space (for libraries that tokenize pieces of output, like llguidance)."""
+        fragment = getattr(self._backend, "encode_fragment", None)
+        return fragment(text) if fragment is not None else self.encode(text, add_special_tokens=False)
+
+    @property
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer.json text (for libraries that read it, like llguidance); None for sentencepiece."""
+        to_json = getattr(self._backend, "to_json", None)
+        return to_json() if to_json is not None else None
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False,
                             tools: Sequence[Mapping[str, Any]] | None = None,

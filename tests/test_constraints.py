@@ -1,0 +1,195 @@
+"""Output constraints (tprt.engine.constraints, on llguidance) without a model: every schema of
+tests/json_schemas.py drives a "model" of random logits (greedy and sampled, two tokenizers: the
+tests' byte-level one and SmolLM2's 49k-token BPE), and every output must parse and validate with
+`jsonschema`; regexes, choices and Lark grammars likewise; bad specs are refused naming the
+field; the cache compiles a schema once; masks cover the model's padded vocabulary; rollback
+restores the state; a sentencepiece tokenizer (no tokenizer.json) works too.
+
+The random logits favour a few closing characters (quote, braces, brackets, comma, digits) so
+that strings and numbers end within the token cap; that changes what is generated, never what is
+allowed, which the mask alone decides.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from json_schemas import SCHEMAS, UNSUPPORTED
+from tiny_chat import write_byte_tokenizer
+from tprt.engine.constraints import MAX_SPEC_BYTES, ConstraintSpec, StructuredOutputs, apply_bitmask, bits_to_bool
+from tprt.errors import ValidationError
+from tprt.text.tokenizer import Tokenizer
+
+CAP = 1500  # tokens per generation: every output of the suite ends well within it
+FIELD = "response_format.json_schema.schema"
+
+
+@pytest.fixture(scope="module")
+def byte_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("bytetok")
+    write_byte_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+@pytest.fixture(scope="module")
+def smol_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    from convert.gguf import GGUFSource
+    from convert.gguf_tokenizer import tokenizer_files
+    from tprt.cli.demo import smollm2_gguf
+
+    d = tmp_path_factory.mktemp("smoltok")
+    with GGUFSource(smollm2_gguf()) as src:
+        files = tokenizer_files(src.metadata, 8192, "smollm2")
+    for name, data in files.items():
+        (d / name).write_bytes(data)
+    return Tokenizer.from_dir(d)
+
+
+@pytest.fixture(scope="module", params=["bytes", "smollm2"])
+def outputs(request: pytest.FixtureRequest, byte_tok: Tokenizer) -> Iterator[tuple[Tokenizer, StructuredOutputs]]:
+    tok = byte_tok if request.param == "bytes" else request.getfixturevalue("smol_tok")
+    yield tok, StructuredOutputs(tok, tok.vocab_size + 37)  # a padded model vocabulary, as real ones are
+
+
+def generate(tok: Tokenizer, so: StructuredOutputs, spec: ConstraintSpec, seed: int, sample: bool) -> tuple[str, str]:
+    """(text, finish) from random logits under `spec`: "stop" when the grammar ended or EOS came."""
+    gen = torch.Generator().manual_seed(seed)
+    favoured = [tok.encode(c, add_special_tokens=False)[0] for c in ['"', "}", "]", ",", "0", "1", "@", "."]]
+    matcher = so.matcher(so.compile(spec))
+    bitmask = so.bitmask(1)
+    out: list[int] = []
+    for _ in range(CAP):
+        logits = torch.randn(1, so.vocab_size, generator=gen) * 2
+        logits[0, favoured] += 6
+        bitmask.zero_()
+        matcher.fill_bitmask(bitmask[0])
+        apply_bitmask(logits, bitmask, so.vocab_size)
+        token = int(torch.multinomial(torch.softmax(logits[0], -1), 1, generator=gen)) if sample \
+            else int(logits[0].argmax())
+        if token in tok.eos_token_ids:
+            assert matcher.accepting, "EOS was allowed before the text matched"
+            return tok.decode(out), "stop"
+        assert matcher.accept(token), matcher.error
+        out.append(token)
+        if matcher.finished:
+            return tok.decode(out), "stop"
+    return tok.decode(out), "length"
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampled"])
+def test_every_schema_of_the_suite_gives_valid_json(outputs: tuple[Tokenizer, StructuredOutputs], sample: bool) -> None:
+    tok, so = outputs
+    assert len(SCHEMAS) >= 50
+    bad = []
+    for i, (name, schema) in enumerate(SCHEMAS.items()):
+        text, finish = generate(tok, so, ConstraintSpec.json_schema(schema, FIELD), seed=i, sample=sample)
+        try:
+            assert finish == "stop", f"no end within {CAP} tokens"
+            jsonschema.validate(json.loads(text), schema)
+        except (AssertionError, ValueError, jsonschema.ValidationError) as e:
+            bad.append(f"{name}: {str(e)[:120]}: {text[:120]!r}")
+    assert not bad, "\n".join(bad)
+
+
+def test_json_object_regex_choice_and_grammar(outputs: tuple[Tokenizer, StructuredOutputs]) -> None:
+    tok, so = outputs
+    for seed in range(4):
+        text, _ = generate(tok, so, ConstraintSpec.json_object("response_format"), seed, sample=True)
+        assert isinstance(json.loads(text), dict)
+        text, finish = generate(tok, so, ConstraintSpec.regex(r"[A-Z][a-z]{2,6} [0-9]{1,3}", "regex"), seed, True)
+        assert finish == "stop" and re.fullmatch(r"[A-Z][a-z]{2,6} [0-9]{1,3}", text), text
+        options = ['say "yes"', "no\nway", "ünï", "{x}", "maybe later"]
+        text, finish = generate(tok, so, ConstraintSpec.choice(options, "choice"), seed, sample=True)
+        assert finish == "stop" and text in options
+        lark = 'start: "The answer is " NUM "."\nNUM: /[0-9]+/'
+        text, _ = generate(tok, so, ConstraintSpec.grammar(lark, "grammar"), seed, sample=True)
+        assert re.fullmatch(r"The answer is [0-9]+\.", text), text
+
+
+def test_bad_specs_are_refused_naming_the_field(byte_tok: Tokenizer) -> None:
+    so = StructuredOutputs(byte_tok)
+    for name, schema in UNSUPPORTED.items():
+        with pytest.raises(ValidationError) as info:
+            so.compile(ConstraintSpec.json_schema(schema, FIELD))
+        assert info.value.field == FIELD and str(info.value).startswith(FIELD + ": "), name
+        assert "\n" not in str(info.value)
+    refused = [
+        lambda: ConstraintSpec.json_schema([1, 2], "s"), lambda: ConstraintSpec.json_schema({"a": float("nan")}, "s"),
+        lambda: ConstraintSpec.regex("", "r"), lambda: ConstraintSpec.regex(5, "r"),
+        lambda: ConstraintSpec.choice([], "c"), lambda: ConstraintSpec.choice("abc", "c"),
+        lambda: ConstraintSpec.choice(["a", ""], "c"), lambda: ConstraintSpec.choice(["a"] * 2000, "c"),
+        lambda: ConstraintSpec.grammar(" ", "g"), lambda: ConstraintSpec.regex("a" * (MAX_SPEC_BYTES + 1), "r"),
+        lambda: ConstraintSpec.regex("a\x00", "r"),
+        lambda: so.compile(ConstraintSpec.regex("(unclosed", "r")),
+        lambda: so.compile(ConstraintSpec.grammar("start: undefined_rule", "g")),
+        lambda: so.compile(ConstraintSpec.grammar("this is not lark", "g")),
+    ]
+    for make in refused:
+        with pytest.raises(ValidationError) as info:
+            make()
+        assert str(info.value).split(":")[0] in ("s", "r", "c", "g"), str(info.value)
+
+
+def test_compiled_once_per_content(byte_tok: Tokenizer) -> None:
+    seen: list[float] = []
+    so = StructuredOutputs(byte_tok, on_compile=seen.append)
+    a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
+    b = {"properties": {"y": {"type": "string"}, "x": {"type": "integer"}}, "type": "object"}  # same, reordered
+    so.compile(ConstraintSpec.json_schema(a, "one"))
+    g = so.compile(ConstraintSpec.json_schema(b, "two"))
+    assert so.compiles == 1 and len(seen) == 1 and g.spec.field == "two"
+    so.compile(ConstraintSpec.regex("[ab]+", "three"))
+    assert so.compiles == 2
+
+
+def test_masks_cover_the_padded_vocabulary_and_rollback_restores(byte_tok: Tokenizer) -> None:
+    so = StructuredOutputs(byte_tok, byte_tok.vocab_size + 5)
+    m = so.matcher(so.compile(ConstraintSpec.choice(["abc", "abd"], "c")))
+    a_id = byte_tok.encode("a", add_special_tokens=False)[0]
+    allowed = m.allowed()
+    assert allowed.shape == (so.vocab_size,) and allowed.nonzero().flatten().tolist() == [a_id]
+    logits = torch.zeros(2, so.vocab_size + 11)  # the model's own padding past the vocabulary too
+    words = so.bitmask(2)
+    m.fill_bitmask(words[0])
+    words[1] = -1  # row 2 unconstrained: everything in the vocabulary allowed
+    apply_bitmask(logits, words, so.vocab_size)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [a_id]
+    assert torch.isfinite(logits[1]).sum() == so.vocab_size
+    assert bits_to_bool(words, so.vocab_size)[1].all()
+    ids = byte_tok.encode("ab", add_special_tokens=False)
+    for t in ids:
+        assert m.accept(t)
+    after_ab = m.allowed()
+    assert m.accept(byte_tok.encode("c", add_special_tokens=False)[0]) and m.finished
+    m.rollback(1)
+    assert not m.finished and torch.equal(m.allowed(), after_ab)
+    m.rollback(2)
+    assert torch.equal(m.allowed(), allowed)
+    assert m.accept_prefix(byte_tok.encode("abz", add_special_tokens=False)) == 2
+    assert not m.accept(byte_tok.encode("z", add_special_tokens=False)[0]) and m.error
+
+
+def test_sentencepiece_tokenizer(tmp_path: Path) -> None:
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(['{"name": "Ada", "age": 36}', "the quick brown fox", "[1, 2, 3]"] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=320,
+                                   model_type="bpe", byte_fallback=True, character_coverage=1.0,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": False}))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.tokenizer_json is None
+    so = StructuredOutputs(tok)
+    schema = SCHEMAS["object_required"]
+    text, finish = generate(tok, so, ConstraintSpec.json_schema(schema, FIELD), seed=0, sample=True)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), schema)
