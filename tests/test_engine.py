@@ -11,6 +11,8 @@ same ids fed to the model on every rank).
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -534,6 +536,90 @@ def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
         assert max(abs(a - b) for a, b in zip(out[k][1], out["0"][1])) > 1e-3, f"adapter {k} changed nothing"
 
 
+SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                 "ok": {"type": "boolean"}, "tag": {"enum": ["x", "yz"]}},
+                "required": ["n", "ok", "tag"], "additionalProperties": False}
+REGEX = r"[a-c]{2,5}-[0-9]{1,2}"
+CHOICES = ("alpha", "beta", "gamma delta")
+
+
+def check_constrained(ctx: TPContext, wd: Path) -> None:
+    """Rows under output constraints (a JSON schema, greedy and seeded top-p; a regex on an
+    adapter; a choice, sampled) beside a free row, alone, in one batch and under a KV pool small
+    enough to preempt: every constrained output matches and ends with "stop" (or "length" when
+    max_new_tokens runs out first), the free row keeps its reference tokens, and each request
+    gives the same tokens in all three runs. Bad constraints are refused at `add`."""
+    from tprt.engine.constraints import ConstraintSpec
+
+    import jsonschema
+
+    ref = _ref(wd)
+    prompts = ref["prompts"]
+    schema = ConstraintSpec.json_schema(SMALL_SCHEMA, "schema")
+    requests = [  # (request id, prompt, params, adapter)
+        ("free", prompts[0], _greedy(), 0),
+        ("schema", prompts[1], SamplingParams(temperature=0, max_new_tokens=50, constraint=schema), 0),
+        ("schema-sampled", prompts[2], SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_new_tokens=50,
+                                                      constraint=schema), 0),
+        ("regex", prompts[3], SamplingParams(temperature=0, max_new_tokens=20,
+                                             constraint=ConstraintSpec.regex(REGEX, "regex")), 1),
+        ("choice", prompts[0], SamplingParams(temperature=0.7, seed=1, max_new_tokens=20,
+                                              constraint=ConstraintSpec.choice(CHOICES, "choice")), 0),
+        ("short", prompts[1], SamplingParams(temperature=0, max_new_tokens=3, constraint=schema), 0),
+    ]
+    preemptions: list[int] = []
+
+    def run(engine: Engine, batch: list[Any]) -> dict[str, Completion]:
+        for rid, prompt, params, adapter in batch:
+            engine.add(prompt, params, rid, adapter=adapter)
+        return run_to_completion(engine)
+
+    def alone_and_mixed(engine: Engine) -> dict[str, Any]:
+        for bad in (ConstraintSpec.regex("(unclosed", "regex"), ConstraintSpec.grammar("start: nope", "grammar")):
+            try:
+                engine.add(prompts[0], SamplingParams(temperature=0, max_new_tokens=4, constraint=bad), "bad")
+                raise AssertionError(f"{bad} was accepted")
+            except ValidationError as e:
+                assert e.field == bad.field, e
+        try:
+            engine.add(prompts[0], SamplingParams(max_new_tokens=4, ignore_eos=True, constraint=schema), "bad")
+            raise AssertionError("ignore_eos with a constraint was accepted")
+        except ValidationError as e:
+            assert e.field == "ignore_eos", e
+        assert not engine.has_work
+        alone = {r[0]: run(engine, [r])[r[0]] for r in requests}
+        return {"alone": alone, "mixed": run(engine, requests)}
+
+    def mixed_only(engine: Engine) -> dict[str, Completion]:
+        done = run(engine, requests)
+        preemptions.append(engine.preemptions)
+        return done
+
+    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96), alone_and_mixed, model=model,
+                 setup=_install_adapters)
+    small = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, kv_cache_tokens=96, kv_block_size=4),
+                   mixed_only, model=load_model(wd / f"tp{ctx.world_size}", ctx), setup=_install_adapters)
+    if ctx.rank == 0:
+        assert preemptions[0] > 0, "the small pool preempted nothing"
+    for rid, *_ in requests:
+        runs = (out["alone"][rid], out["mixed"][rid], small[rid])
+        assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids, (rid, [r.text for r in runs])
+        done = runs[1]
+        if rid == "free":
+            assert done.token_ids == ref["greedy"][0]
+        elif rid == "short":
+            assert done.finish_reason == "length" and len(done.token_ids) == 3
+        else:
+            assert done.finish_reason == "stop", (rid, done.text, done.finish_reason)
+            if rid.startswith("schema"):
+                jsonschema.validate(json.loads(done.text), SMALL_SCHEMA)
+            elif rid == "regex":
+                assert re.fullmatch(REGEX, done.text), done.text
+            else:
+                assert done.text in CHOICES, done.text
+
+
 CHECKS: Checks = [
     ("mixed_adapters", check_mixed_adapters),
     ("greedy_batch", check_greedy_batch),
@@ -548,6 +634,7 @@ CHECKS: Checks = [
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),
     ("rank_protocol", check_rank_protocol),
+    ("constrained", check_constrained),
 ]
 
 

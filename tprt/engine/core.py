@@ -47,8 +47,10 @@ row instead of gathering the full-vocabulary logits.
 from __future__ import annotations
 
 import random
+import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -58,6 +60,7 @@ import torch
 from tprt.errors import ConfigError, ValidationError
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.distributed.protocol import Tag, receive_header, receive_step, send_signal, send_step
+from tprt.engine.constraints import StructuredOutputs, bits_to_bool
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.prefix_cache import BlockPool
 from tprt.engine.request import check_request
@@ -157,6 +160,9 @@ class Engine:
         self.prefix_hit_tokens = 0  # of those, found in shared blocks
         self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
         self._closed = False
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
+        self._masker: MaskWorker | None = None
 
     # ----------------------------------------------------------------- requests (rank 0)
 
@@ -203,8 +209,24 @@ class Engine:
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
         seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
         seq.cache_key = (adapter, self._adapter_versions.get(adapter, 0))
+        if params.constraint is not None:
+            outputs = self.structured_outputs
+            seq.matcher = outputs.matcher(outputs.compile(params.constraint))
         self._by_id[request_id] = seq
         self._waiting.append(seq)
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """Compiles output constraints for this engine's tokenizer (built at first use; thread-safe,
+        so a front end can compile, and so check, a request's constraint on its own thread: `add`
+        then finds it in the cache)."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ValidationError("constraint", "output constraints need the model's tokenizer, "
+                                                        "which it does not have")
+                self._structured = StructuredOutputs(self.tokenizer)
+            return self._structured
 
     def forget_prefixes(self, adapter: int) -> None:
         """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
@@ -248,14 +270,24 @@ class Engine:
         if plan.empty:
             return events
         send_step(plan, self.ctx)
+        # Constrained rows' masks depend only on the output so far: computed while the model runs.
+        constrained = [s for s in [*(s for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
+                                   *decode_rows] if s.matcher is not None]
+        masks = self._mask_worker().start(constrained) if constrained else None
         result = self.runner.execute(plan)
+        allowed = masks.result() if masks is not None else {}
         if plan.prefill is not None and result.prefill is not None:
-            events += self._after_prefill(plan.prefill, prefill_rows, result.prefill)
+            events += self._after_prefill(plan.prefill, prefill_rows, result.prefill, allowed)
         if plan.decode is not None and result.decode is not None:
             for seq in decode_rows:
                 self._computed(seq, 1)
-            events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode)
+            events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode, allowed)
         return events
+
+    def _mask_worker(self) -> MaskWorker:
+        if self._masker is None:
+            self._masker = MaskWorker(self.structured_outputs)
+        return self._masker
 
     def follow(self) -> Tag:
         """On ranks other than 0: executes rank 0's plans (and waits through its keepalives) until
@@ -413,7 +445,7 @@ class Engine:
     # ----------------------------------------------------------------- sampling and events
 
     def _after_prefill(self, batch: BatchPlan, rows: list[tuple[Sequence, int]],
-                       result: BatchResult) -> list[TokenEvent]:
+                       result: BatchResult, allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
         """Advances each row past its chunk; rows that finished their prompt get a first token."""
         done_seqs, done_rows = [], []
         for i, (seq, n) in enumerate(rows):
@@ -422,10 +454,12 @@ class Engine:
                 seq.status = Status.RUNNING
                 done_seqs.append(seq)
                 done_rows.append(i)
-        return self._choose(done_seqs, done_rows, result) if done_seqs else []
+        return self._choose(done_seqs, done_rows, result, allowed) if done_seqs else []
 
-    def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult) -> list[TokenEvent]:
-        """Picks the next token of each sequence from its batch row; returns their events."""
+    def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult,
+                allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
+        """Picks the next token of each sequence from its batch row (constrained ones among the
+        tokens `allowed[request_id]` allows); returns their events."""
         logprobs: list[float] | None = None
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         if result.logits is None:
@@ -435,7 +469,9 @@ class Engine:
         else:
             all_rows = rows == list(range(result.logits.shape[0]))
             logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-            chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs])
+            mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device)
+            chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
+                            mask)
             ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
             if chosen.top_ids.shape[1]:
                 top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
@@ -455,6 +491,44 @@ class Engine:
             if finished:
                 self._release(seq)
         return events
+
+
+class MaskWorker:
+    """Computes constrained sequences' next-token masks on a thread of its own, so that they are
+    ready when the step's logits are (llguidance releases the GIL while it computes)."""
+
+    def __init__(self, outputs: StructuredOutputs) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._outputs = outputs
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
+
+    def start(self, seqs: list[Sequence]) -> Future[dict[str, torch.Tensor]]:
+        return self._pool.submit(self._masks, seqs)
+
+    def _masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        words = self._outputs.bitmask(len(seqs))
+        for i, seq in enumerate(seqs):
+            assert seq.matcher is not None
+            seq.matcher.fill_bitmask(words[i])
+        allowed = bits_to_bool(words, self._outputs.vocab_size)
+        return {seq.request_id: allowed[i] for i, seq in enumerate(seqs)}
+
+
+def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """[rows, vocab] bool for `sample`: constrained rows their mask (never a token past the
+    tokenizer's vocabulary), the others everything; None when no row is constrained."""
+    if not any(s.request_id in allowed for s in seqs):
+        return None
+    mask = torch.ones(len(seqs), vocab, dtype=torch.bool)
+    for i, seq in enumerate(seqs):
+        row = allowed.get(seq.request_id)
+        if row is not None:
+            n = min(vocab, row.shape[0])
+            mask[i, :n] = row[:n]
+            mask[i, n:] = False
+    return mask.to(device)
 
 
 def _adapters(rows: list[Sequence]) -> tuple[int, ...]:

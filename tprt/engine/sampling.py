@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tprt.engine.constraints import ConstraintSpec
+
 from tprt.errors import ValidationError
 
 MAX_TOP_LOGPROBS = 20
@@ -48,6 +50,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past EOS
     logprobs: bool = False  # report the chosen token's log-probability
     top_logprobs: int = 0  # also report the n most likely tokens (0..20); needs logprobs
+    # Output constraint (JSON schema, regex, choice, grammar: tprt.engine.constraints); None: free text
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, protobuf) while staying hashable.
@@ -78,6 +82,9 @@ class SamplingParams:
         for s in self.stop_strings:
             if not isinstance(s, str) or not s:
                 raise ValidationError("stop_strings", f"stop_strings must be non-empty strings, got {s!r}")
+        if self.constraint is not None and self.ignore_eos:
+            raise ValidationError("ignore_eos", "ignore_eos cannot be combined with an output constraint "
+                                                "(the constraint decides where the output ends)")
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValidationError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -122,17 +129,21 @@ class SampleResult:
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           history: Sequence[Sequence[int] | Tensor]) -> SampleResult:
+           history: Sequence[Sequence[int] | Tensor], allowed: Tensor | None = None) -> SampleResult:
     """Picks one token per row of `logits` [B, V].
 
     V must be the true vocabulary (slice TP padding off first). `history[i]` is row i's prompt and
-    generated ids, read only when its repetition_penalty is not 1. Computes in float32."""
+    generated ids, read only when its repetition_penalty is not 1. `allowed` [B, V] bool, when
+    given, masks each row before every other processor (output constraints: temperature, top-k,
+    top-p and min-p then act on the allowed tokens); reported logprobs stay the raw model's.
+    Computes in float32."""
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(history) == batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params, {len(generators)} "
                          f"generators, {len(history)} histories")
     raw = logits.float()  # [B, V]
-    scores = process_logits(raw, params, history)  # [B, V], -inf where filtered
+    masked = raw if allowed is None else raw.masked_fill(~allowed, -math.inf)
+    scores = process_logits(masked, params, history)  # [B, V], -inf where filtered
     tokens = scores.argmax(dim=-1)  # [B]; kept for greedy rows
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

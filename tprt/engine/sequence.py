@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from tprt.engine.sampling import SamplingParams
+from tprt.engine.constraints import Matcher
 from tprt.engine.stopping import StepOutput, StopChecker
 from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -71,6 +72,9 @@ class Sequence:
         self.cached_prompt_tokens = 0  # prompt tokens reused from shared blocks (tprt.engine.prefix_cache)
         self.cache_key: tuple[int, int] = (adapter, 0)  # what its keys and values are computed with
         self.output: list[int] = []
+        # Its output constraint's state (tprt.engine.constraints.Matcher; set by the engine), which
+        # follows the output ids and so survives preemption.
+        self.matcher: Matcher | None = None
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=device)
@@ -86,7 +90,7 @@ class Sequence:
     def needs_logits(self) -> bool:
         """Whether choosing this sequence's next token needs the full logits (not just the argmax)."""
         p = self.params
-        return not p.greedy or p.logprobs or p.repetition_penalty != 1.0
+        return not p.greedy or p.logprobs or p.repetition_penalty != 1.0 or self.matcher is not None
 
     @property
     def length(self) -> int:
@@ -102,6 +106,14 @@ class Sequence:
             self._history[self.length] = token_id
         self.output.append(token_id)
         out = self.stop.step(token_id)
+        if self.matcher is not None and out.finish_reason is None:
+            # The mask allowed only what the constraint accepts; when it has ended, so has the output.
+            if not self.matcher.accept(token_id):
+                raise RuntimeError(f"{self.request_id}: token {token_id} broke its output constraint: "
+                                   f"{self.matcher.error}")
+            if self.matcher.finished:
+                end = self.stop.finish("stop")
+                out = StepOutput(out.text + end.text, "stop")
         if out.finish_reason is not None:
             self.status = Status.FINISHED
         return out
