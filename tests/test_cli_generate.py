@@ -101,6 +101,37 @@ def test_generate_chat_streams_text(root: Path, hf: Any) -> None:
     assert proc.stdout == tok.decode(_hf_greedy(hf, ids), skip_special_tokens=True) + "\n"
 
 
+def test_generate_with_output_constraints_tp2(root: Path, tmp_path: Path) -> None:
+    """--json-schema, --regex, --choice and --grammar at TP=2: every output matches its constraint
+    and ends with "stop"."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "w": {"enum": ["ab", "cd"]}},
+              "required": ["n", "w"], "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "g.lark").write_text('start: "x=" NUM ";"\nNUM: /[0-9]{1,3}/\n')
+    runs = {"schema": ["--json-schema", str(tmp_path / "s.json")], "regex": ["--regex", "[a-f]{3}[0-9]"],
+            "choice": ["--choice", "red", "green blue"], "grammar": ["--grammar", str(tmp_path / "g.lark")]}
+    for kind, flags in runs.items():
+        proc = _tprt("generate", "--model", str(root / "tp2"), "--prompt", PROMPTS[0], PROMPTS[1], "--json",
+                     "--max-new-tokens", "40", "--temperature", "0.8", "--seed", "3", *flags)
+        assert proc.returncode == 0, proc.stderr
+        for r in (json.loads(line) for line in proc.stdout.splitlines()):
+            assert r["finish_reason"] == "stop", (kind, r)
+            text = r["text"]
+            if kind == "schema":
+                jsonschema.validate(json.loads(text), schema)
+            elif kind == "regex":
+                assert re.fullmatch("[a-f]{3}[0-9]", text), text
+            elif kind == "choice":
+                assert text in ("red", "green blue"), text
+            else:
+                assert re.fullmatch("x=[0-9]{1,3};", text), text
+
+
 def test_score_tp2_jsonl(root: Path, hf: Any, tmp_path: Path) -> None:
     """Per-token logprobs equal transformers' log-softmax of the targets; perplexities follow."""
     docs = ["The quick brown fox jumps over the lazy dog.", "Tensor parallel!"]
@@ -143,10 +174,20 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
     (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--regex", "(x"], ["--regex", "unclosed"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--regex", "a", "--choice", "b"],
+     ["--regex and --choice", "at most one"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--json-schema", "{root}/bad.jsonl"],
+     ["--json-schema", "bad.jsonl", "not JSON"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--json-schema", "{root}/not.schema.json"],
+     ["--json-schema", "Unimplemented", "not"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--grammar", "{root}/missing.lark"],
+     ["--grammar", "missing.lark"]),
 ])
 def test_bad_input(root: Path, argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any rank starts: one line naming the flag, file or prompt; exit status 2."""
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n')
+    (root / "not.schema.json").write_text('{"not": {"type": "string"}}')
     try:
         rc = main([a.format(root=root) for a in argv])
     except SystemExit as e:  # argparse's own errors

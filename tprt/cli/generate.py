@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import init_distributed
 from tprt.distributed.launcher import run_on_ranks
+from tprt.engine.constraints import ConstraintSpec, StructuredOutputs
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
@@ -55,6 +56,12 @@ class GenerateArgs:
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
+    # Output constraint, at most one (tprt.engine.constraints): a JSON Schema file, a regular
+    # expression, a choice among strings, or a Lark grammar file.
+    json_schema: Path | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] = ()
+    grammar: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -103,9 +110,49 @@ def _encode(tok: Tokenizer, text: str, args: GenerateArgs) -> list[int]:
     return tok.encode_chat(messages + [{"role": "user", "content": text}])
 
 
-def _requested(args: GenerateArgs, index: int) -> dict[str, object]:
+def _constraint(args: GenerateArgs, tok: Tokenizer) -> ConstraintSpec | None:
+    """The output constraint flag as a spec, compiled once here so that a bad one is refused
+    before any rank starts (errors name the flag)."""
+    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                                      ("--choice", args.choice), ("--grammar", args.grammar)) if value]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)}: give at most one output constraint")
+    if not given:
+        return None
+    try:
+        if args.json_schema is not None:
+            spec = ConstraintSpec.json_schema(_read_json_file(args.json_schema, "--json-schema"), "json_schema")
+        elif args.regex is not None:
+            spec = ConstraintSpec.regex(args.regex, "regex")
+        elif args.choice:
+            spec = ConstraintSpec.choice(list(args.choice), "choice")
+        else:
+            assert args.grammar is not None
+            spec = ConstraintSpec.grammar(_read_text_file(args.grammar, "--grammar"), "grammar")
+        StructuredOutputs(tok).compile(spec)
+    except ValidationError as e:
+        raise flag_error(e) from None
+    return spec
+
+
+def _read_text_file(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+
+
+def _read_json_file(path: Path, flag: str) -> Any:
+    try:
+        return json.loads(_read_text_file(path, flag))
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"{flag} {path}: not JSON ({e})") from None
+
+
+def _requested(args: GenerateArgs, index: int, constraint: ConstraintSpec | None = None) -> dict[str, object]:
     """The sampling flags as canonical request fields (None: unset) for prompt `index`."""
     return {
+        "constraint": constraint,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty, "max_new_tokens": args.max_new_tokens,
         "seed": args.seed + index if args.seed is not None else None,
@@ -114,13 +161,14 @@ def _requested(args: GenerateArgs, index: int) -> dict[str, object]:
     }
 
 
-def _sampling(args: GenerateArgs, prompts: list[list[int]], context: int, vocab_size: int) -> list[SamplingParams]:
+def _sampling(args: GenerateArgs, prompts: list[list[int]], context: int, vocab_size: int,
+              constraint: ConstraintSpec | None = None) -> list[SamplingParams]:
     """Each prompt's request resolved (tprt.engine.request); errors name the flag, and the prompt
     when it is about that prompt."""
     params = []
     for i, ids in enumerate(prompts):
         try:
-            params.append(resolve_sampling(_requested(args, i), len(ids), context, vocab_size,
+            params.append(resolve_sampling(_requested(args, i, constraint), len(ids), context, vocab_size,
                                            what="the model's max_position_embeddings"))
         except ValidationError as e:
             about_prompt = e.field == "prompt" or isinstance(e, ContextLengthError)
@@ -138,7 +186,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     tok = Tokenizer.from_dir(args.model)
     context = ckpt.config.max_position_embeddings
     prompts = [_encode(tok, text, args) for text in _read_prompts(args)]
-    params = _sampling(args, prompts, context, ckpt.config.vocab_size)
+    params = _sampling(args, prompts, context, ckpt.config.vocab_size, _constraint(args, tok))
     max_seq_len = max(len(ids) + p.max_new_tokens for ids, p in zip(prompts, params))
     if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
         raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")

@@ -28,6 +28,8 @@ GENERATE_EPILOG = """examples:
   tprt generate --model ./smollm2-tp3 --prompt "Once upon a time" "The sky is" --max-new-tokens 32
   tprt generate --model ./smollm2-tp3 --prompts-file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1
   tprt generate --model ./smollm2-tp3 --prompt "2 + 2 =" --logprobs --top-logprobs 5 --json
+  tprt generate --model ./smollm2-tp3 --chat --prompt "Invent a person" --json-schema person.schema.json
+  tprt generate --model ./smollm2-tp3 --chat --prompt "Is the sky green?" --choice yes no
   torchrun --nproc-per-node 3 -m tprt.cli generate --model ./smollm2-tp3 --prompt "Hello"
 
 Without torchrun, the checkpoint's TP number of local ranks is started automatically; under
@@ -35,7 +37,10 @@ torchrun (one or more nodes) the world size must equal the checkpoint's TP size.
 run as one batch; text is streamed in prompt order. --temperature 0 (the default) is greedy.
 With --seed S, prompt i (counting from 0) is sampled with seed S + i, whatever else is in the
 batch. --json prints one JSON object per prompt (text, token_ids, finish_reason, stop_reason,
-usage, and logprobs/top_logprobs when asked for) instead of streaming.
+usage, and logprobs/top_logprobs when asked for) instead of streaming. With an output constraint
+(--json-schema, --regex, --choice, --grammar) every token is chosen among those the constraint
+allows, after temperature and the other filters; the output ends (finish_reason "stop") when the
+constraint is complete, or says "length" if --max-new-tokens runs out first.
 """
 
 SCORE_EPILOG = """examples:
@@ -84,6 +89,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
     g.add_argument("--adapter", type=Path, metavar="DIR", help="LoRA adapter directory, applied without merging")
+    c = g.add_argument_group("output constraints (at most one; the output always matches it)")
+    c.add_argument("--json-schema", type=Path, metavar="FILE", help="JSON that validates against this JSON Schema")
+    c.add_argument("--regex", metavar="RE", help="text that fully matches this regular expression")
+    c.add_argument("--choice", action="extend", nargs="+", default=[], metavar="TEXT",
+                   help="exactly one of these strings")
+    c.add_argument("--grammar", type=Path, metavar="FILE", help="text in the language of this Lark grammar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
         from tprt.cli.generate import GenerateArgs, run_generate
 
         fields = {k: v for k, v in vars(args).items() if k != "command"}
-        for k in ("prompts", "stop", "stop_token_ids"):
+        for k in ("prompts", "stop", "stop_token_ids", "choice"):
             fields[k] = tuple(fields[k])
         return run_generate(GenerateArgs(**fields))
     if args.command == "score":
