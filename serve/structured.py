@@ -1,0 +1,313 @@
+"""Structured outputs and tool calling for the front ends: the request's fields -> one
+`ConstraintSpec` (tprt.engine.constraints), tools -> the chat template's `tools` and the
+constraint of a forced call, and generated text -> tool calls.
+
+Protocol-neutral: the OpenAI HTTP API and gRPC read their own fields into the arguments here
+(`Structured.from_fields`), and every error is a `ValidationError` whose field is spelled as the
+caller passed it (OpenAI's parameter names; the HTTP and gRPC layers rename nothing else).
+
+Tool calls are written as Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
+(several, with parallel_tool_calls, as a JSON array of them). With `tool_choice` "required" or a
+named function the output is constrained to that shape, each call's parameters to its function's
+JSON Schema; with "auto" the model chooses, and text that is exactly such a call (or an array of
+them) naming a known function is returned as tool calls; with "none" the tools are shown to the
+template but the output is free text.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tprt.engine.constraints import ConstraintSpec
+from tprt.errors import ValidationError
+
+MAX_TOOLS = 128
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON Schema for the arguments object
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """The HF chat-template convention for one tool."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+@dataclass(frozen=True)
+class Structured:
+    """What a request asks of its output's shape: a constraint (or None) and its tools."""
+
+    constraint: ConstraintSpec | None
+    tools: tuple[Tool, ...] = ()
+    tool_mode: ToolMode = "none"
+    parallel_tool_calls: bool = True
+
+    @property
+    def expects_tool_calls(self) -> bool:
+        """The output is tool calls for sure (required or named), not maybe (auto)."""
+        return self.tool_mode in ("required", "named")
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.as_template_tool() for t in self.tools] if self.tools and self.tool_mode != "none" else None
+
+    @staticmethod
+    def from_fields(*, response_format: Any = None, structured_outputs: Any = None, tools: Any = None,
+                    tool_choice: Any = None, parallel_tool_calls: Any = None) -> Structured:
+        """Reads OpenAI's `response_format`, vLLM's `structured_outputs` ({json, regex, choice,
+        grammar}), `tools`, `tool_choice` and `parallel_tool_calls` (already parsed JSON values)."""
+        constraints = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs))
+                       if c is not None]
+        parsed_tools = _tools(tools)
+        mode, named = _tool_choice(tool_choice, parsed_tools)
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValidationError("parallel_tool_calls", "parallel_tool_calls: expected true or false")
+        parallel = parallel_tool_calls is not False
+        if mode in ("required", "named"):
+            choices = [t for t in parsed_tools if mode == "required" or t.name == named]
+            constraints.append(ConstraintSpec.json_schema(_calls_schema(choices, parallel), "tool_choice"))
+        if len(constraints) > 1:
+            fields = ", ".join(c.field.split(".")[0] for c in constraints)
+            raise ValidationError(constraints[1].field, f"{constraints[1].field}: only one output constraint per "
+                                                        f"request, got several ({fields})")
+        return Structured(constraints[0] if constraints else None, tuple(parsed_tools), mode, parallel)
+
+    def specs(self) -> list[ConstraintSpec]:
+        """Every spec to compile (and so check) before the request is queued: the constraint and
+        each tool's parameter schema (a tool whose parameters cannot be enforced is refused even
+        under "auto", where it might be called)."""
+        specs = [self.constraint] if self.constraint is not None else []
+        return specs + [ConstraintSpec.json_schema(t.parameters, f"tools[{i}].function.parameters")
+                        for i, t in enumerate(self.tools)]
+
+    def tool_calls(self, text: str) -> list[ToolCall] | None:
+        """The tool calls `text` is, or None when it is not tool calls (always None without tools)."""
+        if self.tool_mode == "none" or not self.tools:
+            return None
+        return parse_tool_calls(text, {t.name for t in self.tools})
+
+
+def _response_format(value: Any) -> ConstraintSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
+        raise ValidationError("response_format", "response_format: expected an object with a string `type`")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec.json_object("response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping):
+            raise ValidationError("response_format.json_schema",
+                                  "response_format.json_schema: expected an object with `name` and `schema`")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
+            raise ValidationError("response_format.json_schema.name", "response_format.json_schema.name: expected "
+                                  "1-64 characters of a-z, A-Z, 0-9, _ and -")
+        if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
+            raise ValidationError("response_format.json_schema.strict",
+                                  "response_format.json_schema.strict: expected true or false")
+        schema = spec.get("schema", {})
+        # strict or not, the output follows the schema: a schema we cannot enforce is refused.
+        return ConstraintSpec.json_schema(schema, "response_format.json_schema.schema")
+    raise ValidationError("response_format.type", f"response_format.type: expected text, json_object or json_schema, "
+                                                  f"got {str(kind)[:40]!r}")
+
+
+def _structured_outputs(value: Any) -> ConstraintSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValidationError("structured_outputs", "structured_outputs: expected an object with one of "
+                                                    "json, regex, choice, grammar")
+    given = {k: v for k, v in value.items() if v is not None}
+    unknown = sorted(set(given) - {"json", "regex", "choice", "grammar"})
+    if unknown:
+        raise ValidationError(f"structured_outputs.{unknown[0]}"[:80], f"structured_outputs.{unknown[0][:40]}: "
+                              "unknown; expected one of json, regex, choice, grammar")
+    if len(given) != 1:
+        raise ValidationError("structured_outputs", "structured_outputs: give exactly one of json, regex, choice, "
+                                                    "grammar")
+    (kind, spec), = given.items()
+    field = f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except (ValueError, RecursionError) as e:
+                raise ValidationError(field, f"{field}: not JSON ({e})") from None
+        return ConstraintSpec.json_schema(spec, field)
+    if kind == "regex":
+        return ConstraintSpec.regex(spec, field)
+    if kind == "choice":
+        return ConstraintSpec.choice(spec, field)
+    return ConstraintSpec.grammar(spec, field)
+
+
+def _tools(value: Any) -> list[Tool]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValidationError("tools", "tools: expected a list of {type: function, function: {...}}")
+    if len(value) > MAX_TOOLS:
+        raise ValidationError("tools", f"tools: at most {MAX_TOOLS}, got {len(value)}")
+    tools: list[Tool] = []
+    for i, item in enumerate(value):
+        field = f"tools[{i}]"
+        if not isinstance(item, Mapping) or item.get("type") != "function" or not isinstance(item.get("function"),
+                                                                                               Mapping):
+            raise ValidationError(field, f"{field}: expected {{type: function, function: {{name, parameters}}}}")
+        fn = item["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
+            raise ValidationError(f"{field}.function.name", f"{field}.function.name: expected 1-64 characters of "
+                                                            "a-z, A-Z, 0-9, _, - and .")
+        if any(t.name == name for t in tools):
+            raise ValidationError(f"{field}.function.name", f"{field}.function.name: {name!r} is defined twice")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ValidationError(f"{field}.function.description", f"{field}.function.description: expected a string")
+        parameters = fn.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, Mapping):
+            raise ValidationError(f"{field}.function.parameters",
+                                  f"{field}.function.parameters: expected a JSON Schema object")
+        ConstraintSpec.json_schema(parameters, f"{field}.function.parameters")  # plain JSON; compiled later
+        tools.append(Tool(name, description, dict(parameters)))
+    return tools
+
+
+def _tool_choice(value: Any, tools: list[Tool]) -> tuple[ToolMode, str | None]:
+    if value is None:
+        return ("auto" if tools else "none"), None
+    if value in ("none", "auto", "required"):
+        if value != "none" and not tools:
+            raise ValidationError("tool_choice", f"tool_choice: {value!r} needs `tools`")
+        return value, None
+    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("function"), Mapping):
+        name = value["function"].get("name")
+        if not any(t.name == name for t in tools):
+            raise ValidationError("tool_choice.function.name", f"tool_choice.function.name: {str(name)[:64]!r} is "
+                                                               "not one of `tools`")
+        return "named", str(name)
+    raise ValidationError("tool_choice", "tool_choice: expected none, auto, required or "
+                                         "{type: function, function: {name}}")
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
+            "required": ["name", "parameters"], "additionalProperties": False}
+
+
+def _calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
+    """One call of any of `tools` (or, when parallel, also a non-empty array of calls)."""
+    one = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
+    return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel else one
+
+
+def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCall] | None:
+    """The calls `text` holds: a JSON call `{"name", "parameters"|"arguments"}` or an array of
+    them, each naming one of `names`, with an object of arguments; None otherwise."""
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return None
+    try:
+        value = json.loads(stripped)
+    except (ValueError, RecursionError):
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        args = item.get("parameters", item.get("arguments", {}))
+        if not isinstance(args, dict):
+            return None
+        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages as chat templates expect them: an assistant's `tool_calls` with their
+    arguments as objects (OpenAI sends JSON text), a tool message's `tool_call_id` and `name` kept."""
+    out = []
+    for i, m in enumerate(messages):
+        msg = dict(m)
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ValidationError(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: expected a list")
+            converted = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, Mapping) else None
+                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                    raise ValidationError(f"messages[{i}].tool_calls[{j}]", f"messages[{i}].tool_calls[{j}]: expected "
+                                          "{id, type: function, function: {name, arguments}}")
+                args = fn.get("arguments", "{}")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except (ValueError, RecursionError):
+                        raise ValidationError(f"messages[{i}].tool_calls[{j}].function.arguments",
+                                              f"messages[{i}].tool_calls[{j}].function.arguments: not JSON") from None
+                converted.append({"id": call.get("id"), "type": "function",
+                                  "function": {"name": fn["name"], "arguments": args}})
+            msg["tool_calls"] = converted
+        out.append(msg)
+    return out
+
+
+def tools_system_prompt(tools: Sequence[Tool]) -> str:
+    """For chat templates without tool support: the tools and the call format, as a system message
+    (the wording of Llama 3.1's JSON tool-calling prompt, in our words)."""
+    listing = "\n".join(json.dumps(t.as_template_tool(), ensure_ascii=False) for t in tools)
+    return ("You can call these functions. To call one, answer with only a JSON object "
+            '{"name": function name, "parameters": an object of its arguments}, and nothing else.\n' + listing)
+
+
+def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured: Structured) -> list[int]:
+    """The chat prompt's ids with the request's tools: through the template's own tool support
+    when it has one (it reads `tools`), else as a system message (`tools_system_prompt`), with
+    earlier calls written as the JSON the model is asked to produce."""
+    converted = template_messages(messages)
+    tools = structured.template_tools()
+    template = tok.chat_template or ""
+    if "tool_use" in tok.chat_templates or "tools" in template:
+        return list(tok.encode_chat(converted, tools=tools))
+    plain = []
+    for m in converted:
+        calls = m.get("tool_calls")
+        if calls:
+            shown = [{"name": c["function"]["name"], "parameters": c["function"]["arguments"]} for c in calls]
+            m = {**m, "content": json.dumps(shown[0] if len(shown) == 1 else shown, ensure_ascii=False)}
+            m.pop("tool_calls")
+        plain.append(m)
+    if tools:
+        prompt = tools_system_prompt(structured.tools)
+        if plain and plain[0].get("role") == "system":
+            plain[0] = {**plain[0], "content": f"{plain[0].get('content') or ''}\n\n{prompt}".lstrip()}
+        else:
+            plain.insert(0, {"role": "system", "content": prompt})
+    return list(tok.encode_chat(plain))

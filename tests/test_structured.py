@@ -1,0 +1,145 @@
+"""serve/structured.py without a server: request fields -> one output constraint (each error naming
+the OpenAI parameter), tools -> the forced call's constraint, generated text -> tool calls, and the
+chat prompt with tools through a template that supports them and one that does not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from serve.structured import Structured, encode_tool_chat, parse_tool_calls, template_messages
+from tiny_chat import write_byte_tokenizer
+from tprt.engine.constraints import StructuredOutputs
+from tprt.errors import ValidationError
+from tprt.text.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_constraints_from_openai_fields() -> None:
+    assert Structured.from_fields().constraint is None
+    assert Structured.from_fields(response_format={"type": "text"}).constraint is None
+    c = Structured.from_fields(response_format={"type": "json_object"}).constraint
+    assert c is not None and c.kind == "json_object"
+    c = Structured.from_fields(response_format={"type": "json_schema", "json_schema": {
+        "name": "person", "strict": True, "schema": {"type": "object"}}}).constraint
+    assert c is not None and c.kind == "json_schema" and c.field == "response_format.json_schema.schema"
+    for kind, value in (("regex", "[a-z]+"), ("choice", ["x", "y"]), ("grammar", 'start: "a"'),
+                        ("json", {"type": "integer"}), ("json", '{"type": "integer"}')):
+        c = Structured.from_fields(structured_outputs={kind: value}).constraint
+        assert c is not None and c.field == f"structured_outputs.{kind}"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!", "schema": {}}}},
+     "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"xpath": "a"}}, "structured_outputs.xpath"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
+    ({"tools": {"a": 1}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x y"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "object"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_fields_name_the_parameter(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        Structured.from_fields(**fields)
+    assert info.value.field == param and str(info.value).startswith(param + ":"), str(info.value)
+
+
+def test_tool_modes_and_the_forced_call(tmp_path: Path) -> None:
+    auto = Structured.from_fields(tools=[WEATHER, ADD])
+    assert auto.tool_mode == "auto" and auto.constraint is None and not auto.expects_tool_calls
+    assert [s.field for s in auto.specs()] == ["tools[0].function.parameters", "tools[1].function.parameters"]
+    none = Structured.from_fields(tools=[WEATHER], tool_choice="none")
+    assert none.template_tools() is None and none.tool_calls('{"name": "get_weather", "parameters": {}}') is None
+    named = Structured.from_fields(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}},
+                                   parallel_tool_calls=False)
+    assert named.expects_tool_calls and named.constraint is not None
+    schema = json.loads(named.constraint.source)
+    jsonschema.validate({"name": "add", "parameters": {"a": 1, "b": 2}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "parameters": {"city": "Oslo"}}, schema)
+    required = Structured.from_fields(tools=[WEATHER, ADD], tool_choice="required")
+    assert required.constraint is not None
+    schema = json.loads(required.constraint.source)
+    jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}},
+                         {"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)
+    # The forced call compiles, and so does every tool's parameter schema.
+    write_byte_tokenizer(tmp_path)
+    outputs = StructuredOutputs(Tokenizer.from_dir(tmp_path))
+    for spec in required.specs():
+        outputs.compile(spec)
+    bad = Structured.from_fields(tools=[{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}])
+    with pytest.raises(ValidationError) as info:
+        for spec in bad.specs():
+            outputs.compile(spec)
+    assert info.value.field == "tools[0].function.parameters"
+
+
+def test_parse_tool_calls() -> None:
+    names = {"get_weather", "add"}
+    calls = parse_tool_calls(' {"name": "add", "parameters": {"a": 1, "b": 2}}\n', names)
+    assert calls is not None and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert calls[0].id.startswith("call_")
+    calls = parse_tool_calls('[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
+                             '"parameters": {"city": "Oslo"}}]', names)
+    assert calls is not None and [c.name for c in calls] == ["add", "get_weather"]
+    for text in ("The weather is fine.", '{"name": "unknown", "parameters": {}}', '{"name": "add", "parameters": 3}',
+                 '{"name": "add"', "[]", ""):
+        assert parse_tool_calls(text, names) is None, text
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<s>tools\n{% for t in tools %}{{ t.function.name }};{% endfor %}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "CALL {{ c.function.name }} {{ c.function.arguments.a }}{% endfor %}{% else %}{{ m.content }}{% endif %}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_chat_prompt_with_tools(tmp_path: Path) -> None:
+    write_byte_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)  # tiny_chat's template: no tool support
+    history = [{"role": "user", "content": "add 1 and 2"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    structured = Structured.from_fields(tools=[ADD])
+    text = tok.decode(encode_tool_chat(tok, history, structured))
+    assert text.startswith("<s>system\nYou can call these functions.") and '"name": "add"' in text
+    assert '<s>assistant\n{"name": "add", "parameters": {"a": 1, "b": 2}}</s>' in text
+    assert "<s>tool\n3</s>" in text
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    tok = Tokenizer.from_dir(tmp_path)  # a template that reads `tools` and `tool_calls`
+    text = tok.decode(encode_tool_chat(tok, history, structured))
+    assert text.startswith("<s>tools\nadd;</s>") and "CALL add 1" in text
+    with pytest.raises(ValidationError) as info:
+        template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{x"}}]}])
+    assert info.value.field == "messages[0].tool_calls[0].function.arguments"
