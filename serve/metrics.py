@@ -47,6 +47,13 @@ class Metrics:
         self.batch_size = Histogram("tprt_batch_size", "Sequences in each engine step", buckets=BATCH_BUCKETS,
                                     registry=r)
         self.steps = Counter("tprt_engine_steps", "Engine steps run", registry=r)
+        self.structured_requests = Counter("tprt_structured_requests", "Generation requests with an output "
+                                           "constraint, by kind (json_schema, json_object, regex, choice, grammar)",
+                                           ["kind"], registry=r)
+        self.structured_compile = Histogram("tprt_structured_compile_seconds", "Compiling an output constraint "
+                                            "(cache misses only)", buckets=TOKEN_BUCKETS, registry=r)
+        self.structured_mask = Histogram("tprt_structured_mask_seconds", "Computing one constrained row's "
+                                         "next-token mask", buckets=TOKEN_BUCKETS, registry=r)
         self.step_time = Histogram("tprt_engine_step_duration_seconds", "Wall time of one engine step",
                                    buckets=TOKEN_BUCKETS, registry=r)
         self.kv_usage = Gauge("tprt_kv_cache_usage_ratio", "KV cache blocks held by sequences / all blocks",

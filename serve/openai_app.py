@@ -49,6 +49,8 @@ from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, j
 from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
                                    prepare_chat, prepare_completion, renamed)
 from serve.scheduler import Scheduler, Ticket, new_request_id
+from serve.structured import CallDelta, ToolCallStream
+from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.sequence import TokenEvent
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
@@ -74,6 +76,8 @@ class HttpDeps:
     max_dataset_bytes: int  # --max-dataset-bytes
     admit: Callable[[str, dict[str, Any]], None] | None  # serve/admission.py: a job's memory
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
+    # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
+    compile_constraint: Callable[[ConstraintSpec], object] | None = None
 
 
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
@@ -331,8 +335,10 @@ class OpenAIApi:
         d = self.d
         # Tokenizing and the chat template are CPU work: off the event loop.
         prepared = await run_in_threadpool(prepare, body, d.tokenizer, d.facts.context_length,
-                                           d.facts.config.vocab_size, d.max_text_bytes)
+                                           d.facts.config.vocab_size, d.max_text_bytes, d.compile_constraint)
         tickets = self._submit(prepared, adapter)
+        if prepared.structured.constraint is not None:
+            d.metrics.structured_requests.labels(kind=prepared.structured.constraint.kind).inc()
         reply = Reply(kind, body.model, prepared, d.tokenizer)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -370,7 +376,9 @@ class OpenAIApi:
             for chunk in reply.opening():
                 yield format_sse_event(data_str=json.dumps(chunk))
             async for index, ev in self._events(tickets, request, watch_disconnect=False):
-                yield format_sse_event(data_str=json.dumps(reply.chunk(index, ev, include_usage)))
+                piece = reply.chunk(index, ev, include_usage)
+                if piece is not None:
+                    yield format_sse_event(data_str=json.dumps(piece))
             if include_usage:
                 yield format_sse_event(data_str=json.dumps(reply.usage_chunk()))
             outcome = "ok"
@@ -435,6 +443,13 @@ def _pump(ticket: Ticket, index: int, loop: asyncio.AbstractEventLoop,
             return
 
 
+def _call_delta(d: CallDelta) -> dict[str, Any]:
+    """OpenAI's streamed tool-call piece: the first names the call, the rest add arguments."""
+    if d.name is not None:
+        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
 def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
     """The legacy completions format's {text: logprob}: tokens of the same text (bytes of a
     character) share a key, which keeps the most likely of them."""
@@ -461,6 +476,13 @@ class Reply:
         self.finish: list[str | None] = [None] * count
         self.usage_of: list[Any] = [None] * count
         self.offset = [0] * count
+        # Tool calls (chat with tools): forced calls stream as call deltas; under "auto", text that
+        # starts like JSON is held until the end, when it is either calls or text.
+        self.structured = prepared.structured
+        self.tool_mode = self.structured.tool_mode if self.chat and self.structured.tools else "none"
+        self.call_streams = [ToolCallStream() for _ in range(count)] if self.structured.expects_tool_calls else []
+        self.holding: list[bool | None] = [None] * count  # None: not decided yet (only leading space seen)
+        self.held = [""] * count
 
     def _token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id]) if self.tok is not None else ""
@@ -514,7 +536,14 @@ class Reply:
             text = "".join(self.text[i])
             choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i],
                                       "logprobs": self._choice_logprobs(self.logprobs[i])}
-            if self.chat:
+            calls = self.structured.tool_calls(text) if self.tool_mode != "none" else None
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]}
+                if self.finish[i] == "stop":
+                    choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -529,11 +558,19 @@ class Reply:
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]} for i in range(len(self.text))]
 
-    def chunk(self, index: int, ev: TokenEvent, include_usage: bool) -> dict[str, Any]:
+    def chunk(self, index: int, ev: TokenEvent, include_usage: bool) -> dict[str, Any] | None:
+        """The stream chunk of one event; None when it has nothing to show yet (held text)."""
         entry = self.add(index, ev)
         logprobs = self._choice_logprobs([entry]) if entry is not None else None
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": ev.finish_reason}
-        if self.chat:
+        if self.chat and self.tool_mode != "none":
+            delta = self._tool_delta(index, ev)
+            if delta is None:
+                return None
+            choice["delta"] = delta
+            if ev.finish_reason == "stop" and (self.call_streams or "tool_calls" in delta):
+                choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["delta"] = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
         else:
             choice["text"] = ev.text
@@ -541,6 +578,36 @@ class Reply:
         if include_usage:
             out["usage"] = None
         return out
+
+    def _tool_delta(self, index: int, ev: TokenEvent) -> dict[str, Any] | None:
+        """A chat-with-tools event's delta: tool-call pieces, text, or None while text is held."""
+        finished = ev.finish_reason is not None
+        if self.call_streams:  # forced calls: the text is the calls
+            deltas = self.call_streams[index].feed(ev.text)
+            if not deltas:
+                return {} if finished else None
+            return {"tool_calls": [_call_delta(d) for d in deltas]}
+        if self.holding[index] is None:  # "auto": does the answer start like a call?
+            self.held[index] += ev.text
+            start = self.held[index].lstrip()
+            if start:
+                self.holding[index] = start[0] in "[{"
+            if not self.holding[index]:
+                text, self.held[index] = self.held[index], ""
+                return {"content": text} if text or not finished else ({} if finished else None)
+            ev_text = ""
+        else:
+            ev_text = ev.text
+        if not self.holding[index]:
+            return {"content": ev_text} if ev_text or not finished else {}
+        self.held[index] += ev_text
+        if not finished:
+            return None
+        calls = self.structured.tool_calls(self.held[index])
+        if calls is None:
+            return {"content": self.held[index]}
+        return {"tool_calls": [{"index": k, "id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]}
 
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"

@@ -10,18 +10,22 @@ The types of the fields are checked by the pydantic models (FastAPI answers a wr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from pydantic import BaseModel, ConfigDict
 
-from serve.errors import InvalidArgument, OutOfRange, ServeError, status_of
+from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, status_of
 from serve.pb import generation_pb2 as pb
-from serve.validation import STOP_LIMITS, prompt_ids
+from serve.structured import Structured, encode_tool_chat
+from serve.validation import ROLES, STOP_LIMITS, prompt_ids
+from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.engine.sampling import SamplingParams
-from tprt.errors import ValidationError
+from tprt.errors import ConfigError, ValidationError
 from tprt.text.tokenizer import Tokenizer
 
 MAX_CHOICES = 16  # n times the number of prompts; each is a sequence of its own
@@ -101,6 +105,9 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # Output constraints (serve/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
+    response_format: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionBody(_Common):
@@ -123,6 +130,9 @@ class ChatMessageBody(BaseModel):
 
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatBody(_Common):
@@ -131,6 +141,9 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 # ----------------------------------------------------------------- resolving
@@ -143,6 +156,27 @@ class Prepared:
     prompts: list[list[int]]
     choices: list[tuple[int, SamplingParams]]  # (index into prompts, params), in choice order
     n: int
+    structured: Structured = field(default_factory=lambda: Structured(None))
+
+
+Compile = Callable[[ConstraintSpec], object]  # checks (compiles) a constraint; raises ValidationError
+
+
+def _structured(fields: dict[str, Any], compile: Compile | None) -> Structured:
+    """The request's output constraint and tools, every spec compiled (so checked) now, on the
+    request's thread, before anything is queued."""
+    try:
+        structured = Structured.from_fields(**fields)
+        specs = structured.specs()
+        if specs and compile is None:
+            raise ValidationError(specs[0].field, f"{specs[0].field}: output constraints need the model's "
+                                                  "tokenizer, which it does not have")
+        for spec in specs:
+            assert compile is not None
+            compile(spec)
+    except ValidationError as e:
+        raise ParamError(str(e), e.field) from None
+    return structured
 
 
 # Canonical field -> OpenAI parameter, per endpoint (where the name differs).
@@ -189,7 +223,7 @@ def renamed(e: ServeError, rename: dict[str, str]) -> ParamError:
 
 
 def _choices(prompts: list[list[int]], n: int, given: dict[str, Any], context: int, vocab: int, has_tok: bool,
-             names: dict[str, str]) -> Prepared:
+             names: dict[str, str], structured: Structured) -> Prepared:
     if len(prompts) * n > MAX_CHOICES:
         raise ParamError(f"{len(prompts)} prompts times n={n} is more than {MAX_CHOICES} sequences", "n")
     choices = []
@@ -199,12 +233,15 @@ def _choices(prompts: list[list[int]], n: int, given: dict[str, Any], context: i
             params = _resolve({**given, "seed": seed + i if seed is not None else None}, ids, context, vocab,
                               has_tok, names)
             choices.append((p, params))
-    return Prepared(prompts, choices, n)
+    return Prepared(prompts, choices, n, structured)
 
 
 def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int, vocab: int,
-                       max_text_bytes: int | None) -> Prepared:
-    """A /v1/completions body as prompts and sampling; ParamError naming the OpenAI parameter."""
+                       max_text_bytes: int | None, compile: Compile | None = None) -> Prepared:
+    """A /v1/completions body as prompts and sampling; ParamError naming the OpenAI parameter.
+    `compile` checks output constraints (the engine's StructuredOutputs.compile)."""
+    structured = _structured({"response_format": body.response_format,
+                              "structured_outputs": body.structured_outputs}, compile)
     if body.echo:
         raise ParamError("echo is not supported", "echo")
     if body.suffix:
@@ -231,7 +268,8 @@ def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int
     given["max_new_tokens"] = body.max_tokens
     if body.logprobs is not None:
         given["logprobs"], given["top_logprobs"] = True, body.logprobs
-    return _choices(prompts, body.n or 1, given, context, vocab, tok is not None, _COMPLETION_PARAMS)
+    given["constraint"] = structured.constraint
+    return _choices(prompts, body.n or 1, given, context, vocab, tok is not None, _COMPLETION_PARAMS, structured)
 
 
 def _content(message: ChatMessageBody, i: int) -> str:
@@ -247,18 +285,57 @@ def _content(message: ChatMessageBody, i: int) -> str:
 
 
 def prepare_chat(body: ChatBody, tok: Tokenizer | None, context: int, vocab: int,
-                 max_text_bytes: int | None) -> Prepared:
-    """A /v1/chat/completions body as the chat template's prompt and sampling."""
+                 max_text_bytes: int | None, compile: Compile | None = None) -> Prepared:
+    """A /v1/chat/completions body as the chat template's prompt and sampling (with tools, through
+    serve/structured.py)."""
+    structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
+                              "tools": body.tools, "tool_choice": body.tool_choice,
+                              "parallel_tool_calls": body.parallel_tool_calls}, compile)
     roles = {"developer": "system"}  # OpenAI's newer name for the system role
-    chat = pb.Chat(messages=[pb.ChatMessage(role=roles.get(m.role, m.role), content=_content(m, i))
-                             for i, m in enumerate(body.messages)])
-    try:
-        ids = prompt_ids(pb.GenerateRequest(chat=chat), tok, vocab, max_text_bytes=max_text_bytes)
-    except ServeError as e:
-        raise renamed(e, {"chat.messages": "messages", "chat": "messages"}) from None
+    if structured.tools or any(m.tool_calls or m.role == "tool" for m in body.messages):
+        ids = _tool_chat_ids(body, tok, max_text_bytes, structured)
+    else:
+        chat = pb.Chat(messages=[pb.ChatMessage(role=roles.get(m.role, m.role), content=_content(m, i))
+                                 for i, m in enumerate(body.messages)])
+        try:
+            ids = prompt_ids(pb.GenerateRequest(chat=chat), tok, vocab, max_text_bytes=max_text_bytes)
+        except ServeError as e:
+            raise renamed(e, {"chat.messages": "messages", "chat": "messages"}) from None
     given = _common_fields(body)
+    given["constraint"] = structured.constraint
     given["max_new_tokens"] = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     given["logprobs"], given["top_logprobs"] = body.logprobs, body.top_logprobs
     names = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
              else "max_tokens"}
-    return _choices([ids], body.n or 1, given, context, vocab, tok is not None, names)
+    return _choices([ids], body.n or 1, given, context, vocab, tok is not None, names, structured)
+
+
+def _tool_chat_ids(body: ChatBody, tok: Tokenizer | None, max_text_bytes: int | None,
+                   structured: Structured) -> list[int]:
+    """A chat with tools, tool calls or tool results: rendered by serve/structured.py."""
+    if tok is None:
+        raise ParamError("the served model has no tokenizer; send prompt token ids to /v1/completions", "messages")
+    messages = []
+    for i, m in enumerate(body.messages):
+        role = {"developer": "system"}.get(m.role, m.role)
+        if role not in ROLES:
+            raise ParamError(f"role {echo(m.role)} is not one of {', '.join(ROLES)}", f"messages[{i}].role")
+        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        messages.append(msg)
+    size = len(json.dumps(messages, ensure_ascii=False).encode("utf-8", "replace"))
+    size += sum(len(json.dumps(t.parameters)) + len(t.description) for t in structured.tools)
+    if max_text_bytes is not None and size > max_text_bytes:
+        raise ParamError(f"messages: {size} bytes of messages and tools, more than the context can hold "
+                         f"({max_text_bytes} bytes)", "messages", OutOfRange)
+    try:
+        ids = encode_tool_chat(tok, messages, structured)
+    except ValidationError as e:
+        raise ParamError(str(e), e.field) from None
+    except ConfigError as e:  # no chat template, or one that fails on these messages
+        raise ParamError(str(e), "messages") from None
+    if not ids:
+        raise ParamError("the prompt has no tokens", "messages")
+    return ids

@@ -53,6 +53,7 @@ from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
 from tprt.distributed.launcher import start_followers, stop_followers, watch
 from tprt.distributed.ranks import RankGroup, follower_loop
+from tprt.engine.constraints import StructuredOutputs
 from tprt.engine.core import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
 from tprt.errors import ConfigError
 from tprt.checkpoint.loading import load_model, parse_dtype
@@ -292,6 +293,12 @@ class App:
         facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
+        compile_constraint = None
+        if tokenizer is not None:  # output constraints: compiled on the requests' threads, cached for the engine
+            m = self.metrics
+            engine.structured_outputs = StructuredOutputs(tokenizer, on_compile=m.structured_compile.observe,
+                                                          on_mask=m.structured_mask.observe)
+            compile_constraint = engine.structured_outputs.compile
         generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
         admission = self._job_admission(ctx, model)
@@ -300,7 +307,8 @@ class App:
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store)
             self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
                                                 cfg.max_message_bytes, generation.max_text_bytes, time.time(),
-                                                self.jobs, files, cfg.max_dataset_bytes, admission, self.redact))
+                                                self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
+                                                compile_constraint))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                               admission), self.server)

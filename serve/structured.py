@@ -311,3 +311,79 @@ def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured
         else:
             plain.insert(0, {"role": "system", "content": prompt})
     return list(tok.encode_chat(plain))
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed tool call: the call's start (`name` and `id` set, arguments "") or
+    more of its arguments' JSON text."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+
+class ToolCallStream:
+    """Turns the text of forced tool calls, as it streams, into OpenAI's tool-call deltas.
+
+    The constraint makes the text compact JSON in a fixed shape, `{"name":"N","parameters":ARGS}`
+    or an array of those, so each call starts once its name is complete and its arguments stream
+    as they come (ARGS's own text); the wrapper's characters are never shown."""
+
+    _START = '{"name":'
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._pos = 0  # how far the text has been consumed
+        self._index = -1  # the call being streamed
+        self._in_args = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def feed(self, delta: str) -> list[CallDelta]:
+        self._text += delta
+        out: list[CallDelta] = []
+        while True:
+            if not self._in_args:
+                start = self._text.find(self._START, self._pos)
+                if start < 0:
+                    return out
+                head = self._text[start:]
+                # `{"name":"N","parameters":` with N a JSON string (names have no quotes or escapes)
+                end_name = head.find('"', len(self._START) + 1)
+                marker = ',"parameters":'
+                if end_name < 0 or not head.startswith(marker, end_name + 1):
+                    return out
+                name = json.loads(head[len(self._START):end_name + 1])
+                self._index += 1
+                out.append(CallDelta(self._index, "", name=name, id=new_call_id()))
+                self._pos = start + end_name + 1 + len(marker)
+                self._in_args, self._depth, self._in_string, self._escaped = True, 0, False, False
+                continue
+            begin, i = self._pos, self._pos
+            while i < len(self._text):
+                c = self._text[i]
+                i += 1
+                if self._in_string:
+                    if self._escaped:
+                        self._escaped = False
+                    elif c == "\\":
+                        self._escaped = True
+                    elif c == '"':
+                        self._in_string = False
+                elif c == '"':
+                    self._in_string = True
+                elif c in "{[":
+                    self._depth += 1
+                elif c in "}]":
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self._in_args = False
+                        break
+            if i > begin:
+                out.append(CallDelta(self._index, self._text[begin:i]))
+            self._pos = i
+            if self._in_args:
+                return out

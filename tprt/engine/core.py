@@ -228,6 +228,12 @@ class Engine:
                 self._structured = StructuredOutputs(self.tokenizer)
             return self._structured
 
+    @structured_outputs.setter
+    def structured_outputs(self, outputs: StructuredOutputs) -> None:
+        """Uses `outputs` (e.g. one whose compile and mask times feed a server's metrics)."""
+        with self._structured_lock:
+            self._structured = outputs
+
     def forget_prefixes(self, adapter: int) -> None:
         """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
         keys and values computed with the old ones are never reused."""

@@ -1,0 +1,177 @@
+"""The OpenAI HTTP API's outputs on one real TP=2 server (bearer token on, small limits):
+
+- structured outputs and tool calls through the official `openai` client: `response_format`
+  json_schema and json_object, vLLM-style `structured_outputs` on completions and chats, tools
+  with tool_choice required, named and auto, whole and streamed (argument deltas), a tool
+  result fed back; each output validated (jsonschema), and bad specs refused with a 400 naming
+  the parameter; the tprt_structured_* metrics counted;
+- random requests (tests/fuzz_http.py), a derandomized bounded run (bench/serve_fuzz.py runs
+  many more): no 5xx other than a 503/507 the server means, every body well formed (an error in
+  OpenAI's shape, no bare NaN anywhere, SSE events JSON to the end), health SERVING, and a greedy
+  control request keeps its exact output before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import jsonschema
+import openai
+
+from fuzz_http import HttpCall, cancel_jobs, http_calls, send_http
+from test_server import TOKEN, ServerProcess, data_dir, metric
+from tiny_chat import make_tiny_chat_model
+
+CONTEXT = 1536  # room for a tools system prompt in the byte-level tokenizer (one token a byte)
+FUZZ_EXAMPLES = 80  # bounded for CI (each call has a deadline); bench/serve_fuzz.py --http runs many more
+CONTROL = {"model": "tp2", "prompt": "The control request", "max_tokens": 12, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("http-fuzz")
+    make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
+    (root / "token").write_text(TOKEN + "\n")
+    args = ["--model", str(root / "model" / "tp2"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+            "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
+            "--max-batch-size", "4", "--max-queue", "8", "--max-seq-len", str(CONTEXT), "--threads", "1",
+            "--collective-timeout", "30", "--max-message-bytes", str(256 << 10), "--max-dataset-bytes", "4096",
+            "--max-queued-jobs", "2", "--max-loras", "2", "--max-lora-rank", "8"]
+    srv = ServerProcess(args, root / "server.log")
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def _base_url(server: ServerProcess) -> str:
+    import re
+
+    m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", server.line)
+    assert m, server.line
+    return m.group(1)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                              "b": {"type": "integer", "minimum": -99, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "Tell me"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=_base_url(server), api_key=TOKEN, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_json_schema_json_object_regex_and_choice(server: ServerProcess, client: openai.OpenAI) -> None:
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="tp2", messages=ASK, temperature=1.0, seed=seed, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": PERSON}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content or ""), PERSON)
+    # Free-form keys from a random model may run past max_tokens ("length"); what ends is an object.
+    r2 = client.completions.create(model="tp2", prompt="JSON:", max_tokens=300, temperature=0.8, seed=1, n=3,
+                                   extra_body={"response_format": {"type": "json_object"}})
+    for choice in r2.choices:
+        assert choice.text.startswith("{"), choice.text
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict), choice.text
+        else:
+            assert choice.finish_reason == "length"
+    r2 = client.completions.create(model="tp2", prompt="Code:", max_tokens=20, temperature=0.9, seed=2,
+                                   extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r2.choices[0].text), r2.choices[0].text
+    r = client.chat.completions.create(model="tp2", messages=ASK, max_tokens=20,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}})
+    assert r.choices[0].message.content in ("yes", "no", "maybe not")
+    text = server.metrics()
+    assert metric(text, "tprt_structured_requests_total", kind="json_schema") >= 3
+    assert metric(text, "tprt_structured_requests_total", kind="regex") >= 1
+    assert metric(text, "tprt_structured_compile_seconds_count") >= 4
+    assert metric(text, "tprt_structured_mask_seconds_count") > 0
+
+
+def test_tool_calls_required_named_streamed_and_fed_back(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tp2", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, seed=4, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    _check_calls(choice.message.tool_calls or [], {"get_weather", "add"})
+    r = client.chat.completions.create(model="tp2", messages=ASK, tools=TOOLS, max_tokens=200,
+                                       tool_choice={"type": "function", "function": {"name": "add"}},
+                                       parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "add"
+    _check_calls(calls, {"add"})
+    # Streamed: the first piece of a call names it, the rest add arguments; they join to a whole call.
+    stream = client.chat.completions.create(model="tp2", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            temperature=1.0, seed=7, max_tokens=200, stream=True)
+    parts: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in stream:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index not in parts and piece.function.name
+                parts[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
+            parts[piece.index]["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and parts
+    for p in parts.values():
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == p["name"])
+        jsonschema.validate(json.loads(p["arguments"]), schema)
+    # The call and its result go back through the chat template; "auto" may answer in text.
+    call = calls[0]
+    history: list[Any] = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "add", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    r = client.chat.completions.create(model="tp2", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    streamed = client.chat.completions.create(model="tp2", messages=history, tools=TOOLS, max_tokens=8,
+                                              temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    if r.choices[0].message.tool_calls is None:
+        assert text == r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs.grammar"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strng"}}}]},
+     "tools[0].function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_constraints_are_400_naming_the_parameter(client: openai.OpenAI, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tp2", messages=ASK, max_tokens=4, extra_body=extra)
+    body = info.value.body
+    assert isinstance(body, dict) and body.get("param") == param, body
