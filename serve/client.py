@@ -49,10 +49,13 @@ def field_of(error: grpc.RpcError) -> str | None:
 
 def generate_request(prompt: str | None = None, *, chat: Sequence[Mapping[str, str]] | None = None,
                      prompt_ids: Sequence[int] | None = None, adapter_id: str = "",
-                     add_generation_prompt: bool | None = None, **sampling: Any) -> Any:
+                     add_generation_prompt: bool | None = None, constraint: Any = None,
+                     tools: Sequence[Any] = (), tool_choice: Any = None, parallel_tool_calls: bool | None = None,
+                     **sampling: Any) -> Any:
     """A GenerateRequest: exactly one of prompt, chat or prompt_ids, plus sampling keywords
     (temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop,
-    stop_token_ids, ignore_eos, logprobs, top_logprobs); None values are left unset."""
+    stop_token_ids, ignore_eos, logprobs, top_logprobs); None values are left unset.
+    `constraint`: a pb.OutputConstraint; with a chat, `tools` (pb.Tool) and `tool_choice` (pb.ToolChoice)."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
@@ -61,6 +64,13 @@ def generate_request(prompt: str | None = None, *, chat: Sequence[Mapping[str, s
         req.prompt = prompt
     if chat is not None:
         req.chat.CopyFrom(_chat(chat, add_generation_prompt))
+        req.chat.tools.extend(tools)
+        if tool_choice is not None:
+            req.chat.tool_choice.CopyFrom(tool_choice)
+        if parallel_tool_calls is not None:
+            req.chat.parallel_tool_calls = parallel_tool_calls
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
     if prompt_ids is not None:
         req.prompt_ids.ids.extend(prompt_ids)
     for key, value in sampling.items():

@@ -31,8 +31,11 @@ from serve.pb import finetuning_pb2 as ft_pb
 from serve.pb import finetuning_pb2_grpc as ft_grpc
 from serve.pb import generation_pb2 as pb
 from serve.pb import generation_pb2_grpc as pb_grpc
+from serve.metrics import Metrics
 from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.validation import prompt_ids, sampling_params, text_byte_limit
+from serve.structured import Structured
+from serve.validation import check_structured, prompt_ids, sampling_params, structured_of, text_byte_limit
+from tprt.engine.constraints import ConstraintSpec
 from tprt.distributed.ranks import CommandFailed
 from tprt.model.config import ModelConfig
 from tprt.engine.sampling import MAX_TOP_LOGPROBS
@@ -42,6 +45,7 @@ from tprt.text.tokenizer import Tokenizer
 GenerationServicer: Any = pb_grpc.GenerationServicer
 FineTuningServicer: Any = ft_grpc.FineTuningServicer
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
+Compile = Callable[[ConstraintSpec], object]
 _POLL_S = 0.5
 
 
@@ -62,7 +66,8 @@ class GenerationService(GenerationServicer):
     """tprt.v1.Generation on rank 0."""
 
     def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, facts: ModelFacts,
-                 adapters: AdapterRegistry, pool: AdapterPool | None = None, store: JobStore | None = None) -> None:
+                 adapters: AdapterRegistry, pool: AdapterPool | None = None, store: JobStore | None = None,
+                 compile_constraint: Compile | None = None, metrics: Metrics | None = None) -> None:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.facts = facts
@@ -70,16 +75,23 @@ class GenerationService(GenerationServicer):
         self.pool = pool  # the adapter tiers (LoadAdapter, UnloadAdapter); None: adapters come from jobs only
         self.store = store  # the job store, for LoadAdapter(job_id)
         self.max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
+        self.compile_constraint = compile_constraint  # the engine's StructuredOutputs.compile; None: no tokenizer
+        self.metrics = metrics
 
     # ----------------------------------------------------------------- RPCs
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        ticket = self._submit(request, context)
+        ticket, structured = self._submit(request, context)
+        text = []
         for ev in self._events(ticket, context):
-            yield self._response(ticket, ev)
+            out = self._response(ticket, ev)
+            text.append(ev.text)
+            if ev.finish_reason is not None:
+                _tool_calls(out, structured, "".join(text))
+            yield out
 
     def Complete(self, request: Any, context: grpc.ServicerContext) -> Any:
-        ticket = self._submit(request, context)
+        ticket, structured = self._submit(request, context)
         out = pb.CompleteResponse(request_id=ticket.request_id)
         text = []
         for ev in self._events(ticket, context):
@@ -89,12 +101,14 @@ class GenerationService(GenerationServicer):
             if ev.finish_reason is not None:
                 self._finish(out, ev)
         out.text = "".join(text)
+        _tool_calls(out, structured, out.text)
         return out
 
     def Tokenize(self, request: Any, context: grpc.ServicerContext) -> Any:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        structured = structured_of(request) if request.WhichOneof("input") == "chat" else None
         ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, add_special_tokens=add,
-                         max_text_bytes=self.max_text_bytes)
+                         max_text_bytes=self.max_text_bytes, structured=structured)
         tok = self.tokenizer
         tokens = [(tok.id_to_token(i) or "") if tok is not None else "" for i in ids]
         return pb.TokenizeResponse(ids=ids, tokens=tokens)
@@ -160,11 +174,14 @@ class GenerationService(GenerationServicer):
             raise FailedPrecondition("this server has no adapter pool", "id")
         return self.pool
 
-    def _submit(self, request: Any, context: grpc.ServicerContext) -> Ticket:
+    def _submit(self, request: Any, context: grpc.ServicerContext) -> tuple[Ticket, Structured]:
         """Checks the request and queues it; the RPC's end cancels it."""
-        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, max_text_bytes=self.max_text_bytes)
+        structured = structured_of(request)
+        check_structured(structured, self.compile_constraint)
+        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, max_text_bytes=self.max_text_bytes,
+                         structured=structured)
         params = sampling_params(request.sampling, len(ids), self.facts.context_length,
-                                 self.facts.config.vocab_size, self.tokenizer is not None)
+                                 self.facts.config.vocab_size, self.tokenizer is not None, structured.constraint)
         adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
         if request.adapter_id and adapter is None and self.pool is None:  # a pool also loads adapters on demand
             raise NotFound(f"no adapter {echo(request.adapter_id)} is loaded (see ModelInfo)", "adapter_id")
@@ -173,7 +190,9 @@ class GenerationService(GenerationServicer):
         ticket = Ticket(new_request_id(), ids, params, request.adapter_id, adapter.index if adapter else 0, deadline)
         self.scheduler.submit(ticket)
         context.add_callback(lambda: self._ended(ticket, context))
-        return ticket
+        if structured.constraint is not None and self.metrics is not None:
+            self.metrics.structured_requests.labels(kind=structured.constraint.kind).inc()
+        return ticket, structured
 
     def _ended(self, ticket: Ticket, context: grpc.ServicerContext) -> None:
         """gRPC's end-of-call callback: cancels the ticket unless it already finished."""
@@ -234,6 +253,17 @@ class GenerationService(GenerationServicer):
         if ev.finish_reason is not None:
             self._finish(out, ev)
         return out
+
+
+def _tool_calls(out: Any, structured: Structured, text: str) -> None:
+    """A finished response's tool calls, when its text is calls (chats with tools)."""
+    calls = structured.tool_calls(text)
+    if not calls:
+        return
+    for c in calls:
+        out.tool_calls.append(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments))
+    if out.finish_reason == pb.FINISH_REASON_STOP:
+        out.finish_reason = pb.FINISH_REASON_TOOL_CALLS
 
 
 def adapter_pb(a: AdapterInfo) -> Any:

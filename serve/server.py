@@ -299,7 +299,8 @@ class App:
             engine.structured_outputs = StructuredOutputs(tokenizer, on_compile=m.structured_compile.observe,
                                                           on_mask=m.structured_mask.observe)
             compile_constraint = engine.structured_outputs.compile
-        generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store)
+        generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store, compile_constraint,
+                                       self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
         admission = self._job_admission(ctx, model)
         if self.http is not None:

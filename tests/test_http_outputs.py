@@ -175,3 +175,49 @@ def test_bad_constraints_are_400_naming_the_parameter(client: openai.OpenAI, ext
         client.chat.completions.create(model="tp2", messages=ASK, max_tokens=4, extra_body=extra)
     body = info.value.body
     assert isinstance(body, dict) and body.get("param") == param, body
+
+
+def test_grpc_takes_the_same_constraints_and_tools(server: ServerProcess, client: openai.OpenAI) -> None:
+    """gRPC's constraint and tool fields give what HTTP gives for the same request (same seed,
+    same tokens), and refuse the same mistakes naming their own field paths."""
+    import grpc
+
+    from serve.client import field_of
+    from serve.pb import generation_pb2 as pb
+
+    schema = json.dumps(PERSON)
+    http = client.chat.completions.create(
+        model="tp2", messages=ASK, temperature=1.0, seed=11, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    with server.client() as c:
+        out = c.complete(chat=ASK, temperature=1.0, seed=11, max_new_tokens=120,
+                         constraint=pb.OutputConstraint(json_schema=schema))
+        assert out.text == http.choices[0].message.content and out.finish_reason == pb.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(out.text), PERSON)
+        streamed = list(c.generate("Code:", max_new_tokens=20, temperature=0,
+                                   constraint=pb.OutputConstraint(choice=pb.ChoiceList(options=["on", "off"]))))
+        assert "".join(m.text for m in streamed) in ("on", "off")
+        tools = [pb.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                         parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS]
+        out = c.complete(chat=ASK, tools=tools, tool_choice=pb.ToolChoice(function="get_weather"), max_new_tokens=200)
+        assert out.finish_reason == pb.FINISH_REASON_TOOL_CALLS and [t.name for t in out.tool_calls] == ["get_weather"]
+        jsonschema.validate(json.loads(out.tool_calls[0].arguments), TOOLS[0]["function"]["parameters"])
+        final = list(c.generate(chat=ASK, tools=tools, tool_choice=pb.ToolChoice(mode="required"),
+                                parallel_tool_calls=False, max_new_tokens=200))[-1]
+        assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS and final.tool_calls
+        bad = [
+            ({"constraint": pb.OutputConstraint(regex="(unclosed")}, "constraint.regex"),
+            ({"constraint": pb.OutputConstraint(json_schema="{nope")}, "constraint.json_schema"),
+            ({"constraint": pb.OutputConstraint(json_schema='{"not": {}}')}, "constraint.json_schema"),
+            ({"chat": ASK, "tools": tools, "tool_choice": pb.ToolChoice(function="nope")}, "chat.tool_choice.function"),
+            ({"chat": ASK, "tools": [pb.Tool(name="f", parameters_json='{"type": "strng"}')]},
+             "chat.tools[0].parameters_json"),
+            ({"constraint": pb.OutputConstraint(regex="[ab]+"), "ignore_eos": True}, "sampling.ignore_eos"),
+        ]
+        for kw, path in bad:
+            if "chat" not in kw:
+                kw = {"prompt": "x", **kw}
+            with pytest.raises(grpc.RpcError) as info:
+                c.complete(max_new_tokens=4, **kw)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == path, \
+                (path, info.value.details())
