@@ -143,3 +143,17 @@ def test_chat_prompt_with_tools(tmp_path: Path) -> None:
     with pytest.raises(ValidationError) as info:
         template_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{x"}}]}])
     assert info.value.field == "messages[0].tool_calls[0].function.arguments"
+
+
+def test_tool_call_stream_yields_openai_deltas() -> None:
+    from serve.structured import ToolCallStream
+
+    text = ('[{"name":"add","parameters":{"a":1,"b":{"c":"}]\\"x"}}},'
+            '{"name":"get_weather","parameters":{"city":"Oslo"}}]')
+    for step in (1, 3, 7, len(text)):
+        stream = ToolCallStream()
+        deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i:i + step])]
+        starts = [d for d in deltas if d.name is not None]
+        assert [(d.index, d.name) for d in starts] == [(0, "add"), (1, "get_weather")]
+        args = ["".join(d.arguments for d in deltas if d.index == i) for i in (0, 1)]
+        assert [json.loads(a) for a in args] == [{"a": 1, "b": {"c": '}]"x'}}, {"city": "Oslo"}]
