@@ -299,6 +299,7 @@ class App:
             engine.structured_outputs = StructuredOutputs(tokenizer, on_compile=m.structured_compile.observe,
                                                           on_mask=m.structured_mask.observe)
             compile_constraint = engine.structured_outputs.compile
+            threading.Thread(target=engine.structured_outputs.warm_up, daemon=True, name="tprt-grammar-warm-up").start()
         generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store, compile_constraint,
                                        self.metrics)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)

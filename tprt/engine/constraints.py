@@ -200,6 +200,14 @@ class StructuredOutputs:
             self._on_compile(elapsed)
         return grammar
 
+    def warm_up(self) -> None:
+        """Compiles a small grammar outside the cache: llguidance builds its per-vocabulary tables
+        on first use (about 0.6 s for 49k tokens), which the first request should not wait for."""
+        from llguidance import LLMatcher
+
+        grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits).compute_bitmask()
+
     def matcher(self, grammar: Grammar) -> Matcher:
         from llguidance import LLMatcher
 
