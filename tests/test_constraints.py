@@ -193,3 +193,23 @@ def test_sentencepiece_tokenizer(tmp_path: Path) -> None:
     text, finish = generate(tok, so, ConstraintSpec.json_schema(schema, FIELD), seed=0, sample=True)
     assert finish == "stop"
     jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tokenizer) -> None:
+    """A matcher that fails mid-sequence (as over one of llguidance's limits): its row may only
+    take EOS, and a token it refuses ends the sequence with stop_reason "constraint_error"."""
+    from tprt.engine.core import _allowed_rows
+    from tprt.engine.sampling import SamplingParams
+    from tprt.engine.sequence import Sequence
+
+    so = StructuredOutputs(byte_tok)
+    spec = ConstraintSpec.choice(["ab"], "c")
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=0, max_new_tokens=8, constraint=spec), None, byte_tok,
+                   byte_tok.eos_token_ids, torch.device("cpu"))
+    seq.matcher = so.matcher(so.compile(spec))
+    z = byte_tok.encode("z", add_special_tokens=False)[0]
+    out = seq.append(z)  # not allowed: the matcher fails
+    assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
+    nothing = {"r": torch.zeros(so.vocab_size, dtype=torch.bool)}
+    mask = _allowed_rows([seq], nothing, so.vocab_size + 3, torch.device("cpu"), byte_tok.eos_token_ids)
+    assert mask is not None and mask[0].nonzero().flatten().tolist() == [byte_tok.eos_token_ids[0]]

@@ -475,7 +475,7 @@ class Engine:
         else:
             all_rows = rows == list(range(result.logits.shape[0]))
             logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-            mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device)
+            mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device, self.eos_token_ids)
             chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
                             mask)
             ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
@@ -521,10 +521,11 @@ class MaskWorker:
         return {seq.request_id: allowed[i] for i, seq in enumerate(seqs)}
 
 
-def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab: int,
-                  device: torch.device) -> torch.Tensor | None:
+def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab: int, device: torch.device,
+                  eos_token_ids: Seq[int]) -> torch.Tensor | None:
     """[rows, vocab] bool for `sample`: constrained rows their mask (never a token past the
-    tokenizer's vocabulary), the others everything; None when no row is constrained."""
+    tokenizer's vocabulary), the others everything; None when no row is constrained. A row whose
+    constraint allows nothing (its matcher hit a limit) may only end: EOS."""
     if not any(s.request_id in allowed for s in seqs):
         return None
     mask = torch.ones(len(seqs), vocab, dtype=torch.bool)
@@ -534,6 +535,8 @@ def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab:
             n = min(vocab, row.shape[0])
             mask[i, :n] = row[:n]
             mask[i, n:] = False
+            if not mask[i].any():
+                mask[i, [t for t in eos_token_ids if t < vocab][:1]] = True
     return mask.to(device)
 
 

@@ -108,12 +108,12 @@ class Sequence:
         out = self.stop.step(token_id)
         if self.matcher is not None and out.finish_reason is None:
             # The mask allowed only what the constraint accepts; when it has ended, so has the output.
-            if not self.matcher.accept(token_id):
-                raise RuntimeError(f"{self.request_id}: token {token_id} broke its output constraint: "
-                                   f"{self.matcher.error}")
-            if self.matcher.finished:
+            # A matcher that fails (over one of llguidance's limits mid-sequence) ends it too, and
+            # says so, rather than stopping the engine.
+            accepted = self.matcher.accept(token_id)
+            if not accepted or self.matcher.finished:
                 end = self.stop.finish("stop")
-                out = StepOutput(out.text + end.text, "stop")
+                out = StepOutput(out.text + end.text, "stop", None if accepted else "constraint_error")
         if out.finish_reason is not None:
             self.status = Status.FINISHED
         return out
