@@ -181,9 +181,8 @@ def _allocate(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.de
     huge-page buffer per dtype."""
     if not (one_block and device.type == "cpu"):
         return [torch.empty(shape, dtype=dt, device=device) for shape, dt in specs]
-    outs: list[torch.Tensor | None] = [None] * len(specs)
+    outs: dict[int, torch.Tensor] = {}
     for dt in dict.fromkeys(dt for _, dt in specs):
         where = [i for i, (_, d) in enumerate(specs) if d == dt]
-        for i, t in zip(where, huge_tensors([specs[i][0] for i in where], dt)):
-            outs[i] = t
-    return [t for t in outs if t is not None]
+        outs.update(zip(where, huge_tensors([specs[i][0] for i in where], dt)))
+    return [outs[i] for i in range(len(specs))]

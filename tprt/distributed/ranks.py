@@ -9,8 +9,8 @@ execute it with rank 0, after which they follow again; EXIT ends the loop.
 A command runs on every rank in the same order, and then the ranks exchange a one-line error or
 None (`tprt.distributed.together.run_together`): if any rank failed, every rank knows it, its
 executor drops what the command started (`abandon`), and `CommandFailed` is raised on every rank
-(rank 0's caller handles it; a follower carries on). A rank that fails *inside* a collective leaves its peers
-waiting until the collective timeout.
+(rank 0's caller handles it; a follower carries on). A rank that fails *inside* a collective
+leaves its peers waiting until the collective timeout.
 
 While idle, rank 0 sends a keepalive every few seconds (`RankGroup.keepalive`). On one rank
 nothing is sent and a command simply runs.
