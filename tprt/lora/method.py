@@ -37,10 +37,12 @@ class LoRAMethod(LinearMethod):
         self.inner: LinearMethod = inner
         self.adapter = adapter
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype | None) -> None:
+    def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
+                       dtype: torch.dtype | None) -> None:
         self.inner.create_weights(layer, out_features, in_features, dtype)
 
-    def load_weight(self, layer: nn.Module, name: str, dest: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+    def load_weight(self, layer: ParallelLinear, name: str, dest: torch.Tensor,
+                    pieces: Sequence[torch.Tensor]) -> None:
         self.inner.load_weight(layer, name, dest, pieces)
 
     def process_after_loading(self, layer: ParallelLinear) -> None:

@@ -52,10 +52,12 @@ class LinearMethod:
 
     inner: LinearMethod | None = None
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype | None) -> None:
+    def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
+                       dtype: torch.dtype | None) -> None:
         raise NotImplementedError
 
-    def load_weight(self, layer: nn.Module, name: str, dest: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+    def load_weight(self, layer: ParallelLinear, name: str, dest: torch.Tensor,
+                    pieces: Sequence[torch.Tensor]) -> None:
         """Fills `dest` (allocated like the layer's parameter `name`) from this rank's checkpoint
         tensors for it, in row order (e.g. the q, k and v slices of a fused qkv_proj)."""
         copy_rows(dest, pieces)
@@ -79,7 +81,8 @@ class LinearMethod:
 class DenseLinear(LinearMethod):
     """The dense format: one parameter `weight` [out, in] in the model's dtype; F.linear on it."""
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int, dtype: torch.dtype | None) -> None:
+    def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
+                       dtype: torch.dtype | None) -> None:
         # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
 
