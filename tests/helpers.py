@@ -54,6 +54,7 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     nothing changed, where the native kernels are unavailable)."""
     from tprt.cpu import native
     from tprt.cpu.native_layers import install_native_stack, use_native_halves
+    from tprt.model.llama import LayerStack
 
     calls = [0, 0]
 
@@ -71,7 +72,7 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
                                      mlp.gate_up_proj.weight, mlp.down_proj.weight)
         if a is not None and m is not None:
             use_native_halves(model, i, counted(a, 0), counted(m, 0))
-    model.decode_stack = None
-    if stack and install_native_stack(model) is not None:
-        model.decode_stack.kernel = counted(model.decode_stack.kernel, 1)
+    model.stack = LayerStack()
+    if stack and (native_stack := install_native_stack(model)) is not None:
+        native_stack.kernel = counted(native_stack.kernel, 1)
     return calls

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from helpers import make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.model.config import ModelConfig
-from tprt.distributed.context import TPContext, build_mesh_groups
+from tprt.distributed.context import ParallelDims, TPContext, build_mesh_groups
 from tprt.checkpoint.loading import load_model
 from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
@@ -281,7 +281,7 @@ def _mesh(world: TPContext, tp: int) -> TPContext:
     key = (world.world_size, tp)
     if key not in _MESHES:
         g = world.global_rank
-        tp_group, dp_group = build_mesh_groups(world.world_size, tp, g)
+        tp_group, dp_group = build_mesh_groups(ParallelDims.for_world(world.world_size, tp), g)
         _MESHES[key] = TPContext(
             group=tp_group, rank=g % tp, world_size=tp, device=world.device, backend=world.backend,
             global_rank=g, dp_group=dp_group, dp_rank=g // tp, dp_size=world.world_size // tp,

@@ -721,7 +721,7 @@ def test_prepack(workdir: Path, dtype: str, tol: float) -> None:
     chosen = prepack(packed)
     layer = packed.layers[0]
     shapes = {tuple(m.weight.shape) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                              layer.mlp.down_proj)} | {tuple(packed.lm_head.head_weight().shape)}
+                                              layer.mlp.down_proj)} | {tuple(packed.lm_head.weight_matrix().shape)}
     assert set(chosen) == {f"{a}x{b}" for a, b in shapes}, chosen
     assert set(chosen.values()) <= set(VARIANTS)
     assert all(isinstance(m.method, FastLinear) for m in packed.modules() if hasattr(m, "method"))
@@ -774,7 +774,7 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     from tprt.cpu.fast_linear import prepack, supported
     from tprt.cpu.native_layers import (NativeAttention, NativeDecoderLayer, NativeRMSNorm, install_native_layers,
                                         install_native_stack, use_native_halves)
-    from tprt.model.llama import DecoderLayer
+    from tprt.model.llama import DecoderLayer, LayerStack
 
     ctx = TPContext.single()
     plain, fast = load_model(workdir / "tp1", ctx, dtype), load_model(workdir / "tp1", ctx, dtype)
@@ -828,9 +828,9 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
         for step in range(2):  # one row: each half of a layer in one call, then all layers in one
             ids, pos, table = torch.tensor([[14 + step]]), positions[2:3] + step, rows[2:3]
             want = plain(ids, pos, caches[0], table)[..., :vocab].float()
-            fast.decode_stack = None
+            fast.stack = LayerStack()
             halves = fast(ids, pos, caches[1], table)[..., :vocab].float()
-            fast.decode_stack = stack
+            fast.stack = stack
             got = fast(ids, pos, caches[1], table)[..., :vocab].float()  # writes the same k/v again
             assert torch.equal(got, halves), "one row: the stack's bits differ from the halves'"
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"

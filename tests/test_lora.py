@@ -280,12 +280,12 @@ def check_mixed_batch(ctx: TPContext, workdir: Path) -> None:
     """One batch of base rows and rows of four adapters (different ranks and targets, read from
     PEFT's save_pretrained): every row's logits equal that row run alone with its adapter, and
     PEFT's on the unsharded model."""
-    from tprt.lora.routing import AdapterPool
+    from tprt.lora.routing import AdapterSlots
 
     ref = torch.load(workdir / "mixed-ref.pt")
     model = load_model(workdir / f"gqa-tp{ctx.world_size}", ctx).eval()
     prepack(model, tune=False)  # as the server's runner does
-    pool = AdapterPool(model)
+    pool = AdapterSlots(model)
     for i, name in enumerate(MIXED, start=1):
         pool.install(i, read_adapter(model, workdir / "mixed" / name, ctx))
     ids = ref["ids"]

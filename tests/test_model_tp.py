@@ -27,7 +27,7 @@ from tprt.errors import CheckpointError, ConfigError
 from tprt.model.kv_cache import KVCache
 from tprt.checkpoint.loading import load_model
 from tprt.parallel.sharding import hf_sources
-from tprt.model.llama import TPLlamaForCausalLM
+from tprt.model.llama import LayerStack, TPLlamaForCausalLM
 
 CONFIGS = ("gqa", "rope_pad", "tied")
 TPS = (1, 2, 4, 8)
@@ -221,17 +221,19 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     ref = _ref(workdir, name)
     model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, dtype=dtype)  # its own: kernels are set on it
     calls = force_native_decode(model)
-    stack = model.decode_stack
-    assert (stack is not None) == native.available()
+    from tprt.cpu.native_layers import NativeDecodeStack
+
+    stack = model.stack
+    assert isinstance(stack, NativeDecodeStack) == native.available()
     cache, free = _garbage_cache(model, 6)
     for b, prompt in enumerate(ref["prompts"]):
         seq = _Seq(prompt, _take(free))
         _step(model, cache, [seq])  # prefill
         for _ in range(N_NEW - 1):
-            model.decode_stack = None  # the halves first: the stack then rewrites the same k/v
+            model.stack = LayerStack()  # the halves first: the stack then rewrites the same k/v
             halves = _Seq(prompt, seq.table, list(seq.out))
             _step(model, cache, [halves])
-            model.decode_stack = stack
+            model.stack = stack
             _step(model, cache, [seq])
             assert torch.equal(seq.logits[-1], halves.logits[-1]), f"prompt {b}: stack and halves differ"
         if dtype == "fp32":
@@ -241,10 +243,10 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
     _step(model, cache, seqs)  # one padded prefill: the module path
     for _ in range(N_NEW - 1):
-        model.decode_stack = None
+        model.stack = LayerStack()
         modules = [_Seq(s.prompt, s.table, list(s.out)) for s in seqs]
         _step(model, cache, modules)
-        model.decode_stack = stack
+        model.stack = stack
         _step(model, cache, seqs)
         for s, m in zip(seqs, modules):  # the few-row products and SwiGLU round their own way
             _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else 2e-2)

@@ -1,9 +1,12 @@
 """Builds this rank's model on the meta device and fills it from the rank's mmapped files.
 
-Only rank r's files are opened; each parameter is allocated once, already in its final dtype and
-device, and filled from zero-copy views of the file (q/k/v and gate/up are copied into their
-fused parameter piece by piece, as `tprt.parallel.sharding.hf_sources` lists them), so no rank
-ever holds more than its own shard.
+The decoder's linear layers are built with the checkpoint's weight format (`WEIGHT_FORMATS`,
+tprt.parallel.layers), whose `LinearMethod` creates their parameters; the loader then goes
+through the method for each of them (`load_weight`, then `process_after_loading` once all hold
+their values). Only rank r's files are opened; each parameter is allocated once, already in its
+final dtype and device, and filled from zero-copy views of the file (q/k/v and gate/up are
+copied into their fused parameter piece by piece, as `tprt.parallel.sharding.hf_sources` lists
+them), so no rank ever holds more than its own shard.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
 from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
+from tprt.parallel.layers import WEIGHT_FORMATS, LinearMethod, ParallelLinear, copy_rows
 from tprt.checkpoint.safetensors_io import DTYPES
 from tprt.parallel.sharding import hf_sources
 
@@ -76,36 +79,52 @@ def load_model(
     check_tp(ckpt, ctx)
     target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
     with torch.device("meta"):
-        model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target)
+        model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target,
+                                   method=weight_format(ckpt))
     files = ckpt.open_rank(ctx.rank)
     try:
         # Frozen weights share one huge-page block; trainable ones stay separate tensors (the
         # safetensors writer of training checkpoints refuses tensors that share storage).
-        state = _rank_state(model, files, ckpt.path, target, ctx.device, one_block=not requires_grad)
+        state = _rank_state(model, files, ckpt.path, ctx.device, one_block=not requires_grad)
     finally:
         files.close()
     model.load_state_dict(state, strict=True, assign=True)
+    for layer in model.modules():
+        if isinstance(layer, ParallelLinear):
+            layer.method.process_after_loading(layer)
     model.requires_grad_(requires_grad)
     return model.eval()
+
+
+def weight_format(ckpt: TPCheckpoint) -> LinearMethod:
+    """The linear method of the checkpoint's weight format (manifest `extra.weight_format`,
+    "dense" when absent)."""
+    name = ckpt.manifest.extra.get("weight_format", "dense")
+    if name not in WEIGHT_FORMATS:
+        raise CheckpointError(f"{ckpt.path / MANIFEST_NAME}: weight_format {name!r} is not supported "
+                              f"(expected one of {sorted(WEIGHT_FORMATS)})")
+    return WEIGHT_FORMATS[name]
 
 
 def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:
     """A second model over the same weight tensors, frozen: its own modules (so LoRA adapters,
     train mode or activation checkpointing set on it leave `model` alone) but no second copy of
-    the weights. Linear layers also share `model`'s linear methods (`method`: packed copies, the
-    other big allocation, from `tprt.cpu.fast_linear.prepack`). The twin is built of the reference
-    modules: neither `model`'s native decode layers nor its adapters are carried over."""
+    the weights. Linear layers also share the weight methods under `model`'s (`method.base`:
+    packed copies, the other big allocation, from `tprt.cpu.fast_linear.prepack`). The twin is
+    built of the reference modules and stack: neither `model`'s native decode path nor its
+    adapters are carried over."""
     with torch.device("meta"):
-        twin = TPLlamaForCausalLM(model.config, model.layout, model.tp, dtype=model.dtype)
+        twin = TPLlamaForCausalLM(model.config, model.layout, model.tp, dtype=model.dtype,
+                                  method=model.weight_method)
     source = model.state_dict()  # detached tensors sharing storage with model's parameters
     twin.load_state_dict({name: source[name] for name in twin.state_dict()}, strict=True, assign=True)
     twin.requires_grad_(False)
     theirs = dict(model.named_modules())
     for name, module in twin.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead)):
+        if isinstance(module, ParallelLinear):
             source_layer = theirs[name]
-            assert isinstance(source_layer, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))
-            module.method = source_layer.method
+            assert isinstance(source_layer, ParallelLinear)
+            module.method = source_layer.method.base
     return twin.eval()
 
 
@@ -118,20 +137,17 @@ def _manifest_dtype(ckpt: TPCheckpoint) -> torch.dtype:
 
 
 def _rank_state(
-    model: TPLlamaForCausalLM, files: RankFiles, path: Path, dtype: torch.dtype, device: torch.device,
-    one_block: bool = False,
+    model: TPLlamaForCausalLM, files: RankFiles, path: Path, device: torch.device, one_block: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Our parameter name -> a freshly allocated tensor holding this rank's values. With
-    `one_block` on CPU the tensors are views of one buffer on huge pages (`tprt.cpu.hugepages`):
-    decode streams them faster."""
+    """Our parameter name -> a freshly allocated tensor holding this rank's values, in the dtype
+    the parameter was created with (the model's for the dense format), filled by its layer's linear
+    method where it has one. With `one_block` on CPU the tensors are views of one buffer on huge
+    pages per dtype (`tprt.cpu.hugepages`): decode streams them faster."""
     state: dict[str, torch.Tensor] = {}
     params = model.state_dict(keep_vars=True)
-    if one_block and device.type == "cpu":
-        outs = huge_tensors([tuple(p.shape) for p in params.values()], dtype)
-    else:
-        outs = [torch.empty(p.shape, dtype=dtype, device=device) for p in params.values()]
+    outs = _allocate([(tuple(p.shape), p.dtype) for p in params.values()], device, one_block)
     for (name, param), out in zip(params.items(), outs):
-        row = 0
+        pieces, row = [], 0
         for src_name in hf_sources(name):
             if src_name not in files.manifest.tensors:
                 raise CheckpointError(f"{path / MANIFEST_NAME}: tensor {src_name!r} missing (needed for {name})")
@@ -142,12 +158,31 @@ def _rank_state(
                     f"{path}: tensor {src_name!r} has rank-{files.rank} shape {list(src.shape)}; "
                     f"the model expects rows of shape {list(param.shape[1:])} filling {list(param.shape)} ({name})"
                 )
-            out[row : row + rows].copy_(src)  # casts and moves on the way
+            pieces.append(src)
             row += rows
         if row != param.shape[0]:
             raise CheckpointError(
                 f"{path}: tensors {hf_sources(name)} give {row} rows on rank {files.rank}; "
                 f"{name} needs {param.shape[0]}"
             )
+        owner_name, _, local = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if isinstance(owner, ParallelLinear):
+            owner.method.load_weight(owner, local, out, pieces)  # casts and moves on the way
+        else:
+            copy_rows(out, pieces)
         state[name] = out
     return state
+
+
+def _allocate(specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+              one_block: bool) -> list[torch.Tensor]:
+    """Uninitialised tensors of these (shape, dtype)s; with `one_block` on CPU, carved from one
+    huge-page buffer per dtype."""
+    if not (one_block and device.type == "cpu"):
+        return [torch.empty(shape, dtype=dt, device=device) for shape, dt in specs]
+    outs: dict[int, torch.Tensor] = {}
+    for dt in dict.fromkeys(dt for _, dt in specs):
+        where = [i for i, (_, d) in enumerate(specs) if d == dt]
+        outs.update(zip(where, huge_tensors([specs[i][0] for i in where], dt)))
+    return [outs[i] for i in range(len(specs))]

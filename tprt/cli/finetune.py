@@ -216,7 +216,7 @@ def _check_resume_early(cfg: FinetuneConfig, tp: int, digest: str) -> None:
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Checks the model, data and --out, then trains on the local ranks or torchrun's world;
     returns rank 0's summary (None-valued fields on other torchrun ranks)."""
-    from tprt.distributed.context import in_distributed_env
+    from tprt.distributed.context import ParallelDims, in_distributed_env
     from tprt.distributed.launcher import run_on_ranks
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
@@ -226,19 +226,20 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     _check_out(cfg)
     tok = Tokenizer.from_dir(cfg.model)
     dataset = prepare_data(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
-    dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size) if in_distributed_env() else cfg.dp
-    _check(cfg.dp in (1, dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dp}")
-    steps = total_steps(cfg, len(dataset.train), dp)
+    world_dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size)
+    dims = ParallelDims(tp=ckpt.tp_size, dp=world_dp if in_distributed_env() else cfg.dp)
+    _check(cfg.dp in (1, dims.dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dims.dp}")
+    steps = total_steps(cfg, len(dataset.train), dims.dp)
     _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
     r = dataset.report
     log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
              r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
     launcher_pid = None if in_distributed_env() else os.getpid()  # local ranks exit if this process dies
-    if not in_distributed_env() and dp > 1:
+    if not in_distributed_env() and dims.dp > 1:
         from tprt.distributed.launcher import launch_local
 
-        return dict(launch_local(dp * ckpt.tp_size, train_rank, (cfg, dataset, launcher_pid))[0])
+        return dict(launch_local(dims.world, train_rank, (cfg, dataset, launcher_pid))[0])
     return dict(run_on_ranks(cfg.model, train_rank, (cfg, dataset, launcher_pid), dp=True))
 
 

@@ -1,9 +1,12 @@
 """Faster inference matmuls on CPU: each linear layer's weight in the layout its kernel wants.
 
 On CPU, `F.linear` on a few rows of input (decode) streams the weight well below the memory
-bandwidth, and how far below depends on dtype and shape. `prepack(model)`, called after loading
-by whoever builds an inference model (the engine's runner), therefore gives every
-Column/RowParallelLinear and the LM head a `FastLinear` as its `method` (tprt.parallel.layers):
+bandwidth, and how far below depends on dtype and shape. `FastLinear` is the linear method
+(tprt.parallel.layers.LinearMethod) for that: the dense format's weights, plus copies derived from
+them after loading (`process_after_loading`: the packed copy), chosen per input row count.
+`prepack(model)`, called after loading by whoever builds an inference model (the engine's runner),
+gives every Column/RowParallelLinear and the LM head one, under any LoRA wrapping the layer, and
+times which copy serves one and a few rows over all layers of a weight shape:
 
 - inputs of more than one row (prefill, batched decode) use oneDNN's linear on a copy of the
   weight reordered once ("packed"): the CPU's bf16 dot-product instructions for bf16, better
@@ -33,7 +36,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +44,11 @@ import torch.nn.functional as F
 from tprt.cpu import native
 from tprt.cpu.threads import decode_threads
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead
+from tprt.parallel.layers import DenseLinear, ParallelLinear, set_base_method
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VARIANTS = ("native", "packed", "transposed", "dense")
-Layer = ColumnParallelLinear | RowParallelLinear | VocabParallelLMHead
+Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 # oneDNN picks the packed layout for an expected number of input rows. A hint of 1 made fp32
@@ -58,7 +61,7 @@ PACK_ROWS_HINT = 64
 FEW_ROWS = (2, 3, 4)
 
 
-def _packed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _packed(weight: torch.Tensor) -> Kernel:
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +71,7 @@ def _packed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
-def _transposed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _transposed(weight: torch.Tensor) -> Kernel:
     wt = weight.detach().t().contiguous()  # [in, out]
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -77,27 +80,40 @@ def _transposed(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
-def _dense(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _dense(weight: torch.Tensor) -> Kernel:
     w = weight.detach()
     return lambda x: F.linear(x, w)
 
 
-_MAKERS: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor] | None]] = {
+_MAKERS: dict[str, Callable[[torch.Tensor], Kernel | None]] = {
     "native": native.gemv_kernel, "packed": _packed, "transposed": _transposed, "dense": _dense}
 
 
-class FastLinear:
-    """A layer's `LinearMethod` (tprt.parallel.layers) from copies of its weight in faster layouts:
-    y = x @ W^T by `one` for a single row, `few` for the row counts in `few_rows`, `many` for the
-    rest (see the module docstring). Not a module: the packed tensors stay out of state_dict."""
+class FastLinear(DenseLinear):
+    """A layer's `LinearMethod` (tprt.parallel.layers) over the dense format's weight and copies
+    of it in faster layouts: y = x @ W^T by `one` for a single row, `few` for the row counts in
+    `few_rows`, `many` for the rest (see the module docstring). Built empty, it makes the packed
+    copy in `process_after_loading` and serves every row count from it until `prepack`'s timing
+    chooses (`choose`). Not a module: the copies stay out of state_dict."""
 
-    def __init__(self, many: Callable[[torch.Tensor], torch.Tensor], one: Callable[[torch.Tensor], torch.Tensor],
-                 one_variant: str, few: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 few_rows: frozenset[int] = frozenset()) -> None:
-        self.many, self.one, self.one_variant = many, one, one_variant
+    def __init__(self, many: Kernel | None = None, one: Kernel | None = None, one_variant: str = "packed",
+                 few: Kernel | None = None, few_rows: frozenset[int] = frozenset()) -> None:
+        self.many, self.one = many, one
+        self.one_variant = one_variant
+        self.few, self.few_rows = few, few_rows if few is not None else frozenset()
+
+    def process_after_loading(self, layer: ParallelLinear) -> None:
+        """(Re)makes the packed copy from the layer's weight; every row count uses it."""
+        self.many = self.one = _packed(layer.weight_matrix())
+        self.one_variant, self.few, self.few_rows = "packed", None, frozenset()
+
+    def choose(self, one: Kernel, one_variant: str, few: Kernel | None, few_rows: frozenset[int]) -> None:
+        """The kernels `prepack`'s timing picked for one row and for `few_rows` rows."""
+        self.one, self.one_variant = one, one_variant
         self.few, self.few_rows = few, few_rows if few is not None else frozenset()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.many is not None and self.one is not None, "FastLinear used before process_after_loading"
         rows = x.numel() // x.shape[-1]
         if rows == 1:
             return self.one(x)
@@ -106,12 +122,13 @@ class FastLinear:
             return self.few(x)
         return self.many(x)
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
         """The copies' product with autograd off; under autograd F.linear for a trainable weight,
         and for a frozen one (a LoRA base) the copies' product with the input's gradient taken
         from the weight itself."""
         if not torch.is_grad_enabled():
             return self(x)
+        weight = layer.weight_matrix()
         if weight.requires_grad:
             return F.linear(x, weight)
         out: torch.Tensor = _FrozenLinear.apply(x, weight, self)
@@ -143,11 +160,7 @@ def supported(model: TPLlamaForCausalLM) -> bool:
     return True
 
 
-def _weight(layer: Layer) -> torch.Tensor:
-    return layer.head_weight() if isinstance(layer, VocabParallelLMHead) else layer.weight
-
-
-def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int = 3) -> float:
+def _time_group(fns: list[Kernel], x: torch.Tensor, repeats: int = 3) -> float:
     """Best time of one pass of x through every layer of a group (streams their weights): CPU
     time when torch and the native pool run on one thread (steadier under other processes'
     load), wall time otherwise (CPU time would count a multi-threaded kernel's work on every core
@@ -164,12 +177,12 @@ def _time_group(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tens
 
 
 def _tune_one_row(weights: list[torch.Tensor], torch_threads: int | None
-                  ) -> tuple[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+                  ) -> tuple[str, list[Kernel]]:
     """The fastest variant for one-row inputs over a group of same-shape weights, and its
     callables; torch's variants timed on `torch_threads` (None: the current count), the threads
     one-row steps will give them (the native one runs on its own pool)."""
     x = torch.ones(1, weights[0].shape[1], dtype=weights[0].dtype)  # not randn: leave the global RNG alone
-    best: tuple[float, str, list[Callable[[torch.Tensor], torch.Tensor]]] | None = None
+    best: tuple[float, str, list[Kernel]] | None = None
     for name in VARIANTS:
         made = [_MAKERS[name](w) for w in weights]
         fns = [fn for fn in made if fn is not None]
@@ -184,8 +197,8 @@ def _tune_one_row(weights: list[torch.Tensor], torch_threads: int | None
     return best[1], best[2]
 
 
-def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tensor], torch.Tensor]]
-                   ) -> tuple[frozenset[int], list[Callable[[torch.Tensor], torch.Tensor]] | None]:
+def _tune_few_rows(weights: list[torch.Tensor], many: list[Kernel]
+                   ) -> tuple[frozenset[int], list[Kernel] | None]:
     """The row counts (of FEW_ROWS) at which the native few-row kernel beat the packed weights
     over a group of same-shape weights, and its callables (None when it is unavailable)."""
     made = [native.gemv_rows_kernel(w) for w in weights]
@@ -201,8 +214,8 @@ def _tune_few_rows(weights: list[torch.Tensor], many: list[Callable[[torch.Tenso
 
 
 def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int | None = None) -> dict[str, str]:
-    """Gives every linear layer and the LM head a `FastLinear` as its method when
-    `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
+    """Gives every linear layer and the LM head a `FastLinear` as its weight method (under any
+    LoRA wrapping it) when `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
     when nothing was done). Without `tune`, one-row inputs use the packed weight too (training:
     faster frozen-base products without the timing). `one_row_threads`: the torch threads
     one-row steps run on (tprt.engine.runner; None: the current count), which torch's one-row
@@ -212,22 +225,27 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
     native.set_threads(decode_threads())  # before the timings, so the native GEMV is timed as it will run
     if one_row_threads is not None:  # one-row steps never raise the count (tprt.engine.runner)
         one_row_threads = min(one_row_threads, torch.get_num_threads())
-    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelLMHead))]
-    groups: dict[tuple[int, ...], list[Layer]] = {}
-    for layer in layers:
-        groups.setdefault(tuple(_weight(layer).shape), []).append(layer)
-    chosen: dict[str, str] = {}
+    groups: dict[tuple[int, ...], list[tuple[ParallelLinear, FastLinear]]] = {}
     with torch.inference_mode():
+        for layer in model.modules():
+            if isinstance(layer, ParallelLinear):
+                method = FastLinear()
+                method.process_after_loading(layer)  # the packed copy
+                set_base_method(layer, method)
+                groups.setdefault(tuple(layer.weight_matrix().shape), []).append((layer, method))
+        chosen: dict[str, str] = {}
         for shape, group in groups.items():
-            weights = [_weight(layer) for layer in group]
-            many = [_packed(w) for w in weights]
-            name, ones = _tune_one_row(weights, one_row_threads) if tune else ("packed", many)
-            if name == "packed":
-                ones = many  # the same copy serves both
-            few_rows, fews = _tune_few_rows(weights, many) if tune else (frozenset(), None)
-            for i, (layer, m, o) in enumerate(zip(group, many, ones)):
-                layer.method = FastLinear(m, o, name, fews[i] if fews else None, few_rows)
-            chosen["x".join(map(str, shape))] = name
+            if tune:
+                weights = [layer.weight_matrix() for layer, _ in group]
+                many = [method.many for _, method in group]
+                assert all(m is not None for m in many)
+                name, ones = _tune_one_row(weights, one_row_threads)
+                few_rows, fews = _tune_few_rows(weights, cast(list[Kernel], many))
+                for i, (_, method) in enumerate(group):
+                    one = method.many if name == "packed" else ones[i]  # packed: the same copy serves both
+                    assert one is not None
+                    method.choose(one, name, fews[i] if fews else None, few_rows)
+            chosen["x".join(map(str, shape))] = group[0][1].one_variant
     return chosen
 
 
@@ -245,6 +263,6 @@ def torch_thread_count(threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def one_row_native(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
+def one_row_native(*linears: ParallelLinear) -> bool:
     """Whether `prepack` chose the native GEMV for one-row inputs of each of these layers."""
-    return all(getattr(linear.method, "one_variant", None) == "native" for linear in linears)
+    return all(isinstance(m := linear.method.base, FastLinear) and m.one_variant == "native" for linear in linears)

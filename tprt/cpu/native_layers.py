@@ -1,8 +1,10 @@
-"""CPU decode through tprt's compiled kernels (`tprt.cpu.native`), as layers swapped into a model.
+"""CPU decode through tprt's compiled kernels (`tprt.cpu.native`), as layers and a decoder stack
+swapped into a model.
 
 `install_native_layers(model)` replaces the model's reference modules (tprt.model.llama) with the
-subclasses below, over the same parameters and submodules. Each runs its kernel only for the
-inference step it was written for and otherwise falls back to the reference math:
+subclasses below, over the same parameters and submodules, and its stack with the native one.
+Each runs its kernel only for the inference step it was written for and otherwise falls back to
+the reference math:
 
 - `NativeRMSNorm`: any call with autograd off, in one compiled call;
 - `NativeAttention`: a one-token step (any batch) with autograd off over a float32 KV cache:
@@ -12,11 +14,11 @@ inference step it was written for and otherwise falls back to the reference math
   layer all-reduces; the attention half also needs a float32 cache. A half gets its kernel only
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
-- `NativeDecodeStack` (the model's `decode_stack`): where every layer has both halves' kernels,
+- `NativeDecodeStack` (the model's `stack`): where every layer has both halves' kernels,
   a decode step of 1 to 8 rows with autograd off, a float32 cache and no adapter acting runs
   every layer in one compiled call, with the all-reduces between halves in C through the TP
   group's shared-memory all-reduce where TP > 1 (so not where the group has none: ranks on
-  several hosts). One row gets the halves' bits.
+  several hosts). One row gets the halves' bits. Other steps run the layers one by one.
 
 Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
 unavailable (no C compiler, another dtype): the model then keeps the reference modules.
@@ -32,7 +34,7 @@ from torch import nn
 
 from tprt.cpu import native
 from tprt.cpu.fast_linear import one_row_native, supported
-from tprt.model.llama import Attention, DecoderLayer, RMSNorm, Step, TPLlamaForCausalLM
+from tprt.model.llama import Attention, DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
 from tprt.parallel.layers import adapted
 
 Kernel = Callable[..., torch.Tensor]
@@ -99,28 +101,28 @@ class NativeDecoderLayer(DecoderLayer):
         return h + mlp(self.post_attention_layernorm(h))
 
 
-class NativeDecodeStack:
-    """The model's `decode_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for decode
-    steps of 1 to STACK_MAX_ROWS rows (one row: those `NativeDecoderLayer` would run half by half
-    in every layer); None for the others."""
+class NativeDecodeStack(LayerStack):
+    """A decoder stack running `kernel` (tprt.cpu.native.decode_stack_kernel) for decode steps of
+    1 to STACK_MAX_ROWS rows (one row: those `NativeDecoderLayer` would run half by half in every
+    layer) and the layers one by one for the others."""
 
     def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
         self.kernel = kernel
         self.linears = model.linears()
 
-    def __call__(self, h: torch.Tensor, step: Step) -> torch.Tensor | None:
+    def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
         if (h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
                 or step.cache is None or step.cache_step is None
                 or step.cache.dtype != torch.float32 or adapted(*self.linears)):
-            return None
+            return super().__call__(layers, h, step)
         return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
 
 
 def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
-    """Sets `model.decode_stack` to a NativeDecodeStack where every layer is a
-    NativeDecoderLayer with both halves and the TP group (if any) all-reduces through shared
-    memory; returns it, or None (and clears it) where it does not apply."""
-    model.decode_stack = None
+    """Makes `model.stack` a NativeDecodeStack where every layer is a NativeDecoderLayer with
+    both halves and the TP group (if any) all-reduces through shared memory; returns it, or None
+    (the model then gets the reference `LayerStack`) where it does not apply."""
+    model.stack = LayerStack()
     layers = list(model.layers)
     shm = model.tp.shm
     if not all(isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
@@ -142,13 +144,13 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
                                         first.self_attn.n_kv, all_reduce)
     if kernel is None:
         return None
-    model.decode_stack = stack = NativeDecodeStack(model, kernel)
+    model.stack = stack = NativeDecodeStack(model, kernel)
     return stack
 
 
 def _take_over(new: nn.Module, old: nn.Module) -> None:
     """Gives `new` (built on the meta device) `old`'s own parameters and submodules: the swap
-    shares every tensor and each child's state (its linear method, its adapter)."""
+    shares every tensor and each child's state (its linear method, any adapter it wraps)."""
     for name, param in old.named_parameters(recurse=False):
         setattr(new, name, param)
     for name, child in old.named_children():

@@ -5,9 +5,10 @@
 returns a frozen `TPContext`. Nothing below this module reads the environment. On CPU, a TP group
 whose ranks share a host also gets a shared-memory all-reduce (tprt.distributed.shm_allreduce).
 
-The world is laid out as a 2-D mesh [dp, tp] with the TP ranks innermost (consecutive global
-ranks share a TP group, so on a multi-GPU node TP traffic stays on NVLink). Inference uses
-tp == world size and no DP group; the fine-tuning path may ask for tp < world size.
+The world is laid out by one `ParallelDims` as a mesh [pp, dp, tp] with the TP ranks innermost
+(consecutive global ranks share a TP group, so on a multi-GPU node TP traffic stays on NVLink);
+pp is always 1 for now. Inference uses tp == world size and no DP group; the fine-tuning path may
+ask for tp < world size.
 """
 
 from __future__ import annotations
@@ -24,6 +25,58 @@ from tprt.distributed.shm_allreduce import ShmAllReduce, for_group
 from tprt.errors import ConfigError
 
 log = logging.getLogger("tprt")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How the world's ranks divide: `tp` ranks per tensor-parallel group (innermost: consecutive
+    global ranks), `dp` data-parallel replicas of it, `pp` pipeline stages (room for them: only 1
+    is supported)."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.pp != 1:
+            raise ConfigError(f"--pp {self.pp}: pipeline parallelism is not supported (expected 1)")
+
+    @classmethod
+    def for_world(cls, world: int, tp: int | None = None) -> ParallelDims:
+        """The layout of `world` ranks in TP groups of `tp` (None: one group of all), the rest DP."""
+        tp = tp or world
+        if tp < 1 or world % tp:
+            raise ConfigError(f"--tp {tp} does not divide the world size {world}")
+        return cls(tp=tp, dp=world // tp)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """(dp, tp): the DeviceMesh of FSDP (tprt.train.fsdp), dimensions named MESH_DIMS."""
+        return self.dp, self.tp
+
+    def tp_rank(self, global_rank: int) -> int:
+        return global_rank % self.tp
+
+    def dp_rank(self, global_rank: int) -> int:
+        return global_rank // self.tp
+
+    def tp_group_ranks(self, dp_rank: int) -> list[int]:
+        """The global ranks of DP replica `dp_rank`'s TP group."""
+        return list(range(dp_rank * self.tp, (dp_rank + 1) * self.tp))
+
+    def dp_group_ranks(self, tp_rank: int) -> list[int]:
+        """The global ranks holding TP shard `tp_rank` (one per DP replica)."""
+        return list(range(tp_rank, self.world, self.tp))
+
+
+MESH_DIMS = ("dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -51,6 +104,11 @@ class TPContext:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The world's layout this context is part of."""
+        return ParallelDims(tp=self.world_size, dp=self.dp_size)
 
     @property
     def is_main(self) -> bool:
@@ -102,42 +160,42 @@ def init_distributed(
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-    tp = tp_size or world
-    if tp < 1 or world % tp:
-        raise ConfigError(f"--tp {tp} does not divide the world size {world}")
-    tp_group, dp_group = build_mesh_groups(world, tp, rank)
-    shm = for_group(tp_group, rank % tp, tp, timeout_s) if backend == "gloo" and device.type == "cpu" and tp > 1 else None
+    dims = ParallelDims.for_world(world, tp_size)
+    tp_group, dp_group = build_mesh_groups(dims, rank)
+    tp_rank = dims.tp_rank(rank)
+    shm = (for_group(tp_group, tp_rank, dims.tp, timeout_s)
+           if backend == "gloo" and device.type == "cpu" and dims.tp > 1 else None)
     return TPContext(
         group=tp_group,
-        rank=rank % tp,
-        world_size=tp,
+        rank=tp_rank,
+        world_size=dims.tp,
         device=device,
         backend=backend,
         global_rank=rank,
         dp_group=dp_group,
-        dp_rank=rank // tp,
-        dp_size=world // tp,
+        dp_rank=dims.dp_rank(rank),
+        dp_size=dims.dp,
         shm=shm,
     )
 
 
-def build_mesh_groups(world: int, tp: int, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """This rank's (TP group, DP group) in a [world // tp, tp] mesh; collective over the world.
+def build_mesh_groups(dims: ParallelDims, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's (TP group, DP group) in the [dp, tp] mesh of `dims`; collective over the world.
 
     Every rank must call this with the same arguments: `new_group` is itself collective.
     """
-    if tp == world:
+    if dims.tp == dims.world:
         assert dist.group.WORLD is not None
         return dist.group.WORLD, None
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    for d in range(world // tp):
-        g = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-        if rank // tp == d:
+    for d in range(dims.dp):
+        g = dist.new_group(dims.tp_group_ranks(d))
+        if dims.dp_rank(rank) == d:
             tp_group = g
-    for t in range(tp):
-        g = dist.new_group(list(range(t, world, tp)))
-        if rank % tp == t:
+    for t in range(dims.tp):
+        g = dist.new_group(dims.dp_group_ranks(t))
+        if dims.tp_rank(rank) == t:
             dp_group = g
     assert tp_group is not None and dp_group is not None
     return tp_group, dp_group

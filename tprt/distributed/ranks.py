@@ -7,10 +7,10 @@ Followers (TP ranks 1..N-1) spend their life in `follower_loop`: inside their en
 execute it with rank 0, after which they follow again; EXIT ends the loop.
 
 A command runs on every rank in the same order, and then the ranks exchange a one-line error or
-None (`all_gather_object`): if any rank failed, every rank knows it, its executor drops what
-the command started (`abandon`), and `CommandFailed` is raised on every rank (rank 0's caller
-handles it; a follower carries on). A rank that fails *inside* a collective leaves its peers
-waiting until the collective timeout.
+None (`tprt.distributed.together.run_together`): if any rank failed, every rank knows it, its
+executor drops what the command started (`abandon`), and `CommandFailed` is raised on every rank
+(rank 0's caller handles it; a follower carries on). A rank that fails *inside* a collective
+leaves its peers waiting until the collective timeout.
 
 While idle, rank 0 sends a keepalive every few seconds (`RankGroup.keepalive`). On one rank
 nothing is sent and a command simply runs.
@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, cast
-
-import torch.distributed as dist
+from typing import Protocol, TypeVar
 
 from tprt.distributed.context import TPContext
 from tprt.distributed.launcher import one_line
 from tprt.distributed.protocol import Command, Tag, receive_command, send_command, send_signal
+from tprt.distributed.together import PeerFailed, run_together
 from tprt.errors import TprtError
 
 log = logging.getLogger("tprt")
@@ -52,25 +51,17 @@ class CommandExecutor(Protocol):
 
 
 def run_command(cmd: Command[R], ctx: TPContext, executor: CommandExecutor) -> R:
-    """Runs `cmd` here, then learns whether every rank succeeded (collective). Raises
-    CommandFailed on every rank when one failed."""
-    error: str | None = None
-    result: Any = None
+    """Runs `cmd` here, then learns whether every rank succeeded (collective: `run_together` over
+    the TP group). Raises CommandFailed on every rank when one failed, after `abandon`."""
     try:
-        result = executor.execute(cmd)
-    except Exception as e:  # noqa: BLE001 - reported to every rank below
-        error = one_line(e)
-        log.debug("command %s failed on rank %d", type(cmd).__name__, ctx.rank, exc_info=True)
-    errors: list[Any] = [error]
-    if ctx.world_size > 1:
-        errors = [None] * ctx.world_size
-        dist.all_gather_object(errors, error, group=ctx.group)
-    failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
-    if failed:
+        return run_together(lambda: executor.execute(cmd), f"command {type(cmd).__name__}", ctx)
+    except PeerFailed as e:
         executor.abandon()
-        r, msg = failed[0]
-        raise CommandFailed(msg if r == 0 else f"rank {r}: {msg}")
-    return cast(R, result)
+        raise CommandFailed(f"rank {e.rank}: {e.error}") from None
+    except Exception as e:  # noqa: BLE001 - this rank's own failure, which every rank now knows
+        log.debug("command %s failed on rank %d", type(cmd).__name__, ctx.rank, exc_info=True)
+        executor.abandon()
+        raise CommandFailed(one_line(e)) from e
 
 
 class RankGroup:

@@ -201,7 +201,7 @@ class Engine:
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
-        routed to (`tprt.lora.routing.AdapterPool`; 0 = the base model). Raises ValidationError naming the
+        routed to (`tprt.lora.routing.AdapterSlots`; 0 = the base model). Raises ValidationError naming the
         field (prompt, max_new_tokens, stop_strings, request_id or a sampling field), through the
         same checks as the front ends' `tprt.engine.request.resolve_sampling`."""
         self._require_driver()

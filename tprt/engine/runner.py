@@ -31,7 +31,7 @@ import torch
 
 from tprt.cpu.fast_linear import prepack
 from tprt.cpu.native_layers import install_native_layers
-from tprt.lora.routing import AdapterPool
+from tprt.lora.routing import AdapterSlots
 from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.plan import BatchPlan, StepPlan
@@ -64,7 +64,7 @@ class ModelRunner:
             prepack(model, one_row_threads=one_row_threads)
             install_native_layers(model)
         # The adapters served side by side (tprt.lora.routing); each batch's rows are routed to them.
-        self.adapters = AdapterPool(model)
+        self.adapters = AdapterSlots(model)
         self.device = model.tp.device
         self.cache: KVCache = model.new_cache(n_blocks, block_size, cache_dtype)
         self._arange = torch.arange(max_seq_len, device=self.device)

@@ -6,5 +6,6 @@
 - `attach`: build an adapter for a model, attach and detach it (`apply_lora` for training);
 - `peft_io`: PEFT state dicts, adapter_config.json, reading an adapter directory;
 - `merge`: folding attached adapters into the base weights;
-- `routing`: adapters served side by side, each batch row routed to one.
+- `method`: LoRA as a linear method wrapping the base layer's (`LoRAMethod`, `wrap`, `unwrap`);
+- `routing`: adapters served side by side in `AdapterSlots`, each batch row routed to one.
 """

@@ -5,8 +5,8 @@ Kaiming-uniform, B zero) and marked with its TP layout (tprt.parallel.spec), wit
 the model. The initialisation is drawn for each whole unsharded matrix from a seeded generator
 on every rank and sliced, so every rank agrees and the result does not depend on the TP degree.
 
-`attach` puts the modules on their base layers (each layer's `adapter`), `detach` takes them off
-again; `apply_lora` is training's step: build, freeze the base model, attach. Serving installs
+`attach` wraps each module around its base layer's linear method (tprt.lora.method), `detach`
+takes them off again; `apply_lora` is training's step: build, freeze the base model, attach. Serving installs
 adapters side by side instead (tprt.lora.routing).
 """
 
@@ -22,6 +22,7 @@ from torch import nn
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
 from tprt.lora.config import TARGETS, check_hparams, normalize_targets
+from tprt.lora.method import unwrap, wrap
 from tprt.lora.modules import ColumnLoRA, LoRAModule, RowLoRA, Segment
 from tprt.lora.sites import Site, full_shape, local_factor, sites
 from tprt.model.llama import TPLlamaForCausalLM
@@ -111,7 +112,7 @@ def attach(model: TPLlamaForCausalLM, adapter: LoRAAdapter) -> None:
     if any(site.linear.adapter is not None for site, _ in adapter.pieces):
         raise ConfigError("a targeted layer already has an adapter; detach it first")
     for site, module in adapter.pieces:
-        site.linear.adapter = module
+        wrap(site.linear, module)
 
 
 def attached(model: TPLlamaForCausalLM) -> LoRAAdapter:
@@ -124,7 +125,7 @@ def detach(model: TPLlamaForCausalLM) -> LoRAAdapter:
     """Takes every attached LoRA module off `model`; returns them (they can be attached again)."""
     adapter = attached(model)
     for site, _ in adapter.pieces:
-        site.linear.adapter = None
+        unwrap(site.linear)
     return adapter
 
 

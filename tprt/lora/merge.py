@@ -6,7 +6,7 @@ import torch
 
 from tprt.lora.attach import detach
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.parallel.layers import DENSE
+from tprt.parallel.layers import DENSE, set_base_method
 
 
 @torch.no_grad()
@@ -19,5 +19,5 @@ def merge_lora(model: TPLlamaForCausalLM) -> int:
     adapter = detach(model)
     for site, module in adapter.pieces:
         module.merge_into(site.linear.weight)
-        site.linear.method = DENSE
+        set_base_method(site.linear, DENSE)
     return len(adapter.pieces)

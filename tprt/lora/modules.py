@@ -15,8 +15,8 @@ A LoRA on a weight W [out, in] adds `scale * B (A x)` with A [r, in], B [out, r]
   all-reduce, which sums the shares into `scale * B (A x)`: no extra collective. B's gradient is
   a share (x_r only) and is summed over the TP group by `sync_gradients`.
 
-A module sits on its base layer as the layer's `adapter(x, y) -> y'` (tprt.parallel.layers);
-`tprt.lora.attach` builds, attaches and detaches them. With dropout > 0 the masks come from
+A module acts as `adapter(x, y) -> y'` on its base layer's product, wrapped around the layer's
+linear method (tprt.lora.method); `tprt.lora.attach` builds, attaches and detaches them. With dropout > 0 the masks come from
 each rank's RNG: seed the TP ranks alike for the column adapters' masks to agree.
 """
 
@@ -54,6 +54,10 @@ class _LoRA(nn.Module):
     @property
     def targets(self) -> list[str]:
         return list(self.lora_A.keys())
+
+    def applies(self) -> bool:
+        """An attached module adds its delta to every call (tprt.lora.method.Adapter)."""
+        return True
 
     def delta(self, target: str, x: torch.Tensor) -> torch.Tensor:
         """scale * B (A dropout(x)) for one target: [..., in] -> [..., rows of B]."""

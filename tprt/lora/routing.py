@@ -1,9 +1,10 @@
 """Several LoRA adapters in one batch: each row of a forward call uses its own adapter (or none).
 
-A server keeps every loaded adapter on the model at once, in an `AdapterPool` (the engine's
-runner holds one). Each targeted base layer gets one `AdapterSet` as its `adapter`, holding that
-layer's module of every installed adapter by a small integer index (0 is reserved for the base
-model). Before each forward call the pool's owner routes the batch's rows (`route`: which index
+A server keeps every loaded adapter on the model at once, in numbered `AdapterSlots` (the
+engine's runner holds them). Each targeted base layer gets one `AdapterSet` wrapped around its
+linear method (tprt.lora.method), holding that layer's module of every installed adapter by its
+slot, a small integer index (0 is reserved for the base model). Before each forward call the
+slots' owner routes the batch's rows (`route`: which index
 each row uses); every AdapterSet then applies each adapter to its rows only. When all rows share
 one adapter, its module runs on the whole batch. Otherwise (Punica's grouped idea) the rows are
 grouped by adapter once per routing, each group padded to the largest group's size, and each
@@ -21,7 +22,7 @@ all-reduce) are unchanged.
 
 Tiers: an installed adapter is on the model's device and can be routed to; `offload` takes it off
 the layers and keeps its modules in host memory (`host`), `restore` puts them back under the same
-index, `drop` forgets it. Which adapters sit in which tier is rank 0's decision (serve/adapter_pool.py);
+index, `drop` forgets it. Which adapters sit in which tier is rank 0's decision (serve's AdapterPool);
 every rank applies the same moves, so the tiers agree across the TP group.
 """
 
@@ -34,14 +35,16 @@ import torch
 from torch import nn
 
 from tprt.lora.attach import LoRAAdapter
+from tprt.lora.method import wrap
 from tprt.lora.modules import LoRAModule
 from tprt.model.llama import TPLlamaForCausalLM
 
 BASE = 0  # the index of "no adapter"
 
 
-class AdapterPool:
-    """The adapters installed side by side on one model, and the rows routed to each."""
+class AdapterSlots:
+    """The adapters installed side by side on one model, each under its slot index, and the rows
+    routed to each."""
 
     def __init__(self, model: TPLlamaForCausalLM) -> None:
         self.model = model
@@ -57,7 +60,7 @@ class AdapterPool:
         return [linear.adapter for linear in self.model.linears() if isinstance(linear.adapter, AdapterSet)]
 
     def install(self, index: int, adapter: LoRAAdapter) -> None:
-        """Installs `adapter` (built for this pool's model) for inference under `index` (> 0),
+        """Installs `adapter` (built for these slots' model) for inference under `index` (> 0),
         replacing whatever was installed there."""
         if index == BASE:
             raise ValueError(f"adapter index {BASE} is reserved for the base model")
@@ -70,10 +73,11 @@ class AdapterPool:
         for site, module in adapter.pieces:
             linear = site.linear
             if linear.adapter is None:
-                linear.adapter = AdapterSet(self)
-            elif not isinstance(linear.adapter, AdapterSet) or linear.adapter.pool is not self:
-                raise ValueError("a base layer already has an adapter that is not this pool's AdapterSet")
-            linear.adapter.members[str(index)] = module.eval().requires_grad_(False)
+                wrap(linear, AdapterSet(self))
+            members = linear.adapter
+            if not isinstance(members, AdapterSet) or members.slots is not self:
+                raise ValueError("a base layer already has an adapter that is not these slots' AdapterSet")
+            members.members[str(index)] = module.eval().requires_grad_(False)
         self.installed.add(index)
         self.version += 1
         self._device_copies[index] = adapter
@@ -158,12 +162,12 @@ class Grouped:
 class AdapterSet(nn.Module):
     """A base layer's modules of several adapters (`adapter(x, y) -> y'` each), applied per row."""
 
-    def __init__(self, pool: AdapterPool) -> None:
+    def __init__(self, slots: AdapterSlots) -> None:
         super().__init__()
-        self.pool = pool
+        self.slots = slots
         self.members = nn.ModuleDict()  # str(adapter index) -> that adapter's module for this layer
         # Per target: (A [1 + members, r_max, in], B * scale [1 + members, out, r_max], (start, stop) or
-        # None for every output column), built for pool version `_version`; `_slots` adapter index -> position.
+        # None for every output column), built for slots version `_version`; `_slots` adapter index -> position.
         self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]] = {}
         self._slots: dict[int, int] = {}
         self._version = -1
@@ -172,15 +176,15 @@ class AdapterSet(nn.Module):
         self._picked: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]] = ((), [])
 
     def applies(self) -> bool:
-        """Whether the current routing sends rows to a member of this set (tprt.parallel.layers.adapted)."""
-        return any(str(index) in self.members for index, _ in self.pool.groups)
+        """Whether the current routing sends rows to a member of this set (tprt.lora.method.Adapter)."""
+        return any(str(index) in self.members for index, _ in self.slots.groups)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [rows, ...] the layer's input, y [rows, ...] its base output."""
-        grouped = self.pool.grouped
+        grouped = self.slots.grouped
         if grouped is not None and not torch.is_grad_enabled():
             return self._grouped(grouped, x, y)
-        for index, rows in self.pool.groups:
+        for index, rows in self.slots.groups:
             if str(index) not in self.members:  # this adapter does not target this layer
                 continue
             member = self.members[str(index)]
@@ -213,7 +217,7 @@ class AdapterSet(nn.Module):
         """Per target: A^T [groups, in, r] and (scale B)^T [groups, r, out] of the groups' adapters
         (zeros for one that does not target this layer), and the output columns they add to."""
         stacks = self._current_stacks()
-        key = (self.pool.version, *indices)
+        key = (self.slots.version, *indices)
         if self._picked[0] != key:
             positions = torch.tensor([self._slots.get(i, 0) for i in indices], device=device)
             picked = [(a.index_select(0, positions).transpose(1, 2).contiguous(),
@@ -223,7 +227,7 @@ class AdapterSet(nn.Module):
 
     def _current_stacks(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]:
         """Every member's factors stacked per target (rebuilt when the installed adapters change)."""
-        if self._version == self.pool.version:
+        if self._version == self.slots.version:
             return self._stacks
         members = sorted((int(k), cast(LoRAModule, m)) for k, m in self.members.items())
         self._slots = {index: pos for pos, (index, _) in enumerate(members, start=1)}
@@ -243,5 +247,5 @@ class AdapterSet(nn.Module):
             segments = getattr(first, "segments", None)
             cols = None if segments is None else (segments[t].start, segments[t].stop)
             self._stacks[t] = (a_stack, b_stack, cols)
-        self._version = self.pool.version
+        self._version = self.slots.version
         return self._stacks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +120,6 @@ class ModelConfig:
         return cls.from_dict(read_json_object(path, str(path), "a Hugging Face config.json", ConfigError),
                              source=str(path))
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("raw")
-        return d
-
 
 def _parse_rope_scaling(rs: Any, source: str) -> RopeScaling | None:
     if rs is None:
@@ -191,12 +186,6 @@ class TPLayout:
     @property
     def local_kv_heads(self) -> int:
         return max(1, self.num_kv_heads // self.tp)
-
-    def kv_head_start(self, rank: int) -> int:
-        """First global kv head held by `rank`."""
-        if self.kv_replication > 1:
-            return rank // self.kv_replication
-        return rank * self.local_kv_heads
 
     @property
     def local_vocab(self) -> int:

@@ -5,16 +5,17 @@ Per rank: q heads [r * H/TP, (r+1) * H/TP); kv heads as the manifest places them
 TP > n_kv each rank holds kv head r // (TP / n_kv)). q/k/v and gate/up are fused per rank at load
 time: qkv_proj rows are [q_r; k_r; v_r] and gate_up_proj rows [gate_r; up_r].
 
-Every module here has one forward: the math. Faster paths are chosen after loading, in the open:
-each linear layer's `method` (tprt.parallel.layers; CPU-packed by `tprt.cpu.fast_linear.prepack`),
-and, for CPU decode, subclasses of RMSNorm, Attention and DecoderLayer that run compiled kernels
-for one-row steps, and a compiled call running every layer of a decode step of a few rows
-(`tprt.cpu.native_layers.install_native_layers` swaps them in and sets `decode_stack`).
+Every module here has one forward: the math. Other paths are chosen in the open, never through
+a slot the forward consults: each linear layer's `LinearMethod` (tprt.parallel.layers: the weight
+format, CPU-packed copies from `tprt.cpu.fast_linear.prepack`, LoRA from `tprt.lora`); for CPU
+decode, subclasses of RMSNorm, Attention and DecoderLayer that run compiled kernels for one-row
+steps (swapped in by `tprt.cpu.native_layers.install_native_layers`); and the decoder stack
+(`stack`), the one object that runs the layers: `LayerStack` (the reference), `CheckpointedStack`
+(training: activations recomputed in the backward) or the CPU native stack (every layer of a
+decode step in one compiled call, `tprt.cpu.native_layers.NativeDecodeStack`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,8 @@ from tprt.model.config import ModelConfig, TPLayout
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
 from tprt.model.kv_cache import CacheStep, KVCache
-from tprt.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                  VocabParallelLMHead, adapted)
+from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
+                                  VocabParallelEmbedding, VocabParallelLMHead, adapted)
 from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
 
 
@@ -59,7 +60,8 @@ class Step:
 class Attention(nn.Module):
     """GQA self-attention over this rank's heads; the o_proj all-reduce completes it."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None,
+                 method: LinearMethod = DENSE):
         super().__init__()
         self.layer = layer
         self.n_heads = layout.local_heads
@@ -67,8 +69,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.gqa = self.n_heads != self.n_kv
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype)
-        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype, method)
+        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
@@ -100,11 +102,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU over this rank's slice of the intermediate features; down_proj all-reduces."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype | None, method: LinearMethod = DENSE):
         super().__init__()
         local = cfg.intermediate_size // ctx.world_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * local, ctx, dtype)
-        self.down_proj = RowParallelLinear(local, cfg.hidden_size, ctx, dtype)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * local, ctx, dtype, method)
+        self.down_proj = RowParallelLinear(local, cfg.hidden_size, ctx, dtype, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
@@ -113,23 +115,51 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None,
+                 method: LinearMethod = DENSE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layout, ctx, layer, dtype)
+        self.self_attn = Attention(cfg, layout, ctx, layer, dtype, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, ctx, dtype)
+        self.mlp = MLP(cfg, ctx, dtype, method)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class LayerStack:
+    """The decoder stack: runs the layers one after another. The reference, and the base of the
+    other stacks, which fall back to it for the steps they do not take. Not a module: it owns no
+    parameters (the model's `layers` hold them, under their checkpoint names)."""
+
+    def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
+        """h [batch, seq, hidden] through every layer."""
+        for layer in layers:
+            h = layer(h, step)
+        return h
+
+
+class CheckpointedStack(LayerStack):
+    """Training's stack: under autograd each layer keeps only its input and recomputes its
+    activations in the backward (torch.utils.checkpoint, non-reentrant), repeating its
+    collectives there in the same order on every rank."""
+
+    def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().__call__(layers, h, step)
+        for layer in layers:
+            h = checkpoint(layer, h, step, use_reentrant=False)
+        return h
+
+
 class TPLlamaForCausalLM(nn.Module):
     """This rank's shard of a Llama causal LM; build on the meta device and load with
-    `tprt.checkpoint.loading.load_model`."""
+    `tprt.checkpoint.loading.load_model`. `method`: the weight format of the decoder's linear
+    layers (their `LinearMethod` creates their parameters); the embedding and LM head are dense."""
 
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, dtype: torch.dtype | None = None):
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, dtype: torch.dtype | None = None,
+                 method: LinearMethod = DENSE):
         super().__init__()
         if layout.tp != ctx.world_size:
             raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
@@ -141,17 +171,16 @@ class TPLlamaForCausalLM(nn.Module):
         self.layout = layout
         self.tp = ctx
         self.embed_tokens = VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.weight_method = method
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype, method)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype)
         # Derived, never loaded: a plain float32 attribute on the real device even under meta.
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
-        # Training: recompute each block's activations in the backward (tprt.train.step).
-        self.checkpoint_layers = False
-        # CPU decode: every layer of a decode step of 1-8 rows in one compiled call, set by
-        # tprt.cpu.native_layers.install_native_layers; returns None for steps it does not take.
-        self.decode_stack: Callable[[torch.Tensor, Step], torch.Tensor | None] | None = None
+        # What runs the layers: the reference until training or CPU decode swaps in another (module docstring).
+        self.stack: LayerStack = LayerStack()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -159,7 +188,8 @@ class TPLlamaForCausalLM(nn.Module):
 
     def has_adapters(self) -> bool:
         """True when an adapter (e.g. LoRA) acts on some layer in the coming forward call: any
-        attached one, or a `tprt.lora.routing.AdapterSet` with rows routed to one of its members."""
+        attached one, or a `tprt.lora.routing.AdapterSet` with rows routed to one of its members
+        (`LinearMethod.adapts`)."""
         return adapted(*self.linears())
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
@@ -213,15 +243,7 @@ class TPLlamaForCausalLM(nn.Module):
             if tables is None:
                 raise ValueError("block tables are required with a KV cache")
             cache_step = cache.prepare(positions, tables, kv_len, starts)
-        step = Step(cos, sin, cache, cache_step)
-        if self.decode_stack is not None and (out := self.decode_stack(h, step)) is not None:
-            return out
-        for layer in self.layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
-                h = checkpoint(layer, h, step, use_reentrant=False)
-            else:
-                h = layer(h, step)
-        return h
+        return self.stack(self.layers, h, Step(cos, sin, cache, cache_step))
 
     def forward(
         self,

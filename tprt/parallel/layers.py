@@ -7,15 +7,17 @@ Weights are stored as in Hugging Face, [out, in], holding this rank's slice:
 - VocabParallelEmbedding: vocabulary rows [vocab_local, hidden] of the padded vocabulary.
 - VocabParallelLMHead: vocabulary rows [vocab_local, hidden]; logits of padding rows are -inf.
 
-The linear layers and the LM head compute their product through one `LinearMethod` each
-(`method`): `DENSE` (F.linear) as built, a CPU-packed one once `tprt.cpu.fast_linear.prepack`
-chose it for the loaded weights. A LoRA adapter (tprt.lora) joins a linear layer as its
-`adapter` submodule, attached and detached explicitly.
+The linear layers and the LM head own no weight logic: each holds one `LinearMethod` (`method`)
+that creates the layer's parameters, fills them from this rank's checkpoint tensors, post-processes
+them once loaded and computes the product. `DENSE` (F.linear) is every layer's method as built; the
+CPU-packed one (`tprt.cpu.fast_linear.FastLinear`) and LoRA (`tprt.lora.method.LoRAMethod`, which
+wraps another method) replace it in the open, never through a slot the forward consults.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -25,78 +27,145 @@ from tprt.distributed.context import TPContext
 from tprt.parallel.mappings import copy_to_region, gather_from_region, gather_to_first, reduce_from_region
 
 
-class LinearMethod(Protocol):
-    """How a linear layer computes x @ W^T from its weight W [out, in], chosen once the weights are
-    loaded (`tprt.cpu.fast_linear.prepack` picks a faster one on CPU). It must give the same
-    gradients as F.linear whenever autograd records the product."""
+def copy_rows(dest: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+    """Fills `dest` with `pieces` stacked along dim 0, casting on the way (the loader checked that
+    they fill it exactly)."""
+    row = 0
+    for piece in pieces:
+        dest[row : row + piece.shape[0]].copy_(piece)
+        row += piece.shape[0]
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+class LinearMethod:
+    """How a linear layer holds its weights and computes y = x @ W^T, as vLLM's linear methods do.
+
+    The lifecycle, in order: `create_weights` registers the parameters the format needs on the
+    layer (on the meta device at build time; their names are the checkpoint's); the loader calls
+    `load_weight` for each of them with a fresh tensor of that parameter's shape and dtype and this
+    rank's checkpoint tensors for it (`tprt.checkpoint.loading`); `process_after_loading` derives
+    what the format computes from (packed copies, ...); `apply` computes the product. Any method
+    must give F.linear's gradients whenever autograd records the product.
+
+    A method that wraps another (LoRA: `tprt.lora.method`) sets `inner`; `base` is the innermost
+    one, which owns the layer's weight.
+    """
+
+    inner: LinearMethod | None = None
+
+    def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
+                       dtype: torch.dtype | None) -> None:
+        raise NotImplementedError
+
+    def load_weight(self, layer: ParallelLinear, name: str, dest: torch.Tensor,
+                    pieces: Sequence[torch.Tensor]) -> None:
+        """Fills `dest` (allocated like the layer's parameter `name`) from this rank's checkpoint
+        tensors for it, in row order (e.g. the q, k and v slices of a fused qkv_proj)."""
+        copy_rows(dest, pieces)
+
+    def process_after_loading(self, layer: ParallelLinear) -> None:
+        """Called once the layer's parameters hold their values (and again whenever they change)."""
+
+    def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def adapts(self) -> bool:
+        """Whether an adapter adds to the product in the coming forward call (fused kernels that
+        read the weight directly must then step aside)."""
+        return False
+
+    @property
+    def base(self) -> LinearMethod:
+        return self if self.inner is None else self.inner.base
 
 
-class DenseLinear:
-    """F.linear on the weight itself: every layer's method until a faster one is chosen."""
+class DenseLinear(LinearMethod):
+    """The dense format: one parameter `weight` [out, in] in the model's dtype; F.linear on it."""
 
-    def apply(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
+    def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
+                       dtype: torch.dtype | None) -> None:
+        # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight_matrix())
 
 
 DENSE = DenseLinear()  # stateless: one instance serves every layer
 
-
-def adapted(*linears: ColumnParallelLinear | RowParallelLinear) -> bool:
-    """Whether an adapter acts on any of these layers in the coming forward call: any attached
-    one, except a routed set (tprt.lora.routing.AdapterSet) none of whose members has rows routed to it."""
-    for linear in linears:
-        adapter = linear.adapter
-        if adapter is not None and getattr(adapter, "applies", lambda: True)():
-            return True
-    return False
+# Weight formats by the name a checkpoint's manifest gives them (`extra["weight_format"]`; absent:
+# "dense"): the method the loader builds the decoder's linear layers with. A new format is a
+# LinearMethod subclass registered here plus one converter rule that writes its tensors
+# (docs/DESIGN.md, "Adding a weight format").
+WEIGHT_FORMATS: dict[str, LinearMethod] = {"dense": DENSE}
 
 
-def _empty(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype))
+def set_base_method(layer: ParallelLinear, method: LinearMethod) -> None:
+    """Gives `layer` the weight method `method` under whatever wraps its current one (a LoRA
+    stays on top of a newly packed base)."""
+    if layer.method.inner is None:
+        layer.method = method
+        return
+    outer = layer.method
+    while outer.inner is not None and outer.inner.inner is not None:
+        outer = outer.inner
+    outer.inner = method
 
 
-class ColumnParallelLinear(nn.Module):
+def adapted(*linears: ParallelLinear) -> bool:
+    """Whether an adapter acts on any of these layers in the coming forward call."""
+    return any(linear.method.adapts() for linear in linears)
+
+
+class ParallelLinear(nn.Module):
+    """What the column-, row- and vocabulary-parallel products share: the TP context, a
+    `LinearMethod` that owns the weights, and `adapter`, where a wrapping method (tprt.lora)
+    registers its module so that its parameters are named `<layer>.adapter.*` (forward never
+    reads it)."""
+
+    def __init__(self, ctx: TPContext, method: LinearMethod) -> None:
+        super().__init__()
+        self.tp = ctx
+        self.method = method
+        self.adapter: nn.Module | None = None
+
+    def weight_matrix(self) -> torch.Tensor:
+        """The dense [out, in] weight the product multiplies by."""
+        return cast(torch.Tensor, self.weight)
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y_local = x @ W_local^T, where W_local is this rank's block of output rows (no bias).
 
     The output stays split over the TP group; a fused layer's rows are whatever the loader put
     there (e.g. [q_r; k_r; v_r]), each part a whole block of this rank's features.
     """
 
-    def __init__(self, in_features: int, local_out_features: int, ctx: TPContext, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.tp = ctx
-        self.weight = _empty(local_out_features, in_features, dtype=dtype)
-        self.method: LinearMethod = DENSE
-        # `adapter(x, y) -> y'` (LoRA, attached by tprt.lora): x as copied to this rank, y this rank's rows.
-        self.adapter: nn.Module | None = None
+    weight: nn.Parameter  # created by the method (the dense format's; another format adds its own)
+
+    def __init__(self, in_features: int, local_out_features: int, ctx: TPContext, dtype: torch.dtype | None = None,
+                 method: LinearMethod = DENSE) -> None:
+        super().__init__(ctx, method)
+        method.create_weights(self, local_out_features, in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.tp)
-        y = self.method.apply(x, self.weight)
-        return y if self.adapter is None else self.adapter(x, y)
+        return self.method.apply(self, copy_to_region(x, self.tp))
 
 
-class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_local @ W_local^T, where W_local is this rank's block of input columns."""
+class RowParallelLinear(ParallelLinear):
+    """y = sum over ranks of x_local @ W_local^T, where W_local is this rank's block of input columns.
 
-    def __init__(self, local_in_features: int, out_features: int, ctx: TPContext, dtype: torch.dtype | None = None):
-        super().__init__()
-        self.tp = ctx
-        self.weight = _empty(out_features, local_in_features, dtype=dtype)
-        self.method: LinearMethod = DENSE
-        # `adapter(x, y) -> y'` (LoRA, attached by tprt.lora) on this rank's split input and partial
-        # output, so its own partial product joins the same all-reduce.
-        self.adapter: nn.Module | None = None
+    A wrapping method's own partial product (a LoRA's) joins the same all-reduce."""
+
+    weight: nn.Parameter  # created by the method (the dense format's; another format adds its own)
+
+    def __init__(self, local_in_features: int, out_features: int, ctx: TPContext, dtype: torch.dtype | None = None,
+                 method: LinearMethod = DENSE) -> None:
+        super().__init__(ctx, method)
+        method.create_weights(self, out_features, local_in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """All-reduces the partial products over the TP group."""
-        y = self.method.apply(x, self.weight)
-        if self.adapter is not None:
-            y = self.adapter(x, y)
-        return reduce_from_region(y, self.tp)
+        return reduce_from_region(self.method.apply(self, x), self.tp)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.cpu.native)."""
@@ -114,7 +183,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = ctx
         self.local_vocab = padded_vocab_size // ctx.world_size
         self.vocab_start = ctx.rank * self.local_vocab
-        self.weight = _empty(self.local_vocab, hidden_size, dtype=dtype)
+        # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[...] token ids -> [..., hidden]; all-reduces over the TP group."""
@@ -127,7 +197,7 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_region(out, self.tp)
 
 
-class VocabParallelLMHead(nn.Module):
+class VocabParallelLMHead(ParallelLinear):
     """Local logits over this rank's rows of the padded vocabulary; padding rows give -inf.
 
     When `tied`, the weight is the embedding's (same split, same rows) and owns no parameter here.
@@ -142,18 +212,18 @@ class VocabParallelLMHead(nn.Module):
         tied: VocabParallelEmbedding | None = None,
         dtype: torch.dtype | None = None,
     ):
-        super().__init__()
-        self.tp = ctx
+        super().__init__(ctx, DENSE)
         self.vocab_size = vocab_size
         self.local_vocab = padded_vocab_size // ctx.world_size
         self.vocab_start = ctx.rank * self.local_vocab
         # Columns of this rank's logits that are real tokens; the rest is padding.
         self.local_valid = max(0, min(self.local_vocab, vocab_size - self.vocab_start))
         self._tied = [tied] if tied is not None else []  # a list, so the embedding is not a submodule
-        self.weight: nn.Parameter | None = None if tied else _empty(self.local_vocab, hidden_size, dtype=dtype)
-        self.method: LinearMethod = DENSE
+        self.weight: nn.Parameter | None = None
+        if not tied:
+            self.method.create_weights(self, self.local_vocab, hidden_size, dtype)
 
-    def head_weight(self) -> torch.Tensor:
+    def weight_matrix(self) -> torch.Tensor:
         if self._tied:
             return self._tied[0].weight
         assert self.weight is not None
@@ -161,7 +231,7 @@ class VocabParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
-        logits = self.method.apply(copy_to_region(x, self.tp), self.head_weight())
+        logits = self.method.apply(self, copy_to_region(x, self.tp))
         if self.local_valid < self.local_vocab:
             logits[..., self.local_valid :] = float("-inf")
         return logits

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tprt.distributed.context import TPContext
+from tprt.distributed.context import MESH_DIMS, TPContext
 from tprt.errors import ConfigError
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.spec import TPSpec, get_spec, mark_tp_params
@@ -59,10 +59,10 @@ class LossModel(nn.Module):
 
 def make_mesh(ctx: TPContext) -> DeviceMesh:
     """The world as a [dp, tp] DeviceMesh, TP innermost as `init_distributed` lays it out; collective."""
-    world = dist.get_world_size()
-    if world != ctx.dp_size * ctx.world_size:
-        raise ConfigError(f"world size {world} is not dp {ctx.dp_size} x tp {ctx.world_size}")
-    return init_device_mesh(ctx.device.type, (ctx.dp_size, ctx.world_size), mesh_dim_names=("dp", "tp"))
+    world, dims = dist.get_world_size(), ctx.dims
+    if world != dims.world:
+        raise ConfigError(f"world size {world} is not dp {dims.dp} x tp {dims.tp}")
+    return init_device_mesh(ctx.device.type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 
 @dataclass

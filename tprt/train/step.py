@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tprt.distributed.context import TPContext
-from tprt.model.llama import TPLlamaForCausalLM
+from tprt.model.llama import CheckpointedStack, LayerStack, TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 
 
@@ -73,5 +73,6 @@ def dp_loss(
 def enable_activation_checkpointing(model: TPLlamaForCausalLM, enabled: bool = True) -> None:
     """Recompute each decoder block's activations during the backward (torch.utils.checkpoint,
     non-reentrant) instead of keeping them: memory per block drops to its input. The recomputation
-    repeats the block's collectives in the backward, in the same order on every rank."""
-    model.checkpoint_layers = enabled
+    repeats the block's collectives in the backward, in the same order on every rank: the model's
+    stack becomes a `CheckpointedStack` (or the reference `LayerStack` again)."""
+    model.stack = CheckpointedStack() if enabled else LayerStack()
