@@ -11,6 +11,7 @@ or is failed with the reason; adapters are restored).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Any
 import pytest
 
 from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterRegistry
-from serve.errors import FailedPrecondition, NotFound, Unavailable
+from serve.adapters import DISK, AdapterRegistry
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
 from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
@@ -30,6 +31,7 @@ from serve.pb import finetuning_pb2 as ft_pb
 from tprt.distributed.protocol import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
                                       TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed
+from tprt.lora.peft_io import adapter_config
 from tprt.text.tokenizer import Tokenizer
 from train_fixtures import write_tokenizer
 
@@ -104,6 +106,8 @@ class FakeRanks:
     def _train_finish(self, loss: float) -> str:
         out = self._config.out / ("model" if self._config.full else "adapter")
         out.mkdir(parents=True)
+        if not self._config.full:  # what the pool reads to register it (no base model to fit: no weights)
+            (out / "adapter_config.json").write_text(json.dumps(adapter_config(["q"], 4, 8.0, 0.0, None)))
         return str(out)
 
     def _train_abort(self) -> None:
@@ -223,10 +227,12 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
     assert (rec.state, rec.step, rec.loss, rec.error) == (SUCCEEDED, 4, 0.25, "")
     assert rec.output_path == f"jobs/{job_id}/adapter" and rec.finished_ms >= rec.started_ms
     assert s.ranks.commands == ["train_start", "train_step", "train_step", "train_save", "train_step",
-                                "train_step", "train_finish", "load_adapter"]
+                                "train_step", "train_finish"]  # registered on disk: no device slot needed
     adapter = s.adapters.get("tuned")
-    assert adapter is not None and (adapter.rank, adapter.alpha, adapter.index) == (4, 8.0, 1)
+    assert adapter is not None and (adapter.rank, adapter.alpha, adapter.tier) == (4, 8.0, DISK)
     assert adapter.source_job_id == job_id and adapter.path == s.data_dir / rec.output_path
+    s.pool.acquire("tuned")  # its first request loads it
+    assert s.pool.make_resident(s.ranks, "tuned") == 1 and s.ranks.commands[-1] == "load_adapter"
     assert not s.jobs.has_work()
     assert s.gauge("succeeded") == 1 and s.gauge("running") == 0
     assert s.metric("tprt_finetune_steps_total") == 4 and s.metric("tprt_finetune_loss") == 0.25
@@ -440,9 +446,9 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
     s.store.create(JobRecord(id="job-gone", method="lora", dataset="train.jsonl", adapter_id="gone",
                              state=SUCCEEDED, output_path="jobs/job-gone/adapter"))  # its files were deleted
     s = server()
-    s.jobs.restore_adapters(s.ranks)  # a failed load is logged, not fatal
-    assert sorted(s.ranks.loaded) == ["one", "two"] and s.ranks.commands.count("load_adapter") == 3
-    assert [(a.id, a.source_job_id) for a in s.adapters.list()] == [("one", ids[0]), ("two", ids[1])]
+    s.jobs.restore_adapters()  # a failed registration is logged, not fatal
+    assert s.ranks.commands == []  # registered on disk: start-up loads nothing
+    assert [(a.id, a.source_job_id, a.tier) for a in s.adapters.list()] == [("one", ids[0], DISK), ("two", ids[1], DISK)]
 
 
 def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
