@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tprt.errors import CheckpointError, ConfigError
 from tprt.checkpoint.safetensors_io import read_header
-from tprt.lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_key, read_adapter_config, read_adapter_weights,
-                              read_config_file)
+from tprt.errors import CheckpointError, ConfigError
+from tprt.lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_factor_dtype, peft_key, read_adapter_config,
+                              read_adapter_weights, read_config_file)
 from tprt.model.config import ModelConfig
 
 
@@ -60,6 +60,8 @@ def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
             want[peft_key(layer, t, "A")] = (facts.rank, n_in)
             want[peft_key(layer, t, "B")] = (n_out, facts.rank)
     tensors, _ = read_header(path / ADAPTER_WEIGHTS, shown)  # shapes first: no tensor is read for a mismatch
+    for name, info in tensors.items():
+        check_factor_dtype(name, info.dtype, shown)
     have = {k.replace(".default.weight", ".weight"): info.shape for k, info in tensors.items()}
     for key, shape in have.items():
         if key not in want:

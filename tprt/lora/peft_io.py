@@ -140,6 +140,11 @@ def read_config_file(path: Path, shown: str, error: type[ConfigError] | type[Che
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the dtypes a LoRA factor may be stored in
 
 
+def check_factor_dtype(name: str, dtype: str, shown: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{shown}: tensor {_short(name, 120)} is {dtype}; a LoRA factor is floating point")
+
+
 def read_adapter_weights(path: Path, shown: str) -> dict[str, torch.Tensor]:
     """The tensors of the adapter directory `path`'s adapter_model.safetensors, copied out of the
     file; CheckpointError naming the file as `shown` (a path, or just a name) when it is missing
@@ -151,11 +156,10 @@ def read_adapter_weights(path: Path, shown: str) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     with SafetensorsFile(weights, shown) as f:
         for name, info in f.tensors.items():
-            if info.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(f"{shown}: tensor {_short(name)} is {info.dtype}; a LoRA factor is floating point")
+            check_factor_dtype(name, info.dtype, shown)
             t = f.tensor(name).clone()
             if not bool(torch.isfinite(t).all()):
-                raise CheckpointError(f"{shown}: tensor {_short(name)} holds NaN or infinite values")
+                raise CheckpointError(f"{shown}: tensor {_short(name, 120)} holds NaN or infinite values")
             out[name] = t
     return out
 
