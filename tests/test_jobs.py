@@ -478,3 +478,70 @@ def test_page_lists_newest_first_after_a_job(tmp_path: Path) -> None:
         store.page("job-nope", 1)
     assert [r.id for r in store.using_dataset("d.jsonl")] and store.using_dataset("other.jsonl") == []
     store.close()
+
+
+# ----------------------------------------------------------------- a job's adapter never stops serving (issue 30)
+
+
+def test_a_finished_job_needs_no_device_slot(server: Callable[[], Server]) -> None:
+    """Every device slot pinned: the job still succeeds, its adapter registered on disk; a request
+    for it is refused at once (no slot would ever free)."""
+    s = server()
+    s.pool.max_loras = 1
+    (s.data_dir / "adapters" / "pinned").mkdir(parents=True)
+    (s.data_dir / "adapters" / "pinned" / "adapter_config.json").write_text(
+        json.dumps(adapter_config(["q"], 4, 8.0, 0.0, None)))
+    s.pool.load(s.ranks, "pinned", s.data_dir / "adapters" / "pinned", pin=True)
+    job_id = s.create(steps=1, adapter_id="tuned")
+    s.run(2)
+    rec = s.job(job_id)
+    assert (rec.state, rec.error) == (SUCCEEDED, "") and s.adapters.get("tuned").tier == DISK  # type: ignore[union-attr]
+    s.pool.acquire("tuned")
+    with pytest.raises(QueueFull, match="pinned"):
+        s.pool.make_resident(s.ranks, "tuned")
+
+
+def test_an_adapter_id_taken_while_the_job_ran_leaves_the_job_succeeded(server: Callable[[], Server]) -> None:
+    """A directory of the job's id appeared and has requests in flight: the job succeeds and says
+    how to load its adapter; the served one is untouched."""
+    s = server()
+    job_id = s.create(steps=1, adapter_id="late")
+    late = s.data_dir / "adapters" / "late"
+    late.mkdir(parents=True)
+    (late / "adapter_config.json").write_text(json.dumps(adapter_config(["q"], 2, 4.0, 0.0, None)))
+    s.pool.acquire("late")  # in flight
+    s.run(2)
+    rec = s.job(job_id)
+    assert rec.state == SUCCEEDED and f"LoadAdapter(job_id={job_id!r})" in rec.error, rec.error
+    served = s.adapters.get("late")
+    assert served is not None and served.rank == 2 and served.source_job_id == ""
+
+
+def test_adapter_ids_that_name_the_base_model_or_a_directory_are_refused_at_creation(
+        server: Callable[[], Server]) -> None:
+    s = server()
+    s.pool.reserved = frozenset({"base-model"})
+    (s.data_dir / "adapters" / "on-disk").mkdir(parents=True)
+    for taken in ("base-model", "on-disk"):
+        with pytest.raises(AlreadyExists) as e:
+            s.create(adapter_id=taken)
+        assert e.value.field == "adapter_id"
+    assert not list((s.data_dir / "jobs").glob("*"))  # a refused job leaves nothing behind
+
+
+def test_an_error_of_the_job_itself_fails_it_alone(server: Callable[[], Server], monkeypatch: Any) -> None:
+    """What a turn raises with the ranks sound (the scheduler hands it to `fail`): the job fails,
+    its trainer is dropped on the ranks, the next job runs."""
+    s = server()
+    first, second = s.create(steps=5), s.create(steps=1)
+    s.run(1)
+    error = OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        with monkeypatch.context() as m:
+            m.setattr(s.jobs, "_train_step", lambda ranks, job: (_ for _ in ()).throw(error))
+            s.jobs.step(s.ranks)
+    s.jobs.fail(s.ranks, error)
+    rec = s.job(first)
+    assert rec.state == FAILED and "No space left on device" in rec.error and s.ranks.commands[-1] == "train_abort"
+    s.run(2)
+    assert s.job(second).state == SUCCEEDED
