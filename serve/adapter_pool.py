@@ -81,8 +81,8 @@ class AdapterPool:
         if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id) \
                 and adapter_id not in self.reserved:
             path = self._adapter_dir(adapter_id)
-            if path is not None:
-                facts = self.describe(path, "adapter_id")
+            if path is not None:  # the weights' values are left to the ranks' load (this may be an event loop)
+                facts = self.describe(path, "adapter_id", values=False)
                 # add_new: another request may have registered it meanwhile
                 self.registry.add_new(AdapterInfo(adapter_id, path, facts.rank, facts.alpha, targets=facts.targets,
                                                   tier=DISK))
@@ -105,13 +105,14 @@ class AdapterPool:
     def release(self, adapter_id: str, started: bool) -> None:
         self.registry.release(adapter_id, started)
 
-    def describe(self, path: Path, field: str) -> AdapterFacts:
+    def describe(self, path: Path, field: str, values: bool = True) -> AdapterFacts:
         """The adapter directory's facts, checked against this server (rank limit, base model,
-        sound files, finite weights); InvalidArgument naming `field` otherwise."""
+        sound files, and with `values` finite weights, which reads them all: the ranks check them
+        again at every load); InvalidArgument naming `field` otherwise."""
         try:
             facts = read_facts(path, self.max_rank)
             if self.base is not None:
-                check_fits(path, self.base, facts)
+                check_fits(path, self.base, facts, values)
         except TprtError as e:
             raise InvalidArgument(str(e), field) from None
         return facts
@@ -150,12 +151,12 @@ class AdapterPool:
             raise AlreadyExists(f"adapter id {echo(adapter_id)} names a directory under --data-dir/{ADAPTERS_DIR}/",
                                 field)
 
-    def register(self, adapter_id: str, path: Path, source_job_id: str = "") -> AdapterInfo:
+    def register(self, adapter_id: str, path: Path, source_job_id: str = "", values: bool = True) -> AdapterInfo:
         """Makes a finished job's adapter known, on disk: it loads at its first request (any
         thread; no command is sent). InvalidArgument('adapter_id') when its files do not fit this
-        server; AlreadyExists('adapter_id') when the id was taken meanwhile (LoadAdapter, or a
-        directory loaded on demand)."""
-        facts = self.describe(path, "adapter_id")
+        server (`values`: its weights are read and must be finite); AlreadyExists('adapter_id')
+        when the id was taken meanwhile (LoadAdapter, or a directory loaded on demand)."""
+        facts = self.describe(path, "adapter_id", values)
         info = AdapterInfo(adapter_id, path, facts.rank, facts.alpha, source_job_id, targets=facts.targets, tier=DISK)
         if adapter_id in self.reserved or not self.registry.add_new(info):
             raise AlreadyExists(f"adapter id {echo(adapter_id)} is already used", "adapter_id")

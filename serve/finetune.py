@@ -170,7 +170,8 @@ class JobManager:
         for rec in self.store.select(SUCCEEDED, limit=1_000_000):
             if rec.method == "lora" and rec.output_path:
                 try:
-                    self.adapters.register(rec.adapter_id, self.data_dir / rec.output_path, rec.id)
+                    # values=False: checked when the job finished, and again by the ranks at load
+                    self.adapters.register(rec.adapter_id, self.data_dir / rec.output_path, rec.id, values=False)
                 except ServeError as e:
                     log.error("job %s: adapter %s not registered: %s", rec.id, rec.adapter_id, e)
 

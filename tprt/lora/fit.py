@@ -45,9 +45,10 @@ def read_facts(path: Path, max_rank: int | None = None) -> AdapterFacts:
     return AdapterFacts(targets, rank, alpha)
 
 
-def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
+def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts, values: bool = True) -> None:
     """CheckpointError unless adapter_model.safetensors is sound (a valid header, floating point
-    tensors without NaN or infinity: peft_io.read_adapter_weights) and holds exactly A and B of
+    tensors, and with `values` no NaN or infinity: peft_io.read_adapter_weights, which reads every
+    tensor; the ranks check the values again when they load it) and holds exactly A and B of
     every targeted projection of every layer of `config`'s model, in the shapes rank `facts.rank`
     needs."""
     shown = f"{path.name}/{ADAPTER_WEIGHTS}"
@@ -75,4 +76,5 @@ def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
     if missing:
         raise CheckpointError(f"{path.name}: {len(missing)} tensor(s) missing, e.g. {missing[0]!r} "
                               f"(this base model has {config.num_hidden_layers} layers)")
-    read_adapter_weights(path, shown)  # the values: floating point, finite
+    if values:
+        read_adapter_weights(path, shown)
