@@ -265,7 +265,7 @@ class JobManager:
             try:
                 self.adapters.register(rec.adapter_id, output, rec.id)
             except AlreadyExists as e:  # taken since the job was created (LoadAdapter, a directory)
-                self._end(job, SUCCEEDED, f"{self._shown(e)}; its adapter is not served: load it with "
+                self._end(job, SUCCEEDED, f"{self._redact(str(e))}; its adapter is not served: load it with "
                                           f"LoadAdapter(job_id={rec.id!r}) under another id")
                 return
             except ServeError as e:  # its weights are unsound (NaN from a diverged run) or do not fit
