@@ -439,6 +439,15 @@ def _pump(ticket: Ticket, index: int, loop: asyncio.AbstractEventLoop,
             return
 
 
+def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
+    """The legacy completions format's {text: logprob}: tokens of the same text (bytes of a
+    character) share a key, which keeps the most likely of them."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
+
+
 MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero; JSON has no -Infinity
 
 
@@ -447,15 +456,6 @@ def json_logprob(value: float) -> float | None:
     if math.isnan(value):
         return None
     return max(min(value, 0.0), MIN_LOGPROB)
-
-
-def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
-    """The legacy completions format's {text: logprob}: tokens of the same text (bytes of a
-    character) share a key, which keeps the most likely of them."""
-    out: dict[str, float] = {}
-    for t in top:
-        out.setdefault(t["token"], t["logprob"])
-    return out
 
 
 class Reply:
