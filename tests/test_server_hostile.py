@@ -383,7 +383,10 @@ def test_jobs_cannot_take_what_the_adapter_pool_refuses(root: Path, client: Clie
         err = rpc_error(lambda: client.create_job(adapter_id=taken, **ENDLESS))
         assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "adapter_id"), err.details()
     assert job_dirs(root) == before
-    err = rpc_error(lambda: client.load_adapter(base, path="adapters/bad-sound"))
+    sound = root / "data" / "adapters" / "a-directory" / "sound"
+    if not sound.exists():
+        _write_random_adapter(root, sound, ("q",), 2, 4)
+    err = rpc_error(lambda: client.load_adapter(base, path="adapters/a-directory/sound"))
     assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "id")
 
 
