@@ -6,7 +6,9 @@ only known by their directory. When a request needs an adapter that is not on th
 least recently used device adapter that is neither pinned nor has rows in the running batch moves
 to host memory (and the least recently used host adapter beyond `max_cpu_loras` is dropped), then
 the wanted one is restored from host memory or loaded from disk. When no device adapter can make
-room, the request waits in the queue (requests for other adapters go ahead).
+room, the request waits in the queue (requests for other adapters go ahead) - unless every device
+slot holds a pinned adapter: then it could wait for ever, and is refused at once (QueueFull:
+RESOURCE_EXHAUSTED, HTTP 429, saying to unload a pinned adapter or retry).
 
 Every load gets a new index (a load generation): the engine's prefix cache keys keys and values by
 index (tprt.engine.prefix_cache), so an unloaded or reloaded adapter's cached blocks never match.
@@ -18,18 +20,26 @@ sends a command to the ranks (`load`, `make_resident`, `finish_unloads`) runs on
 
 On-demand loading: a request naming an adapter that is not registered but whose directory exists
 as `--data-dir/adapters/<id>/` registers it (on disk) and loads it when the request joins the batch.
+Its directory is resolved as LoadAdapter's path is (`resolve_path`): symlinks that lead out of
+--data-dir are refused. A finished LoRA job's adapter, and at start-up every succeeded job's, is
+registered on disk the same way (`register`) and loaded at its first request: a job never has to
+find a device slot, and start-up does not load adapters nobody asked for.
+
+Ids: the served base model's name is reserved (`reserved`), and a new job's adapter id may name
+neither a registered adapter nor a directory under `--data-dir/adapters/` (`check_new_id`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from serve.adapters import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
-from serve.errors import FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
-from serve.jobspec import ADAPTER_ID
+from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
+from serve.jobspec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, MoveAdapter
 from tprt.distributed.ranks import CommandFailed
@@ -47,7 +57,7 @@ class AdapterPool:
 
     def __init__(self, registry: AdapterRegistry, data_dir: Path, metrics: Metrics | None = None,
                  base: ModelConfig | None = None, max_loras: int = 8, max_cpu_loras: int = 8,
-                 max_rank: int = 64) -> None:
+                 max_rank: int = 64, reserved: tuple[str, ...] = ()) -> None:
         if max_loras < 1 or max_cpu_loras < 0 or max_rank < 1:
             raise ValueError("max_loras and max_rank must be at least 1, max_cpu_loras at least 0")
         self.registry = registry
@@ -57,6 +67,7 @@ class AdapterPool:
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.max_rank = max_rank
+        self.reserved = frozenset(reserved)  # names no adapter may take (the served base model's)
         self._indices = itertools.count(1)
 
     # ----------------------------------------------------------------- handler threads
@@ -65,50 +76,92 @@ class AdapterPool:
         """A request names `adapter_id`: counts it (release it when the request ends). An adapter
         not yet registered is registered from `--data-dir/adapters/<id>/` when that exists.
         NotFound otherwise (or while it is being unloaded); InvalidArgument when its files do not
-        fit this server."""
+        fit this server or its directory leads out of --data-dir."""
         info = self.registry.acquire(adapter_id)
-        if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id):
-            path = self.data_dir / ADAPTERS_DIR / adapter_id  # the id's characters keep it a plain name
-            if path.is_dir():
-                facts = self.describe(path, "adapter_id")
-                if not self.registry.has(adapter_id):  # another request may have registered it meanwhile
-                    self.registry.add(AdapterInfo(adapter_id, path, facts.rank, facts.alpha,
-                                                  targets=facts.targets, tier=DISK))
+        if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id) \
+                and adapter_id not in self.reserved:
+            path = self._adapter_dir(adapter_id)
+            if path is not None:  # the weights' values are left to the ranks' load (this may be an event loop)
+                facts = self.describe(path, "adapter_id", values=False)
+                # add_new: another request may have registered it meanwhile
+                self.registry.add_new(AdapterInfo(adapter_id, path, facts.rank, facts.alpha, targets=facts.targets,
+                                                  tier=DISK))
                 info = self.registry.acquire(adapter_id)
         if info is None:
-            raise NotFound(f"no adapter {echo(adapter_id)} is loaded or under --data-dir/{ADAPTERS_DIR}/ "
+            base = " (that is the base model: leave the adapter empty)" if adapter_id in self.reserved else ""
+            raise NotFound(f"no adapter {echo(adapter_id)} is loaded or under --data-dir/{ADAPTERS_DIR}/{base} "
                            "(see ListAdapters)", "adapter_id")
         if self.metrics is not None:
             self.metrics.adapter_requests.labels(adapter=adapter_id).inc()
         return info
 
+    def _adapter_dir(self, adapter_id: str) -> Path | None:
+        """`--data-dir/adapters/<id>/`, resolved as LoadAdapter's paths are; None when nothing is there."""
+        given = f"{ADAPTERS_DIR}/{adapter_id}"  # the id's characters keep it one plain name
+        if not os.path.lexists(self.data_dir / given):
+            return None
+        return self.resolve_path(given, "adapter_id")
+
     def release(self, adapter_id: str, started: bool) -> None:
         self.registry.release(adapter_id, started)
 
-    def describe(self, path: Path, field: str) -> AdapterFacts:
-        """The adapter directory's facts, checked against this server (rank limit, base model);
-        InvalidArgument naming `field` otherwise."""
+    def describe(self, path: Path, field: str, values: bool = True) -> AdapterFacts:
+        """The adapter directory's facts, checked against this server (rank limit, base model,
+        sound files, and with `values` finite weights, which reads them all: the ranks check them
+        again at every load); InvalidArgument naming `field` otherwise."""
         try:
             facts = read_facts(path, self.max_rank)
             if self.base is not None:
-                check_fits(path, self.base, facts)
+                check_fits(path, self.base, facts, values)
         except TprtError as e:
             raise InvalidArgument(str(e), field) from None
         return facts
 
-    def resolve_path(self, given: str) -> Path:
-        """An adapter directory named by a LoadAdapter request: relative to --data-dir (or absolute)
-        and inside it. InvalidArgument('path') outside; NotFound('path') when it is no directory."""
+    def resolve_path(self, given: str, field: str = "path") -> Path:
+        """An adapter directory named by a LoadAdapter request, or by an id loaded on demand:
+        relative to --data-dir (or absolute) and, symlinks followed, inside it.
+        InvalidArgument(`field`) for a path that cannot name a file or leads outside;
+        NotFound(`field`) when it is no directory."""
+        if "\0" in given:
+            raise InvalidArgument("a path cannot contain a NUL byte", field)
+        raw = given.encode("utf-8", "surrogatepass")
+        if len(raw) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in raw.split(b"/")):
+            raise InvalidArgument(f"a path is at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per component", field)
         root = self.data_dir.resolve()
         try:
             path = (root / given).resolve()
-        except (OSError, RuntimeError) as e:
-            raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", "path") from None
+            is_dir = path.is_dir()
+        except (OSError, RuntimeError, ValueError) as e:  # a loop of symlinks, a file as a directory, ...
+            raise InvalidArgument(f"{echo(given)} cannot be resolved ({type(e).__name__})", field) from None
         if not path.is_relative_to(root):
-            raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", "path")
-        if not path.is_dir():
-            raise NotFound(f"{echo(given)} is not a directory under the server's --data-dir", "path")
+            raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", field)
+        if not is_dir:
+            raise NotFound(f"{echo(given)} is not a directory under the server's --data-dir", field)
         return path
+
+    def check_new_id(self, adapter_id: str, field: str = "adapter_id") -> None:
+        """AlreadyExists(`field`) when a new adapter (a job's) may not take `adapter_id`: the base
+        model's name, a registered adapter's, or a directory's under --data-dir/adapters/ (which
+        requests naming the id would load instead)."""
+        if adapter_id in self.reserved:
+            raise AlreadyExists(f"{echo(adapter_id)} is the served base model's name", field)
+        if self.registry.has(adapter_id):
+            raise AlreadyExists(f"adapter id {echo(adapter_id)} is already used", field)
+        if ADAPTER_ID.fullmatch(adapter_id) and os.path.lexists(self.data_dir / ADAPTERS_DIR / adapter_id):
+            raise AlreadyExists(f"adapter id {echo(adapter_id)} names a directory under --data-dir/{ADAPTERS_DIR}/",
+                                field)
+
+    def register(self, adapter_id: str, path: Path, source_job_id: str = "", values: bool = True) -> AdapterInfo:
+        """Makes a finished job's adapter known, on disk: it loads at its first request (any
+        thread; no command is sent). InvalidArgument('adapter_id') when its files do not fit this
+        server (`values`: its weights are read and must be finite); AlreadyExists('adapter_id')
+        when the id was taken meanwhile (LoadAdapter, or a directory loaded on demand)."""
+        facts = self.describe(path, "adapter_id", values)
+        info = AdapterInfo(adapter_id, path, facts.rank, facts.alpha, source_job_id, targets=facts.targets, tier=DISK)
+        if adapter_id in self.reserved or not self.registry.add_new(info):
+            raise AlreadyExists(f"adapter id {echo(adapter_id)} is already used", "adapter_id")
+        self._update_gauges()
+        return info
 
     def begin_unload(self, adapter_id: str) -> None:
         """New requests for the adapter are refused; it leaves once its requests finish
@@ -161,13 +214,18 @@ class AdapterPool:
     def make_resident(self, ranks: Any, adapter_id: str) -> int | None:
         """The device index of the adapter, restoring or loading it first when needed; None when
         no device room can be made now (the request waits). NotFound when it is not registered
-        (it was unloaded); InvalidArgument when its directory can no longer be loaded."""
+        (it was unloaded); InvalidArgument when its directory can no longer be loaded; QueueFull
+        when every device slot is pinned (no room would ever be made)."""
         info = self.registry.get(adapter_id)
         if info is None:
             raise NotFound(f"adapter {echo(adapter_id)} was unloaded", "adapter_id")
         if info.tier == DEVICE:
             return info.index
         if not self._make_room(ranks, adapter_id):
+            pinned = [a for a in self.registry.in_tier(DEVICE) if a.pinned and a.id != adapter_id]
+            if len(pinned) >= self.max_loras:  # no slot frees until one is unloaded: waiting would be for ever
+                raise QueueFull(f"adapter {echo(adapter_id)} cannot be placed: all {self.max_loras} device slots "
+                                "(--max-loras) hold pinned adapters; unload one, or retry later", "adapter_id")
             return None
         if info.tier == HOST:
             ranks.run(MoveAdapter(info.index, DEVICE))

@@ -55,6 +55,14 @@ class AdapterRegistry:
             self._used[info.id] = next(self._ticks)
             self._lock.notify_all()
 
+    def add_new(self, info: AdapterInfo) -> bool:
+        """Registers an adapter unless its id is registered already (False then)."""
+        with self._lock:
+            if info.id in self._by_id:
+                return False
+            self.add(info)
+            return True
+
     def has(self, adapter_id: str) -> bool:
         with self._lock:
             return adapter_id in self._by_id

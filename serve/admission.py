@@ -12,6 +12,9 @@ machine has available at the time of the request (MemAvailable; free device memo
 which already leaves out what the server holds. The message names the field that made the job
 too large and the limit.
 
+A LoRA job's rank is also held to --max-lora-rank (INVALID_ARGUMENT naming
+`hyperparameters.lora_rank`): the adapter pool would refuse to serve a higher-rank adapter.
+
 Generation requests need no such check: the KV cache is allocated whole at start-up (every slot
 at --max-seq-len tokens) and a step's prefill is bounded by --token-budget, so a request that
 passes the context and queue checks fits by construction.
@@ -24,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from serve.errors import ServeError
+from serve.errors import InvalidArgument, ServeError
 from tprt.model.config import ModelConfig
 from tprt.plan import FinetuneWorkload, device as plan_device, plan_memory
 from tprt.plan.memory import DTYPE_BYTES
@@ -82,9 +85,10 @@ class JobAdmission:
     """Refuses a job whose estimate does not fit the budget (TooLarge naming the field)."""
 
     def __init__(self, config: ModelConfig, tp: int, ranks: int, device: Any, limit: int | None,
-                 served_dtype: str = "fp32") -> None:
+                 served_dtype: str = "fp32", max_lora_rank: int | None = None) -> None:
         self.config, self.tp, self.ranks, self.device, self.limit = config, tp, ranks, device, limit
         self.served_dtype = served_dtype  # "fp32", "bf16" or "fp16"
+        self.max_lora_rank = max_lora_rank  # --max-lora-rank: the pool would refuse a job's adapter above it
 
     def budget(self) -> tuple[int, str]:
         if self.limit is not None:
@@ -92,6 +96,10 @@ class JobAdmission:
         return available_bytes(self.device), "the memory available now"
 
     def __call__(self, method: str, hp: dict[str, Any]) -> None:
+        rank = hp.get("lora_rank")
+        if method == "lora" and self.max_lora_rank is not None and rank is not None and rank > self.max_lora_rank:
+            raise InvalidArgument(f"{rank} is over this server's limit of {self.max_lora_rank} (--max-lora-rank): "
+                                  "it could not serve the adapter", "hyperparameters.lora_rank")
         need = job_memory(self.config, self.tp, method, hp, self.served_dtype, getattr(self.device, "type", "cpu"))
         total = need.per_rank * self.ranks
         budget, source = self.budget()

@@ -8,9 +8,16 @@ dataset, its training checkpoints (every `checkpoint_every` steps and at shutdow
 the output.
 
 A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
-id, on the device: servable at once, no restart (and again at every start-up; evicted and
-reloaded like any other adapter). A full fine-tune
-writes a TP checkpoint (`output_path`) to serve with `tprt serve --model`.
+id, registered on disk: servable at once, no restart, loaded onto the device by its first request
+(and registered again at every start-up, where nothing is loaded until asked for). Finishing never
+needs a device slot, so a job whose adapter cannot be placed now still succeeds. An adapter id
+must be free when the job is created (not the base model's name, not a registered adapter's,
+not a directory under --data-dir/adapters/); if it was taken meanwhile, the job still succeeds
+and says how to load its adapter. A full fine-tune writes a TP checkpoint (`output_path`) to
+serve with `tprt serve --model`.
+
+No error of a job stops serving: the scheduler hands whatever a step raises (other than a broken
+collective) to `fail`, which fails the running job alone.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class JobManager:
             try:
                 if not self._accepting:
                     raise Unavailable(self._refusal)
+                if spec.record.method == "lora":
+                    self.adapters.check_new_id(spec.record.adapter_id)
                 rec = self.store.create(spec.record, self.max_queued)
             except BaseException as e:  # a refused job leaves nothing on disk
                 shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
@@ -155,17 +164,16 @@ class JobManager:
 
     # ----------------------------------------------------------------- start-up
 
-    def restore_adapters(self, ranks: RankGroup) -> None:
-        """Loads every succeeded LoRA job's adapter (before the scheduler thread starts)."""
+    def restore_adapters(self) -> None:
+        """Registers every succeeded LoRA job's adapter, on disk (before the scheduler thread
+        starts): each loads at its first request, so start-up time does not grow with history."""
         for rec in self.store.select(SUCCEEDED, limit=1_000_000):
             if rec.method == "lora" and rec.output_path:
                 try:
-                    self._load_adapter(ranks, rec)
-                except (CommandFailed, ServeError) as e:
-                    log.error("job %s: adapter %s not loaded: %s", rec.id, rec.adapter_id, e)
-
-    def _load_adapter(self, ranks: RankGroup, rec: JobRecord) -> None:
-        self.adapters.load(ranks, rec.adapter_id, self.data_dir / rec.output_path, source_job_id=rec.id)
+                    # values=False: checked when the job finished, and again by the ranks at load
+                    self.adapters.register(rec.adapter_id, self.data_dir / rec.output_path, rec.id, values=False)
+                except ServeError as e:
+                    log.error("job %s: adapter %s not registered: %s", rec.id, rec.adapter_id, e)
 
     # ----------------------------------------------------------------- scheduler side
 
@@ -191,6 +199,27 @@ class JobManager:
         except CommandFailed as e:
             if not self._broken:  # a broken world: ranks_broken has said what happened to the job
                 self._end(job, FAILED, self._shown(e))
+
+    def fail(self, ranks: RankGroup, error: Exception) -> None:
+        """A turn raised `error` with the ranks sound (the scheduler's guard): the running job
+        fails alone and its trainer is dropped; with none running, queued jobs wait for the next
+        CreateJob's wake-up rather than retrying the failing start every turn."""
+        job = self._active
+        if job is None:
+            self._queued = False
+            return
+        self._abort_quietly(ranks)
+        try:
+            self._end(job, FAILED, f"internal error: {self._shown(error)}")
+        except Exception as e:  # noqa: BLE001 - the store itself failed: the job is at least no longer run
+            log.error("job %s: its failure could not be recorded: %s", job.job_id, e)
+            self._active = None
+
+    def _abort_quietly(self, ranks: RankGroup) -> None:
+        try:
+            ranks.run(TrainAbort())
+        except CommandFailed:
+            pass
 
     def _start_next(self, ranks: RankGroup) -> None:
         rec = self.store.next_queued()
@@ -233,7 +262,15 @@ class JobManager:
         rel = str(output.relative_to(self.data_dir)) if output.is_relative_to(self.data_dir) else str(output)
         rec = self.store.update(job.job_id, output_path=rel)
         if rec.method == "lora":
-            self._load_adapter(ranks, rec)
+            try:
+                self.adapters.register(rec.adapter_id, output, rec.id)
+            except AlreadyExists as e:  # taken since the job was created (LoadAdapter, a directory)
+                self._end(job, SUCCEEDED, f"{self._redact(str(e))}; its adapter is not served: load it with "
+                                          f"LoadAdapter(job_id={rec.id!r}) under another id")
+                return
+            except ServeError as e:  # its weights are unsound (NaN from a diverged run) or do not fit
+                self._end(job, FAILED, f"the trained adapter cannot be served: {self._shown(e)}")
+                return
         self._end(job, SUCCEEDED, "")
 
     def _checkpoint_and_requeue(self, ranks: RankGroup, job: _Active) -> None:

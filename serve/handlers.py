@@ -22,7 +22,7 @@ import grpc
 
 from serve.adapter_pool import AdapterPool
 from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
+from serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
                           echo)
 from serve.finetune import JobManager
 from serve.jobs import SUCCEEDED, JobStore
@@ -146,6 +146,8 @@ class GenerationService(GenerationServicer):
         if not ADAPTER_ID.fullmatch(adapter_id):
             raise InvalidArgument("1-64 characters: letters, digits, '.', '_', '-' (starting with a letter or digit)",
                                   "id")
+        if adapter_id in pool.reserved:
+            raise AlreadyExists(f"{echo(adapter_id)} is the served base model's name", "id")
         pool.describe(path, "path" if source == "path" else "job_id")  # rank limit, base model
         future = self.scheduler.call(lambda ranks: pool.load(ranks, adapter_id, path, request.pin, job_id))
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import threading
 import time
 import uuid
@@ -323,6 +324,9 @@ class OpenAIApi:
         --data-dir/adapters/<id>/ or refuses it (NotFound)."""
         if model == self.d.facts.name:
             return "", 0
+        if not model:  # not the base model by default: a request names what it wants
+            raise ParamError(f"empty; name the base model {self.d.facts.name!r} or an adapter "
+                             "(the models endpoint lists them)", "model")
         adapter = self.d.adapters.get(model)
         if adapter is None and self.d.scheduler.adapters is None:
             raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
@@ -459,6 +463,16 @@ def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero; JSON has no -Infinity
+
+
+def json_logprob(value: float) -> float | None:
+    """A log-probability as JSON can carry it: -inf as MIN_LOGPROB, NaN (never from a sound model) as null."""
+    if math.isnan(value):
+        return None
+    return max(min(value, 0.0), MIN_LOGPROB)
+
+
 class Reply:
     """Builds one request's OpenAI response (whole, or as stream chunks) from its events."""
 
@@ -491,8 +505,9 @@ class Reply:
         assert ev.token_id is not None and ev.logprob is not None
         token = self._token_text(ev.token_id)
         top = [(self._token_text(t), lp) for t, lp in ev.top_logprobs]
-        entry = {"token": token, "logprob": ev.logprob, "bytes": list(token.encode()),
-                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+        entry = {"token": token, "logprob": json_logprob(ev.logprob), "bytes": list(token.encode()),
+                 "top_logprobs": [{"token": t, "logprob": json_logprob(lp), "bytes": list(t.encode())}
+                                  for t, lp in top],
                  "text_offset": self.offset[index]}
         return entry
 

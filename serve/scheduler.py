@@ -15,7 +15,9 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
    adapter that will make room next (so that its rows drain: a waiting adapter is never
    starved by steady traffic to the loaded ones);
 4. between generation steps, gives side work (a fine-tuning step) its turn: whenever
-   generation is idle, and at least every `side_every_s` while it is busy;
+   generation is idle, and at least every `side_every_s` while it is busy; an exception from
+   side work fails that work alone (`SideWork.fail`), unless a collective failed (the ranks'
+   `failed`), which breaks the world as a failed step does;
 5. runs control calls handed to it (`call`: loading an adapter) and removes adapters being
    unloaded once their requests have finished;
 6. when there is nothing to do, sleeps until a submission, and sends a keepalive to the
@@ -58,6 +60,11 @@ class SideWork(Protocol):
     def has_work(self) -> bool: ...
 
     def step(self, ranks: RankGroup) -> None: ...
+
+    def fail(self, ranks: RankGroup, error: Exception) -> None:
+        """`step` raised `error` while the ranks were sound: end the work it was doing (a job
+        fails alone; serving goes on)."""
+        ...
 
 
 @dataclass
@@ -255,7 +262,7 @@ class Scheduler:
         if side is not None and side.has_work():
             due = time.monotonic() - self._last_side >= self.side_every_s
             if not ran or due:
-                side.step(self.ranks)
+                self._side_step(side)
                 self._last_side = time.monotonic()
                 ran = True
         if self.adapters is not None:
@@ -264,6 +271,18 @@ class Scheduler:
             self.ranks.keepalive()
         with self._cv:
             return not (self._stop and not self._live and not self._waiting)
+
+    def _side_step(self, side: SideWork) -> None:
+        """One turn of side work. An error of the work's own (a job's store write, its adapter)
+        fails that work alone; one of the ranks' collectives breaks the world (re-raised)."""
+        try:
+            side.step(self.ranks)
+        except Exception as e:  # noqa: BLE001 - see above
+            if self.ranks.failed is not None:
+                raise
+            log.error("side work failed, serving goes on: %s", f"{type(e).__name__}: {e}".splitlines()[0])
+            log.debug("side work failure", exc_info=True)
+            side.fail(self.ranks, e)
 
     def _take_work(self) -> list[tuple[str, str]]:
         """Waits for something to do (bounded by the keepalive); takes the cancellations."""

@@ -281,16 +281,17 @@ class App:
         executor = RankExecutor(model, engine, cfg.model, Path(cfg.data_dir))
         ranks = RankGroup(ctx, executor)
         adapters = AdapterRegistry()
+        name = Path(cfg.model).resolve().name  # the served model's name: no adapter may take it
         pool = AdapterPool(adapters, Path(cfg.data_dir), self.metrics, model.config, cfg.max_loras, cfg.max_cpu_loras,
-                           cfg.max_lora_rank)
+                           cfg.max_lora_rank, reserved=(name,))
         self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, max_batch_size(cfg),
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
                                    adapters=pool)
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
                                engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact)
         self.scheduler.side = self.jobs
-        self.jobs.restore_adapters(ranks)  # before the scheduler thread owns the ranks
-        facts = ModelFacts(name=Path(cfg.model).resolve().name, config=model.config, tp_size=ctx.world_size,
+        self.jobs.restore_adapters()  # registered on disk: each loads at its first request
+        facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
         compile_constraint = None
@@ -323,7 +324,8 @@ class App:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
         device = next(model.parameters()).device
         served = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
-        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit, served)
+        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit, served,
+                            self.cfg.max_lora_rank)
 
     # ----------------------------------------------------------------- life
 

@@ -50,3 +50,15 @@ def test_a_job_over_the_limit_is_refused_naming_the_field(method: str, hp: dict[
         admit(method, hp)
     assert info.value.field == field and info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "1024 MiB of --job-memory-limit" in str(info.value)
+
+
+def test_a_lora_rank_over_the_servers_limit_is_refused() -> None:
+    """The pool would refuse to serve the adapter (--max-lora-rank): the job is refused first."""
+    from serve.errors import InvalidArgument
+
+    admit = JobAdmission(CONFIG, tp=1, ranks=1, device=None, limit=1 << 40, max_lora_rank=16)
+    admit("lora", {**LORA, "lora_rank": 16, "batch_size": 1, "max_seq_len": 16})
+    with pytest.raises(InvalidArgument, match="256 is over this server's limit of 16") as info:
+        admit("lora", {**LORA, "lora_rank": 256, "batch_size": 1, "max_seq_len": 16})
+    assert info.value.field == "hyperparameters.lora_rank"
+    admit("full", {**LORA, "batch_size": 1, "max_seq_len": 16})  # no adapter: no rank

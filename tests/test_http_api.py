@@ -167,6 +167,24 @@ def test_errors_are_typed(api: Api) -> None:
     assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_empty_model_is_no_model(api: Api) -> None:
+    """"model": "" names neither the base model nor an adapter: a 400 naming `model`, never the base model."""
+    with api.http(timeout=30) as http:
+        for path, body in (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": "x"})):
+            r = http.post(f"{api.base_url}/{path}", json={"model": "", "max_tokens": 1, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_logprobs_are_always_valid_json() -> None:
+    """JSON has no NaN or Infinity: a probability of zero is OpenAI's -9999, a NaN (never from a
+    sound adapter: those are refused at load) is null."""
+    from serve.openai_app import MIN_LOGPROB, json_logprob
+
+    values = [json_logprob(v) for v in (-math.inf, math.inf, math.nan, -1e30, -0.5, 0.0)]
+    assert values == [MIN_LOGPROB, 0.0, None, MIN_LOGPROB, -0.5, 0.0]
+    json.dumps(values, allow_nan=False)
+
+
 def _first_event(lines: Iterator[str]) -> dict[str, Any]:
     for line in lines:
         if line.startswith("data: "):

@@ -11,6 +11,7 @@ or is failed with the reason; adapters are restored).
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +20,8 @@ from typing import Any
 import pytest
 
 from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterRegistry
-from serve.errors import FailedPrecondition, NotFound, Unavailable
+from serve.adapters import DISK, AdapterRegistry
+from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
 from serve.finetune import JobManager
 from serve.handlers import FineTuningService
 from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
@@ -30,6 +31,7 @@ from serve.pb import finetuning_pb2 as ft_pb
 from tprt.distributed.protocol import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
                                       TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed
+from tprt.lora.peft_io import adapter_config
 from tprt.text.tokenizer import Tokenizer
 from train_fixtures import write_tokenizer
 
@@ -104,6 +106,8 @@ class FakeRanks:
     def _train_finish(self, loss: float) -> str:
         out = self._config.out / ("model" if self._config.full else "adapter")
         out.mkdir(parents=True)
+        if not self._config.full:  # what the pool reads to register it (no base model to fit: no weights)
+            (out / "adapter_config.json").write_text(json.dumps(adapter_config(["q"], 4, 8.0, 0.0, None)))
         return str(out)
 
     def _train_abort(self) -> None:
@@ -223,10 +227,12 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
     assert (rec.state, rec.step, rec.loss, rec.error) == (SUCCEEDED, 4, 0.25, "")
     assert rec.output_path == f"jobs/{job_id}/adapter" and rec.finished_ms >= rec.started_ms
     assert s.ranks.commands == ["train_start", "train_step", "train_step", "train_save", "train_step",
-                                "train_step", "train_finish", "load_adapter"]
+                                "train_step", "train_finish"]  # registered on disk: no device slot needed
     adapter = s.adapters.get("tuned")
-    assert adapter is not None and (adapter.rank, adapter.alpha, adapter.index) == (4, 8.0, 1)
+    assert adapter is not None and (adapter.rank, adapter.alpha, adapter.tier) == (4, 8.0, DISK)
     assert adapter.source_job_id == job_id and adapter.path == s.data_dir / rec.output_path
+    s.pool.acquire("tuned")  # its first request loads it
+    assert s.pool.make_resident(s.ranks, "tuned") == 1 and s.ranks.commands[-1] == "load_adapter"
     assert not s.jobs.has_work()
     assert s.gauge("succeeded") == 1 and s.gauge("running") == 0
     assert s.metric("tprt_finetune_steps_total") == 4 and s.metric("tprt_finetune_loss") == 0.25
@@ -440,9 +446,9 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
     s.store.create(JobRecord(id="job-gone", method="lora", dataset="train.jsonl", adapter_id="gone",
                              state=SUCCEEDED, output_path="jobs/job-gone/adapter"))  # its files were deleted
     s = server()
-    s.jobs.restore_adapters(s.ranks)  # a failed load is logged, not fatal
-    assert sorted(s.ranks.loaded) == ["one", "two"] and s.ranks.commands.count("load_adapter") == 3
-    assert [(a.id, a.source_job_id) for a in s.adapters.list()] == [("one", ids[0]), ("two", ids[1])]
+    s.jobs.restore_adapters()  # a failed registration is logged, not fatal
+    assert s.ranks.commands == []  # registered on disk: start-up loads nothing
+    assert [(a.id, a.source_job_id, a.tier) for a in s.adapters.list()] == [("one", ids[0], DISK), ("two", ids[1], DISK)]
 
 
 def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
@@ -472,3 +478,70 @@ def test_page_lists_newest_first_after_a_job(tmp_path: Path) -> None:
         store.page("job-nope", 1)
     assert [r.id for r in store.using_dataset("d.jsonl")] and store.using_dataset("other.jsonl") == []
     store.close()
+
+
+# ----------------------------------------------------------------- a job's adapter never stops serving (issue 30)
+
+
+def test_a_finished_job_needs_no_device_slot(server: Callable[[], Server]) -> None:
+    """Every device slot pinned: the job still succeeds, its adapter registered on disk; a request
+    for it is refused at once (no slot would ever free)."""
+    s = server()
+    s.pool.max_loras = 1
+    (s.data_dir / "adapters" / "pinned").mkdir(parents=True)
+    (s.data_dir / "adapters" / "pinned" / "adapter_config.json").write_text(
+        json.dumps(adapter_config(["q"], 4, 8.0, 0.0, None)))
+    s.pool.load(s.ranks, "pinned", s.data_dir / "adapters" / "pinned", pin=True)
+    job_id = s.create(steps=1, adapter_id="tuned")
+    s.run(2)
+    rec = s.job(job_id)
+    assert (rec.state, rec.error) == (SUCCEEDED, "") and s.adapters.get("tuned").tier == DISK  # type: ignore[union-attr]
+    s.pool.acquire("tuned")
+    with pytest.raises(QueueFull, match="pinned"):
+        s.pool.make_resident(s.ranks, "tuned")
+
+
+def test_an_adapter_id_taken_while_the_job_ran_leaves_the_job_succeeded(server: Callable[[], Server]) -> None:
+    """A directory of the job's id appeared and has requests in flight: the job succeeds and says
+    how to load its adapter; the served one is untouched."""
+    s = server()
+    job_id = s.create(steps=1, adapter_id="late")
+    late = s.data_dir / "adapters" / "late"
+    late.mkdir(parents=True)
+    (late / "adapter_config.json").write_text(json.dumps(adapter_config(["q"], 2, 4.0, 0.0, None)))
+    s.pool.acquire("late")  # in flight
+    s.run(2)
+    rec = s.job(job_id)
+    assert rec.state == SUCCEEDED and f"LoadAdapter(job_id={job_id!r})" in rec.error, rec.error
+    served = s.adapters.get("late")
+    assert served is not None and served.rank == 2 and served.source_job_id == ""
+
+
+def test_adapter_ids_that_name_the_base_model_or_a_directory_are_refused_at_creation(
+        server: Callable[[], Server]) -> None:
+    s = server()
+    s.pool.reserved = frozenset({"base-model"})
+    (s.data_dir / "adapters" / "on-disk").mkdir(parents=True)
+    for taken in ("base-model", "on-disk"):
+        with pytest.raises(AlreadyExists) as e:
+            s.create(adapter_id=taken)
+        assert e.value.field == "adapter_id"
+    assert not list((s.data_dir / "jobs").glob("*"))  # a refused job leaves nothing behind
+
+
+def test_an_error_of_the_job_itself_fails_it_alone(server: Callable[[], Server], monkeypatch: Any) -> None:
+    """What a turn raises with the ranks sound (the scheduler hands it to `fail`): the job fails,
+    its trainer is dropped on the ranks, the next job runs."""
+    s = server()
+    first, second = s.create(steps=5), s.create(steps=1)
+    s.run(1)
+    error = OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        with monkeypatch.context() as m:
+            m.setattr(s.jobs, "_train_step", lambda ranks, job: (_ for _ in ()).throw(error))
+            s.jobs.step(s.ranks)
+    s.jobs.fail(s.ranks, error)
+    rec = s.job(first)
+    assert rec.state == FAILED and "No space left on device" in rec.error and s.ranks.commands[-1] == "train_abort"
+    s.run(2)
+    assert s.job(second).state == SUCCEEDED

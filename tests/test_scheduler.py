@@ -153,6 +153,7 @@ class FakeRanks:
         self.commands: list[str] = []  # what was sent besides steps and keepalives, in order
         self.keepalives = 0
         self.last_collective = time.monotonic()
+        self.failed: str | None = None  # a collective failed (RankGroup.failed)
 
     def exit(self) -> None:
         self.commands.append("exit")
@@ -174,21 +175,31 @@ class FakeRanks:
 
 
 class FakeSideWork:
-    """Fine-tuning's place in the scheduler (serve.scheduler.SideWork): `turns` steps of work."""
+    """Fine-tuning's place in the scheduler (serve.scheduler.SideWork): `turns` steps of work;
+    a step raises `error` when one is set (then `fail` records it and ends the work)."""
 
     def __init__(self, turns: int) -> None:
         self.turns = turns
         self.ranks_seen: list[Any] = []
         self.done = threading.Event()
+        self.error: Exception | None = None
+        self.failed: list[Exception] = []
 
     def has_work(self) -> bool:
         return self.turns > 0
 
     def step(self, ranks: Any) -> None:
         self.ranks_seen.append(ranks)
+        if self.error is not None:
+            raise self.error
         self.turns -= 1
         if self.turns == 0:
             self.done.set()
+
+    def fail(self, ranks: Any, error: Exception) -> None:
+        self.failed.append(error)
+        self.turns = 0
+        self.done.set()
 
 
 # ----------------------------------------------------------------- helpers
@@ -481,3 +492,30 @@ def test_a_ticket_waiting_for_adapter_room_is_not_starved(world: Callable[..., W
     assert [rid for rid, _ in w.engine.added] == ["a1", "b1", "a2", "a3", "a4"]
     w.engine.run_freely()
     assert all(events(t)[-1].finish_reason == "length" for t in [first, waiting, *later])
+
+
+def test_an_error_in_side_work_fails_that_work_alone(world: Callable[..., World]) -> None:
+    """A job's own error (its store, its adapter) ends the job; generation goes on. Only a failed
+    collective (the ranks' `failed`) breaks the world."""
+    w = world(keepalive_s=0.02)
+    side = FakeSideWork(3)
+    side.error = ValueError("the job's adapter could not be placed")
+    w.scheduler.side = side
+    w.start()
+    w.scheduler.wake()
+    assert side.done.wait(WAIT_S)
+    assert [str(e) for e in side.failed] == ["the job's adapter could not be placed"] and w.broken == []
+    w.engine.run_freely()
+    t = ticket("after")
+    w.scheduler.submit(t)
+    assert events(t)[-1].finish_reason == "length"  # serving goes on
+
+    broken = world(keepalive_s=0.02)
+    side = FakeSideWork(3)
+    side.error = RuntimeError("gloo: connection closed by peer")
+    broken.ranks.failed = "RuntimeError: gloo: connection closed by peer"
+    broken.scheduler.side = side
+    broken.start()
+    broken.scheduler.wake()
+    wait_for(lambda: broken.broken, "the world to break")
+    assert side.failed == [] and "connection closed" in broken.broken[0]

@@ -695,7 +695,7 @@ def test_restart_recovers_jobs_then_rank_death(workdir: Path, drained: Drained) 
         assert second.returncode == 2 and "in use by another tprt serve" in second.stderr, second.stderr
         crashed = c.get_job("job-crashed")
         assert crashed.state == ft_pb.JOB_STATE_FAILED and "no checkpoint" in crashed.error  # with the reason
-        assert drained.adapter_id in {a.id for a in c.model_info().adapters}  # reloaded at start-up
+        assert drained.adapter_id in {a.id for a in c.model_info().adapters}  # registered at start-up (on disk)
         assert len(c.complete("hi", adapter_id=drained.adapter_id, max_new_tokens=2).tokens) == 2
         assert drained.record is not None
         job_id, step = drained.job_id, drained.record.step

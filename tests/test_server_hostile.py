@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,8 @@ grpc = pytest.importorskip("grpc")
 from serve.client import Client, field_of  # noqa: E402
 from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.pb import generation_pb2 as gen_pb  # noqa: E402
-from test_server import TOKEN, ServerProcess, data_dir, metric, prepare_root, rpc_error, server_args, wait_for  # noqa: E402
+from test_server import (TOKEN, ServerProcess, _write_random_adapter, data_dir, metric, prepare_root, rpc_error,  # noqa: E402
+                         server_args, wait_for)
 
 CONTEXT = 256
 MAX_DATASET_BYTES = 4096
@@ -296,6 +298,126 @@ def _watch_once(server: ServerProcess) -> bool:
             return False
         finally:
             stream.cancel()
+
+
+# ----------------------------------------------------------------- issue 30: adapters and the jobs that make them
+
+
+def _corrupt_adapters(root: Path) -> list[str]:
+    """Adapter directories under --data-dir/adapters/, each broken in one way (their names)."""
+    import struct
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    adapters = root / "data" / "adapters"
+    _write_random_adapter(root, adapters / "bad-sound", ("q",), 2, 1)  # the template, and proof the rest is sound
+    sound = adapters / "bad-sound"
+    made: list[str] = []
+
+    def variant(name: str, file: str, content: bytes | None) -> None:
+        shutil.copytree(sound, adapters / name)
+        target = adapters / name / file
+        target.unlink()
+        if content is None:
+            target.mkdir()
+        else:
+            target.write_bytes(content)
+        made.append(name)
+
+    weights = "adapter_model.safetensors"
+    good = (sound / weights).read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    header = json.loads(good[8:8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    lying = {**header, first: {**header[first], "data_offsets": [0, 10**12]}}
+    raw = json.dumps(lying).encode()
+    variant("bad-empty", weights, b"")
+    variant("bad-truncated", weights, good[:-64])
+    variant("bad-length", weights, struct.pack("<Q", 2**62) + good[8:])
+    variant("bad-offsets", weights, struct.pack("<Q", len(raw)) + raw + good[8 + n:])
+    variant("bad-dir", weights, None)
+    variant("bad-deep", "adapter_config.json", b"[" * 200_000 + b"]" * 200_000)
+    variant("bad-binary", "adapter_config.json", bytes(range(256)) * 8)
+    variant("bad-config-dir", "adapter_config.json", None)
+    tensors = load_file(str(sound / weights))
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    shutil.copytree(sound, adapters / "bad-nan")
+    save_file(tensors, str(adapters / "bad-nan" / weights))
+    made.append("bad-nan")
+    return made
+
+
+def test_adapter_mistakes_are_invalid_argument_naming_the_field_without_a_traceback(
+        root: Path, server: ServerProcess, client: Client) -> None:
+    outside = root / "outside"
+    _write_random_adapter(root, outside / "escape", ("q",), 2, 3)
+    (root / "data" / "adapters").mkdir(parents=True, exist_ok=True)
+    (root / "data" / "adapters" / "escape").symlink_to(outside / "escape")  # on demand, it led out of --data-dir
+    ids = list(client.tokenize("hi").ids)
+    calls = [(lambda p=p: client.load_adapter("x", path=p), "path")
+             for p in ("adapters/x\0y", "a" * 5000, "/".join(["b" * 300] * 3), "adapters/escape")]
+    calls.append((lambda: client.complete(prompt_ids=ids, adapter_id="escape", max_new_tokens=1), "adapter_id"))
+    for name in _corrupt_adapters(root):
+        calls.append((lambda name=name: client.load_adapter("x", path=f"adapters/{name}"), "path"))
+        calls.append((lambda name=name: client.complete(prompt_ids=ids, adapter_id=name, max_new_tokens=1),
+                      "adapter_id"))
+    for call, field in calls:
+        err = rpc_error(call)
+        assert (err.code(), field_of(err)) == (INVALID, field), err.details()
+        assert len(err.details()) < 400 and str(root) not in err.details(), err.details()[:400]
+    assert "adapter_model.safetensors" in rpc_error(lambda: client.load_adapter("x", path="adapters/bad-nan")).details()
+    assert "NaN" in rpc_error(lambda: client.load_adapter("x", path="adapters/bad-nan")).details()
+    assert len(client.complete(prompt_ids=ids, adapter_id="bad-sound", max_new_tokens=2).tokens) == 2
+    assert client.health_check() == "SERVING"
+    assert "Traceback" not in server.tail() and "a" * 5000 not in server.tail()
+
+
+def test_jobs_cannot_take_what_the_adapter_pool_refuses(root: Path, client: Client) -> None:
+    before = job_dirs(root)
+    (root / "data" / "adapters" / "a-directory").mkdir(parents=True, exist_ok=True)
+    base = client.model_info().model
+    err = rpc_error(lambda: client.create_job(**{**ENDLESS, "lora_rank": 256}))  # --max-lora-rank is 16
+    assert (err.code(), field_of(err)) == (INVALID, "hyperparameters.lora_rank") and "--max-lora-rank" in err.details()
+    for taken in (base, "a-directory"):
+        err = rpc_error(lambda: client.create_job(adapter_id=taken, **ENDLESS))
+        assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "adapter_id"), err.details()
+    assert job_dirs(root) == before
+    sound = root / "data" / "adapters" / "a-directory" / "sound"
+    if not sound.exists():
+        _write_random_adapter(root, sound, ("q",), 2, 4)
+    err = rpc_error(lambda: client.load_adapter(base, path="adapters/a-directory/sound"))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "id")
+
+
+def test_a_job_finishing_while_every_slot_is_pinned_succeeds_and_serving_goes_on(
+        root: Path, server: ServerProcess, client: Client) -> None:
+    """test_server's --max-loras 2, both pinned: the job's adapter is registered on disk; a request
+    for it is refused at once (RESOURCE_EXHAUSTED: no slot would ever free), and served once a pin goes."""
+    pins = ["pin-1", "pin-2"]
+    for seed, name in enumerate(pins):
+        _write_random_adapter(root, root / "data" / "adapters" / name, ("q",), 2, 20 + seed)
+    try:
+        for name in pins:
+            client.load_adapter(name, path=f"adapters/{name}", pin=True)
+        job = client.create_job(inline_jsonl='{"text": "hello hello hello"}\n', steps=2, batch_size=1,
+                                max_seq_len=16, lora_rank=2, adapter_id="finished-pinned")
+        last = list(client.watch_job(job.id, timeout=120))[-1]
+        assert last.state == ft_pb.JOB_STATE_SUCCEEDED, last.error
+        assert client.health_check() == "SERVING"
+        tiers = {a.id: a.tier for a in client.list_adapters()}
+        assert tiers["finished-pinned"] == "disk" and tiers["pin-1"] == tiers["pin-2"] == "device"
+        err = rpc_error(lambda: client.complete("hi", adapter_id="finished-pinned", max_new_tokens=2, timeout=30))
+        assert (err.code(), field_of(err)) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "adapter_id"), err.details()
+        assert len(client.complete("hi", max_new_tokens=2).tokens) == 2
+        client.unload_adapter("pin-1")
+        assert len(client.complete("hi", adapter_id="finished-pinned", max_new_tokens=2).tokens) == 2
+    finally:
+        for name in pins:
+            try:
+                client.unload_adapter(name)
+            except grpc.RpcError:
+                pass
 
 
 # ----------------------------------------------------------------- 8: jobs reflect rank faults

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import mmap
 import os
 import queue
@@ -98,64 +99,95 @@ class TensorInfo:
         return _torch_tables()[0][self.dtype][0]
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parses and validates the header: every offset inside the file and consistent with its shape."""
+def read_header(path: Path, shown: str | None = None) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parses and validates the header: every offset inside the file and consistent with its shape.
+    Errors name the file as `shown` (default: its path)."""
+    name = str(path) if shown is None else shown
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
+                raise CheckpointError(f"{name}: truncated safetensors file ({size} bytes, no header length)")
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise CheckpointError(
-                    f"{path}: corrupt safetensors header (declares {n} header bytes, file has {size})"
+                    f"{name}: corrupt safetensors header (declares {n} header bytes, file has {size})"
                 )
             raw = f.read(n)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    return parse_header(raw, size, str(path))
+        raise CheckpointError(f"{name}: file not found") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise CheckpointError(f"{name}: cannot be read ({e.strerror or type(e).__name__})") from None
+    return parse_header(raw, size, name)
+
+
+def _count(value: Any) -> int | None:
+    """`value` as a JSON count (a non-negative integer, not a bool or a float), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def parse_header(raw: bytes, size: int, path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """The JSON header `raw` (the bytes after the 8-byte length) of a safetensors file of `size`
-    bytes, validated as read_header does; `path` names the file in errors."""
+    bytes, validated as read_header does; `path` names the file in errors. Every tensor's dtype
+    is known, its shape non-negative integers whose byte size is its span, and the spans lie in
+    the data without overlapping: nothing downstream (mmap views, torch) sees a lying header."""
     n = len(raw)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ is not a JSON object)")
     data_start = 8 + n
+    data_size = size - data_start
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
-            dtype, shape, (b, e) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPE_SIZES:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        expected = int(np.prod(shape, dtype=np.int64)) * DTYPE_SIZES[dtype]
-        if e - b != expected or b < 0:
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            dims = tuple(_count(s) for s in shape)
+            b, e = (_count(o) for o in offsets)
+        except (KeyError, TypeError, ValueError):  # not a dict, missing keys, not lists, not two offsets
+            raise CheckpointError(f"{path}: tensor {echo_short(name)} has a malformed header entry") from None
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise CheckpointError(f"{path}: tensor {echo_short(name)} has unsupported dtype {echo_short(dtype)}")
+        shape = tuple(d for d in dims if d is not None)
+        if len(shape) != len(dims):
+            raise CheckpointError(f"{path}: tensor {echo_short(name)} has a shape that is not a list of non-negative integers")
+        if b is None or e is None or b > e:
+            raise CheckpointError(f"{path}: tensor {echo_short(name)} has data_offsets that are not two ordered byte offsets")
+        expected = math.prod(shape) * DTYPE_SIZES[dtype]  # Python ints: an absurd shape cannot overflow
+        if e - b != expected:
             raise CheckpointError(
-                f"{path}: tensor {name!r} spans {e - b} bytes but shape {list(shape)} {dtype} needs {expected}"
+                f"{path}: tensor {echo_short(name)} spans {e - b} bytes but shape {list(shape)} {dtype} needs {expected}"
             )
-        if data_start + e > size:
+        if e > data_size:
             raise CheckpointError(
-                f"{path}: truncated: tensor {name!r} ends at byte {data_start + e}, file has {size}"
+                f"{path}: truncated: tensor {echo_short(name)} ends at byte {data_start + e}, file has {size}"
             )
         tensors[name] = TensorInfo(name, dtype, shape, data_start + b, data_start + e)
+    spans = sorted(tensors.values(), key=lambda t: (t.begin, t.end))
+    for before, after in zip(spans, spans[1:]):
+        if after.begin < before.end:
+            raise CheckpointError(f"{path}: tensors {echo_short(before.name)} and {echo_short(after.name)} overlap in the file")
     return tensors, {str(k): str(v) for k, v in metadata.items()}
+
+
+def echo_short(value: Any, limit: int = 40) -> str:
+    """A value from a file, shown in an error at most `limit` characters long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class SafetensorsFile:
     """A read-only, memory-mapped safetensors file; views share memory with the page cache."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, shown: str | None = None) -> None:
         self.path = Path(path)
-        self.tensors, self.metadata = read_header(self.path)
+        self.tensors, self.metadata = read_header(self.path, shown)
         self._file = open(self.path, "rb")
         size = os.fstat(self._file.fileno()).st_size
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None

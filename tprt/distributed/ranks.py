@@ -71,17 +71,30 @@ class RankGroup:
         self.ctx = ctx
         self._executor = executor
         self.last_collective = time.monotonic()
+        # Why a command's collective failed (a rank died, a timeout): the group is unusable. A
+        # command that failed on some rank (CommandFailed) leaves it usable.
+        self.failed: str | None = None
 
     def run(self, cmd: Command[R]) -> R:
         """Every rank executes `cmd` (collective); returns rank 0's result, or raises CommandFailed."""
-        send_command(cmd, self.ctx)
-        result = run_command(cmd, self.ctx, self._executor)
+        try:
+            send_command(cmd, self.ctx)
+            result = run_command(cmd, self.ctx, self._executor)
+        except CommandFailed:
+            raise
+        except BaseException as e:
+            self.failed = one_line(e)
+            raise
         self.last_collective = time.monotonic()
         return result
 
     def keepalive(self) -> None:
         """Tells followers waiting in a collective that rank 0 is alive."""
-        send_signal(Tag.KEEPALIVE, self.ctx)
+        try:
+            send_signal(Tag.KEEPALIVE, self.ctx)
+        except BaseException as e:
+            self.failed = one_line(e)
+            raise
         self.last_collective = time.monotonic()
 
     def stepped(self) -> None:

@@ -45,11 +45,14 @@ def hf_names(targets: Sequence[str]) -> list[str]:
     return [HF_MODULES[t].split(".")[1] for t in targets]
 
 
+MAX_ALPHA = 1e6  # as a job's lora_alpha (serve/jobspec.py): more only overflows the scaled update
+
+
 def check_hparams(rank: int, alpha: float, dropout: float) -> None:
-    """ValidationError naming the field unless rank >= 1, alpha > 0 and 0 <= dropout < 1."""
-    if not isinstance(rank, int) or rank < 1:
+    """ValidationError naming the field unless rank >= 1, 0 < alpha <= MAX_ALPHA and 0 <= dropout < 1."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValidationError("lora_rank", f"LoRA rank must be a positive integer, got {rank!r}")
-    if not alpha > 0:
-        raise ValidationError("lora_alpha", f"LoRA alpha must be positive, got {alpha!r}")
-    if not 0.0 <= dropout < 1.0:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= MAX_ALPHA:
+        raise ValidationError("lora_alpha", f"LoRA alpha must be a number in (0, {MAX_ALPHA:g}], got {alpha!r}")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValidationError("lora_dropout", f"LoRA dropout must be in [0, 1), got {dropout!r}")

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tprt.checkpoint.safetensors_io import read_header
 from tprt.errors import CheckpointError, ConfigError
-from tprt.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, peft_key, read_adapter_config, read_config_file
+from tprt.lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_factor_dtype, peft_key, read_adapter_config,
+                              read_adapter_weights, read_config_file)
 from tprt.model.config import ModelConfig
 
 
@@ -43,22 +45,25 @@ def read_facts(path: Path, max_rank: int | None = None) -> AdapterFacts:
     return AdapterFacts(targets, rank, alpha)
 
 
-def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
-    """CheckpointError unless adapter_model.safetensors holds exactly A and B of every targeted
-    projection of every layer of `config`'s model, in the shapes rank `facts.rank` needs."""
-    from safetensors import safe_open
-
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise CheckpointError(f"{path.name}/{ADAPTER_WEIGHTS}: not found; expected the adapter's weights")
+def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts, values: bool = True) -> None:
+    """CheckpointError unless adapter_model.safetensors is sound (a valid header, floating point
+    tensors, and with `values` no NaN or infinity: peft_io.read_adapter_weights, which reads every
+    tensor; the ranks check the values again when they load it) and holds exactly A and B of
+    every targeted projection of every layer of `config`'s model, in the shapes rank `facts.rank`
+    needs."""
+    shown = f"{path.name}/{ADAPTER_WEIGHTS}"
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise CheckpointError(f"{shown}: not found; expected the adapter's weights")
     want: dict[str, tuple[int, int]] = {}
     for layer in range(config.num_hidden_layers):
         for t in facts.targets:
             n_in, n_out = in_out(config, t)
             want[peft_key(layer, t, "A")] = (facts.rank, n_in)
             want[peft_key(layer, t, "B")] = (n_out, facts.rank)
-    with safe_open(str(weights), framework="pt") as f:
-        have = {k.replace(".default.weight", ".weight"): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    tensors, _ = read_header(path / ADAPTER_WEIGHTS, shown)  # shapes first: no tensor is read for a mismatch
+    for name, info in tensors.items():
+        check_factor_dtype(name, info.dtype, shown)
+    have = {k.replace(".default.weight", ".weight"): info.shape for k, info in tensors.items()}
     for key, shape in have.items():
         if key not in want:
             raise CheckpointError(f"{path.name}: tensor {key!r} has no projection in this base model "
@@ -71,4 +76,5 @@ def check_fits(path: Path, config: ModelConfig, facts: AdapterFacts) -> None:
     if missing:
         raise CheckpointError(f"{path.name}: {len(missing)} tensor(s) missing, e.g. {missing[0]!r} "
                               f"(this base model has {config.num_hidden_layers} layers)")
-
+    if values:
+        read_adapter_weights(path, shown)

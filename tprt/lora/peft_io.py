@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from tprt.distributed.context import TPContext
-from tprt.errors import CheckpointError, ConfigError
+from tprt.checkpoint.safetensors_io import SafetensorsFile
+from tprt.errors import CheckpointError, ConfigError, ValidationError
 from tprt.lora.attach import LoRAAdapter, build_lora
 from tprt.lora.config import HF_MODULES, TARGETS, check_hparams, hf_names, normalize_targets
 from tprt.lora.sites import full_factor, full_shape, local_factor
@@ -112,12 +113,21 @@ def read_adapter_config(cfg: dict[str, Any], source: str = ADAPTER_CONFIG) -> tu
     modules = cfg.get("target_modules")
     if modules == "all-linear":
         modules = list(TARGETS)
-    if not isinstance(modules, list):
-        raise ConfigError(f"{source}: field 'target_modules' must be a list of module names, got {modules!r}")
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"{source}: field 'target_modules' must be a list of module names, got {_short(modules)}")
     targets = normalize_targets(modules)
-    rank, alpha, dropout = cfg.get("r"), cfg.get("lora_alpha", 8), float(cfg.get("lora_dropout", 0.0))
-    check_hparams(rank, alpha, dropout)  # type: ignore[arg-type]
-    return targets, int(rank), float(alpha), dropout  # type: ignore[arg-type]
+    rank, alpha, dropout = cfg.get("r"), cfg.get("lora_alpha", 8), cfg.get("lora_dropout", 0.0)
+    try:
+        check_hparams(rank, alpha, dropout)  # type: ignore[arg-type]
+    except ValidationError as e:
+        field = {"lora_rank": "r"}.get(e.field, e.field)
+        raise ConfigError(f"{source}: field {field!r}: {e}") from None
+    return targets, int(rank), float(alpha), float(dropout)  # type: ignore[arg-type]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_config_file(path: Path, shown: str, error: type[ConfigError] | type[CheckpointError]) -> dict[str, Any]:
@@ -127,17 +137,40 @@ def read_config_file(path: Path, shown: str, error: type[ConfigError] | type[Che
     return read_json_object(path / ADAPTER_CONFIG, shown, "a PEFT LoRA adapter directory", error)
 
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # the dtypes a LoRA factor may be stored in
+
+
+def check_factor_dtype(name: str, dtype: str, shown: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{shown}: tensor {_short(name, 120)} is {dtype}; a LoRA factor is floating point")
+
+
+def read_adapter_weights(path: Path, shown: str) -> dict[str, torch.Tensor]:
+    """The tensors of the adapter directory `path`'s adapter_model.safetensors, copied out of the
+    file; CheckpointError naming the file as `shown` (a path, or just a name) when it is missing
+    or corrupt (its header is validated before any tensor is read: tprt.checkpoint.safetensors_io)
+    and naming the tensor when one is not floating point or holds NaN or infinity."""
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{shown}: not found; expected the adapter's weights")
+    out: dict[str, torch.Tensor] = {}
+    with SafetensorsFile(weights, shown) as f:
+        for name, info in f.tensors.items():
+            check_factor_dtype(name, info.dtype, shown)
+            t = f.tensor(name).clone()
+            if not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{shown}: tensor {_short(name, 120)} holds NaN or infinite values")
+            out[name] = t
+    return out
+
+
 def read_adapter(model: TPLlamaForCausalLM, path: str | Path, ctx: TPContext) -> LoRAAdapter:
     """The PEFT LoRA adapter in directory `path` (adapter_config.json and adapter_model.safetensors,
     as PEFT's save_pretrained writes them), built for `model` and filled; not attached."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     cfg = read_config_file(path, str(path / ADAPTER_CONFIG), CheckpointError)
     targets, rank, alpha, dropout = read_adapter_config(cfg, str(path / ADAPTER_CONFIG))
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: not found; expected the adapter's weights")
+    state = read_adapter_weights(path, str(path / ADAPTER_WEIGHTS))
     adapter = build_lora(model, targets, rank, alpha, dropout)
-    load_lora_state_dict(adapter, load_file(str(weights)), ctx)
+    load_lora_state_dict(adapter, state, ctx)
     return adapter

@@ -13,19 +13,60 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
+MAX_JSON_FILE_BYTES = 16 << 20  # a config file is kilobytes; more is not one
+MAX_JSON_DEPTH = 64  # a config nests a few levels; deeper is refused before the parser recurses
+
+
 def read_json_object(path: Path, shown: str, expected: str,
                      error: type[ConfigError] | type[CheckpointError]) -> dict[str, Any]:
     """The JSON object in the file `path`; `error` naming it as `shown` (a path, or a shorter
-    name) when it is missing (saying `expected` is what should be there), not JSON or not an object."""
+    name) when it is missing (saying `expected` is what should be there), not a regular file,
+    too large, not UTF-8, nested too deeply, not JSON or not an object."""
     try:
-        d = json.loads(path.read_text())
+        if not path.is_file():
+            if path.exists():
+                raise error(f"{shown}: not a regular file; expected {expected}")
+            raise FileNotFoundError(path)
+        if path.stat().st_size > MAX_JSON_FILE_BYTES:
+            raise error(f"{shown}: larger than {MAX_JSON_FILE_BYTES >> 20} MiB; not a config file")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise error(f"{shown}: not found; expected {expected}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{shown}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise error(f"{shown}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if _nesting(text) > MAX_JSON_DEPTH:
+        raise error(f"{shown}: JSON nested more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        d = json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{shown}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(d, dict):
         raise error(f"{shown}: expected a JSON object")
     return d
+
+
+def _nesting(text: str) -> int:
+    """The deepest bracket nesting of JSON text, strings skipped (an upper bound for invalid JSON)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
 
 
 @dataclass(frozen=True)
