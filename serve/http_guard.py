@@ -107,6 +107,7 @@ class GuardedH11Protocol(H11Protocol):
         self.tls = tls
         self.raw: asyncio.Transport | None = None  # the TCP transport, under TLS if any
         self.up = False  # uvicorn's connection_made has run (after the TLS handshake)
+        self.early = bytearray()  # what TLS decrypted before start_tls returned
         self.deadline: asyncio.TimerHandle | None = None
         self.waiting_for = ""  # "header" or "body": what the deadline is for
 
@@ -141,6 +142,9 @@ class GuardedH11Protocol(H11Protocol):
             return
         self.up = True
         super().connection_made(secured)
+        if self.early:
+            data, self.early = bytes(self.early), bytearray()
+            self.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()
@@ -152,6 +156,9 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.drop(self)
 
     def data_received(self, data: bytes) -> None:
+        if not self.up:  # the request may follow the handshake before start_tls has returned
+            self.early += data
+            return
         super().data_received(data)
         self._watch()
 

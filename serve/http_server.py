@@ -26,6 +26,9 @@ from tprt.errors import ConfigError
 log = logging.getLogger("tprt.serve")
 
 FD_RESERVE = 256  # descriptors kept for gRPC, /metrics, the ranks' sockets, files and the model
+# The listen queue, and what asyncio accepts at once before the guard sees any of it: descriptors
+# peak at --http-max-connections + about twice this (accepted, and evicted but not yet closed).
+BACKLOG = 64
 
 
 class HttpServer:
@@ -61,7 +64,7 @@ class HttpServer:
         self.guard = ConnectionGuard(self.limits, trusted)
         protocol = functools.partial(GuardedH11Protocol, guard=self.guard, tls=self.tls)
         config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False,  # type: ignore[arg-type]
-                                lifespan="off", timeout_graceful_shutdown=5, server_header=False)
+                                lifespan="off", timeout_graceful_shutdown=5, server_header=False, backlog=BACKLOG)
         self._server = uvicorn.Server(config)
         server = self._server
         self._thread = threading.Thread(target=lambda: server.run(sockets=[self.sock]), name="tprt-http",

@@ -7,7 +7,9 @@ are checked on the app in-process, where a job manager can be put in that state 
 second server.
 
 The server's batch and queue are small (MAX_BATCH, MAX_QUEUE) so that a full queue (429) takes
-three long requests. Nothing waits for a guessed duration: a request that must still run is one
+three long requests. It runs under a low file descriptor limit (FD_LIMIT) with few HTTP
+connections allowed, so that silent connections past that limit show whether they can take
+the server's descriptors. Nothing waits for a guessed duration: a request that must still run is one
 of LONG tokens, acted on once its first token has streamed, and cancelled afterwards.
 """
 
@@ -17,7 +19,9 @@ import json
 import math
 import re
 import shutil
+import socket
 import ssl
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,12 @@ MAX_QUEUE = 1
 MAX_BODY = 1 << 20
 MAX_DATASET = 64 << 10  # --max-dataset-bytes: an upload one byte over is a 413
 LONG = CONTEXT - 64
+FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/http_server.py's reserve
+MAX_HTTP_CONNECTIONS = 64
+# `python -m tprt.cli` under FD_LIMIT descriptors (ServerProcess appends "serve" and the flags).
+LIMITED_LAUNCHER = (sys.executable, "-c", "import resource, runpy, sys; "
+                    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT})); sys.argv[0] = 'tprt'; "
+                    "runpy.run_module('tprt.cli', run_name='__main__', alter_sys=True)")
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
 
@@ -74,9 +84,10 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
             "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
             "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_BODY),
-            "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1"]
+            "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1",
+            "--http-max-connections", str(MAX_HTTP_CONNECTIONS), "--http-max-unauthenticated", "16"]
     args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
-    srv = ServerProcess(args, root / "server.log", tls[0] if tls else None)
+    srv = ServerProcess(args, root / "server.log", tls[0] if tls else None, launcher=LIMITED_LAUNCHER)
     try:
         yield Api(srv, root)
     finally:
@@ -390,6 +401,61 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
     with pytest.raises(openai.AuthenticationError):
         api.openai("wrong").files.list()
     assert not any(f.filename in ("a.jsonl", "mine.jsonl", "big.jsonl") for f in c.files.list().data)
+
+
+def test_uploads_that_are_not_utf8_text_are_400_naming_the_file(api: Api) -> None:
+    """Issue 30 #7: UTF-16, invalid UTF-8 and binary uploads are refused naming the file and line."""
+    c = api.client
+    for name, data in (("utf16.jsonl", '{"text": "hi"}\n'.encode("utf-16")),
+                       ("latin1.jsonl", '{"text": "caf\u00e9"}\n'.encode("latin-1")),
+                       ("blob.png", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.files.create(file=(name, data), purpose="fine-tune")
+        assert info.value.param == "file" and f"'{name}':1: not UTF-8 text" in info.value.message, info.value.message
+
+
+def test_a_chunked_upload_over_the_limit_is_413(api: Api) -> None:
+    """A body without Content-Length is counted as it streams in: over the limit it is a 413, as
+    one announced too large is."""
+    boundary = "tprt-boundary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+
+    def body() -> Iterator[bytes]:
+        yield head
+        for _ in range(4 * MAX_DATASET // 4096):
+            yield b"x" * 4096
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    with api.http(timeout=30) as http:
+        r = http.post(f"{api.base_url}/files", content=body(),
+                      headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_silent_connections_cannot_take_the_servers_descriptors(api: Api) -> None:
+    """Issue 30 #2 on the real server: more silent connections than the process has descriptors
+    (FD_LIMIT) leave HTTP (TLS included), gRPC, health and /metrics serving; the connections
+    past the caps are closed at once."""
+    host, port = re.search(r"//([\d.]+):(\d+)/", api.base_url).groups()  # type: ignore[union-attr]
+    silent = []
+    try:
+        for _ in range(FD_LIMIT + 100):
+            silent.append(socket.create_connection((host, int(port)), timeout=30))
+        assert [m.id for m in api.client.models.list().data][0] == api.model
+        out = api.client.completions.create(model=api.model, prompt="Hi", max_tokens=2, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert out.usage is not None and out.usage.completion_tokens == 2
+        assert metric(api.server.metrics(), "tprt_serving") == 1
+        with api.server.client() as grpc_client:
+            assert grpc_client.health_check() == "SERVING"
+            assert len(grpc_client.complete("Hi", max_new_tokens=2, temperature=0).tokens) == 2
+    finally:
+        for s in silent:
+            s.close()
+    log = api.server.tail()
+    assert "Traceback" not in log and "out of system resource" not in log, log
 
 
 def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
@@ -777,3 +843,31 @@ def test_http_errors_have_openai_shape_and_strict_types(local: Local) -> None:
         ok = c.post("/v1/completions", json={"model": "base", "prompt": [1], "temperature": 1, "top_p": None,
                                              "max_tokens": 1})
         assert ok.status_code == 200, ok.text
+
+
+def test_repeated_loop_errors_are_logged_once_per_interval() -> None:
+    """Issue 30 #2: asyncio's accept loop failing thousands of times a second logs one line per
+    interval, and the next line says how many were held back."""
+    import logging
+
+    from serve.http_guard import RateLimitedLog
+
+    now = [0.0]
+    logger = logging.getLogger("test-rate-limited")
+    logger.propagate = False
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.addFilter(RateLimitedLog(every=10.0, clock=lambda: now[0]))
+    for i in range(11_000):  # a second of the accept loop at the fd limit, each with its own numbers
+        logger.error("socket.accept() out of system resource\nsocket: <fd=%d>" % (i % 7))
+        now[0] += 1 / 11_000
+    logger.error("something else")
+    now[0] += 10
+    logger.error("socket.accept() out of system resource\nsocket: <fd=3>")
+    assert len(seen) == 3 and seen[1] == "something else"
+    assert "(10999 more like it in the last 10s were not logged)" in seen[2]
