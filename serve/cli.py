@@ -42,8 +42,8 @@ def _serve_parser(sub: Any) -> None:
                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
     s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds an HTTP request's headers (and the TLS handshake) may take from the first byte; "
-                        "slower connections are closed (10)")
+                   help="seconds from a new HTTP connection (TLS handshake included), or from a later request's "
+                        "first byte, to the end of the request's headers; slower connections are closed (10)")
     s.add_argument("--http-body-timeout", type=float, default=30.0, metavar="S",
                    help="seconds an HTTP request body may stall between bytes before the connection is closed (30)")
     s.add_argument("--http-max-connections", type=int, default=512, metavar="N",

@@ -10,7 +10,8 @@ descriptors, for free.
   (without a token configured: not yet a complete request); past it, the oldest is closed, so a
   flood of silent connections can neither keep real clients out nor exhaust descriptors;
 - a request's headers (and the TLS handshake before them) must arrive within `header_timeout`
-  seconds of its first byte, whatever the pace; a body may not stall for more than
+  seconds of the connection (a later request's: of its first byte), whatever the pace; a body
+  may not stall for more than
   `body_timeout` seconds between bytes (while the app waits for it). Such connections are closed.
 
 TLS is done here (`loop.start_tls`) rather than by uvicorn, so that a handshake is a counted

@@ -60,11 +60,11 @@ class HttpServer:
 
     def start(self, app: FastAPI, trusted: Callable[[Headers], bool] = lambda headers: True) -> None:
         """Serves `app`; `trusted` tells a request's headers that carry the token (serve/auth.py)."""
-        install_log_limits()
         self.guard = ConnectionGuard(self.limits, trusted)
         protocol = functools.partial(GuardedH11Protocol, guard=self.guard, tls=self.tls)
         config = uvicorn.Config(app, http=protocol, log_level="warning", access_log=False,  # type: ignore[arg-type]
                                 lifespan="off", timeout_graceful_shutdown=5, server_header=False, backlog=BACKLOG)
+        install_log_limits()  # after uvicorn's Config, which configures its loggers
         self._server = uvicorn.Server(config)
         server = self._server
         self._thread = threading.Thread(target=lambda: server.run(sockets=[self.sock]), name="tprt-http",
