@@ -314,7 +314,7 @@ class App:
             self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
                                                 cfg.max_message_bytes, generation.max_text_bytes, time.time(),
                                                 self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
-                                                self.datasets))
+                                                datasets=self.datasets))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                               admission), self.server)
