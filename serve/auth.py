@@ -1,5 +1,8 @@
 """Bearer-token authentication: every method but the health check needs `authorization: Bearer <token>`.
 
+HTTP (serve/openai_app.py, serve/http_guard.py) checks the same token on a request's headers
+with `TokenCheck`, before any of its body is read.
+
 The token is read once from --auth-token-file (surrounding whitespace stripped) and compared in
 constant time. A refused call raises `Unauthenticated` inside the method handler, so the error
 interceptor (outermost) gives it its status and counts it like any other outcome.
@@ -8,7 +11,7 @@ interceptor (outermost) gives it its status and counts it like any other outcome
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,28 @@ def bearer(metadata: Any) -> str | None:
             if scheme.lower() == "bearer" and token.strip():
                 return token.strip()
     return None
+
+
+class TokenCheck:
+    """Whether raw HTTP headers carry `Authorization: Bearer <token>` (constant time); with no
+    token configured, every request passes."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token.encode() if token is not None else None
+
+    @property
+    def required(self) -> bool:
+        return self._token is not None
+
+    def __call__(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+        if self._token is None:
+            return True
+        for key, value in headers:
+            if key.lower() == b"authorization":
+                scheme, _, got = value.partition(b" ")
+                if scheme.lower() == b"bearer" and got.strip():
+                    return hmac.compare_digest(got.strip(), self._token)
+        return False
 
 
 class AuthInterceptor(grpc.ServerInterceptor):

@@ -41,6 +41,17 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--http-port", type=int, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
+    s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds from a new HTTP connection (TLS handshake included), or from a later request's "
+                        "first byte, to the end of the request's headers; slower connections are closed (10)")
+    s.add_argument("--http-body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds an HTTP request body may stall between bytes before the connection is closed (30)")
+    s.add_argument("--http-max-connections", type=int, default=512, metavar="N",
+                   help="open HTTP connections; past N a new one gets 503, or takes the place of the oldest "
+                        "unauthenticated one (512; lowered to fit the process's file descriptor limit)")
+    s.add_argument("--http-max-unauthenticated", type=int, default=64, metavar="N",
+                   help="HTTP connections that have not yet sent a request with a valid token (without "
+                        "--auth-token-file: a complete request); past N the oldest is closed (64)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (9400; 0 = any; -1 = off)")
     s.add_argument("--max-batch-size", type=int, metavar="N",
                    help="running sequences at once (default: 256 on a GPU, 16 on CPU)")

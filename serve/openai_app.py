@@ -13,32 +13,44 @@ serve/openai_jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, w
 FineTuning service sees too).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor).
+of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
+in a stream's error event too; unknown routes and methods (404, 405) as well.
 Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
+
+Before any route runs, `Authenticate` checks the bearer token on the request's headers (a 401
+that closes the connection, the body never read) and `BodyLimit` the body's size (413). JSON
+bodies are parsed by serve/openai_requests.py's `parse_body`, on a thread when they are large;
+dataset uploads and job creations read and tokenize files on threads of their own
+(serve/dataset_work.py), never those that tokenize completions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import math
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Annotated, Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.adapters import AdapterRegistry
-from serve.auth import bearer
+from serve.auth import TokenCheck
+from serve.dataset_work import DatasetWork
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
 from serve.finetune import JobManager
 from serve.handlers import ModelFacts
@@ -48,7 +60,7 @@ from serve.openai_files import FileStore, dataset_path
 from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
 from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
-                                   prepare_chat, prepare_completion, renamed)
+                                   invalid_param, parse_body, prepare_chat, prepare_completion, renamed)
 from serve.scheduler import Scheduler, Ticket, new_request_id
 from serve.structured import CallDelta, ToolCallStream
 from tprt.engine.constraints import ConstraintSpec
@@ -57,6 +69,9 @@ from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
 
 _DISCONNECT_POLL_S = 0.5
+PARSE_ON_THREAD_BYTES = 64 << 10  # JSON bodies larger than this are parsed off the event loop
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -79,9 +94,29 @@ class HttpDeps:
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
     # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
     compile_constraint: Callable[[ConstraintSpec], object] | None = None
+    datasets: DatasetWork = field(default_factory=DatasetWork)  # uploads' and job creations' file work
 
 
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
+
+
+class Authenticate:
+    """ASGI middleware: a request without the bearer token gets 401 in OpenAI's shape from its
+    headers alone; its body is never read, and the connection is closed (the rest of a large
+    body is not worth receiving)."""
+
+    def __init__(self, app: ASGIApp, check: TokenCheck, on_refused: Callable[[Scope], None]) -> None:
+        self.app = app
+        self.check = check
+        self.on_refused = on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.check(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        self.on_refused(scope)
+        why = Unauthenticated("missing or invalid bearer token (header 'Authorization: Bearer <token>')")
+        await _send_error(scope, send, why, close=True)
 
 
 class BodyLimit:
@@ -121,9 +156,10 @@ class BodyLimit:
         return PayloadTooLarge(f"the request body is over {limit} bytes ({flag})")
 
 
-async def _send_error(scope: Scope, send: Send, e: BaseException) -> None:
+async def _send_error(scope: Scope, send: Send, e: BaseException, close: bool = False) -> None:
     status, body, _ = error_body(e)
-    await JSONResponse(body, status_code=status)(scope, _no_receive, send)
+    headers = {"connection": "close"} if close else None
+    await JSONResponse(body, status_code=status, headers=headers)(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:
@@ -133,10 +169,12 @@ async def _no_receive() -> Message:
 def create_app(deps: HttpDeps) -> FastAPI:
     """The FastAPI app serving the OpenAI API over `deps`."""
     api = OpenAIApi(deps)
-    app = FastAPI(title="tprt OpenAI-compatible API", dependencies=[Depends(api.authenticate)],
-                  openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="tprt OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=deps.max_body_bytes, upload_limit=deps.max_dataset_bytes + UPLOAD_OVERHEAD)
+    app.add_middleware(Authenticate, check=TokenCheck(deps.token),  # the outermost: before any body is read
+                       on_refused=lambda scope: api.count_scope(app, scope, "unauthenticated"))
     app.add_exception_handler(RequestValidationError, api.invalid_body)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, api.http_error)  # type: ignore[arg-type]  # 404, 405
     for known in (ServeError, ValidationError):  # a client's mistake, or a state of the server
         app.add_exception_handler(known, api.failed)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, api.failed)  # a bug: 500, and uvicorn logs the traceback
@@ -162,20 +200,29 @@ class OpenAIApi:
 
     def __init__(self, deps: HttpDeps) -> None:
         self.d = deps
-        self._token = deps.token.encode() if deps.token is not None else None
 
     # ----------------------------------------------------------------- plumbing
 
-    async def authenticate(self, request: Request) -> None:
-        if self._token is None:
-            return
-        got = bearer(request.headers.items())
-        if got is None or not hmac.compare_digest(got.encode(), self._token):
-            raise Unauthenticated("missing or invalid bearer token (header 'Authorization: Bearer <token>')")
-
     def _count(self, request: Request, outcome: str) -> None:
         route = request.scope.get("route")
-        self.d.metrics.outcome(getattr(route, "path", request.url.path), outcome, 0.0, protocol="http")
+        self.d.metrics.outcome(getattr(route, "path", "(no route)"), outcome, 0.0, protocol="http")
+
+    def count_scope(self, app: FastAPI, scope: Scope, outcome: str) -> None:
+        """Counts a request refused before routing, under the route it names (not its raw path:
+        callers choose those, and each would be a metric series)."""
+        path = next((getattr(r, "path", "") for r in app.router.routes if r.matches(scope)[0] == Match.FULL),
+                    "(no route)")
+        self.d.metrics.outcome(path, outcome, 0.0, protocol="http")
+
+    async def _body(self, request: Request, model: type[Body]) -> Body:
+        """The request's JSON body as `model`; parsed on a thread when it is large."""
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise Cancelled("the client disconnected") from None
+        if len(raw) > PARSE_ON_THREAD_BYTES:
+            return await run_in_threadpool(parse_body, raw, model)
+        return parse_body(raw, model)
 
     def _ok(self, request: Request, value: Any) -> Any:
         self._count(request, "ok")
@@ -188,11 +235,18 @@ class OpenAIApi:
         return JSONResponse(body, status_code=status)
 
     async def invalid_body(self, request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or "body"
-        why = first.get("msg", "invalid request body")
-        return await self.failed(request, ParamError(f"{param}: {why}", param))
+        """A query parameter of the wrong type (bodies are read by `_body`)."""
+        errors = [{**err, "loc": tuple(p for p in err.get("loc", ()) if p != "query")} for err in e.errors()]
+        return await self.failed(request, invalid_param(errors))
+
+    async def http_error(self, request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (no such route: 404; a method the route lacks: 405) in OpenAI's shape."""
+        self._count(request, "not_found" if e.status_code == 404 else "invalid_argument")
+        what = f"{request.method} {echo(request.url.path)}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        body = {"error": {"message": f"{e.detail}: {what}", "type": "invalid_request_error", "param": None,
+                          "code": code}}
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)
 
     # ----------------------------------------------------------------- routes
 
@@ -206,18 +260,32 @@ class OpenAIApi:
         self._count(request, "ok")
         return {"object": "list", "data": data}
 
-    async def completions(self, body: CompletionBody, request: Request) -> Any:
+    async def completions(self, request: Request) -> Any:
+        body = await self._body(request, CompletionBody)
         return await self._generate(request, body, "text_completion", prepare_completion)
 
-    async def chat_completions(self, body: ChatBody, request: Request) -> Any:
+    async def chat_completions(self, request: Request) -> Any:
+        body = await self._body(request, ChatBody)
         return await self._generate(request, body, "chat.completion", prepare_chat)
 
     # ----------------------------------------------------------------- files
 
-    async def upload_file(self, request: Request, file: Annotated[UploadFile, File()],
-                          purpose: Annotated[str, Form()]) -> dict[str, Any]:
-        # Copying, syncing and tokenizing the dataset are blocking work: off the event loop.
-        obj = await run_in_threadpool(self.d.files.add, file.file, file.filename or "upload.jsonl", purpose)
+    async def upload_file(self, request: Request) -> dict[str, Any]:
+        # The form is read here, not by FastAPI, which would answer a body over the limit
+        # (BodyLimit's 413, raised as it streams in) with a 400.
+        try:
+            async with request.form(max_files=1, max_fields=16) as form:
+                file, purpose = form.get("file"), form.get("purpose")
+                if not isinstance(file, UploadFile):
+                    raise ParamError("a file to upload is needed (multipart field 'file')", "file")
+                if not isinstance(purpose, str):
+                    raise ParamError("needed (multipart field 'purpose'), e.g. 'fine-tune'", "purpose")
+                # Copying, syncing and tokenizing the dataset: on the dataset threads.
+                obj = await self.d.datasets.run(self.d.files.add, file.file, file.filename or "upload.jsonl", purpose)
+        except ClientDisconnect:
+            raise Cancelled("the client disconnected") from None
+        except HTTPException as e:  # starlette's refusal of a malformed form
+            raise ParamError(f"not a valid multipart form ({e.detail})", "file") from None
         return self._ok(request, obj)
 
     async def list_files(self, request: Request, purpose: str | None = None, after: str | None = None,
@@ -241,9 +309,10 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------- fine-tuning jobs
 
-    async def create_job(self, body: FineTuningJobBody, request: Request) -> dict[str, Any]:
-        # Reading and tokenizing the training file, and the store's writes: off the event loop.
-        return self._ok(request, await run_in_threadpool(self._create_job, body))
+    async def create_job(self, request: Request) -> dict[str, Any]:
+        body = await self._body(request, FineTuningJobBody)
+        # Reading and tokenizing the training file, and the store's writes: on the dataset threads.
+        return self._ok(request, await self.d.datasets.run(self._create_job, body))
 
     def _create_job(self, body: FineTuningJobBody) -> dict[str, Any]:
         d = self.d
@@ -388,6 +457,7 @@ class OpenAIApi:
             outcome = "ok"
         except Exception as e:  # noqa: BLE001 - after the headers, an error is an event of the stream
             _, body, outcome = error_body(e)
+            body["error"]["message"] = self.d.redact(body["error"]["message"])  # as `failed` shows it
             yield format_sse_event(data_str=json.dumps(body))
         finally:
             self._count(request, outcome)

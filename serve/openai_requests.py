@@ -4,8 +4,10 @@ Like serve/validation.py for gRPC, this module only renames: the prompt goes thr
 `prompt_ids` checks (as the GenerateRequest it would have been), the sampling fields through
 `tprt.engine.request.resolve_sampling`, and an error's field is renamed back to the OpenAI
 parameter (`max_new_tokens` -> `max_tokens`, `chat.messages[2].role` -> `messages[2].role`).
-The types of the fields are checked by the pydantic models (FastAPI answers a wrong type with a
-400 naming the parameter, see serve/openai_app.py).
+A JSON body is read by `parse_body`: UTF-8 JSON whose strings are valid Unicode (a lone
+surrogate escape is refused naming its field), checked by the pydantic models in strict mode
+(`"max_tokens": "5"` is a 400, as OpenAI answers it; an int for a float is fine), a refusal
+naming the parameter as OpenAI spells it (`messages[0].content`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticError
 
 from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, status_of
 from serve.pb import generation_pb2 as pb
@@ -75,6 +78,104 @@ class ParamError(InvalidArgument):
         super().__init__(message if message.startswith(param) else f"{param}: {message}", param)
         self.param = param
         self.code = error.code  # type: ignore[misc]  # OUT_OF_RANGE for a context overflow
+
+
+# ----------------------------------------------------------------- reading a body
+
+Body = TypeVar("Body", bound=BaseModel)
+
+# Elements of a pydantic error location that name a member of a union (`str`, `list[int]`,
+# `ContentPart`) rather than a parameter: our parameters are lower_snake_case names.
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_NAMES or not part[:1].islower() or any(c in part for c in "[](),-")
+
+
+def param_path(loc: tuple[Any, ...] | list[Any]) -> tuple[str, list[str]]:
+    """(OpenAI parameter path, union members tried) of a pydantic error location:
+    ('messages', 0, 'content', 'str') -> ('messages[0].content', ['str'])."""
+    path, tags = "", []
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_type_tag(str(part)):
+            tags.append(str(part))
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "body", tags
+
+
+def invalid_param(errors: list[Any]) -> ParamError:
+    """One ParamError for pydantic's errors: the deepest (the union member that got furthest);
+    a value that fits no member of a union says which types were expected."""
+    if not errors:
+        return ParamError("invalid request body", "body")
+    located = [(param_path(e.get("loc", ())), e) for e in errors]
+    (param, _), first = max(located, key=lambda x: x[0][0].count(".") + x[0][0].count("["))
+    tried = [tags[-1] for (p, tags), _ in located if p == param and tags]
+    if len(tried) > 1:
+        return ParamError(f"expected {' or '.join(tried)}", param)
+    return ParamError(str(first.get("msg", "invalid value")), param)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The path of the first string (key or value) in `obj` that is not valid Unicode."""
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        path, value = stack.pop()
+        items: Any = ()
+        if isinstance(value, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            for k in value:
+                if not _is_text(k):
+                    return f"{path}.{k!r:.40}" if path else f"{k!r:.40}"
+        elif isinstance(value, list):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, str) and not _is_text(value):
+            return path or "body"
+        stack.extend(reversed(items))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """A JSON request body as `model` (see the module docstring); ParamError naming the parameter.
+    CPU work in proportion to the body: the caller runs it off the event loop when it is large."""
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError as e:
+        raise ParamError(f"the request body is not UTF-8 text (byte {e.start})", "body") from None
+    except json.JSONDecodeError as e:
+        raise ParamError(f"the request body is not valid JSON (line {e.lineno} column {e.colno}: {e.msg})",
+                         "body") from None
+    except ValueError as e:  # NaN or Infinity
+        raise ParamError(f"the request body is not valid JSON ({e})", "body") from None
+    except RecursionError:
+        raise ParamError("the request body is nested too deeply", "body") from None
+    if not isinstance(obj, dict):
+        raise ParamError(f"the request body must be a JSON object, not {type(obj).__name__}", "body")
+    bad = _lone_surrogate(obj)
+    if bad is not None:
+        raise ParamError(f"{bad}: not valid Unicode text (a lone surrogate escape such as \\ud800)", bad)
+    try:
+        return model.model_validate(obj, strict=True)
+    except PydanticError as e:
+        raise invalid_param(e.errors()) from None
 
 
 # ----------------------------------------------------------------- bodies
@@ -258,6 +359,9 @@ def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int
         raise ParamError("at least one prompt is needed", "prompt")
     prompts = []
     for item in items:
+        bad = [t for t in item if not 0 <= t < vocab] if not isinstance(item, str) else []
+        if bad:  # before the proto, whose int32 ids cannot hold every JSON integer
+            raise ParamError(f"token id {bad[0]} is outside the vocabulary [0, {vocab - 1}]", "prompt")
         request = pb.GenerateRequest(prompt=item) if isinstance(item, str) else \
             pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=item))
         try:

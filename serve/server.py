@@ -7,9 +7,9 @@ model shard, start the scheduler and serve. Every other rank loads its shard and
 (tprt.distributed.ranks.follower_loop).
 
 Shutdown (SIGTERM or SIGINT on rank 0): health goes NOT_SERVING and new requests are refused
-with UNAVAILABLE; in-flight requests get up to --drain-timeout seconds to finish (the rest are
-cancelled); a running fine-tuning job is checkpointed and re-queued; the followers are released;
-exit status 0. If a rank dies, health goes NOT_SERVING and every request fails with UNAVAILABLE
+with UNAVAILABLE (HTTP uploads and job creations with 503); in-flight requests, and uploads
+being checked, get up to --drain-timeout seconds to finish (the rest are cancelled); a running
+fine-tuning job is checkpointed and re-queued; the followers are released; exit status 0. If a rank dies, health goes NOT_SERVING and every request fails with UNAVAILABLE
 until the process is stopped (exit status 1): a supervisor restarts it.
 """
 
@@ -35,10 +35,12 @@ from grpc_reflection.v1alpha import reflection
 from serve.adapter_pool import AdapterPool
 from serve.adapters import AdapterRegistry
 from serve.admission import JobAdmission
-from serve.auth import AuthInterceptor, load_token
+from serve.auth import AuthInterceptor, TokenCheck, load_token
+from serve.dataset_work import DatasetWork
 from serve.errors import ErrorInterceptor, Redactor
 from serve.executor import RankExecutor
 from serve.finetune import JobManager
+from serve.http_guard import HttpLimits
 from serve.http_server import HttpServer
 from serve.openai_app import HttpDeps, create_app
 from serve.openai_files import FileStore
@@ -78,6 +80,10 @@ class ServeConfig:
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
     http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai_app.py); None: off; 0: any
+    http_header_timeout: float = HttpLimits.header_timeout  # serve/http_guard.py
+    http_body_timeout: float = HttpLimits.body_timeout
+    http_max_connections: int = HttpLimits.max_connections
+    http_max_unauthenticated: int = HttpLimits.max_unauthenticated
     max_batch_size: int | None = None  # running sequences; None: DEFAULT_MAX_BATCH for the device
     max_queue: int = 256
     auth_token_file: Path | None = None
@@ -111,7 +117,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
                  "max_queued_jobs", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank",
-                 "kv_cache_tokens", "kv_block_size"):
+                 "kv_cache_tokens", "kv_block_size", "http_max_connections", "http_max_unauthenticated"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -126,6 +132,9 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {cfg.gpu_memory_fraction}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
+    for name in ("http_header_timeout", "http_body_timeout"):
+        if not getattr(cfg, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(cfg, name)}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key)):
@@ -218,8 +227,12 @@ class App:
         self._set_health(False)
         self.server = self._grpc_server()
         self.port = self._bind()
-        self.http = HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key) if cfg.http_port is not None else None
+        limits = HttpLimits(cfg.http_header_timeout, cfg.http_body_timeout, cfg.http_max_connections,
+                            cfg.http_max_unauthenticated)
+        self.http = (HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key, limits)
+                     if cfg.http_port is not None else None)
         self.http_app: Any = None
+        self.datasets = DatasetWork()  # HTTP uploads' and job creations' file work (the drain waits for it)
         self.stop = threading.Event()
         self.broken = False
         self.scheduler: Scheduler | None = None
@@ -311,7 +324,7 @@ class App:
             self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
                                                 cfg.max_message_bytes, generation.max_text_bytes, time.time(),
                                                 self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
-                                                compile_constraint))
+                                                compile_constraint, datasets=self.datasets))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                               admission), self.server)
@@ -348,7 +361,8 @@ class App:
             metrics_port = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else -1
             self.server.start()
             if self.http is not None:
-                self.http.start(self.http_app)
+                token = load_token(self.cfg.auth_token_file) if self.cfg.auth_token_file is not None else None
+                self.http.start(self.http_app, TokenCheck(token))
             self._set_health(not self.broken)
             _announce(self.cfg.host, self.port, metrics_port, ctx, procs, self.http)
             while not self.stop.wait(0.5):
@@ -384,14 +398,17 @@ class App:
         self._set_health(False)
         assert self.scheduler is not None and self.jobs is not None
         self.jobs.stop_accepting()
+        self.datasets.stop_accepting()
         clean = self.scheduler.drain(self.cfg.drain_timeout)
+        clean = self.datasets.wait_idle(max(0.0, self.cfg.drain_timeout - (time.monotonic() - t0))) and clean
         if not self.broken:
             self.jobs.pause_for_shutdown(max(5.0, self.cfg.drain_timeout - (time.monotonic() - t0)))
         self.server.stop(grace=1.0).wait(5.0)
         if self.http is not None:
             self.http.stop()
         self.scheduler.shutdown(timeout_s=self.cfg.collective_timeout)
-        log.info("stopped (%s)", "drained" if clean else "cancelled requests still running at the drain timeout")
+        log.info("stopped (%s)", "drained" if clean else "cancelled requests and uploads still running at the drain "
+                 "timeout")
         return 1 if self.broken else 0
 
 

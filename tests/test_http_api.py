@@ -7,7 +7,9 @@ are checked on the app in-process, where a job manager can be put in that state 
 second server.
 
 The server's batch and queue are small (MAX_BATCH, MAX_QUEUE) so that a full queue (429) takes
-three long requests. Nothing waits for a guessed duration: a request that must still run is one
+three long requests. It runs under a low file descriptor limit (FD_LIMIT) with few HTTP
+connections allowed, so that silent connections past that limit show whether they can take
+the server's descriptors. Nothing waits for a guessed duration: a request that must still run is one
 of LONG tokens, acted on once its first token has streamed, and cancelled afterwards.
 """
 
@@ -17,7 +19,9 @@ import json
 import math
 import re
 import shutil
+import socket
 import ssl
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,12 @@ MAX_QUEUE = 1
 MAX_BODY = 1 << 20
 MAX_DATASET = 64 << 10  # --max-dataset-bytes: an upload one byte over is a 413
 LONG = CONTEXT - 64
+FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/http_server.py's reserve
+MAX_HTTP_CONNECTIONS = 64
+# `python -m tprt.cli` under FD_LIMIT descriptors (ServerProcess appends "serve" and the flags).
+LIMITED_LAUNCHER = (sys.executable, "-c", "import resource, runpy, sys; "
+                    f"resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT})); sys.argv[0] = 'tprt'; "
+                    "runpy.run_module('tprt.cli', run_name='__main__', alter_sys=True)")
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
 
@@ -74,9 +84,10 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
             "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
             "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_BODY),
-            "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1"]
+            "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1",
+            "--http-max-connections", str(MAX_HTTP_CONNECTIONS), "--http-max-unauthenticated", "16"]
     args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
-    srv = ServerProcess(args, root / "server.log", tls[0] if tls else None)
+    srv = ServerProcess(args, root / "server.log", tls[0] if tls else None, launcher=LIMITED_LAUNCHER)
     try:
         yield Api(srv, root)
     finally:
@@ -410,6 +421,61 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
     assert not any(f.filename in ("a.jsonl", "mine.jsonl", "big.jsonl") for f in c.files.list().data)
 
 
+def test_uploads_that_are_not_utf8_text_are_400_naming_the_file(api: Api) -> None:
+    """Issue 30 #7: UTF-16, invalid UTF-8 and binary uploads are refused naming the file and line."""
+    c = api.client
+    for name, data in (("utf16.jsonl", '{"text": "hi"}\n'.encode("utf-16")),
+                       ("latin1.jsonl", '{"text": "caf\u00e9"}\n'.encode("latin-1")),
+                       ("blob.png", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.files.create(file=(name, data), purpose="fine-tune")
+        assert info.value.param == "file" and f"'{name}':1: not UTF-8 text" in info.value.message, info.value.message
+
+
+def test_a_chunked_upload_over_the_limit_is_413(api: Api) -> None:
+    """A body without Content-Length is counted as it streams in: over the limit it is a 413, as
+    one announced too large is."""
+    boundary = "tprt-boundary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+
+    def body() -> Iterator[bytes]:
+        yield head
+        for _ in range(4 * MAX_DATASET // 4096):
+            yield b"x" * 4096
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    with api.http(timeout=30) as http:
+        r = http.post(f"{api.base_url}/files", content=body(),
+                      headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_silent_connections_cannot_take_the_servers_descriptors(api: Api) -> None:
+    """Issue 30 #2 on the real server: more silent connections than the process has descriptors
+    (FD_LIMIT) leave HTTP (TLS included), gRPC, health and /metrics serving; the connections
+    past the caps are closed at once."""
+    host, port = re.search(r"//([\d.]+):(\d+)/", api.base_url).groups()  # type: ignore[union-attr]
+    silent = []
+    try:
+        for _ in range(FD_LIMIT + 100):
+            silent.append(socket.create_connection((host, int(port)), timeout=30))
+        assert [m.id for m in api.client.models.list().data][0] == api.model
+        out = api.client.completions.create(model=api.model, prompt="Hi", max_tokens=2, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert out.usage is not None and out.usage.completion_tokens == 2
+        assert metric(api.server.metrics(), "tprt_serving") == 1
+        with api.server.client() as grpc_client:
+            assert grpc_client.health_check() == "SERVING"
+            assert len(grpc_client.complete("Hi", max_new_tokens=2, temperature=0).tokens) == 2
+    finally:
+        for s in silent:
+            s.close()
+    log = api.server.tail()
+    assert "Traceback" not in log and "out of system resource" not in log, log
+
+
 def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
     """The app in-process (its real routes, job manager and store, called with the openai package
     through Starlette's test client): a draining server, then one whose world broke, refuses new
@@ -463,3 +529,395 @@ def test_file_store_sweeps_what_a_crash_left(tmp_path: Path) -> None:
     (files / f".file-{'c' * 24}.upload").write_text("half")
     FileStore(tmp_path, None, 64, 1 << 20, JobStore(tmp_path))
     assert sorted(p.name for p in files.iterdir()) == [f"{whole}.json", f"{whole}.jsonl"]
+
+
+# ----------------------------------------------------------------- the HTTP surface in-process (issue 30)
+#
+# The app's real routes, middleware and connection guard, served by uvicorn in this process on a
+# port of its own, over a scheduler that answers at once and a file store whose dataset check
+# waits at a gate: tight limits, and states (uploads held mid-check) that a real server reaches
+# only by timing.
+
+LOCAL_LIMITS = dict(header_timeout=1.0, body_timeout=1.0, max_connections=56, max_unauthenticated=48)
+FAIL_ID, HOLD_ID = 7, 8  # prompt ids: an error naming a path and an address / held until released
+
+
+class InstantScheduler:
+    """One token then "length" for every ticket; FAIL_ID fails, HOLD_ID waits for `release`."""
+
+    adapters = None
+
+    def __init__(self) -> None:
+        import threading
+
+        self.held: list[Any] = []
+        self.lock = threading.Lock()
+
+    def submit(self, ticket: Any) -> None:
+        from serve.errors import Unavailable
+
+        if ticket.prompt[0] == FAIL_ID:
+            ticket.events.put(Unavailable("rank 1 at 10.1.2.3:29500 died; see /var/lib/tprt-secret/logs/rank1.log"))
+        elif ticket.prompt[0] == HOLD_ID:
+            with self.lock:
+                self.held.append(ticket)
+        else:
+            self._finish(ticket)
+
+    @staticmethod
+    def _finish(ticket: Any) -> None:
+        from tprt.engine.sequence import TokenEvent, Usage
+
+        ticket.events.put(TokenEvent(ticket.request_id, 5, "x", finish_reason="length",
+                                     usage=Usage(len(ticket.prompt), 1)))
+
+    def release(self) -> None:
+        with self.lock:
+            held, self.held = self.held, []
+        for ticket in held:
+            self._finish(ticket)
+
+    def cancel(self, request_id: str, why: str) -> None:
+        pass
+
+
+class Local:
+    """An in-process app on its own port (see above)."""
+
+    def __init__(self, root: Path, datasets: Any = None) -> None:
+        import threading
+
+        from serve.adapters import AdapterRegistry
+        from serve.auth import TokenCheck
+        from serve.dataset_work import DatasetWork
+        from serve.errors import Redactor
+        from serve.finetune import JobManager
+        from serve.http_guard import HttpLimits
+        from serve.http_server import HttpServer
+        from serve.jobs import JobStore
+        from serve.metrics import Metrics
+        from serve.openai_app import HttpDeps, create_app
+        from serve.openai_files import FileStore
+
+        gate = self.gate = threading.Event()
+        self.checking = threading.Semaphore(0)  # released by each upload that reaches its dataset check
+
+        class GatedFiles(FileStore):
+            def _check_dataset(inner, path: Path, filename: str) -> None:  # noqa: N805
+                self.checking.release()
+                assert gate.wait(60)
+
+        self.store, metrics, adapters = JobStore(root), Metrics(), AdapterRegistry()
+        jobs = JobManager(self.store, root, metrics, adapters, root, None, 64, lambda: None)
+        facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
+        self.scheduler = InstantScheduler()
+        self.datasets = datasets or DatasetWork(workers=2, waiting=2)
+        deps = HttpDeps(self.scheduler, None, facts, adapters, metrics, TOKEN, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
+                        GatedFiles(root, object(), 64, 1 << 20, self.store), 1 << 20, None,  # type: ignore[arg-type]
+                        Redactor({root: ""}), datasets=self.datasets)
+        self.http = HttpServer("127.0.0.1", 0, None, None, HttpLimits(**LOCAL_LIMITS))  # type: ignore[arg-type]
+        self.http.start(create_app(deps), TokenCheck(TOKEN))
+        self.url = f"http://127.0.0.1:{self.http.port}"
+        wait_for(lambda: self._up(), 10, "the in-process server")
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def client(self, token: str = TOKEN) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=20)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.scheduler.release()
+        self.http.stop()
+        self.store.close()
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
+    server = Local(tmp_path_factory.mktemp("local-http"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def _raw(local: Local, data: bytes = b"") -> Any:
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", local.http.port), timeout=20)
+    if data:
+        s.sendall(data)
+    return s
+
+
+def _closed_by_server(s: Any) -> bool:
+    """Whether the server has closed `s` (reads what it answered first, if anything)."""
+    import socket
+
+    s.settimeout(0.05)
+    try:
+        while True:
+            if not s.recv(65536):
+                return True
+    except socket.timeout:
+        return False
+    except OSError:  # reset: the guard aborts
+        return True
+
+
+def _read_response(s: Any) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    s.settimeout(20)
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def _upload(client: httpx.Client, name: str = "d.jsonl") -> httpx.Response:
+    return client.post("/v1/files", files={"file": (name, b'{"text": "hi"}\n')}, data={"purpose": "fine-tune"})
+
+
+def test_silent_and_slow_connections_are_closed_and_bounded(local: Local) -> None:
+    """Issue 30 #2: connections that never finish their headers are closed at the header deadline
+    however they trickle; past --http-max-unauthenticated the oldest goes at once; a stalled body
+    is closed too; requests with the token are served throughout."""
+    guard = local.http.guard
+    assert guard is not None
+    before = dict(guard.closed)
+    partial = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    silent = [_raw(local) for _ in range(3)] + [_raw(local, partial) for _ in range(2 * LOCAL_LIMITS["max_connections"])]
+    try:
+        with local.client() as c:
+            for _ in range(3):  # each new connection takes an older silent one's place
+                assert c.get("/v1/models").status_code == 200
+                assert c.post("/v1/completions", json={"model": "base", "prompt": [1, 2], "max_tokens": 1}).status_code == 200
+        assert len(guard.untrusted) <= LOCAL_LIMITS["max_unauthenticated"]
+        wait_for(lambda: all(_closed_by_server(s) for s in silent), 20, "the silent connections to be closed")
+        by_guard = sum(guard.closed[k] - before[k] for k in ("evicted", "header_timeout", "refused"))
+        assert by_guard >= len(silent)  # evicted as newer ones came, or at their deadline
+        # One header byte at a time keeps no connection open past its deadline.
+        trickle = _raw(local)
+        sent = 0
+        for byte in partial * 100:
+            try:
+                trickle.sendall(bytes([byte]))
+            except OSError:
+                break
+            sent += 1
+            if _closed_by_server(trickle):
+                break
+        assert sent < len(partial) * 100 and _closed_by_server(trickle)
+        # A body that stops arriving (the token given: the app waits for it).
+        stalled = _raw(local, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 100\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{\"mo")
+        wait_for(lambda: _closed_by_server(stalled), 20, "the stalled body's connection to be closed")
+        assert guard.closed["header_timeout"] > before["header_timeout"]
+        assert guard.closed["body_timeout"] > before["body_timeout"]
+    finally:
+        for s in silent:
+            s.close()
+    wait_for(lambda: not guard.untrusted, 10, "no unauthenticated connection left")
+
+
+def test_the_guard_closes_the_oldest_unauthenticated_connection() -> None:
+    """The caps' bookkeeping: past max_unauthenticated the oldest unauthenticated connection is
+    closed; past max_connections the oldest unauthenticated one makes room, and when there is none
+    the new connection is refused; a request with the token takes a connection out of the count."""
+    from serve.http_guard import ConnectionGuard, HttpLimits
+
+    class Conn:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close_now(self) -> None:
+            guard.drop(self)  # type: ignore[arg-type]
+            closed.append(self.name)
+
+    closed: list[str] = []
+    guard = ConnectionGuard(HttpLimits(max_connections=4, max_unauthenticated=2),
+                            lambda headers: (b"authorization", b"Bearer ok") in headers)
+    a, b, c, d, e, f = (Conn(n) for n in "abcdef")
+    assert guard.admit(a) and guard.admit(b)  # type: ignore[arg-type]
+    guard.request(a, [(b"authorization", b"Bearer no")])  # type: ignore[arg-type]  # still unauthenticated
+    assert guard.admit(c) and closed == ["a"]  # type: ignore[arg-type]
+    for conn in (b, c):
+        guard.request(conn, [(b"authorization", b"Bearer ok")])  # type: ignore[arg-type]
+    assert guard.admit(d) and guard.admit(e) and closed == ["a"]  # type: ignore[arg-type]
+    assert guard.admit(f) and closed == ["a", "d"]  # type: ignore[arg-type]  # the cap: d makes room
+    guard.request(e, [(b"authorization", b"Bearer ok")])  # type: ignore[arg-type]
+    guard.request(f, [(b"authorization", b"Bearer ok")])  # type: ignore[arg-type]
+    assert not guard.admit(Conn("g")) and guard.closed["refused"] == 1  # type: ignore[arg-type]
+    assert list(guard.open) == [b, c, e, f] and not guard.untrusted
+
+
+def test_the_connection_cap_answers_503_when_all_are_busy(local: Local) -> None:
+    """Past --http-max-connections, with every connection authenticated and busy, a new one
+    gets 503 in OpenAI's shape; once they finish, it is served."""
+    body = json.dumps({"model": "base", "prompt": [HOLD_ID], "max_tokens": 1, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+               + TOKEN.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    busy: list[Any] = []
+    try:
+        for _ in range(LOCAL_LIMITS["max_connections"]):  # one at a time: a burst of new connections
+            busy.append(_raw(local, request))              # past the unauthenticated cap would evict some
+            wait_for(lambda: len(local.scheduler.held) == len(busy), 20, "the connection to hold a request")
+        refused = _read_response(_raw(local, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"))
+        assert refused.startswith(b"HTTP/1.1 503")
+        assert json.loads(refused.partition(b"\r\n\r\n")[2])["error"]["type"] == "server_error"
+    finally:
+        local.scheduler.release()
+        for s in busy:
+            s.close()
+    with local.client() as c:
+        wait_for(lambda: c.get("/v1/models").status_code == 200, 20, "a connection to be served again")
+
+
+def test_the_token_is_checked_before_the_body_is_read(local: Local) -> None:
+    """Issue 30 #5: without the token, a request announcing a large body (JSON or an upload) gets
+    its 401 before sending any of it, and the connection is closed."""
+    for path, kind in ((b"/v1/completions", b"application/json"), (b"/v1/files", b"multipart/form-data; boundary=x")):
+        s = _raw(local, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: " + kind +
+                 b"\r\nContent-Length: 16000000\r\nAuthorization: Bearer wrong\r\n\r\n")
+        answer = _read_response(s)  # the server closes the connection: nothing of the body was wanted
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower(), head
+        assert json.loads(payload)["error"]["code"] == "invalid_api_key"
+
+
+def test_uploads_have_threads_of_their_own(local: Local) -> None:
+    """Issue 30 #6: 45 uploads at once while dataset checks are held: those past the dataset
+    threads' queue get 429, and a completion is answered meanwhile (it would wait for a thread
+    behind the uploads if they shared one pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    local.gate.clear()
+    clients = [local.client() for _ in range(45)]
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            uploads = [pool.submit(_upload, c) for c in clients]
+            for _ in range(2):  # both dataset threads are checking
+                assert local.checking.acquire(timeout=30)
+            wait_for(lambda: sum(u.done() for u in uploads) >= 45 - local.datasets.capacity, 30, "the refusals")
+            with local.client() as c:
+                done = c.post("/v1/completions", json={"model": "base", "prompt": [1, 2, 3], "max_tokens": 1})
+            assert done.status_code == 200 and done.json()["choices"][0]["text"] == "x"
+            refused = [u.result() for u in uploads if u.done()]
+            assert len(refused) == 45 - local.datasets.capacity
+            assert {r.status_code for r in refused} == {429}
+            assert refused[0].json()["error"]["type"] == "rate_limit_error"
+            local.gate.set()
+            statuses = sorted(u.result().status_code for u in uploads)
+        assert statuses.count(200) == local.datasets.capacity
+    finally:
+        local.gate.set()
+        for c in clients:
+            c.close()
+        while local.checking.acquire(blocking=False):
+            pass
+
+
+def test_stream_error_events_are_redacted(local: Local) -> None:
+    """Issue 30 #8: an error after a stream's headers is an event, shown as a non-streaming error
+    would be: no server paths, no addresses."""
+    with local.client() as c, c.stream("POST", "/v1/completions", json={"model": "base", "prompt": [FAIL_ID],
+                                                                      "max_tokens": 2, "stream": True}) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    message = json.loads(events[-2])["error"]["message"]
+    assert "rank1.log" in message and "<address>" in message, message
+    assert "/var/lib" not in message and "10.1.2.3" not in message, message
+
+
+def test_draining_refuses_new_uploads_and_waits_for_those_being_checked(tmp_path: Path) -> None:
+    """Issue 30 #13: at SIGTERM (serve/server.py's drain) an upload being checked finishes; a new
+    one is refused with 503 in OpenAI's shape."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = Local(tmp_path)
+    try:
+        with ThreadPoolExecutor(1) as pool, server.client() as c, server.client() as late:
+            first = pool.submit(_upload, c, "first.jsonl")
+            assert server.checking.acquire(timeout=30)
+            server.datasets.stop_accepting()  # what the drain does first
+            refused = _upload(late, "late.jsonl")
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "server_error"
+            assert "shutting down" in refused.json()["error"]["message"]
+            assert not server.datasets.wait_idle(0.05)  # the drain waits for the upload being checked
+            server.gate.set()
+            assert server.datasets.wait_idle(30)
+            assert first.result().status_code == 200 and first.result().json()["filename"] == "first.jsonl"
+    finally:
+        server.close()
+
+
+def test_http_errors_have_openai_shape_and_strict_types(local: Local) -> None:
+    """Issue 30 #7 and the smaller ones: 404/405, bad JSON, lone surrogates, token ids past any
+    vocabulary, strings for numbers: 400s naming the parameter as OpenAI spells it, never 500."""
+    with local.client() as c:
+        missing = c.get("/v1/nothing-here")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+        wrong = c.get("/v1/completions")
+        assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+        chat = {"model": "base", "messages": [{"role": "user", "content": "hi"}]}
+        cases: list[tuple[Any, str]] = [
+            (b'{"model": "base", "prompt": [1, 2', "body"),
+            (b"\xff\xfe{}", "body"),
+            (b'[1, 2]', "body"),
+            (b'{"model": "base", "prompt": "x", "temperature": NaN}', "body"),
+            (b'{"model": "base", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+            ({"model": "base", "prompt": [1, 2**63]}, "prompt"),
+            ({"model": "base", "prompt": [[1], [2**70]]}, "prompt"),
+            ({"model": "base", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+            ({"model": "base", "prompt": "x", "stream": 1}, "stream"),
+            ({"model": "base", "prompt": 5}, "prompt"),
+            ({**chat, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+            ({**chat, "messages": [{"role": "user", "content": [{"text": "a"}]}]}, "messages[0].content[0].type"),
+            ({**chat, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ]
+        for body, param in cases:
+            path = "/v1/chat/completions" if (b"messages" in body if isinstance(body, bytes) else "messages" in body) \
+                else "/v1/completions"
+            r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+            assert r.status_code == 400, (body, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", (body, error)
+        # What OpenAI takes stays taken: an int where a float goes, nulls for optional fields.
+        ok = c.post("/v1/completions", json={"model": "base", "prompt": [1], "temperature": 1, "top_p": None,
+                                             "max_tokens": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_repeated_loop_errors_are_logged_once_per_interval() -> None:
+    """Issue 30 #2: asyncio's accept loop failing thousands of times a second logs one line per
+    interval, and the next line says how many were held back."""
+    import logging
+
+    from serve.http_guard import RateLimitedLog
+
+    now = [0.0]
+    logger = logging.getLogger("test-rate-limited")
+    logger.propagate = False
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger.addHandler(Keep())
+    logger.addFilter(RateLimitedLog(every=10.0, clock=lambda: now[0]))
+    for i in range(11_000):  # a second of the accept loop at the fd limit, each with its own numbers
+        logger.error("socket.accept() out of system resource\nsocket: <fd=%d>" % (i % 7))
+        now[0] += 1 / 11_000
+    logger.error("something else")
+    now[0] += 10
+    logger.error("socket.accept() out of system resource\nsocket: <fd=3>")
+    assert len(seen) == 3 and seen[1] == "something else"
+    assert "(10999 more like it in the last 10s were not logged)" in seen[2]

@@ -69,19 +69,22 @@ def eos_id(tok: Tokenizer) -> int:
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for every non-blank line; a bad line names file and line."""
     try:
-        f = path.open(encoding="utf-8")
+        f = path.open("rb")  # decoded line by line: a bad byte is named by its line, not raised by the reader
     except OSError as e:
         raise ValidationError("--data", f"{path}: cannot read ({e.strerror or e})") from None
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValidationError("--data", f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line; "
+                                      "UTF-16 and binary files are not JSONL)") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValidationError("--data", f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except UnicodeDecodeError:
-                raise ValidationError("--data", f"{path}:{lineno}: not UTF-8 text") from None
             except RecursionError:
                 raise ValidationError("--data", f"{path}:{lineno}: JSON nested too deeply") from None
             if not isinstance(rec, dict):
