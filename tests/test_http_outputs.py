@@ -221,3 +221,43 @@ def test_grpc_takes_the_same_constraints_and_tools(server: ServerProcess, client
                 c.complete(max_new_tokens=4, **kw)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == path, \
                 (path, info.value.details())
+
+
+def test_random_http_requests_get_no_500_and_well_formed_answers(server: ServerProcess) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=_base_url(server)) as http:
+        def control() -> list[str]:
+            r = http.post("/completions", json=CONTROL, headers=auth, timeout=60)
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in r.json()["choices"]]
+
+        expected = control()
+        chats = "".join(json.dumps({"messages": [{"role": "user", "content": f"Q{i}"},
+                                                 {"role": "assistant", "content": "hi"}]}) + "\n" for i in range(4))
+        up = http.post("/files", files={"file": ("t.jsonl", chats.encode())}, data={"purpose": "fine-tune"},
+                       headers=auth, timeout=60)
+        assert up.status_code == 200, up.text
+        made: list[str] = []
+        seen: dict[int, int] = {}
+
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(call=http_calls(["tp2"], [up.json()["id"]]))
+        def one(call: HttpCall) -> None:
+            out = send_http(http, TOKEN, call)
+            made.extend(out.job_ids)
+            seen[out.status] = seen.get(out.status, 0) + 1
+            assert out.status < 500 or out.status in (503, 507), (call, out)
+            assert not out.problem, (call, out)
+
+        try:
+            one()
+        finally:
+            cancel_jobs(http, TOKEN, made)
+        assert sum(n for s, n in seen.items() if s < 300) > 0  # some calls did succeed
+        assert control() == expected
+        health = httpx.get(f"http://{server.metrics_addr}/metrics", timeout=10)
+        assert health.status_code == 200
+    assert server.proc.poll() is None
+    with server.client() as c:
+        assert c.health_check() == "SERVING"
