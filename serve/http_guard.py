@@ -14,6 +14,12 @@ descriptors, for free.
   may not stall for more than
   `body_timeout` seconds between bytes (while the app waits for it). Such connections are closed.
 
+When the server closes a connection the client may still be writing to (a request answered
+before its body was read: a 401, a 404, a 413), the close lingers: the connection stops
+writing, discards what still arrives for up to `LINGER_S` seconds or until the client closes,
+then closes. Closing at once would make the kernel answer the late bytes with a reset, which
+can destroy the response before the client reads it.
+
 TLS is done here (`loop.start_tls`) rather than by uvicorn, so that a handshake is a counted
 connection under the header deadline instead of asyncio's uncounted 60 s.
 
@@ -41,6 +47,21 @@ from uvicorn.server import ServerState
 log = logging.getLogger("tprt.serve")
 
 Headers = list[tuple[bytes, bytes]]
+LINGER_S = 2.0
+
+
+class _LingeringTransport:
+    """The transport uvicorn sees: its `close()` lingers (see the module docstring)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        self._protocol.linger()
 
 
 @dataclass(frozen=True)
@@ -111,6 +132,7 @@ class GuardedH11Protocol(H11Protocol):
         self.early = bytearray()  # what TLS decrypted before start_tls returned
         self.deadline: asyncio.TimerHandle | None = None
         self.waiting_for = ""  # "header" or "body": what the deadline is for
+        self.lingering = False  # closing: what arrives is dropped until the client closes or LINGER_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         assert isinstance(transport, asyncio.Transport)
@@ -126,6 +148,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.tls is None:
             self.up = True
             super().connection_made(transport)
+            self.transport = _LingeringTransport(transport, self)  # type: ignore[assignment]
         else:
             transport.pause_reading()  # the client's hello waits for the TLS layer
             self.loop.create_task(self._handshake(transport, self.tls))
@@ -143,6 +166,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         self.up = True
         super().connection_made(secured)
+        self.transport = _LingeringTransport(secured, self)  # type: ignore[assignment]
         if self.early:
             data, self.early = bytes(self.early), bytearray()
             self.data_received(data)
@@ -156,7 +180,20 @@ class GuardedH11Protocol(H11Protocol):
         self._cancel_deadline()
         self.guard.drop(self)
 
+    def linger(self) -> None:
+        """uvicorn's close: stop writing, drop input until the client closes (or LINGER_S)."""
+        transport = self.transport._transport if isinstance(self.transport, _LingeringTransport) else self.transport
+        if self.lingering or transport.is_closing():
+            return
+        self.lingering = True
+        self._cancel_deadline()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(LINGER_S, transport.close)
+
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
         if not self.up:  # the request may follow the handshake before start_tls has returned
             self.early += data
             return

@@ -45,6 +45,9 @@ class HttpServer:
         except OSError as e:
             self.sock.close()
             raise ConfigError(f"--host/--http-port {host}:{port}: cannot listen there ({e.strerror})") from None
+        # Listening now: connections made as soon as the server announces itself wait in the
+        # backlog until uvicorn's thread accepts them, instead of being refused.
+        self.sock.listen(BACKLOG)
         self.port = int(self.sock.getsockname()[1])
         self.tls: ssl.SSLContext | None = None
         if tls_cert is not None and tls_key is not None:

@@ -261,3 +261,37 @@ def test_random_http_requests_get_no_500_and_well_formed_answers(server: ServerP
     assert server.proc.poll() is None
     with server.client() as c:
         assert c.health_check() == "SERVING"
+
+
+def test_a_request_answered_before_its_body_keeps_its_answer(server: ServerProcess) -> None:
+    """The server answers (here 405) without reading a large body, and closes; the client is still
+    sending it. The close lingers, so the unread bytes do not reset the connection and the answer
+    is read (an immediate close makes the kernel reset it, and the answer is lost)."""
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    url = urlparse(_base_url(server))
+    body = b"x" * 250_000  # under --max-message-bytes (a 413 would come first)
+    for _ in range(3):
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+
+            def send_body() -> None:
+                try:
+                    sock.sendall(body)
+                except OSError:  # the server may stop reading: what matters is the answer
+                    pass
+
+            sender = threading.Thread(target=send_body, daemon=True)
+            sender.start()
+            answer = b""
+            try:
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            except ConnectionResetError as e:
+                raise AssertionError(f"the connection was reset after {len(answer)} bytes of the answer") from e
+            sender.join(30)
+        assert answer.startswith(b"HTTP/1.1 405"), answer[:200]
