@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from tprt.engine.sampling import SamplingParams
+from tprt.engine.sampling import SamplingParams, make_generator
 from tprt.engine.scheduler import Status
 from tprt.engine.stopping import StepOutput, StopChecker
 from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,10 +68,7 @@ class Sequence:
         self.cache_key: tuple[int, int] = (adapter, 0)  # what its keys and values are computed with
         self.output: list[int] = []
         self.draft: list[int] = []  # tokens proposed after the last one, verified in its next decode row
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed)
+        self.generator = make_generator(seed, device) if seed is not None else None
         detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
         self.stop = StopChecker(params, eos_token_ids, detok)
         self._history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
