@@ -102,8 +102,8 @@ class NativeDecoderLayer(DecoderLayer):
 class NativeDecodeStack:
     """The model's `decode_stack`: `kernel` (tprt.cpu.native.decode_stack_kernel) for decode
     steps of up to STACK_MAX_ROWS tokens (one row of one token: those `NativeDecoderLayer` would
-    run half by half in every layer); None for the others. Rows of several tokens (a last token
-    and a draft) go in as one-token rows sharing their row's block table at consecutive positions
+    run half by half in every layer); None for the others. Decode rows of several tokens (a last
+    token and a draft, `Step.decode`; prompt chunks keep the module path) go in as one-token rows sharing their row's block table at consecutive positions
     (`CacheStep.token_rows`): the kernel writes every row's keys and values in a layer (its heads
     section) before any row attends (the next section), so each token sees its own row's earlier
     tokens of this step, and attends to positions up to its own only."""
@@ -120,6 +120,8 @@ class NativeDecodeStack:
         rows, width, hidden = h.shape
         if width == 1:
             return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
+        if not step.decode:  # prompt chunks keep the module path
+            return None
         n, d = rows * width, step.cos.shape[-1]
         out = self.kernel(h.reshape(n, 1, hidden), step.cos.reshape(n, 1, 1, d), step.sin.reshape(n, 1, 1, d),
                           step.cache, step.cache_step.token_rows())

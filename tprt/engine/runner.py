@@ -147,7 +147,7 @@ class ModelRunner:
         starts = torch.tensor(batch.starts, dtype=torch.long, device=self.device)
         positions = starts[:, None] + self._arange[:width]  # [rows, width]
         local = self.model(ids, positions, self.cache, tables=self._tables(batch), kv_len=batch.kv_len,
-                           starts=batch.starts)  # [rows, width, local_vocab]
+                           starts=batch.starts, decode=True)  # [rows, width, local_vocab]
         real = [r * width + j for r, t in enumerate(batch.tokens) for j in range(len(t))]
         local = local.reshape(-1, local.shape[-1])[torch.tensor(real, device=self.device)]
         return self._finish(local, batch.full_logits)
