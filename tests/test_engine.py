@@ -682,6 +682,12 @@ def test_validation(workdir: Path) -> None:
     with pytest.raises(ValidationError) as info:
         engine.add([5], _greedy(1), "r")
     assert info.value.field == "request_id"
+    # Drafts: ids in the vocabulary, for a known request; none taken before it decodes.
+    for field, rid, draft in (("draft", "r", [5, 400]), ("request_id", "nobody", [5])):
+        with pytest.raises(ValidationError) as info:
+            engine.propose(rid, draft)
+        assert info.value.field == field, (field, str(info.value))
+    assert engine.propose("r", [5, 6]) == 0  # still waiting: no token to follow yet
     no_tok = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=1, max_seq_len=32))
     with pytest.raises(ValidationError) as info:
         no_tok.add([5], _greedy(1, stop_strings=("x",)), "r")

@@ -141,11 +141,13 @@ def test_preempted_sequence_resumes_with_its_output_prefilled() -> None:
     s.add(b)
     finish_step(s, s.schedule())  # both prefilled: 2 blocks each, the pool is full
     assert s.pool.available == 0 and len(b.output) == 1
+    b.draft = [9]  # dropped with its blocks: the recomputing prefill chooses that position's token
     step = s.schedule()  # a needs a 3rd block for position 4: b, the most recent, gives its blocks back
     assert step.decode == [a] and s.preemptions == 1 and len(a.blocks) == 3
     # b is readmitted at once with what is left (one block): its prompt and its one output token
     # are prefilled again, in chunks as blocks allow.
     assert b.prefill_target == 5 and b.num_computed == 0 and len(b.blocks) == 1 and b.output == [100]
+    assert b.draft == []
     finish_step(s, step)
     run_all(s)
     assert b.output == [100, 101] and a.output == [100 + i for i in range(4)]

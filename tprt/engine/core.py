@@ -153,7 +153,7 @@ class Engine:
         free = None if config.kv_cache_tokens is not None else free_memory_tokens(model, config.gpu_memory_fraction,
                                                                                  config.cache_dtype)
         n_blocks = kv_pool_blocks(config, self.max_seq_len, free)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_batch, config.token_budget, n_blocks,
+        self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(config.max_batch, config.token_budget, n_blocks,
                                                    config.kv_block_size, config.prefix_cache))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.cache_dtype, config.cpu_prepack, config.static_decode,
@@ -229,16 +229,18 @@ class Engine:
         """Drafted tokens for the positions after a request's last token: its next decode row
         carries them, and each is kept while it is the token the request's sampling chooses there
         (see the module docstring). Replaces an earlier draft not yet verified; trimmed to the
-        tokens the request may still generate. Returns how many were taken. Raises
-        ValidationError naming request_id (unknown, finished, or no token sampled yet) or draft."""
+        tokens the request may still generate. Returns how many were taken: none while the
+        request is not decoding (waiting, or prefilling again after a preemption, which also
+        drops its draft). Raises ValidationError naming request_id (unknown or finished) or draft."""
         self._require_driver()
         seq = self._by_id.get(request_id)
-        if seq is None or not seq.output:
-            raise ValidationError("request_id", f"request_id {request_id!r} is not a request with a sampled token")
+        if seq is None:
+            raise ValidationError("request_id", f"request_id {request_id!r} is not a running request")
         ids = [int(t) for t in draft]
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ValidationError("draft", f"draft token ids must be in [0, {self.vocab_size - 1}]")
-        seq.draft = ids[: max(0, seq.params.max_new_tokens - len(seq.output) - 1)]
+        room = seq.params.max_new_tokens - len(seq.output) - 1
+        seq.draft = ids[: max(0, room)] if seq.status is Status.RUNNING else []
         return len(seq.draft)
 
     def forget_prefixes(self, adapter: int) -> None:

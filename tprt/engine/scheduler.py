@@ -27,7 +27,7 @@ import enum
 from collections import deque
 from collections.abc import Hashable, Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.prefix_cache import BlockPool
@@ -46,7 +46,6 @@ class Scheduled(Protocol):
     request_id: str
     status: Status
     adapter: int  # adapter index its rows are routed to; 0: the base model
-    cache_key: Hashable  # what its keys and values are computed with (prefix sharing)
     blocks: list[int]  # its KV block table
     digests: list[bytes]  # the names of its full, kept blocks, in order
     num_computed: int  # leading tokens whose keys and values are in its blocks (and kept)
@@ -56,12 +55,18 @@ class Scheduled(Protocol):
     draft: list[int]  # tokens proposed after its last one, verified in its next decode row
 
     @property
+    def cache_key(self) -> Hashable: ...  # what its keys and values are computed with (prefix sharing)
+
+    @property
     def length(self) -> int: ...
 
     @property
     def needs_logits(self) -> bool: ...
 
     def tokens(self, n: int) -> list[int]: ...
+
+
+S = TypeVar("S", bound=Scheduled)
 
 
 @dataclass(frozen=True)
@@ -74,34 +79,34 @@ class SchedulerConfig:
 
 
 @dataclass
-class Schedule:
+class Schedule(Generic[S]):
     """One step: the plan every rank runs, and the sequences behind its rows, in row order."""
 
     plan: StepPlan
-    prefill: list[tuple[Scheduled, int]] = field(default_factory=list)  # (sequence, chunk length)
-    decode: list[Scheduled] = field(default_factory=list)  # row i feeds plan.decode.tokens[i]
+    prefill: list[tuple[S, int]] = field(default_factory=list)  # (sequence, chunk length)
+    decode: list[S] = field(default_factory=list)  # row i feeds plan.decode.tokens[i]
 
 
-class Scheduler:
+class Scheduler(Generic[S]):
     """Admission, token budget, KV blocks, preemption and prefix sharing (see the module docstring)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.pool = BlockPool(config.n_blocks, config.block_size, share=config.prefix_cache)
-        self.waiting: deque[Scheduled] = deque()
-        self.running: list[Scheduled] = []  # admitted (prefilling or decoding), in admission order
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []  # admitted (prefilling or decoding), in admission order
         self.preemptions = 0  # sequences preempted (blocks freed, recomputed later)
         self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # of those, found in shared blocks
 
     # ------------------------------------------------------------------ sequences in and out
 
-    def add(self, seq: Scheduled) -> None:
+    def add(self, seq: S) -> None:
         """Queues a sequence (WAITING, holding no blocks) behind the others."""
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def remove(self, seq: Scheduled) -> None:
+    def remove(self, seq: S) -> None:
         """Ends a sequence (finished or cancelled) wherever it is; its blocks go back to the pool."""
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
@@ -112,7 +117,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
 
-    def schedule(self) -> Schedule:
+    def schedule(self) -> Schedule[S]:
         """The next step's plan and the sequences behind its rows.
 
         Admitted sequences, oldest first, each get the blocks for this step's tokens: a row of
@@ -123,9 +128,9 @@ class Scheduler:
         budget, `max_batch` and free blocks last (admission never preempts). The prefill batch is
         right-padded to its longest chunk, so the budget bounds its padded size (rows x width):
         many short rows beside a long one would otherwise compute mostly padding."""
-        decode_rows: list[Scheduled] = []
+        decode_rows: list[S] = []
         decode_tokens: list[tuple[int, ...]] = []
-        prefill_rows: list[tuple[Scheduled, int]] = []
+        prefill_rows: list[tuple[S, int]] = []
         decoding = [s for s in self.running if s.status is Status.RUNNING]
         spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
         extras: dict[str, int] = {}
@@ -183,7 +188,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
 
-    def prefilled(self, seq: Scheduled, n: int) -> bool:
+    def prefilled(self, seq: S, n: int) -> bool:
         """n more of seq's prompt tokens are in its blocks; True when its prefill is done (it then
         decodes from the next step on)."""
         seq.num_computed += n
@@ -193,13 +198,13 @@ class Scheduler:
             return True
         return False
 
-    def decoded(self, seq: Scheduled, kept: int) -> None:
+    def decoded(self, seq: S, kept: int) -> None:
         """After a decode row: the row's first `kept` tokens (its input token, then accepted draft
         tokens) stay in the cache; the positions after them are given back."""
         self.truncate(seq, seq.num_computed + kept)
         seq.draft = []
 
-    def truncate(self, seq: Scheduled, n: int) -> None:
+    def truncate(self, seq: S, n: int) -> None:
         """seq keeps the keys and values of its first n positions: the blocks past them go back
         to the pool and the blocks they fill get their names. n may not reach into a named block
         (those positions were kept, and another sequence may share them)."""
@@ -222,12 +227,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ internals
 
-    def _name(self, seq: Scheduled) -> None:
+    def _name(self, seq: S) -> None:
         """Names the blocks seq's kept positions fill completely (prefix sharing)."""
         if seq.num_computed // self.pool.block_size > len(seq.digests):
             self.pool.name(seq.blocks, seq.digests, seq.tokens(seq.num_computed), seq.cache_key)
 
-    def _grow(self, seq: Scheduled, tokens: int) -> bool:
+    def _grow(self, seq: S, tokens: int) -> bool:
         """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
         recently admitted sequences while the pool is short; False when seq itself was the one
         preempted (it then waits at the head of the queue)."""
@@ -238,12 +243,13 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Scheduled) -> None:
+    def _preempt(self, seq: S) -> None:
         """Frees an admitted sequence's blocks and queues it first, to be recomputed: its prompt
         and output so far are prefilled again (its full blocks stay cached for that, until
         evicted) and decoding continues where it stopped."""
         self.pool.release(seq.blocks)
         seq.digests.clear()
+        seq.draft = []  # the recomputing prefill chooses the token at its first position itself
         seq.num_computed = 0
         seq.prefill_target = seq.length
         seq.status = Status.WAITING
@@ -251,7 +257,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def _admit(self, seq: Scheduled, budget: int) -> int:
+    def _admit(self, seq: S, budget: int) -> int:
         """Admits the waiting `seq` with its first chunk of at most `budget` tokens (after the
         longest prefix of named blocks it can reuse); returns the chunk's length, 0 when the pool
         cannot hold even one more token now."""
