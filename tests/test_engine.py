@@ -436,7 +436,9 @@ def check_drafts(ctx: TPContext, wd: Path) -> None:
     prompts, greedy = ref["prompts"], ref["greedy"]
     sampled = SamplingParams(temperature=0.9, top_k=40, seed=7, max_new_tokens=N_NEW, ignore_eos=True)
 
-    def run(engine: Engine, drafts: Callable[[str, list[int]], list[int]] | None) -> tuple[dict[str, list[int]], dict[str, int]]:
+    Drafts = Callable[[str, list[int]], list[int]]
+
+    def run(engine: Engine, drafts: Drafts | None) -> tuple[dict[str, list[int]], dict[str, int]]:
         for i in range(3):
             engine.add(prompts[i], _greedy(), str(i))
         engine.add(prompts[3], sampled, "s")

@@ -153,8 +153,8 @@ class Engine:
         free = None if config.kv_cache_tokens is not None else free_memory_tokens(model, config.gpu_memory_fraction,
                                                                                  config.cache_dtype)
         n_blocks = kv_pool_blocks(config, self.max_seq_len, free)
-        self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(config.max_batch, config.token_budget, n_blocks,
-                                                   config.kv_block_size, config.prefix_cache))
+        self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
+            config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.cache_dtype, config.cpu_prepack, config.static_decode,
                                   config.one_row_threads)

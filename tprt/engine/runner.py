@@ -166,15 +166,15 @@ def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
     """With a gpu_memory_fraction on CUDA: the KV positions that fit in that share of the device
     memory free now (after the weights), the smallest over the TP ranks so every rank's pool is
     the same (collective: every rank sizes its pool with it). None otherwise."""
-    ctx = model.tp
-    if fraction is None or ctx.device.type != "cuda":
+    tp = model.tp
+    if fraction is None or tp.device.type != "cuda":
         return None
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
     per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
-    free, _ = torch.cuda.mem_get_info(ctx.device)
-    tokens = torch.tensor([int(free * fraction) // per_token], device=ctx.device)
-    if ctx.world_size > 1:
-        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
+    free, _ = torch.cuda.mem_get_info(tp.device)
+    tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
+    if tp.world_size > 1:
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=tp.group)
     return int(tokens)
