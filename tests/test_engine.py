@@ -482,7 +482,7 @@ def check_drafts(ctx: TPContext, wd: Path) -> None:
 
 
 def check_k_token_rows(ctx: TPContext, wd: Path) -> None:
-    """A decode batch whose rows carry several tokens (one row of 3, one of 1 padded beside it)
+    """A decode batch whose rows carry several tokens (one row of 3, one of 2 padded beside it)
     gives, for every token, the logits of decoding the tokens one at a time (float32), through the
     module path and through the native decode stack (one-token sub-rows sharing their row's
     block table); a row whose drafted tokens are then given back and decoded again gives the
@@ -516,7 +516,7 @@ def check_k_token_rows(ctx: TPContext, wd: Path) -> None:
             want_a = [forward(one, [[t]], [len(pa) + j], tables[:1])[0][0] for j, t in enumerate(ga[:3])]
             want_b = [forward(one, [[t]], [len(pb) + j], tables[1:])[0][0] for j, t in enumerate(gb[:2])]
             stack_before = calls[1]
-            got_a, got_b = forward(many, [ga[:3], [gb[0], 5, 6]], [len(pa), len(pb)], tables)
+            got_a, got_b = forward(many, [ga[:3], [gb[0], 5]], [len(pa), len(pb)], tables)  # b padded
             # b kept its first token only: positions past it are given back and decoded again.
             again_b = forward(many, [[gb[1]]], [len(pb) + 1], tables[1:])[0][0]
         assert calls[1] - stack_before == int(stack and native.available()), "the native stack did not take the rows"
