@@ -428,6 +428,103 @@ def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
     assert off == {k: (ids, 0) for k, (ids, _) in out.items()}, off
 
 
+def check_drafts(ctx: TPContext, wd: Path) -> None:
+    """Decode rows of a last token and a draft (Engine.propose): drafted tokens are kept while
+    they are the tokens the request's own sampling chooses, the positions of the others are given
+    back and written again, so greedy and seeded outputs are those of plain decoding (right
+    drafts, half-right ones and wrong ones, side by side in one batch), in fewer steps when the
+    drafts are right; every rank ran the same rows of several tokens."""
+    ref, plans = _ref(wd), []
+    prompts, greedy = ref["prompts"], ref["greedy"]
+    sampled = SamplingParams(temperature=0.9, top_k=40, seed=7, max_new_tokens=N_NEW, ignore_eos=True)
+
+    Drafts = Callable[[str, list[int]], list[int]]
+
+    def run(engine: Engine, drafts: Drafts | None) -> tuple[dict[str, list[int]], dict[str, int]]:
+        for i in range(3):
+            engine.add(prompts[i], _greedy(), str(i))
+        engine.add(prompts[3], sampled, "s")
+        done: dict[str, Completion] = {}
+        ended: dict[str, int] = {}  # the step each request finished at
+        step = 0
+        while engine.has_work:
+            step += 1
+            for ev in engine.step():
+                done.setdefault(ev.request_id, Completion(ev.request_id)).add(ev)
+                if ev.finished:
+                    ended[ev.request_id] = step
+            for rid, c in done.items():
+                if drafts is not None and c.finish_reason is None:
+                    engine.propose(rid, drafts(rid, c.token_ids))
+        return _ids(done), ended
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        plain, plain_steps = run(engine, None)
+        want = dict(plain)
+
+        def drafts(rid: str, out: list[int]) -> list[int]:
+            right = want[rid][len(out) : len(out) + 3]
+            return {"0": right, "1": right[:1] + [5, 6], "2": [7, 8, 9]}.get(rid, right)
+
+        drafted, drafted_steps = run(engine, drafts)
+        with pytest.raises(ValidationError, match="request_id"):
+            engine.propose("nobody", [1])
+        return {"plain": plain, "drafted": drafted, "steps": (plain_steps, drafted_steps)}
+
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=2), fn, plans)
+    assert out["plain"] == {**{str(i): greedy[i] for i in range(3)}, "s": out["plain"]["s"]}
+    assert out["drafted"] == out["plain"], out
+    plain_steps, drafted_steps = out["steps"]
+    assert drafted_steps["0"] < plain_steps["0"] and drafted_steps["s"] < plain_steps["s"], out["steps"]
+    assert drafted_steps["2"] == plain_steps["2"], out["steps"]
+    widths = {len(t) for p in plans if p.decode is not None for t in p.decode.tokens}
+    assert widths >= {1, 2, 4}, widths
+
+
+def check_k_token_rows(ctx: TPContext, wd: Path) -> None:
+    """A decode batch whose rows carry several tokens (one row of 3, one of 2 padded beside it)
+    gives, for every token, the logits of decoding the tokens one at a time (float32), through the
+    module path and through the native decode stack (one-token sub-rows sharing their row's
+    block table); a row whose drafted tokens are then given back and decoded again gives the
+    logits of never having written them."""
+    from tprt.cpu import native
+
+    ref = _ref(wd)
+    (pa, pb), (ga, gb) = (ref["prompts"][0], ref["prompts"][2]), (ref["greedy"][0], ref["greedy"][2])
+    tables = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])  # blocks of 4 positions
+
+    for stack in (False, True):
+        model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
+        calls = force_native_decode(model, stack=True) if stack else [0, 0]
+        vocab = model.config.vocab_size
+
+        def forward(cache: Any, rows: list[list[int]], starts: list[int], table: torch.Tensor,
+                    decode: bool = True) -> list[torch.Tensor]:
+            """Each row's logits [tokens, vocab] for rows of tokens at starts[r], starts[r] + 1, ..."""
+            width = max(map(len, rows))
+            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+            positions = torch.tensor(starts)[:, None] + torch.arange(width)
+            local = model(ids, positions, cache, table, kv_len=max(starts) + width, starts=tuple(starts))
+            full = model.gather_logits(local)[..., :vocab].float()
+            return [full[i, : len(r)] for i, r in enumerate(rows)]
+
+        with torch.inference_mode():
+            one, many = model.new_cache(16, 4), model.new_cache(16, 4)
+            for cache in (one, many):
+                forward(cache, [pa], [0], tables[:1], decode=False)  # prompts: the module path
+                forward(cache, [pb], [0], tables[1:], decode=False)
+            want_a = [forward(one, [[t]], [len(pa) + j], tables[:1])[0][0] for j, t in enumerate(ga[:3])]
+            want_b = [forward(one, [[t]], [len(pb) + j], tables[1:])[0][0] for j, t in enumerate(gb[:2])]
+            stack_before = calls[1]
+            got_a, got_b = forward(many, [ga[:3], [gb[0], 5]], [len(pa), len(pb)], tables)  # b padded
+            # b kept its first token only: positions past it are given back and decoded again.
+            again_b = forward(many, [[gb[1]]], [len(pb) + 1], tables[1:])[0][0]
+        assert calls[1] - stack_before == int(stack and native.available()), "the native stack did not take the rows"
+        for got, want in ((got_a, torch.stack(want_a)), (got_b[:1], want_b[0][None]), (again_b, want_b[1])):
+            torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+        assert got_a.argmax(-1).tolist() == ga[1:4], ("the row's greedy tokens", stack)
+
+
 class _Recorder:
     """A CommandExecutor that records the commands it runs; LoadAdapter fails on the last rank."""
 
@@ -633,6 +730,8 @@ CHECKS: Checks = [
     ("static_decode", check_static_decode),
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),
+    ("drafts", check_drafts),
+    ("k_token_rows", check_k_token_rows),
     ("rank_protocol", check_rank_protocol),
     ("constrained", check_constrained),
 ]
@@ -672,6 +771,12 @@ def test_validation(workdir: Path) -> None:
     with pytest.raises(ValidationError) as info:
         engine.add([5], _greedy(1), "r")
     assert info.value.field == "request_id"
+    # Drafts: ids in the vocabulary, for a known request; none taken before it decodes.
+    for field, rid, draft in (("draft", "r", [5, 400]), ("request_id", "nobody", [5])):
+        with pytest.raises(ValidationError) as info:
+            engine.propose(rid, draft)
+        assert info.value.field == field, (field, str(info.value))
+    assert engine.propose("r", [5, 6]) == 0  # still waiting: no token to follow yet
     no_tok = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=1, max_seq_len=32))
     with pytest.raises(ValidationError) as info:
         no_tok.add([5], _greedy(1, stop_strings=("x",)), "r")

@@ -15,10 +15,11 @@ the reference math:
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
 - `NativeDecodeStack` (the model's `stack`): where every layer has both halves' kernels,
-  a decode step of 1 to 8 rows with autograd off, a float32 cache and no adapter acting runs
-  every layer in one compiled call, with the all-reduces between halves in C through the TP
-  group's shared-memory all-reduce where TP > 1 (so not where the group has none: ranks on
-  several hosts). One row gets the halves' bits. Other steps run the layers one by one.
+  a decode step of 1 to 8 tokens (rows of one token, or fewer decode rows of several) with
+  autograd off, a float32 cache and no adapter acting runs every layer in one compiled call,
+  with the all-reduces between halves in C through the TP group's shared-memory all-reduce where
+  TP > 1 (so not where the group has none: ranks on several hosts). One row gets the halves' bits.
+  Other steps run the layers one by one.
 
 Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
 unavailable (no C compiler, another dtype): the model then keeps the reference modules.
@@ -103,19 +104,32 @@ class NativeDecoderLayer(DecoderLayer):
 
 class NativeDecodeStack(LayerStack):
     """A decoder stack running `kernel` (tprt.cpu.native.decode_stack_kernel) for decode steps of
-    1 to STACK_MAX_ROWS rows (one row: those `NativeDecoderLayer` would run half by half in every
-    layer) and the layers one by one for the others."""
+    up to STACK_MAX_ROWS tokens (one row of one token: those `NativeDecoderLayer` would run half
+    by half in every layer) and the layers one by one for the others. Decode rows of several
+    tokens (a last token and a draft, `Step.decode`; prompt chunks keep the module path) go in as
+    one-token rows sharing their row's block table at consecutive positions
+    (`CacheStep.token_rows`): the kernel writes every row's keys and values in a layer (its heads
+    section) before any row attends (the next section), so each token sees its own row's earlier
+    tokens of this step, and attends to positions up to its own only."""
 
     def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
         self.kernel = kernel
         self.linears = model.linears()
 
     def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
-        if (h.dim() != 3 or h.shape[1] != 1 or h.shape[0] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
+        if (h.dim() != 3 or h.shape[0] * h.shape[1] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
                 or step.cache is None or step.cache_step is None
                 or step.cache.dtype != torch.float32 or adapted(*self.linears)):
             return super().__call__(layers, h, step)
-        return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
+        rows, width, hidden = h.shape
+        if width == 1:
+            return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
+        if not step.decode:  # prompt chunks keep the module path
+            return super().__call__(layers, h, step)
+        n, d = rows * width, step.cos.shape[-1]
+        out = self.kernel(h.reshape(n, 1, hidden), step.cos.reshape(n, 1, 1, d), step.sin.reshape(n, 1, 1, d),
+                          step.cache, step.cache_step.token_rows())
+        return out.view(rows, width, hidden)
 
 
 def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:

@@ -1,5 +1,6 @@
-"""Generation: rank 0 plans each step (`core.Engine`, `plan`), every rank executes it
-(`runner`); sequences, sampling, stopping, prefix reuse and static decode live beside them.
+"""Generation: rank 0's scheduler plans each step (`scheduler`, writing a `plan`), the driver
+(`core.Engine`) runs it on every rank (`runner`), samples and reports; sequences, sampling,
+stopping, prefix reuse and static decode live beside them.
 
 `tprt.engine.Engine` is the public entry point (README, "The engine").
 """

@@ -8,31 +8,34 @@ API (rank 0 drives, every other TP rank follows):
         while engine.has_work:
             for event in engine.step():         # TokenEvent: id, text delta, logprobs, finish
                 ...
+        engine.propose("req-1", draft_ids)      # optional: tokens to verify in its next row
         engine.cancel("req-1")                  # any time between steps; ends with a "cancelled" event
         engine.close()                          # releases the followers
     else:
         engine.follow()                         # executes rank 0's plans until close() (or a command)
 
-A step has two halves. *What to do* is decided on rank 0 by the scheduler and written down as a
-`tprt.engine.plan.StepPlan` (plain data: a prefill batch of uneven prompt chunks and a decode batch
-of one token per running sequence, each row with its KV block table), which is sent to the other
-ranks as a STEP message of the rank protocol (tprt.distributed.protocol). *Doing it* is
-`tprt.engine.runner.ModelRunner.execute(plan)`, identical on every rank.
+The engine is a scheduler and a driver. *What to do* in a step is decided on rank 0 by the
+scheduler (tprt.engine.scheduler: admission, token budget, KV blocks, preemption, prefix sharing;
+plain data, no tensors) and written down as a `tprt.engine.plan.StepPlan`: a prefill batch of
+uneven prompt chunks and a decode batch of one row per running sequence, each row with its KV
+block table and its new tokens (one, or the last token and a draft). The driver, `Engine` here,
+sends the plan to the other ranks as a STEP message of the rank protocol
+(tprt.distributed.protocol), runs it (`tprt.engine.runner.ModelRunner.execute`, identical on
+every rank), samples, and turns the result into TokenEvents.
 
 The KV cache is paged (tprt.model.kv_cache): a pool of `kv_cache_tokens` positions in blocks of
-`kv_block_size`, of which each sequence holds the blocks its tokens fill, taken as it grows and
-returned when it ends, so memory follows the tokens in use rather than max_batch x max_seq_len.
-The scheduler admits waiting prompts in arrival order while the per-step token budget, the
-`max_batch` running sequences and free blocks last (decode rows count one token each; a prompt
-longer than what is left is prefilled in chunks over several steps), so sequences join and leave
-at any step. When the pool runs out, the most recently admitted sequences are preempted: their
-blocks are freed and they are recomputed later, so admitted work always finishes.
+`kv_block_size`; each sequence holds the blocks its tokens fill, so memory follows the tokens in
+use rather than max_batch x max_seq_len. Prefix sharing (`EngineConfig.prefix_cache`, on by
+default; tprt.engine.prefix_cache) lets a prompt point at the blocks of a common prefix computed
+before; Usage reports how many prompt tokens were reused.
 
-Prefix sharing (`EngineConfig.prefix_cache`, on by default; tprt.engine.prefix_cache): full blocks
-are named by a digest chained over their tokens, their parent and the adapter key, and a new
-prompt whose leading blocks match named ones (held by live sequences, or cached after they ended,
-least recently used evicted first) points at them instead of computing them. Usage reports how
-many prompt tokens were reused.
+Rows carry k tokens: `propose(request_id, draft)` gives a running request tokens for the
+positions after its last one; its next decode row computes them all and returns logits for
+each. Each drafted token is kept while it is the token the request's own sampling (its
+processors, its generator) chooses at that position; the first that is not is replaced by the
+chosen one and the rest of the row's positions are given back to the scheduler. The output is
+the same as without a draft (token for token, greedy or seeded), in fewer steps when the draft
+is right.
 
 Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
 batch's input tokens), so no extra collective is needed and no rank needs the tokenizer or an
@@ -48,7 +51,6 @@ from __future__ import annotations
 
 import random
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from collections.abc import Sequence as Seq
@@ -62,11 +64,11 @@ from tprt.model.llama import TPLlamaForCausalLM
 from tprt.distributed.protocol import Tag, receive_header, receive_step, send_signal, send_step
 from tprt.engine.constraints import StructuredOutputs, bits_to_bool
 from tprt.engine.plan import BatchPlan, StepPlan
-from tprt.engine.prefix_cache import BlockPool
 from tprt.engine.request import check_request
-from tprt.engine.runner import BatchResult, ModelRunner
+from tprt.engine.runner import BatchResult, ModelRunner, free_memory_tokens
 from tprt.engine.sampling import SamplingParams, sample
-from tprt.engine.sequence import Sequence, Status, TokenEvent, Usage
+from tprt.engine.scheduler import Scheduler, SchedulerConfig, Status
+from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -77,7 +79,7 @@ DEFAULT_BLOCK_SIZE = 16
 class EngineConfig:
     max_batch: int = 16  # sequences admitted at once (prefilling or decoding)
     max_seq_len: int | None = None  # tokens per sequence (prompt + output); None: min(model's, 2048)
-    token_budget: int = 2048  # tokens per step: one per decoding sequence plus prefill chunks
+    token_budget: int = 2048  # tokens per step: every decode row's tokens plus prefill chunks
     seed: int | None = None  # base seed for sampled requests without their own seed
     cache_dtype: torch.dtype | None = None  # KV cache dtype; None: the model's
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
@@ -111,7 +113,7 @@ class KVStats:
 
 
 class EngineLike(Protocol):
-    """What rank 0's server scheduler (serve/scheduler.py) uses of an `Engine`: a fake one can drive it."""
+    """What rank 0's server loop (serve/scheduler.py) uses of an `Engine`: a fake one can drive it."""
 
     @property
     def has_work(self) -> bool: ...
@@ -132,16 +134,30 @@ class EngineLike(Protocol):
     def step(self) -> list[TokenEvent]: ...
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """The token chosen at one position of a row, with what its event reports."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
 class Engine:
-    """Continuous-batching generation over one rank's model shard (see the module docstring)."""
+    """Continuous-batching generation over one rank's model shard: rank 0's scheduler plans each
+    step, every rank runs it, rank 0 samples (see the module docstring)."""
 
     def __init__(self, model: TPLlamaForCausalLM, tokenizer: Tokenizer | None = None,
                  config: EngineConfig = EngineConfig(), eos_token_ids: Seq[int] | None = None) -> None:
         self.config = config
-        self.ctx = model.tp
+        self.tp = model.tp
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
-        n_blocks = kv_pool_blocks(config, self.max_seq_len, _free_memory_tokens(model, config))
+        free = None if config.kv_cache_tokens is not None else free_memory_tokens(model, config.gpu_memory_fraction,
+                                                                                 config.cache_dtype)
+        n_blocks = kv_pool_blocks(config, self.max_seq_len, free)
+        self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
+            config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.cache_dtype, config.cpu_prepack, config.static_decode,
                                   config.one_row_threads)
@@ -150,14 +166,8 @@ class Engine:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
         self.eos_token_ids = tuple(eos_token_ids)
         self._seeds = random.Random(config.seed)
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []  # admitted (prefilling or decoding), in admission order
         self._by_id: dict[str, Sequence] = {}
-        self._pool = BlockPool(n_blocks, config.kv_block_size, share=config.prefix_cache)
         self._adapter_versions: dict[int, int] = {}
-        self.preemptions = 0  # sequences preempted (blocks freed, recomputed later)
-        self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
-        self.prefix_hit_tokens = 0  # of those, found in shared blocks
         self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
         self._closed = False
         self._structured: StructuredOutputs | None = None
@@ -169,7 +179,7 @@ class Engine:
     @property
     def is_driver(self) -> bool:
         """True on TP rank 0, which schedules, samples and reports; the others `follow()`."""
-        return self.ctx.rank == 0
+        return self.tp.rank == 0
 
     @property
     def has_work(self) -> bool:
@@ -180,24 +190,33 @@ class Engine:
         return len(self._by_id)
 
     @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (blocks freed, recomputed later)."""
+        return self.scheduler.preemptions
+
+    @property
     def kv_capacity(self) -> int:
         """KV cache positions in all (the pool's blocks, scratch excluded)."""
-        return self._pool.capacity * self._pool.block_size
+        pool = self.scheduler.pool
+        return pool.capacity * pool.block_size
 
     @property
     def kv_tokens(self) -> int:
         """KV cache positions in blocks held by live sequences (a shared block counts once)."""
-        return self._pool.used * self._pool.block_size
+        pool = self.scheduler.pool
+        return pool.used * pool.block_size
 
     @property
     def kv_blocks(self) -> tuple[int, int, int]:
         """(blocks held by live sequences, blocks cached for prefix reuse, blocks in all)."""
-        return self._pool.used, self._pool.cached, self._pool.capacity
+        pool = self.scheduler.pool
+        return pool.used, pool.cached, pool.capacity
 
     @property
     def kv_stats(self) -> KVStats:
-        return KVStats(self._pool.block_size, *self.kv_blocks, self.prefix_queried_tokens, self.prefix_hit_tokens,
-                       self.preemptions)
+        s = self.scheduler
+        return KVStats(s.pool.block_size, *self.kv_blocks, s.prefix_queried_tokens, s.prefix_hit_tokens,
+                       s.preemptions)
 
     def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
@@ -207,13 +226,13 @@ class Engine:
         self._require_driver()
         prompt = self._check_request(prompt_ids, params, request_id)
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
-        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.ctx.device, adapter)
+        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.tp.device, adapter)
         seq.cache_key = (adapter, self._adapter_versions.get(adapter, 0))
         if params.constraint is not None:
             outputs = self.structured_outputs
             seq.matcher = outputs.matcher(outputs.compile(params.constraint))
         self._by_id[request_id] = seq
-        self._waiting.append(seq)
+        self.scheduler.add(seq)
 
     @property
     def structured_outputs(self) -> StructuredOutputs:
@@ -233,6 +252,26 @@ class Engine:
         """Uses `outputs` (e.g. one whose compile and mask times feed a server's metrics)."""
         with self._structured_lock:
             self._structured = outputs
+
+
+    def propose(self, request_id: str, draft: Seq[int]) -> int:
+        """Drafted tokens for the positions after a request's last token: its next decode row
+        carries them, and each is kept while it is the token the request's sampling chooses there
+        (see the module docstring). Replaces an earlier draft not yet verified; trimmed to the
+        tokens the request may still generate. Returns how many were taken: none while the
+        request is not decoding (waiting, or prefilling again after a preemption, which also
+        drops its draft), and none for a constrained request (its mask is computed for one
+        position a step). Raises ValidationError naming request_id (unknown or finished) or draft."""
+        self._require_driver()
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            raise ValidationError("request_id", f"request_id {request_id!r} is not a running request")
+        ids = [int(t) for t in draft]
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValidationError("draft", f"draft token ids must be in [0, {self.vocab_size - 1}]")
+        room = seq.params.max_new_tokens - len(seq.output) - 1
+        seq.draft = ids[: max(0, room)] if seq.status is Status.RUNNING and seq.matcher is None else []
+        return len(seq.draft)
 
     def forget_prefixes(self, adapter: int) -> None:
         """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
@@ -257,9 +296,7 @@ class Engine:
         seq = self._by_id.get(request_id)
         if seq is None:
             return False
-        if seq.status is Status.WAITING:
-            self._waiting.remove(seq)
-        self._release(seq)
+        self._end(seq)
         self._pending.append(TokenEvent(request_id, None, "", finish_reason="cancelled", usage=seq.usage()))
         return True
 
@@ -272,22 +309,25 @@ class Engine:
         `follow()`); a step with nothing to run only returns pending cancellations."""
         self._require_driver()
         events, self._pending = self._pending, []
-        plan, prefill_rows, decode_rows = self._schedule()
+        schedule = self.scheduler.schedule()
+        plan = schedule.plan
         if plan.empty:
             return events
-        send_step(plan, self.ctx)
+        send_step(plan, self.tp)
         # Constrained rows' masks depend only on the output so far: computed while the model runs.
-        constrained = [s for s in [*(s for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
-                                   *decode_rows] if s.matcher is not None]
+        # (A constrained row carries no draft, so one mask per row covers its one position.)
+        constrained = [s for s in [*(s for s, n in schedule.prefill if s.num_computed + n == s.prefill_target),
+                                   *schedule.decode] if s.matcher is not None]
         masks = self._mask_worker().start(constrained) if constrained else None
         result = self.runner.execute(plan)
         allowed = masks.result() if masks is not None else {}
         if plan.prefill is not None and result.prefill is not None:
-            events += self._after_prefill(plan.prefill, prefill_rows, result.prefill, allowed)
+            done = [(i, seq) for i, (seq, n) in enumerate(schedule.prefill) if self.scheduler.prefilled(seq, n)]
+            if done:  # rows that finished their prompt get a first token from their last position
+                choices = self._choose([s for _, s in done], [i for i, _ in done], result.prefill, allowed)
+                events += [self._emit(seq, c) for (_, seq), c in zip(done, choices)]
         if plan.decode is not None and result.decode is not None:
-            for seq in decode_rows:
-                self._computed(seq, 1)
-            events += self._choose(decode_rows, list(range(len(decode_rows))), result.decode, allowed)
+            events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
         return events
 
     def _mask_worker(self) -> MaskWorker:
@@ -302,16 +342,16 @@ class Engine:
         if self.is_driver:
             raise RuntimeError("Engine.follow() is for TP ranks other than 0")
         while True:
-            header = receive_header(self.ctx)
+            header = receive_header(self.tp)
             if header.tag is Tag.STEP:
-                self.runner.execute(StepPlan.decode_from(receive_step(header, self.ctx)))
+                self.runner.execute(StepPlan.decode_from(receive_step(header, self.tp)))
             elif header.tag is not Tag.KEEPALIVE:
                 return header.tag
 
     def close(self) -> None:
         """Rank 0: releases the followers, whose `follow()` returns EXIT (collective; once, idempotent)."""
         if self.is_driver and not self._closed:
-            send_signal(Tag.EXIT, self.ctx)
+            send_signal(Tag.EXIT, self.tp)
         self._closed = True
 
     def __enter__(self) -> Engine:
@@ -326,177 +366,76 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is closed")
 
-    # ----------------------------------------------------------------- scheduling
-
-    def _schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]], list[Sequence]]:
-        """This step's plan, the prefill rows as (sequence, chunk length) and the decode rows.
-
-        Admitted sequences, oldest first, each get the blocks for this step's tokens: one token
-        per decoding sequence, then prefill chunks from what is left of the token budget. When
-        the pool runs dry, the most recently admitted sequences are preempted (`_preempt`), so
-        the oldest always progress and admitted work finishes. Then waiting sequences are
-        admitted in order while the budget, `max_batch` and free blocks last (admission never
-        preempts). The prefill batch is right-padded to its longest chunk, so the budget bounds
-        its padded size (rows x width): many short rows beside a long one would otherwise
-        compute mostly padding."""
-        decode_rows: list[Sequence] = []
-        prefill_rows: list[tuple[Sequence, int]] = []
-        total = self.config.token_budget - sum(s.status is Status.RUNNING for s in self._running)
-        budget, width = total, 0
-
-        def widest() -> int:  # the longest chunk another prefill row may have (0: no row fits)
-            cap = min(budget, total // (len(prefill_rows) + 1))
-            return cap if cap >= width else 0
-
-        i = 0
-        while i < len(self._running):  # preemption removes from the end
-            seq = self._running[i]
-            if seq.status is Status.RUNNING:
-                if self._grow(seq, seq.length):  # the input token goes at position length - 1
-                    decode_rows.append(seq)
-            elif widest() > 0:
-                room = (len(seq.blocks) + self._pool.available) * self._pool.block_size - seq.num_computed
-                n = min(seq.prefill_target - seq.num_computed, widest(), max(room, 1))
-                if self._grow(seq, seq.num_computed + n):
-                    prefill_rows.append((seq, n))
-                    budget, width = budget - n, max(width, n)
-            i += 1
-        while self._waiting and widest() > 0 and len(self._running) < self.config.max_batch:
-            n = self._admit(self._waiting[0], widest())
-            if not n:
-                break
-            prefill_rows.append((self._running[-1], n))
-            budget, width = budget - n, max(width, n)
-        prefill = None
-        if prefill_rows:
-            prefill = BatchPlan(
-                tables=tuple(tuple(s.blocks) for s, _ in prefill_rows),
-                starts=tuple(s.num_computed for s, _ in prefill_rows),
-                tokens=tuple(tuple(s.tokens(s.num_computed + n)[s.num_computed :]) for s, n in prefill_rows),
-                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
-                adapters=_adapters([s for s, _ in prefill_rows]),
-            )
-        decode = None
-        if decode_rows:
-            decode = BatchPlan(
-                tables=tuple(tuple(s.blocks) for s in decode_rows),
-                starts=tuple(s.length - 1 for s in decode_rows),
-                tokens=tuple((s.output[-1],) for s in decode_rows),
-                full_logits=any(s.needs_logits for s in decode_rows),
-                adapters=_adapters(decode_rows),
-            )
-        return StepPlan(prefill, decode), prefill_rows, decode_rows
-
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
-        recently admitted sequences while the pool is short; False when seq itself was the one
-        preempted (it then waits at the head of the queue)."""
-        while not self._pool.grow(seq.blocks, tokens):
-            victim = self._running[-1]
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Frees an admitted sequence's blocks and queues it first, to be recomputed: its prompt
-        and output so far are prefilled again (its full blocks stay cached for that, until
-        evicted) and sampling continues where it stopped."""
-        self._pool.release(seq.blocks)
-        seq.digests.clear()
-        seq.num_computed = 0
-        seq.prefill_target = seq.length
-        seq.status = Status.WAITING
-        self._running.remove(seq)
-        self._waiting.appendleft(seq)
-        self.preemptions += 1
-
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Admits the waiting `seq` with its first chunk of at most `budget` tokens (after the
-        longest prefix of named blocks it can reuse); returns the chunk's length, 0 when the pool
-        cannot hold even one more token now."""
-        tokens = seq.tokens(seq.prefill_target)
-        # The last token is always computed, for its logits.
-        blocks, digests = self._pool.match(tokens, seq.cache_key, seq.prefill_target - 1)
-        start = len(blocks) * self._pool.block_size
-        room = (len(blocks) + self._pool.available) * self._pool.block_size - start
-        n = min(seq.prefill_target - start, budget, room)
-        if n <= 0 or not self._pool.grow(blocks, start + n):
-            self._pool.release(blocks)
-            return 0
-        self.prefix_queried_tokens += seq.prefill_target
-        self.prefix_hit_tokens += start
-        seq.blocks, seq.digests = blocks, digests
-        seq.num_computed = start
-        if not seq.output:
-            seq.cached_prompt_tokens = start
-        seq.status = Status.PREFILLING
-        self._waiting.popleft()
-        self._running.append(seq)
-        return n
-
-    def _computed(self, seq: Sequence, n: int) -> None:
-        """n more of seq's tokens are in its blocks: the blocks they fill get their names."""
-        seq.num_computed += n
-        if seq.num_computed // self._pool.block_size > len(seq.digests):
-            self._pool.name(seq.blocks, seq.digests, seq.computed_tokens(), seq.cache_key)
-
-    def _release(self, seq: Sequence) -> None:
-        self._pool.release(seq.blocks)
-        if seq in self._running:
-            self._running.remove(seq)
-        seq.status = Status.FINISHED
-        self._by_id.pop(seq.request_id, None)
-
     # ----------------------------------------------------------------- sampling and events
 
-    def _after_prefill(self, batch: BatchPlan, rows: list[tuple[Sequence, int]],
-                       result: BatchResult, allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
-        """Advances each row past its chunk; rows that finished their prompt get a first token."""
-        done_seqs, done_rows = [], []
-        for i, (seq, n) in enumerate(rows):
-            self._computed(seq, n)
-            if seq.num_computed == seq.prefill_target:
-                seq.status = Status.RUNNING
-                done_seqs.append(seq)
-                done_rows.append(i)
-        return self._choose(done_seqs, done_rows, result, allowed) if done_seqs else []
+    def _verify(self, seqs: list[Sequence], batch: BatchPlan, result: BatchResult,
+                allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
+        """Chooses each decode row's tokens position by position: a row of its last token and a
+        draft keeps drafted tokens while each is the one chosen at the position before it, and
+        ends at the first chosen token that differs (or its end); the positions after what it
+        kept are given back. Result rows: each decode row's positions in order."""
+        firsts = [0]
+        for tokens in batch.tokens:
+            firsts.append(firsts[-1] + len(tokens))
+        live = list(range(len(seqs)))  # rows still choosing
+        kept = [0] * len(seqs)
+        events: list[TokenEvent] = []
+        j = 0
+        while live:
+            choices = self._choose([seqs[r] for r in live], [firsts[r] + j for r in live], result, allowed)
+            still = []
+            for r, choice in zip(live, choices):
+                seq, tokens = seqs[r], batch.tokens[r]
+                events.append(self._emit(seq, choice))
+                kept[r] += 1
+                if seq.status is Status.FINISHED:
+                    continue
+                if j + 1 < len(tokens) and choice.token_id == tokens[j + 1]:
+                    still.append(r)
+                else:
+                    self.scheduler.decoded(seq, kept[r])
+            live, j = still, j + 1
+        return events
 
     def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult,
-                allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
-        """Picks the next token of each sequence from its batch row (constrained ones among the
-        tokens `allowed[request_id]` allows); returns their events."""
-        logprobs: list[float] | None = None
-        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+                allowed: dict[str, torch.Tensor]) -> list[_Choice]:
+        """The next token of each sequence from its result row (constrained ones among the tokens
+        `allowed[request_id]` allows)."""
         if result.logits is None:
             assert result.ids is not None
             ids = result.ids.tolist()
-            ids = [ids[r] for r in rows]
-        else:
-            all_rows = rows == list(range(result.logits.shape[0]))
-            logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-            mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device, self.eos_token_ids)
-            chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
-                            mask)
-            ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
-            if chosen.top_ids.shape[1]:
-                top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
-                tops = [list(zip(top_ids[i], top_lps[i])) for i in range(len(seqs))]
-        events = []
-        for i, seq in enumerate(seqs):
-            out = seq.append(ids[i])
-            p = seq.params
-            finished = out.finish_reason is not None
-            events.append(TokenEvent(
-                seq.request_id, ids[i], out.text,
-                logprob=logprobs[i] if logprobs is not None and p.logprobs else None,
-                top_logprobs=tuple(tops[i][: p.top_logprobs]) if p.logprobs else (),
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                usage=seq.usage() if finished else None,
-            ))
-            if finished:
-                self._release(seq)
-        return events
+            return [_Choice(ids[r], None, []) for r in rows]
+        all_rows = rows == list(range(result.logits.shape[0]))
+        logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
+        mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device, self.eos_token_ids)
+        chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
+                        mask)
+        ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        if chosen.top_ids.shape[1]:
+            top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
+            tops = [list(zip(top_ids[i], top_lps[i])) for i in range(len(seqs))]
+        return [_Choice(ids[i], logprobs[i], tops[i]) for i in range(len(seqs))]
+
+    def _emit(self, seq: Sequence, choice: _Choice) -> TokenEvent:
+        """Appends a chosen token to its sequence; its event (the last one when it finished)."""
+        out = seq.append(choice.token_id)
+        p = seq.params
+        finished = out.finish_reason is not None
+        event = TokenEvent(
+            seq.request_id, choice.token_id, out.text,
+            logprob=choice.logprob if p.logprobs else None,
+            top_logprobs=tuple(choice.top[: p.top_logprobs]) if p.logprobs else (),
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            usage=seq.usage() if finished else None,
+        )
+        if finished:
+            self._end(seq)
+        return event
+
+    def _end(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self._by_id.pop(seq.request_id, None)
 
 
 class MaskWorker:
@@ -540,12 +479,6 @@ def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab:
     return mask.to(device)
 
 
-def _adapters(rows: list[Sequence]) -> tuple[int, ...]:
-    """Each row's adapter index for a BatchPlan; () when every row is the base model."""
-    adapters = tuple(s.adapter for s in rows)
-    return adapters if any(adapters) else ()
-
-
 def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:
     """Blocks in the KV pool (scratch included): enough for kv_cache_tokens (else for
     `free_memory_tokens`, else for max_batch x max_seq_len), which must hold one sequence of
@@ -556,24 +489,6 @@ def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: i
     if tokens < max_seq_len:
         raise ConfigError(f"kv_cache_tokens={tokens} cannot hold one sequence of max_seq_len={max_seq_len}")
     return -(-tokens // config.kv_block_size) + 1
-
-
-def _free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig) -> int | None:
-    """With gpu_memory_fraction on CUDA (and no kv_cache_tokens): the KV positions that fit in
-    that share of the device memory free now (after the weights), the smallest over the TP
-    ranks so every rank's pool is the same (collective). None otherwise."""
-    fraction, ctx = config.gpu_memory_fraction, model.tp
-    if fraction is None or config.kv_cache_tokens is not None or ctx.device.type != "cuda":
-        return None
-    if not 0 < fraction <= 1:
-        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
-    cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
-    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
-    free, _ = torch.cuda.mem_get_info(ctx.device)
-    tokens = torch.tensor([int(free * fraction) // per_token], device=ctx.device)
-    if ctx.world_size > 1:
-        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=ctx.group)
-    return int(tokens)
 
 
 def _context(config: EngineConfig, model_max: int) -> int:

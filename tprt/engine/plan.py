@@ -1,8 +1,10 @@
 """What one engine step does, as plain data that rank 0 decides and every rank executes.
 
 A `StepPlan` holds only model inputs (no sampling state, no text): one prefill batch and one
-decode batch, each row with its KV block table (tprt.model.kv_cache). Rank 0's scheduler builds it; it travels to the other TP
-ranks as a list of ints (`encode` / `decode_from`) in a STEP message of the rank protocol
+decode batch, each row with its KV block table (tprt.model.kv_cache) and its new tokens: a
+prompt chunk (prefill), or a decode row's last sampled token and any drafted tokens after it.
+Rank 0's scheduler (tprt.engine.scheduler) builds it; it travels to the other TP ranks as a list
+of ints (`encode` / `decode_from`) in a STEP message of the rank protocol
 (`tprt.distributed.protocol`: a header, then the ints as one int64 tensor); every rank then runs
 `tprt.engine.runner.ModelRunner.execute(plan)` and so issues the same collectives in the same order.
 """
@@ -18,7 +20,7 @@ class BatchPlan:
 
     tables: tuple[tuple[int, ...], ...]  # each row's KV-cache blocks, in order (covering its tokens)
     starts: tuple[int, ...]  # position of each row's first token
-    tokens: tuple[tuple[int, ...], ...]  # each row's tokens (a prompt chunk, or the last sampled id)
+    tokens: tuple[tuple[int, ...], ...]  # each row's tokens (a prompt chunk, or the last sampled id and a draft)
     full_logits: bool  # gather full-vocabulary logits (sampling, logprobs) rather than argmax ids only
     adapters: tuple[int, ...] = ()  # each row's adapter index (tprt.lora.routing); () = the base model for all
 
@@ -50,7 +52,7 @@ class BatchPlan:
         return out
 
     @classmethod
-    def decode(cls, data: list[int], i: int) -> tuple[BatchPlan, int]:
+    def decode_from(cls, data: list[int], i: int) -> tuple[BatchPlan, int]:
         """Reads a batch written by `encode` at data[i:]; returns it and the index after it."""
         n, full, routed = data[i], bool(data[i + 1]), bool(data[i + 2])
         i += 3
@@ -92,6 +94,6 @@ class StepPlan:
             present, i = data[i], i + 1
             batch = None
             if present:
-                batch, i = BatchPlan.decode(data, i)
+                batch, i = BatchPlan.decode_from(data, i)
             batches.append(batch)
         return cls(batches[0], batches[1])

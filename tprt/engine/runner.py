@@ -1,10 +1,11 @@
 """Executes a `StepPlan` on one rank: identical on every rank of the TP group.
 
 The runner owns this rank's model and KV cache. For each batch of the plan it runs one forward
-call (prefill: right-padded chunks, logits of each row's last real token only; decode: one token
-per row) and returns either the full-vocabulary logits, gathered to TP rank 0 only (the rank that
-samples; the others get None and never hold a vocabulary-wide tensor), or the argmax ids on every
-rank (which exchange one (value, id) pair per row and rank).
+call (prefill: right-padded chunks, logits of each row's last real token only; decode: each row's
+tokens, one or several, with logits for every one of them, so a drafted token can be checked) and
+returns either the full-vocabulary logits, gathered to TP rank 0 only (the rank that samples; the
+others get None and never hold a vocabulary-wide tensor), or the argmax ids on every rank (which
+exchange one (value, id) pair per position and rank).
 
 The runner prepares the model for inference once, in the open: on CPU (`cpu_prepack`) the linear
 layers get packed methods (`tprt.cpu.fast_linear.prepack`) and the compiled one-row decode
@@ -31,6 +32,7 @@ import torch
 
 from tprt.cpu.fast_linear import prepack
 from tprt.cpu.native_layers import install_native_layers
+from tprt.errors import ConfigError
 from tprt.lora.routing import AdapterSlots
 from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
 from tprt.model.llama import TPLlamaForCausalLM
@@ -40,8 +42,9 @@ from tprt.engine.static_decode import StaticDecode
 
 @dataclass(frozen=True)
 class BatchResult:
-    """A batch's output: `logits` [rows, vocab] float32 when the plan asked for them (on TP rank 0;
-    None on the others), else `ids` [rows]."""
+    """A batch's output, one row per position that returns one (prefill: each row's last token;
+    decode: every token of every row, rows in order): `logits` [n, vocab] float32 when the plan
+    asked for them (on TP rank 0; None on the others), else `ids` [n]."""
 
     ids: torch.Tensor | None
     logits: torch.Tensor | None
@@ -87,7 +90,7 @@ class ModelRunner:
         """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
         (setting it takes microseconds and keeps oneDNN's packed weights)."""
         threads = torch.get_num_threads()
-        one_row = plan.prefill is None and plan.decode is not None and plan.decode.rows == 1
+        one_row = plan.prefill is None and plan.decode is not None and plan.decode.rows == 1 == plan.decode.width
         if not one_row or self.one_row_threads is None or self.one_row_threads >= threads:
             yield
             return
@@ -123,16 +126,31 @@ class ModelRunner:
         return self._finish(local, batch.full_logits)
 
     def _decode(self, batch: BatchPlan) -> BatchResult:
+        """Each row's tokens at positions start, start + 1, ...: logits (or ids) for every one of
+        them, the rows' positions in order ([sum of the rows' token counts, ...])."""
         self._route(batch)
-        # A CUDA graph replays the layers as captured: only when no adapter acts on these rows.
-        if self.static is not None and not self.model.has_adapters():
-            local = self.static.run([t[0] for t in batch.tokens], list(batch.starts), batch.tables)  # [rows, local_vocab]
-            return self._finish(local, batch.full_logits)
-        ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
-        positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
-        local = self.model(ids, positions, self.cache, tables=self._tables(batch),
-                           kv_len=batch.kv_len)  # [rows, 1, local_vocab]
-        return self._finish(local[:, 0], batch.full_logits)
+        width = batch.width
+        if width == 1:
+            # A CUDA graph replays the layers as captured: only when no adapter acts on these rows.
+            if self.static is not None and not self.model.has_adapters():
+                local = self.static.run([t[0] for t in batch.tokens], list(batch.starts), batch.tables)
+                return self._finish(local, batch.full_logits)  # [rows, local_vocab]
+            ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [rows, 1]
+            positions = torch.tensor(batch.starts, dtype=torch.long, device=self.device)[:, None]  # [rows, 1]
+            local = self.model(ids, positions, self.cache, tables=self._tables(batch),
+                               kv_len=batch.kv_len)  # [rows, 1, local_vocab]
+            return self._finish(local[:, 0], batch.full_logits)
+        # Rows of several tokens (a last token and a draft): right-padded like a prefill chunk,
+        # causal within each row; the padding's logits are dropped.
+        ids = torch.tensor([list(t) + [0] * (width - len(t)) for t in batch.tokens], dtype=torch.long,
+                           device=self.device)  # [rows, width]
+        starts = torch.tensor(batch.starts, dtype=torch.long, device=self.device)
+        positions = starts[:, None] + self._arange[:width]  # [rows, width]
+        local = self.model(ids, positions, self.cache, tables=self._tables(batch), kv_len=batch.kv_len,
+                           starts=batch.starts, decode=True)  # [rows, width, local_vocab]
+        real = [r * width + j for r, t in enumerate(batch.tokens) for j in range(len(t))]
+        local = local.reshape(-1, local.shape[-1])[torch.tensor(real, device=self.device)]
+        return self._finish(local, batch.full_logits)
 
     def _finish(self, local: torch.Tensor, full: bool) -> BatchResult:
         """local [rows, local_vocab] -> float32 logits gathered to TP rank 0 (None elsewhere: only
@@ -141,3 +159,22 @@ class ModelRunner:
             logits = self.model.gather_logits_to_first(local)
             return BatchResult(None, None if logits is None else logits.float())
         return BatchResult(self.model.greedy(local), None)
+
+
+def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
+                       cache_dtype: torch.dtype | None = None) -> int | None:
+    """With a gpu_memory_fraction on CUDA: the KV positions that fit in that share of the device
+    memory free now (after the weights), the smallest over the TP ranks so every rank's pool is
+    the same (collective: every rank sizes its pool with it). None otherwise."""
+    tp = model.tp
+    if fraction is None or tp.device.type != "cuda":
+        return None
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
+    cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(tp.device)
+    tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
+    if tp.world_size > 1:
+        torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=tp.group)
+    return int(tokens)

@@ -1,26 +1,22 @@
-"""One request's state inside the engine (rank 0 only), and the events the engine reports."""
+"""One request's state inside the engine (rank 0 only), and the events the engine reports.
+
+A `Sequence` is what the scheduler (tprt.engine.scheduler) schedules: its prompt, output, KV
+blocks and progress; the driver (tprt.engine.core) adds its sampling state and stop checks."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from tprt.engine.sampling import SamplingParams
 from tprt.engine.constraints import Matcher
+from tprt.engine.sampling import SamplingParams, make_generator
+from tprt.engine.scheduler import Status
 from tprt.engine.stopping import StepOutput, StopChecker
 from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FinishReason = Literal["stop", "length", "cancelled"]
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"  # added (or preempted), holds no KV blocks
-    PREFILLING = "prefilling"  # admitted: part of its tokens are in the cache
-    RUNNING = "running"  # prompt done, decoding one token per step
-    FINISHED = "finished"
 
 
 @dataclass(frozen=True)
@@ -67,18 +63,16 @@ class Sequence:
         self.adapter = adapter  # adapter index its rows are routed to (tprt.lora.routing); 0: the base model
         self.blocks: list[int] = []  # its KV block table (tprt.engine.prefix_cache.BlockPool)
         self.digests: list[bytes] = []  # the names of its full blocks, in order
-        self.num_computed = 0  # tokens whose keys and values are in the cache
+        self.num_computed = 0  # leading tokens whose keys and values are in the cache (and kept)
         self.prefill_target = len(prompt)  # tokens to prefill before sampling: the prompt, or all so far after preemption
         self.cached_prompt_tokens = 0  # prompt tokens reused from shared blocks (tprt.engine.prefix_cache)
         self.cache_key: tuple[int, int] = (adapter, 0)  # what its keys and values are computed with
         self.output: list[int] = []
+        self.draft: list[int] = []  # tokens proposed after the last one, verified in its next decode row
         # Its output constraint's state (tprt.engine.constraints.Matcher; set by the engine), which
         # follows the output ids and so survives preemption.
         self.matcher: Matcher | None = None
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed)
+        self.generator = make_generator(seed, device) if seed is not None else None
         detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
         self.stop = StopChecker(params, eos_token_ids, detok)
         self._history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
@@ -121,10 +115,6 @@ class Sequence:
     def tokens(self, n: int) -> list[int]:
         """Its first n ids (prompt, then output)."""
         return self.prompt[:n] if n <= len(self.prompt) else self.prompt + self.output[: n - len(self.prompt)]
-
-    def computed_tokens(self) -> list[int]:
-        """The ids whose keys and values are in its blocks (positions 0..num_computed-1)."""
-        return self.tokens(self.num_computed)
 
     def usage(self) -> Usage:
         return Usage(len(self.prompt), len(self.output), self.cached_prompt_tokens)

@@ -11,8 +11,13 @@ padding tokens (right padding of a prefill batch, the padding rows of a static d
 there and are never read. Nothing records lengths: the model writes each token at its position
 before attending, and a query at position p sees positions <= p only, so whatever a block held
 before (or a padding token left in a sequence's last, partly filled block) is never read before
-it is overwritten. A full block is never written again (its positions are all computed), which is
-what lets sequences share it.
+it is overwritten. The same holds for positions a sequence gives back (drafted tokens it did not
+keep: tprt.engine.scheduler): they are written again before any query sees them. A full block of
+kept positions is never written again, which is what lets sequences share it.
+
+A row may carry several new tokens (a prefill chunk, or a decode row of a last token and a draft):
+each is written at its position, and a query at position p attends to the row's positions <= p,
+the others of its own row included (causal within the row).
 """
 
 from __future__ import annotations
@@ -218,3 +223,25 @@ class CacheStep:
     def flat_positions(self) -> torch.Tensor:
         """[batch * seq] int64, contiguous: each token's position."""
         return self.positions.reshape(-1).to(torch.int64).contiguous()
+
+    def token_rows(self) -> TokenRows:
+        """This step with every token as a row of its own (its row's block table, its own
+        position), for kernels that take one token per row. Equal to the step only where the
+        kernel writes every token's keys and values before any token attends (the writes of a
+        row's later tokens must be seen by none of its earlier ones: each attends to positions
+        <= its own, which the kernel masks by position)."""
+        seq = self.positions.shape[1]
+        return TokenRows(self.flat_write_blocks, self.flat_write_offsets,
+                         self.tables.repeat_interleave(seq, dim=0), self.flat_positions, self.kv_len)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """A step's tokens as one-token rows (`CacheStep.token_rows`): what the native decode kernels
+    (tprt.cpu.native) read of a cache step, for a batch of rows x tokens."""
+
+    flat_write_blocks: torch.Tensor  # [tokens] int64: each token's block
+    flat_write_offsets: torch.Tensor  # [tokens] int64: its offset in that block
+    tables: torch.Tensor  # [tokens, blocks] int64: each token's row's block table
+    flat_positions: torch.Tensor  # [tokens] int64: each token's position
+    kv_len: int

@@ -50,11 +50,15 @@ class RMSNorm(nn.Module):
 class Step:
     """What every layer needs for one forward call, computed once: RoPE angles and the cache view."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None,
+                 decode: bool = False):
         self.cos = cos  # [batch, seq, 1, head_dim]
         self.sin = sin  # [batch, seq, 1, head_dim], first half negated (see rope_angles)
         self.cache = cache
         self.cache_step = cache_step
+        # Decode rows (a last token and a draft), not prompt chunks: a fused decode stack may take
+        # rows of several tokens then (tprt.cpu.native_layers.NativeDecodeStack).
+        self.decode = decode
 
 
 class Attention(nn.Module):
@@ -224,12 +228,14 @@ class TPLlamaForCausalLM(nn.Module):
         tables: torch.Tensor | None = None,
         kv_len: int | None = None,
         starts: tuple[int, ...] | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
 
         Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
         With `cache`: `positions` and `tables` (each row's blocks) are required; see
-        `KVCache.prepare` for `tables`, `kv_len` and `starts`.
+        `KVCache.prepare` for `tables`, `kv_len` and `starts`. `decode`: the rows are decode rows
+        of several tokens each (a last token and a draft; see `Step.decode`).
         """
         batch, seq = input_ids.shape
         if positions is None:
@@ -243,7 +249,7 @@ class TPLlamaForCausalLM(nn.Module):
             if tables is None:
                 raise ValueError("block tables are required with a KV cache")
             cache_step = cache.prepare(positions, tables, kv_len, starts)
-        return self.stack(self.layers, h, Step(cos, sin, cache, cache_step))
+        return self.stack(self.layers, h, Step(cos, sin, cache, cache_step, decode))
 
     def forward(
         self,
@@ -254,6 +260,7 @@ class TPLlamaForCausalLM(nn.Module):
         kv_len: int | None = None,
         logits_index: torch.Tensor | None = None,
         starts: tuple[int, ...] | None = None,
+        decode: bool = False,
     ) -> torch.Tensor:
         """This rank's logits over its vocabulary rows (padding rows -inf).
 
@@ -261,7 +268,7 @@ class TPLlamaForCausalLM(nn.Module):
         `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
         not build logits it does not need. `gather_logits` turns them into full-vocab logits.
         """
-        h = self.forward_hidden(input_ids, positions, cache, tables, kv_len, starts)  # [batch, seq, hidden]
+        h = self.forward_hidden(input_ids, positions, cache, tables, kv_len, starts, decode)  # [batch, seq, hidden]
         if logits_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
         return self.lm_head(self.norm(h))

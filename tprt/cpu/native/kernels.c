@@ -756,7 +756,9 @@ PAGED_DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
    (gemv_rows_*_serial; one row: the one-row GEMV). One row gets the per-half path's bits: the
    same kernels, chunks and roundings, and h + partial rounded to the model dtype as torch's add
    rounds it. Several rows get the module path's roundings, not its bits (the few-row products
-   and SwiGLU's exp are tprt's own). */
+   and SwiGLU's exp are tprt's own). Every row's k and v of a layer are in the cache (the heads
+   section) before any row attends (the next section; a section ends when all its chunks have):
+   tprt.cpu.native_layers relies on it to run a row of several tokens as one-token rows. */
 typedef int64_t (*all_reduce_fn)(void *ctx, void *data, int64_t n, int64_t dtype);
 #define DTYPE_CODE_F32 0  /* the all-reduce's dtype codes (tprt/distributed/shm_allreduce.c) */
 #define DTYPE_CODE_BF16 1

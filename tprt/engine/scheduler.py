@@ -1,0 +1,288 @@
+"""The engine's scheduler: which sequences run in the next step, with which tokens and KV blocks.
+
+Plain data in, a plan out: no process group, no tensors, no model. It keeps the queue of waiting
+sequences, the admitted ones and the KV block pool (tprt.engine.prefix_cache.BlockPool), and
+each `schedule()` writes one `tprt.engine.plan.StepPlan`; the driver (tprt.engine.core.Engine)
+runs it on the ranks, samples, and reports back what was computed (`prefilled`, `decoded`).
+
+Admission: waiting sequences join in arrival order while the per-step token budget, `max_batch`
+admitted sequences (checked here only) and free blocks last; a prompt longer than what is left
+of the budget is prefilled in chunks over several steps.
+
+Rows carry k tokens: a decoding sequence's row is its last sampled token followed by its `draft`
+(tokens proposed for the positions after it, e.g. by a speculative drafter or a forced run), so
+one row writes and returns logits for 1 + len(draft) positions. What the driver does not keep is
+given back (`decoded(seq, kept)`, `truncate`): blocks past the kept positions return to the pool.
+A block is named for prefix sharing only once every position in it is kept, so a shared or cached
+block never holds a position that may still be given back.
+
+Preemption: when the pool runs out, the most recently admitted sequences give their blocks back
+and wait at the head of the queue to be recomputed (prompt and output so far), so the oldest
+always progress and admitted work always finishes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.engine.prefix_cache import BlockPool
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # added (or preempted), holds no KV blocks
+    PREFILLING = "prefilling"  # admitted: part of its tokens are in the cache
+    RUNNING = "running"  # prompt done, decoding a row of 1 + len(draft) tokens per step
+    FINISHED = "finished"
+
+
+class Scheduled(Protocol):
+    """What the scheduler reads and keeps of a sequence (tprt.engine.sequence.Sequence is one)."""
+
+    request_id: str
+    status: Status
+    adapter: int  # adapter index its rows are routed to; 0: the base model
+    blocks: list[int]  # its KV block table
+    digests: list[bytes]  # the names of its full, kept blocks, in order
+    num_computed: int  # leading tokens whose keys and values are in its blocks (and kept)
+    prefill_target: int  # tokens to prefill before decoding: the prompt, or all so far after preemption
+    cached_prompt_tokens: int
+    output: list[int]
+    draft: list[int]  # tokens proposed after its last one, verified in its next decode row
+
+    @property
+    def cache_key(self) -> Hashable: ...  # what its keys and values are computed with (prefix sharing)
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def needs_logits(self) -> bool: ...
+
+    def tokens(self, n: int) -> list[int]: ...
+
+
+S = TypeVar("S", bound=Scheduled)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int  # sequences admitted at once (prefilling or decoding)
+    token_budget: int  # tokens per step: every decode row's tokens plus prefill chunks
+    n_blocks: int  # KV blocks in the pool, scratch included
+    block_size: int  # positions per block
+    prefix_cache: bool = True  # name full blocks and share common prefixes
+
+
+@dataclass
+class Schedule(Generic[S]):
+    """One step: the plan every rank runs, and the sequences behind its rows, in row order."""
+
+    plan: StepPlan
+    prefill: list[tuple[S, int]] = field(default_factory=list)  # (sequence, chunk length)
+    decode: list[S] = field(default_factory=list)  # row i feeds plan.decode.tokens[i]
+
+
+class Scheduler(Generic[S]):
+    """Admission, token budget, KV blocks, preemption and prefix sharing (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.n_blocks, config.block_size, share=config.prefix_cache)
+        self.waiting: deque[S] = deque()
+        self.running: list[S] = []  # admitted (prefilling or decoding), in admission order
+        self.preemptions = 0  # sequences preempted (blocks freed, recomputed later)
+        self.prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # of those, found in shared blocks
+
+    # ------------------------------------------------------------------ sequences in and out
+
+    def add(self, seq: S) -> None:
+        """Queues a sequence (WAITING, holding no blocks) behind the others."""
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def remove(self, seq: S) -> None:
+        """Ends a sequence (finished or cancelled) wherever it is; its blocks go back to the pool."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.pool.release(seq.blocks)
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = Status.FINISHED
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> Schedule[S]:
+        """The next step's plan and the sequences behind its rows.
+
+        Admitted sequences, oldest first, each get the blocks for this step's tokens: a row of
+        1 + len(draft) tokens per decoding sequence (drafts trimmed to what the budget leaves
+        after one token per decoding sequence), then prefill chunks from what is left of the
+        token budget. When the pool runs dry, the most recently admitted sequences are preempted,
+        so the oldest always progress. Then waiting sequences are admitted in order while the
+        budget, `max_batch` and free blocks last (admission never preempts). The prefill batch is
+        right-padded to its longest chunk, so the budget bounds its padded size (rows x width):
+        many short rows beside a long one would otherwise compute mostly padding."""
+        decode_rows: list[S] = []
+        decode_tokens: list[tuple[int, ...]] = []
+        prefill_rows: list[tuple[S, int]] = []
+        decoding = [s for s in self.running if s.status is Status.RUNNING]
+        spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
+        extras: dict[str, int] = {}
+        for seq in decoding:
+            extras[seq.request_id] = extra = min(len(seq.draft), max(spare, 0))
+            spare -= extra
+        total = self.config.token_budget - len(decoding) - sum(extras.values())
+        budget, width = total, 0
+
+        def widest() -> int:  # the longest chunk another prefill row may have (0: no row fits)
+            cap = min(budget, total // (len(prefill_rows) + 1))
+            return cap if cap >= width else 0
+
+        i = 0
+        while i < len(self.running):  # preemption removes from the end, never an earlier row
+            seq = self.running[i]
+            if seq.status is Status.RUNNING:
+                extra = extras[seq.request_id]
+                # The row's tokens go at positions length - 1 .. length - 1 + extra.
+                if self._grow(seq, seq.length + extra):
+                    decode_rows.append(seq)
+                    decode_tokens.append((seq.output[-1], *seq.draft[:extra]))
+            elif widest() > 0:
+                room = (len(seq.blocks) + self.pool.available) * self.pool.block_size - seq.num_computed
+                n = min(seq.prefill_target - seq.num_computed, widest(), max(room, 1))
+                if self._grow(seq, seq.num_computed + n):
+                    prefill_rows.append((seq, n))
+                    budget, width = budget - n, max(width, n)
+            i += 1
+        while self.waiting and widest() > 0 and len(self.running) < self.config.max_batch:
+            n = self._admit(self.waiting[0], widest())
+            if not n:
+                break
+            prefill_rows.append((self.running[-1], n))
+            budget, width = budget - n, max(width, n)
+        prefill = None
+        if prefill_rows:
+            prefill = BatchPlan(
+                tables=tuple(tuple(s.blocks) for s, _ in prefill_rows),
+                starts=tuple(s.num_computed for s, _ in prefill_rows),
+                tokens=tuple(tuple(s.tokens(s.num_computed + n)[s.num_computed :]) for s, n in prefill_rows),
+                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
+                adapters=_adapters([s for s, _ in prefill_rows]),
+            )
+        decode = None
+        if decode_rows:
+            decode = BatchPlan(
+                tables=tuple(tuple(s.blocks) for s in decode_rows),
+                starts=tuple(s.length - 1 for s in decode_rows),
+                tokens=tuple(decode_tokens),
+                full_logits=any(s.needs_logits for s in decode_rows),
+                adapters=_adapters(decode_rows),
+            )
+        return Schedule(StepPlan(prefill, decode), prefill_rows, decode_rows)
+
+    # ------------------------------------------------------------------ after the step
+
+    def prefilled(self, seq: S, n: int) -> bool:
+        """n more of seq's prompt tokens are in its blocks; True when its prefill is done (it then
+        decodes from the next step on)."""
+        seq.num_computed += n
+        self._name(seq)
+        if seq.num_computed == seq.prefill_target:
+            seq.status = Status.RUNNING
+            return True
+        return False
+
+    def decoded(self, seq: S, kept: int) -> None:
+        """After a decode row: the row's first `kept` tokens (its input token, then accepted draft
+        tokens) stay in the cache; the positions after them are given back."""
+        self.truncate(seq, seq.num_computed + kept)
+        seq.draft = []
+
+    def truncate(self, seq: S, n: int) -> None:
+        """seq keeps the keys and values of its first n positions: the blocks past them go back
+        to the pool and the blocks they fill get their names. n may not reach into a named block
+        (those positions were kept, and another sequence may share them)."""
+        named = len(seq.digests) * self.pool.block_size
+        if not named <= n <= len(seq.blocks) * self.pool.block_size:
+            raise ValueError(f"truncate {seq.request_id!r} to {n} positions: must be in [{named} (named blocks), "
+                             f"{len(seq.blocks) * self.pool.block_size} (its blocks)]")
+        seq.num_computed = n
+        keep = -(-n // self.pool.block_size)
+        tail = seq.blocks[keep:]
+        del seq.blocks[keep:]
+        self.pool.release(tail)
+        self._name(seq)
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ internals
+
+    def _name(self, seq: S) -> None:
+        """Names the blocks seq's kept positions fill completely (prefix sharing)."""
+        if seq.num_computed // self.pool.block_size > len(seq.digests):
+            self.pool.name(seq.blocks, seq.digests, seq.tokens(seq.num_computed), seq.cache_key)
+
+    def _grow(self, seq: S, tokens: int) -> bool:
+        """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
+        recently admitted sequences while the pool is short; False when seq itself was the one
+        preempted (it then waits at the head of the queue)."""
+        while not self.pool.grow(seq.blocks, tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: S) -> None:
+        """Frees an admitted sequence's blocks and queues it first, to be recomputed: its prompt
+        and output so far are prefilled again (its full blocks stay cached for that, until
+        evicted) and decoding continues where it stopped."""
+        self.pool.release(seq.blocks)
+        seq.digests.clear()
+        seq.draft = []  # the recomputing prefill chooses the token at its first position itself
+        seq.num_computed = 0
+        seq.prefill_target = seq.length
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _admit(self, seq: S, budget: int) -> int:
+        """Admits the waiting `seq` with its first chunk of at most `budget` tokens (after the
+        longest prefix of named blocks it can reuse); returns the chunk's length, 0 when the pool
+        cannot hold even one more token now."""
+        tokens = seq.tokens(seq.prefill_target)
+        # The last token is always computed, for its logits.
+        blocks, digests = self.pool.match(tokens, seq.cache_key, seq.prefill_target - 1)
+        start = len(blocks) * self.pool.block_size
+        room = (len(blocks) + self.pool.available) * self.pool.block_size - start
+        n = min(seq.prefill_target - start, budget, room)
+        if n <= 0 or not self.pool.grow(blocks, start + n):
+            self.pool.release(blocks)
+            return 0
+        self.prefix_queried_tokens += seq.prefill_target
+        self.prefix_hit_tokens += start
+        seq.blocks, seq.digests = blocks, digests
+        seq.num_computed = start
+        if not seq.output:
+            seq.cached_prompt_tokens = start
+        seq.status = Status.PREFILLING
+        self.waiting.popleft()
+        self.running.append(seq)
+        return n
+
+
+def _adapters(rows: Seq[Scheduled]) -> tuple[int, ...]:
+    """Each row's adapter index for a BatchPlan; () when every row is the base model."""
+    adapters = tuple(s.adapter for s in rows)
+    return adapters if any(adapters) else ()
