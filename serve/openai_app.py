@@ -41,7 +41,7 @@ from serve.auth import bearer
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
 from serve.finetune import JobManager
 from serve.handlers import ModelFacts
-from serve.jobspec import check_create, hyperparameters
+from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.openai_files import FileStore, dataset_path
 from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
@@ -257,58 +257,64 @@ class OpenAIApi:
                 d.files.get(body.validation_file, "validation_file")
                 job.request.validation_dataset_path = dataset_path(body.validation_file)
             try:
-                if job.epochs is not None:
-                    job.set_epoch_steps(self._packed_rows(job))
+                job.fit(self._examples(job))
                 spec = check_create(job.request, d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
                                     d.adapters.has, d.max_dataset_bytes, d.admit)
             except ServeError as e:
                 raise job.error(e) if e.field else e from None
+            write_sidecar(d.jobs.data_dir, spec.record, job.sidecar())  # in the job's directory: gone if refused
             rec = d.jobs.create(spec)
-        write_sidecar(d.jobs.data_dir, rec, job.sidecar())
         return job_object(rec, d.facts.name, d.jobs.data_dir)
 
-    def _packed_rows(self, job: JobRequest) -> int:
-        """The training rows of the job's file as it will be packed (for n_epochs)."""
-        from tprt.train.data import prepare_data
+    def _examples(self, job: JobRequest) -> int:
+        """The examples of the job's training file (n_epochs and an auto batch size count them);
+        check_create reads and tokenizes the file afterwards."""
+        from tprt.train.data import read_jsonl
 
-        d = self.d
-        hp = hyperparameters(job.request.hyperparameters, job.method, d.facts.context_length)
-        if d.tokenizer is None:
-            raise ParamError("the served model has no tokenizer; fine-tuning needs one", "training_file")
         try:
-            data = prepare_data(d.jobs.data_dir / job.request.dataset_path, d.tokenizer, hp["max_seq_len"], hp["seed"])
+            return sum(1 for _ in read_jsonl(self.d.jobs.data_dir / job.request.dataset_path))
         except ValidationError as e:
             raise ParamError(str(e), "training_file") from None
-        return len(data.train)
+
+    # The store's reads and the job objects (a sidecar and a metrics log read per job) are
+    # blocking work: every job route runs off the event loop.
 
     async def list_jobs(self, request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         _check_limit(limit, 100)
+        return self._ok(request, await run_in_threadpool(self._list_jobs, after, limit))
+
+    def _list_jobs(self, after: str | None, limit: int) -> dict[str, Any]:
         try:
             recs = self.d.jobs.store.page(store_job_id(after) if after is not None else None, limit + 1)
         except KeyError:
             raise NotFound(f"no job {echo(after or '')}", "after") from None
-        data = [job_object(r, self.d.facts.name, self.d.jobs.data_dir) for r in recs[:limit]]
-        return self._ok(request, {"object": "list", "data": data, "has_more": len(recs) > limit})
+        data = [self._job_object(r) for r in recs[:limit]]
+        return {"object": "list", "data": data, "has_more": len(recs) > limit}
+
+    def _job_object(self, rec: Any) -> dict[str, Any]:
+        return job_object(self.d.jobs.shown(rec), self.d.facts.name, self.d.jobs.data_dir)
 
     async def get_job(self, request: Request, job_id: str) -> dict[str, Any]:
-        rec = self.d.jobs.get(store_job_id(job_id))
-        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+        rec = await run_in_threadpool(self.d.jobs.get, store_job_id(job_id))
+        return self._ok(request, await run_in_threadpool(self._job_object, rec))
 
     async def cancel_job(self, request: Request, job_id: str) -> dict[str, Any]:
         rec = await run_in_threadpool(self.d.jobs.cancel, store_job_id(job_id))
-        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+        return self._ok(request, await run_in_threadpool(self._job_object, rec))
 
     async def job_events(self, request: Request, job_id: str, after: str | None = None,
                          limit: int = 20) -> dict[str, Any]:
         _check_limit(limit, 1000)
-        rec = self.d.jobs.get(store_job_id(job_id))
-        events = job_events(rec, self.d.jobs.data_dir)[::-1]  # newest first, as OpenAI lists them
-        return self._ok(request, page(events, after, limit, "event"))
+
+        def events() -> list[dict[str, Any]]:
+            return job_events(self.d.jobs.get(store_job_id(job_id)), self.d.jobs.data_dir)[::-1]  # newest first
+
+        return self._ok(request, page(await run_in_threadpool(events), after, limit, "event"))
 
     async def job_checkpoints(self, request: Request, job_id: str, after: str | None = None,
                               limit: int = 10) -> dict[str, Any]:
         _check_limit(limit, 100)
-        rec = self.d.jobs.get(store_job_id(job_id))
+        rec = await run_in_threadpool(self.d.jobs.get, store_job_id(job_id))
         return self._ok(request, page(job_checkpoints(rec), after, limit, "checkpoint"))
 
     # ----------------------------------------------------------------- generation

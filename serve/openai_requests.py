@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict
 
-from serve.errors import InvalidArgument, OutOfRange, ServeError, status_of
+from serve.errors import InvalidArgument, OutOfRange, ServeError, is_disk_full, status_of
 from serve.pb import generation_pb2 as pb
 from serve.validation import STOP_LIMITS, prompt_ids
 from tprt.engine.request import ContextLengthError, resolve_sampling
@@ -54,6 +54,8 @@ def error_body(e: BaseException) -> tuple[int, dict[str, Any], str]:
     status, kind = HTTP_STATUS.get(code, (500, "server_error"))
     if isinstance(e, PayloadTooLarge):
         status, kind = 413, "invalid_request_error"
+    elif is_disk_full(e):  # a write that does not fit: 507 Insufficient Storage
+        status, kind = 507, "server_error"
     if isinstance(e, ParamError):
         field = e.param
     elif isinstance(e, ServeError) and e.field is not None:
