@@ -7,6 +7,9 @@ SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holdi
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
 
+A job's failure (bad data, a failed command, a store write that a full disk refuses) fails that
+job alone: nothing a job raises reaches the scheduler thread.
+
 A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
 id, on the device: servable at once, no restart (and again at every start-up; evicted and
 reloaded like any other adapter). A full fine-tune
@@ -203,7 +206,15 @@ class JobManager:
     def step(self, ranks: RankGroup) -> None:
         """One turn: start the next job, or run one step of the running one (or end it). A job's
         own failure (its data, a failed command, a store write the disk cannot take) fails that
-        job alone: nothing a job raises stops the scheduler."""
+        job alone, and nothing a job raises stops the scheduler: what even that leaves (the store
+        unreadable) is logged, and the next turn waits STORE_RETRY_S."""
+        try:
+            self._turn(ranks)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("fine-tuning jobs: a turn failed")
+            self._retry_at = time.monotonic() + STORE_RETRY_S
+
+    def _turn(self, ranks: RankGroup) -> None:
         if self._unrecorded:
             self._record_ends()
         job = self._active
@@ -223,10 +234,9 @@ class JobManager:
         except Exception as e:  # noqa: BLE001 - a store write, or a bug: that job fails, serving goes on
             current = self._active
             log.exception("job %s failed", current.job_id if current is not None else "(none running)")
-            if current is not None:
-                self._abandon(ranks, current, e)
-            else:
-                self._retry_at = time.monotonic() + STORE_RETRY_S  # e.g. the store cannot be read: not at once again
+            if current is None:
+                raise
+            self._abandon(ranks, current, e)
 
     def _abandon(self, ranks: RankGroup, job: _Active, e: Exception) -> None:
         """The running job ends FAILED after an error outside its commands; its trainer is dropped."""

