@@ -248,7 +248,7 @@ def job_pb(rec: JobRecord) -> Any:
                   created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
                   step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,
                   error=rec.error, output_path=rec.output_path, validation_dataset=rec.validation_dataset,
-                  eval_loss=rec.eval_loss)
+                  eval_loss=rec.eval_loss, trained_tokens=rec.trained_tokens)
 
 
 def progress_pb(rec: JobRecord) -> Any:

@@ -217,7 +217,7 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
     s.run(2)
     rec = s.job(job_id)
     assert (rec.step, rec.loss, rec.checkpoint) == (2, 0.5, f"jobs/{job_id}")  # checkpoint_every=2
-    assert rec.tokens_per_second == TOKENS_PER_STEP / STEP_SECONDS
+    assert rec.tokens_per_second == TOKENS_PER_STEP / STEP_SECONDS and rec.trained_tokens == 2 * TOKENS_PER_STEP
     s.run(2)
     rec = s.job(job_id)
     assert (rec.state, rec.step, rec.loss, rec.error) == (SUCCEEDED, 4, 0.25, "")
