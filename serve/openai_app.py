@@ -230,15 +230,15 @@ class OpenAIApi:
         _check_limit(limit, 10_000)
         if order not in ("asc", "desc"):
             raise ParamError(f"{echo(order)}; 'asc' or 'desc'", "order")
-        files = self.d.files.list(purpose)
+        files = await run_in_threadpool(self.d.files.list, purpose)  # a file read per upload: off the event loop
         listed = page(files[::-1] if order == "asc" else files, after, limit, "file")
         return self._ok(request, listed)
 
     async def get_file(self, request: Request, file_id: str) -> dict[str, Any]:
-        return self._ok(request, self.d.files.get(file_id))
+        return self._ok(request, await run_in_threadpool(self.d.files.get, file_id))
 
     async def file_content(self, request: Request, file_id: str) -> FileResponse:
-        path = self.d.files.content(file_id)
+        path = await run_in_threadpool(self.d.files.content, file_id)
         return self._ok(request, FileResponse(path, media_type="application/jsonl"))
 
     async def delete_file(self, request: Request, file_id: str) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def test_a_small_file_and_a_few_epochs_teach_the_answer(server: tuple[ServerProc
     assert batch == 1  # auto: 0.2% of 16 examples, at least 1
     assert ours["total_steps"] == math.ceil(len(QUESTIONS) * EPOCHS / batch)
     done = wait_for(lambda: (j := client.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
-                    600, "the job to end")
+                    1800, "the job to end")
     assert done.status == "succeeded", (done.error, srv.tail())
     assert done.hyperparameters.n_epochs == EPOCHS and done.hyperparameters.batch_size == batch
     per_example = len(chats) // len(QUESTIONS) // 8  # a loose lower bound on tokens per example
