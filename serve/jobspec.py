@@ -34,7 +34,7 @@ METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
 # batch_size counts examples (one per row, serve.jobspec.load_dataset), as OpenAI's API does. The
 # LoRA rate 1e-3 is one with which a few epochs over a small file (16 chats, batch 1) visibly
-# teach an answer (tests/test_smollm2_job.py); 1e-4 barely moved the loss in that many steps.
+# teach an answer (tests/test_smollm2.py).
 _HP: dict[str, tuple[Any, Any, float, float, bool]] = {
     "steps": (100, 100, 1, 1_000_000, True),
     "learning_rate": (1e-3, 1e-5, 0.0, 1.0, False),

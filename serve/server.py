@@ -111,8 +111,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank",
-                 "kv_cache_tokens", "kv_block_size"):
+                 "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
+                 "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
