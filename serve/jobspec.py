@@ -33,8 +33,9 @@ METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
 
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
 # batch_size counts examples (one per row, serve.jobspec.load_dataset), as OpenAI's API does. The
-# LoRA rate 1e-3 is one with which a few epochs over a small file (16 chats, batch 1) visibly
-# teach an answer (tests/test_smollm2.py).
+# LoRA rate 1e-3 is one with which a few epochs over a small file visibly teach an answer: 16
+# chats, n_epochs 2, batch 1 (32 steps) end at a loss of 0.006 and SmolLM2 answers with the taught
+# name (tests/test_smollm2.py); at the old 1e-4 the same job ended at 3.5 and had learned nothing.
 _HP: dict[str, tuple[Any, Any, float, float, bool]] = {
     "steps": (100, 100, 1, 1_000_000, True),
     "learning_rate": (1e-3, 1e-5, 0.0, 1.0, False),
