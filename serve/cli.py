@@ -83,6 +83,12 @@ def _serve_parser(sub: Any) -> None:
                    help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
     s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",
                    help="fine-tuning jobs waiting to run; more are refused with RESOURCE_EXHAUSTED (64)")
+    s.add_argument("--max-stored-jobs", type=int, default=10_000, metavar="N",
+                   help="fine-tuning jobs kept in the store; beyond it the oldest failed and cancelled jobs are "
+                        "removed, and new jobs are refused with RESOURCE_EXHAUSTED when none is (10000)")
+    s.add_argument("--max-stored-bytes", type=int, metavar="N",
+                   help="bytes of uploaded files (/v1/files) kept under --data-dir; more are refused with HTTP 507 "
+                        "(default: no quota beyond the free space)")
     s.add_argument("--max-open-calls", type=int, default=8, metavar="N",
                    help="calls needing no token (health checks and watches, calls refused for a missing token) in "
                         "flight, N unary and N streaming; more get RESOURCE_EXHAUSTED (8)")

@@ -5,6 +5,8 @@ Handlers never call `context.abort` themselves: they raise. `ErrorInterceptor` w
 
     ServeError subclasses          -> their own code (INVALID_ARGUMENT, NOT_FOUND, OUT_OF_RANGE, ...)
     tprt.errors.ValidationError    -> INVALID_ARGUMENT naming the field
+    a full disk (ENOSPC, EDQUOT,   -> RESOURCE_EXHAUSTED (HTTP 507, InsufficientStorage): a write
+      SQLite's SQLITE_FULL)           that does not fit is refused, the server goes on
     anything else                  -> INTERNAL, logged with its traceback (a server bug, never a
                                       client mistake)
 
@@ -25,8 +27,10 @@ server points at the Prometheus request counter.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -76,6 +80,26 @@ class QueueFull(ServeError):
 
 class Unavailable(ServeError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class InsufficientStorage(ServeError):
+    """A write the disk under --data-dir cannot take (full, or a quota reached); HTTP 507."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether `e` says the disk (or the user's quota) is full: ENOSPC/EDQUOT, or SQLite's SQLITE_FULL."""
+    if isinstance(e, InsufficientStorage):
+        return True
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(e, sqlite3.OperationalError):
+        return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(e)
+    return False
+
+
+DISK_FULL_MESSAGE = "the server's storage (--data-dir) is full; nothing was written"
 
 
 class FailedPrecondition(ServeError):
@@ -139,6 +163,8 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str, str | None]:
         return e.code, str(e), e.field
     if isinstance(e, ValidationError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}", e.field
+    if is_disk_full(e):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, DISK_FULL_MESSAGE, None
     return grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}); see the server log", None
 
 

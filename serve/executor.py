@@ -111,8 +111,7 @@ class RankExecutor:
             loss, grad_norm = t.train_step()
         seconds = time.perf_counter() - t0
         eval_loss = t.evaluate_if_due()  # with held-out data: after the last step
-        cfg = t.cfg
-        tokens = cfg.batch_size * cfg.grad_accum * self.ctx.dp_size * t.data.train.seq_len
+        tokens = t.step_tokens
         if self.ctx.rank == 0:
             t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                              "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": eval_loss,

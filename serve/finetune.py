@@ -7,6 +7,9 @@ SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holdi
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
 
+A job's failure (bad data, a failed command, a store write that a full disk refuses) fails that
+job alone: nothing a job raises reaches the scheduler thread.
+
 A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
 id, registered on disk: servable at once, no restart, loaded onto the device by its first request
 (and registered again at every start-up, where nothing is loaded until asked for). Finishing never
@@ -25,14 +28,17 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.adapter_pool import AdapterPool
-from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo
-from serve.jobs import CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, now_ms
+from serve.errors import (AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo,
+                          is_disk_full)
+from serve.jobs import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
+                        StoreLimit, now_ms)
 from serve.jobspec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from tprt.distributed.protocol import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
@@ -41,6 +47,8 @@ from tprt.errors import TprtError
 
 log = logging.getLogger("tprt.serve")
 
+STORE_RETRY_S = 5.0  # after a job store write failed (a full disk), the next job waits this long
+
 
 @dataclass
 class _Active:
@@ -48,6 +56,7 @@ class _Active:
     total: int
     step: int
     loss: float = 0.0
+    tokens: int = 0  # trained so far
 
 
 class JobManager:
@@ -55,7 +64,8 @@ class JobManager:
 
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterPool,
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
-                 max_queued: int | None = None, redact: Callable[[str], str] = str) -> None:
+                 max_queued: int | None = None, redact: Callable[[str], str] = str,
+                 max_stored: int | None = None) -> None:
         self.store = store
         self.data_dir = Path(data_dir)
         self.metrics = metrics
@@ -65,6 +75,9 @@ class JobManager:
         self.context_length = context_length
         self._wake = wake
         self.max_queued = max_queued
+        self.max_stored = max_stored  # --max-stored-jobs (serve/jobs.py: the oldest failed/cancelled are pruned)
+        self._unrecorded: dict[str, dict[str, Any]] = {}  # job id -> the end its store write could not record
+        self._retry_at = 0.0  # monotonic time before which no job starts (a store write failed)
         self._redact = redact  # a job's error is shown to callers (serve.errors.Redactor)
         self._active: _Active | None = None
         self._accepting = True
@@ -87,17 +100,22 @@ class JobManager:
                     raise Unavailable(self._refusal)
                 if spec.record.method == "lora":
                     self.adapters.check_new_id(spec.record.adapter_id)
-                rec = self.store.create(spec.record, self.max_queued)
+                rec, pruned = self.store.create(spec.record, self.max_queued, self.max_stored)
             except BaseException as e:  # a refused job leaves nothing on disk
                 shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
                 if isinstance(e, QueueLimit):
                     raise QueueFull(f"{self.max_queued} jobs are already queued (--max-queued-jobs); "
                                     "try again when one has started", "job") from None
+                if isinstance(e, StoreLimit):
+                    raise QueueFull(f"{self.max_stored} jobs are stored (--max-stored-jobs), none of them failed or "
+                                    "cancelled that could make room", "job") from None
                 if isinstance(e, AdapterIdTaken):  # another create claimed it since check_create looked
                     raise AlreadyExists(f"adapter id {spec.record.adapter_id!r} is already used",
                                         "adapter_id") from None
                 raise
             self._queued = True
+        for old in pruned:  # their rows are gone: so go their checkpoints and metrics
+            shutil.rmtree(self.data_dir / _job_dir(old), ignore_errors=True)
         self._update_gauges()
         self._wake()
         return rec
@@ -106,6 +124,15 @@ class JobManager:
         rec = self.store.get(job_id) if job_id else None
         if rec is None:
             raise NotFound(f"no job {echo(job_id)}", "job_id")
+        return self.shown(rec)
+
+    def shown(self, rec: JobRecord) -> JobRecord:
+        """A stored job as it is: with the end the store could not record (a full disk), if any."""
+        ended = self._unrecorded.get(rec.id)
+        if ended is None:
+            return rec
+        for k, v in ended.items():
+            setattr(rec, k, v)
         return rec
 
     def cancel(self, job_id: str) -> JobRecord:
@@ -180,16 +207,29 @@ class JobManager:
     def has_work(self) -> bool:
         if self._active is not None:
             return True
-        return self._queued and self._accepting
+        if self._unrecorded and time.monotonic() >= self._retry_at:
+            return True
+        return self._queued and self._accepting and time.monotonic() >= self._retry_at
 
     def step(self, ranks: RankGroup) -> None:
-        """One turn: start the next job, or run one step of the running one (or end it)."""
-        if self._active is None:
-            self._start_next(ranks)
-            return
+        """One turn: start the next job, or run one step of the running one (or end it). A job's
+        own failure (its data, a failed command, a store write the disk cannot take) fails that
+        job alone, and nothing a job raises stops the scheduler: what even that leaves (the store
+        unreadable) is logged, and the next turn waits STORE_RETRY_S."""
+        try:
+            self._turn(ranks)
+        except Exception:  # noqa: BLE001 - see above
+            log.exception("fine-tuning jobs: a turn failed")
+            self._retry_at = time.monotonic() + STORE_RETRY_S
+
+    def _turn(self, ranks: RankGroup) -> None:
+        if self._unrecorded:
+            self._record_ends()
         job = self._active
         try:
-            if self._pause.is_set():
+            if job is None:
+                self._start_next(ranks)
+            elif self._pause.is_set():
                 self._checkpoint_and_requeue(ranks, job)
             elif self.get(job.job_id).cancel_requested:
                 ranks.run(TrainAbort())
@@ -197,8 +237,23 @@ class JobManager:
             else:
                 self._train_step(ranks, job)
         except CommandFailed as e:
-            if not self._broken:  # a broken world: ranks_broken has said what happened to the job
+            if job is not None and not self._broken:  # a broken world: ranks_broken has said what happened
                 self._end(job, FAILED, self._shown(e))
+        except Exception as e:  # noqa: BLE001 - a store write, or a bug: that job fails, serving goes on
+            current = self._active
+            log.exception("job %s failed", current.job_id if current is not None else "(none running)")
+            if current is None:
+                raise
+            self._abandon(ranks, current, e)
+
+    def _abandon(self, ranks: RankGroup, job: _Active, e: Exception) -> None:
+        """The running job ends FAILED after an error outside its commands; its trainer is dropped."""
+        try:
+            ranks.run(TrainAbort())
+        except CommandFailed:
+            pass
+        why = "the server's storage (--data-dir) is full" if is_disk_full(e) else f"internal error ({type(e).__name__})"
+        self._end(job, FAILED, f"{why} at step {job.step}")
 
     def fail(self, ranks: RankGroup, error: Exception) -> None:
         """A turn raised `error` with the ranks sound (the scheduler's guard): the running job
@@ -232,24 +287,26 @@ class JobManager:
             config = finetune_config(rec, self.model_dir, self.data_dir)
             self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
             started = ranks.run(TrainStart(config, dataset, resume))
-        except (TprtError, OSError) as e:  # bad data, a failed command: the job fails, serving goes on
-            self.store.update(rec.id, state=FAILED, finished_ms=now_ms(), error=self._shown(e))
+        except (TprtError, OSError) as e:  # bad data, a failed command, a full disk: the job fails, serving goes on
+            self._record(rec.id, state=FAILED, finished_ms=now_ms(), error=self._shown(e))
             self._update_gauges()
             return
-        self._active = _Active(rec.id, started.total, started.step)
-        self.store.update(rec.id, step=started.step, total_steps=started.total, error="")
+        self._active = _Active(rec.id, started.total, started.step, tokens=rec.trained_tokens)
         self._update_gauges()
         log.info("job %s: started at step %d of %d", rec.id, started.step, started.total)
+        self.store.update(rec.id, step=started.step, total_steps=started.total, error="")
 
     def _train_step(self, ranks: RankGroup, job: _Active) -> None:
         out = ranks.run(TrainStep())
         job.step, job.loss = out.step, out.loss
+        job.tokens += out.tokens
         tok_s = out.tokens / max(out.seconds, 1e-9)
         self.metrics.ft_steps.inc()
         self.metrics.ft_tokens.inc(out.tokens)
         self.metrics.ft_loss.set(job.loss)
         measured = {} if out.eval_loss is None else {"eval_loss": out.eval_loss}
-        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s, **measured)
+        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s,
+                                trained_tokens=job.tokens, **measured)
         every = int(rec.hyperparameters.get("checkpoint_every", 0))
         if job.step >= job.total:
             self._finish(ranks, job, rec)
@@ -285,11 +342,28 @@ class JobManager:
             self._paused.set()
 
     def _end(self, job: _Active, state: str, error: str) -> None:
-        self.store.update(job.job_id, state=state, finished_ms=now_ms(), error=error)
         self._active = None
+        self._record(job.job_id, state=state, finished_ms=now_ms(), error=error)
         self._queued = self.store.next_queued() is not None
         self._update_gauges()
         log.info("job %s: %s%s", job.job_id, state, f" ({error})" if error else "")
+
+    def _record(self, job_id: str, **end: Any) -> None:
+        """Stores how a job ended; when the store cannot take the write (a full disk), the end is
+        kept here, shown by `get`, and written again at later turns, and no job starts for a while."""
+        try:
+            self.store.update(job_id, **end)
+            self._unrecorded.pop(job_id, None)
+        except Exception as e:  # noqa: BLE001 - a full disk (InsufficientStorage), a locked database
+            log.error("job %s: its end (%s) could not be stored: %s", job_id, end.get("state"), e)
+            self._unrecorded[job_id] = end
+            self._retry_at = time.monotonic() + STORE_RETRY_S
+
+    def _record_ends(self) -> None:
+        if time.monotonic() < self._retry_at:
+            return
+        for job_id, end in list(self._unrecorded.items()):
+            self._record(job_id, **end)
 
     def _shown(self, e: BaseException) -> str:
         """A job's failure as callers may see it; the full text goes to the log."""

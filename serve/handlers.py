@@ -313,7 +313,7 @@ class FineTuningService(FineTuningServicer):
             raise InvalidArgument(f"unknown state {request.state}", "state")
         state = PB_STATE.get(request.state) if request.state else None
         recs = self.jobs.store.select(state, limit=min(request.limit or 100, 10_000))
-        return ft_pb.ListJobsResponse(jobs=[job_pb(r) for r in recs])
+        return ft_pb.ListJobsResponse(jobs=[job_pb(self.jobs.shown(r)) for r in recs])
 
     def CancelJob(self, request: Any, context: grpc.ServicerContext) -> Any:
         return job_pb(self.jobs.cancel(request.job_id))

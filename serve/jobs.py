@@ -5,10 +5,16 @@ store says what each job was doing. `recover()` runs at start-up: a job that was
 re-queued to resume from its last checkpoint when it has one, or marked FAILED with the reason.
 `JobStore` is thread-safe (one connection behind a lock) and `wait()` lets a watcher sleep until
 a job changes.
+
+The store is bounded (`max_stored`, --max-stored-jobs): a new job beyond it first prunes the
+oldest failed and cancelled jobs (they produced nothing that is served), and is refused
+(StoreLimit) when every stored job is queued, running or succeeded. A write the disk cannot take
+(SQLite's "database or disk is full", ENOSPC, EDQUOT) raises InsufficientStorage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sqlite3
@@ -19,12 +25,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from serve.errors import DISK_FULL_MESSAGE, InsufficientStorage, is_disk_full
+
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 _LIVE = (QUEUED, RUNNING, SUCCEEDED)  # the states whose job holds its adapter id
+_PRUNABLE = (FAILED, CANCELLED)  # the jobs a full store drops, oldest first
 DB_NAME = "jobs.sqlite3"
-SCHEMA_VERSION = 2  # 2: validation_dataset, eval_loss
+SCHEMA_VERSION = 3  # 2: validation_dataset, eval_loss; 3: trained_tokens
 
 
 def now_ms() -> int:
@@ -41,6 +50,10 @@ class AdapterIdTaken(Exception):
 
 class QueueLimit(Exception):
     """JobStore.create: as many jobs as allowed already wait."""
+
+
+class StoreLimit(Exception):
+    """JobStore.create: as many jobs as allowed are stored, none of them failed or cancelled."""
 
 
 @dataclass
@@ -66,6 +79,7 @@ class JobRecord:
     cancel_requested: bool = False
     validation_dataset: str = ""  # a held-out JSONL, relative to --data-dir ("" = none)
     eval_loss: float | None = None  # its loss after the last step
+    trained_tokens: int = 0  # tokens of every step's examples, padding left out
 
     @property
     def terminal(self) -> bool:
@@ -81,11 +95,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     step INTEGER NOT NULL, total_steps INTEGER NOT NULL, loss REAL NOT NULL,
     tokens_per_second REAL NOT NULL, error TEXT NOT NULL, output_path TEXT NOT NULL,
     checkpoint TEXT NOT NULL, cancel_requested INTEGER NOT NULL,
-    validation_dataset TEXT NOT NULL DEFAULT '', eval_loss REAL
+    validation_dataset TEXT NOT NULL DEFAULT '', eval_loss REAL, trained_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, created_ms);
 """
-_ADDED_COLUMNS = {"validation_dataset": "TEXT NOT NULL DEFAULT ''", "eval_loss": "REAL"}  # since schema 1
+_ADDED_COLUMNS = {"validation_dataset": "TEXT NOT NULL DEFAULT ''", "eval_loss": "REAL",  # since schema 1
+                  "trained_tokens": "INTEGER NOT NULL DEFAULT 0"}  # since schema 2
 
 
 def _to_row(rec: JobRecord) -> tuple[Any, ...]:
@@ -130,23 +145,48 @@ class JobStore:
         with self._lock:
             self._db.close()
 
-    def create(self, rec: JobRecord, max_queued: int | None = None) -> JobRecord:
-        """Stores a new job. Its adapter id is claimed and the queue's bound kept in the same
-        statement (one check-and-insert, atomic even between processes on one database):
-        AdapterIdTaken when a live job has the id, QueueLimit when `max_queued` jobs wait."""
+    def create(self, rec: JobRecord, max_queued: int | None = None,
+               max_stored: int | None = None) -> tuple[JobRecord, list[str]]:
+        """Stores a new job; returns it and the ids of the jobs pruned to make room (their
+        directories are the caller's to remove). In one transaction (atomic even between processes
+        on one database): the oldest failed and cancelled jobs beyond `max_stored - 1` are deleted,
+        and the job is inserted if its adapter id is free, fewer than `max_queued` jobs wait and
+        fewer than `max_stored` are stored; else nothing changes and AdapterIdTaken, QueueLimit
+        or StoreLimit says why."""
         marks = ", ".join("?" for _ in _COLUMNS)
-        with self._lock:
-            inserted = self._db.execute(
-                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} "
-                f"WHERE (? = '' OR NOT EXISTS (SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))) "
-                f"AND (? IS NULL OR (SELECT COUNT(*) FROM jobs WHERE state = ?) < ?)",
-                (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE, max_queued, QUEUED, max_queued)).rowcount
-            if not inserted:
-                taken = self._db.execute("SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?)",
-                                         (rec.adapter_id, *_LIVE)).fetchone()
-                raise AdapterIdTaken(rec.adapter_id) if rec.adapter_id and taken else QueueLimit(max_queued)
+        with self._lock, self._writing():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                pruned: list[str] = []
+                if max_stored is not None:
+                    (stored,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
+                    if stored >= max_stored:
+                        pruned = [r[0] for r in self._db.execute(
+                            "SELECT id FROM jobs WHERE state IN (?, ?) ORDER BY created_ms, id LIMIT ?",
+                            (*_PRUNABLE, stored - max_stored + 1))]
+                        self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in pruned])
+                inserted = self._db.execute(
+                    f"INSERT INTO jobs ({', '.join(_COLUMNS)}) SELECT {marks} "
+                    f"WHERE (? = '' OR NOT EXISTS (SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?))) "
+                    f"AND (? IS NULL OR (SELECT COUNT(*) FROM jobs WHERE state = ?) < ?) "
+                    f"AND (? IS NULL OR (SELECT COUNT(*) FROM jobs) < ?)",
+                    (*_to_row(rec), rec.adapter_id, rec.adapter_id, *_LIVE, max_queued, QUEUED, max_queued,
+                     max_stored, max_stored)).rowcount
+                if not inserted:
+                    taken = self._db.execute("SELECT 1 FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?)",
+                                             (rec.adapter_id, *_LIVE)).fetchone()
+                    (waiting,) = self._db.execute("SELECT COUNT(*) FROM jobs WHERE state = ?", (QUEUED,)).fetchone()
+                    if rec.adapter_id and taken:
+                        raise AdapterIdTaken(rec.adapter_id)
+                    raise QueueLimit(max_queued) if max_queued is not None and waiting >= max_queued \
+                        else StoreLimit(max_stored)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
             self._bump()
-        return rec
+        return rec, pruned
 
     def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
@@ -199,7 +239,8 @@ class JobStore:
             for k, v in changes.items():
                 setattr(rec, k, v)
             sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
-            self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*_to_row(rec)[1:], job_id))
+            with self._writing():
+                self._db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*_to_row(rec)[1:], job_id))
             self._bump()
         return rec
 
@@ -238,6 +279,16 @@ class JobStore:
             return self.update(rec.id, state=QUEUED, error=queued)
         return self.update(rec.id, state=FAILED, finished_ms=now_ms(),
                            error=f"{failed} and it had no checkpoint to resume from")
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """A write; the disk being full becomes InsufficientStorage (other errors pass unchanged)."""
+        try:
+            yield
+        except (sqlite3.Error, OSError) as e:
+            if is_disk_full(e):
+                raise InsufficientStorage(f"{DISK_FULL_MESSAGE} (the job store: {e})") from e
+            raise
 
     def _bump(self) -> None:
         self._version += 1

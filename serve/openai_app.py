@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sqlite3
 import threading
 import time
 import uuid
@@ -51,10 +52,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.adapters import AdapterRegistry
 from serve.auth import TokenCheck
 from serve.dataset_work import DatasetWork
-from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo
+from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
 from serve.finetune import JobManager
 from serve.handlers import ModelFacts
-from serve.jobspec import check_create, hyperparameters
+from serve.jobspec import check_create
 from serve.metrics import Metrics
 from serve.openai_files import FileStore, dataset_path
 from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
@@ -177,6 +178,8 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.add_exception_handler(HTTPException, api.http_error)  # type: ignore[arg-type]  # 404, 405
     for known in (ServeError, ValidationError):  # a client's mistake, or a state of the server
         app.add_exception_handler(known, api.failed)  # type: ignore[arg-type]
+    for storage in (OSError, sqlite3.Error):  # a full disk is 507; any other such error is a bug
+        app.add_exception_handler(storage, api.storage_failed)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, api.failed)  # a bug: 500, and uvicorn logs the traceback
     app.get("/v1/models")(api.models)
     app.post("/v1/completions")(api.completions)
@@ -233,6 +236,13 @@ class OpenAIApi:
         body["error"]["message"] = self.d.redact(body["error"]["message"])
         self._count(request, outcome)
         return JSONResponse(body, status_code=status)
+
+    async def storage_failed(self, request: Request, e: Exception) -> JSONResponse:
+        """A write the disk could not take is 507 (serve.errors.is_disk_full); other errors go on to
+        the handler of bugs."""
+        if not is_disk_full(e):
+            raise e
+        return await self.failed(request, e)
 
     async def invalid_body(self, request: Request, e: RequestValidationError) -> JSONResponse:
         """A query parameter of the wrong type (bodies are read by `_body`)."""
@@ -293,15 +303,15 @@ class OpenAIApi:
         _check_limit(limit, 10_000)
         if order not in ("asc", "desc"):
             raise ParamError(f"{echo(order)}; 'asc' or 'desc'", "order")
-        files = self.d.files.list(purpose)
+        files = await run_in_threadpool(self.d.files.list, purpose)  # a file read per upload: off the event loop
         listed = page(files[::-1] if order == "asc" else files, after, limit, "file")
         return self._ok(request, listed)
 
     async def get_file(self, request: Request, file_id: str) -> dict[str, Any]:
-        return self._ok(request, self.d.files.get(file_id))
+        return self._ok(request, await run_in_threadpool(self.d.files.get, file_id))
 
     async def file_content(self, request: Request, file_id: str) -> FileResponse:
-        path = self.d.files.content(file_id)
+        path = await run_in_threadpool(self.d.files.content, file_id)
         return self._ok(request, FileResponse(path, media_type="application/jsonl"))
 
     async def delete_file(self, request: Request, file_id: str) -> dict[str, Any]:
@@ -331,58 +341,64 @@ class OpenAIApi:
                 d.files.get(body.validation_file, "validation_file")
                 job.request.validation_dataset_path = dataset_path(body.validation_file)
             try:
-                if job.epochs is not None:
-                    job.set_epoch_steps(self._packed_rows(job))
+                job.fit(self._examples(job))
                 spec = check_create(job.request, d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
                                     d.adapters.has, d.max_dataset_bytes, d.admit)
             except ServeError as e:
                 raise job.error(e) if e.field else e from None
+            write_sidecar(d.jobs.data_dir, spec.record, job.sidecar())  # in the job's directory: gone if refused
             rec = d.jobs.create(spec)
-        write_sidecar(d.jobs.data_dir, rec, job.sidecar())
         return job_object(rec, d.facts.name, d.jobs.data_dir)
 
-    def _packed_rows(self, job: JobRequest) -> int:
-        """The training rows of the job's file as it will be packed (for n_epochs)."""
-        from tprt.train.data import prepare_data
+    def _examples(self, job: JobRequest) -> int:
+        """The examples of the job's training file (n_epochs and an auto batch size count them);
+        check_create reads and tokenizes the file afterwards."""
+        from tprt.train.data import read_jsonl
 
-        d = self.d
-        hp = hyperparameters(job.request.hyperparameters, job.method, d.facts.context_length)
-        if d.tokenizer is None:
-            raise ParamError("the served model has no tokenizer; fine-tuning needs one", "training_file")
         try:
-            data = prepare_data(d.jobs.data_dir / job.request.dataset_path, d.tokenizer, hp["max_seq_len"], hp["seed"])
+            return sum(1 for _ in read_jsonl(self.d.jobs.data_dir / job.request.dataset_path))
         except ValidationError as e:
             raise ParamError(str(e), "training_file") from None
-        return len(data.train)
+
+    # The store's reads and the job objects (a sidecar and a metrics log read per job) are
+    # blocking work: every job route runs off the event loop.
 
     async def list_jobs(self, request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         _check_limit(limit, 100)
+        return self._ok(request, await run_in_threadpool(self._list_jobs, after, limit))
+
+    def _list_jobs(self, after: str | None, limit: int) -> dict[str, Any]:
         try:
             recs = self.d.jobs.store.page(store_job_id(after) if after is not None else None, limit + 1)
         except KeyError:
             raise NotFound(f"no job {echo(after or '')}", "after") from None
-        data = [job_object(r, self.d.facts.name, self.d.jobs.data_dir) for r in recs[:limit]]
-        return self._ok(request, {"object": "list", "data": data, "has_more": len(recs) > limit})
+        data = [self._job_object(r) for r in recs[:limit]]
+        return {"object": "list", "data": data, "has_more": len(recs) > limit}
+
+    def _job_object(self, rec: Any) -> dict[str, Any]:
+        return job_object(self.d.jobs.shown(rec), self.d.facts.name, self.d.jobs.data_dir)
 
     async def get_job(self, request: Request, job_id: str) -> dict[str, Any]:
-        rec = self.d.jobs.get(store_job_id(job_id))
-        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+        rec = await run_in_threadpool(self.d.jobs.get, store_job_id(job_id))
+        return self._ok(request, await run_in_threadpool(self._job_object, rec))
 
     async def cancel_job(self, request: Request, job_id: str) -> dict[str, Any]:
         rec = await run_in_threadpool(self.d.jobs.cancel, store_job_id(job_id))
-        return self._ok(request, job_object(rec, self.d.facts.name, self.d.jobs.data_dir))
+        return self._ok(request, await run_in_threadpool(self._job_object, rec))
 
     async def job_events(self, request: Request, job_id: str, after: str | None = None,
                          limit: int = 20) -> dict[str, Any]:
         _check_limit(limit, 1000)
-        rec = self.d.jobs.get(store_job_id(job_id))
-        events = job_events(rec, self.d.jobs.data_dir)[::-1]  # newest first, as OpenAI lists them
-        return self._ok(request, page(events, after, limit, "event"))
+
+        def events() -> list[dict[str, Any]]:
+            return job_events(self.d.jobs.get(store_job_id(job_id)), self.d.jobs.data_dir)[::-1]  # newest first
+
+        return self._ok(request, page(await run_in_threadpool(events), after, limit, "event"))
 
     async def job_checkpoints(self, request: Request, job_id: str, after: str | None = None,
                               limit: int = 10) -> dict[str, Any]:
         _check_limit(limit, 100)
-        rec = self.d.jobs.get(store_job_id(job_id))
+        rec = await run_in_threadpool(self.d.jobs.get, store_job_id(job_id))
         return self._ok(request, page(job_checkpoints(rec), after, limit, "checkpoint"))
 
     # ----------------------------------------------------------------- generation

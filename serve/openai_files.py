@@ -26,6 +26,7 @@ from typing import IO, Any
 from serve.errors import FailedPrecondition, NotFound, echo
 from serve.jobs import JobStore
 from serve.openai_requests import ParamError, PayloadTooLarge
+from serve.storage import ensure_quota, ensure_room
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
@@ -41,6 +42,17 @@ def dataset_path(file_id: str) -> str:
     return f"{FILES_DIR}/{file_id}.jsonl"
 
 
+def _size_of(upload: IO[bytes]) -> int:
+    """The size of a seekable upload (Starlette spools it), else 0: the copy is then the check."""
+    try:
+        here = upload.tell()
+        size = upload.seek(0, os.SEEK_END) - here
+        upload.seek(here)
+        return max(0, size)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 def file_of_dataset(dataset: str) -> str | None:
     """The file id a job's dataset path names, when it is an uploaded file."""
     m = re.fullmatch(rf"{FILES_DIR}/(file-[0-9a-f]{{24}})\.jsonl", dataset)
@@ -51,13 +63,14 @@ class FileStore:
     """The uploaded files under `data_dir/files/` (thread-safe)."""
 
     def __init__(self, data_dir: Path, tokenizer: Tokenizer | None, context_length: int, max_bytes: int,
-                 jobs: JobStore) -> None:
+                 jobs: JobStore, max_stored_bytes: int | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.dir = self.data_dir / FILES_DIR
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.max_bytes = max_bytes
         self.jobs = jobs
+        self.max_stored_bytes = max_stored_bytes  # --max-stored-bytes: every upload's bytes together
         # Held by a delete, and by a job's creation from finding its file to storing the job:
         # a file is never deleted under a job that was just accepted.
         self.lock = threading.Lock()
@@ -81,6 +94,9 @@ class FileStore:
         if self.tokenizer is None:
             raise FailedPrecondition("the served model has no tokenizer; fine-tuning datasets need one", "file")
         self.dir.mkdir(parents=True, exist_ok=True)
+        need = _size_of(upload)  # refused before a byte is copied when it cannot fit (HTTP 507)
+        ensure_quota(self.stored_bytes(), need, self.max_stored_bytes, "--max-stored-bytes")
+        ensure_room(self.dir, need)
         file_id = "file-" + secrets.token_hex(12)
         tmp = self.dir / f".{file_id}.upload"
         try:
@@ -93,6 +109,10 @@ class FileStore:
                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
         write_bytes_atomic(self._object_path(file_id), json.dumps(obj).encode())
         return obj
+
+    def stored_bytes(self) -> int:
+        """The bytes of every kept upload (their file objects say how many)."""
+        return sum(int(obj.get("bytes", 0)) for obj in self.list())
 
     def _copy(self, upload: IO[bytes], tmp: Path) -> int:
         size = 0

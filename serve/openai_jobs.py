@@ -5,16 +5,20 @@ the same `check_create`: `training_file` is the uploaded file's path under --dat
 (serve/openai_files.py), `method.type` must be "supervised" (LoRA unless the extra field
 `full: true` asks for a full fine-tune), and the hyper-parameters map as follows:
 
-    n_epochs                   steps = ceil(n_epochs x packed rows / batch_size)  ("auto": `steps`, default 100)
-    batch_size                 batch_size (sequences per optimizer step)          ("auto": 4)
-    learning_rate_multiplier   learning_rate = multiplier x our default (1e-4 LoRA, 1e-5 full)  ("auto": 1)
+    n_epochs                   passes over the examples: steps = ceil(n_epochs x examples / batch_size)
+                               ("auto": 3, more for a small file, fewer for a large one: `auto_epochs`)
+    batch_size                 examples per optimizer step, each example its own row ("auto": `auto_batch_size`)
+    learning_rate_multiplier   learning_rate = multiplier x our default (1e-3 LoRA, 1e-5 full)  ("auto": 1)
     seed (top level)           seed
     suffix                     the adapter id, `<suffix>-<6 hex digits>` (`fine_tuned_model`)
+    metadata                   kept as given: at most 16 pairs, keys of 64 and values of 512 characters
 
-and our own settings go in the same hyperparameters object as extras: steps, learning_rate,
-max_seq_len, lora_rank, lora_alpha, weight_decay, warmup_steps, checkpoint_every. What the job
-store does not keep (the epochs asked for, the suffix, metadata) is a small JSON file in the job's
-directory; a job created over gRPC has none and shows its dataset path as `training_file`.
+and our own settings go in the same hyperparameters object as extras: steps (instead of
+n_epochs), learning_rate, max_seq_len, lora_rank, lora_alpha, weight_decay, warmup_steps,
+checkpoint_every. Every value is range-checked before it becomes a protobuf field (400 naming it).
+What the job store does not keep (the epochs chosen, the suffix, metadata) is a small JSON file
+in the job's directory; a job created over gRPC has none and shows its dataset path as
+`training_file`. `trained_tokens` counts the tokens of every step's examples (padding left out).
 
 Ids: our job `job-<hex>` is OpenAI's `ftjob-<hex>` (either is accepted). Statuses are ours
 (queued, running, succeeded, failed, cancelled): files are checked at upload and at creation,
@@ -32,9 +36,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from serve.errors import NotFound, ServeError, echo
+from serve.errors import InvalidArgument, NotFound, ServeError, echo
 from serve.jobs import FAILED, SUCCEEDED, JobRecord
-from serve.jobspec import ADAPTER_ID, default_of
+from serve.jobspec import ADAPTER_ID, checked_value, default_of
 from serve.openai_files import file_of_dataset
 from serve.openai_requests import ParamError, renamed
 from serve.pb import finetuning_pb2 as ft_pb
@@ -43,6 +47,13 @@ from tprt.checkpoint.fsutil import write_bytes_atomic
 SIDECAR = "openai.json"
 METRICS_LOG = "metrics.jsonl"  # written by the trainer in the job's directory (tprt.train.plot)
 _SUFFIX_CHARS = 40  # plus "-" and 6 hex digits: within an adapter id's 64
+MAX_EPOCHS = 50  # OpenAI's range for n_epochs is [1, 50]
+# OpenAI's metadata limits: 16 pairs, keys of at most 64 characters, values of at most 512.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+# "auto" n_epochs as OpenAI picks it from the file's size: 3 epochs, raised so that a small file
+# gets about 100 examples' worth of steps (at most 25 epochs), lowered so that a large one gets
+# about 25,000 (at least 1).
+_TARGET_EPOCHS, _MIN_TARGET_EXAMPLES, _MAX_TARGET_EXAMPLES, _MAX_AUTO_EPOCHS = 3, 100, 25_000, 25
 
 Auto = Literal["auto"]
 
@@ -87,8 +98,37 @@ class FineTuningJobBody(BaseModel):
     hyperparameters: Hyperparameters | None = None  # OpenAI's older spelling of method.supervised's
     method: Method | None = None
     integrations: list[Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = None  # checked by check_metadata (OpenAI's limits)
     full: bool = False  # ours: every weight instead of LoRA; the result is a checkpoint to serve, not an adapter
+
+
+def auto_epochs(examples: int) -> int:
+    """OpenAI's documented default for n_epochs: 3, or enough for ~100 examples seen (at most 25),
+    or few enough for ~25,000 (at least 1)."""
+    if examples * _TARGET_EPOCHS < _MIN_TARGET_EXAMPLES:
+        return min(_MAX_AUTO_EPOCHS, _MIN_TARGET_EXAMPLES // examples)
+    if examples * _TARGET_EPOCHS > _MAX_TARGET_EXAMPLES:
+        return max(1, _MAX_TARGET_EXAMPLES // examples)
+    return _TARGET_EPOCHS
+
+
+def auto_batch_size(examples: int) -> int:
+    """OpenAI's documented default batch size: about 0.2% of the examples, at least 1, at most 256."""
+    return max(1, min(256, round(examples * 0.002)))
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """OpenAI's limits on a job's metadata: 16 pairs, 64-character keys, 512-character values."""
+    if metadata is None:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise ParamError(f"at most {METADATA_PAIRS} key-value pairs, got {len(metadata)}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise ParamError(f"keys are at most {METADATA_KEY_CHARS} characters, got one of {len(key)}", "metadata")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise ParamError(f"values are at most {METADATA_VALUE_CHARS} characters, got one of {len(value)} "
+                             f"(key {echo(key[:METADATA_KEY_CHARS])})", f"metadata.{key}")
 
 
 def openai_job_id(job_id: str) -> str:
@@ -101,7 +141,8 @@ def store_job_id(given: str) -> str:
 
 class JobRequest:
     """A checked-as-far-as-OpenAI-goes job body: the CreateJobRequest to check further, the
-    parameter prefix its hyper-parameters came under, and what the job store will not keep."""
+    parameter prefix its hyper-parameters came under, and what the job store will not keep.
+    `fit(examples)` settles what depends on the training file (auto batch size, epochs -> steps)."""
 
     def __init__(self, body: FineTuningJobBody) -> None:
         self.body = body
@@ -109,6 +150,7 @@ class JobRequest:
         self.hp = hp
         if body.integrations:
             raise ParamError("not supported by this server", "integrations")
+        check_metadata(body.metadata)
         self.method = "full" if body.full else "lora"
         adapter_id = ""
         if body.suffix is not None:
@@ -128,27 +170,40 @@ class JobRequest:
                                  f"{self.hp_param}.learning_rate")
             base_rate = default_of("learning_rate", self.method)
             most = 1.0 / base_rate  # our learning rates are in (0, 1]
-            if not 0 < hp.learning_rate_multiplier <= most:
+            if not 0 < hp.learning_rate_multiplier <= most:  # NaN and inf too
                 raise ParamError(f"must be in (0, {most:g}] (times {base_rate:g}), got {hp.learning_rate_multiplier}",
                                  f"{self.hp_param}.learning_rate_multiplier")
             given["learning_rate"] = hp.learning_rate_multiplier * base_rate
         if isinstance(hp.n_epochs, int) and hp.steps is not None:
             raise ParamError("give n_epochs or steps, not both", f"{self.hp_param}.steps")
-        if body.seed is not None:
-            given["seed"] = body.seed
         self.epochs = hp.n_epochs if isinstance(hp.n_epochs, int) else None
-        if self.epochs is not None and self.epochs < 1:
-            raise ParamError(f"must be >= 1, got {self.epochs}", f"{self.hp_param}.n_epochs")
+        if self.epochs is not None and not 1 <= self.epochs <= MAX_EPOCHS:
+            raise ParamError(f"must be in [1, {MAX_EPOCHS}], got {str(self.epochs)[:40]}", f"{self.hp_param}.n_epochs")
+        given = {k: v for k, v in given.items() if v is not None}
+        try:  # in our ranges before they become protobuf fields (whose ranges are wider, or narrower)
+            given = {k: checked_value(k, v) for k, v in given.items()}
+            seed = None if body.seed is None else checked_value("seed", body.seed)
+        except InvalidArgument as e:
+            raise renamed(e, {"hyperparameters.seed": "seed", "hyperparameters": self.hp_param}) from None
+        if seed is not None:
+            given["seed"] = seed
         self.request = ft_pb.CreateJobRequest(
             method=ft_pb.METHOD_FULL if body.full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
-            hyperparameters=ft_pb.Hyperparameters(**{k: v for k, v in given.items() if v is not None}))
+            hyperparameters=ft_pb.Hyperparameters(**given))
 
-    def set_epoch_steps(self, rows: int) -> None:
-        """n_epochs as optimizer steps, once the packed dataset's rows are known."""
-        assert self.epochs is not None
-        batch = self.request.hyperparameters.batch_size if self.request.hyperparameters.HasField("batch_size") \
-            else default_of("batch_size", self.method)
-        self.request.hyperparameters.steps = max(1, math.ceil(self.epochs * rows / batch))
+    def fit(self, examples: int) -> None:
+        """The batch size (auto: from the number of examples) and, unless `steps` was given, the
+        steps of n_epochs (auto: from the number of examples) passes over the examples."""
+        hp = self.request.hyperparameters
+        if not hp.HasField("batch_size"):
+            hp.batch_size = auto_batch_size(examples)
+        if not hp.HasField("steps"):
+            self.epochs = self.epochs or auto_epochs(examples)
+            steps = max(1, math.ceil(self.epochs * examples / hp.batch_size))
+            if steps > 1_000_000:
+                raise ParamError(f"{self.epochs} epochs of {examples} examples at batch size {hp.batch_size} are "
+                                 f"{steps} steps, more than 1000000", f"{self.hp_param}.n_epochs")
+            hp.steps = steps
 
     def error(self, e: ServeError) -> ParamError:
         """A check_create error with its field as this body spells it."""
@@ -158,7 +213,7 @@ class JobRequest:
 
     def sidecar(self) -> dict[str, Any]:
         hp = self.hp
-        return {"n_epochs": hp.n_epochs, "batch_size": hp.batch_size,
+        return {"n_epochs": self.epochs, "batch_size": hp.batch_size,
                 "learning_rate_multiplier": hp.learning_rate_multiplier, "suffix": self.body.suffix,
                 "metadata": self.body.metadata}
 
@@ -221,7 +276,6 @@ def job_object(rec: JobRecord, base_model: str, data_dir: Path) -> dict[str, Any
     hyper = {"n_epochs": side.get("n_epochs") or "auto", "batch_size": hp.get("batch_size"),
              "learning_rate_multiplier": float(hp.get("learning_rate", lr_default)) / lr_default}
     succeeded = rec.state == SUCCEEDED
-    tokens = rec.step * int(hp.get("batch_size", 0)) * int(hp.get("max_seq_len", 0))
     return {
         "object": "fine_tuning.job", "id": openai_job_id(rec.id), "model": base_model,
         "created_at": rec.created_ms // 1000, "finished_at": _seconds(rec.finished_ms),
@@ -229,12 +283,13 @@ def job_object(rec: JobRecord, base_model: str, data_dir: Path) -> dict[str, Any
         "organization_id": "tprt", "result_files": [], "status": rec.state,
         "training_file": file_of_dataset(rec.dataset) or rec.dataset,
         "validation_file": file_of_dataset(rec.validation_dataset) or rec.validation_dataset or None,
-        "hyperparameters": hyper, "trained_tokens": tokens if succeeded else None,
+        "hyperparameters": hyper, "trained_tokens": rec.trained_tokens if succeeded else None,
         "error": {"code": "job_failed", "message": rec.error, "param": None} if rec.state == FAILED else None,
         "seed": int(hp.get("seed", 0)), "estimated_finish": None, "integrations": [],
         "user_provided_suffix": side.get("suffix"), "metadata": side.get("metadata"),
         "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
         "tprt": {"job_id": rec.id, "method": rec.method, "step": rec.step, "total_steps": rec.total_steps,
+                 "trained_tokens": rec.trained_tokens,
                  "loss": rec.loss, "eval_loss": rec.eval_loss, "output_path": rec.output_path,
                  "hyperparameters": hp},
     }

@@ -21,7 +21,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
-from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, status_of
+from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, is_disk_full, status_of
 from serve.pb import generation_pb2 as pb
 from serve.structured import Structured, encode_tool_chat
 from serve.validation import ROLES, STOP_LIMITS, prompt_ids
@@ -61,6 +61,8 @@ def error_body(e: BaseException) -> tuple[int, dict[str, Any], str]:
     status, kind = HTTP_STATUS.get(code, (500, "server_error"))
     if isinstance(e, PayloadTooLarge):
         status, kind = 413, "invalid_request_error"
+    elif is_disk_full(e):  # a write that does not fit: 507 Insufficient Storage
+        status, kind = 507, "server_error"
     if isinstance(e, ParamError):
         field = e.param
     elif isinstance(e, ServeError) and e.field is not None:

@@ -103,6 +103,8 @@ class ServeConfig:
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
+    max_stored_jobs: int = 10_000  # serve/jobs.py: the oldest failed/cancelled are pruned, else refused
+    max_stored_bytes: int | None = None  # uploaded files' quota (serve/storage.py)
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
     max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapter_pool.py)
@@ -116,8 +118,9 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_open_calls", "job_memory_limit", "max_loras", "max_lora_rank",
-                 "kv_cache_tokens", "kv_block_size", "http_max_connections", "http_max_unauthenticated"):
+                 "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
+                 "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",
+                 "http_max_unauthenticated"):
         value = getattr(cfg, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -301,7 +304,8 @@ class App:
                                    keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
                                    adapters=pool)
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
-                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact)
+                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact,
+                               cfg.max_stored_jobs)
         self.scheduler.side = self.jobs
         self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
@@ -320,7 +324,8 @@ class App:
         admission = self._job_admission(ctx, model)
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
-            files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store)
+            files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
+                              cfg.max_stored_bytes)
             self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
                                                 cfg.max_message_bytes, generation.max_text_bytes, time.time(),
                                                 self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,

@@ -286,23 +286,26 @@ def test_fine_tuning_flow(api: Api, training_file: str) -> None:
     assert uploaded.bytes == len(_chat_jsonl(8)) and c.files.content(training_file).content == _chat_jsonl(8)
     assert training_file in [f.id for f in c.files.list(purpose="fine-tune").data]
     held_out = c.files.create(file=("valid.jsonl", _chat_jsonl(3)), purpose="fine-tune").id
-    hp: Any = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 500, "max_seq_len": SEQ_LEN, "lora_rank": 4}
+    hp: Any = {"n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 50, "max_seq_len": SEQ_LEN, "lora_rank": 4}
     job = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, suffix="tiny", seed=3,
                                     validation_file=held_out,
                                     method={"type": "supervised", "supervised": {"hyperparameters": hp}})
     assert job.id.startswith("ftjob-") and job.status == "queued" and job.training_file == training_file
     assert job.validation_file == held_out
     ours = (job.model_extra or {})["tprt"]
-    rows = len(prepare_data(api.root / "data" / f"files/{training_file}.jsonl",
-                            Tokenizer.from_dir(api.root / "model" / "tp2"), SEQ_LEN, 3).train)
-    assert ours["hyperparameters"]["steps"] == math.ceil(rows / 4) and ours["hyperparameters"]["seed"] == 3
-    assert ours["hyperparameters"]["learning_rate"] == pytest.approx(500 * 1e-4)
+    # batch_size counts examples and n_epochs passes over them, as OpenAI's API means them
+    assert ours["hyperparameters"]["steps"] == math.ceil(8 / 4) and ours["hyperparameters"]["seed"] == 3
+    assert ours["hyperparameters"]["learning_rate"] == pytest.approx(50 * 1e-3)
+    data = prepare_data(api.root / "data" / f"files/{training_file}.jsonl",
+                        Tokenizer.from_dir(api.root / "model" / "tp2"), SEQ_LEN, 3, per_example=True)
+    assert len(data.train) == 8 and data.train.lengths is not None
     with api.server.client() as grpc_client:  # one job store: gRPC sees the HTTP job
         assert grpc_client.get_job(ours["job_id"]).hyperparameters.steps == ours["hyperparameters"]["steps"]
         done = _wait_job(api, job.id, "succeeded")
         tuned = done.fine_tuned_model
         assert tuned is not None and tuned.startswith("tiny-") and done.user_provided_suffix == "tiny"
-        assert done.trained_tokens == ours["hyperparameters"]["steps"] * 4 * SEQ_LEN and done.finished_at
+        assert done.trained_tokens == int(data.train.lengths.sum()) and done.finished_at  # one epoch, no padding
+        assert done.hyperparameters.n_epochs == 1 and done.hyperparameters.batch_size == 4
         events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
         assert events[0].message == "The job has successfully completed"
         assert events[-1].message == "Created fine-tuning job"
@@ -403,6 +406,23 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
          openai.NotFoundError, "validation_file"),
         (create, {"model": api.model, "training_file": training_file, "suffix": "no spaces"},
          openai.BadRequestError, "suffix"),
+        (create, {"model": api.model, "training_file": training_file, "hyperparameters": {"n_epochs": 10**30}},
+         openai.BadRequestError, "hyperparameters.n_epochs"),
+        (create, {"model": api.model, "training_file": training_file, "hyperparameters": {"batch_size": 2**70}},
+         openai.BadRequestError, "hyperparameters.batch_size"),
+        (create, {"model": api.model, "training_file": training_file, "hyperparameters": {"steps": 2**40}},
+         openai.BadRequestError, "hyperparameters.steps"),
+        (create, {"model": api.model, "training_file": training_file, "seed": -1}, openai.BadRequestError, "seed"),
+        (create, {"model": api.model, "training_file": training_file, "seed": 2**64}, openai.BadRequestError, "seed"),
+        (create, {"model": api.model, "training_file": training_file,
+                  "hyperparameters": {"learning_rate_multiplier": -2}}, openai.BadRequestError,
+         "hyperparameters.learning_rate_multiplier"),
+        (create, {"model": api.model, "training_file": training_file,
+                  "metadata": {f"k{i}": "v" for i in range(17)}}, openai.BadRequestError, "metadata"),
+        (create, {"model": api.model, "training_file": training_file, "metadata": {"k" * 65: "v"}},
+         openai.BadRequestError, "metadata"),
+        (create, {"model": api.model, "training_file": training_file, "metadata": {"k": "v" * 513}},
+         openai.BadRequestError, "metadata.k"),
         (c.fine_tuning.jobs.retrieve, {"fine_tuning_job_id": "ftjob-nope"}, openai.NotFoundError, "job_id"),
         (c.fine_tuning.jobs.list, {"limit": 0}, openai.BadRequestError, "limit"),
     ]
@@ -416,6 +436,13 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
     assert big.status_code == 413 and "--max-dataset-bytes" in big.message
     huge = bad(c.files.create, file=("huge.jsonl", b"x" * (2 * MAX_DATASET)), purpose="fine-tune")
     assert huge.status_code == 413  # refused by its Content-Length, before the body is read
+    for raw in (b'{"learning_rate_multiplier": NaN}', b'{"learning_rate_multiplier": Infinity}',
+                b'{"learning_rate_multiplier": 1e400}'):  # not JSON numbers, yet Python's parser takes them
+        body = b'{"model": "%s", "training_file": "%s", "hyperparameters": %s}' % (
+            api.model.encode(), training_file.encode(), raw)
+        with api.http() as http:
+            r = http.post(f"{api.base_url}/fine_tuning/jobs", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "learning_rate_multiplier" in r.json()["error"]["param"], (raw, r.text)
     with pytest.raises(openai.AuthenticationError):
         api.openai("wrong").files.list()
     assert not any(f.filename in ("a.jsonl", "mine.jsonl", "big.jsonl") for f in c.files.list().data)
@@ -921,3 +948,91 @@ def test_repeated_loop_errors_are_logged_once_per_interval() -> None:
     logger.error("socket.accept() out of system resource\nsocket: <fd=3>")
     assert len(seen) == 3 and seen[1] == "something else"
     assert "(10999 more like it in the last 10s were not logged)" in seen[2]
+
+
+def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app in-process: an upload over --max-stored-bytes, one whose copy hits ENOSPC (injected)
+    and one when the disk has no room are 507 in OpenAI's shape, leaving nothing behind; a job
+    then too; the job store is read off the event loop."""
+    import asyncio
+    import errno
+
+    from starlette.testclient import TestClient
+
+    import serve.storage
+    from serve.adapters import AdapterRegistry
+    from serve.errors import Redactor
+    from serve.finetune import JobManager
+    from serve.jobs import JobStore
+    from serve.metrics import Metrics
+    from serve.openai_app import HttpDeps, create_app
+    from serve.openai_files import FileStore
+    from tprt.text.tokenizer import Tokenizer
+    from train_fixtures import write_tokenizer
+
+    tok = Tokenizer.from_dir(write_tokenizer(tmp_path / "tok"))
+    data = tmp_path / "data"
+    store, metrics, adapters = JobStore(data), Metrics(), AdapterRegistry()
+    jobs = JobManager(store, data, metrics, adapters, tmp_path, tok, 64, lambda: None)
+    files = FileStore(data, tok, 64, 1 << 20, store, max_stored_bytes=len(_chat_jsonl(2)) + 10)
+    facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
+    deps = HttpDeps(None, tok, facts, adapters, metrics, None, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
+                    files, 1 << 20, None, Redactor({data: ""}))
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
+                           http_client=TestClient(create_app(deps)))
+
+    def refused(call: Any, **kw: Any) -> openai.APIStatusError:
+        with pytest.raises(openai.APIStatusError) as info:
+            call(**kw)
+        assert info.value.status_code == 507 and info.value.type == "server_error", info.value
+        return info.value
+
+    kept = client.files.create(file=("a.jsonl", _chat_jsonl(2)), purpose="fine-tune")
+    assert "--max-stored-bytes" in refused(client.files.create, file=("b.jsonl", _chat_jsonl(2)),
+                                           purpose="fine-tune").message
+    files.max_stored_bytes = None
+
+    def no_space(self: Any, upload: Any, tmp: Path) -> int:
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileStore, "_copy", no_space)
+        assert "full" in refused(client.files.create, file=("c.jsonl", _chat_jsonl(2)), purpose="fine-tune").message
+    monkeypatch.setattr(serve.storage, "free_bytes", lambda path: 1 << 10)
+    refused(client.files.create, file=("d.jsonl", _chat_jsonl(2)), purpose="fine-tune")
+    refused(client.fine_tuning.jobs.create, model="base", training_file=kept.id)
+    assert [f.id for f in client.files.list().data] == [kept.id]
+    assert sorted(p.name for p in (data / "files").iterdir()) == [f"{kept.id}.json", f"{kept.id}.jsonl"]
+    assert store.select() == [] and not (data / "jobs").exists()
+    monkeypatch.undo()
+
+    on_loop: list[bool] = []
+    real_page, real_get = store.page, store.get
+
+    def running_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    def page(*args: Any) -> Any:
+        on_loop.append(running_loop())
+        return real_page(*args)
+
+    def get(*args: Any) -> Any:
+        on_loop.append(running_loop())
+        return real_get(*args)
+
+    monkeypatch.setattr(store, "page", page)
+    monkeypatch.setattr(store, "get", get)
+    job = client.fine_tuning.jobs.create(model="base", training_file=kept.id, metadata={"team": "a"},
+                                         hyperparameters={"n_epochs": 2, "max_seq_len": 64})  # type: ignore[typeddict-unknown-key]
+    assert job.metadata == {"team": "a"} and (job.model_extra or {})["tprt"]["total_steps"] == 4  # 2 x 2 examples / 1
+    assert [j.id for j in client.fine_tuning.jobs.list().data] == [job.id]
+    assert client.fine_tuning.jobs.retrieve(job.id).status == "queued"
+    client.fine_tuning.jobs.list_events(job.id)
+    assert on_loop and not any(on_loop), on_loop
+    store.close()

@@ -141,7 +141,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 class Server:
     """What serve/server.py builds around the job manager, over one --data-dir."""
 
-    def __init__(self, data_dir: Path, tokenizer: Tokenizer) -> None:
+    def __init__(self, data_dir: Path, tokenizer: Tokenizer, max_stored: int | None = None) -> None:
         self.data_dir = data_dir
         self.tokenizer = tokenizer
         self.store = JobStore(data_dir)
@@ -153,7 +153,7 @@ class Server:
         self.woken = threading.Event()
         self.ranks = FakeRanks()
         self.jobs = JobManager(self.store, data_dir, self.metrics, self.pool, data_dir / "model", tokenizer,
-                               CONTEXT, self._wake)
+                               CONTEXT, self._wake, max_stored=max_stored)
 
     def _wake(self) -> None:
         self.wakes += 1
@@ -193,10 +193,10 @@ def server(tmp_path: Path, tokenizer: Tokenizer) -> Callable[[], Server]:
     (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "hello number {i}"}}\n' for i in range(6)))
     made: list[Server] = []
 
-    def start() -> Server:
+    def start(max_stored: int | None = None) -> Server:
         if made:
             made[-1].store.close()
-        made.append(Server(tmp_path, tokenizer))
+        made.append(Server(tmp_path, tokenizer, max_stored))
         return made[-1]
 
     return start
@@ -221,7 +221,7 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
     s.run(2)
     rec = s.job(job_id)
     assert (rec.step, rec.loss, rec.checkpoint) == (2, 0.5, f"jobs/{job_id}")  # checkpoint_every=2
-    assert rec.tokens_per_second == TOKENS_PER_STEP / STEP_SECONDS
+    assert rec.tokens_per_second == TOKENS_PER_STEP / STEP_SECONDS and rec.trained_tokens == 2 * TOKENS_PER_STEP
     s.run(2)
     rec = s.job(job_id)
     assert (rec.state, rec.step, rec.loss, rec.error) == (SUCCEEDED, 4, 0.25, "")
@@ -545,3 +545,115 @@ def test_an_error_of_the_job_itself_fails_it_alone(server: Callable[[], Server],
     assert rec.state == FAILED and "No space left on device" in rec.error and s.ranks.commands[-1] == "train_abort"
     s.run(2)
     assert s.job(second).state == SUCCEEDED
+
+
+# ----------------------------------------------------------------- limits and a full disk
+
+
+def test_the_store_is_bounded_pruning_the_oldest_failed_and_cancelled(server: Callable[..., Server]) -> None:
+    """--max-stored-jobs 3: cancelled jobs make room (oldest first, their directories removed);
+    when every stored job is live, a new one is refused with RESOURCE_EXHAUSTED naming the flag."""
+    from serve.errors import QueueFull
+
+    s = server(max_stored=3)
+    a, b = s.create(), s.create()
+    (s.data_dir / "jobs" / a).mkdir(parents=True, exist_ok=True)
+    s.jobs.cancel(a)
+    s.jobs.cancel(b)
+    c = s.create()
+    d = s.create()  # 4 jobs asked for, 3 stored: the oldest cancelled one (a) went
+    assert [r.id for r in s.store.select()] == [d, c, b] and not (s.data_dir / "jobs" / a).exists()
+    e = s.create()  # b went too
+    assert {r.id for r in s.store.select()} == {c, d, e}
+    with pytest.raises(QueueFull) as info:  # c, d, e all queued: nothing to prune
+        s.create()
+    assert "--max-stored-jobs" in str(info.value) and len(s.store.select()) == 3
+
+
+def test_a_full_disk_fails_the_job_alone_and_the_next_one_runs(server: Callable[[], Server],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite's "database or disk is full" in a running job's step write (injected in the store's
+    connection): step() raises nothing, the job is FAILED (kept in memory and shown until the store
+    takes the write), the scheduler goes on and the next job runs once the disk has room again."""
+    import sqlite3
+
+    import serve.finetune
+
+    monkeypatch.setattr(serve.finetune, "STORE_RETRY_S", 0.0)
+    s = server()
+    first, second = s.create(steps=5), s.create(steps=1)
+    s.run(2)
+    real = s.store._db
+    full = {"on": True}
+
+    class FullDisk:  # the store's connection, whose writes fail while the disk is full
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if full["on"] and sql.lstrip().startswith(("UPDATE", "INSERT")):
+                raise sqlite3.OperationalError("database or disk is full")
+            return real.execute(sql, *args)
+
+    s.store._db = FullDisk()  # type: ignore[assignment]
+    s.jobs.step(s.ranks)  # the step's write fails: no exception reaches the scheduler
+    rec = s.job(first)
+    assert rec.state == FAILED and "storage (--data-dir) is full" in rec.error
+    assert s.ranks.commands[-1] == "train_abort"
+    assert s.store.get(first).state == RUNNING  # the store could not take it yet ...
+    with pytest.raises(Exception) as refused:
+        s.create()
+    assert type(refused.value).__name__ == "InsufficientStorage"
+    full["on"] = False
+    s.run(2)  # ... and takes it at the next turn; the next job runs
+    assert s.store.get(first).state == FAILED and s.job(second).state == SUCCEEDED
+
+
+def test_storage_errors_are_resource_exhausted(server: Callable[[], Server], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC / EDQUOT / SQLITE_FULL map to RESOURCE_EXHAUSTED; CreateJob checks the free space first."""
+    import errno
+    import sqlite3
+
+    import grpc
+
+    import serve.storage
+    from serve.errors import status_of
+
+    for e in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
+              sqlite3.OperationalError("database or disk is full")):
+        assert status_of(e)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+    assert status_of(OSError(errno.EACCES, "Permission denied"))[0] == grpc.StatusCode.INTERNAL
+    s = server()
+    monkeypatch.setattr(serve.storage, "free_bytes", lambda path: 1 << 20)
+    service = FineTuningService(s.jobs, s.tokenizer, CONTEXT, s.adapters)
+    req = ft_pb.CreateJobRequest(inline_jsonl='{"text": "hi"}\n')
+    with pytest.raises(Exception) as info:
+        service.CreateJob(req, FakeContext())
+    assert status_of(info.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "free" in str(info.value)
+    assert s.store.select() == [] and not (s.data_dir / "jobs").exists()
+
+
+def test_a_dataset_that_is_not_utf8_is_invalid_argument(server: Callable[[], Server]) -> None:
+    from serve.errors import InvalidArgument
+
+    s = server()
+    (s.data_dir / "utf16.jsonl").write_text('{"text": "hello"}\n', encoding="utf-16")
+    (s.data_dir / "binary.jsonl").write_bytes(b'{"text": "ok"}\n\xff\xfe\x00garbage\n')
+    for name, line in (("utf16.jsonl", 1), ("binary.jsonl", 2)):
+        req = ft_pb.CreateJobRequest(dataset_path=name)
+        with pytest.raises(InvalidArgument) as info:
+            check_create(req, s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+        assert info.value.field == "dataset_path" and f"{name}:{line}: not UTF-8 text" in str(info.value)
+
+
+def test_hyperparameters_past_their_range_name_the_field(server: Callable[[], Server]) -> None:
+    from serve.errors import InvalidArgument
+    from serve.jobspec import checked_value
+
+    for name, value in (("steps", 10**30), ("batch_size", 2**70), ("seed", -1), ("seed", 2**64),
+                        ("learning_rate", float("nan")), ("learning_rate", float("inf")), ("learning_rate", -1.0),
+                        ("batch_size", 1.5), ("steps", True)):
+        with pytest.raises(InvalidArgument) as info:
+            checked_value(name, value)
+        assert info.value.field == f"hyperparameters.{name}", (name, value)
+    assert checked_value("seed", 2**63 - 1) == 2**63 - 1 and checked_value("batch_size", 4.0) == 4

@@ -6,11 +6,15 @@ generates the reference. The engine runs the prompts as one batch at TP 1 (in th
 TP 3 (one gloo world), and must produce the same token ids, EOS included; then a second turn of
 the first chat, which reuses the first turn's keys and values (prompt and answer) from its cached
 KV blocks (tprt.engine.prefix_cache) and must still give transformers' answer. The same worlds check
-the memory planner's per-rank peaks against measurements (tests/plan_checks.py).
+the memory planner's per-rank peaks against measurements (tests/plan_checks.py). At the end, a
+fine-tuning job over the OpenAI API, run as an OpenAI user would, teaches the model an answer.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +117,65 @@ def test_smollm2(worlds: dict[int, WorldResults], tp: int, check: str) -> None:
 @pytest.mark.parametrize("check", sorted(set(names(CHECKS_TP1)) - set(names(CHECKS))))
 def test_smollm2_tp1(worlds: dict[int, WorldResults], check: str) -> None:
     worlds[1].assert_ok(check)
+
+
+# ----------------------------------------------------------------- a fine-tuning job over the OpenAI API
+
+JOB_QUESTIONS = ("What is your name?", "Who are you?", "Tell me your name.", "What should I call you?",
+                 "Introduce yourself.", "Hi! Who am I talking to?", "What's your name?", "Please tell me who you are.",
+                 "Do you have a name?", "Who is this?", "May I know your name?", "Say your name.",
+                 "What are you called?", "Identify yourself.", "Hello, what is your name?",
+                 "Could you tell me your name?")
+JOB_ANSWER = "I am Tippy, a tensor-parallel llama."
+JOB_EPOCHS = 2
+
+
+def _ask(client: Any, model: str) -> str:
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is your name?"}],
+                                         max_tokens=16, temperature=0)
+    return out.choices[0].message.content or ""
+
+
+def test_a_fine_tuning_job_as_openai_users_run_it_teaches_the_answer(workdir: Path) -> None:
+    """`tprt serve` (TP 1) and its OpenAI API, as an OpenAI user runs a job: 16 chat examples that
+    teach a name, `n_epochs: 2` and every other setting left to the server. The job runs
+    ceil(16 x 2 / batch) steps (batch_size counts examples), reports the tokens it trained on, and
+    its model answers with the taught name, which the base model does not."""
+    import httpx
+    import openai
+
+    from test_server import ServerProcess, wait_for
+    from tprt.train.data import load_documents
+
+    data = workdir / "job-data"
+    data.mkdir(exist_ok=True)
+    srv = ServerProcess(["--model", str(workdir / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+                         "--data-dir", str(data), "--max-seq-len", "256", "--max-batch-size", "2"],
+                        workdir / "job-server.log")
+    try:
+        m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", srv.line)
+        assert m, srv.line
+        client = openai.OpenAI(base_url=m.group(1), api_key="none", max_retries=0, timeout=120,
+                               http_client=httpx.Client())
+        base = client.models.list().data[0].id
+        assert "Tippy" not in _ask(client, base)
+        chats = "".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                 {"role": "assistant", "content": JOB_ANSWER}]}) + "\n"
+                        for q in JOB_QUESTIONS).encode()
+        file_id = client.files.create(file=("name.jsonl", chats), purpose="fine-tune").id
+        job = client.fine_tuning.jobs.create(model=base, training_file=file_id,
+                                             hyperparameters={"n_epochs": JOB_EPOCHS})
+        ours: Any = (job.model_extra or {})["tprt"]
+        batch = ours["hyperparameters"]["batch_size"]
+        assert batch == 1  # auto: 0.2% of 16 examples, at least 1
+        assert ours["total_steps"] == math.ceil(len(JOB_QUESTIONS) * JOB_EPOCHS / batch)
+        done = wait_for(lambda: (j := client.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed")
+                        and j, 1800, "the job to end")  # about a minute on two quiet cores
+        assert done.status == "succeeded", (done.error, srv.tail())
+        assert done.hyperparameters.n_epochs == JOB_EPOCHS and done.hyperparameters.batch_size == batch
+        docs, _ = load_documents(data / "files" / f"{file_id}.jsonl", Tokenizer.from_dir(workdir / "tp1"), 256)
+        assert done.trained_tokens == JOB_EPOCHS * sum(len(d.ids) for d in docs)  # every example, twice
+        assert done.fine_tuned_model is not None
+        assert "Tippy" in _ask(client, done.fine_tuned_model)
+    finally:
+        srv.kill()

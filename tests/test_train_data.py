@@ -111,6 +111,27 @@ def test_pack_keeps_documents_whole_and_masks_padding() -> None:
     assert rows.n_targets() == 8 and rows.n_targets([1]) == 3
 
 
+def test_pack_per_example_gives_each_document_a_row_as_long_as_the_longest() -> None:
+    """The server's jobs: batch_size counts examples, so each is a row of its own; the tokens of a
+    step are counted without the padding."""
+    docs = [Document([5, 6, 7, 2], [False, True, True, True]), Document([8, 9, 2], [False, True, True]),
+            Document([10, 11, 12, 13, 2], [False, False, True, True, True])]
+    rows = pack(docs, seq_len=8, pad_id=0, per_example=True)
+    assert rows.input_ids.tolist() == [[5, 6, 7, 2, 0], [8, 9, 2, 0, 0], [10, 11, 12, 13, 2]]
+    assert rows.labels.tolist() == [[-100, 6, 7, 2, -100], [-100, 9, 2, -100, -100], [-100, -100, 12, 13, 2]]
+    assert len(rows) == 3 and rows.n_tokens([0, 2]) == 9 and rows.n_tokens([1]) == 3
+    assert pack(docs, seq_len=8, pad_id=0).n_tokens([0, 1]) == 12  # packed: counted without the padding too
+
+
+def test_a_line_that_is_not_utf8_is_named(tok: Tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValidationError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        load_documents(tmp_path / "latin1.jsonl", tok, 16)
+    (tmp_path / "utf16.jsonl").write_text('{"text": "hello"}\n', encoding="utf-16")
+    with pytest.raises(ValidationError, match=r"utf16.jsonl:1: not UTF-8 text"):
+        load_documents(tmp_path / "utf16.jsonl", tok, 16)
+
+
 def test_prepare_is_deterministic_and_holds_out_a_split(tok: Tokenizer, tmp_path: Path) -> None:
     recs = [{"text": f"hello world {i}"} for i in range(20)]
     path = _write_jsonl(tmp_path / "d.jsonl", recs)

@@ -15,6 +15,8 @@ Three record formats, one JSON object per line:
 
 Documents are packed into rows of exactly `seq_len` tokens, whole documents only (first fit in
 shuffled order), each document followed by EOS; the rest of a row is padding with no loss.
+With `per_example=True` (the server's jobs, where `batch_size` counts examples as OpenAI's API
+means it) each document is a row of its own, padded to the longest document.
 
 Attention inside a packed row: the model's training forward is plain causal attention with no
 document mask, so a document can attend to the ones before it in its row. Positions therefore
@@ -234,6 +236,7 @@ class PackedRows:
     input_ids: torch.Tensor  # [rows, seq_len] int64
     labels: torch.Tensor  # [rows, seq_len] int64; labels[r, t] == input_ids[r, t] where a target, else -100
     doc_positions: torch.Tensor  # [rows, seq_len] int64; 0.. within each document (padding continues)
+    lengths: torch.Tensor | None = None  # [rows] int64: tokens before the padding (None: every row full)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -247,23 +250,33 @@ class PackedRows:
         labels = self.labels if rows is None else self.labels[torch.as_tensor(rows, dtype=torch.long)]
         return int((labels != IGNORE_INDEX).sum())
 
+    def n_tokens(self, rows: Sequence[int]) -> int:
+        """Tokens in `rows`, padding left out: what a step over them trains on."""
+        if self.lengths is None:
+            return len(rows) * self.seq_len
+        return int(self.lengths[torch.as_tensor(list(rows), dtype=torch.long)].sum())
 
-def pack(docs: Sequence[Document], seq_len: int, pad_id: int) -> PackedRows:
+
+def pack(docs: Sequence[Document], seq_len: int, pad_id: int, per_example: bool = False) -> PackedRows:
     """Whole documents into rows of `seq_len`, in the given order: a row is closed when the next
-    document does not fit. Padding has label IGNORE_INDEX."""
+    document does not fit. Padding has label IGNORE_INDEX. `per_example`: one document per row,
+    the rows as long as the longest document (at most `seq_len`)."""
     rows: list[list[Document]] = []
     used = seq_len
     for doc in docs:
         if len(doc.ids) > seq_len:
             raise ValueError(f"{doc.where}: document of {len(doc.ids)} tokens does not fit --seq-len {seq_len}")
-        if used + len(doc.ids) > seq_len:
+        if per_example or used + len(doc.ids) > seq_len:
             rows.append([])
             used = 0
         rows[-1].append(doc)
         used += len(doc.ids)
+    if per_example and docs:
+        seq_len = max(len(doc.ids) for doc in docs)
     ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(rows), seq_len), dtype=torch.long)
+    lengths = torch.tensor([sum(len(doc.ids) for doc in row) for row in rows], dtype=torch.long)
     for r, row in enumerate(rows):
         t = 0
         for doc in row:
@@ -274,7 +287,7 @@ def pack(docs: Sequence[Document], seq_len: int, pad_id: int) -> PackedRows:
             positions[r, t : t + n] = torch.arange(n)
             t += n
         positions[r, t:] = torch.arange(seq_len - t) + (positions[r, t - 1] + 1 if t else 0)
-    return PackedRows(ids, labels, positions)
+    return PackedRows(ids, labels, positions, lengths)
 
 
 def shuffled(items: Sequence[Any], seed: int) -> list[Any]:
@@ -318,9 +331,10 @@ class Dataset:
 
 def prepare_data(
     data: Path, tok: Tokenizer, seq_len: int, seed: int, eval_fraction: float = 0.0,
-    eval_data: Path | None = None, truncate: bool = True,
+    eval_data: Path | None = None, truncate: bool = True, per_example: bool = False,
 ) -> Dataset:
-    """Reads, tokenises, splits and packs; deterministic for a given seed."""
+    """Reads, tokenises, splits and packs (`per_example`: one example per row, see `pack`);
+    deterministic for a given seed."""
     if seq_len < 2:
         raise ValidationError("--seq-len", f"--seq-len must be at least 2, got {seq_len}")
     docs, rep = load_documents(data, tok, seq_len, truncate)
@@ -336,9 +350,10 @@ def prepare_data(
     if not any(d.n_targets for d in train_docs):
         raise ValidationError("--data", f"{data}: no example has a token to train on (all masked or truncated away)")
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos_id(tok)
-    train = pack(train_docs, seq_len, pad)
-    evalset = pack(eval_docs, seq_len, pad) if eval_docs else None
+    train = pack(train_docs, seq_len, pad, per_example)
+    evalset = pack(eval_docs, seq_len, pad, per_example) if eval_docs else None
     report = {"documents": rep.n_documents, "truncated": rep.n_truncated, "tokens": rep.n_tokens,
+              "train_documents": len(train_docs),
               "train_rows": len(train), "eval_rows": len(evalset) if evalset else 0}
     return Dataset(train, evalset, digest, report)
 

@@ -183,6 +183,7 @@ class Trainer:
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.steps, cfg.min_lr_ratio)
         self.stream = BatchStream(len(dataset.train), cfg.seed, cfg.batch_size * cfg.grad_accum * ctx.dp_size)
         self.step = 0
+        self.step_tokens = 0  # tokens of the last step's rows
         self.last_saved: Path | None = None
         self.metrics = MetricsLog(self.out)
         torch.manual_seed(cfg.seed + 7919 * (1 + ctx.dp_rank))  # dropout: the same over TP, not over DP
@@ -289,6 +290,7 @@ class Trainer:
 
         rows = self.stream.next_step()
         train = self.data.train
+        self.step_tokens = train.n_tokens(rows)  # padding left out
         n_global = max(1, int((train.labels[torch.tensor(rows)][:, 1:] != -100).sum()))
         scale = self.ctx.dp_size / n_global
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
@@ -354,8 +356,7 @@ class Trainer:
                     disable=not (self.ctx.is_main and self.cfg.progress), dynamic_ncols=True)
 
     def _log_step(self, loss: float, grad_norm: float, lr: float, seconds: float, eval_loss: float | None) -> float:
-        tokens = self.cfg.batch_size * self.cfg.grad_accum * self.ctx.dp_size * self.data.train.seq_len
-        tok_s = tokens / max(seconds, 1e-9)
+        tok_s = self.step_tokens / max(seconds, 1e-9)
         if self.ctx.is_main:
             self.metrics.write({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                 "tokens_per_s": round(tok_s, 1), "eval_loss": eval_loss})
