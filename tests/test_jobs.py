@@ -530,21 +530,25 @@ def test_adapter_ids_that_name_the_base_model_or_a_directory_are_refused_at_crea
 
 
 def test_an_error_of_the_job_itself_fails_it_alone(server: Callable[[], Server], monkeypatch: Any) -> None:
-    """What a turn raises with the ranks sound (the scheduler hands it to `fail`): the job fails,
-    its trainer is dropped on the ranks, the next job runs."""
+    """What a turn raises with the ranks sound: step() raises nothing, the job fails, its trainer
+    is dropped on the ranks, the next job runs; the scheduler guard's `fail` (for whatever would
+    still escape a turn) fails the running job the same way."""
     s = server()
-    first, second = s.create(steps=5), s.create(steps=1)
+    first, second, third = s.create(steps=5), s.create(steps=1), s.create(steps=5)
     s.run(1)
     error = OSError(28, "No space left on device")
-    with pytest.raises(OSError):
-        with monkeypatch.context() as m:
-            m.setattr(s.jobs, "_train_step", lambda ranks, job: (_ for _ in ()).throw(error))
-            s.jobs.step(s.ranks)
-    s.jobs.fail(s.ranks, error)
+    with monkeypatch.context() as m:
+        m.setattr(s.jobs, "_train_step", lambda ranks, job: (_ for _ in ()).throw(error))
+        s.jobs.step(s.ranks)
     rec = s.job(first)
-    assert rec.state == FAILED and "No space left on device" in rec.error and s.ranks.commands[-1] == "train_abort"
+    assert rec.state == FAILED and "storage (--data-dir) is full" in rec.error and s.ranks.commands[-1] == "train_abort"
     s.run(2)
     assert s.job(second).state == SUCCEEDED
+    s.run(2)
+    assert s.job(third).state == RUNNING
+    s.jobs.fail(s.ranks, RuntimeError("a bug"))
+    rec = s.job(third)
+    assert rec.state == FAILED and "a bug" in rec.error and s.ranks.commands[-1] == "train_abort"
 
 
 # ----------------------------------------------------------------- limits and a full disk
