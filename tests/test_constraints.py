@@ -198,18 +198,32 @@ def test_sentencepiece_tokenizer(tmp_path: Path) -> None:
 def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tokenizer) -> None:
     """A matcher that fails mid-sequence (as over one of llguidance's limits): its row may only
     take EOS, and a token it refuses ends the sequence with stop_reason "constraint_error"."""
-    from tprt.engine.core import _allowed_rows
+    from tprt.engine.core import MaskWorker
     from tprt.engine.sampling import SamplingParams
     from tprt.engine.sequence import Sequence
 
     so = StructuredOutputs(byte_tok)
     spec = ConstraintSpec.choice(["ab"], "c")
-    seq = Sequence("r", [1, 2], SamplingParams(temperature=0, max_new_tokens=8, constraint=spec), None, byte_tok,
-                   byte_tok.eos_token_ids, torch.device("cpu"))
-    seq.matcher = so.matcher(so.compile(spec))
+
+    def sequence(rid: str) -> Sequence:
+        seq = Sequence(rid, [1, 2], SamplingParams(temperature=0, max_new_tokens=8, constraint=spec), None,
+                       byte_tok, byte_tok.eos_token_ids, torch.device("cpu"))
+        seq.matcher = so.matcher(so.compile(spec))
+        return seq
+
+    broken, fine = sequence("broken"), sequence("fine")
     z = byte_tok.encode("z", add_special_tokens=False)[0]
-    out = seq.append(z)  # not allowed: the matcher fails
+    assert broken.matcher is not None and not broken.matcher.accept(z)  # the matcher is now in error
+    worker = MaskWorker(so, so.vocab_size + 3, byte_tok.eos_token_ids)
+    words = worker.start([broken, fine]).result()
+    a = byte_tok.encode("a", add_special_tokens=False)[0]
+    logits = torch.zeros(2, so.vocab_size + 3)
+    logits[:, z] = 1.0  # both rows' most likely token is one their constraints refuse
+    mask = worker.rows([broken, fine], words, logits)
+    assert mask is not None and mask.shape == (2, so.vocab_size + 3)
+    assert mask[0].nonzero().flatten().tolist() == [byte_tok.eos_token_ids[0]]
+    assert mask[1].nonzero().flatten().tolist() == [a]
+    logits[:, a] = 2.0  # a greedy row whose best token is allowed needs no mask
+    assert worker.rows([fine], {"fine": words["fine"]}, logits[1:]) is None
+    out = fine.append(z)  # a token its matcher refuses ends the sequence
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
-    nothing = {"r": torch.zeros(so.vocab_size, dtype=torch.bool)}
-    mask = _allowed_rows([seq], nothing, so.vocab_size + 3, torch.device("cpu"), byte_tok.eos_token_ids)
-    assert mask is not None and mask[0].nonzero().flatten().tolist() == [byte_tok.eos_token_ids[0]]

@@ -319,20 +319,23 @@ class Engine:
         constrained = [s for s in [*(s for s, n in schedule.prefill if s.num_computed + n == s.prefill_target),
                                    *schedule.decode] if s.matcher is not None]
         masks = self._mask_worker().start(constrained) if constrained else None
-        result = self.runner.execute(plan)
-        allowed = masks.result() if masks is not None else {}
-        if plan.prefill is not None and result.prefill is not None:
-            done = [(i, seq) for i, (seq, n) in enumerate(schedule.prefill) if self.scheduler.prefilled(seq, n)]
-            if done:  # rows that finished their prompt get a first token from their last position
-                choices = self._choose([s for _, s in done], [i for i, _ in done], result.prefill, allowed)
-                events += [self._emit(seq, c) for (_, seq), c in zip(done, choices)]
-        if plan.decode is not None and result.decode is not None:
-            events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
+        # A one-row step samples on the runner's thread count too: its torch ops are small, and
+        # more OpenMP threads would only contend with the native kernels' spinning pool.
+        with self.runner.threads_for(plan):
+            result = self.runner.execute(plan)
+            allowed = masks.result() if masks is not None else {}
+            if plan.prefill is not None and result.prefill is not None:
+                done = [(i, seq) for i, (seq, n) in enumerate(schedule.prefill) if self.scheduler.prefilled(seq, n)]
+                if done:  # rows that finished their prompt get a first token from their last position
+                    choices = self._choose([s for _, s in done], [i for i, _ in done], result.prefill, allowed)
+                    events += [self._emit(seq, c) for (_, seq), c in zip(done, choices)]
+            if plan.decode is not None and result.decode is not None:
+                events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
         return events
 
     def _mask_worker(self) -> MaskWorker:
         if self._masker is None:
-            self._masker = MaskWorker(self.structured_outputs)
+            self._masker = MaskWorker(self.structured_outputs, self.vocab_size, self.eos_token_ids)
         return self._masker
 
     def follow(self) -> Tag:
@@ -407,7 +410,7 @@ class Engine:
             return [_Choice(ids[r], None, []) for r in rows]
         all_rows = rows == list(range(result.logits.shape[0]))
         logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-        mask = _allowed_rows(seqs, allowed, logits.shape[-1], logits.device, self.eos_token_ids)
+        mask = self._masker.rows(seqs, allowed, logits) if allowed and self._masker is not None else None
         chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
                         mask)
         ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
@@ -439,13 +442,18 @@ class Engine:
 
 
 class MaskWorker:
-    """Computes constrained sequences' next-token masks on a thread of its own, so that they are
-    ready when the step's logits are (llguidance releases the GIL while it computes)."""
+    """Constrained sequences' next-token masks: computed as bitmasks (one bit per token) on a
+    thread of its own, so that they are ready when the step's logits are (llguidance releases the
+    GIL while it computes), and made into the rows `sample` takes only where they change the
+    choice. A row whose constraint allows nothing (its matcher hit a limit) may only end: EOS."""
 
-    def __init__(self, outputs: StructuredOutputs) -> None:
+    def __init__(self, outputs: StructuredOutputs, vocab: int, eos_token_ids: Seq[int]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         self._outputs = outputs
+        self._vocab = vocab
+        self._known = min(vocab, outputs.vocab_size)  # tokens the tokenizer (and so the matcher) knows
+        self._eos = [t for t in eos_token_ids if t < self._known][:1]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
 
     def start(self, seqs: list[Sequence]) -> Future[dict[str, torch.Tensor]]:
@@ -456,27 +464,39 @@ class MaskWorker:
         for i, seq in enumerate(seqs):
             assert seq.matcher is not None
             seq.matcher.fill_bitmask(words[i])
-        allowed = bits_to_bool(words, self._outputs.vocab_size)
-        return {seq.request_id: allowed[i] for i, seq in enumerate(seqs)}
+            if self._eos and not words[i].any():
+                words[i, self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
+        return {seq.request_id: words[i] for i, seq in enumerate(seqs)}
+
+    def rows(self, seqs: list[Sequence], words: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] bool for `sample`, or None when no row needs one. A greedy row whose
+        most likely token is allowed needs none (the mask would not change its choice); other
+        constrained rows get their mask (never a token past the tokenizer's vocabulary); free
+        rows everything."""
+        constrained = [(i, words[s.request_id]) for i, s in enumerate(seqs) if s.request_id in words]
+        if not constrained:
+            return None
+        best = logits.argmax(dim=-1).tolist()
+        needed = []
+        for i, row in constrained:
+            p = seqs[i].params
+            if p.greedy and p.repetition_penalty == 1.0 and best[i] < self._known \
+                    and int(row[best[i] // 32]) >> (best[i] % 32) & 1:
+                continue
+            needed.append((i, row))
+        if not needed:
+            return None
+        mask = torch.ones(len(seqs), self._vocab, dtype=torch.bool)
+        bools = bits_to_bool(torch.stack([row for _, row in needed]), self._known)
+        for k, (i, _) in enumerate(needed):
+            mask[i, :self._known] = bools[k]
+            mask[i, self._known:] = False
+        return mask.to(logits.device)
 
 
-def _allowed_rows(seqs: list[Sequence], allowed: dict[str, torch.Tensor], vocab: int, device: torch.device,
-                  eos_token_ids: Seq[int]) -> torch.Tensor | None:
-    """[rows, vocab] bool for `sample`: constrained rows their mask (never a token past the
-    tokenizer's vocabulary), the others everything; None when no row is constrained. A row whose
-    constraint allows nothing (its matcher hit a limit) may only end: EOS."""
-    if not any(s.request_id in allowed for s in seqs):
-        return None
-    mask = torch.ones(len(seqs), vocab, dtype=torch.bool)
-    for i, seq in enumerate(seqs):
-        row = allowed.get(seq.request_id)
-        if row is not None:
-            n = min(vocab, row.shape[0])
-            mask[i, :n] = row[:n]
-            mask[i, n:] = False
-            if not mask[i].any():
-                mask[i, [t for t in eos_token_ids if t < vocab][:1]] = True
-    return mask.to(device)
+def _signed_bit(bit: int) -> int:
+    """The int32 value with only `bit` set (bit 31 is the sign)."""
+    return (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:

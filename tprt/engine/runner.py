@@ -80,13 +80,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Runs the plan's prefill and decode; collective over the TP group."""
-        with self._threads_for(plan):
+        with self.threads_for(plan):
             prefill = self._prefill(plan.prefill) if plan.prefill is not None else None
             decode = self._decode(plan.decode) if plan.decode is not None else None
         return StepResult(prefill, decode)
 
     @contextmanager
-    def _threads_for(self, plan: StepPlan) -> Iterator[None]:
+    def threads_for(self, plan: StepPlan) -> Iterator[None]:
         """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
         (setting it takes microseconds and keeps oneDNN's packed weights)."""
         threads = torch.get_num_threads()

@@ -123,7 +123,7 @@ class SampleResult:
     (rows that asked for fewer read a prefix; n = 0 when nobody asked)."""
 
     token_ids: Tensor  # [B] long
-    logprobs: Tensor  # [B] float32: raw log_softmax(logits) of the chosen token
+    logprobs: Tensor  # [B] float32: raw log_softmax(logits) of the chosen token (zeros when no row asked)
     top_ids: Tensor  # [B, n] long, most likely first
     top_logprobs: Tensor  # [B, n] float32, raw
 
@@ -150,9 +150,11 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
         index = _index(rows, raw.device)
         u = _uniforms([generators[i] for i in rows], raw.device)
         tokens[index] = _inverse_cdf(torch.softmax(scores[index], dim=-1), u)
+    n = max([p.top_logprobs for p in params if p.logprobs], default=0)
+    if not any(p.logprobs for p in params):  # nobody reads them: spare the log-softmax
+        return SampleResult(tokens, raw.new_zeros(batch), tokens.new_empty(batch, 0), raw.new_empty(batch, 0))
     lse = torch.logsumexp(raw, dim=-1)  # [B]
     chosen = raw.gather(1, tokens[:, None]).squeeze(1) - lse  # [B]
-    n = max([p.top_logprobs for p in params if p.logprobs], default=0)
     top_vals, top_ids = raw.topk(n, dim=-1) if n else (raw.new_empty(batch, 0), tokens.new_empty(batch, 0))
     return SampleResult(tokens, chosen, top_ids, top_vals - lse[:, None])
 
