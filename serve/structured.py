@@ -7,7 +7,8 @@ Protocol-neutral: the OpenAI HTTP API and gRPC read their own fields into the ar
 caller passed it (OpenAI's parameter names; the HTTP and gRPC layers rename nothing else).
 
 Tool calls are written as Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
-(several, with parallel_tool_calls, as a JSON array of them). With `tool_choice` "required" or a
+(several, under "required" with parallel_tool_calls, as a JSON array of them; a named function
+is called exactly once). With `tool_choice` "required" or a
 named function the output is constrained to that shape, each call's parameters to its function's
 JSON Schema; with "auto" the model chooses, and text that is exactly such a call (or an array of
 them) naming a known function is returned as tool calls; with "none" the tools are shown to the
@@ -79,8 +80,10 @@ class Structured:
             raise ValidationError("parallel_tool_calls", "parallel_tool_calls: expected true or false")
         parallel = parallel_tool_calls is not False
         if mode in ("required", "named"):
+            # A named function is called exactly once (as OpenAI does); "required" may call several.
             choices = [t for t in parsed_tools if mode == "required" or t.name == named]
-            constraints.append(ConstraintSpec.json_schema(_calls_schema(choices, parallel), "tool_choice"))
+            constraints.append(ConstraintSpec.json_schema(_calls_schema(choices, parallel and mode == "required"),
+                                                          "tool_choice"))
         if len(constraints) > 1:
             fields = ", ".join(c.field.split(".")[0] for c in constraints)
             raise ValidationError(constraints[1].field, f"{constraints[1].field}: only one output constraint per "

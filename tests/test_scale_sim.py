@@ -240,6 +240,9 @@ class RecordingRunner:
         self.runner, self.vocab = runner, vocab
         self.plans: list[StepPlan] = []
 
+    def threads_for(self, plan: StepPlan) -> Any:
+        return self.runner.threads_for(plan)
+
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         result = self.runner.execute(plan)
