@@ -33,8 +33,9 @@ def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 1
         _ask(client, say, max_new_tokens)
         say(f"  fine-tune job through the API (LoRA, {steps} steps on {len(chats_jsonl.splitlines())} chats), "
             "served as adapter 'tippy' when done:")
+        # batch_size counts examples (one per row): 8 a step, so 10 steps see the 20 chats 4 times.
         job = client.create_job(inline_jsonl=chats_jsonl, adapter_id="tippy", steps=steps, learning_rate=2e-3,
-                                batch_size=2, max_seq_len=128, lora_rank=8, lora_alpha=16.0, warmup_steps=2)
+                                batch_size=8, max_seq_len=128, lora_rank=8, lora_alpha=16.0, warmup_steps=2)
         for progress in client.watch_job(job.id, timeout=1800):
             say(f"    {job.id}: {state_name(progress.state)}, step {progress.step}/{progress.total_steps}, "
                 f"loss {progress.loss:.3f}")
