@@ -47,6 +47,7 @@ from tprt.errors import TprtError
 
 log = logging.getLogger("tprt.serve")
 
+BROKEN_GRACE_S = 2.0  # how long a failed command waits for the rank watcher before failing its job
 STORE_RETRY_S = 5.0  # after a job store write failed (a full disk), the next job waits this long
 
 
@@ -83,6 +84,7 @@ class JobManager:
         self._accepting = True
         self._refusal = ""  # why no new jobs are taken, once they are not
         self._broken = False
+        self._broken_event = threading.Event()  # set with _broken: a failed command waits on it briefly
         self._queued = store.next_queued() is not None
         self._pause = threading.Event()
         self._paused = threading.Event()
@@ -168,6 +170,7 @@ class JobManager:
         end; CreateJob is refused with UNAVAILABLE until the server is restarted."""
         with self._lock:
             self._broken = True
+            self._broken_event.set()
             job = self._active
             if job is not None:
                 rec = self.store.get(job.job_id)
@@ -219,6 +222,8 @@ class JobManager:
         try:
             self._turn(ranks)
         except Exception:  # noqa: BLE001 - see above
+            if _world_broken(ranks):  # not the job's fault: the scheduler's guard breaks the world
+                raise
             log.exception("fine-tuning jobs: a turn failed")
             self._retry_at = time.monotonic() + STORE_RETRY_S
 
@@ -237,9 +242,15 @@ class JobManager:
             else:
                 self._train_step(ranks, job)
         except CommandFailed as e:
-            if job is not None and not self._broken:  # a broken world: ranks_broken has said what happened
+            if _world_broken(ranks):  # a rank died or a collective failed: ranks_broken requeues the job
+                raise
+            # A rank killed mid-step can surface here (its peer's read failed) a moment before the
+            # rank watcher reports the death: give it that moment, then the job's own failure it is.
+            if job is not None and not self._broken_event.wait(BROKEN_GRACE_S):
                 self._end(job, FAILED, self._shown(e))
         except Exception as e:  # noqa: BLE001 - a store write, or a bug: that job fails, serving goes on
+            if _world_broken(ranks):
+                raise
             current = self._active
             log.exception("job %s failed", current.job_id if current is not None else "(none running)")
             if current is None:
@@ -372,6 +383,11 @@ class JobManager:
 
     def _update_gauges(self) -> None:
         self.metrics.set_jobs(self.store.counts())
+
+
+def _world_broken(ranks: Any) -> bool:
+    """Whether the ranks' collectives failed (a rank died): the world's fault, not the job's."""
+    return getattr(ranks, "failed", None) is not None
 
 
 def _job_dir(job_id: str) -> str:
