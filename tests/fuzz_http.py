@@ -227,6 +227,12 @@ def _read_sse(r: httpx.Response, drop: bool) -> str:
     return "" if drop else "SSE stream ended without [DONE]"
 
 
+def assert_acceptable(call: HttpCall, out: Outcome) -> None:
+    """No 5xx but the 503/507 the server means, and a well-formed body."""
+    assert out.status < 500 or out.status in (503, 507), (call, out)
+    assert not out.problem, (call, out)
+
+
 def cancel_jobs(client: httpx.Client, token: str, job_ids: list[str]) -> None:
     for job_id in job_ids:
         client.post(f"/fine_tuning/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {token}"}, timeout=30)
