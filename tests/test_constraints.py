@@ -219,11 +219,11 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     a = byte_tok.encode("a", add_special_tokens=False)[0]
     logits = torch.zeros(2, so.vocab_size + 3)
     logits[:, z] = 1.0  # both rows' most likely token is one their constraints refuse
-    mask = worker.rows([broken, fine], words, logits)
+    mask = worker.rows([broken, fine], words, logits.argmax(-1).tolist())
     assert mask is not None and mask.shape == (2, so.vocab_size + 3)
     assert mask[0].nonzero().flatten().tolist() == [byte_tok.eos_token_ids[0]]
     assert mask[1].nonzero().flatten().tolist() == [a]
     logits[:, a] = 2.0  # a greedy row whose best token is allowed needs no mask
-    assert worker.rows([fine], {"fine": words["fine"]}, logits[1:]) is None
+    assert worker.rows([fine], {"fine": words["fine"]}, logits[1:].argmax(-1).tolist()) is None
     out = fine.append(z)  # a token its matcher refuses ends the sequence
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"

@@ -410,7 +410,13 @@ class Engine:
             return [_Choice(ids[r], None, []) for r in rows]
         all_rows = rows == list(range(result.logits.shape[0]))
         logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-        mask = self._masker.rows(seqs, allowed, logits) if allowed and self._masker is not None else None
+        mask = None
+        if allowed and self._masker is not None:
+            best = logits.argmax(dim=-1).tolist()
+            mask = self._masker.rows(seqs, allowed, best)
+            if mask is None and all(_plain_greedy(s.params) for s in seqs):  # every row takes its argmax
+                return [_Choice(t, None, []) for t in best]
+            mask = None if mask is None else mask.to(logits.device)
         chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
                         mask)
         ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
@@ -468,15 +474,14 @@ class MaskWorker:
                 words[i, self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
         return {seq.request_id: words[i] for i, seq in enumerate(seqs)}
 
-    def rows(self, seqs: list[Sequence], words: dict[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor | None:
-        """[rows, vocab] bool for `sample`, or None when no row needs one. A greedy row whose
-        most likely token is allowed needs none (the mask would not change its choice); other
-        constrained rows get their mask (never a token past the tokenizer's vocabulary); free
-        rows everything."""
+    def rows(self, seqs: list[Sequence], words: dict[str, torch.Tensor], best: list[int]) -> torch.Tensor | None:
+        """[rows, vocab] bool (on the CPU) for `sample`, or None when no row needs one. `best`:
+        each row's most likely token. A greedy row whose most likely token is allowed needs none
+        (the mask would not change its choice); other constrained rows get their mask (never a
+        token past the tokenizer's vocabulary); free rows everything."""
         constrained = [(i, words[s.request_id]) for i, s in enumerate(seqs) if s.request_id in words]
         if not constrained:
             return None
-        best = logits.argmax(dim=-1).tolist()
         needed = []
         for i, row in constrained:
             p = seqs[i].params
@@ -491,7 +496,12 @@ class MaskWorker:
         for k, (i, _) in enumerate(needed):
             mask[i, :self._known] = bools[k]
             mask[i, self._known:] = False
-        return mask.to(logits.device)
+        return mask
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """A row whose choice is its logits' argmax and reports nothing else."""
+    return p.greedy and p.repetition_penalty == 1.0 and not p.logprobs
 
 
 def _signed_bit(bit: int) -> int:
