@@ -32,25 +32,25 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterRegistry
-from serve.admission import JobAdmission
+from serve.adapters.pool import AdapterPool
+from serve.adapters.registry import AdapterRegistry
+from serve.jobs.admission import JobAdmission
 from serve.auth import AuthInterceptor, TokenCheck, load_token
-from serve.dataset_work import DatasetWork
+from serve.jobs.datasets import DatasetWork
 from serve.errors import ErrorInterceptor, Redactor
-from serve.executor import RankExecutor
-from serve.finetune import JobManager
-from serve.http_guard import HttpLimits
-from serve.http_server import HttpServer
-from serve.openai_app import HttpDeps, create_app
-from serve.openai_files import FileStore
-from serve.handlers import FineTuningService, GenerationService, ModelFacts
-from serve.jobs import JobStore
-from serve.limits import OpenCallLimiter
-from serve.jobspec import DEFAULT_MAX_DATASET_BYTES
+from serve.ranks.executor import RankExecutor
+from serve.jobs.manager import JobManager
+from serve.openai.http_guard import HttpLimits
+from serve.openai.http_server import HttpServer
+from serve.openai.app import HttpDeps, create_app
+from serve.openai.files import FileStore
+from serve.grpc.handlers import FineTuningService, GenerationService, ModelFacts
+from serve.jobs.store import JobStore
+from serve.grpc.limits import OpenCallLimiter
+from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
-from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
-from serve.scheduler import Scheduler
+from serve.grpc.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
+from serve.core.loop import Scheduler
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
 from tprt.distributed.launcher import start_followers, stop_followers, watch
@@ -79,8 +79,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai_app.py); None: off; 0: any
-    http_header_timeout: float = HttpLimits.header_timeout  # serve/http_guard.py
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai/app.py); None: off; 0: any
+    http_header_timeout: float = HttpLimits.header_timeout  # serve/openai/http_guard.py
     http_body_timeout: float = HttpLimits.body_timeout
     http_max_connections: int = HttpLimits.max_connections
     http_max_unauthenticated: int = HttpLimits.max_unauthenticated
@@ -103,11 +103,11 @@ class ServeConfig:
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
-    max_stored_jobs: int = 10_000  # serve/jobs.py: the oldest failed/cancelled are pruned, else refused
-    max_stored_bytes: int | None = None  # uploaded files' quota (serve/storage.py)
+    max_stored_jobs: int = 10_000  # serve/jobs/store.py: the oldest failed/cancelled are pruned, else refused
+    max_stored_bytes: int | None = None  # uploaded files' quota (serve/jobs/storage.py)
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
-    max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapter_pool.py)
+    max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapters/pool.py)
     max_cpu_loras: int = 8  # more adapters kept in host memory
     max_lora_rank: int = 64  # adapters of a higher rank are refused
 
@@ -251,7 +251,7 @@ class App:
         if auth is not None:
             interceptors.append(auth)
         # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
-        # that need no token (serve/limits.py), so that those can never take the others' threads.
+        # that need no token (serve/grpc/limits.py), so that those can never take the others' threads.
         workers = max_batch_size(cfg) + cfg.max_queue + 32 + 2 * cfg.max_open_calls
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),

@@ -39,7 +39,7 @@ MAX_QUEUE = 1
 MAX_BODY = 1 << 20
 MAX_DATASET = 64 << 10  # --max-dataset-bytes: an upload one byte over is a 413
 LONG = CONTEXT - 64
-FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/http_server.py's reserve
+FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/openai/http_server.py's reserve
 MAX_HTTP_CONNECTIONS = 64
 # `python -m tprt.cli` under FD_LIMIT descriptors (ServerProcess appends "serve" and the flags).
 LIMITED_LAUNCHER = (sys.executable, "-c", "import resource, runpy, sys; "
@@ -189,7 +189,7 @@ def test_an_empty_model_is_no_model(api: Api) -> None:
 def test_logprobs_are_always_valid_json() -> None:
     """JSON has no NaN or Infinity: a probability of zero is OpenAI's -9999, a NaN (never from a
     sound adapter: those are refused at load) is null."""
-    from serve.openai_app import MIN_LOGPROB, json_logprob
+    from serve.openai.app import MIN_LOGPROB, json_logprob
 
     values = [json_logprob(v) for v in (-math.inf, math.inf, math.nan, -1e30, -0.5, 0.0)]
     assert values == [MIN_LOGPROB, 0.0, None, MIN_LOGPROB, -0.5, 0.0]
@@ -511,13 +511,13 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
     jobs with 503; a scheduler that refuses work refuses completions the same way."""
     from starlette.testclient import TestClient
 
-    from serve.adapters import AdapterRegistry
+    from serve.adapters.registry import AdapterRegistry
     from serve.errors import Redactor, Unavailable
-    from serve.finetune import JobManager
-    from serve.jobs import JobStore
+    from serve.jobs.manager import JobManager
+    from serve.jobs.store import JobStore
     from serve.metrics import Metrics
-    from serve.openai_app import HttpDeps, create_app
-    from serve.openai_files import FileStore
+    from serve.openai.app import HttpDeps, create_app
+    from serve.openai.files import FileStore
 
     class Refusing:
         def submit(self, ticket: Any) -> None:
@@ -546,8 +546,8 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
 def test_file_store_sweeps_what_a_crash_left(tmp_path: Path) -> None:
     """A crash mid-upload leaves a temporary upload or data without its object: neither was ever
     listed, and the next start removes both; whole files stay."""
-    from serve.jobs import JobStore
-    from serve.openai_files import FileStore
+    from serve.jobs.store import JobStore
+    from serve.openai.files import FileStore
 
     files = tmp_path / "files"
     files.mkdir()
@@ -616,17 +616,17 @@ class Local:
     def __init__(self, root: Path, datasets: Any = None) -> None:
         import threading
 
-        from serve.adapters import AdapterRegistry
+        from serve.adapters.registry import AdapterRegistry
         from serve.auth import TokenCheck
-        from serve.dataset_work import DatasetWork
+        from serve.jobs.datasets import DatasetWork
         from serve.errors import Redactor
-        from serve.finetune import JobManager
-        from serve.http_guard import HttpLimits
-        from serve.http_server import HttpServer
-        from serve.jobs import JobStore
+        from serve.jobs.manager import JobManager
+        from serve.openai.http_guard import HttpLimits
+        from serve.openai.http_server import HttpServer
+        from serve.jobs.store import JobStore
         from serve.metrics import Metrics
-        from serve.openai_app import HttpDeps, create_app
-        from serve.openai_files import FileStore
+        from serve.openai.app import HttpDeps, create_app
+        from serve.openai.files import FileStore
 
         gate = self.gate = threading.Event()
         self.checking = threading.Semaphore(0)  # released by each upload that reaches its dataset check
@@ -760,7 +760,7 @@ def test_the_guard_closes_the_oldest_unauthenticated_connection() -> None:
     """The caps' bookkeeping: past max_unauthenticated the oldest unauthenticated connection is
     closed; past max_connections the oldest unauthenticated one makes room, and when there is none
     the new connection is refused; a request with the token takes a connection out of the count."""
-    from serve.http_guard import ConnectionGuard, HttpLimits
+    from serve.openai.http_guard import ConnectionGuard, HttpLimits
 
     class Conn:
         def __init__(self, name: str) -> None:
@@ -929,7 +929,7 @@ def test_repeated_loop_errors_are_logged_once_per_interval() -> None:
     interval, and the next line says how many were held back."""
     import logging
 
-    from serve.http_guard import RateLimitedLog
+    from serve.openai.http_guard import RateLimitedLog
 
     now = [0.0]
     logger = logging.getLogger("test-rate-limited")
@@ -962,15 +962,15 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
 
     from starlette.testclient import TestClient
 
-    import serve.storage
-    from serve.adapter_pool import AdapterPool
-    from serve.adapters import AdapterRegistry
+    import serve.jobs.storage
+    from serve.adapters.pool import AdapterPool
+    from serve.adapters.registry import AdapterRegistry
     from serve.errors import Redactor
-    from serve.finetune import JobManager
-    from serve.jobs import JobStore
+    from serve.jobs.manager import JobManager
+    from serve.jobs.store import JobStore
     from serve.metrics import Metrics
-    from serve.openai_app import HttpDeps, create_app
-    from serve.openai_files import FileStore
+    from serve.openai.app import HttpDeps, create_app
+    from serve.openai.files import FileStore
     from tprt.text.tokenizer import Tokenizer
     from train_fixtures import write_tokenizer
 
@@ -1003,7 +1003,7 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     with monkeypatch.context() as m:
         m.setattr(FileStore, "_copy", no_space)
         assert "full" in refused(client.files.create, file=("c.jsonl", _chat_jsonl(2)), purpose="fine-tune").message
-    monkeypatch.setattr(serve.storage, "free_bytes", lambda path: 1 << 10)
+    monkeypatch.setattr(serve.jobs.storage, "free_bytes", lambda path: 1 << 10)
     refused(client.files.create, file=("d.jsonl", _chat_jsonl(2)), purpose="fine-tune")
     refused(client.fine_tuning.jobs.create, model="base", training_file=kept.id)
     assert [f.id for f in client.files.list().data] == [kept.id]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from serve.executor import RankExecutor
+from serve.ranks.executor import RankExecutor
 from tprt.distributed.context import TPContext
 from tprt.distributed.protocol import (AdapterLoaded, Command, Header, LoadAdapter, MoveAdapter, RankCommand, Tag,
                                        TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult,

@@ -1,4 +1,4 @@
-"""serve.scheduler.Scheduler on its own: its thread driving a fake engine, no ranks, no server.
+"""serve.core.loop.Scheduler on its own: its thread driving a fake engine, no ranks, no server.
 
 The fake engine's step() waits until the test lets it run (`FakeEngine.run_steps`), so each test
 decides exactly what happens between two steps: submissions, cancellations, deadlines passing.
@@ -22,7 +22,7 @@ import pytest
 
 from serve.errors import QueueFull, Unavailable
 from serve.metrics import Metrics
-from serve.scheduler import Scheduler, Ticket
+from serve.core.loop import Scheduler, Ticket
 from tprt.engine.core import KVStats
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
@@ -167,7 +167,7 @@ class FakeRanks:
         self.last_collective = time.monotonic()
 
     def run(self, cmd: Any) -> Any:
-        """An adapter command of serve/adapter_pool.py: loads answer as the ranks would."""
+        """An adapter command of serve/adapters/pool.py: loads answer as the ranks would."""
         from tprt.distributed.protocol import AdapterLoaded, LoadAdapter
 
         self.commands.append(type(cmd).__name__)
@@ -175,7 +175,7 @@ class FakeRanks:
 
 
 class FakeSideWork:
-    """Fine-tuning's place in the scheduler (serve.scheduler.SideWork): `turns` steps of work;
+    """Fine-tuning's place in the scheduler (serve.core.loop.SideWork): `turns` steps of work;
     a step raises `error` when one is set (then `fail` records it and ends the work)."""
 
     def __init__(self, turns: int) -> None:
@@ -466,8 +466,8 @@ def test_idle_ranks_get_side_work_keepalives_and_exit(world: Callable[..., World
 def test_a_ticket_waiting_for_adapter_room_is_not_starved(world: Callable[..., World], tmp_path: Path) -> None:
     """One device slot, held by adapter a under a steady stream of a's requests: b's request waits
     for room, and a's requests after it wait too, so a's rows drain, a is evicted and b runs."""
-    from serve.adapter_pool import ADAPTERS_DIR, AdapterPool
-    from serve.adapters import AdapterRegistry
+    from serve.adapters.pool import ADAPTERS_DIR, AdapterPool
+    from serve.adapters.registry import AdapterRegistry
     from tprt.lora.peft_io import adapter_config
 
     for name in "ab":

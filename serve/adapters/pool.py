@@ -37,9 +37,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from serve.adapters import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
+from serve.adapters.registry import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
-from serve.jobspec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
+from serve.jobs.spec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
 from serve.metrics import Metrics
 from tprt.distributed.protocol import LoadAdapter, MoveAdapter
 from tprt.distributed.ranks import CommandFailed

@@ -21,7 +21,7 @@ model on every rank (`tprt.lora.peft_io.read_adapter`) and installed under the i
 0 gave this load in the engine's adapter pool (`tprt.lora.routing.AdapterSlots`); each row of a
 batch is routed to its request's adapter (or none) by the step plan, so requests for different
 adapters and for the base model share batches. `MoveAdapter` moves a loaded adapter between the
-device and host tiers or drops it, as rank 0's pool (serve/adapter_pool.py) decides.
+device and host tiers or drops it, as rank 0's pool (serve/adapters/pool.py) decides.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from serve.errors import InvalidArgument, OutOfRange, echo
-from serve.structured import Structured, encode_tool_chat
+from serve.core.structured import Structured, encode_tool_chat
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
@@ -64,7 +64,7 @@ def chat_messages(chat: Any, field: str = "chat") -> tuple[list[dict[str, str]],
 
 
 def structured_of(request: Any) -> Structured:
-    """A GenerateRequest's output constraint and its chat's tools (serve/structured.py), with
+    """A GenerateRequest's output constraint and its chat's tools (serve/core/structured.py), with
     errors renamed to the request's field paths; not yet compiled (see `check_structured`)."""
     fields: dict[str, Any] = {}
     if "constraint" in request.DESCRIPTOR.fields_by_name and request.HasField("constraint"):
@@ -115,7 +115,7 @@ def check_structured(structured: Structured, compile: Callable[[ConstraintSpec],
             raise InvalidArgument(path + str(e)[len(e.field):], path) from None
 
 
-# serve/structured.py's (OpenAI's) field names -> a GenerateRequest's, by prefix.
+# serve/core/structured.py's (OpenAI's) field names -> a GenerateRequest's, by prefix.
 _STRUCTURED_PATHS = (("structured_outputs.json", "constraint.json_schema"), ("structured_outputs.choice",
                      "constraint.choice.options"), ("structured_outputs", "constraint"),
                      ("response_format", "constraint.json_object"), ("tool_choice.function.name",

@@ -2,26 +2,26 @@
 /v1/files and /v1/fine_tuning/jobs.
 
 It sits beside gRPC on rank 0 and shares its scheduler, adapters, job manager, bearer token and
-metrics: a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per
+metrics: a request is checked (serve/openai/requests.py), queued as one scheduler Ticket per
 choice, and the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
 FastAPI's SSE encoder, ending with `data: [DONE]`). Each ticket's queue is drained by a small
 thread into the event loop. Whatever ends a request early (the client disconnects, an error)
 cancels its unfinished tickets, so their sequences leave the batch at the next step.
 
-Files and fine-tuning jobs are thin routes over serve/openai_files.py (the uploaded datasets) and
-serve/openai_jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
+Files and fine-tuning jobs are thin routes over serve/openai/files.py (the uploaded datasets) and
+serve/openai/jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
 FineTuning service sees too).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
+of their gRPC code (serve/openai/requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
 in a stream's error event too; unknown routes and methods (404, 405) as well.
 Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
 
 Before any route runs, `Authenticate` checks the bearer token on the request's headers (a 401
 that closes the connection, the body never read) and `BodyLimit` the body's size (413). JSON
-bodies are parsed by serve/openai_requests.py's `parse_body`, on a thread when they are large;
+bodies are parsed by serve/openai/requests.py's `parse_body`, on a thread when they are large;
 dataset uploads and job creations read and tokenize files on threads of their own
-(serve/dataset_work.py), never those that tokenize completions.
+(serve/jobs/datasets.py), never those that tokenize completions.
 """
 
 from __future__ import annotations
@@ -49,21 +49,21 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.adapters import AdapterRegistry
+from serve.adapters.registry import AdapterRegistry
 from serve.auth import TokenCheck
-from serve.dataset_work import DatasetWork
+from serve.jobs.datasets import DatasetWork
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
-from serve.finetune import JobManager
-from serve.handlers import ModelFacts
-from serve.jobspec import check_create
+from serve.jobs.manager import JobManager
+from serve.grpc.handlers import ModelFacts
+from serve.jobs.spec import check_create
 from serve.metrics import Metrics
-from serve.openai_files import FileStore, dataset_path
-from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
+from serve.openai.files import FileStore, dataset_path
+from serve.openai.jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
-from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
+from serve.openai.requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
                                    invalid_param, parse_body, prepare_chat, prepare_completion, renamed)
-from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.structured import CallDelta, ToolCallStream
+from serve.core.loop import Scheduler, Ticket, new_request_id
+from serve.core.structured import CallDelta, ToolCallStream
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.sequence import TokenEvent
 from tprt.errors import ValidationError
@@ -86,12 +86,12 @@ class HttpDeps:
     metrics: Metrics
     token: str | None  # the bearer token (--auth-token-file); None: no auth
     max_body_bytes: int  # --max-message-bytes
-    max_text_bytes: int | None  # serve/validation.py text_byte_limit
+    max_text_bytes: int | None  # serve/grpc/validation.py text_byte_limit
     started: float  # the models' `created` time
     jobs: JobManager  # the fine-tuning jobs, shared with gRPC
     files: FileStore  # the uploaded datasets
     max_dataset_bytes: int  # --max-dataset-bytes
-    admit: Callable[[str, dict[str, Any]], None] | None  # serve/admission.py: a job's memory
+    admit: Callable[[str, dict[str, Any]], None] | None  # serve/jobs/admission.py: a job's memory
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
     # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
     compile_constraint: Callable[[ConstraintSpec], object] | None = None
@@ -122,7 +122,7 @@ class Authenticate:
 
 class BodyLimit:
     """ASGI middleware: 413 for a body over the limit, by its Content-Length or as it streams in.
-    A file upload may be as large as a dataset (the file itself is checked by serve/openai_files.py)."""
+    A file upload may be as large as a dataset (the file itself is checked by serve/openai/files.py)."""
 
     def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
         self.app = app

@@ -10,7 +10,7 @@ gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler threa
    event to its ticket's queue;
    Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
    to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps.
-   A ticket's adapter is made resident on the device as it joins (serve/adapter_pool.py); when
+   A ticket's adapter is made resident on the device as it joins (serve/adapters/pool.py); when
    the pool cannot make room, the ticket waits and later ones go ahead, except those for the
    adapter that will make room next (so that its rows drain: a waiting adapter is never
    starved by steady traffic to the loaded ones);
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serve.adapter_pool import AdapterPool
+from serve.adapters.pool import AdapterPool
 from serve.errors import QueueFull, ServeError, Unavailable
 from serve.metrics import Metrics
 from tprt.distributed.ranks import RankGroup

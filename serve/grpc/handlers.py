@@ -1,6 +1,6 @@
 """The Generation and FineTuning services: thin translation between protobuf and the scheduler's tickets.
 
-A handler checks the request (serve/validation.py), queues a ticket, and turns the engine's
+A handler checks the request (serve/grpc/validation.py), queues a ticket, and turns the engine's
 events into responses. The RPC's end, whatever the reason (done, client cancel, disconnect,
 deadline), cancels its ticket through a gRPC callback: the sequence leaves the batch at the next
 step and its KV slot is freed. A handler waits on its ticket's queue with a timeout and rechecks,
@@ -20,21 +20,21 @@ from typing import Any
 
 import grpc
 
-from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterInfo, AdapterRegistry
+from serve.adapters.pool import AdapterPool
+from serve.adapters.registry import AdapterInfo, AdapterRegistry
 from serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
                           echo)
-from serve.finetune import JobManager
-from serve.jobs import SUCCEEDED, JobStore
-from serve.jobspec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
-from serve.pb import finetuning_pb2 as ft_pb
-from serve.pb import finetuning_pb2_grpc as ft_grpc
-from serve.pb import generation_pb2 as pb
-from serve.pb import generation_pb2_grpc as pb_grpc
+from serve.jobs.manager import JobManager
+from serve.jobs.store import SUCCEEDED, JobStore
+from serve.jobs.spec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
+from serve.grpc.pb import finetuning_pb2 as ft_pb
+from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
+from serve.grpc.pb import generation_pb2 as pb
+from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 from serve.metrics import Metrics
-from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.structured import Structured
-from serve.validation import check_structured, prompt_ids, sampling_params, structured_of, text_byte_limit
+from serve.core.loop import Scheduler, Ticket, new_request_id
+from serve.core.structured import Structured
+from serve.grpc.validation import check_structured, prompt_ids, sampling_params, structured_of, text_byte_limit
 from tprt.engine.constraints import ConstraintSpec
 from tprt.distributed.ranks import CommandFailed
 from tprt.model.config import ModelConfig
@@ -291,7 +291,7 @@ class FineTuningService(FineTuningServicer):
                  admit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.jobs = jobs
         self.max_dataset_bytes = max_dataset_bytes
-        self.admit = admit  # serve/admission.py
+        self.admit = admit  # serve/jobs/admission.py
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.adapters = adapters

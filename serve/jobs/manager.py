@@ -1,16 +1,16 @@
 """Fine-tuning jobs on the serving ranks: the job manager (rank 0) and the FineTuning service.
 
-One job runs at a time, one optimizer step per turn the scheduler gives it (serve/scheduler.py:
+One job runs at a time, one optimizer step per turn the scheduler gives it (serve/core/loop.py:
 whenever generation is idle, and at least once a second while it is busy), each step a
-command every rank executes (tprt.distributed.protocol, serve/executor.py). Jobs live in the
-SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
+command every rank executes (tprt.distributed.protocol, serve/ranks/executor.py). Jobs live in the
+SQLite store (serve/jobs/store.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
 
 A job's failure (bad data, a failed command, a store write that a full disk refuses) fails that
 job alone: nothing a job raises reaches the scheduler thread.
 
-A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
+A finished LoRA job's adapter enters the adapter pool (serve/adapters/pool.py) under its adapter
 id, registered on disk: servable at once, no restart, loaded onto the device by its first request
 (and registered again at every start-up, where nothing is loaded until asked for). Finishing never
 needs a device slot, so a job whose adapter cannot be placed now still succeeds. An adapter id
@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.adapter_pool import AdapterPool
+from serve.adapters.pool import AdapterPool
 from serve.errors import (AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo,
                           is_disk_full)
-from serve.jobs import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
+from serve.jobs.store import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
                         StoreLimit, now_ms)
-from serve.jobspec import JobSpec, finetune_config, load_dataset
+from serve.jobs.spec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from tprt.distributed.protocol import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
 from tprt.distributed.ranks import CommandFailed, RankGroup
@@ -76,7 +76,7 @@ class JobManager:
         self.context_length = context_length
         self._wake = wake
         self.max_queued = max_queued
-        self.max_stored = max_stored  # --max-stored-jobs (serve/jobs.py: the oldest failed/cancelled are pruned)
+        self.max_stored = max_stored  # --max-stored-jobs (serve/jobs/store.py: the oldest failed/cancelled are pruned)
         self._unrecorded: dict[str, dict[str, Any]] = {}  # job id -> the end its store write could not record
         self._retry_at = 0.0  # monotonic time before which no job starts (a store write failed)
         self._redact = redact  # a job's error is shown to callers (serve.errors.Redactor)

@@ -1,6 +1,6 @@
 """OpenAI request bodies -> the engine's canonical inputs, and our errors -> OpenAI's error shape.
 
-Like serve/validation.py for gRPC, this module only renames: the prompt goes through the same
+Like serve/grpc/validation.py for gRPC, this module only renames: the prompt goes through the same
 `prompt_ids` checks (as the GenerateRequest it would have been), the sampling fields through
 `tprt.engine.request.resolve_sampling`, and an error's field is renamed back to the OpenAI
 parameter (`max_new_tokens` -> `max_tokens`, `chat.messages[2].role` -> `messages[2].role`).
@@ -22,9 +22,9 @@ from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
 from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, is_disk_full, status_of
-from serve.pb import generation_pb2 as pb
-from serve.structured import Structured, encode_tool_chat
-from serve.validation import ROLES, STOP_LIMITS, prompt_ids
+from serve.grpc.pb import generation_pb2 as pb
+from serve.core.structured import Structured, encode_tool_chat
+from serve.grpc.validation import ROLES, STOP_LIMITS, prompt_ids
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.engine.sampling import SamplingParams
@@ -208,7 +208,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    # Output constraints (serve/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
+    # Output constraints (serve/core/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
     response_format: Any = None
     structured_outputs: Any = None
 
@@ -393,7 +393,7 @@ def _content(message: ChatMessageBody, i: int) -> str:
 def prepare_chat(body: ChatBody, tok: Tokenizer | None, context: int, vocab: int,
                  max_text_bytes: int | None, compile: Compile | None = None) -> Prepared:
     """A /v1/chat/completions body as the chat template's prompt and sampling (with tools, through
-    serve/structured.py)."""
+    serve/core/structured.py)."""
     structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
                               "tools": body.tools, "tool_choice": body.tool_choice,
                               "parallel_tool_calls": body.parallel_tool_calls}, compile)
@@ -418,7 +418,7 @@ def prepare_chat(body: ChatBody, tok: Tokenizer | None, context: int, vocab: int
 
 def _tool_chat_ids(body: ChatBody, tok: Tokenizer | None, max_text_bytes: int | None,
                    structured: Structured) -> list[int]:
-    """A chat with tools, tool calls or tool results: rendered by serve/structured.py."""
+    """A chat with tools, tool calls or tool results: rendered by serve/core/structured.py."""
     if tok is None:
         raise ParamError("the served model has no tokenizer; send prompt token ids to /v1/completions", "messages")
     messages = []
