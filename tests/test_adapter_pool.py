@@ -16,7 +16,7 @@ from serve.adapters.pool import ADAPTERS_DIR, AdapterPool
 from serve.adapters.registry import DEVICE, DISK, HOST, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull
 from serve.metrics import Metrics
-from tprt.distributed.protocol import AdapterLoaded, LoadAdapter, MoveAdapter
+from serve.ranks.commands import AdapterLoaded, LoadAdapter, MoveAdapter
 from tprt.lora.peft_io import adapter_config, peft_key
 from tprt.model.config import ModelConfig
 

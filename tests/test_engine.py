@@ -26,7 +26,8 @@ from helpers import force_native_decode
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.distributed.context import TPContext
-from tprt.distributed.protocol import Command, LoadAdapter, TrainAbort, TrainSave
+from tprt.distributed.protocol import Command
+from serve.ranks.commands import LoadAdapter, TrainAbort, TrainSave
 from tprt.distributed.ranks import CommandFailed, RankGroup, follower_loop
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.errors import ConfigError, ValidationError

@@ -250,6 +250,125 @@ def test_disconnect_and_full_queue(api: Api) -> None:
                   outcome="resource_exhausted") >= 1
 
 
+# ----------------------------------------------------------------- one generation path for both protocols
+
+PARITY_ADAPTER = "parity-lora"
+# gRPC status -> the HTTP status the same refusal has (serve/openai/requests.py HTTP_STATUS).
+SAME_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429}
+# Counters that move by what a request does, whichever front end served it.
+PARITY_COUNTERS = [("tprt_generated_tokens_total", {}), ("tprt_prompt_tokens_total", {}),
+                   ("tprt_structured_requests_total", {"kind": "choice"}),
+                   ("tprt_adapter_requests_total", {"adapter": PARITY_ADAPTER}),
+                   ("tprt_adapter_generated_tokens_total", {"adapter": PARITY_ADAPTER})]
+OUTCOMES = ("ok", "invalid_argument", "out_of_range", "not_found")
+
+
+def _parity_counts(api: Api, protocol: str) -> dict[str, float]:
+    m = api.server.metrics()
+    counts = {f"{name}{labels}": metric(m, name, **labels) for name, labels in PARITY_COUNTERS}
+    counts.update({f"requests {o}": metric(m, "tprt_requests_total", protocol=protocol, outcome=o) for o in OUTCOMES})
+    return counts
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_grpc_and_http_share_one_generation_path(api: Api) -> None:
+    """The same requests through gRPC and the OpenAI API of one server (serve/core/generation.py):
+    the same tokens (greedy, seeded sampling, with an adapter, under an output constraint), the
+    same refusals of the same mistakes (the status mapped per protocol, the message the same
+    but for the field's spelling), and the same counters moved by the same amounts."""
+    from serve.grpc.pb import generation_pb2 as gen_pb
+    from test_server import rpc_error
+    from tiny_chat import VOCAB
+    from tprt.model.config import ModelConfig
+    from train_fixtures import write_random_adapter
+
+    config = ModelConfig.from_dict(json.loads((api.root / "model" / "hf" / "config.json").read_text()))
+    write_random_adapter(api.root / "data" / "adapters" / PARITY_ADAPTER, config, ("q", "v"), 2, 3, 0.5)
+    with api.server.client() as g:
+        ids = list(g.tokenize("Parity: one path").ids)
+    base: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    # (HTTP body, gRPC keywords) of the same request
+    same = [
+        ({**base}, {}),
+        ({**base, "temperature": 0.9, "top_k": 40, "seed": 11}, {"temperature": 0.9, "top_k": 40, "seed": 11}),
+        ({**base, "model": PARITY_ADAPTER}, {"adapter_id": PARITY_ADAPTER}),
+        ({**base, "max_tokens": 12, "ignore_eos": False, "structured_outputs": {"choice": ["alpha", "beta"]}},
+         {"max_new_tokens": 12, "ignore_eos": False,
+          "constraint": gen_pb.OutputConstraint(choice=gen_pb.ChoiceList(options=["alpha", "beta"]))}),
+    ]
+    mistakes = [
+        ({"temperature": -1.0}, {"temperature": -1.0}),
+        ({"max_tokens": CONTEXT}, {"max_new_tokens": CONTEXT}),
+        ({"prompt": [VOCAB + 5]}, {"prompt_ids": [VOCAB + 5]}),
+        ({"stop_token_ids": [VOCAB]}, {"stop_token_ids": [VOCAB]}),
+        ({"logprobs": 21}, {"logprobs": True, "top_logprobs": 21}),
+        ({"model": "parity-never-saved"}, {"adapter_id": "parity-never-saved"}),
+    ]
+    wait_idle(api.server)
+    before = _parity_counts(api, "grpc")
+    answers, refusals = [], []
+    with api.server.client() as g:
+        for _, kw in same:
+            kw = {"prompt_ids": ids, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                  **kw}
+            out = g.complete(**kw)
+            answers.append((out.text, [t.text for t in out.tokens], [t.logprob for t in out.tokens]))
+        for _, kw in mistakes:
+            kw = {"prompt_ids": ids, "max_new_tokens": 2, **kw}
+            err = rpc_error(lambda: g.complete(**kw))
+            refusals.append((err.code().name, err.details().split(": ", 1)[1]))
+    wait_idle(api.server)
+    grpc_counts = _delta(_parity_counts(api, "grpc"), before)
+    before = _parity_counts(api, "http")
+    with api.http(timeout=60) as http:
+        for i, (body, _) in enumerate(same):
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "logprobs": 0,
+                                                                **body})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text, tokens, logprobs = answers[i]
+            assert choice["text"] == text and choice["logprobs"]["tokens"] == tokens, (body, choice, answers[i])
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4), body
+        for i, (body, _) in enumerate(mistakes):
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "max_tokens": 2,
+                                                                **body})
+            code, message = refusals[i]
+            error = r.json()["error"]
+            assert r.status_code == SAME_STATUS[code], (body, code, r.text)
+            assert error["message"].split(": ", 1)[1] == message, (body, error, message)
+    wait_idle(api.server)
+    http_counts = _delta(_parity_counts(api, "http"), before)
+    assert grpc_counts == http_counts
+    assert grpc_counts["requests ok"] == len(same) and grpc_counts["tprt_structured_requests_total{'kind': 'choice'}"] == 1
+    assert answers[2][2] != answers[0][2]  # the adapter is in effect
+    assert answers[3][0] in ("alpha", "beta")  # the constraint is in effect
+    # A full queue refuses the same way: two long streams fill the batch, a third waits.
+    long = {"model": api.model, "prompt": "Tell a long story", "max_tokens": LONG, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with api.http(timeout=60) as http:
+        streams, readers = [], []  # a reader dropped early would close its connection
+        try:
+            for i in range(MAX_BATCH + 1):
+                s = http.stream("POST", f"{api.base_url}/completions", json=long)
+                readers.append(s.__enter__().iter_lines())
+                streams.append(s)
+                if i < MAX_BATCH:
+                    _first_event(readers[-1])
+            wait_for(lambda: metric(api.server.metrics(), "tprt_waiting_requests") == 1, 30, "a queued request")
+            with api.server.client() as g:
+                err = rpc_error(lambda: g.complete(prompt_ids=ids, max_new_tokens=2))
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "max_tokens": 2})
+            assert err.code().name == "RESOURCE_EXHAUSTED" and r.status_code == SAME_STATUS[err.code().name], r.text
+            assert r.json()["error"]["message"] == err.details()
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    wait_idle(api.server)
+
+
 # ----------------------------------------------------------------- files and fine-tuning jobs
 
 SEQ_LEN = 64

@@ -24,12 +24,13 @@ from serve.adapters.registry import DISK, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
 from serve.jobs.manager import JobManager
 from serve.grpc.handlers import FineTuningService
-from serve.jobs.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
+from serve.jobs.store import (CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore,
+                              QueueLimit)
 from serve.jobs.spec import check_create
 from serve.metrics import Metrics
 from serve.grpc.pb import finetuning_pb2 as ft_pb
-from tprt.distributed.protocol import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
-                                      TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
+                                  TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed
 from tprt.lora.peft_io import adapter_config
 from tprt.text.tokenizer import Tokenizer

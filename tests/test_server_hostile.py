@@ -34,7 +34,7 @@ MAX_DATASET_BYTES = 4096
 MAX_QUEUED_JOBS = 2
 MAX_OPEN_CALLS = 4
 JOB_MEMORY_LIMIT_MIB = 256
-BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.grpc.validation.text_byte_limit)
+BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.core.generation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

@@ -1,7 +1,7 @@
 """uvicorn on a thread of rank 0, serving the OpenAI API (serve/openai/app.py) beside gRPC.
 
 The socket is bound when `tprt serve` starts (a busy --http-port fails before any rank starts);
-uvicorn serves on it from `start()` (once the scheduler runs) until `stop()`. Its connections
+uvicorn serves on it from `start()` (once the engine loop runs) until `stop()`. Its connections
 are bounded and timed by serve/openai/http_guard.py, which also does TLS (--tls-cert / --tls-key, as
 gRPC has them), so that a handshake counts as a connection under the header deadline.
 """
