@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -434,7 +434,8 @@ class Generation:
         finally:
             self.close()
 
-    async def aevents(self, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[ChoiceEvent]:
+    async def aevents(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                      ) -> AsyncGenerator[ChoiceEvent, None]:
         """For an asyncio task (started by `start_async`): the events until every choice has
         finished; while it waits, `disconnected()` is polled (True: CANCELLED)."""
         try:

@@ -32,7 +32,7 @@ import math
 import sqlite3
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -434,7 +434,7 @@ class OpenAIApi:
         self._count(request, "ok")
         return reply.whole()
 
-    async def _stream(self, request: Request, events: AsyncIterator[ChoiceEvent], reply: Reply,
+    async def _stream(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
                       include_usage: bool, rename: Callable[[ServeError], ServeError]) -> AsyncIterator[bytes]:
         """A streaming response notices the disconnect itself (it closes this generator, and so `events`)."""
         outcome = "cancelled"  # unless it ends below: the client went away mid-stream
@@ -453,7 +453,7 @@ class OpenAIApi:
             body["error"]["message"] = self.d.redact(body["error"]["message"])  # as `failed` shows it
             yield format_sse_event(data_str=json.dumps(body))
         finally:
-            await events.aclose()  # type: ignore[attr-defined]  # cancels what has not finished
+            await events.aclose()  # cancels what has not finished
             self._count(request, outcome)
         yield format_sse_event(data_str="[DONE]")
 
