@@ -342,7 +342,8 @@ def test_grpc_and_http_share_one_generation_path(api: Api) -> None:
     wait_idle(api.server)
     http_counts = _delta(_parity_counts(api, "http"), before)
     assert grpc_counts == http_counts
-    assert grpc_counts["requests ok"] == len(same) and grpc_counts["tprt_structured_requests_total{'kind': 'choice'}"] == 1
+    assert grpc_counts["requests ok"] == len(same)
+    assert grpc_counts["tprt_structured_requests_total{'kind': 'choice'}"] == 1
     assert answers[2][2] != answers[0][2]  # the adapter is in effect
     assert answers[3][0] in ("alpha", "beta")  # the constraint is in effect
     # A full queue refuses the same way: two long streams fill the batch, a third waits.

@@ -13,13 +13,16 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from serve.core.generation import (STOP_LIMITS, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt, by_prefix,
-                                   rename_field, resolve)
+from serve.core.generation import (STOP_LIMITS, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt,
+                                   by_prefix, rename_field, resolve)
 from serve.core.structured import Structured
 from serve.errors import InvalidArgument, ServeError
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.sampling import SamplingParams
 from tprt.errors import ValidationError
+
+__all__ = ["STOP_LIMITS", "field_path", "generation_request", "grpc_error", "grpc_field", "prompt_of",
+           "sampling_params", "structured_of"]  # STOP_LIMITS: the core's, as gRPC applies them
 
 # Canonical request field (tprt.engine.request) -> its path in a GenerateRequest, where that is not
 # `sampling.<field>`: the one renaming between the wire and the resolver, both ways.
@@ -45,6 +48,7 @@ def grpc_field(field: str) -> str:
 
 
 def grpc_error(e: ServeError) -> ServeError:
+    """A core error as gRPC reports it: the field (and the message's first word) as the proto's path."""
     return rename_field(e, grpc_field)
 
 
@@ -76,8 +80,8 @@ def prompt_of(request: Any) -> Prompt:
     for m in chat.messages:
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                 for c in m.tool_calls]
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
@@ -157,6 +161,3 @@ def _json_text(text: str, field: str) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError) as e:
         raise InvalidArgument(f"{field}: not JSON ({str(e)[:100]})", field) from None
-
-__all__ = ["STOP_LIMITS", "field_path", "generation_request", "grpc_error", "grpc_field", "prompt_of", "sampling_params",
-           "structured_of"]

@@ -336,7 +336,8 @@ def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
     given["logprobs"], given["top_logprobs"] = body.logprobs, body.top_logprobs
     params = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
               else "max_tokens"}
-    request = GenerationRequest([ChatPrompt(messages)], given, structured, adapter_id, body.n if body.n is not None else 1)
+    n = body.n if body.n is not None else 1
+    request = GenerationRequest([ChatPrompt(messages)], given, structured, adapter_id, n)
     return OpenAIRequest(request, params)
 
 
