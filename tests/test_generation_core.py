@@ -14,7 +14,7 @@ import pytest
 from serve.core.generation import (ChatPrompt, GenerationCore, GenerationRequest, TextPrompt, TokenPrompt,
                                    rename_field)
 from serve.core.loop import Ticket
-from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, Unavailable
+from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError
 from serve.grpc.validation import grpc_error
 from serve.openai.requests import ChatBody, CompletionBody, chat_request, completion_request
 from tprt.engine.sequence import TokenEvent, Usage
@@ -119,9 +119,9 @@ def _finish(t: Ticket, reason: str = "length") -> None:
     t.events.put(TokenEvent(t.request_id, None, "", finish_reason=reason, usage=Usage(1, 1)))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("reason,error", [("client", Cancelled), ("deadline", DeadlineExceeded),
-                                          ("shutdown", Unavailable)])
-def test_a_cancelled_ticket_ends_with_the_error_of_its_reason(reason: str, error: type[ServeError]) -> None:
+@pytest.mark.parametrize("reason,error", [("client", Cancelled), ("deadline", DeadlineExceeded), ("shutdown", None)])
+def test_a_cancelled_ticket_ends_by_its_reason(reason: str, error: type[ServeError] | None) -> None:
+    """The caller's cancellation or deadline is an error; the server's (a drain) a "cancelled" finish."""
     core, loop = make_core()
     generation = core.start(core.prepare(GenerationRequest([TokenPrompt([1])])))
     [ticket] = loop.tickets
@@ -129,8 +129,11 @@ def test_a_cancelled_ticket_ends_with_the_error_of_its_reason(reason: str, error
     _finish(ticket, "cancelled")
     events = generation.events()
     assert next(events).token is not None  # the token before the cancellation
-    with pytest.raises(error):
-        next(events)
+    if error is None:
+        assert next(events).finish_reason == "cancelled"
+    else:
+        with pytest.raises(error):
+            next(events)
     assert loop.cancelled == []  # it had finished: nothing left to cancel
 
 
@@ -161,3 +164,18 @@ def test_an_asyncio_task_gets_events_put_by_another_thread() -> None:
     got = asyncio.run(run())
     assert sorted(got) == [(0, "", "length"), (0, "x", None), (1, "", "length"), (1, "x", None)]
     assert threading.active_count() == before and loop.cancelled == []
+
+
+def test_openai_answers_a_drained_request_with_503() -> None:
+    """OpenAI's API has no finish reason for a request the server cancelled: HTTP 503, as gRPC's
+    stream ends with FINISH_REASON_CANCELLED."""
+    from serve.core.generation import ChoiceEvent
+    from serve.errors import Unavailable
+    from serve.openai.app import Reply
+    from serve.openai.requests import error_body
+
+    core, _ = make_core()
+    reply = Reply("text_completion", "base", core.prepare(GenerationRequest([TokenPrompt([1])])))
+    with pytest.raises(Unavailable) as info:
+        reply.add(ChoiceEvent(0, "", finish_reason="cancelled"))
+    assert error_body(info.value)[0] == 503

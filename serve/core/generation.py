@@ -13,8 +13,9 @@ choice's end with its reason and usage), for a thread (`events`) or an asyncio t
 Errors are ServeErrors naming the request's field by its canonical name (`prompt`, `prompt_ids`,
 `messages[2].role`, `max_new_tokens`, `structured_outputs.json`, `adapter_id`, ...); each front
 end renames them to its own spelling (`rename_field`). How a generation ends early is decided here
-too: a client's cancellation is CANCELLED, a passed deadline DEADLINE_EXCEEDED, a drain's
-cancellation UNAVAILABLE, whichever protocol served it.
+too: a client's cancellation is CANCELLED, a passed deadline DEADLINE_EXCEEDED, whichever protocol
+served it; a drain's cancellation is a "cancelled" finish (gRPC's FINISH_REASON_CANCELLED; OpenAI's
+API, which has no such finish reason, answers it with 503).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from typing import Any, Protocol
 from serve.adapters.registry import AdapterRegistry
 from serve.core.loop import Ticket, new_request_id
 from serve.core.structured import Structured, encode_tool_chat
-from serve.errors import (Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, Unavailable,
-                          echo)
+from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, echo
 from serve.metrics import Metrics
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
@@ -137,7 +137,7 @@ class TokenText:
 @dataclass(frozen=True)
 class ChoiceEvent:
     """One event of one choice: a token with its text delta, or the choice's end (finish_reason
-    "stop" or "length", stop_reason, usage)."""
+    "stop", "length", or "cancelled" when the server cancelled it at a drain; stop_reason, usage)."""
 
     index: int
     text: str
@@ -412,7 +412,7 @@ class Generation:
         if item.finish_reason is not None:
             ticket.done = True
             self._pending -= 1
-            if item.finish_reason == "cancelled":
+            if item.finish_reason == "cancelled" and ticket.cancel_reason != "shutdown":
                 raise _cancelled(ticket.cancel_reason)
         return ChoiceEvent(index, item.text, self.core.token(item), item.finish_reason, item.stop_reason, item.usage)
 
@@ -459,9 +459,8 @@ class Generation:
 
 
 def _cancelled(reason: str) -> ServeError:
-    """The error of a ticket the loop cancelled, by why it did."""
+    """The error of a request cancelled on its caller's side ("client", "deadline"); one the server
+    cancelled (a drain) ends with a "cancelled" event instead."""
     if reason == "deadline":
         return DeadlineExceeded("the request's deadline passed")
-    if reason == "shutdown":
-        return Unavailable("the request was cancelled: the server is shutting down")
     return Cancelled("the client cancelled the request")

@@ -524,7 +524,10 @@ class Reply:
         return entry
 
     def add(self, ev: ChoiceEvent) -> dict[str, Any] | None:
-        """Records one event; returns its logprob entry, if the request asked for logprobs."""
+        """Records one event; returns its logprob entry, if the request asked for logprobs. OpenAI's
+        API has no finish reason for a request the server cancelled (a drain): a 503."""
+        if ev.finish_reason == "cancelled":
+            raise Unavailable("the request was cancelled: the server is shutting down")
         index, entry = ev.index, None
         if ev.token is not None and ev.token.logprob is not None:
             entry = self._logprob_entry(index, ev.token)
