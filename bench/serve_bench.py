@@ -209,7 +209,7 @@ def adapter_rounds(client: Any, ids: list[str], c: int, tokens: int, repeats: in
 
 def run_adapters(args: argparse.Namespace, model: Path) -> None:
     from serve.client import Client
-    from serve.local import LocalServer
+    from serve.client.local import LocalServer
 
     c = max(args.streams)
     if c % args.adapters:
@@ -267,7 +267,7 @@ def main() -> None:
         run_adapters(args, prepare(args.workdir, args.tp))
         return
     from serve.client import Client
-    from serve.local import LocalServer
+    from serve.client.local import LocalServer
     from tprt.distributed.launcher import launch_local
 
     model = prepare(args.workdir, args.tp)

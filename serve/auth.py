@@ -1,6 +1,6 @@
 """Bearer-token authentication: every method but the health check needs `authorization: Bearer <token>`.
 
-HTTP (serve/openai_app.py, serve/http_guard.py) checks the same token on a request's headers
+HTTP (serve/openai/app.py, serve/openai/http_guard.py) checks the same token on a request's headers
 with `TokenCheck`, before any of its body is read.
 
 The token is read once from --auth-token-file (surrounding whitespace stripped) and compared in

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs a parsed `serve` or `client` command; errors are raised as TprtError / grpc.RpcError."""
     if args.command == "serve":
         return _run_serve(args)
-    from serve.client_cli import run_client
+    from serve.client.cli import run_client
 
     return run_client(args)
 

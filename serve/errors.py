@@ -10,7 +10,7 @@ Handlers never call `context.abort` themselves: they raise. `ErrorInterceptor` w
     anything else                  -> INTERNAL, logged with its traceback (a server bug, never a
                                       client mistake)
 
-Request bytes that do not parse (serve/wire.py) reach the handler as an `Undecodable`, answered
+Request bytes that do not parse (serve/grpc/wire.py) reach the handler as an `Undecodable`, answered
 with INVALID_ARGUMENT naming the bad field when the bytes show it, and counted like any outcome:
 no stack trace per request in the log.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from serve.wire import Undecodable, lenient
+from serve.grpc.wire import Undecodable, lenient
 from tprt.errors import TprtError, ValidationError
 
 log = logging.getLogger("tprt.serve")

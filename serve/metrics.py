@@ -73,7 +73,7 @@ class Metrics:
         self.healthy = Gauge("tprt_serving", "1 while every rank is up and the server accepts requests",
                              registry=r)
         self.info = Info("tprt_model", "The served model", registry=r)
-        # LoRA adapters (serve/adapter_pool.py). The per-adapter label set is bounded by the pool's
+        # LoRA adapters (serve/adapters/pool.py). The per-adapter label set is bounded by the pool's
         # registry (adapters loaded or found under --data-dir, in any tier): an adapter's series
         # are removed when it is unloaded (forget_adapter).
         self.adapter_requests = Counter("tprt_adapter_requests", "Generation requests naming each adapter",

@@ -1,9 +1,9 @@
-"""`tprt serve`: the ranks, and on rank 0 the gRPC server, the scheduler thread and /metrics.
+"""`tprt serve`: the ranks, and on rank 0 the gRPC server, the engine loop's thread and /metrics.
 
 Start-up (rank 0): check the flags and files (one-line errors, before anything starts), open
 the job store (recovering jobs a previous run left RUNNING), bind the gRPC port, start the
 follower ranks (tprt.distributed.launcher.start_followers) or join torchrun's world, load the
-model shard, start the scheduler and serve. Every other rank loads its shard and follows
+model shard, start the engine loop and serve. Every other rank loads its shard and follows
 (tprt.distributed.ranks.follower_loop).
 
 Shutdown (SIGTERM or SIGINT on rank 0): health goes NOT_SERVING and new requests are refused
@@ -32,25 +32,26 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterRegistry
-from serve.admission import JobAdmission
+from serve.adapters.pool import AdapterPool
+from serve.adapters.registry import AdapterRegistry
+from serve.jobs.admission import JobAdmission
 from serve.auth import AuthInterceptor, TokenCheck, load_token
-from serve.dataset_work import DatasetWork
+from serve.jobs.datasets import DatasetWork
 from serve.errors import ErrorInterceptor, Redactor
-from serve.executor import RankExecutor
-from serve.finetune import JobManager
-from serve.http_guard import HttpLimits
-from serve.http_server import HttpServer
-from serve.openai_app import HttpDeps, create_app
-from serve.openai_files import FileStore
-from serve.handlers import FineTuningService, GenerationService, ModelFacts
-from serve.jobs import JobStore
-from serve.limits import OpenCallLimiter
-from serve.jobspec import DEFAULT_MAX_DATASET_BYTES
+from serve.ranks.executor import RankExecutor
+from serve.jobs.manager import JobManager
+from serve.openai.http_guard import HttpLimits
+from serve.openai.http_server import HttpServer
+from serve.openai.app import HttpDeps, create_app
+from serve.openai.files import FileStore
+from serve.core.generation import GenerationCore, ModelFacts, text_byte_limit
+from serve.grpc.handlers import FineTuningService, GenerationService
+from serve.jobs.store import JobStore
+from serve.grpc.limits import OpenCallLimiter
+from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
-from serve.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
-from serve.scheduler import Scheduler
+from serve.grpc.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
+from serve.core.loop import EngineLoop
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
 from tprt.distributed.launcher import start_followers, stop_followers, watch
@@ -79,8 +80,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai_app.py); None: off; 0: any
-    http_header_timeout: float = HttpLimits.header_timeout  # serve/http_guard.py
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai/app.py); None: off; 0: any
+    http_header_timeout: float = HttpLimits.header_timeout  # serve/openai/http_guard.py
     http_body_timeout: float = HttpLimits.body_timeout
     http_max_connections: int = HttpLimits.max_connections
     http_max_unauthenticated: int = HttpLimits.max_unauthenticated
@@ -103,11 +104,11 @@ class ServeConfig:
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
-    max_stored_jobs: int = 10_000  # serve/jobs.py: the oldest failed/cancelled are pruned, else refused
-    max_stored_bytes: int | None = None  # uploaded files' quota (serve/storage.py)
+    max_stored_jobs: int = 10_000  # serve/jobs/store.py: the oldest failed/cancelled are pruned, else refused
+    max_stored_bytes: int | None = None  # uploaded files' quota (serve/jobs/storage.py)
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
-    max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapter_pool.py)
+    max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapters/pool.py)
     max_cpu_loras: int = 8  # more adapters kept in host memory
     max_lora_rank: int = 64  # adapters of a higher rank are refused
 
@@ -216,7 +217,7 @@ def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
 
 
 class App:
-    """Rank 0: gRPC, health, metrics, job store and the scheduler around one engine."""
+    """Rank 0: gRPC, health, metrics, job store and the engine loop around one engine."""
 
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
@@ -238,7 +239,7 @@ class App:
         self.datasets = DatasetWork()  # HTTP uploads' and job creations' file work (the drain waits for it)
         self.stop = threading.Event()
         self.broken = False
-        self.scheduler: Scheduler | None = None
+        self.loop: EngineLoop | None = None
         self.jobs: JobManager | None = None
 
     # ----------------------------------------------------------------- set-up
@@ -251,7 +252,7 @@ class App:
         if auth is not None:
             interceptors.append(auth)
         # A streaming RPC holds a thread throughout: authenticated work, plus the shares of calls
-        # that need no token (serve/limits.py), so that those can never take the others' threads.
+        # that need no token (serve/grpc/limits.py), so that those can never take the others' threads.
         workers = max_batch_size(cfg) + cfg.max_queue + 32 + 2 * cfg.max_open_calls
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -300,13 +301,13 @@ class App:
         name = Path(cfg.model).resolve().name  # the served model's name: no adapter may take it
         pool = AdapterPool(adapters, Path(cfg.data_dir), self.metrics, model.config, cfg.max_loras, cfg.max_cpu_loras,
                            cfg.max_lora_rank, reserved=(name,))
-        self.scheduler = Scheduler(engine, ranks, self.metrics, cfg.max_queue, max_batch_size(cfg),
-                                   keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
+        self.loop = EngineLoop(engine, ranks, self.metrics, cfg.max_queue,
+                               keepalive_s=min(2.0, cfg.collective_timeout / 4), on_broken=self._on_broken,
                                    adapters=pool)
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
-                               engine.max_seq_len, self.scheduler.wake, cfg.max_queued_jobs, self.redact,
+                               engine.max_seq_len, self.loop.wake, cfg.max_queued_jobs, self.redact,
                                cfg.max_stored_jobs)
-        self.scheduler.side = self.jobs
+        self.loop.side = self.jobs
         self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
@@ -318,16 +319,17 @@ class App:
                                                           on_mask=m.structured_mask.observe)
             compile_constraint = engine.structured_outputs.compile
             threading.Thread(target=engine.structured_outputs.warm_up, daemon=True, name="tprt-grammar-warm-up").start()
-        generation = GenerationService(self.scheduler, tokenizer, facts, adapters, pool, self.store, compile_constraint,
-                                       self.metrics)
+        max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
+        core = GenerationCore(self.loop, tokenizer, facts, adapters, self.metrics, compile_constraint, max_text_bytes)
+        generation = GenerationService(core, pool, self.store)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
         admission = self._job_admission(ctx, model)
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
                               cfg.max_stored_bytes)
-            self.http_app = create_app(HttpDeps(self.scheduler, tokenizer, facts, adapters, self.metrics, token,
-                                                cfg.max_message_bytes, generation.max_text_bytes, time.time(),
+            self.http_app = create_app(HttpDeps(self.loop, tokenizer, facts, adapters, self.metrics, token,
+                                                cfg.max_message_bytes, max_text_bytes, time.time(),
                                                 self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
                                                 compile_constraint, datasets=self.datasets))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
@@ -358,11 +360,11 @@ class App:
         ctx = init_distributed(timeout_s=self.cfg.collective_timeout)
         try:
             # The torch work of set-up (loading, prepacking, restoring adapters) on a thread that
-            # ends, so the scheduler thread's OpenMP pool is the only one (tprt.cpu.threads).
+            # ends, so the engine loop's thread's OpenMP pool is the only one (tprt.cpu.threads).
             model, engine, tokenizer = run_on_exiting_thread(lambda: self._load(ctx))
             run_on_exiting_thread(lambda: self._services(ctx, model, engine, tokenizer))
-            assert self.scheduler is not None and self.jobs is not None
-            self.scheduler.start()
+            assert self.loop is not None and self.jobs is not None
+            self.loop.start()
             metrics_port = self.metrics.serve(self.cfg.host, self.cfg.metrics_port) if self.cfg.metrics_port >= 0 else -1
             self.server.start()
             if self.http is not None:
@@ -384,8 +386,8 @@ class App:
                 shutdown()
 
     def _rank_died(self, reason: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.mark_broken(reason)
+        if self.loop is not None:
+            self.loop.mark_broken(reason)
         else:
             self._on_broken(reason)
         log.error("%s; health is NOT_SERVING (stop this server and start it again)", reason)
@@ -401,17 +403,17 @@ class App:
         t0 = time.monotonic()
         log.info("shutting down: draining for up to %.0fs", self.cfg.drain_timeout)
         self._set_health(False)
-        assert self.scheduler is not None and self.jobs is not None
+        assert self.loop is not None and self.jobs is not None
         self.jobs.stop_accepting()
         self.datasets.stop_accepting()
-        clean = self.scheduler.drain(self.cfg.drain_timeout)
+        clean = self.loop.drain(self.cfg.drain_timeout)
         clean = self.datasets.wait_idle(max(0.0, self.cfg.drain_timeout - (time.monotonic() - t0))) and clean
         if not self.broken:
             self.jobs.pause_for_shutdown(max(5.0, self.cfg.drain_timeout - (time.monotonic() - t0)))
         self.server.stop(grace=1.0).wait(5.0)
         if self.http is not None:
             self.http.stop()
-        self.scheduler.shutdown(timeout_s=self.cfg.collective_timeout)
+        self.loop.shutdown(timeout_s=self.cfg.collective_timeout)
         log.info("stopped (%s)", "drained" if clean else "cancelled requests and uploads still running at the drain "
                  "timeout")
         return 1 if self.broken else 0

@@ -18,8 +18,8 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import strategies as st
 
-from serve.pb import finetuning_pb2 as ft_pb
-from serve.pb import generation_pb2 as gen_pb
+from serve.grpc.pb import finetuning_pb2 as ft_pb
+from serve.grpc.pb import generation_pb2 as gen_pb
 
 METHODS = {
     "/tprt.v1.Generation/Generate": (gen_pb.GenerateRequest, True),

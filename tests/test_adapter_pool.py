@@ -1,4 +1,4 @@
-"""The adapter pool's policy (serve/adapter_pool.py) against fake ranks: tiers, LRU eviction,
+"""The adapter pool's policy (serve/adapters/pool.py) against fake ranks: tiers, LRU eviction,
 pinning, on-demand registration, unloading after the requests in flight, a new index per load,
 the checks of an adapter directory, and the adapter metrics. The ranks' side (installing,
 offloading, restoring, routing) is tested in test_lora.py, test_engine.py and test_server.py."""
@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from serve.adapter_pool import ADAPTERS_DIR, AdapterPool
-from serve.adapters import DEVICE, DISK, HOST, AdapterRegistry
+from serve.adapters.pool import ADAPTERS_DIR, AdapterPool
+from serve.adapters.registry import DEVICE, DISK, HOST, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull
 from serve.metrics import Metrics
-from tprt.distributed.protocol import AdapterLoaded, LoadAdapter, MoveAdapter
+from serve.ranks.commands import AdapterLoaded, LoadAdapter, MoveAdapter
 from tprt.lora.peft_io import adapter_config, peft_key
 from tprt.model.config import ModelConfig
 

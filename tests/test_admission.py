@@ -1,4 +1,4 @@
-"""serve/admission.py: a job's memory by the planner's arithmetic, and the refusal it leads to."""
+"""serve/jobs/admission.py: a job's memory by the planner's arithmetic, and the refusal it leads to."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 import math
 
-from serve.admission import JobAdmission, TooLarge, job_memory
+from serve.jobs.admission import JobAdmission, TooLarge, job_memory
 from tprt.model.config import ModelConfig
 from tprt.plan import layout_for, lora_parameters, rank_parameters
 

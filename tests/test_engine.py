@@ -26,7 +26,8 @@ from helpers import force_native_decode
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.distributed.context import TPContext
-from tprt.distributed.protocol import Command, LoadAdapter, TrainAbort, TrainSave
+from tprt.distributed.protocol import Command
+from serve.ranks.commands import LoadAdapter, TrainAbort, TrainSave
 from tprt.distributed.ranks import CommandFailed, RankGroup, follower_loop
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.errors import ConfigError, ValidationError
@@ -1030,7 +1031,7 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
         assert mixed[k].token_ids == want.token_ids, f"request {k}"
         assert max(abs(a - b) for a, b in zip(mixed[k].logprobs, want.logprobs)) < 1e-4, f"request {k}"
     # Prefix reuse is per adapter: adapter 1's record of prompt 0 serves it again, until the
-    # adapter is reloaded (serve/executor.py calls forget_prefixes), when only base records remain.
+    # adapter is reloaded (serve/ranks/executor.py calls forget_prefixes), when only base records remain.
     for rid, forget, reused in (("again", False, len(prompts[0]) - 1), ("reloaded", True, 0)):
         if forget:
             engine.forget_prefixes(1)

@@ -39,7 +39,7 @@ MAX_QUEUE = 1
 MAX_BODY = 1 << 20
 MAX_DATASET = 64 << 10  # --max-dataset-bytes: an upload one byte over is a 413
 LONG = CONTEXT - 64
-FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/http_server.py's reserve
+FD_LIMIT = 384  # of the server's processes: its usual ~40, 64 HTTP connections, serve/openai/http_server.py's reserve
 MAX_HTTP_CONNECTIONS = 64
 # `python -m tprt.cli` under FD_LIMIT descriptors (ServerProcess appends "serve" and the flags).
 LIMITED_LAUNCHER = (sys.executable, "-c", "import resource, runpy, sys; "
@@ -189,7 +189,7 @@ def test_an_empty_model_is_no_model(api: Api) -> None:
 def test_logprobs_are_always_valid_json() -> None:
     """JSON has no NaN or Infinity: a probability of zero is OpenAI's -9999, a NaN (never from a
     sound adapter: those are refused at load) is null."""
-    from serve.openai_app import MIN_LOGPROB, json_logprob
+    from serve.openai.app import MIN_LOGPROB, json_logprob
 
     values = [json_logprob(v) for v in (-math.inf, math.inf, math.nan, -1e30, -0.5, 0.0)]
     assert values == [MIN_LOGPROB, 0.0, None, MIN_LOGPROB, -0.5, 0.0]
@@ -248,6 +248,126 @@ def test_disconnect_and_full_queue(api: Api) -> None:
              20, "the cancels to be counted")
     assert metric(api.server.metrics(), "tprt_requests_total", protocol="http", method="/v1/completions",
                   outcome="resource_exhausted") >= 1
+
+
+# ----------------------------------------------------------------- one generation path for both protocols
+
+PARITY_ADAPTER = "parity-lora"
+# gRPC status -> the HTTP status the same refusal has (serve/openai/requests.py HTTP_STATUS).
+SAME_STATUS = {"INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429}
+# Counters that move by what a request does, whichever front end served it.
+PARITY_COUNTERS = [("tprt_generated_tokens_total", {}), ("tprt_prompt_tokens_total", {}),
+                   ("tprt_structured_requests_total", {"kind": "choice"}),
+                   ("tprt_adapter_requests_total", {"adapter": PARITY_ADAPTER}),
+                   ("tprt_adapter_generated_tokens_total", {"adapter": PARITY_ADAPTER})]
+OUTCOMES = ("ok", "invalid_argument", "out_of_range", "not_found")
+
+
+def _parity_counts(api: Api, protocol: str) -> dict[str, float]:
+    m = api.server.metrics()
+    counts = {f"{name}{labels}": metric(m, name, **labels) for name, labels in PARITY_COUNTERS}
+    counts.update({f"requests {o}": metric(m, "tprt_requests_total", protocol=protocol, outcome=o) for o in OUTCOMES})
+    return counts
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def test_grpc_and_http_share_one_generation_path(api: Api) -> None:
+    """The same requests through gRPC and the OpenAI API of one server (serve/core/generation.py):
+    the same tokens (greedy, seeded sampling, with an adapter, under an output constraint), the
+    same refusals of the same mistakes (the status mapped per protocol, the message the same
+    but for the field's spelling), and the same counters moved by the same amounts."""
+    from serve.grpc.pb import generation_pb2 as gen_pb
+    from test_server import rpc_error
+    from tiny_chat import VOCAB
+    from tprt.model.config import ModelConfig
+    from train_fixtures import write_random_adapter
+
+    config = ModelConfig.from_dict(json.loads((api.root / "model" / "hf" / "config.json").read_text()))
+    write_random_adapter(api.root / "data" / "adapters" / PARITY_ADAPTER, config, ("q", "v"), 2, 3, 0.5)
+    with api.server.client() as g:
+        ids = list(g.tokenize("Parity: one path").ids)
+    base: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    # (HTTP body, gRPC keywords) of the same request
+    same = [
+        ({**base}, {}),
+        ({**base, "temperature": 0.9, "top_k": 40, "seed": 11}, {"temperature": 0.9, "top_k": 40, "seed": 11}),
+        ({**base, "model": PARITY_ADAPTER}, {"adapter_id": PARITY_ADAPTER}),
+        ({**base, "max_tokens": 12, "ignore_eos": False, "structured_outputs": {"choice": ["alpha", "beta"]}},
+         {"max_new_tokens": 12, "ignore_eos": False,
+          "constraint": gen_pb.OutputConstraint(choice=gen_pb.ChoiceList(options=["alpha", "beta"]))}),
+    ]
+    mistakes = [
+        ({"temperature": -1.0}, {"temperature": -1.0}),
+        ({"max_tokens": CONTEXT}, {"max_new_tokens": CONTEXT}),
+        ({"prompt": [VOCAB + 5]}, {"prompt_ids": [VOCAB + 5]}),
+        ({"stop_token_ids": [VOCAB]}, {"stop_token_ids": [VOCAB]}),
+        ({"logprobs": 21}, {"logprobs": True, "top_logprobs": 21}),
+        ({"model": "parity-never-saved"}, {"adapter_id": "parity-never-saved"}),
+    ]
+    wait_idle(api.server)
+    before = _parity_counts(api, "grpc")
+    answers, refusals = [], []
+    with api.server.client() as g:
+        for _, kw in same:
+            kw = {"prompt_ids": ids, "max_new_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                  **kw}
+            out = g.complete(**kw)
+            answers.append((out.text, [t.text for t in out.tokens], [t.logprob for t in out.tokens]))
+        for _, kw in mistakes:
+            kw = {"prompt_ids": ids, "max_new_tokens": 2, **kw}
+            err = rpc_error(lambda: g.complete(**kw))
+            refusals.append((err.code().name, err.details().split(": ", 1)[1]))
+    wait_idle(api.server)
+    grpc_counts = _delta(_parity_counts(api, "grpc"), before)
+    before = _parity_counts(api, "http")
+    with api.http(timeout=60) as http:
+        for i, (body, _) in enumerate(same):
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "logprobs": 0,
+                                                                **body})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text, tokens, logprobs = answers[i]
+            assert choice["text"] == text and choice["logprobs"]["tokens"] == tokens, (body, choice, answers[i])
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4), body
+        for i, (body, _) in enumerate(mistakes):
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "max_tokens": 2,
+                                                                **body})
+            code, message = refusals[i]
+            error = r.json()["error"]
+            assert r.status_code == SAME_STATUS[code], (body, code, r.text)
+            assert error["message"].split(": ", 1)[1] == message, (body, error, message)
+    wait_idle(api.server)
+    http_counts = _delta(_parity_counts(api, "http"), before)
+    assert grpc_counts == http_counts
+    assert grpc_counts["requests ok"] == len(same)
+    assert grpc_counts["tprt_structured_requests_total{'kind': 'choice'}"] == 1
+    assert answers[2][2] != answers[0][2]  # the adapter is in effect
+    assert answers[3][0] in ("alpha", "beta")  # the constraint is in effect
+    # A full queue refuses the same way: two long streams fill the batch, a third waits.
+    long = {"model": api.model, "prompt": "Tell a long story", "max_tokens": LONG, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with api.http(timeout=60) as http:
+        streams, readers = [], []  # a reader dropped early would close its connection
+        try:
+            for i in range(MAX_BATCH + 1):
+                s = http.stream("POST", f"{api.base_url}/completions", json=long)
+                readers.append(s.__enter__().iter_lines())
+                streams.append(s)
+                if i < MAX_BATCH:
+                    _first_event(readers[-1])
+            wait_for(lambda: metric(api.server.metrics(), "tprt_waiting_requests") == 1, 30, "a queued request")
+            with api.server.client() as g:
+                err = rpc_error(lambda: g.complete(prompt_ids=ids, max_new_tokens=2))
+            r = http.post(f"{api.base_url}/completions", json={"model": api.model, "prompt": ids, "max_tokens": 2})
+            assert err.code().name == "RESOURCE_EXHAUSTED" and r.status_code == SAME_STATUS[err.code().name], r.text
+            assert r.json()["error"]["message"] == err.details()
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    wait_idle(api.server)
 
 
 # ----------------------------------------------------------------- files and fine-tuning jobs
@@ -511,13 +631,13 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
     jobs with 503; a scheduler that refuses work refuses completions the same way."""
     from starlette.testclient import TestClient
 
-    from serve.adapters import AdapterRegistry
+    from serve.adapters.registry import AdapterRegistry
     from serve.errors import Redactor, Unavailable
-    from serve.finetune import JobManager
-    from serve.jobs import JobStore
+    from serve.jobs.manager import JobManager
+    from serve.jobs.store import JobStore
     from serve.metrics import Metrics
-    from serve.openai_app import HttpDeps, create_app
-    from serve.openai_files import FileStore
+    from serve.openai.app import HttpDeps, create_app
+    from serve.openai.files import FileStore
 
     class Refusing:
         def submit(self, ticket: Any) -> None:
@@ -546,8 +666,8 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
 def test_file_store_sweeps_what_a_crash_left(tmp_path: Path) -> None:
     """A crash mid-upload leaves a temporary upload or data without its object: neither was ever
     listed, and the next start removes both; whole files stay."""
-    from serve.jobs import JobStore
-    from serve.openai_files import FileStore
+    from serve.jobs.store import JobStore
+    from serve.openai.files import FileStore
 
     files = tmp_path / "files"
     files.mkdir()
@@ -616,17 +736,17 @@ class Local:
     def __init__(self, root: Path, datasets: Any = None) -> None:
         import threading
 
-        from serve.adapters import AdapterRegistry
+        from serve.adapters.registry import AdapterRegistry
         from serve.auth import TokenCheck
-        from serve.dataset_work import DatasetWork
+        from serve.jobs.datasets import DatasetWork
         from serve.errors import Redactor
-        from serve.finetune import JobManager
-        from serve.http_guard import HttpLimits
-        from serve.http_server import HttpServer
-        from serve.jobs import JobStore
+        from serve.jobs.manager import JobManager
+        from serve.openai.http_guard import HttpLimits
+        from serve.openai.http_server import HttpServer
+        from serve.jobs.store import JobStore
         from serve.metrics import Metrics
-        from serve.openai_app import HttpDeps, create_app
-        from serve.openai_files import FileStore
+        from serve.openai.app import HttpDeps, create_app
+        from serve.openai.files import FileStore
 
         gate = self.gate = threading.Event()
         self.checking = threading.Semaphore(0)  # released by each upload that reaches its dataset check
@@ -760,7 +880,7 @@ def test_the_guard_closes_the_oldest_unauthenticated_connection() -> None:
     """The caps' bookkeeping: past max_unauthenticated the oldest unauthenticated connection is
     closed; past max_connections the oldest unauthenticated one makes room, and when there is none
     the new connection is refused; a request with the token takes a connection out of the count."""
-    from serve.http_guard import ConnectionGuard, HttpLimits
+    from serve.openai.http_guard import ConnectionGuard, HttpLimits
 
     class Conn:
         def __init__(self, name: str) -> None:
@@ -929,7 +1049,7 @@ def test_repeated_loop_errors_are_logged_once_per_interval() -> None:
     interval, and the next line says how many were held back."""
     import logging
 
-    from serve.http_guard import RateLimitedLog
+    from serve.openai.http_guard import RateLimitedLog
 
     now = [0.0]
     logger = logging.getLogger("test-rate-limited")
@@ -962,15 +1082,15 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
 
     from starlette.testclient import TestClient
 
-    import serve.storage
-    from serve.adapter_pool import AdapterPool
-    from serve.adapters import AdapterRegistry
+    import serve.jobs.storage
+    from serve.adapters.pool import AdapterPool
+    from serve.adapters.registry import AdapterRegistry
     from serve.errors import Redactor
-    from serve.finetune import JobManager
-    from serve.jobs import JobStore
+    from serve.jobs.manager import JobManager
+    from serve.jobs.store import JobStore
     from serve.metrics import Metrics
-    from serve.openai_app import HttpDeps, create_app
-    from serve.openai_files import FileStore
+    from serve.openai.app import HttpDeps, create_app
+    from serve.openai.files import FileStore
     from tprt.text.tokenizer import Tokenizer
     from train_fixtures import write_tokenizer
 
@@ -1003,7 +1123,7 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     with monkeypatch.context() as m:
         m.setattr(FileStore, "_copy", no_space)
         assert "full" in refused(client.files.create, file=("c.jsonl", _chat_jsonl(2)), purpose="fine-tune").message
-    monkeypatch.setattr(serve.storage, "free_bytes", lambda path: 1 << 10)
+    monkeypatch.setattr(serve.jobs.storage, "free_bytes", lambda path: 1 << 10)
     refused(client.files.create, file=("d.jsonl", _chat_jsonl(2)), purpose="fine-tune")
     refused(client.fine_tuning.jobs.create, model="base", training_file=kept.id)
     assert [f.id for f in client.files.list().data] == [kept.id]

@@ -183,7 +183,7 @@ def test_grpc_takes_the_same_constraints_and_tools(server: ServerProcess, client
     import grpc
 
     from serve.client import field_of
-    from serve.pb import generation_pb2 as pb
+    from serve.grpc.pb import generation_pb2 as pb
 
     schema = json.dumps(PERSON)
     http = client.chat.completions.create(

@@ -1,7 +1,7 @@
-"""serve.finetune.JobManager on its own: the SQLite job store (serve/jobs.py) and a fake rank
+"""serve.jobs.manager.JobManager on its own: the SQLite job store (serve/jobs/store.py) and a fake rank
 group standing in for the ranks' trainer, no server.
 
-Jobs are created the way CreateJob does (serve.jobspec.check_create, with a real tokenizer and
+Jobs are created the way CreateJob does (serve.jobs.spec.check_create, with a real tokenizer and
 dataset) and stepped the way the scheduler does (`has_work`, `step(ranks)`). Covered: the
 queued -> running -> succeeded / failed / cancelled transitions and what the store records for
 each, one job at a time in creation order, a LoRA job's adapter registered, the shutdown
@@ -19,17 +19,18 @@ from typing import Any
 
 import pytest
 
-from serve.adapter_pool import AdapterPool
-from serve.adapters import DISK, AdapterRegistry
+from serve.adapters.pool import AdapterPool
+from serve.adapters.registry import DISK, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
-from serve.finetune import JobManager
-from serve.handlers import FineTuningService
-from serve.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore, QueueLimit
-from serve.jobspec import check_create
+from serve.jobs.manager import JobManager
+from serve.grpc.handlers import FineTuningService
+from serve.jobs.store import (CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore,
+                              QueueLimit)
+from serve.jobs.spec import check_create
 from serve.metrics import Metrics
-from serve.pb import finetuning_pb2 as ft_pb
-from tprt.distributed.protocol import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
-                                      TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from serve.grpc.pb import finetuning_pb2 as ft_pb
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
+                                  TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed
 from tprt.lora.peft_io import adapter_config
 from tprt.text.tokenizer import Tokenizer
@@ -51,7 +52,7 @@ KINDS = {TrainStart: "train_start", TrainStep: "train_step", TrainSave: "train_s
 class FakeRanks:
     """tprt.distributed.ranks.RankGroup as the job manager uses it: `run(command)` returns rank 0's result.
 
-    It plays the ranks' side (serve.executor.RankExecutor's commands): a step's loss is 1/step,
+    It plays the ranks' side (serve.ranks.executor.RankExecutor's commands): a step's loss is 1/step,
     and the last step of a job with held-out rows reports an eval loss of EVAL_LOSS;
     "train_save" writes the step into the job's directory and "train_start" with resume=True
     reads it back (so a restarted server resumes there); "load_adapter" fails for a directory
@@ -241,7 +242,7 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
 
 def test_a_validation_dataset_is_checked_evaluated_and_its_loss_kept(server: Callable[[], Server]) -> None:
     from serve.errors import InvalidArgument
-    from serve.jobspec import job_pb
+    from serve.jobs.spec import job_pb
 
     s = server()
     (s.data_dir / "valid.jsonl").write_text('{"text": "held out one"}\n{"text": "held out two"}\n')
@@ -581,9 +582,9 @@ def test_a_full_disk_fails_the_job_alone_and_the_next_one_runs(server: Callable[
     takes the write), the scheduler goes on and the next job runs once the disk has room again."""
     import sqlite3
 
-    import serve.finetune
+    import serve.jobs.manager
 
-    monkeypatch.setattr(serve.finetune, "STORE_RETRY_S", 0.0)
+    monkeypatch.setattr(serve.jobs.manager, "STORE_RETRY_S", 0.0)
     s = server()
     first, second = s.create(steps=5), s.create(steps=1)
     s.run(2)
@@ -620,7 +621,7 @@ def test_storage_errors_are_resource_exhausted(server: Callable[[], Server], mon
 
     import grpc
 
-    import serve.storage
+    import serve.jobs.storage
     from serve.errors import status_of
 
     for e in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
@@ -628,7 +629,7 @@ def test_storage_errors_are_resource_exhausted(server: Callable[[], Server], mon
         assert status_of(e)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, e
     assert status_of(OSError(errno.EACCES, "Permission denied"))[0] == grpc.StatusCode.INTERNAL
     s = server()
-    monkeypatch.setattr(serve.storage, "free_bytes", lambda path: 1 << 20)
+    monkeypatch.setattr(serve.jobs.storage, "free_bytes", lambda path: 1 << 20)
     service = FineTuningService(s.jobs, s.tokenizer, CONTEXT, s.adapters)
     req = ft_pb.CreateJobRequest(inline_jsonl='{"text": "hi"}\n')
     with pytest.raises(Exception) as info:
@@ -652,7 +653,7 @@ def test_a_dataset_that_is_not_utf8_is_invalid_argument(server: Callable[[], Ser
 
 def test_hyperparameters_past_their_range_name_the_field(server: Callable[[], Server]) -> None:
     from serve.errors import InvalidArgument
-    from serve.jobspec import checked_value
+    from serve.jobs.spec import checked_value
 
     for name, value in (("steps", 10**30), ("batch_size", 2**70), ("seed", -1), ("seed", 2**64),
                         ("learning_rate", float("nan")), ("learning_rate", float("inf")), ("learning_rate", -1.0),

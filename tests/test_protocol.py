@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from serve.executor import RankExecutor
+from serve.ranks.executor import RankExecutor
 from tprt.distributed.context import TPContext
-from tprt.distributed.protocol import (AdapterLoaded, Command, Header, LoadAdapter, MoveAdapter, RankCommand, Tag,
-                                       TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult,
-                                       send_command, send_signal, send_step)
+from tprt.distributed.protocol import Command, Header, Tag, send_command, send_signal, send_step
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, RankCommand, TrainAbort, TrainFinish,
+                                  TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.engine.plan import StepPlan
 from tprt.train.data import Dataset, PackedRows

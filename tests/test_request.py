@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from serve.errors import InvalidArgument, OutOfRange, ServeError
-from serve.pb import generation_pb2 as pb
-from serve.validation import STOP_LIMITS, sampling_params
+from serve.grpc.pb import generation_pb2 as pb
+from serve.grpc.validation import STOP_LIMITS, sampling_params
 from tprt.cli.generate import flag_error
 from tprt.engine.request import ContextLengthError, StopLimits, check_request, resolve_sampling
 from tprt.engine.sampling import DEFAULT_MAX_NEW_TOKENS, SamplingParams

@@ -1,4 +1,4 @@
-"""serve.scheduler.Scheduler on its own: its thread driving a fake engine, no ranks, no server.
+"""serve.core.loop.EngineLoop on its own: its thread driving a fake engine, no ranks, no server.
 
 The fake engine's step() waits until the test lets it run (`FakeEngine.run_steps`), so each test
 decides exactly what happens between two steps: submissions, cancellations, deadlines passing.
@@ -22,7 +22,7 @@ import pytest
 
 from serve.errors import QueueFull, Unavailable
 from serve.metrics import Metrics
-from serve.scheduler import Scheduler, Ticket
+from serve.core.loop import EngineLoop, Ticket
 from tprt.engine.core import KVStats
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
@@ -36,14 +36,15 @@ FOREVER = 10**9  # max_new_tokens of a request that only ends when cancelled
 
 
 class FakeEngine:
-    """tprt.engine.core.EngineLike: has_work, num_unfinished, max_seq_len, kv_stats, add, cancel,
-    step. A running request gets one token per step (ids 1, 2, ...)
+    """tprt.engine.core.EngineLike: has_work, max_batch, num_unfinished, max_seq_len, kv_stats, add,
+    cancel, step. A running request gets one token per step (ids 1, 2, ...)
     until max_new_tokens; a cancellation frees its KV at once and is reported by the next step,
     as the real engine does. step() blocks until `run_steps` (or `run_freely`) lets it go."""
 
     max_seq_len = 64
 
-    def __init__(self) -> None:
+    def __init__(self, max_batch: int = 2) -> None:
+        self.max_batch = max_batch  # as EngineConfig.max_batch: the loop hands over no more than this
         self.added: list[tuple[str, int]] = []  # (request id, adapter index), in admission order
         self.cancelled: list[str] = []
         self.refuse: set[str] = set()  # request ids add() refuses (as it does a request it finds invalid)
@@ -167,15 +168,15 @@ class FakeRanks:
         self.last_collective = time.monotonic()
 
     def run(self, cmd: Any) -> Any:
-        """An adapter command of serve/adapter_pool.py: loads answer as the ranks would."""
-        from tprt.distributed.protocol import AdapterLoaded, LoadAdapter
+        """An adapter command of serve/adapters/pool.py: loads answer as the ranks would."""
+        from serve.ranks.commands import AdapterLoaded, LoadAdapter
 
         self.commands.append(type(cmd).__name__)
         return AdapterLoaded(4, 8.0, cmd.index, ("q",)) if isinstance(cmd, LoadAdapter) else None
 
 
 class FakeSideWork:
-    """Fine-tuning's place in the scheduler (serve.scheduler.SideWork): `turns` steps of work;
+    """Fine-tuning's place in the scheduler (serve.core.loop.SideWork): `turns` steps of work;
     a step raises `error` when one is set (then `fail` records it and ends the work)."""
 
     def __init__(self, turns: int) -> None:
@@ -209,12 +210,12 @@ class World:
     """A scheduler over the fakes, with the broken-world callback recorded."""
 
     def __init__(self, max_batch: int, max_queue: int, keepalive_s: float, adapters: Any = None) -> None:
-        self.engine = FakeEngine()
+        self.engine = FakeEngine(max_batch)
         self.ranks = FakeRanks()
         self.metrics = Metrics()
         self.broken: list[str] = []
-        self.scheduler = Scheduler(self.engine, self.ranks, self.metrics, max_queue=max_queue, max_batch=max_batch,
-                                   keepalive_s=keepalive_s, on_broken=self.broken.append, adapters=adapters)
+        self.scheduler = EngineLoop(self.engine, self.ranks, self.metrics, max_queue=max_queue,
+                                    keepalive_s=keepalive_s, on_broken=self.broken.append, adapters=adapters)
         self.started = False
 
     def start(self) -> None:
@@ -466,8 +467,8 @@ def test_idle_ranks_get_side_work_keepalives_and_exit(world: Callable[..., World
 def test_a_ticket_waiting_for_adapter_room_is_not_starved(world: Callable[..., World], tmp_path: Path) -> None:
     """One device slot, held by adapter a under a steady stream of a's requests: b's request waits
     for room, and a's requests after it wait too, so a's rows drain, a is evicted and b runs."""
-    from serve.adapter_pool import ADAPTERS_DIR, AdapterPool
-    from serve.adapters import AdapterRegistry
+    from serve.adapters.pool import ADAPTERS_DIR, AdapterPool
+    from serve.adapters.registry import AdapterRegistry
     from tprt.lora.peft_io import adapter_config
 
     for name in "ab":

@@ -1,5 +1,5 @@
 """`tprt serve` end to end: a real server on loopback with 2 gloo ranks and a tiny model, called
-through the generated client (serve/client.py).
+through the generated client (serve/client/__init__.py).
 
 One server (module fixture, started as `python -m tprt.cli serve`, bearer-token auth on) takes
 every functional check: streaming, 16 concurrent streams vs 16 sequential greedy calls,
@@ -38,9 +38,9 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 from serve.client import Client, field_of  # noqa: E402
-from serve.jobs import RUNNING, JobRecord, JobStore  # noqa: E402
-from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
-from serve.pb import generation_pb2 as gen_pb  # noqa: E402
+from serve.jobs.store import RUNNING, JobRecord, JobStore  # noqa: E402
+from serve.grpc.pb import finetuning_pb2 as ft_pb  # noqa: E402
+from serve.grpc.pb import generation_pb2 as gen_pb  # noqa: E402
 from tiny_chat import make_tiny_chat_model  # noqa: E402
 from train_fixtures import write_random_adapter  # noqa: E402
 
@@ -718,10 +718,10 @@ def test_restart_recovers_jobs_then_rank_death(workdir: Path, drained: Drained) 
 
 
 def test_serve_demo_walkthrough(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`tprt demo`'s serving part (serve/demo.py) on the tiny model: its own server starts, a chat
+    """`tprt demo`'s serving part (serve/client/demo.py) on the tiny model: its own server starts, a chat
     answer streams, a LoRA job over the API succeeds and its adapter answers, metrics are shown,
     SIGTERM drains with status 0."""
-    from serve.demo import METRICS_SHOWN, run_serve_demo
+    from serve.client.demo import METRICS_SHOWN, run_serve_demo
 
     lines: list[str] = []
     chats = "".join(json.dumps({"messages": [{"role": "user", "content": f"Who are you {i}?"},

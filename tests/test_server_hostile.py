@@ -24,8 +24,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 from serve.client import Client, field_of  # noqa: E402
-from serve.pb import finetuning_pb2 as ft_pb  # noqa: E402
-from serve.pb import generation_pb2 as gen_pb  # noqa: E402
+from serve.grpc.pb import finetuning_pb2 as ft_pb  # noqa: E402
+from serve.grpc.pb import generation_pb2 as gen_pb  # noqa: E402
 from test_server import (TOKEN, ServerProcess, _write_random_adapter, data_dir, metric, prepare_root, rpc_error,  # noqa: E402
                          server_args, wait_for)
 
@@ -34,7 +34,7 @@ MAX_DATASET_BYTES = 4096
 MAX_QUEUED_JOBS = 2
 MAX_OPEN_CALLS = 4
 JOB_MEMORY_LIMIT_MIB = 256
-BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.validation.text_byte_limit)
+BYTE_LIMIT = CONTEXT * 5  # the tiny tokenizer's longest entry is "<unk>": 5 bytes (serve.core.generation.text_byte_limit)
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 

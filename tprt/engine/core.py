@@ -113,10 +113,15 @@ class KVStats:
 
 
 class EngineLike(Protocol):
-    """What rank 0's server loop (serve/scheduler.py) uses of an `Engine`: a fake one can drive it."""
+    """What rank 0's engine loop (serve/core/loop.py) uses of an `Engine`: a fake one can drive it."""
 
     @property
     def has_work(self) -> bool: ...
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences the engine's scheduler runs at once (EngineConfig.max_batch)."""
+        ...
 
     @property
     def num_unfinished(self) -> int: ...
@@ -184,6 +189,10 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self._by_id or self._pending)
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
 
     @property
     def num_unfinished(self) -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
-from serve.storage import ensure_room
-from serve.pb import finetuning_pb2 as pb
+from serve.jobs.store import JobRecord, JobStore, new_job_id, now_ms
+from serve.jobs.storage import ensure_room
+from serve.grpc.pb import finetuning_pb2 as pb
 from tprt.errors import TprtError
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -32,7 +32,7 @@ PB_STATE = {v: k for k, v in STATE_PB.items()}
 METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
 
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
-# batch_size counts examples (one per row, serve.jobspec.load_dataset), as OpenAI's API does. The
+# batch_size counts examples (one per row, serve.jobs.spec.load_dataset), as OpenAI's API does. The
 # LoRA rate 1e-3 is one with which a few epochs over a small file visibly teach an answer: 16
 # chats, n_epochs 2, batch 1 (32 steps) end at a loss of 0.006 and SmolLM2 answers with the taught
 # name (tests/test_smollm2.py); at the old 1e-4 the same job ended at 3.5 and had learned nothing.
@@ -153,7 +153,7 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
                  admit: Callable[[str, dict[str, Any]], None] | None = None) -> JobSpec:
     """Everything about a CreateJob request, checked; writes inline data into the job's directory.
     `admit(method, hyperparameters)` refuses a job too large for the server's memory
-    (serve/admission.py), and a dataset over `max_dataset_bytes` is refused, before anything is
+    (serve/jobs/admission.py), and a dataset over `max_dataset_bytes` is refused, before anything is
     written or read."""
     data_dir = data_dir.resolve()
     if tokenizer is None:

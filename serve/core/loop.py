@@ -1,16 +1,19 @@
-"""The scheduler thread on rank 0: the only thread that touches the engine and the other ranks.
+"""The engine loop on rank 0: the only thread that touches the engine and the other ranks.
 
-gRPC handler threads `submit()` tickets and `cancel()` them; the scheduler thread, in a loop:
+Front ends (through serve/core/generation.py) `submit()` tickets and `cancel()` them; the loop's
+thread, in turn:
 
 1. applies cancellations (client gone, deadline passed) - the engine frees the KV slot and the
    sequence leaves the batch at the next step;
-2. moves queued tickets into the engine while it has fewer than `max_batch` sequences (the
-   engine prefills them within its per-step token budget, next to the running decodes);
+2. hands queued tickets to the engine while it has room (`engine.max_batch`, which the engine's
+   scheduler enforces; the loop only meters tickets to it, because a ticket's adapter must be
+   made resident as it joins). The engine prefills them within its per-step token budget, next
+   to the running decodes;
 3. runs one engine step (a collective: the plan is broadcast to every rank) and hands each
    event to its ticket's queue;
    Tickets join in arrival order, whatever their LoRA adapter: each row of a batch is routed
    to its request's adapter (tprt.lora.routing), so base-model and adapter requests share steps.
-   A ticket's adapter is made resident on the device as it joins (serve/adapter_pool.py); when
+   A ticket's adapter is made resident on the device as it joins (serve/adapters/pool.py); when
    the pool cannot make room, the ticket waits and later ones go ahead, except those for the
    adapter that will make room next (so that its rows drain: a waiting adapter is never
    starved by steady traffic to the loaded ones);
@@ -42,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from serve.adapter_pool import AdapterPool
+from serve.adapters.pool import AdapterPool
 from serve.errors import QueueFull, ServeError, Unavailable
 from serve.metrics import Metrics
 from tprt.distributed.ranks import RankGroup
@@ -67,9 +70,16 @@ class SideWork(Protocol):
         ...
 
 
+class EventSink(Protocol):
+    """Where the loop's thread puts a ticket's events (a thread-safe put): a queue.SimpleQueue
+    for a thread that waits, or one that hands them into an asyncio event loop."""
+
+    def put(self, item: Any, /) -> None: ...
+
+
 @dataclass
 class Ticket:
-    """One generation request between its handler thread and the scheduler."""
+    """One sequence of a generation request, between its front end and the engine loop."""
 
     request_id: str
     prompt: list[int]
@@ -77,13 +87,12 @@ class Ticket:
     adapter_id: str = ""
     adapter_index: int = 0  # where the ranks hold that adapter (tprt.lora.routing); 0: the base model
     deadline: float | None = None  # time.monotonic() after which it is cancelled
-    events: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    events: EventSink = field(default_factory=queue.SimpleQueue)
     arrival: float = field(default_factory=time.monotonic)
     admitted: float | None = None
     last_token: float | None = None
     cancel_reason: str = ""  # why the server cancelled it ("client", "deadline", "shutdown")
-    cancel_requested: bool = False  # the handler asked for a cancellation (handler thread only)
-    done: bool = False  # the handler saw its last event or error (handler thread only)
+    done: bool = False  # its front end saw its last event or error (that front end's side only)
 
 
 _ids = itertools.count()
@@ -93,18 +102,17 @@ def new_request_id() -> str:
     return f"req-{next(_ids)}-{time.monotonic_ns() % 1_000_000:06d}"
 
 
-class Scheduler:
+class EngineLoop:
     """Owns the engine on rank 0 (see the module docstring)."""
 
     def __init__(self, engine: EngineLike, ranks: RankGroup, metrics: Metrics, max_queue: int,
-                 max_batch: int, keepalive_s: float = 2.0, side_every_s: float = 1.0,
+                 keepalive_s: float = 2.0, side_every_s: float = 1.0,
                  on_broken: Callable[[str], None] | None = None, adapters: AdapterPool | None = None) -> None:
         self.engine = engine
         self.ranks = ranks
         self.metrics = metrics
         self._kv_seen = engine.kv_stats  # what the metrics' KV counters have counted so far
         self.max_queue = max_queue
-        self.max_batch = max_batch
         self.keepalive_s = keepalive_s
         self.side_every_s = side_every_s
         self.side: SideWork | None = None
@@ -120,10 +128,10 @@ class Scheduler:
         self._stop = False
         self.broken: str | None = None
         self._last_side = 0.0
-        self._thread = threading.Thread(target=self._run, name="tprt-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="tprt-engine-loop", daemon=True)
         self._side_wake = False
 
-    # ----------------------------------------------------------------- handler side
+    # ----------------------------------------------------------------- front-end side
 
     def start(self) -> None:
         self._thread.start()
@@ -141,7 +149,7 @@ class Scheduler:
                     raise Unavailable(f"the server cannot generate: {self.broken}")
                 if not self._accepting:
                     raise Unavailable("the server is shutting down; retry on another replica")
-                free_slots = max(0, self.max_batch - len(self._live))  # these join at the next step
+                free_slots = max(0, self.engine.max_batch - len(self._live))  # these join at the next step
                 if len(self._waiting) >= self.max_queue + free_slots:
                     raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
                 self._waiting.append(ticket)
@@ -153,7 +161,7 @@ class Scheduler:
             raise
 
     def call(self, fn: Callable[[RankGroup], Any]) -> Future[Any]:
-        """Runs `fn(ranks)` on the scheduler thread between steps (it may send commands to the
+        """Runs `fn(ranks)` on the loop's thread between steps (it may send commands to the
         ranks); the future holds its result or error."""
         future: Future[Any] = Future()
         with self._cv:
@@ -232,7 +240,7 @@ class Scheduler:
         if self._on_broken is not None:
             self._on_broken(reason)
 
-    # ----------------------------------------------------------------- scheduler thread
+    # ----------------------------------------------------------------- the loop's thread
 
     def _run(self) -> None:
         try:
@@ -241,7 +249,7 @@ class Scheduler:
             if self.broken is None:
                 self.ranks.exit()
         except Exception as e:  # noqa: BLE001 - a failed collective: the world is broken
-            log.exception("scheduler stopped")
+            log.exception("engine loop stopped")
             self.mark_broken(f"{type(e).__name__}: {e}".splitlines()[0])
 
     def _iteration(self) -> bool:
@@ -309,7 +317,7 @@ class Scheduler:
         """Moves queued tickets into the engine, in order, while it has room; a ticket whose
         adapter cannot be made resident now stays queued, ahead of later arrivals, and later
         tickets for the adapter that will make room next wait too, so that its rows drain."""
-        room = self.max_batch - self.engine.num_unfinished
+        room = self.engine.max_batch - self.engine.num_unfinished
         deferred: list[Ticket] = []
         draining: set[str] = set()  # adapters whose new tickets wait so that one can be evicted
         while room > 0:
@@ -364,7 +372,7 @@ class Scheduler:
     def _admit(self, t: Ticket) -> None:
         try:
             self.engine.add(t.prompt, t.params, t.request_id, adapter=t.adapter_index)
-        except ValidationError as e:  # checked by the handler already; a race or a bug
+        except ValidationError as e:  # checked by the front end already; a race or a bug
             self._fail(t, e)
             return
         if t.adapter_id and self.adapters is not None:

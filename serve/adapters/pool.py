@@ -15,7 +15,7 @@ index (tprt.engine.prefix_cache), so an unloaded or reloaded adapter's cached bl
 A move between device and host keeps the index: the weights are the same.
 
 Threads: `acquire`/`release`, `describe` and `begin_unload` run on handler threads; everything that
-sends a command to the ranks (`load`, `make_resident`, `finish_unloads`) runs on the scheduler thread
+sends a command to the ranks (`load`, `make_resident`, `finish_unloads`) runs on the engine loop's thread
 (or at start-up, before it runs), the only one that talks to the ranks.
 
 On-demand loading: a request naming an adapter that is not registered but whose directory exists
@@ -37,11 +37,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from serve.adapters import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
+from serve.adapters.registry import DEVICE, DISK, HOST, TIERS, AdapterInfo, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
-from serve.jobspec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
+from serve.jobs.spec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
 from serve.metrics import Metrics
-from tprt.distributed.protocol import LoadAdapter, MoveAdapter
+from serve.ranks.commands import LoadAdapter, MoveAdapter
 from tprt.distributed.ranks import CommandFailed
 from tprt.errors import TprtError
 from tprt.lora.fit import AdapterFacts, check_fits, read_facts
@@ -165,11 +165,11 @@ class AdapterPool:
 
     def begin_unload(self, adapter_id: str) -> None:
         """New requests for the adapter are refused; it leaves once its requests finish
-        (`finish_unloads`, on the scheduler thread). NotFound when it is not registered."""
+        (`finish_unloads`, on the engine loop's thread). NotFound when it is not registered."""
         if not self.registry.mark_unloading(adapter_id):
             raise NotFound(f"no adapter {echo(adapter_id)} is loaded (see ListAdapters)", "id")
 
-    # ----------------------------------------------------------------- scheduler thread
+    # ----------------------------------------------------------------- engine loop's thread
 
     def load(self, ranks: Any, adapter_id: str, path: Path, pin: bool = False, source_job_id: str = "") -> AdapterInfo:
         """Loads (or reloads) an adapter onto the device under a new index, making room first.
@@ -240,7 +240,7 @@ class AdapterPool:
     def next_eviction(self) -> str | None:
         """The device adapter that will make room next when the device is full: the least
         recently used one that is not pinned, rows running or not (None: there is room, or every
-        device adapter is pinned). The scheduler stops admitting its new requests while another
+        device adapter is pinned). The engine loop stops admitting its new requests while another
         adapter's request waits for room, so its rows drain and a steady stream of requests for
         the loaded adapters cannot keep the waiting one out for ever."""
         device = self.registry.in_tier(DEVICE)

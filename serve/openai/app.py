@@ -1,39 +1,38 @@
 """The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions,
 /v1/files and /v1/fine_tuning/jobs.
 
-It sits beside gRPC on rank 0 and shares its scheduler, adapters, job manager, bearer token and
-metrics: a request is checked (serve/openai_requests.py), queued as one scheduler Ticket per
-choice, and the tickets' events become an OpenAI response, or server-sent events (`stream: true`, framed by
-FastAPI's SSE encoder, ending with `data: [DONE]`). Each ticket's queue is drained by a small
-thread into the event loop. Whatever ends a request early (the client disconnects, an error)
-cancels its unfinished tickets, so their sequences leave the batch at the next step.
+It sits beside gRPC on rank 0 and shares its engine loop, adapters, job manager, bearer token and
+metrics: a body is read into the generation core's request (serve/openai/requests.py), which the
+core checks and queues, one ticket per choice (serve/core/generation.py); the events, handed into
+the event loop by the engine loop's thread, become an OpenAI response, or server-sent events
+(`stream: true`, framed by FastAPI's SSE encoder, ending with `data: [DONE]`). Whatever ends a
+request early (the client disconnects, an error) cancels its unfinished tickets, so their
+sequences leave the batch at the next step.
 
-Files and fine-tuning jobs are thin routes over serve/openai_files.py (the uploaded datasets) and
-serve/openai_jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
+Files and fine-tuning jobs are thin routes over serve/openai/files.py (the uploaded datasets) and
+serve/openai/jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
 FineTuning service sees too).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-of their gRPC code (serve/openai_requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
+of their gRPC code (serve/openai/requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
 in a stream's error event too; unknown routes and methods (404, 405) as well.
 Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
 
 Before any route runs, `Authenticate` checks the bearer token on the request's headers (a 401
 that closes the connection, the body never read) and `BodyLimit` the body's size (413). JSON
-bodies are parsed by serve/openai_requests.py's `parse_body`, on a thread when they are large;
+bodies are parsed by serve/openai/requests.py's `parse_body`, on a thread when they are large;
 dataset uploads and job creations read and tokenize files on threads of their own
-(serve/dataset_work.py), never those that tokenize completions.
+(serve/jobs/datasets.py), never those that tokenize completions.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import sqlite3
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -49,27 +48,25 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serve.adapters import AdapterRegistry
+from serve.adapters.registry import AdapterRegistry
 from serve.auth import TokenCheck
-from serve.dataset_work import DatasetWork
+from serve.jobs.datasets import DatasetWork
+from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepared, TokenText
+from serve.core.loop import EngineLoop
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
-from serve.finetune import JobManager
-from serve.handlers import ModelFacts
-from serve.jobspec import check_create
+from serve.jobs.manager import JobManager
+from serve.jobs.spec import check_create
 from serve.metrics import Metrics
-from serve.openai_files import FileStore, dataset_path
-from serve.openai_jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
+from serve.openai.files import FileStore, dataset_path
+from serve.openai.jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
-from serve.openai_requests import (ChatBody, CompletionBody, ParamError, PayloadTooLarge, Prepared, error_body,
-                                   invalid_param, parse_body, prepare_chat, prepare_completion, renamed)
-from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.structured import CallDelta, ToolCallStream
+from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
+                                   chat_request, completion_request, error_body, invalid_param, parse_body)
+from serve.core.structured import CallDelta, ToolCallStream
 from tprt.engine.constraints import ConstraintSpec
-from tprt.engine.sequence import TokenEvent
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
 
-_DISCONNECT_POLL_S = 0.5
 PARSE_ON_THREAD_BYTES = 64 << 10  # JSON bodies larger than this are parsed off the event loop
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -79,19 +76,19 @@ Body = TypeVar("Body", bound=BaseModel)
 class HttpDeps:
     """What the HTTP app shares with the gRPC services."""
 
-    scheduler: Scheduler
+    loop: EngineLoop
     tokenizer: Tokenizer | None
     facts: ModelFacts
     adapters: AdapterRegistry
     metrics: Metrics
     token: str | None  # the bearer token (--auth-token-file); None: no auth
     max_body_bytes: int  # --max-message-bytes
-    max_text_bytes: int | None  # serve/validation.py text_byte_limit
+    max_text_bytes: int | None  # serve/core/generation.py text_byte_limit
     started: float  # the models' `created` time
     jobs: JobManager  # the fine-tuning jobs, shared with gRPC
     files: FileStore  # the uploaded datasets
     max_dataset_bytes: int  # --max-dataset-bytes
-    admit: Callable[[str, dict[str, Any]], None] | None  # serve/admission.py: a job's memory
+    admit: Callable[[str, dict[str, Any]], None] | None  # serve/jobs/admission.py: a job's memory
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
     # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
     compile_constraint: Callable[[ConstraintSpec], object] | None = None
@@ -122,7 +119,7 @@ class Authenticate:
 
 class BodyLimit:
     """ASGI middleware: 413 for a body over the limit, by its Content-Length or as it streams in.
-    A file upload may be as large as a dataset (the file itself is checked by serve/openai_files.py)."""
+    A file upload may be as large as a dataset (the file itself is checked by serve/openai/files.py)."""
 
     def __init__(self, app: ASGIApp, limit: int, upload_limit: int) -> None:
         self.app = app
@@ -203,6 +200,8 @@ class OpenAIApi:
 
     def __init__(self, deps: HttpDeps) -> None:
         self.d = deps
+        self.core = GenerationCore(deps.loop, deps.tokenizer, deps.facts, deps.adapters, deps.metrics,
+                                   deps.compile_constraint, deps.max_text_bytes)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -272,11 +271,11 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Any:
         body = await self._body(request, CompletionBody)
-        return await self._generate(request, body, "text_completion", prepare_completion)
+        return await self._generate(request, body, "text_completion", completion_request)
 
     async def chat_completions(self, request: Request) -> Any:
         body = await self._body(request, ChatBody)
-        return await self._generate(request, body, "chat.completion", prepare_chat)
+        return await self._generate(request, body, "chat.completion", chat_request)
 
     # ----------------------------------------------------------------- files
 
@@ -403,134 +402,65 @@ class OpenAIApi:
 
     # ----------------------------------------------------------------- generation
 
-    def _adapter(self, model: str) -> tuple[str, int]:
-        """The adapter id and index `model` names ("", 0: the base model). With an adapter pool,
-        an id not yet registered goes to the scheduler, whose pool loads it from
-        --data-dir/adapters/<id>/ or refuses it (NotFound)."""
+    def _adapter(self, model: str) -> str:
+        """The adapter id `model` names ("": the base model)."""
         if model == self.d.facts.name:
-            return "", 0
+            return ""
         if not model:  # not the base model by default: a request names what it wants
             raise ParamError(f"empty; name the base model {self.d.facts.name!r} or an adapter "
                              "(the models endpoint lists them)", "model")
-        adapter = self.d.adapters.get(model)
-        if adapter is None and self.d.scheduler.adapters is None:
-            raise NotFound(f"model {echo(model)} is neither the base model {self.d.facts.name!r} nor a loaded "
-                           "adapter (the models endpoint lists them)", "model")
-        return model, adapter.index if adapter is not None else 0
+        return model
 
     async def _generate(self, request: Request, body: Any, kind: str,
-                        prepare: Callable[..., Prepared]) -> Any:
-        adapter = self._adapter(body.model)
-        d = self.d
-        # Tokenizing and the chat template are CPU work: off the event loop.
-        prepared = await run_in_threadpool(prepare, body, d.tokenizer, d.facts.context_length,
-                                           d.facts.config.vocab_size, d.max_text_bytes, d.compile_constraint)
-        tickets = self._submit(prepared, adapter)
-        if prepared.structured.constraint is not None:
-            d.metrics.structured_requests.labels(kind=prepared.structured.constraint.kind).inc()
-        reply = Reply(kind, body.model, prepared, d.tokenizer)
+                        read: Callable[[Any, str], OpenAIRequest]) -> Any:
+        req = read(body, self._adapter(body.model))
+        try:
+            # Tokenizing, the chat template and compiling constraints are CPU work: off the event loop.
+            prepared = await run_in_threadpool(self.core.prepare, req.request)
+            generation = self.core.start_async(prepared)
+        except ServeError as e:
+            raise req.error(e) from None
+        reply = Reply(kind, body.model, prepared)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(self._stream(request, tickets, reply, usage))
+            return EventSourceResponse(self._stream(request, generation.aevents(), reply, usage, req.error))
         try:
-            async for index, ev in self._events(tickets, request):
-                reply.add(index, ev)
-        except BaseException as e:
+            async for ev in generation.aevents(request.is_disconnected):
+                reply.add(ev)
+        except ServeError as e:  # the loop's refusal (the adapter pool's), or how the request ended
             if isinstance(e, Cancelled):
                 self._count(request, "cancelled")
-            raise
+            raise req.error(e) from None
         self._count(request, "ok")
         return reply.whole()
 
-    def _submit(self, prepared: Prepared, adapter: tuple[str, int]) -> list[Ticket]:
-        adapter_id, index = adapter
-        tickets: list[Ticket] = []
-        try:
-            for p, params in prepared.choices:
-                ticket = Ticket(new_request_id(), prepared.prompts[p], params, adapter_id, index)
-                self.d.scheduler.submit(ticket)
-                tickets.append(ticket)
-        except BaseException as e:
-            for t in tickets:
-                self.d.scheduler.cancel(t.request_id, "client")
-            if isinstance(e, ServeError) and e.field == "adapter_id":  # the pool's refusal: the request says `model`
-                raise renamed(e, {"adapter_id": "model"}) from None
-            raise
-        return tickets
-
-    async def _stream(self, request: Request, tickets: list[Ticket], reply: Reply,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
+                      include_usage: bool, rename: Callable[[ServeError], ServeError]) -> AsyncIterator[bytes]:
+        """A streaming response notices the disconnect itself (it closes this generator, and so `events`)."""
         outcome = "cancelled"  # unless it ends below: the client went away mid-stream
         try:
             for chunk in reply.opening():
                 yield format_sse_event(data_str=json.dumps(chunk))
-            async for index, ev in self._events(tickets, request, watch_disconnect=False):
-                piece = reply.chunk(index, ev, include_usage)
+            async for ev in events:
+                piece = reply.chunk(ev, include_usage)
                 if piece is not None:
                     yield format_sse_event(data_str=json.dumps(piece))
             if include_usage:
                 yield format_sse_event(data_str=json.dumps(reply.usage_chunk()))
             outcome = "ok"
         except Exception as e:  # noqa: BLE001 - after the headers, an error is an event of the stream
-            _, body, outcome = error_body(e)
+            _, body, outcome = error_body(rename(e) if isinstance(e, ServeError) else e)
             body["error"]["message"] = self.d.redact(body["error"]["message"])  # as `failed` shows it
             yield format_sse_event(data_str=json.dumps(body))
         finally:
+            await events.aclose()  # cancels what has not finished
             self._count(request, outcome)
         yield format_sse_event(data_str="[DONE]")
-
-    async def _events(self, tickets: list[Ticket], request: Request,
-                      watch_disconnect: bool = True) -> AsyncIterator[tuple[int, TokenEvent]]:
-        """(choice index, event) of every ticket until each has finished. Cancels the unfinished
-        ones when it is left early; raises a ticket's error. A streaming response notices the
-        disconnect itself (it cancels this generator); a whole response polls for it."""
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[tuple[int, TokenEvent | BaseException]] = asyncio.Queue()
-        for i, t in enumerate(tickets):
-            threading.Thread(target=_pump, args=(t, i, loop, inbox), daemon=True, name="tprt-http-pump").start()
-        pending = len(tickets)
-        try:
-            while pending:
-                try:
-                    index, ev = await asyncio.wait_for(inbox.get(), _DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if watch_disconnect and await request.is_disconnected():
-                        raise Cancelled("the client disconnected") from None
-                    continue
-                ticket = tickets[index]
-                if isinstance(ev, BaseException):
-                    ticket.done = True
-                    raise ev
-                if ev.finish_reason is not None:
-                    ticket.done = True
-                    pending -= 1
-                    if ev.finish_reason == "cancelled":
-                        raise Unavailable("the request was cancelled: the server is shutting down")
-                yield index, ev
-        finally:
-            for t in tickets:
-                if not t.done:
-                    t.done = True
-                    self.d.scheduler.cancel(t.request_id, "client")
 
 
 def _check_limit(limit: int, most: int) -> None:
     if not 1 <= limit <= most:
         raise ParamError(f"must be in [1, {most}], got {limit}", "limit")
-
-
-def _pump(ticket: Ticket, index: int, loop: asyncio.AbstractEventLoop,
-          inbox: asyncio.Queue[tuple[int, TokenEvent | BaseException]]) -> None:
-    """Moves a ticket's events into the event loop until its last one (the scheduler, or the rank
-    watcher, ends every ticket with a finishing event or an error)."""
-    while True:
-        ev = ticket.events.get()
-        try:
-            loop.call_soon_threadsafe(inbox.put_nowait, (index, ev))
-        except RuntimeError:  # the loop has closed: the server is stopping
-            return
-        if isinstance(ev, BaseException) or ev.finish_reason is not None:
-            return
 
 
 def _call_delta(d: CallDelta) -> dict[str, Any]:
@@ -562,14 +492,13 @@ def json_logprob(value: float) -> float | None:
 class Reply:
     """Builds one request's OpenAI response (whole, or as stream chunks) from its events."""
 
-    def __init__(self, kind: str, model: str, prepared: Prepared, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, kind: str, model: str, prepared: Prepared) -> None:
         self.chat = kind == "chat.completion"
         self.kind = kind
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.model = model
         self.prepared = prepared
-        self.tok = tokenizer
         count = len(prepared.choices)
         self.text: list[list[str]] = [[] for _ in range(count)]
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
@@ -584,24 +513,24 @@ class Reply:
         self.holding: list[bool | None] = [None] * count  # None: not decided yet (only leading space seen)
         self.held = [""] * count
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tok.decode([token_id]) if self.tok is not None else ""
-
-    def _logprob_entry(self, index: int, ev: TokenEvent) -> dict[str, Any]:
-        assert ev.token_id is not None and ev.logprob is not None
-        token = self._token_text(ev.token_id)
-        top = [(self._token_text(t), lp) for t, lp in ev.top_logprobs]
-        entry = {"token": token, "logprob": json_logprob(ev.logprob), "bytes": list(token.encode()),
-                 "top_logprobs": [{"token": t, "logprob": json_logprob(lp), "bytes": list(t.encode())}
-                                  for t, lp in top],
+    def _logprob_entry(self, index: int, t: TokenText) -> dict[str, Any]:
+        assert t.logprob is not None
+        token = t.text
+        top = [(text, lp) for _, text, lp in t.top_logprobs]
+        entry = {"token": token, "logprob": json_logprob(t.logprob), "bytes": list(token.encode()),
+                 "top_logprobs": [{"token": x, "logprob": json_logprob(lp), "bytes": list(x.encode())}
+                                  for x, lp in top],
                  "text_offset": self.offset[index]}
         return entry
 
-    def add(self, index: int, ev: TokenEvent) -> dict[str, Any] | None:
-        """Records one event; returns its logprob entry, if the request asked for logprobs."""
-        entry = None
-        if ev.token_id is not None and ev.logprob is not None:
-            entry = self._logprob_entry(index, ev)
+    def add(self, ev: ChoiceEvent) -> dict[str, Any] | None:
+        """Records one event; returns its logprob entry, if the request asked for logprobs. OpenAI's
+        API has no finish reason for a request the server cancelled (a drain): a 503."""
+        if ev.finish_reason == "cancelled":
+            raise Unavailable("the request was cancelled: the server is shutting down")
+        index, entry = ev.index, None
+        if ev.token is not None and ev.token.logprob is not None:
+            entry = self._logprob_entry(index, ev.token)
             self.logprobs[index].append(entry)
         self.text[index].append(ev.text)
         self.offset[index] += len(ev.text)
@@ -659,9 +588,10 @@ class Reply:
                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]} for i in range(len(self.text))]
 
-    def chunk(self, index: int, ev: TokenEvent, include_usage: bool) -> dict[str, Any] | None:
+    def chunk(self, ev: ChoiceEvent, include_usage: bool) -> dict[str, Any] | None:
         """The stream chunk of one event; None when it has nothing to show yet (held text)."""
-        entry = self.add(index, ev)
+        index = ev.index
+        entry = self.add(ev)
         logprobs = self._choice_logprobs([entry]) if entry is not None else None
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         if self.chat and self.tool_mode != "none":
@@ -680,7 +610,7 @@ class Reply:
             out["usage"] = None
         return out
 
-    def _tool_delta(self, index: int, ev: TokenEvent) -> dict[str, Any] | None:
+    def _tool_delta(self, index: int, ev: ChoiceEvent) -> dict[str, Any] | None:
         """A chat-with-tools event's delta: tool-call pieces, text, or None while text is held."""
         finished = ev.finish_reason is not None
         if self.call_streams:  # forced calls: the text is the calls

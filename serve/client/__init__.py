@@ -25,10 +25,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serve.errors import FIELD_METADATA_KEY
-from serve.pb import finetuning_pb2 as ft_pb
-from serve.pb import finetuning_pb2_grpc as ft_grpc
-from serve.pb import generation_pb2 as pb
-from serve.pb import generation_pb2_grpc as pb_grpc
+from serve.grpc.pb import finetuning_pb2 as ft_pb
+from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
+from serve.grpc.pb import generation_pb2 as pb
+from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")

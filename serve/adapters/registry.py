@@ -3,8 +3,8 @@
 The registry is rank 0's thread-safe catalogue: for each adapter its facts (path, rank, alpha,
 targets), where it is (`tier`: on the device and routable, in host memory, or only on disk), the
 index the ranks hold it under, whether it is pinned, how many requests it has served, and what is
-using it now (requests in flight, rows in the engine). The pool (serve/adapter_pool.py) decides
-the tiers; the ranks hold the weights (serve/executor.py).
+using it now (requests in flight, rows in the engine). The pool (serve/adapters/pool.py) decides
+the tiers; the ranks hold the weights (serve/ranks/executor.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class AdapterInfo:
 
 
 class AdapterRegistry:
-    """Thread-safe id -> adapter map on rank 0 (the ranks hold the weights; see serve/executor.py)."""
+    """Thread-safe id -> adapter map on rank 0 (the ranks hold the weights; see serve/ranks/executor.py)."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()

@@ -2,7 +2,7 @@
 
 A `POST /v1/fine_tuning/jobs` body becomes the CreateJobRequest gRPC would have sent, checked by
 the same `check_create`: `training_file` is the uploaded file's path under --data-dir
-(serve/openai_files.py), `method.type` must be "supervised" (LoRA unless the extra field
+(serve/openai/files.py), `method.type` must be "supervised" (LoRA unless the extra field
 `full: true` asks for a full fine-tune), and the hyper-parameters map as follows:
 
     n_epochs                   passes over the examples: steps = ceil(n_epochs x examples / batch_size)
@@ -37,11 +37,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from serve.errors import InvalidArgument, NotFound, ServeError, echo
-from serve.jobs import FAILED, SUCCEEDED, JobRecord
-from serve.jobspec import ADAPTER_ID, checked_value, default_of
-from serve.openai_files import file_of_dataset
-from serve.openai_requests import ParamError, renamed
-from serve.pb import finetuning_pb2 as ft_pb
+from serve.jobs.store import FAILED, SUCCEEDED, JobRecord
+from serve.jobs.spec import ADAPTER_ID, checked_value, default_of
+from serve.openai.files import file_of_dataset
+from serve.openai.requests import ParamError, renamed
+from serve.grpc.pb import finetuning_pb2 as ft_pb
 from tprt.checkpoint.fsutil import write_bytes_atomic
 
 SIDECAR = "openai.json"
@@ -59,7 +59,7 @@ Auto = Literal["auto"]
 
 
 class Hyperparameters(BaseModel):
-    """OpenAI's supervised hyper-parameters, and ours (serve/jobspec.py) as extras."""
+    """OpenAI's supervised hyper-parameters, and ours (serve/jobs/spec.py) as extras."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelled setting is an error, not a default
 

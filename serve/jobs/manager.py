@@ -1,16 +1,16 @@
 """Fine-tuning jobs on the serving ranks: the job manager (rank 0) and the FineTuning service.
 
-One job runs at a time, one optimizer step per turn the scheduler gives it (serve/scheduler.py:
+One job runs at a time, one optimizer step per turn the engine loop gives it (serve/core/loop.py:
 whenever generation is idle, and at least once a second while it is busy), each step a
-command every rank executes (tprt.distributed.protocol, serve/executor.py). Jobs live in the
-SQLite store (serve/jobs.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
+command every rank executes (serve/ranks/commands.py, serve/ranks/executor.py). Jobs live in the
+SQLite store (serve/jobs/store.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
 
 A job's failure (bad data, a failed command, a store write that a full disk refuses) fails that
-job alone: nothing a job raises reaches the scheduler thread.
+job alone: nothing a job raises reaches the engine loop's thread.
 
-A finished LoRA job's adapter enters the adapter pool (serve/adapter_pool.py) under its adapter
+A finished LoRA job's adapter enters the adapter pool (serve/adapters/pool.py) under its adapter
 id, registered on disk: servable at once, no restart, loaded onto the device by its first request
 (and registered again at every start-up, where nothing is loaded until asked for). Finishing never
 needs a device slot, so a job whose adapter cannot be placed now still succeeds. An adapter id
@@ -19,7 +19,7 @@ not a directory under --data-dir/adapters/); if it was taken meanwhile, the job 
 and says how to load its adapter. A full fine-tune writes a TP checkpoint (`output_path`) to
 serve with `tprt serve --model`.
 
-No error of a job stops serving: the scheduler hands whatever a step raises (other than a broken
+No error of a job stops serving: the engine loop hands whatever a step raises (other than a broken
 collective) to `fail`, which fails the running job alone.
 """
 
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from serve.adapter_pool import AdapterPool
+from serve.adapters.pool import AdapterPool
 from serve.errors import (AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo,
                           is_disk_full)
-from serve.jobs import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
+from serve.jobs.store import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
                         StoreLimit, now_ms)
-from serve.jobspec import JobSpec, finetune_config, load_dataset
+from serve.jobs.spec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
-from tprt.distributed.protocol import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
+from serve.ranks.commands import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.errors import TprtError
 
@@ -61,7 +61,7 @@ class _Active:
 
 
 class JobManager:
-    """Rank 0's view of the jobs; `has_work`/`step` are the scheduler's side-work interface."""
+    """Rank 0's view of the jobs; `has_work`/`step` are the engine loop's side-work interface."""
 
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterPool,
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
@@ -76,7 +76,7 @@ class JobManager:
         self.context_length = context_length
         self._wake = wake
         self.max_queued = max_queued
-        self.max_stored = max_stored  # --max-stored-jobs (serve/jobs.py: the oldest failed/cancelled are pruned)
+        self.max_stored = max_stored  # --max-stored-jobs (serve/jobs/store.py: the oldest failed/cancelled are pruned)
         self._unrecorded: dict[str, dict[str, Any]] = {}  # job id -> the end its store write could not record
         self._retry_at = 0.0  # monotonic time before which no job starts (a store write failed)
         self._redact = redact  # a job's error is shown to callers (serve.errors.Redactor)
@@ -94,7 +94,7 @@ class JobManager:
     # ----------------------------------------------------------------- API side (handler threads)
 
     def create(self, spec: JobSpec) -> JobRecord:
-        """Stores a checked job as QUEUED and wakes the scheduler. It holds no prepared dataset
+        """Stores a checked job as QUEUED and wakes the engine loop. It holds no prepared dataset
         while it waits (the data is read again when it starts): queued jobs cost only their row."""
         with self._lock:
             try:
@@ -195,7 +195,7 @@ class JobManager:
     # ----------------------------------------------------------------- start-up
 
     def restore_adapters(self) -> None:
-        """Registers every succeeded LoRA job's adapter, on disk (before the scheduler thread
+        """Registers every succeeded LoRA job's adapter, on disk (before the engine loop's thread
         starts): each loads at its first request, so start-up time does not grow with history."""
         for rec in self.store.select(SUCCEEDED, limit=1_000_000):
             if rec.method == "lora" and rec.output_path:
@@ -205,7 +205,7 @@ class JobManager:
                 except ServeError as e:
                     log.error("job %s: adapter %s not registered: %s", rec.id, rec.adapter_id, e)
 
-    # ----------------------------------------------------------------- scheduler side
+    # ----------------------------------------------------------------- engine loop side
 
     def has_work(self) -> bool:
         if self._active is not None:
@@ -217,12 +217,12 @@ class JobManager:
     def step(self, ranks: RankGroup) -> None:
         """One turn: start the next job, or run one step of the running one (or end it). A job's
         own failure (its data, a failed command, a store write the disk cannot take) fails that
-        job alone, and nothing a job raises stops the scheduler: what even that leaves (the store
+        job alone, and nothing a job raises stops the engine loop: what even that leaves (the store
         unreadable) is logged, and the next turn waits STORE_RETRY_S."""
         try:
             self._turn(ranks)
         except Exception:  # noqa: BLE001 - see above
-            if _world_broken(ranks):  # not the job's fault: the scheduler's guard breaks the world
+            if _world_broken(ranks):  # not the job's fault: the engine loop's guard breaks the world
                 raise
             log.exception("fine-tuning jobs: a turn failed")
             self._retry_at = time.monotonic() + STORE_RETRY_S
@@ -267,7 +267,7 @@ class JobManager:
         self._end(job, FAILED, f"{why} at step {job.step}")
 
     def fail(self, ranks: RankGroup, error: Exception) -> None:
-        """A turn raised `error` with the ranks sound (the scheduler's guard): the running job
+        """A turn raised `error` with the ranks sound (the engine loop's guard): the running job
         fails alone and its trainer is dropped; with none running, queued jobs wait for the next
         CreateJob's wake-up rather than retrying the failing start every turn."""
         job = self._active

@@ -1,11 +1,11 @@
 """What every serving rank does besides generation steps: fine-tuning steps and LoRA adapters.
 
-`RankExecutor.execute(command)` runs each command of the rank protocol (tprt.distributed.protocol)
-on every rank in the same order (rank 0 from the scheduler thread through `RankGroup.run`, the
+`RankExecutor.execute(command)` runs each of serve's rank commands (serve/ranks/commands.py)
+on every rank in the same order (rank 0 from the engine loop's thread through `RankGroup.run`, the
 followers from `follower_loop`). If it fails on any rank, every rank learns of it
 (tprt.distributed.ranks), drops what the command started (`abandon`), and rank 0's caller gets
 `CommandFailed` (the job fails; the server keeps serving). A rank that fails *inside* a
-collective leaves its peers waiting until the collective timeout; the scheduler then marks the
+collective leaves its peers waiting until the collective timeout; the engine loop then marks the
 world broken (NOT_SERVING).
 
 Fine-tuning never touches the served model's modules, so generation and training interleave
@@ -21,7 +21,7 @@ model on every rank (`tprt.lora.peft_io.read_adapter`) and installed under the i
 0 gave this load in the engine's adapter pool (`tprt.lora.routing.AdapterSlots`); each row of a
 batch is routed to its request's adapter (or none) by the step plan, so requests for different
 adapters and for the base model share batches. `MoveAdapter` moves a loaded adapter between the
-device and host tiers or drops it, as rank 0's pool (serve/adapter_pool.py) decides.
+device and host tiers or drops it, as rank 0's pool (serve/adapters/pool.py) decides.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from tprt.distributed.protocol import (AdapterLoaded, Command, LoadAdapter, MoveAdapter, TrainAbort, TrainFinish,
-                                       TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from tprt.distributed.protocol import Command
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, TrainAbort, TrainFinish, TrainSave,
+                                  TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.errors import TprtError
 from tprt.model.llama import TPLlamaForCausalLM
 

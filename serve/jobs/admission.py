@@ -33,7 +33,7 @@ from tprt.plan import FinetuneWorkload, device as plan_device, plan_memory
 from tprt.plan.memory import DTYPE_BYTES
 
 MiB = 1 << 20
-# Dtypes a LoRA job trains in directly, on the served weights (serve/executor.py: SHAREABLE_DTYPES);
+# Dtypes a LoRA job trains in directly, on the served weights (serve/ranks/executor.py: SHAREABLE_DTYPES);
 # otherwise, and for full fine-tuning, the job trains in float32.
 _SHARED_DTYPES = ("fp32", "bf16")
 

@@ -8,7 +8,7 @@ checked before it is kept, line by line as training reads it (tprt.train.data: J
 `text`, `prompt`/`completion` or chat `messages`, tokenized with the served model's tokenizer),
 so a bad line is a 400 naming the file and line at upload, not a failed job later.
 
-A job names its file by the data path (`files/<id>.jsonl`, serve/openai_jobs.py), which the
+A job names its file by the data path (`files/<id>.jsonl`, serve/openai/jobs.py), which the
 job store keeps; a file that a queued or running job will read cannot be deleted.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from serve.errors import FailedPrecondition, NotFound, echo
-from serve.jobs import JobStore
-from serve.openai_requests import ParamError, PayloadTooLarge
-from serve.storage import ensure_quota, ensure_room
+from serve.jobs.store import JobStore
+from serve.openai.requests import ParamError, PayloadTooLarge
+from serve.jobs.storage import ensure_quota, ensure_room
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer

@@ -1,105 +1,86 @@
-"""The Generation and FineTuning services: thin translation between protobuf and the scheduler's tickets.
+"""The Generation and FineTuning services: protobuf <-> the generation core and the job manager.
 
-A handler checks the request (serve/validation.py), queues a ticket, and turns the engine's
-events into responses. The RPC's end, whatever the reason (done, client cancel, disconnect,
-deadline), cancels its ticket through a gRPC callback: the sequence leaves the batch at the next
-step and its KV slot is freed. A handler waits on its ticket's queue with a timeout and rechecks,
-so it never blocks forever even if the scheduler is stuck; the scheduler (or the rank watcher)
-ends every ticket with an event or an error.
+Generate and Complete read the request (serve/grpc/validation.py) into the core's request, which
+the core checks and queues (serve/core/generation.py), and turn its events into responses; the
+core's errors are renamed to the proto's field paths. The RPC's end, whatever the reason (done,
+client cancel, disconnect, deadline), cancels its ticket through a gRPC callback: the sequence
+leaves the batch at the next step and its KV slot is freed. A handler waits on its events with a
+timeout and rechecks that the call is alive, so it never blocks forever; the engine loop (or the
+rank watcher) ends every ticket with an event or an error.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from serve.adapter_pool import AdapterPool
-from serve.adapters import AdapterInfo, AdapterRegistry
-from serve.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable,
-                          echo)
-from serve.finetune import JobManager
-from serve.jobs import SUCCEEDED, JobStore
-from serve.jobspec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
-from serve.pb import finetuning_pb2 as ft_pb
-from serve.pb import finetuning_pb2_grpc as ft_grpc
-from serve.pb import generation_pb2 as pb
-from serve.pb import generation_pb2_grpc as pb_grpc
-from serve.metrics import Metrics
-from serve.scheduler import Scheduler, Ticket, new_request_id
-from serve.structured import Structured
-from serve.validation import check_structured, prompt_ids, sampling_params, structured_of, text_byte_limit
-from tprt.engine.constraints import ConstraintSpec
+from serve.adapters.pool import AdapterPool
+from serve.adapters.registry import AdapterInfo, AdapterRegistry
+from serve.core.generation import ChoiceEvent, Generation, GenerationCore, TokenText
+from serve.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ServeError,
+                          Unavailable, echo)
+from serve.jobs.manager import JobManager
+from serve.jobs.store import SUCCEEDED, JobStore
+from serve.jobs.spec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
+from serve.grpc.pb import finetuning_pb2 as ft_pb
+from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
+from serve.grpc.pb import generation_pb2 as pb
+from serve.grpc.pb import generation_pb2_grpc as pb_grpc
+from serve.core.loop import EngineLoop
+from serve.core.structured import Structured
+from serve.grpc.validation import generation_request, grpc_error, prompt_of, structured_of
 from tprt.distributed.ranks import CommandFailed
-from tprt.model.config import ModelConfig
 from tprt.engine.sampling import MAX_TOP_LOGPROBS
-from tprt.engine.sequence import TokenEvent
 from tprt.text.tokenizer import Tokenizer
 
 GenerationServicer: Any = pb_grpc.GenerationServicer
 FineTuningServicer: Any = ft_grpc.FineTuningServicer
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "cancelled": pb.FINISH_REASON_CANCELLED}
-Compile = Callable[[ConstraintSpec], object]
 _POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What ModelInfo reports and the handlers check against."""
-
-    name: str
-    config: ModelConfig
-    tp_size: int
-    context_length: int
-    max_batch_size: int
-    dtype: str
-    eos_token_ids: tuple[int, ...]
 
 
 class GenerationService(GenerationServicer):
     """tprt.v1.Generation on rank 0."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer | None, facts: ModelFacts,
-                 adapters: AdapterRegistry, pool: AdapterPool | None = None, store: JobStore | None = None,
-                 compile_constraint: Compile | None = None, metrics: Metrics | None = None) -> None:
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self.facts = facts
-        self.adapters = adapters
+    def __init__(self, core: GenerationCore, pool: AdapterPool | None = None, store: JobStore | None = None) -> None:
+        self.core = core
+        self.loop: EngineLoop = core.loop  # type: ignore[assignment]  # LoadAdapter's calls
+        self.tokenizer = core.tokenizer
+        self.facts = core.facts
+        self.adapters = core.adapters
         self.pool = pool  # the adapter tiers (LoadAdapter, UnloadAdapter); None: adapters come from jobs only
         self.store = store  # the job store, for LoadAdapter(job_id)
-        self.max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
-        self.compile_constraint = compile_constraint  # the engine's StructuredOutputs.compile; None: no tokenizer
-        self.metrics = metrics
 
     # ----------------------------------------------------------------- RPCs
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        ticket, structured = self._submit(request, context)
+        generation, structured = self._start(request, context)
         text = []
-        for ev in self._events(ticket, context):
-            out = self._response(ticket, ev)
+        for ev in self._events(generation, context):
+            out = pb.GenerateResponse(request_id=generation.request_id, text=ev.text)
+            if ev.token is not None:
+                out.token.CopyFrom(_token(ev.token))
             text.append(ev.text)
             if ev.finish_reason is not None:
+                _finish(out, ev)
                 _tool_calls(out, structured, "".join(text))
             yield out
 
     def Complete(self, request: Any, context: grpc.ServicerContext) -> Any:
-        ticket, structured = self._submit(request, context)
-        out = pb.CompleteResponse(request_id=ticket.request_id)
+        generation, structured = self._start(request, context)
+        out = pb.CompleteResponse(request_id=generation.request_id)
         text = []
-        for ev in self._events(ticket, context):
+        for ev in self._events(generation, context):
             text.append(ev.text)
-            if ev.token_id is not None:
-                out.tokens.append(self._token(ev))
+            if ev.token is not None:
+                out.tokens.append(_token(ev.token))
             if ev.finish_reason is not None:
-                self._finish(out, ev)
+                _finish(out, ev)
         out.text = "".join(text)
         _tool_calls(out, structured, out.text)
         return out
@@ -107,8 +88,10 @@ class GenerationService(GenerationServicer):
     def Tokenize(self, request: Any, context: grpc.ServicerContext) -> Any:
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
         structured = structured_of(request) if request.WhichOneof("input") == "chat" else None
-        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, add_special_tokens=add,
-                         max_text_bytes=self.max_text_bytes, structured=structured)
+        try:
+            ids = self.core.prompt_ids(prompt_of(request), structured, add_special_tokens=add)
+        except ServeError as e:
+            raise grpc_error(e) from None
         tok = self.tokenizer
         tokens = [(tok.id_to_token(i) or "") if tok is not None else "" for i in ids]
         return pb.TokenizeResponse(ids=ids, tokens=tokens)
@@ -149,7 +132,7 @@ class GenerationService(GenerationServicer):
         if adapter_id in pool.reserved:
             raise AlreadyExists(f"{echo(adapter_id)} is the served base model's name", "id")
         pool.describe(path, "path" if source == "path" else "job_id")  # rank limit, base model
-        future = self.scheduler.call(lambda ranks: pool.load(ranks, adapter_id, path, request.pin, job_id))
+        future = self.loop.call(lambda ranks: pool.load(ranks, adapter_id, path, request.pin, job_id))
         try:
             info = _wait(future, context)
         except CommandFailed as e:
@@ -158,10 +141,10 @@ class GenerationService(GenerationServicer):
 
     def UnloadAdapter(self, request: Any, context: grpc.ServicerContext) -> Any:
         self._need_pool().begin_unload(request.id)
-        self.scheduler.wake()
+        self.loop.wake()
         while not self.adapters.wait_removed(request.id, _POLL_S):
-            if self.scheduler.broken is not None:
-                raise Unavailable(f"the server cannot unload adapters: {self.scheduler.broken}")
+            if self.loop.broken is not None:
+                raise Unavailable(f"the server cannot unload adapters: {self.loop.broken}")
             if not context.is_active():
                 raise DeadlineExceeded("the adapter's requests had not finished; it is still being unloaded")
         return pb.UnloadAdapterResponse()
@@ -176,85 +159,54 @@ class GenerationService(GenerationServicer):
             raise FailedPrecondition("this server has no adapter pool", "id")
         return self.pool
 
-    def _submit(self, request: Any, context: grpc.ServicerContext) -> tuple[Ticket, Structured]:
-        """Checks the request and queues it; the RPC's end cancels it."""
-        structured = structured_of(request)
-        check_structured(structured, self.compile_constraint)
-        ids = prompt_ids(request, self.tokenizer, self.facts.config.vocab_size, max_text_bytes=self.max_text_bytes,
-                         structured=structured)
-        params = sampling_params(request.sampling, len(ids), self.facts.context_length,
-                                 self.facts.config.vocab_size, self.tokenizer is not None, structured.constraint)
-        adapter = self.adapters.get(request.adapter_id) if request.adapter_id else None
-        if request.adapter_id and adapter is None and self.pool is None:  # a pool also loads adapters on demand
-            raise NotFound(f"no adapter {echo(request.adapter_id)} is loaded (see ModelInfo)", "adapter_id")
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        ticket = Ticket(new_request_id(), ids, params, request.adapter_id, adapter.index if adapter else 0, deadline)
-        self.scheduler.submit(ticket)
-        context.add_callback(lambda: self._ended(ticket, context))
-        if structured.constraint is not None and self.metrics is not None:
-            self.metrics.structured_requests.labels(kind=structured.constraint.kind).inc()
-        return ticket, structured
-
-    def _ended(self, ticket: Ticket, context: grpc.ServicerContext) -> None:
-        """gRPC's end-of-call callback: cancels the ticket unless it already finished."""
-        if not ticket.done:
+    def _start(self, request: Any, context: grpc.ServicerContext) -> tuple[Generation, Structured]:
+        """Checks the request and queues it (the core's rules, the proto's field names); the RPC's
+        end cancels it."""
+        try:
+            req = generation_request(request)
+            prepared = self.core.prepare(req)
             remaining = context.time_remaining()
-            reason = "deadline" if remaining is not None and remaining <= 0 else "client"
-            self.scheduler.cancel(ticket.request_id, reason)
-
-    def _events(self, ticket: Ticket, context: grpc.ServicerContext) -> Iterator[TokenEvent]:
-        """The ticket's events up to its last; raises for an error or a client-side cancellation."""
-        while True:
-            try:
-                ev = ticket.events.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not context.is_active() and not ticket.cancel_requested:
-                    self._ended(ticket, context)  # the callback may not have run yet
-                    ticket.cancel_requested = True
-                continue
-            if isinstance(ev, BaseException):
-                ticket.done = True
-                raise ev
-            if ev.finish_reason is not None:
-                ticket.done = True
-                if ev.finish_reason == "cancelled" and ticket.cancel_reason == "client":
-                    raise Cancelled("the client cancelled the request")
-                if ev.finish_reason == "cancelled" and ticket.cancel_reason == "deadline":
-                    raise DeadlineExceeded("the request's deadline passed")
-            yield ev
-            if ev.finish_reason is not None:
-                return
-
-    def _token(self, ev: TokenEvent) -> Any:
-        assert ev.token_id is not None
-        tok = self.tokenizer
-        text = tok.decode([ev.token_id]) if tok is not None else ""
-        token = pb.Token(id=ev.token_id, text=text)
-        if ev.logprob is not None:
-            token.logprob = ev.logprob
-        for tid, lp in ev.top_logprobs:
-            token.top_logprobs.append(pb.TopLogprob(token_id=tid, logprob=lp,
-                                                    text=tok.decode([tid]) if tok is not None else ""))
-        return token
+            deadline = time.monotonic() + remaining if remaining is not None else None
+            generation = self.core.start(prepared, deadline)
+        except ServeError as e:
+            raise grpc_error(e) from None
+        context.add_callback(lambda: self._ended(generation, context))
+        return generation, req.structured
 
     @staticmethod
-    def _finish(out: Any, ev: TokenEvent) -> None:
-        out.finish_reason = _FINISH[ev.finish_reason or "stop"]
-        if ev.stop_reason is not None:
-            out.stop_reason = str(ev.stop_reason)
-        if ev.usage is not None:
-            out.usage.prompt_tokens = ev.usage.prompt_tokens
-            out.usage.completion_tokens = ev.usage.completion_tokens
-            out.usage.cached_prompt_tokens = ev.usage.cached_prompt_tokens
+    def _ended(generation: Generation, context: grpc.ServicerContext) -> None:
+        """gRPC's end-of-call callback: cancels what has not finished."""
+        generation.close(_why_ended(context))
 
-    def _response(self, ticket: Ticket, ev: TokenEvent) -> Any:
-        out = pb.GenerateResponse(request_id=ticket.request_id, text=ev.text)
-        if ev.token_id is not None:
-            out.token.CopyFrom(self._token(ev))
-        if ev.finish_reason is not None:
-            self._finish(out, ev)
-        return out
+    @staticmethod
+    def _events(generation: Generation, context: grpc.ServicerContext) -> Iterator[ChoiceEvent]:
+        """The request's events up to its last; raises its error, or CANCELLED / DEADLINE_EXCEEDED
+        (also when the call ended before its callback ran)."""
+        yield from generation.events(lambda: None if context.is_active() else _why_ended(context))
+
+
+def _why_ended(context: grpc.ServicerContext) -> str:
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0 else "client"
+
+
+def _token(t: TokenText) -> Any:
+    token = pb.Token(id=t.id, text=t.text)
+    if t.logprob is not None:
+        token.logprob = t.logprob
+    for tid, text, lp in t.top_logprobs:
+        token.top_logprobs.append(pb.TopLogprob(token_id=tid, logprob=lp, text=text))
+    return token
+
+
+def _finish(out: Any, ev: ChoiceEvent) -> None:
+    out.finish_reason = _FINISH[ev.finish_reason or "stop"]
+    if ev.stop_reason is not None:
+        out.stop_reason = str(ev.stop_reason)
+    if ev.usage is not None:
+        out.usage.prompt_tokens = ev.usage.prompt_tokens
+        out.usage.completion_tokens = ev.usage.completion_tokens
+        out.usage.cached_prompt_tokens = ev.usage.cached_prompt_tokens
 
 
 def _tool_calls(out: Any, structured: Structured, text: str) -> None:
@@ -274,7 +226,7 @@ def adapter_pb(a: AdapterInfo) -> Any:
 
 
 def _wait(future: Future[Any], context: grpc.ServicerContext) -> Any:
-    """The scheduler thread's result of a call, while the RPC is alive."""
+    """The engine loop's result of a call, while the RPC is alive."""
     while True:
         try:
             return future.result(timeout=_POLL_S)
@@ -291,7 +243,7 @@ class FineTuningService(FineTuningServicer):
                  admit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
         self.jobs = jobs
         self.max_dataset_bytes = max_dataset_bytes
-        self.admit = admit  # serve/admission.py
+        self.admit = admit  # serve/jobs/admission.py
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.adapters = adapters

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serve.client import Client, state_name
-from serve.local import LocalServer
+from serve.client.local import LocalServer
 from tprt.errors import TprtError
 
 QUESTION = "What is your name?"

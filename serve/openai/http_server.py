@@ -1,8 +1,8 @@
-"""uvicorn on a thread of rank 0, serving the OpenAI API (serve/openai_app.py) beside gRPC.
+"""uvicorn on a thread of rank 0, serving the OpenAI API (serve/openai/app.py) beside gRPC.
 
 The socket is bound when `tprt serve` starts (a busy --http-port fails before any rank starts);
-uvicorn serves on it from `start()` (once the scheduler runs) until `stop()`. Its connections
-are bounded and timed by serve/http_guard.py, which also does TLS (--tls-cert / --tls-key, as
+uvicorn serves on it from `start()` (once the engine loop runs) until `stop()`. Its connections
+are bounded and timed by serve/openai/http_guard.py, which also does TLS (--tls-cert / --tls-key, as
 gRPC has them), so that a handshake counts as a connection under the header deadline.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from serve.http_guard import ConnectionGuard, GuardedH11Protocol, Headers, HttpLimits, install_log_limits
+from serve.openai.http_guard import ConnectionGuard, GuardedH11Protocol, Headers, HttpLimits, install_log_limits
 from tprt.errors import ConfigError
 
 log = logging.getLogger("tprt.serve")

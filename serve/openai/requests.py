@@ -1,9 +1,10 @@
-"""OpenAI request bodies -> the engine's canonical inputs, and our errors -> OpenAI's error shape.
+"""OpenAI request bodies -> the generation core's request, and our errors -> OpenAI's error shape.
 
-Like serve/validation.py for gRPC, this module only renames: the prompt goes through the same
-`prompt_ids` checks (as the GenerateRequest it would have been), the sampling fields through
-`tprt.engine.request.resolve_sampling`, and an error's field is renamed back to the OpenAI
-parameter (`max_new_tokens` -> `max_tokens`, `chat.messages[2].role` -> `messages[2].role`).
+Like serve/grpc/validation.py for gRPC, this module only reads and renames: a body becomes a
+`GenerationRequest` (serve/core/generation.py), checked by the core's rules, and an error's
+canonical field is renamed to the OpenAI parameter (`max_new_tokens` -> `max_tokens`,
+`prompt_ids` -> `prompt`, `adapter_id` -> `model`); what only OpenAI's API has (`echo`, `suffix`,
+penalties, content parts, the `developer` role) is refused or read here.
 A JSON body is read by `parse_body`: UTF-8 JSON whose strings are valid Unicode (a lone
 surrogate escape is refused naming its field), checked by the pydantic models in strict mode
 (`"max_tokens": "5"` is a 400, as OpenAI answers it; an int for a float is fine), a refusal
@@ -13,25 +14,18 @@ naming the parameter as OpenAI spells it (`messages[0].content`).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
-from serve.errors import InvalidArgument, OutOfRange, ServeError, echo, is_disk_full, status_of
-from serve.pb import generation_pb2 as pb
-from serve.structured import Structured, encode_tool_chat
-from serve.validation import ROLES, STOP_LIMITS, prompt_ids
-from tprt.engine.constraints import ConstraintSpec
-from tprt.engine.request import ContextLengthError, resolve_sampling
-from tprt.engine.sampling import SamplingParams
-from tprt.errors import ConfigError, ValidationError
-from tprt.text.tokenizer import Tokenizer
-
-MAX_CHOICES = 16  # n times the number of prompts; each is a sequence of its own
+from serve.core.generation import (ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt, by_prefix,
+                                   rename_field)
+from serve.core.structured import Structured
+from serve.errors import InvalidArgument, ServeError, is_disk_full, status_of
+from tprt.errors import ValidationError
 
 # gRPC status (what every ServeError carries) -> HTTP status and OpenAI error type.
 HTTP_STATUS = {
@@ -208,7 +202,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    # Output constraints (serve/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
+    # Output constraints (serve/core/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
     response_format: Any = None
     structured_outputs: Any = None
 
@@ -249,102 +243,48 @@ class ChatBody(_Common):
     parallel_tool_calls: Any = None
 
 
-# ----------------------------------------------------------------- resolving
+# ----------------------------------------------------------------- bodies -> the core's request
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """One request, checked: one prompt per choice group, and the resolved sampling of each choice."""
-
-    prompts: list[list[int]]
-    choices: list[tuple[int, SamplingParams]]  # (index into prompts, params), in choice order
-    n: int
-    structured: Structured = field(default_factory=lambda: Structured(None))
-
-
-Compile = Callable[[ConstraintSpec], object]  # checks (compiles) a constraint; raises ValidationError
-
-
-def _structured(fields: dict[str, Any], compile: Compile | None) -> Structured:
-    """The request's output constraint and tools, every spec compiled (so checked) now, on the
-    request's thread, before anything is queued."""
+def _structured(fields: dict[str, Any]) -> Structured:
+    """The body's output constraint and tools (serve/core/structured.py reads OpenAI's fields);
+    the core compiles them."""
     try:
-        structured = Structured.from_fields(**fields)
-        specs = structured.specs()
-        if specs and compile is None:
-            raise ValidationError(specs[0].field, f"{specs[0].field}: output constraints need the model's "
-                                                  "tokenizer, which it does not have")
-        for spec in specs:
-            assert compile is not None
-            compile(spec)
+        return Structured.from_fields(**fields)
     except ValidationError as e:
         raise ParamError(str(e), e.field) from None
-    return structured
-
-
-# Canonical field -> OpenAI parameter, per endpoint (where the name differs).
-_COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "top_logprobs": "logprobs",
-                      "logprobs": "logprobs", "prompt": "prompt"}
-_CHAT_PARAMS = {"stop_strings": "stop", "prompt": "messages"}
 
 
 def _common_fields(body: _Common) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
             raise ParamError("not supported by this server (use repetition_penalty)", name)
-    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
-        raise ParamError(f"must be in [1, {MAX_CHOICES}], got {body.n}", "n")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
             "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
             "stop_strings": stop, "stop_token_ids": body.stop_token_ids}
 
 
-def _resolve(given: dict[str, Any], prompt: list[int], context: int, vocab: int, has_tok: bool,
-             names: dict[str, str]) -> SamplingParams:
-    try:
-        return resolve_sampling(given, len(prompt), context, vocab, what="context_length", has_tokenizer=has_tok,
-                                limits=STOP_LIMITS)
-    except ValidationError as e:
-        param = names.get(e.field, e.field)
-        raise ParamError(f"{param}: {e}", param, OutOfRange if isinstance(e, ContextLengthError)
-                         else InvalidArgument) from None
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A body read: the core's request, and how the core's field names are spelled in this body."""
+
+    request: GenerationRequest
+    params: dict[str, str]  # canonical field -> OpenAI parameter, where they differ
+
+    def error(self, e: ServeError) -> ServeError:
+        return rename_field(e, by_prefix(self.params))
 
 
-def renamed(e: ServeError, rename: dict[str, str]) -> ParamError:
-    """A prompt_ids error with its GenerateRequest field path replaced by the OpenAI parameter."""
-    field = e.field or "prompt"
-    param = field
-    for path, name in rename.items():
-        if field == path or field.startswith(path + ".") or field.startswith(path + "["):
-            param = name + field[len(path):]
-            break
-    message = str(e)
-    if message.startswith(field):
-        message = param + message[len(field):]
-    return ParamError(message, param, type(e))
+# Canonical field -> OpenAI parameter, per endpoint (where the name differs).
+_COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "stop_strings": "stop", "top_logprobs": "logprobs",
+                      "prompt_ids": "prompt", "adapter_id": "model"}
+_CHAT_PARAMS = {"stop_strings": "stop", "prompt": "messages", "chat": "messages", "adapter_id": "model"}
 
 
-def _choices(prompts: list[list[int]], n: int, given: dict[str, Any], context: int, vocab: int, has_tok: bool,
-             names: dict[str, str], structured: Structured) -> Prepared:
-    if len(prompts) * n > MAX_CHOICES:
-        raise ParamError(f"{len(prompts)} prompts times n={n} is more than {MAX_CHOICES} sequences", "n")
-    choices = []
-    for p, ids in enumerate(prompts):
-        for i in range(n):
-            seed = given.get("seed")
-            params = _resolve({**given, "seed": seed + i if seed is not None else None}, ids, context, vocab,
-                              has_tok, names)
-            choices.append((p, params))
-    return Prepared(prompts, choices, n, structured)
-
-
-def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int, vocab: int,
-                       max_text_bytes: int | None, compile: Compile | None = None) -> Prepared:
-    """A /v1/completions body as prompts and sampling; ParamError naming the OpenAI parameter.
-    `compile` checks output constraints (the engine's StructuredOutputs.compile)."""
-    structured = _structured({"response_format": body.response_format,
-                              "structured_outputs": body.structured_outputs}, compile)
+def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
+    """A /v1/completions body as the core's request; ParamError for what OpenAI's API alone has."""
+    structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs})
     if body.echo:
         raise ParamError("echo is not supported", "echo")
     if body.suffix:
@@ -357,25 +297,13 @@ def prepare_completion(body: CompletionBody, tok: Tokenizer | None, context: int
         items = [list(raw)]  # type: ignore[arg-type]  # one tokenized prompt
     else:
         items = list(raw)  # type: ignore[arg-type]
-    if not items:
-        raise ParamError("at least one prompt is needed", "prompt")
-    prompts = []
-    for item in items:
-        bad = [t for t in item if not 0 <= t < vocab] if not isinstance(item, str) else []
-        if bad:  # before the proto, whose int32 ids cannot hold every JSON integer
-            raise ParamError(f"token id {bad[0]} is outside the vocabulary [0, {vocab - 1}]", "prompt")
-        request = pb.GenerateRequest(prompt=item) if isinstance(item, str) else \
-            pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=item))
-        try:
-            prompts.append(prompt_ids(request, tok, vocab, max_text_bytes=max_text_bytes))
-        except ServeError as e:
-            raise renamed(e, {"prompt_ids.ids": "prompt", "prompt": "prompt"}) from None
+    prompts: list[Prompt] = [TextPrompt(x) if isinstance(x, str) else TokenPrompt(x) for x in items]
     given = _common_fields(body)
     given["max_new_tokens"] = body.max_tokens
     if body.logprobs is not None:
         given["logprobs"], given["top_logprobs"] = True, body.logprobs
-    given["constraint"] = structured.constraint
-    return _choices(prompts, body.n or 1, given, context, vocab, tok is not None, _COMPLETION_PARAMS, structured)
+    request = GenerationRequest(prompts, given, structured, adapter_id, body.n if body.n is not None else 1)
+    return OpenAIRequest(request, _COMPLETION_PARAMS)
 
 
 def _content(message: ChatMessageBody, i: int) -> str:
@@ -390,58 +318,34 @@ def _content(message: ChatMessageBody, i: int) -> str:
     return "".join(parts)
 
 
-def prepare_chat(body: ChatBody, tok: Tokenizer | None, context: int, vocab: int,
-                 max_text_bytes: int | None, compile: Compile | None = None) -> Prepared:
-    """A /v1/chat/completions body as the chat template's prompt and sampling (with tools, through
-    serve/structured.py)."""
+def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
+    """A /v1/chat/completions body as the core's request (with tools, rendered by serve/core/structured.py)."""
     structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
                               "tools": body.tools, "tool_choice": body.tool_choice,
-                              "parallel_tool_calls": body.parallel_tool_calls}, compile)
-    roles = {"developer": "system"}  # OpenAI's newer name for the system role
-    if structured.tools or any(m.tool_calls or m.role == "tool" for m in body.messages):
-        ids = _tool_chat_ids(body, tok, max_text_bytes, structured)
-    else:
-        chat = pb.Chat(messages=[pb.ChatMessage(role=roles.get(m.role, m.role), content=_content(m, i))
-                                 for i, m in enumerate(body.messages)])
-        try:
-            ids = prompt_ids(pb.GenerateRequest(chat=chat), tok, vocab, max_text_bytes=max_text_bytes)
-        except ServeError as e:
-            raise renamed(e, {"chat.messages": "messages", "chat": "messages"}) from None
-    given = _common_fields(body)
-    given["constraint"] = structured.constraint
-    given["max_new_tokens"] = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    given["logprobs"], given["top_logprobs"] = body.logprobs, body.top_logprobs
-    names = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
-             else "max_tokens"}
-    return _choices([ids], body.n or 1, given, context, vocab, tok is not None, names, structured)
-
-
-def _tool_chat_ids(body: ChatBody, tok: Tokenizer | None, max_text_bytes: int | None,
-                   structured: Structured) -> list[int]:
-    """A chat with tools, tool calls or tool results: rendered by serve/structured.py."""
-    if tok is None:
-        raise ParamError("the served model has no tokenizer; send prompt token ids to /v1/completions", "messages")
+                              "parallel_tool_calls": body.parallel_tool_calls})
     messages = []
     for i, m in enumerate(body.messages):
-        role = {"developer": "system"}.get(m.role, m.role)
-        if role not in ROLES:
-            raise ParamError(f"role {echo(m.role)} is not one of {', '.join(ROLES)}", f"messages[{i}].role")
-        msg: dict[str, Any] = {"role": role, "content": _content(m, i)}
+        msg: dict[str, Any] = {"role": {"developer": "system"}.get(m.role, m.role),  # OpenAI's newer name
+                               "content": _content(m, i)}
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
         messages.append(msg)
-    size = len(json.dumps(messages, ensure_ascii=False).encode("utf-8", "replace"))
-    size += sum(len(json.dumps(t.parameters)) + len(t.description) for t in structured.tools)
-    if max_text_bytes is not None and size > max_text_bytes:
-        raise ParamError(f"messages: {size} bytes of messages and tools, more than the context can hold "
-                         f"({max_text_bytes} bytes)", "messages", OutOfRange)
-    try:
-        ids = encode_tool_chat(tok, messages, structured)
-    except ValidationError as e:
-        raise ParamError(str(e), e.field) from None
-    except ConfigError as e:  # no chat template, or one that fails on these messages
-        raise ParamError(str(e), "messages") from None
-    if not ids:
-        raise ParamError("the prompt has no tokens", "messages")
-    return ids
+    given = _common_fields(body)
+    given["max_new_tokens"] = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    given["logprobs"], given["top_logprobs"] = body.logprobs, body.top_logprobs
+    params = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
+              else "max_tokens"}
+    n = body.n if body.n is not None else 1
+    request = GenerationRequest([ChatPrompt(messages)], given, structured, adapter_id, n)
+    return OpenAIRequest(request, params)
+
+
+def renamed(e: ServeError, rename: dict[str, str]) -> ParamError:
+    """A job-creation error with its field path replaced by the OpenAI parameter (serve/openai/jobs.py)."""
+    field = e.field or "prompt"
+    param = by_prefix(rename)(field)
+    message = str(e)
+    if message.startswith(field):
+        message = param + message[len(field):]
+    return ParamError(message, param, type(e))

@@ -1,6 +1,6 @@
 """Reading and tokenizing uploaded datasets, on threads of their own.
 
-An upload is checked line by line with the tokenizer (serve/openai_files.py), and creating a job
+An upload is checked line by line with the tokenizer (serve/openai/files.py), and creating a job
 reads its file again: seconds of CPU for a large file. On the thread pool that tokenizes every
 completion, 45 uploads at once made a 2-token chat wait minutes. `DatasetWork` runs them on
 WORKERS threads of their own with at most WAITING more queued; past that a caller gets 429 at

@@ -1,0 +1,163 @@
+"""A gRPC request -> the generation core's request (serve/core/generation.py), and the core's
+field names -> the proto's field paths.
+
+The input (prompt, chat or prompt_ids), the sampling fields, the output constraint and the chat's
+tools are only read here; the core checks them by the rules every front end shares. Its errors
+name canonical fields, renamed here to the paths a GenerateRequest spells (`grpc_field`: e.g.
+`max_new_tokens` -> `sampling.max_new_tokens`, `messages[2].role` -> `chat.messages[2].role`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from typing import Any
+
+from serve.core.generation import (STOP_LIMITS, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt,
+                                   by_prefix, rename_field, resolve)
+from serve.core.structured import Structured
+from serve.errors import InvalidArgument, ServeError
+from tprt.engine.constraints import ConstraintSpec
+from tprt.engine.sampling import SamplingParams
+from tprt.errors import ValidationError
+
+__all__ = ["STOP_LIMITS", "field_path", "generation_request", "grpc_error", "grpc_field", "prompt_of",
+           "sampling_params", "structured_of"]  # STOP_LIMITS: the core's, as gRPC applies them
+
+# Canonical request field (tprt.engine.request) -> its path in a GenerateRequest, where that is not
+# `sampling.<field>`: the one renaming between the wire and the resolver, both ways.
+FIELD_PATHS = {"prompt": "prompt", "stop_strings": "sampling.stop"}
+_SAMPLING = frozenset(f.name for f in fields(SamplingParams))
+
+
+def field_path(field: str) -> str:
+    """A canonical sampling field (tprt.engine.request) as its path in a GenerateRequest."""
+    return FIELD_PATHS.get(field, f"sampling.{field}")
+
+
+# A SamplingParams message's field name -> the canonical field it sets.
+_FROM_WIRE = {field_path(f).removeprefix("sampling."): f for f in _SAMPLING}
+_INPUT_PATHS = by_prefix({"prompt_ids": "prompt_ids.ids", "messages": "chat.messages"})
+
+
+def grpc_field(field: str) -> str:
+    """A canonical field of the core's errors as the proto's path."""
+    if field in _SAMPLING or field in FIELD_PATHS:
+        return field_path(field)
+    return _structured_path(_INPUT_PATHS(field))
+
+
+def grpc_error(e: ServeError) -> ServeError:
+    """A core error as gRPC reports it: the field (and the message's first word) as the proto's path."""
+    return rename_field(e, grpc_field)
+
+
+def sampling_params(message: Any, prompt_len: int, context: int, vocab_size: int, has_tokenizer: bool,
+                    constraint: ConstraintSpec | None = None) -> SamplingParams:
+    """A SamplingParams message resolved by the core's rules (unset fields take their defaults);
+    errors name the proto's field paths."""
+    try:
+        return resolve(_sampling_fields(message), prompt_len, context, vocab_size, has_tokenizer, constraint)
+    except ServeError as e:
+        raise grpc_error(e) from None
+
+
+def _sampling_fields(message: Any) -> dict[str, Any]:
+    return {_FROM_WIRE[fd.name]: value for fd, value in message.ListFields()}
+
+
+def prompt_of(request: Any) -> Prompt:
+    """The request's `input` oneof (prompt, chat or prompt_ids) as the core's prompt."""
+    which = request.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("set one of prompt, chat or prompt_ids", "input")
+    if which == "prompt":
+        return TextPrompt(request.prompt)
+    if which == "prompt_ids":
+        return TokenPrompt(list(request.prompt_ids.ids))
+    chat = request.chat
+    messages = []
+    for m in chat.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return ChatPrompt(messages, add)
+
+
+def generation_request(request: Any) -> GenerationRequest:
+    """A GenerateRequest as the core's request (nothing checked yet but what only the proto shows)."""
+    structured = structured_of(request)
+    return GenerationRequest([prompt_of(request)], _sampling_fields(request.sampling), structured, request.adapter_id)
+
+
+def structured_of(request: Any) -> Structured:
+    """A GenerateRequest's output constraint and its chat's tools (serve/core/structured.py), with
+    errors named by the request's field paths; compiled (so checked) by the generation core."""
+    fields: dict[str, Any] = {}
+    if "constraint" in request.DESCRIPTOR.fields_by_name and request.HasField("constraint"):
+        c = request.constraint
+        kind = c.WhichOneof("kind")
+        if kind is None:
+            raise InvalidArgument("set one of json_schema, json_object, regex, choice, grammar", "constraint")
+        if kind == "json_schema":
+            fields["structured_outputs"] = {"json": _json_text(c.json_schema, "constraint.json_schema")}
+        elif kind == "json_object":
+            fields["response_format"] = {"type": "json_object" if c.json_object else "text"}
+        elif kind == "choice":
+            fields["structured_outputs"] = {"choice": list(c.choice.options)}
+        else:
+            fields["structured_outputs"] = {kind: getattr(c, kind)}
+    if request.WhichOneof("input") == "chat":
+        chat = request.chat
+        if chat.tools:
+            fields["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description,
+                "parameters": _json_text(t.parameters_json, f"chat.tools[{i}].parameters_json")
+                if t.parameters_json else None}} for i, t in enumerate(chat.tools)]
+        if chat.HasField("tool_choice"):
+            which = chat.tool_choice.WhichOneof("choice")
+            if which == "mode":
+                fields["tool_choice"] = chat.tool_choice.mode
+            elif which == "function":
+                fields["tool_choice"] = {"type": "function", "function": {"name": chat.tool_choice.function}}
+        if chat.HasField("parallel_tool_calls"):
+            fields["parallel_tool_calls"] = chat.parallel_tool_calls
+    try:
+        return Structured.from_fields(**fields)
+    except ValidationError as e:
+        path = _structured_path(e.field)
+        raise InvalidArgument(path + str(e)[len(e.field):], path) from None
+
+
+# serve/core/structured.py's (OpenAI's) field names -> a GenerateRequest's, by prefix.
+_STRUCTURED_PATHS = (("structured_outputs.json", "constraint.json_schema"), ("structured_outputs.choice",
+                     "constraint.choice.options"), ("structured_outputs", "constraint"),
+                     ("response_format", "constraint.json_object"), ("tool_choice.function.name",
+                     "chat.tool_choice.function"), ("tool_choice", "chat.tool_choice"),
+                     ("parallel_tool_calls", "chat.parallel_tool_calls"))
+
+
+def _structured_path(field: str) -> str:
+    if field.startswith("tools["):  # tools[i].function.parameters -> chat.tools[i].parameters_json
+        head, _, rest = field.partition("].")
+        rest = {"function.parameters": "parameters_json", "function.name": "name",
+                "function.description": "description"}.get(rest, rest)
+        return f"chat.{head}]" + (f".{rest}" if rest else "")
+    if field == "tools":
+        return "chat.tools"
+    for ours, theirs in _STRUCTURED_PATHS:
+        if field == ours or field.startswith(ours + "."):
+            return theirs + field[len(ours):]
+    return field
+
+
+def _json_text(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise InvalidArgument(f"{field}: not JSON ({str(e)[:100]})", field) from None

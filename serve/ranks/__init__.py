@@ -1,0 +1,1 @@
+"""Every serving rank's side of the rank commands (fine-tuning, adapters)."""
