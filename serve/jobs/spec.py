@@ -225,6 +225,12 @@ def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:
                         eval_data=held_out, per_example=True)
 
 
+# A job's LoRA adapts every linear layer, as hosted fine-tuning services do by default: attention
+# alone (the CLI's default) learns the demo's answer only half-way at the same steps and rate, and
+# degenerates into repetition.
+JOB_LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
     """The trainer's configuration for a stored job (outputs in --data-dir/jobs/<id>/)."""
     from tprt.train.trainer import FinetuneConfig
@@ -234,6 +240,7 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
     return FinetuneConfig(
         model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
         lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
+        lora_targets=JOB_LORA_TARGETS,
         steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
