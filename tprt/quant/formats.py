@@ -97,6 +97,8 @@ def quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     import torch
 
     rows, cols = w.shape
+    if spec.group_size is not None and cols % spec.group_size:
+        raise ValueError(f"{cols} columns are not a whole number of groups of {spec.group_size}")
     g = spec.groups(cols)
     wf = w.float().reshape(rows, g, cols // g)  # [rows, groups, group]
     amax = wf.abs().amax(dim=-1)  # [rows, groups]

@@ -160,6 +160,7 @@ def _library() -> ctypes.CDLL | None:
     for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"tprt_decode_stack_{suffix}")
         fn.argtypes, fn.restype = [_P, _P, _I] + [_P] * 6 + [_I, _P], _I
+    bind_q8(lib)
     lib.tprt_stream_sum_f32.argtypes, lib.tprt_stream_sum_f32.restype = [_P, _I], ctypes.c_double
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
     lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
@@ -475,5 +476,52 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
             assert check is not None, status
             check(status)
         return out
+
+    return run
+
+
+def bind_q8(lib: ctypes.CDLL) -> None:
+    """Declares the int8 product's C signature on a loaded build of kernels.c."""
+    lib.tprt_gemv_q8.argtypes, lib.tprt_gemv_q8.restype = [_P] * 4 + [_I] * 7, None
+    lib.tprt_q8_path.argtypes, lib.tprt_q8_path.restype = [], _I
+
+
+Q8_PATHS = {"best": 0, "scalar": 1, "float": 2}  # tprt_gemv_q8's path argument
+
+
+def q8_path(lib: ctypes.CDLL | None = None) -> str:
+    """The path this build's int8 products take: "vnni" (x quantized per block of 32, integer
+    dot products), "avx512" or "avx2" (float32 on the exactly converted weights), "scalar"."""
+    lib = lib or _library()
+    return "none" if lib is None else {4: "vnni", 3: "avx512", 2: "avx2", 1: "scalar"}[int(lib.tprt_q8_path())]
+
+
+def q8_kernel(weight: torch.Tensor, scale: torch.Tensor, lib: ctypes.CDLL | None = None,
+              path: str = "best") -> Kernel | None:
+    """A function computing x @ (weight * scale)^T for x [..., k] of 1 to MAX_FEW_ROWS rows in
+    float32 or bf16 (the output in x's dtype), from int8 `weight` [n, k] and float32 `scale`
+    [n, k / group] (tprt.quant.formats), or None without the kernels or off CPU. `lib`: another
+    build of kernels.c (tests compare builds); `path` (Q8_PATHS): "best" is the build's fastest
+    (`q8_path`), "float" its float32 vector loop, "scalar" the plain C loop."""
+    lib = lib or _library()
+    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.int8 or weight.dim() != 2:
+        return None
+    w, s = weight.detach().contiguous(), scale.detach().to(torch.float32).contiguous()
+    n, k = w.shape
+    group = k // s.shape[1]
+    if s.shape[0] != n or group * s.shape[1] != k:
+        raise ValueError(f"int8 weight {list(w.shape)} and scales {list(s.shape)} do not match")
+    fn, which = lib.tprt_gemv_q8, Q8_PATHS[path]
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the closure keeps the weight and scales alive
+        rows = x.numel() // k if x.shape[-1] == k else 0
+        if not 1 <= rows <= MAX_FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"native int8 product expects 1-{MAX_FEW_ROWS} rows of {k} float32/bf16 values, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        fn(w.data_ptr(), s.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k, group, bf16, bf16, which)
+        return y
 
     return run
