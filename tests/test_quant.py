@@ -270,3 +270,60 @@ def test_gguf_q8_0_imports_as_stored(tmp_path: Path) -> None:
     ref = _logits(load_model(tmp_path / "f", TPContext.single()))
     err = (_logits(load_model(tmp_path / "q1", TPContext.single())) - ref).abs().max().item()
     assert err <= 1e-4 * ref.abs().max().item()  # the same weights: float32 rounding only
+
+
+# ----------------------------------------------------------------------------- LoRA on a quantized base
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_lora_trains_on_a_quantized_base_and_serves(tmp_path: Path, fmt: str) -> None:
+    """QLoRA-style: the int8/FP8 base stays frozen and unchanged (products on the dequantized
+    weight), fp32 adapters learn (the loss falls); the saved adapter then serves on the same base
+    with the CPU decode kernels (prepack) and changes its outputs as it did in training; merging
+    into the quantized base is refused."""
+    from tests.train_fixtures import make_tiny_model
+    from tprt.cpu.fast_linear import prepack
+    from tprt.lora.attach import attach
+    from tprt.lora.merge import merge_lora
+    from tprt.lora.peft_io import read_adapter
+    from tprt.text.tokenizer import Tokenizer
+    from tprt.train.data import prepare_data
+    from tprt.train.trainer import FinetuneConfig, Trainer
+
+    hf, _ = make_tiny_model(tmp_path, tp=1)
+    base = tmp_path / fmt
+    hf_to_tp(hf, base, 1, quantize=fmt)
+    data_path = tmp_path / "data.jsonl"
+    answer = "The capital of France is Paris."
+    recs = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]}
+            for q in ("What is the capital of France?", "France's capital?", "Name the capital of France.")]
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    ctx = TPContext.single()
+    data = prepare_data(data_path, Tokenizer.from_dir(base), 64, 0)
+    cfg = FinetuneConfig(model=base, data=data_path, out=tmp_path / "run", lora_rank=4, lr=3e-2, steps=10,
+                         batch_size=2, seq_len=64, dtype="fp32", progress=False,
+                         lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    trainer = Trainer(cfg, ctx, data)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    assert any(p.dtype == QuantSpec(fmt).storage for p in frozen.values())
+    losses = [trainer.train_step()[0] for _ in range(10)]
+    assert sum(losses[-3:]) / 3 < 0.7 * losses[0], losses
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if "lora_" not in n)
+    from tprt.train.export import write_adapter
+
+    write_adapter(trainer.model, ctx, tmp_path / "adapter", trainer.adapter_config())
+    prompt = torch.tensor([Tokenizer.from_dir(base).encode("What is the capital of France?")])
+    with torch.inference_mode():
+        trained = trainer.model.gather_logits(trainer.model(prompt))[0, -1].float()
+
+    served = load_model(base, ctx, dtype="fp32")
+    prepack(served)  # int8: the compiled products under the adapter
+    with torch.inference_mode():
+        plain = served.gather_logits(served(prompt))[0, -1].float()
+    attach(served, read_adapter(served, tmp_path / "adapter", ctx))
+    with torch.inference_mode():
+        adapted = served.gather_logits(served(prompt))[0, -1].float()
+    assert (adapted - plain).abs().max() > 10 * (adapted - trained).abs().max()  # the adapter acts, as trained
+    assert int(adapted.argmax()) == int(trained.argmax())
+    with pytest.raises(ConfigError, match=f"weights are {fmt}; merging an adapter"):
+        merge_lora(served)
