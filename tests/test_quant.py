@@ -116,6 +116,39 @@ def test_method_lifecycle_on_column_and_row_layers(spec: QuantSpec) -> None:
         assert torch.equal(got, want), kind
 
 
+def test_fp8_scaled_mm_path_matches_its_emulation() -> None:
+    """The GPU path (torch._scaled_mm, which also runs on CPU here): activations quantized to
+    e4m3 per row, float32 scales on both sides; equals the dequantized product of the rounded
+    activations to bf16 output rounding, and the plain product to the activations' rounding."""
+    from tprt.quant.methods import quantize_rows_fp8, scaled_mm_fp8
+
+    gen = torch.Generator().manual_seed(6)
+    q, s = quantize(torch.randn(48, 128, generator=gen), QuantSpec("fp8"))
+    x = torch.randn(2, 5, 128, generator=gen).to(torch.bfloat16)
+    y = scaled_mm_fp8(x, q, s)
+    assert y.shape == (2, 5, 48) and y.dtype == torch.bfloat16
+    xq, xs = quantize_rows_fp8(x.reshape(-1, 128))
+    emulated = F.linear(xq.float() * xs, dequantize(q, s)).view(2, 5, 48)
+    plain = F.linear(x.float(), dequantize(q, s))
+    scale = plain.abs().max()
+    assert (y.float() - emulated).abs().max() <= 8e-3 * scale
+    assert (y.float() - plain).abs().max() <= 6e-2 * scale
+
+
+def test_quantize_linears_in_memory_matches_the_converter(root: Path) -> None:
+    """bench/GPU helper: quantizing a loaded float model gives the converter's tensors (TP 1)."""
+    from tprt.quant.methods import quantize_linears
+
+    model = load_model(root / "float", TPContext.single())
+    quantize_linears(model, QuantSpec("int8", 32))
+    want = load_model(root / "int8-g32", TPContext.single())
+    for a, b in zip(model.linears(), want.linears()):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.weight_scale, b.weight_scale)
+    ids = _prompts(256)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), want(ids))
+
+
 def test_method_refuses_a_shard_that_splits_a_group() -> None:
     with torch.device("meta"), pytest.raises(ConfigError, match="48 input columns.*group_size 32"):
         ColumnParallelLinear(48, 8, TPContext.single(), torch.float32, QuantLinear(QuantSpec("int8", 32)))

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tprt.errors import ConfigError
-from tprt.parallel.layers import LinearMethod, ParallelLinear
-from tprt.quant.formats import FP8_MAX, QuantSpec, dequantize
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.layers import LinearMethod, ParallelLinear, set_base_method
+from tprt.quant.formats import FP8_MAX, QuantSpec, dequantize, quantize
 
 
 class QuantLinear(LinearMethod):
@@ -74,6 +75,16 @@ def scaled_mm_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def method_for(spec: QuantSpec | None) -> LinearMethod | None:
-    """The method of a quantized format, None for dense."""
-    return None if spec is None else QuantLinear(spec)
+@torch.no_grad()
+def quantize_linears(model: TPLlamaForCausalLM, spec: QuantSpec) -> None:
+    """Quantizes a loaded dense model's decoder linear layers in place (each rank its own shard,
+    per row or group of it): for benches and GPU checks on random weights; checkpoints are
+    quantized by the converter (`tprt-convert hf-to-tp --quantize`)."""
+    method = QuantLinear(spec)
+    for layer in model.linears():
+        q, scale = quantize(layer.weight_matrix(), spec)
+        del layer.weight
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        set_base_method(layer, method)
+    model.weight_method = method
