@@ -11,7 +11,7 @@ import torch
 from tprt.cpu import native
 from tprt.parallel.layers import ParallelLinear
 from tprt.quant.formats import QuantSpec
-from tprt.quant.methods import QuantLinear
+from tprt.quant.methods import QuantLinear, quantized
 
 
 class NativeInt8Linear(QuantLinear):
@@ -22,7 +22,7 @@ class NativeInt8Linear(QuantLinear):
         self.kernel: native.Kernel | None = None
 
     def process_after_loading(self, layer: ParallelLinear) -> None:
-        self.kernel = native.q8_kernel(layer.weight, layer.weight_scale)
+        self.kernel = native.q8_kernel(*quantized(layer))
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
         if (self.kernel is not None and not (torch.is_grad_enabled() and x.requires_grad)

@@ -14,6 +14,8 @@ layers a `NativeInt8Linear`).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,12 +47,18 @@ class QuantLinear(LinearMethod):
 
     def dense_weight(self, layer: ParallelLinear, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The layer's weight dequantized: [out, in] in `dtype`."""
-        return dequantize(layer.weight, layer.weight_scale, dtype)
+        return dequantize(*quantized(layer), dtype)
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.name == "fp8" and scaled_mm_applies(layer.weight, x):
-            return scaled_mm_fp8(x, layer.weight, layer.weight_scale)
-        return F.linear(x.to(torch.float32), self.dense_weight(layer)).to(x.dtype)
+        weight, scale = quantized(layer)
+        if self.spec.name == "fp8" and scaled_mm_applies(weight, x):
+            return scaled_mm_fp8(x, weight, scale)
+        return F.linear(x.to(torch.float32), dequantize(weight, scale)).to(x.dtype)
+
+
+def quantized(layer: ParallelLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized layer's (weight [out, in], weight_scale [out, groups])."""
+    return cast(torch.Tensor, layer.weight), cast(torch.Tensor, layer.weight_scale)
 
 
 def scaled_mm_applies(weight: torch.Tensor, x: torch.Tensor) -> bool:
