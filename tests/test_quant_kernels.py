@@ -170,3 +170,20 @@ def test_prepacked_int8_model_decodes_like_the_torch_path(tmp_path: Path) -> Non
     tol = 2e-2 if native.q8_path() == "vnni" else 1e-5
     assert _rel(got, want) < tol
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [None, 16, 32, 24])
+def test_compiled_quantize_equals_the_torch_reference(dtype: torch.dtype, group: int | None) -> None:
+    """The converter's int8 quantization (tprt_quantize_q8) gives tprt.quant.formats' torch
+    results bit for bit: scales, rounding half to even, zero groups (24: the scalar loop)."""
+    w = torch.randn(300, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    w[4] = 0.0
+    w[9, :48] = 0.0
+    w[11, 5] = 0.5 * float(w[11].abs().max()) / 127 * 127  # values on rounding ties appear too
+    spec = QuantSpec("int8", group)
+    want = quantize(w, spec, native=False)
+    got = native.quantize_q8(w, group or 96)
+    assert got is not None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(quantize(w, spec)[0], want[0])

@@ -484,6 +484,22 @@ def bind_q8(lib: ctypes.CDLL) -> None:
     """Declares the int8 product's C signature on a loaded build of kernels.c."""
     lib.tprt_gemv_q8.argtypes, lib.tprt_gemv_q8.restype = [_P] * 4 + [_I] * 7, None
     lib.tprt_q8_path.argtypes, lib.tprt_q8_path.restype = [], _I
+    lib.tprt_quantize_q8.argtypes, lib.tprt_quantize_q8.restype = [_P, _I, _P, _P, _I, _I, _I], None
+
+
+def quantize_q8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """tprt.quant.formats.quantize for int8, bit for bit, in one compiled pass over `w` [rows,
+    cols] (float32 or bf16, contiguous) on the kernels' thread pool: (int8 [rows, cols], float32
+    scales [rows, cols / group]); None without the kernels or for another dtype."""
+    lib = _library()
+    if lib is None or w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    w = w.contiguous()
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    s = torch.empty(rows, cols // group, dtype=torch.float32)
+    lib.tprt_quantize_q8(w.data_ptr(), int(w.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(), rows, cols, group)
+    return q, s
 
 
 Q8_PATHS = {"best": 0, "scalar": 1, "float": 2}  # tprt_gemv_q8's path argument

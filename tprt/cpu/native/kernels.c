@@ -1260,3 +1260,69 @@ void tprt_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, int64
     if (x_bf16) free(xf);
     if (y_bf16) free(yf);
 }
+
+/* ---- int8 quantization for the converter (tprt.quant.formats.quantize, bit for bit) ----
+   Rows of x [rows, cols] (float32 or bf16) -> q int8 [rows, cols] and s float32 [rows, cols / g]:
+   per row and group of g columns, s = max|x| / 127 (1 for an all-zero group) and q = x / s
+   rounded half to even, clamped to +-127. Rows are shared by the thread pool. */
+typedef struct {
+    const void *x;
+    int64_t bf16, cols, g;
+    int8_t *q;
+    float *s;
+} quant_args;
+
+static inline float quant_load(const quant_args *a, int64_t i) {
+    return a->bf16 ? bf16_to_f32(((const uint16_t *)a->x)[i]) : ((const float *)a->x)[i];
+}
+
+#if defined(__AVX512F__)
+static inline __m512 quant_load16(const quant_args *a, int64_t i) {
+    if (!a->bf16) return _mm512_loadu_ps((const float *)a->x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static void quant_section(void *arg, int64_t lo, int64_t hi) {
+    const quant_args *a = arg;
+    const int64_t g = a->g, groups = a->cols / g;
+    for (int64_t r = lo; r < hi; r++)
+        for (int64_t b = 0; b < groups; b++) {
+            const int64_t start = r * a->cols + b * g;
+            float amax = 0;
+            int64_t c = 0;
+#if defined(__AVX512F__)
+            if (g % 16 == 0) {
+                __m512 m = _mm512_setzero_ps();
+                for (; c < g; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(quant_load16(a, start + c)));
+                amax = _mm512_reduce_max_ps(m);
+            }
+#endif
+            for (; c < g; c++) amax = fmaxf(amax, fabsf(quant_load(a, start + c)));
+            const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+            a->s[r * groups + b] = scale;
+            c = 0;
+#if defined(__AVX512F__)
+            if (g % 16 == 0) {
+                const __m512 sv = _mm512_set1_ps(scale), lo127 = _mm512_set1_ps(-127.0f), hi127 = _mm512_set1_ps(127.0f);
+                for (; c < g; c += 16) {
+                    __m512 v = _mm512_div_ps(quant_load16(a, start + c), sv);
+                    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    v = _mm512_min_ps(_mm512_max_ps(v, lo127), hi127);
+                    _mm_storeu_si128((__m128i *)(a->q + start + c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+                }
+            }
+#endif
+            for (; c < g; c++) {
+                float v = nearbyintf(quant_load(a, start + c) / scale);
+                a->q[start + c] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+        }
+}
+
+void tprt_quantize_q8(const void *x, int64_t bf16, int8_t *q, float *s, int64_t rows, int64_t cols, int64_t g) {
+    quant_args a = {x, bf16, cols, g, q, s};
+    section sec = {quant_section, &a, rows, chunk_units(rows, cols * (bf16 ? 2 : 4), 1)};
+    run_job(&sec, 1, rows * cols >= PARALLEL_MIN_ELEMENTS);
+}
