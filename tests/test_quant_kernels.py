@@ -187,3 +187,31 @@ def test_compiled_quantize_equals_the_torch_reference(dtype: torch.dtype, group:
     assert got is not None
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(quantize(w, spec)[0], want[0])
+
+
+def test_native_method_takes_batched_decode_in_passes_of_eight_rows() -> None:
+    """NativeInt8Linear: 1-32 rows through the compiled product (8 rows per pass), equal to the
+    kernel row by row; more rows, or a product that needs the input's gradient, take the torch path."""
+    from tprt.cpu.quant_linear import MAX_KERNEL_ROWS, NativeInt8Linear
+    from tprt.distributed.context import TPContext
+    from tprt.parallel.layers import ColumnParallelLinear
+
+    spec = QuantSpec("int8", 32)
+    q, s = _weights(48, 128, 32)
+    method = NativeInt8Linear(spec)
+    with torch.device("meta"):
+        layer = ColumnParallelLinear(128, 48, TPContext.single(), torch.float32, method)
+    layer.load_state_dict({"weight": q, "weight_scale": s}, assign=True)
+    method.process_after_loading(layer)
+    kernel = native.q8_kernel(q, s)
+    assert kernel is not None
+    x = _x(20, 128, torch.float32).view(4, 5, 128)  # [batch, seq, in]: 20 rows, 3 passes
+    with torch.inference_mode():
+        got = method.apply(layer, x)
+    assert torch.equal(got.view(20, 48), torch.cat([kernel(r[None]) for r in x.view(20, 128)]))
+    big = _x(MAX_KERNEL_ROWS + 1, 128, torch.float32)
+    with torch.inference_mode():
+        assert torch.equal(method.apply(layer, big), F.linear(big, dequantize(q, s)))
+    xg = x.clone().requires_grad_()
+    method.apply(layer, xg).sum().backward()
+    assert xg.grad is not None and torch.allclose(xg.grad, dequantize(q, s).sum(0).expand_as(xg), atol=1e-4)
