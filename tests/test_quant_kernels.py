@@ -215,3 +215,49 @@ def test_native_method_takes_batched_decode_in_passes_of_eight_rows() -> None:
     xg = x.clone().requires_grad_()
     method.apply(layer, xg).sum().backward()
     assert xg.grad is not None and torch.allclose(xg.grad, dequantize(q, s).sum(0).expand_as(xg), atol=1e-4)
+
+
+def test_int8_model_decodes_in_the_whole_stack_kernel(tmp_path: Path) -> None:
+    """An int8 model gets the one-call decode stack (tprt_decode_stack reading int8 weights and
+    their scales) after prepack + install_native_layers; in bf16 its decode steps equal the layer
+    by layer path bit for bit (the same products, the same roundings), several rows at once too."""
+    from convert.api import hf_to_tp
+    from tests.helpers import make_hf_llama
+    from tprt.checkpoint.loading import load_model
+    from tprt.cpu.fast_linear import prepack
+    from tprt.cpu.native_layers import NativeDecodeStack, install_native_layers
+    from tprt.distributed.context import TPContext
+    from tprt.model.llama import LayerStack
+
+    hf = make_hf_llama(tmp_path / "hf", "gqa", seed=8)
+    hf_to_tp(hf, tmp_path / "q", 1, quantize="int8", group_size=32)
+    model = load_model(tmp_path / "q", TPContext.single(), dtype="bf16")
+    prepack(model, tune=False)
+    install_native_layers(model)
+    stack = model.stack
+    assert isinstance(stack, NativeDecodeStack)
+    calls = [0]
+    kernel = stack.kernel
+
+    def counted(*args: object) -> torch.Tensor:
+        calls[0] += 1
+        return kernel(*args)
+
+    stack.kernel = counted
+    ids = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(2))  # [batch, steps]
+
+    def decode(with_stack: bool) -> torch.Tensor:
+        model.stack = stack if with_stack else LayerStack()
+        cache = model.new_cache(3 * 2 + 1, 4)
+        tables = torch.arange(1, 7).view(3, 2)  # [batch, blocks]
+        out = []
+        with torch.inference_mode():
+            for t in range(ids.shape[1]):
+                local = model(ids[:, t : t + 1], torch.full((3, 1), t), cache, tables, kv_len=t + 1,
+                              logits_index=torch.zeros(3, dtype=torch.long))  # [batch, local_vocab]
+                out.append(model.gather_logits(local))
+        return torch.stack(out)
+
+    got, want = decode(True), decode(False)
+    assert calls[0] == ids.shape[1]
+    assert torch.equal(got, want)

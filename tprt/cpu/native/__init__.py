@@ -411,7 +411,8 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
 class _DecodeStack(ctypes.Structure):
     """kernels.c's decode_stack: the model, for tprt_decode_stack."""
     _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
-                ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P)]
+                ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P),
+                ("scales", _P), ("groups", _P)]
 
 
 class _DecodeCache(ctypes.Structure):
@@ -424,7 +425,8 @@ STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS
 
 
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
-                        all_reduce: tuple[int, int, Callable[[int], None]] | None = None
+                        all_reduce: tuple[int, int, Callable[[int], None]] | None = None,
+                        scales: list[tuple[torch.Tensor | None, ...]] | None = None,
                         ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
     final norm) for a decode step of 1 to STACK_MAX_ROWS rows of one token, h [rows, 1, hidden],
@@ -435,26 +437,37 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     kernels take them. `all_reduce` (where TP > 1): (address of a C function `int64_t f(void *ctx,
     void *data, int64_t n, int64_t dtype)` summing a partial product over the TP group in place,
     its ctx, a function raising for its non-zero returns), e.g.
-    `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`."""
+    `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`. `scales`: per layer, 6 entries
+    like `layers`: the float32 scales [out, groups] of a weight given in int8 (tprt.quant), None
+    for a weight in the model's dtype; its products then run as `q8_kernel`'s."""
     if not layers:
         return None
     norm0, qkv0, o0, _, gate_up0, _ = layers[0]
-    fn = _function("tprt_decode_stack", qkv0, 2)
+    fn = _function("tprt_decode_stack", norm0, 1)
     hidden, inter = norm0.shape[0], gate_up0.shape[0] // 2
     d = qkv0.shape[0] // (n_heads + 2 * n_kv_heads)
     shapes = [(hidden,), ((n_heads + 2 * n_kv_heads) * d, hidden), (hidden, n_heads * d), (hidden,),
               (2 * inter, hidden), (hidden, inter)]
     weights = [w.detach().contiguous() for layer in layers for w in layer]
+    dtype = norm0.dtype
+    flat_scales = ([None] * len(weights) if scales is None
+                   else [None if x is None else x.detach().to(torch.float32).contiguous() for lay in scales for x in lay])
     if (fn is None or n_heads % n_kv_heads or any(len(layer) != 6 for layer in layers)
-            or any(w.dtype != qkv0.dtype or w.device.type != "cpu" for w in weights)
+            or len(flat_scales) != len(weights)
+            or any(w.dtype != (dtype if sc is None else torch.int8) or w.device.type != "cpu"
+                   or (sc is not None and (sc.shape[0] != w.shape[0] or w.shape[1] % sc.shape[1]))
+                   for w, sc in zip(weights, flat_scales))
             or any(tuple(w.shape) != shape for layer in layers for w, shape in zip(layer, shapes))):
         return None
-    dtype = qkv0.dtype
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    scale_ptrs = (ctypes.c_void_p * len(weights))(*(None if sc is None else sc.data_ptr() for sc in flat_scales))
+    groups = (ctypes.c_int64 * len(weights))(*(0 if sc is None else w.shape[1] // sc.shape[1]
+                                               for w, sc in zip(weights, flat_scales)))
     function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
     model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
-                         ctypes.addressof(pointers), function, ctx)
-    alive = (weights, pointers)  # what `model` points to, kept alive by the closure
+                         ctypes.addressof(pointers), function, ctx,
+                         ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups))
+    alive = (weights, pointers, flat_scales, scale_ptrs, groups)  # what `model` points to, kept alive by the closure
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive

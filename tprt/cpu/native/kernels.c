@@ -772,7 +772,14 @@ typedef struct {
     const void *const *weights;  /* per layer, 6 pointers: input norm, q/k/v, o, post-attention norm, gate/up, down */
     all_reduce_fn all_reduce;    /* sums a partial product over the TP group in place; NULL: TP = 1 */
     void *all_reduce_ctx;
+    const float *const *scales;  /* per layer, 6: an int8 weight's float32 scales (tprt.quant); NULL: dense */
+    const int64_t *groups;       /* per layer, 6: those scales' group sizes */
 } decode_stack;
+
+/* y [m, n] float32 = x [m, k] float32 times int8 rows w [n, k] with scales s, on this thread, by the
+   int8 products' best path (defined with them below). */
+static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                      int64_t g);
 
 /* One decode step's place in the paged float32 cache: layer 0's [block, k/v, kv_head, offset, d]
    with element strides, the next layer's s_layer further on. */
@@ -813,6 +820,22 @@ typedef struct {  /* a section's layer */
     {stack_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
 
 #define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
+/* Weight `slot` (6 * layer + index), rows [row0, row0 + n), times x [rows, k] into y (rows ldy apart):   \
+   the dense GEMV, or the int8 product on x in float32. */                                                   \
+static void stack_mm_##SUFFIX(const decode_stack *m, int64_t slot, int64_t row0, const T *x, T *y,          \
+                              int64_t rows, int64_t n, int64_t k, int64_t ldy) {                              \
+    const float *s = m->scales ? m->scales[slot] : NULL;                                                      \
+    if (!s) {                                                                                                 \
+        gemv_rows_##SUFFIX##_serial((const T *)m->weights[slot] + row0 * k, x, y, rows, n, k, ldy);           \
+        return;                                                                                               \
+    }                                                                                                         \
+    int64_t g = m->groups[slot];                                                                              \
+    float xf[rows * k], yf[rows * n];                                                                         \
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = LOAD(x[i]);                                                \
+    q8_matmul((const int8_t *)m->weights[slot] + row0 * k, s + row0 * (k / g), xf, yf, rows, n, k, g);        \
+    for (int64_t r = 0; r < rows; r++)                                                                        \
+        for (int64_t j = 0; j < n; j++) y[r * ldy + j] = STORE(yf[r * n + j]);                                \
+}                                                                                                             \
 static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
     const stack_layer *a = arg;                                                                               \
     stack_step *t = a->t;                                                                                     \
@@ -837,10 +860,9 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
     const decode_stack *m = t->m;                                                                             \
     const decode_cache *c = t->c;                                                                             \
     int64_t d = m->d, heads = m->nh + 2 * m->nkv;                                                             \
-    const T *w = m->weights[6 * a->layer + 1];                                                                \
     float *cache = c->cache + a->layer * c->s_layer;                                                          \
-    gemv_rows_##SUFFIX##_serial(w + lo * d * m->hidden, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d, \
-                                m->hidden, heads * d);                                                        \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 1, lo * d, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d,   \
+                      m->hidden, heads * d);                                                                  \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         float *at = cache + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;                             \
         for (int64_t h = lo; h < hi; h++)                                                                     \
@@ -877,8 +899,7 @@ static void stack_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {               
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
     int64_t k = m->nh * m->d;                                                                                 \
-    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 2] + lo * k, t->attn, (T *)t->partial + lo, \
-                                t->rows, hi - lo, k, m->hidden);                                              \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 2, lo, t->attn, (T *)t->partial + lo, t->rows, hi - lo, k, m->hidden); \
 }                                                                                                             \
 /* features [lo, hi): their gate and up rows for every row, then each row's SwiGLU into act */               \
 static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                       \
@@ -886,11 +907,10 @@ static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {         
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
     int64_t hidden = m->hidden, inter = m->inter;                                                             \
-    const T *w = m->weights[6 * a->layer + 4];                                                                \
     T *gate_up = t->gate_up, *act = t->act;                                                                   \
-    gemv_rows_##SUFFIX##_serial(w + lo * hidden, t->normed, gate_up + lo, t->rows, hi - lo, hidden, 2 * inter); \
-    gemv_rows_##SUFFIX##_serial(w + (inter + lo) * hidden, t->normed, gate_up + inter + lo, t->rows, hi - lo,  \
-                                hidden, 2 * inter);                                                           \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 4, lo, t->normed, gate_up + lo, t->rows, hi - lo, hidden, 2 * inter);  \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 4, inter + lo, t->normed, gate_up + inter + lo, t->rows, hi - lo,      \
+                      hidden, 2 * inter);                                                                     \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         const T *g = gate_up + r * 2 * inter;                                                                 \
         float *work = t->work + r * inter;                                                                    \
@@ -903,8 +923,8 @@ static void stack_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {            
     const stack_layer *a = arg;                                                                               \
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
-    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 5] + lo * m->inter, t->act,             \
-                                (T *)t->partial + lo, t->rows, hi - lo, m->inter, m->hidden);                 \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 5, lo, t->act, (T *)t->partial + lo, t->rows, hi - lo, m->inter,      \
+                      m->hidden);                                                                             \
 }                                                                                                             \
 /* h [rows, hidden]: the embedded tokens in, the last layer's outputs (before the final norm) out.     \
    cos/sin [rows, d] are the step's RoPE angles; blocks/offsets: each row's write block and offset,    \
@@ -1211,6 +1231,30 @@ int64_t tprt_q8_path(void) {
 #else
     return 1;
 #endif
+}
+
+static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                      int64_t g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    if (k % 64 == 0 && g % 32 == 0 && m >= 1 && m <= 8) {
+        static void (*const kernel[])(const q8v_args *, int64_t, int64_t) = {
+            0, q8v_rows_1, q8v_rows_2, q8v_rows_3, q8v_rows_4, q8v_rows_5, q8v_rows_6, q8v_rows_7, q8v_rows_8};
+        uint8_t xu[m * k];
+        float xs[m * (k / 64) * 16];
+        q8v_quantize_x(x, m, k, xu, xs);
+        q8v_args a = {w, s, xu, xs, y, m, n, k, g};
+        kernel[m](&a, 0, n);
+        return;
+    }
+#endif
+#if defined(Q8_LANES)
+    q8_fn fn = q8_variant(m, g);
+    if (fn) {
+        fn(w, s, x, y, n, k, g, n);
+        return;
+    }
+#endif
+    q8_rows_scalar(w, s, x, y, m, n, k, g, n);
 }
 
 static void q8_section(void *arg, int64_t lo, int64_t hi) {
