@@ -5,6 +5,7 @@ converter's peak RSS. Every step runs the converter in a fresh child process, wh
     python bench/convert_bench.py --layers 2            # about 7.6 GB of bf16 weights
     python bench/convert_bench.py --layers 4            # about 11 GB: RSS must not grow
     python bench/convert_bench.py --hub-stream --layers 4 --shard-gb 1   # from a fake Hub on loopback
+    python bench/convert_bench.py --layers 2 --quantize int8 --group-size 128   # + hf -> tp8 quantized in the stream
 
 --hub-stream serves the checkpoint from tests/fake_hub.py on loopback (HF_ENDPOINT) and compares
 `tprt-convert hf-to-tp org/name --stream` with downloading first (the same files, with
@@ -146,7 +147,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     return True
 
 
-def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
+def run(workdir: Path, layers: int, check: bool, quantize: list[str] | None = None) -> list[dict[str, object]]:
     src = workdir / "hf"
     t0 = time.perf_counter()
     total = write_synthetic(src, layers)
@@ -154,6 +155,8 @@ def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
           flush=True)
     steps = [
         ("hf -> tp8", ["hf-to-tp", str(src), str(workdir / "tp8"), "--tp", "8"], None),
+        *([("hf -> tp8 " + quantize[1], ["hf-to-tp", str(src), str(workdir / "tp8q"), "--tp", "8", *quantize],
+            "tp8q")] if quantize else []),
         ("tp8 -> tp2", ["reshard", str(workdir / "tp8"), str(workdir / "tp2"), "--tp", "2"], "tp8"),
         ("tp2 -> hf", ["tp-to-hf", str(workdir / "tp2"), str(workdir / "hf_back")], "tp2"),
         ("hf -> tp2", ["hf-to-tp", str(src), str(workdir / "tp2b"), "--tp", "2"], "tp2b"),
@@ -164,6 +167,8 @@ def run(workdir: Path, layers: int, check: bool) -> list[dict[str, object]]:
         wall, rss = timed([*cmd, "--no-progress"], workdir)
         row = dict(step=label, layers=layers, gb=round(total / 1e9, 2), seconds=round(wall, 2),
                    cp_seconds=round(cp, 2), ratio_to_cp=round(wall / cp, 2), peak_rss_mib=round(rss))
+        if quantize and label.startswith("hf -> tp8 "):  # the same conversion without --quantize, same run
+            row["ratio_to_unquantized"] = round(wall / float(rows[0]["seconds"]), 2)  # type: ignore[arg-type]
         print(json.dumps(row), flush=True)
         rows.append(row)
         if label == "tp2 -> hf":
@@ -271,7 +276,13 @@ def main() -> None:
                     help="instead: from a fake Hub on loopback, --stream vs download-then-convert")
     ap.add_argument("--shard-gb", type=float, default=5.0, help="--hub-stream: shard size in GB (default 5)")
     ap.add_argument("--tp", type=int, default=8, help="--hub-stream: TP degree (default 8)")
+    ap.add_argument("--quantize", choices=("int8", "fp8"),
+                    help="also time hf -> tp8 with --quantize (its ratio to the unquantized conversion)")
+    ap.add_argument("--group-size", type=int, help="with --quantize int8: --group-size G")
     args = ap.parse_args()
+    quantize = None
+    if args.quantize:
+        quantize = ["--quantize", args.quantize] + (["--group-size", str(args.group_size)] if args.group_size else [])
     rows = []
     for layers in args.layers:
         workdir = Path(tempfile.mkdtemp(prefix="tprt-convbench-", dir=args.workdir))
@@ -279,7 +290,7 @@ def main() -> None:
             if args.hub_stream:
                 rows += run_hub(workdir, layers, args.shard_gb, args.tp)
             else:
-                rows += run(workdir, layers, not args.no_check)
+                rows += run(workdir, layers, not args.no_check, quantize)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     if args.hub_stream:

@@ -1,6 +1,7 @@
 """The CUDA-graph decode path, checked on a GPU (needs CUDA; not run in CI).
 
     python bench/gpu_graphs.py [--config bench/configs/llama-3.1-8b/config.json] [--layers 4] [--out FILE]
+                               [--weight-dtype int8|fp8]
 
 Random float32 weights of the config's shapes (its first `--layers` layers) on the GPU (float32:
 random weights give logits with near-ties, and bf16 rounding differences between two kernel
@@ -8,7 +9,9 @@ schedules could then flip a greedy choice without anything being wrong); the sam
 greedy requests (uneven prompts, sequences joining and leaving, batches that are not a bucket
 size, steps over 256 and 512 keys) through an Engine with static decode (tprt.engine.static_decode: one CUDA graph per batch
 bucket) and through one without. Passes when graphs were captured and replayed (none failed)
-and both give the same tokens. Exit status 1 otherwise, with the reason.
+and both give the same tokens. Exit status 1 otherwise, with the reason. With --weight-dtype the
+decoder's linear layers are quantized first (tprt.quant; fp8 in bf16: torch._scaled_mm with
+activations quantized per row inside the graph).
 """
 
 from __future__ import annotations
@@ -50,15 +53,23 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "bench" / "configs" / "llama-3.1-8b" / "config.json")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", type=Path, help="also write the JSON result here")
+    ap.add_argument("--weight-dtype", choices=("int8", "fp8"), help="quantize the linear weights first")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_graphs.py: no CUDA device")
-    model = random_model(args.config, TPContext.single("cuda"), torch.float32, num_layers=args.layers)
+    dtype = torch.bfloat16 if args.weight_dtype == "fp8" else torch.float32  # _scaled_mm takes bf16 activations
+    model = random_model(args.config, TPContext.single("cuda"), dtype, num_layers=args.layers)
+    if args.weight_dtype is not None:
+        from tprt.quant.formats import QuantSpec
+        from tprt.quant.methods import quantize_linears
+
+        quantize_linears(model, QuantSpec(args.weight_dtype))
     graphed, engine = generate(model, static=True)
     eager, _ = generate(model, static=False)
     static = engine.runner.static
     assert static is not None
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "captured_batch_kv_buckets": sorted(static.graphs),
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "weight_dtype": args.weight_dtype or "dense",
+                           "captured_batch_kv_buckets": sorted(static.graphs),
                            "capture_failed": static.failed, "same_tokens": graphed == eager}
     print(json.dumps(out, indent=1))
     if args.out:

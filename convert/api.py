@@ -15,6 +15,7 @@ from convert.verify import verify_hub
 from tprt.checkpoint.format import Manifest
 from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.errors import ConfigError
+from tprt.quant.formats import parse_spec
 
 __all__ = ["gguf_to_hf", "hf_to_tp", "hub_gguf", "reshard", "tp_to_hf", "verify"]
 
@@ -23,14 +24,18 @@ def hf_to_tp(
     src: Path | str, dst: Path, tp: int, dtype: str | None = None, vocab_align: int = 64,
     force: bool = False, progress: bool = False,
     revision: str | None = None, token: str | None = None, stream: bool = False,
+    quantize: str | None = None, group_size: int | None = None,
 ) -> Manifest:
     """HF directory, .gguf file or Hub repo id (`org/name`) -> TP checkpoint with `tp` ranks.
     `dtype`: bf16, fp16 or fp32 (None keeps the source's); the vocabulary is zero-padded to a
     multiple of vocab_align * tp. For a Hub repo: `revision` (branch, tag or commit), `token`
     (default: HF_TOKEN or the stored login), and `stream` to delete each shard this run
-    downloaded from the cache once it is converted."""
+    downloaded from the cache once it is converted. `quantize` ("int8" or "fp8") stores the
+    decoder's linear weights quantized with float32 scales per output channel, or per
+    `group_size` input columns (int8 only); the manifest records the format."""
     hub = engine.HubOptions(revision, token, stream) if revision or token or stream else None
-    return engine.convert_to_tp(_src(src), Path(dst), tp, dtype, vocab_align, force, progress, hub)
+    return engine.convert_to_tp(_src(src), Path(dst), tp, dtype, vocab_align, force, progress, hub,
+                                parse_spec(quantize, group_size))
 
 
 def _src(src: Path | str) -> Path | str:
@@ -40,11 +45,13 @@ def _src(src: Path | str) -> Path | str:
 
 def reshard(
     src: Path, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
-    force: bool = False, progress: bool = False,
+    force: bool = False, progress: bool = False, quantize: str | None = None, group_size: int | None = None,
 ) -> Manifest:
     """TP checkpoint -> TP checkpoint with `tp` ranks, straight from the rank files. vocab_align
-    None keeps the source checkpoint's."""
-    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress)
+    None keeps the source checkpoint's. A quantized source stays in its format (its groups must
+    stay whole at the new TP size); `quantize` quantizes a float one as `hf_to_tp` does."""
+    return engine.convert_to_tp(Path(src), Path(dst), tp, dtype, vocab_align, force, progress, None,
+                                parse_spec(quantize, group_size))
 
 
 def tp_to_hf(

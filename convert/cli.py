@@ -28,6 +28,7 @@ EPILOG = """\
 examples:
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp4 --tp 4
   tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-tp8 --tp 8 --dtype bf16
+  tprt-convert hf-to-tp ./Llama-3.1-8B ./llama8b-int8-tp2 --tp 2 --quantize int8 --group-size 128
   tprt-convert hf-to-tp meta-llama/Llama-3.1-8B-Instruct ./llama8b-tp4 --tp 4 --stream
   tprt-convert reshard ./llama8b-tp8 ./llama8b-tp2 --tp 2
   tprt-convert tp-to-hf ./llama8b-tp2 ./llama8b-hf
@@ -45,6 +46,15 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"{PROG}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _quant_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+                   help="store the decoder's linear weights quantized, with float32 scales per output channel "
+                        "(fp8: e4m3, for GPUs); embeddings, LM head and norms stay float")
+    p.add_argument("--group-size", type=int, default=None, metavar="G",
+                   help="int8: one scale per G input columns instead of per channel (e.g. 32, 128); each "
+                        "rank's columns of o_proj/down_proj must be whole groups")
 
 
 def _common(p: argparse.ArgumentParser, dtype: bool = True) -> None:
@@ -78,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True, metavar="N", help="number of ranks")
     p.add_argument("--vocab-align", type=int, default=64, metavar="A",
                    help="pad the vocabulary to a multiple of A*N rows (default 64)")
+    _quant_flags(p)
     _hub_flags(p)
     _common(p)
 
@@ -88,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, required=True, metavar="M", help="new number of ranks")
     p.add_argument("--vocab-align", type=int, default=None, metavar="A",
                    help="vocabulary padding multiple per rank (default: the source's)")
+    _quant_flags(p)
     _common(p)
 
     p = sub.add_parser("tp-to-hf", help="TP checkpoint -> HF directory", formatter_class=fmt,
@@ -125,12 +137,13 @@ def _to_tp(args: argparse.Namespace, progress: bool) -> int:
     if args.command == "hf-to-tp":
         m = api.hf_to_tp(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
                          force=args.force, progress=progress, revision=args.revision, token=args.token,
-                         stream=args.stream)
+                         stream=args.stream, quantize=args.quantize, group_size=args.group_size)
     else:
         m = api.reshard(args.src, args.dst, tp=args.tp, dtype=args.dtype, vocab_align=args.vocab_align,
-                        force=args.force, progress=progress)
+                        force=args.force, progress=progress, quantize=args.quantize, group_size=args.group_size)
+    fmt = m.extra.get("weight_format")
     print(f"{args.dst}: TP={m.tp_size}, {len(m.tensors)} tensors, vocabulary {m.vocab_size} "
-          f"padded to {m.padded_vocab_size}")
+          f"padded to {m.padded_vocab_size}" + (f", {fmt} weights" if fmt else ""))
     return 0
 
 

@@ -17,12 +17,15 @@ from convert.hub_source import HubSource
 from convert.plan import TORCH_NAMES, Plan, parse_dtype, parse_size, plan_hf, plan_tp
 from convert.progress import Progress
 from convert.resume import Journal
-from convert.rules import check_tensor_set, expected_shapes
+from convert.quantize import QuantizingSource
+from convert.rules import check_tensor_set, expected_shapes, is_quantized
 from convert.sources import TensorSource, TPSource, open_source
-from tprt.checkpoint.format import FileEntry, Manifest, write_manifest
+from tprt.checkpoint.format import MANIFEST_NAME, FileEntry, Manifest, write_manifest
 from tprt.checkpoint.hub import HubRepo, is_hub_id
 from tprt.model.config import TPLayout
 from tprt.errors import ConfigError, OutputError
+from tprt.parallel.sharding import ROW, rule_for
+from tprt.quant.formats import QuantSpec, check_groups, spec_from_extra
 from tprt.checkpoint.fsutil import atomic_output_dir, write_bytes_atomic
 
 TOOL = "tprt-convert 0.1.0"
@@ -57,12 +60,20 @@ def opened(src: Path | str, hub: HubOptions | None = None) -> Iterator[TensorSou
         source.close()
 
 
+def source_spec(source: TensorSource) -> QuantSpec | None:
+    """The quantized format a source's weights are stored in (a quantized TP checkpoint), or None."""
+    if isinstance(source, TPSource):
+        return spec_from_extra(source.manifest.extra, str(source.path / MANIFEST_NAME))
+    return None
+
+
 def validated_names(source: TensorSource) -> list[str]:
     """The tensors to convert, in the source's storage order, after checking the set against
     config.json (missing, unexpected or mis-shaped tensors are errors)."""
     shapes = source.shapes()
-    check_tensor_set(shapes, source.config, str(source.path))
-    wanted = expected_shapes(source.config)
+    spec = source_spec(source)
+    check_tensor_set(shapes, source.config, str(source.path), spec)
+    wanted = expected_shapes(source.config, spec)
     order = getattr(source, "order", None)
     names: list[str] = order() if callable(order) else sorted(shapes)
     return [n for n in names if n in wanted]
@@ -116,10 +127,11 @@ def _small_files_size(source: TensorSource) -> int:
 
 def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: bool, desc: str,
               journal: Journal | None = None) -> dict[str, FileEntry]:
-    hub = isinstance(source, HubSource)
+    origin = source.inner if isinstance(source, QuantizingSource) else source
+    hub = isinstance(origin, HubSource)
     with Progress(plan.total_bytes, progress, desc + (" (download+convert)" if hub else "")) as bar:
-        if isinstance(source, HubSource):
-            source.attach(bar)
+        if isinstance(origin, HubSource):
+            origin.attach(bar)
         done = execute(plan, source, tmp, bar, dst, journal)
     return {f.name: FileEntry(f.rank, *done[f.name]) for f in plan.files}
 
@@ -127,9 +139,11 @@ def _run_plan(plan: Plan, source: TensorSource, tmp: Path, dst: Path, progress: 
 def convert_to_tp(
     src: Path | str, dst: Path, tp: int, dtype: str | None = None, vocab_align: int | None = None,
     force: bool = False, progress: bool = False, hub: HubOptions | None = None,
+    quantize: QuantSpec | None = None,
 ) -> Manifest:
     """Any source -> a TP checkpoint with `tp` ranks. vocab_align None: the source checkpoint's
-    (when it is a TP checkpoint), else 64."""
+    (when it is a TP checkpoint), else 64. `quantize`: the decoder's linear weights quantized in
+    the stream (tprt.quant); a quantized TP source keeps its format."""
     out_dtype = parse_dtype(dtype)
     _refuse_existing(dst, force)
     with opened(src, hub) as source:
@@ -137,15 +151,22 @@ def convert_to_tp(
         if vocab_align is None:
             vocab_align = _source_vocab_align(source)
         layout = TPLayout.for_model(source.config, tp, vocab_align)
+        spec = _output_spec(source, quantize)
+        if quantize is not None and spec is quantize:
+            source = QuantizingSource(source, quantize)
+            names = source.names(names)
+        if spec is not None:
+            _check_whole_groups(names, source.shapes(), spec, tp)
         shapes = source.shapes()
         dtypes = {n: source.dtype(n) for n in names}
         plan, manifest = plan_tp(names, shapes, dtypes, source.config, layout, out_dtype)
         manifest.hf_weight_map = _weight_map(source, names)
         manifest.extra = {"tool": TOOL, "source": str(src), "source_format": _format_of(source),
-                          "vocab_align": vocab_align}
-        if isinstance(source, HubSource):
-            manifest.extra["source_commit"] = source.repo.commit
-        resumable = isinstance(source, HubSource)  # a rerun fetches and reads only what is left
+                          "vocab_align": vocab_align, **(spec.to_extra() if spec is not None else {})}
+        origin = source.inner if isinstance(source, QuantizingSource) else source
+        if isinstance(origin, HubSource):
+            manifest.extra["source_commit"] = origin.repo.commit
+        resumable = isinstance(origin, HubSource)  # a rerun fetches and reads only what is left
         kept = _kept_bytes(Path(dst)) if resumable else 0
         check_free_space(dst, plan.total_bytes + _small_files_size(source) - kept)
         with atomic_output_dir(dst, force, keep=RESUME_DIR if resumable else None) as tmp:
@@ -155,6 +176,27 @@ def convert_to_tp(
             manifest.files = files
             write_manifest(tmp, manifest)
     return manifest
+
+
+def _output_spec(source: TensorSource, quantize: QuantSpec | None) -> QuantSpec | None:
+    """The output's weight format: the source's when it is quantized (a requantization is
+    refused), else `quantize`."""
+    stored = source_spec(source)
+    if stored is None:
+        return quantize
+    if quantize is not None and quantize != stored:
+        raise ConfigError(f"{source.path}: its weights are already {stored.name} (group_size {stored.group_size}); "
+                          f"--quantize {quantize.name} with group_size {quantize.group_size} would quantize them "
+                          "twice: convert the original float checkpoint instead")
+    return stored
+
+
+def _check_whole_groups(names: list[str], shapes: dict[str, tuple[int, ...]], spec: QuantSpec, tp: int) -> None:
+    """Each quantized weight's groups stay whole on every rank (row-parallel layers split its columns)."""
+    for name in names:
+        if is_quantized(name):
+            split = tp if rule_for(name).kind == ROW else 1
+            check_groups(spec, name, shapes[name][1], split)
 
 
 def _kept_bytes(dst: Path) -> int:
@@ -179,6 +221,8 @@ def _source_vocab_align(source: TensorSource) -> int:
 
 
 def _format_of(source: TensorSource) -> str:
+    if isinstance(source, QuantizingSource):
+        return _format_of(source.inner)
     if isinstance(source, TPSource):
         return "tp"
     if isinstance(source, HubSource):
@@ -203,6 +247,11 @@ def convert_to_hf(
     max_shard = None if max_shard_size is None else parse_size(max_shard_size)
     _refuse_existing(dst, force)
     with opened(src, hub) as source:
+        spec = source_spec(source)
+        if spec is not None:
+            raise ConfigError(f"{source.path}: holds {spec.name} weights (weight_format {spec.name}); transformers "
+                              "cannot load them as a plain Llama, and tp-to-hf does not dequantize: export the "
+                              "float checkpoint it was converted from")
         names = validated_names(source)
         shapes = source.shapes()
         dtypes = {n: source.dtype(n) for n in names}

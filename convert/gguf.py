@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,11 +150,38 @@ class GGUFSource:
             return torch.empty((0, *t.shape[1:]), dtype=self._dtype_of(t))
         if len(t.shape) == 1:  # a whole norm vector is a few KiB; blocks need not align to `start`
             return self._dequant(t, 0, 1)[0, start:stop].contiguous()
+        return self._hf_rows(t, start, stop, lambda a, b: self._dequant(t, a, b)).reshape(stop - start, *t.shape[1:])
+
+    def q8_0_rows(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows [start, stop) of a Q8_0 matrix as stored, without a float round trip: (int8
+        [rows, in], float32 scales [rows, in / 32], each the block's fp16 scale); None for
+        another type."""
+        t = self._tensor(name)
+        if t.qtype != GGMLQuantizationType.Q8_0 or len(t.shape) != 2:
+            return None
+        blocks_per_row = t.shape[1] // 32
+
+        def fetch(a: int, b: int) -> torch.Tensor:  # [rows, in + 4 * blocks]: int8 values then scale bytes
+            assert self._data is not None, f"{self.path}: read after close()"
+            raw = np.asarray(self._data[t.offset + a * t.row_bytes : t.offset + b * t.row_bytes])
+            blocks = raw.reshape(-1, 34)  # [rows * blocks, 34]: f16 d | int8 q[32]
+            q = np.ascontiguousarray(blocks[:, 2:]).reshape(b - a, t.shape[1])
+            d = np.ascontiguousarray(blocks[:, :2]).view("<f2").astype(np.float32).reshape(b - a, blocks_per_row)
+            return torch.cat([torch.from_numpy(q.view(np.uint8)), torch.from_numpy(d).view(torch.uint8)], dim=1)
+
+        both = self._hf_rows(t, start, stop, fetch)
+        q = both[:, : t.shape[1]].contiguous().view(torch.int8)
+        return q, both[:, t.shape[1] :].contiguous().view(torch.float32)
+
+    def _hf_rows(self, t: GGUFTensor, start: int, stop: int,
+                 fetch: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """Rows [start, stop) in HF order of a matrix whose stored rows [a, b) `fetch` returns
+        (q/k: the whole heads covering the range, un-permuted)."""
         if not t.rope_heads:
-            return self._dequant(t, start, stop).reshape(stop - start, *t.shape[1:])
+            return fetch(start, stop)
         head_dim = t.shape[0] // t.rope_heads
         h0, h1 = start // head_dim, -(-stop // head_dim)  # whole heads covering the range
-        rows = self._dequant(t, h0 * head_dim, h1 * head_dim)  # [heads * head_dim, in], interleaved
+        rows = fetch(h0 * head_dim, h1 * head_dim)  # [heads * head_dim, in], interleaved
         rows = unpermute_rope_rows(rows, h1 - h0)
         return rows[start - h0 * head_dim : stop - h0 * head_dim].contiguous()
 

@@ -12,6 +12,7 @@ from convert.rules import tp_entry
 from tprt.checkpoint.format import Manifest, rank_file_name
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import ConfigError
+from tprt.parallel.sharding import SCALE_SUFFIX
 from tprt.checkpoint.safetensors_io import DTYPE_SIZES, build_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -120,7 +121,9 @@ def plan_tp(
     dtype: str | None,
 ) -> tuple[Plan, Manifest]:
     """One rank file per rank, every tensor in `names` order in each; the manifest without files."""
-    tensors = {n: tp_entry(n, shapes[n], out_dtype_of(dtypes[n], dtype), layout) for n in names}
+    # A quantized weight's scales stay float32 whatever --dtype says (tprt.quant).
+    tensors = {n: tp_entry(n, shapes[n], dtypes[n] if n.endswith(SCALE_SUFFIX) else out_dtype_of(dtypes[n], dtype),
+                           layout) for n in names}
     emb = tensors["model.embed_tokens.weight"]
     manifest = Manifest(layout.tp, cfg.vocab_size, layout.padded_vocab_size, emb.dtype, tensors, {})
     files = [OutFile(rank_file_name(r, layout.tp), r, metadata=dict(HF_METADATA)) for r in range(layout.tp)]

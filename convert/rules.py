@@ -6,7 +6,8 @@ from __future__ import annotations
 from tprt.checkpoint.format import TensorEntry
 from tprt.errors import CheckpointError
 from tprt.model.config import ModelConfig, TPLayout
-from tprt.parallel.sharding import KV, VOCAB, rule_for
+from tprt.quant.formats import QuantSpec
+from tprt.parallel.sharding import KV, ROW, SCALE_SUFFIX, VOCAB, rule_for
 
 # Tensors that some checkpoints carry but that are derived, never learned: skipped on read.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -16,8 +17,23 @@ def is_ignored(name: str) -> bool:
     return name.endswith(IGNORED_SUFFIXES)
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF Llama checkpoint of `cfg` must hold, with its unpadded global shape."""
+def expected_shapes(cfg: ModelConfig, spec: QuantSpec | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF Llama checkpoint of `cfg` must hold, with its unpadded global shape;
+    with a quantized `spec`, each decoder linear weight's scales too."""
+    shapes = _dense_shapes(cfg)
+    if spec is not None:
+        for name, shape in list(shapes.items()):
+            if is_quantized(name):
+                shapes[name + "_scale"] = (shape[0], spec.groups(shape[1]))
+    return shapes
+
+
+def is_quantized(name: str) -> bool:
+    """Whether a quantized format stores HF tensor `name` quantized (the decoder's linear weights)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
@@ -36,10 +52,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensor_set(found: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str) -> None:
+def check_tensor_set(found: dict[str, tuple[int, ...]], cfg: ModelConfig, source: str,
+                     spec: QuantSpec | None = None) -> None:
     """Missing, unexpected or mis-shaped tensors, each named with `source` and what was expected.
     A tied model may still carry lm_head.weight (some exporters write it); it is then dropped."""
-    expected = expected_shapes(cfg)
+    expected = expected_shapes(cfg, spec)
     for name, shape in expected.items():
         if name not in found:
             raise CheckpointError(f"{source}: tensor {name!r} missing (config.json implies {list(shape)})")
@@ -57,6 +74,8 @@ def check_tensor_set(found: dict[str, tuple[int, ...]], cfg: ModelConfig, source
 def tp_entry(name: str, shape: tuple[int, ...], dtype: str, layout: TPLayout) -> TensorEntry:
     """The manifest entry of `name` at this layout: padded vocabulary, kv replication."""
     rule = rule_for(name)
+    if name.endswith(SCALE_SUFFIX) and rule.kind == ROW and shape[1] == 1:
+        return TensorEntry(shape, dtype, None)  # per channel: every rank's columns share the row's scale
     if rule.kind == VOCAB:
         return TensorEntry((layout.padded_vocab_size, *shape[1:]), dtype, rule.split_dim)
     if rule.kind == KV:

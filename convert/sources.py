@@ -149,7 +149,26 @@ def _aux_files(directory: Path) -> dict[str, bytes]:
 
 def _read_config(directory: Path) -> tuple[ModelConfig, dict[str, Any]]:
     cfg = ModelConfig.from_file(directory / "config.json")
+    refuse_prequantized(cfg.raw, directory / "config.json")
     return cfg, dict(cfg.raw)
+
+
+def refuse_prequantized(config: dict[str, Any], where: Path) -> None:
+    """A pre-quantized HF checkpoint (config.json `quantization_config`: compressed-tensors FP8 as
+    vLLM reads it, GPTQ, AWQ, bitsandbytes, ...) is refused by its format's name: its tensors are
+    not a float Llama's. tprt quantizes float checkpoints itself (`--quantize int8|fp8`)."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+    what = method
+    if method == "compressed-tensors" and isinstance(qc, dict):
+        groups = qc.get("config_groups") or {}
+        kinds = {str(g.get("weights", {}).get("type", "?")) + str(g.get("weights", {}).get("num_bits", ""))
+                 for g in groups.values() if isinstance(g, dict)}
+        what = f"compressed-tensors ({', '.join(sorted(kinds)) or 'unknown scheme'})"
+    raise CheckpointError(f"{where}: quantization_config says the weights are pre-quantized ({what}), which "
+                          "tprt does not import; convert the float checkpoint with --quantize int8 or fp8 instead")
 
 
 class HFSafetensorsSource:

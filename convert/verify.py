@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from convert.rules import check_tensor_set
+from convert.rules import check_tensor_set, is_quantized
 from tprt.parallel.sharding import VOCAB_TENSORS
 from convert.sources import open_hf
 from tprt.checkpoint.hub import HubRepo
 from tprt.checkpoint.format import MANIFEST_NAME, Manifest, is_tp_checkpoint
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.errors import TprtError
+from tprt.quant.formats import QuantSpec, check_groups, spec_from_extra
 from tprt.checkpoint.safetensors_io import read_header, sha256_file
 
 
@@ -125,9 +126,12 @@ def _check_config(path: Path, manifest: Manifest) -> list[str]:
         problems.append(f"{path / MANIFEST_NAME}: padded_vocab_size {manifest.padded_vocab_size} is not valid for TP={layout.tp}")
     shapes = {n: ((cfg.vocab_size, *e.shape[1:]) if n in VOCAB_TENSORS else e.shape) for n, e in manifest.tensors.items()}
     try:
-        check_tensor_set(shapes, cfg, str(path / MANIFEST_NAME))
+        spec = spec_from_extra(manifest.extra, str(path / MANIFEST_NAME))
+        check_tensor_set(shapes, cfg, str(path / MANIFEST_NAME), spec)
     except TprtError as e:
-        problems.append(str(e))
+        return [*problems, str(e)]
+    if spec is not None:
+        problems += _check_quantized(path, manifest, spec)
     for name in VOCAB_TENSORS:
         entry = manifest.tensors.get(name)
         if entry is not None and entry.shape[0] != manifest.padded_vocab_size:
@@ -135,4 +139,21 @@ def _check_config(path: Path, manifest: Manifest) -> list[str]:
                 f"{path / MANIFEST_NAME}: tensor {name!r} has {entry.shape[0]} rows, "
                 f"padded vocabulary is {manifest.padded_vocab_size}"
             )
+    return problems
+
+
+def _check_quantized(path: Path, manifest: Manifest, spec: QuantSpec) -> list[str]:
+    """Quantized weights in the format's dtype, float32 scales, groups whole on every rank."""
+    problems = []
+    for name, entry in manifest.tensors.items():
+        if not is_quantized(name):
+            continue
+        scale = manifest.tensors[name + "_scale"]
+        if entry.dtype != spec.safetensors_dtype or scale.dtype != "F32":
+            problems.append(f"{path / MANIFEST_NAME}: {name!r} is {entry.dtype} with {scale.dtype} scales; "
+                            f"weight_format {spec.name} stores {spec.safetensors_dtype} with F32 scales")
+        try:
+            check_groups(spec, name, entry.shape[1], manifest.tp_size if entry.split_dim == 1 else 1)
+        except TprtError as e:
+            problems.append(f"{path / MANIFEST_NAME}: {e}")
     return problems

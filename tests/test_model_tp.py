@@ -34,6 +34,9 @@ TPS = (1, 2, 4, 8)
 PROMPT_LENS = (7, 12, 4)  # uneven on purpose
 N_NEW = 32
 TOL = 1e-4  # max |ours - transformers| relative to max |transformers logit|
+QUANT_GROUP = 16  # the int8 checkpoints' group size (per channel at TP 8: 8 columns per rank)
+QUANT_TOL = 2e-2  # int8 weights: max logit error relative to the max logit (measured ~7e-3)
+QUANT_AGREE = 0.9  # int8 weights: share of positions whose top-1 token is transformers'
 
 
 # ----------------------------------------------------------------------------- setup (parent only)
@@ -78,6 +81,9 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         hf_dir = make_hf_llama(root / f"{name}-hf", name, seed=i)
         for tp in TPS:
             hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
+            if name == "gqa":  # int8 groups of 16 where each rank's o/down columns hold them, else per channel
+                hf_to_tp(hf_dir, root / f"{name}-int8-tp{tp}", tp, quantize="int8",
+                         group_size=QUANT_GROUP if 64 // tp >= QUANT_GROUP else None)
         vocab = ModelConfig.from_file(hf_dir / "config.json").vocab_size
         torch.save(_reference(hf_dir, vocab), root / f"{name}-ref.pt")
     return root
@@ -172,6 +178,21 @@ def check_logits(ctx: TPContext, workdir: Path, name: str) -> None:
     assert full.shape[-1] == model.config.vocab_size, "padding leaked into gathered logits"
     for b, n in enumerate(lens):
         _assert_close(full[b, :n], ref["logits"][b], f"prompt {b}")
+
+
+def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
+    """The int8 checkpoint (each rank its own scales, groups whole) is close to transformers'
+    float logits and agrees on nearly every top-1 token."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, f"{name}-int8")
+    ids, lens = _pad(ref["prompts"])
+    with torch.inference_mode():
+        full = model.gather_logits(model(ids))  # [batch, seq, vocab]
+    agree = total = 0
+    for b, n in enumerate(lens):
+        _assert_close(full[b, :n], ref["logits"][b], f"prompt {b} (int8)", QUANT_TOL)
+        agree += int((full[b, :n].argmax(-1) == ref["logits"][b].argmax(-1)).sum())
+        total += n
+    assert agree >= QUANT_AGREE * total, f"int8 top-1 agreement {agree}/{total}"
 
 
 def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
@@ -370,6 +391,7 @@ CHECKS: Checks = [
     *((f"{n}-cached_prefill", partial(check_cached_prefill, name=n)) for n in CONFIGS),
     *((f"{n}-greedy", partial(check_greedy, name=n)) for n in CONFIGS),
     ("gqa-continuous", partial(check_continuous, name="gqa")),
+    ("gqa-int8_logits", partial(check_int8_logits, name="gqa")),
     *((f"{n}-native_stack", partial(check_native_stack, name=n)) for n in ("gqa", "tied")),
     ("tied-native_stack_bf16", partial(check_native_stack, name="tied", dtype="bf16")),
     *((f"{n}-backward", partial(check_backward, name=n)) for n in CONFIGS),

@@ -166,3 +166,40 @@ def test_bad_workload() -> None:
     with pytest.raises(Exception, match="unknown LoRA target"):
         plan_memory(cfg, 1, FinetuneWorkload(lora_targets=("qq",)), device("cpu"))
     assert math.isclose(device("cpu", 2.5).memory_bytes, 2.5 * GIB)
+
+
+@pytest.mark.parametrize("fmt, group", [("int8", None), ("int8", 16), ("fp8", None)])
+def test_quantized_weights_are_what_the_loader_allocates(tmp_path: Path, fmt: str, group: int | None) -> None:
+    """`--weight-dtype`: the planned weight bytes equal a loaded quantized checkpoint's parameter
+    bytes (one byte per linear weight, float32 scales, the rest in the compute dtype)."""
+    from convert.api import hf_to_tp
+    from tprt.checkpoint.loading import load_model
+
+    hf = make_hf_llama(tmp_path / "hf", "gqa")
+    hf_to_tp(hf, tmp_path / "q", 1, quantize=fmt, group_size=group)
+    model = load_model(tmp_path / "q", TPContext.single(), dtype="bf16")
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = ModelConfig.from_file(hf / "config.json")
+    plan = plan_memory(cfg, 1, ServeWorkload(dtype="bf16", weight_dtype=fmt, weight_group_size=group),
+                       device("h100-80gb"))
+    assert plan.weights_bytes_per_rank == loaded
+    dense = plan_memory(cfg, 1, ServeWorkload(dtype="bf16"), device("h100-80gb"))
+    assert plan.extra["weights_saved_bytes_per_rank"] == dense.weights_bytes_per_rank - loaded
+    assert plan.max_kv_tokens == (dense.max_kv_tokens or 0) + plan.extra["kv_tokens_gained"]
+
+
+def test_llama70b_tp8_quantized_weights_and_tokens_gained(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's figure: Llama-3.1-70B at TP 8 on H100 in int8/FP8 holds about 8.8 GB of weights
+    per rank (17.6 in bf16: linear weights halve, embeddings and LM head stay bf16)."""
+    argv = ["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
+            "serve", "--weight-dtype", "fp8"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 8.5e9 < out["weights_bytes_per_rank"] < 9.2e9
+    assert 17.5e9 < out["dense_weights_bytes_per_rank"] < 17.8e9
+    assert out["kv_tokens_gained"] == out["weights_saved_bytes_per_rank"] // out["kv_bytes_per_token_per_rank"]
+    assert main(argv[:-3] + ["serve", "--weight-dtype", "int8"]) == 0
+    assert main([a for a in argv if a != "--json"]) == 0
+    assert "fp8 weights: 9.09 GB per rank instead of 17.64 GB" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--weight-group-size 32: expected a positive group size, with --weight-dtype int8"):
+        plan_memory(_config("gqa"), 1, ServeWorkload(weight_dtype="fp8", weight_group_size=32), device("cpu"))

@@ -23,6 +23,8 @@ from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.layers import WEIGHT_FORMATS, LinearMethod, ParallelLinear, copy_rows
 from tprt.checkpoint.safetensors_io import DTYPES
+from tprt.quant.formats import QUANT_FORMATS, spec_from_extra
+from tprt.quant.methods import QuantLinear
 from tprt.parallel.sharding import hf_sources
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -78,9 +80,13 @@ def load_model(
     ckpt = TPCheckpoint(path)
     check_tp(ckpt, ctx)
     target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
+    method = weight_format(ckpt)
+    if requires_grad and isinstance(method, QuantLinear):
+        raise ConfigError(f"{ckpt.path}: its weights are {method.spec.name} (frozen); full fine-tuning needs a "
+                          "float checkpoint, or train a LoRA adapter on this one")
     with torch.device("meta"):
         model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target,
-                                   method=weight_format(ckpt))
+                                   method=method)
     files = ckpt.open_rank(ctx.rank)
     try:
         # Frozen weights share one huge-page block; trainable ones stay separate tensors (the
@@ -100,10 +106,17 @@ def weight_format(ckpt: TPCheckpoint) -> LinearMethod:
     """The linear method of the checkpoint's weight format (manifest `extra.weight_format`,
     "dense" when absent)."""
     name = ckpt.manifest.extra.get("weight_format", "dense")
-    if name not in WEIGHT_FORMATS:
+    if name in WEIGHT_FORMATS:
+        return WEIGHT_FORMATS[name]
+    if name not in QUANT_FORMATS:
         raise CheckpointError(f"{ckpt.path / MANIFEST_NAME}: weight_format {name!r} is not supported "
-                              f"(expected one of {sorted(WEIGHT_FORMATS)})")
-    return WEIGHT_FORMATS[name]
+                              f"(expected one of {sorted([*WEIGHT_FORMATS, *QUANT_FORMATS])})")
+    try:
+        spec = spec_from_extra(ckpt.manifest.extra, str(ckpt.path / MANIFEST_NAME))
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    assert spec is not None
+    return QuantLinear(spec)
 
 
 def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:

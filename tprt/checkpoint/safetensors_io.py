@@ -36,10 +36,12 @@ if TYPE_CHECKING:
 # start without paying torch's import time.
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1,
 }
 _TORCH_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
 }
 # numpy has no bfloat16: raw bytes are viewed through an unsigned type of the same width.
 _RAW_NP = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

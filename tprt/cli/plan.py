@@ -11,6 +11,7 @@ from tprt.errors import ConfigError
 
 PLAN_EPILOG = """examples:
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --max-seq-len 8192
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --weight-dtype fp8
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --lora-rank 16 --seq-len 4096 --batch-size 1
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --full --dtype bf16
   tprt plan --model ./smollm2-tp3 --tp 3 --device cpu --json serve --max-batch-size 8
@@ -49,6 +50,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="weights and compute (default: the checkpoint's)")
     s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16}",
                    help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine)")
+    s.add_argument("--weight-dtype", choices=("int8", "fp8"),
+                   help="the decoder's linear weights quantized (tprt-convert --quantize); states the KV tokens freed")
+    s.add_argument("--weight-group-size", type=int, metavar="G",
+                   help="int8: one scale per G input columns (default: per output channel)")
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per sequence (default: min(model's, 2048))")
     s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="running sequences at once (16)")
     s.add_argument("--kv-cache-tokens", type=int, metavar="N",
@@ -85,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "serve":
         workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                                  max_batch_size=args.max_batch_size, kv_cache_tokens=args.kv_cache_tokens,
-                                 kv_block_size=args.kv_block_size)
+                                 kv_block_size=args.kv_block_size, weight_dtype=args.weight_dtype,
+                                 weight_group_size=args.weight_group_size)
     else:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
         workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,

@@ -44,7 +44,9 @@ import torch.nn.functional as F
 from tprt.cpu import native
 from tprt.cpu.threads import decode_threads
 from tprt.model.llama import TPLlamaForCausalLM
+from tprt.cpu.quant_linear import NativeInt8Linear
 from tprt.parallel.layers import DenseLinear, ParallelLinear, set_base_method
+from tprt.quant.methods import QuantLinear
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VARIANTS = ("native", "packed", "transposed", "dense")
@@ -214,8 +216,8 @@ def _tune_few_rows(weights: list[torch.Tensor], many: list[Kernel]
 
 
 def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int | None = None) -> dict[str, str]:
-    """Gives every linear layer and the LM head a `FastLinear` as its weight method (under any
-    LoRA wrapping it) when `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
+    """Gives every dense linear layer and the LM head a `FastLinear` as its weight method (under
+    any LoRA wrapping it), and int8 layers a `NativeInt8Linear`, when `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
     when nothing was done). Without `tune`, one-row inputs use the packed weight too (training:
     faster frozen-base products without the timing). `one_row_threads`: the torch threads
     one-row steps run on (tprt.engine.runner; None: the current count), which torch's one-row
@@ -228,6 +230,12 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
     groups: dict[tuple[int, ...], list[tuple[ParallelLinear, FastLinear]]] = {}
     with torch.inference_mode():
         for layer in model.modules():
+            if isinstance(layer, ParallelLinear) and isinstance(layer.method.base, QuantLinear):
+                if layer.method.base.spec.name == "int8" and native.available():  # the compiled int8 products
+                    quant = NativeInt8Linear(layer.method.base.spec)
+                    quant.process_after_loading(layer)
+                    set_base_method(layer, quant)
+                continue
             if isinstance(layer, ParallelLinear):
                 method = FastLinear()
                 method.process_after_loading(layer)  # the packed copy

@@ -35,8 +35,10 @@ from torch import nn
 
 from tprt.cpu import native
 from tprt.cpu.fast_linear import one_row_native, supported
+from tprt.cpu.quant_linear import NativeInt8Linear
 from tprt.model.llama import Attention, DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
 from tprt.parallel.layers import adapted
+from tprt.quant.methods import quantized
 
 Kernel = Callable[..., torch.Tensor]
 
@@ -139,27 +141,41 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
     model.stack = LayerStack()
     layers = list(model.layers)
     shm = model.tp.shm
-    if not all(isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
-               and layer.mlp_half is not None for layer in layers) or (model.tp.world_size > 1 and shm is None):
+    if not all((isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
+                and layer.mlp_half is not None) or _int8_native(layer) for layer in layers) or (
+            model.tp.world_size > 1 and shm is None):
         return None
     weights: list[tuple[torch.Tensor, ...]] = []
+    scales: list[tuple[torch.Tensor | None, ...]] = []
     for layer in layers:
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         weights.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+        s = [quantized(x)[1] if isinstance(x.method.base, NativeInt8Linear) else None for x in linears]
+        scales.append((None, s[0], s[1], None, s[2], s[3]))
     first = layers[0]
     assert isinstance(first, DecoderLayer)
     all_reduce = None
     if model.tp.world_size > 1:
         assert shm is not None
         all_reduce = (*shm.c_function(), shm.check)
+    any_int8 = any(x is not None for layer_scales in scales for x in layer_scales)
     kernel = native.decode_stack_kernel(weights, first.input_layernorm.eps, first.self_attn.n_heads,
-                                        first.self_attn.n_kv, all_reduce)
+                                        first.self_attn.n_kv, all_reduce, scales if any_int8 else None)
     if kernel is None:
         return None
     model.stack = stack = NativeDecodeStack(model, kernel)
     return stack
+
+
+def _int8_native(layer: nn.Module) -> bool:
+    """A decoder layer whose four projections all hold compiled int8 products (tprt.cpu.quant_linear):
+    the whole-stack kernel takes it without per-half kernels (it reads the int8 weights itself)."""
+    return isinstance(layer, DecoderLayer) and all(
+        isinstance(x.method.base, NativeInt8Linear)
+        for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 
 def _take_over(new: nn.Module, old: nn.Module) -> None:

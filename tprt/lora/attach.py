@@ -61,17 +61,19 @@ def _kaiming_a(gen: torch.Generator, rank: int, full_in: int) -> torch.Tensor:
 
 def _new_module(
     site: Site, chosen: Sequence[Segment], rank: int, alpha: float, dropout: float,
-    gen: torch.Generator, ctx: TPContext,
+    gen: torch.Generator, ctx: TPContext, dtype: torch.dtype,
 ) -> LoRAModule:
-    """The module for `chosen` targets of one base layer, initialised as PEFT and marked with TPSpecs."""
+    """The module for `chosen` targets of one base layer, initialised as PEFT and marked with TPSpecs,
+    in `dtype` (the model's compute dtype: a quantized base's int8/FP8 weight is not a float type
+    to train in)."""
     weight = site.linear.weight
     module: LoRAModule = ColumnLoRA(rank, alpha, dropout, chosen) if site.column else RowLoRA(rank, alpha, dropout)
     for seg in chosen:
         a_full = _kaiming_a(gen, rank, site.full_in)
         b_shape = full_shape(site, seg, "B", rank, ctx.world_size)
-        a = nn.Parameter(local_factor(a_full, site, seg.target, "A", ctx).to(weight.device, weight.dtype))
+        a = nn.Parameter(local_factor(a_full, site, seg.target, "A", ctx).to(weight.device, dtype))
         b_local = local_factor(torch.zeros(b_shape), site, seg.target, "B", ctx)
-        b = nn.Parameter(b_local.to(weight.device, weight.dtype))
+        b = nn.Parameter(b_local.to(weight.device, dtype))
         rep = site.replication(seg.target)
         if site.column:
             set_spec(a, TPSpec(replicated=True, partial_grad=True))
@@ -100,7 +102,7 @@ def build_lora(
     for site in sites(model):
         chosen = [s for s in site.segments if s.target in names]
         if chosen:
-            pieces.append((site, _new_module(site, chosen, rank, alpha, dropout, gen, model.tp)))
+            pieces.append((site, _new_module(site, chosen, rank, alpha, dropout, gen, model.tp, model.dtype)))
     return LoRAAdapter(tuple(pieces))
 
 

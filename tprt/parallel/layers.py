@@ -95,7 +95,8 @@ DENSE = DenseLinear()  # stateless: one instance serves every layer
 # Weight formats by the name a checkpoint's manifest gives them (`extra["weight_format"]`; absent:
 # "dense"): the method the loader builds the decoder's linear layers with. A new format is a
 # LinearMethod subclass registered here plus one converter rule that writes its tensors
-# (docs/DESIGN.md, "Adding a weight format").
+# (docs/DESIGN.md, "Adding a weight format"). Formats with options (int8/fp8 and their group
+# size, tprt.quant) are built from the manifest by tprt.checkpoint.loading.weight_format.
 WEIGHT_FORMATS: dict[str, LinearMethod] = {"dense": DENSE}
 
 

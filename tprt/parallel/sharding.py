@@ -61,13 +61,21 @@ LAYER_LINEARS: dict[str, tuple[str, ...]] = {
 VOCAB_TENSORS = tuple(name for name, rule in MODEL_RULES.items() if rule.kind == VOCAB)
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_RUNTIME_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+_RUNTIME_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|weight_scale)$")
+# A quantized linear weight's scales (tprt.quant): [out, groups], split like the weight's rows, or
+# like its columns by whole groups (replicated when one group spans the row: per channel).
+SCALE_SUFFIX = ".weight_scale"
 
 
 def rule_for(name: str) -> ShardRule:
     """The TP rule of an HF Llama tensor name; unknown names are an error."""
     if name in MODEL_RULES:
         return MODEL_RULES[name]
+    if name.endswith(SCALE_SUFFIX):
+        rule = rule_for(name.removesuffix("_scale"))
+        if rule.kind in (COLUMN, KV, ROW):
+            return rule
+        raise CheckpointError(f"tensor {name!r}: only the decoder's linear weights are quantized")
     m = _HF_LAYER.match(name)
     if m and m.group(2) in LAYER_RULES:
         return LAYER_RULES[m.group(2)]
@@ -83,5 +91,5 @@ def hf_sources(name: str) -> list[str]:
     """The HF tensor names, in row order, that make up the runtime parameter `name` on every rank."""
     m = _RUNTIME_LAYER.match(name)
     if m and m.group(2) in LAYER_LINEARS:
-        return [f"model.layers.{m.group(1)}.{part}.weight" for part in LAYER_LINEARS[m.group(2)]]
+        return [f"model.layers.{m.group(1)}.{part}.{m.group(3)}" for part in LAYER_LINEARS[m.group(2)]]
     return [name if name in MODEL_RULES else "model." + name]

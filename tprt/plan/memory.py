@@ -88,6 +88,8 @@ class ServeWorkload:
     kv_block_size: int = 16  # positions per KV block (EngineConfig.kv_block_size)
     token_budget: int = 2048  # tokens per step (EngineConfig.token_budget)
     cpu_prepack: bool = True  # EngineConfig.cpu_prepack
+    weight_dtype: str | None = None  # "int8"/"fp8": the decoder's linear weights quantized (tprt.quant)
+    weight_group_size: int | None = None  # int8: one float32 scale per this many input columns (None: per row)
 
 
 @dataclass(frozen=True)
@@ -227,14 +229,45 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     gathered = min(w.max_batch_size, tokens) * max_seq_len * 2 * kv * cb
     attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len)) + gathered
     logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
-    packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
+    dense_packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
+    weights, packed = params * b, dense_packed
+    if w.weight_dtype is not None:
+        weights, packed = _quantized_weights(cfg, shapes, b, w, cpu)
     pool = w.kv_cache_tokens or w.max_batch_size * max_seq_len
     kv_cache = per_token * (-(-pool // w.kv_block_size) + 1) * w.kv_block_size  # and the scratch block
     parts = dict.fromkeys(KINDS, 0)
-    parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
+    parts.update(weights=weights, packed_weights=packed, kv_cache=kv_cache,
                  activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))
+    extra: dict[str, Any] = {"tokens_per_step": tokens, "max_batch_size": w.max_batch_size}
+    if w.weight_dtype is not None:
+        saved = params * b + dense_packed - weights - packed  # (the reserve counts oneDNN's either way)
+        extra.update(weight_dtype=w.weight_dtype, weight_group_size=w.weight_group_size,
+                     dense_weights_bytes_per_rank=params * b, weights_saved_bytes_per_rank=saved,
+                     kv_tokens_gained=saved // per_token)
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
-                      extra={"tokens_per_step": tokens, "max_batch_size": w.max_batch_size})
+                      extra=extra)
+
+
+def _quantized_weights(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], b: int, w: ServeWorkload,
+                       cpu: bool) -> tuple[int, int]:
+    """(weights, packed copies) on one rank with the decoder's linear weights at one byte each plus
+    their float32 scales (per row, or per row and group); everything else stays in the compute
+    dtype. On CPU only the LM head is packed (int8 layers use the compiled kernels in place)."""
+    if w.weight_dtype not in ("int8", "fp8"):
+        raise ConfigError(f"--weight-dtype {w.weight_dtype!r} is not supported; expected int8 or fp8")
+    g = w.weight_group_size
+    if g is not None and (w.weight_dtype != "int8" or g < 1):
+        raise ConfigError(f"--weight-group-size {g}: expected a positive group size, with --weight-dtype int8")
+    total = 0
+    for name, shape in shapes.items():
+        if name.endswith("_proj.weight"):
+            out, cols = shape
+            total += out * cols + 4 * out * (1 if g is None else -(-cols // g))
+        else:
+            total += math.prod(shape) * b
+    head = shapes["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    packed = (2 * math.prod(head) * b) if cpu and w.cpu_prepack else 0  # packed + transposed, as timed
+    return total, packed
 
 
 def _trainable_targets(w: FinetuneWorkload) -> set[str]:

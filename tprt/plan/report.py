@@ -62,6 +62,11 @@ def text(plan: MemoryPlan) -> str:
                      f"{plan.per_rank_bytes['kv_cache'] / GIB:.2f} GiB")
         lines.append(f"beside everything else, {tokens} KV tokens fit: {tokens // (plan.max_seq_len or 1)} "
                      f"sequences of {plan.max_seq_len} tokens")
+        if "kv_tokens_gained" in plan.extra:
+            e = plan.extra
+            lines.append(f"{e['weight_dtype']} weights: {plan.weights_bytes_per_rank / 1e9:.2f} GB per rank instead of "
+                         f"{e['dense_weights_bytes_per_rank'] / 1e9:.2f} GB; the {e['weights_saved_bytes_per_rank'] / 1e9:.2f} "
+                         f"GB freed hold {e['kv_tokens_gained']} more KV tokens per rank")
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
                else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
     lines.append(f"verdict: {verdict}")

@@ -160,6 +160,7 @@ def _library() -> ctypes.CDLL | None:
     for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"tprt_decode_stack_{suffix}")
         fn.argtypes, fn.restype = [_P, _P, _I] + [_P] * 6 + [_I, _P], _I
+    bind_q8(lib)
     lib.tprt_stream_sum_f32.argtypes, lib.tprt_stream_sum_f32.restype = [_P, _I], ctypes.c_double
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
     lib.tprt_pool_threads.argtypes, lib.tprt_pool_threads.restype = [], _I
@@ -410,7 +411,8 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
 class _DecodeStack(ctypes.Structure):
     """kernels.c's decode_stack: the model, for tprt_decode_stack."""
     _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
-                ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P)]
+                ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P),
+                ("scales", _P), ("groups", _P)]
 
 
 class _DecodeCache(ctypes.Structure):
@@ -423,7 +425,8 @@ STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS
 
 
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
-                        all_reduce: tuple[int, int, Callable[[int], None]] | None = None
+                        all_reduce: tuple[int, int, Callable[[int], None]] | None = None,
+                        scales: list[tuple[torch.Tensor | None, ...]] | None = None,
                         ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
     final norm) for a decode step of 1 to STACK_MAX_ROWS rows of one token, h [rows, 1, hidden],
@@ -434,26 +437,37 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     kernels take them. `all_reduce` (where TP > 1): (address of a C function `int64_t f(void *ctx,
     void *data, int64_t n, int64_t dtype)` summing a partial product over the TP group in place,
     its ctx, a function raising for its non-zero returns), e.g.
-    `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`."""
+    `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`. `scales`: per layer, 6 entries
+    like `layers`: the float32 scales [out, groups] of a weight given in int8 (tprt.quant), None
+    for a weight in the model's dtype; its products then run as `q8_kernel`'s."""
     if not layers:
         return None
     norm0, qkv0, o0, _, gate_up0, _ = layers[0]
-    fn = _function("tprt_decode_stack", qkv0, 2)
+    fn = _function("tprt_decode_stack", norm0, 1)
     hidden, inter = norm0.shape[0], gate_up0.shape[0] // 2
     d = qkv0.shape[0] // (n_heads + 2 * n_kv_heads)
     shapes = [(hidden,), ((n_heads + 2 * n_kv_heads) * d, hidden), (hidden, n_heads * d), (hidden,),
               (2 * inter, hidden), (hidden, inter)]
     weights = [w.detach().contiguous() for layer in layers for w in layer]
+    dtype = norm0.dtype
+    flat_scales = ([None] * len(weights) if scales is None
+                   else [None if x is None else x.detach().to(torch.float32).contiguous() for lay in scales for x in lay])
     if (fn is None or n_heads % n_kv_heads or any(len(layer) != 6 for layer in layers)
-            or any(w.dtype != qkv0.dtype or w.device.type != "cpu" for w in weights)
+            or len(flat_scales) != len(weights)
+            or any(w.dtype != (dtype if sc is None else torch.int8) or w.device.type != "cpu"
+                   or (sc is not None and (sc.shape[0] != w.shape[0] or w.shape[1] % sc.shape[1]))
+                   for w, sc in zip(weights, flat_scales))
             or any(tuple(w.shape) != shape for layer in layers for w, shape in zip(layer, shapes))):
         return None
-    dtype = qkv0.dtype
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    scale_ptrs = (ctypes.c_void_p * len(weights))(*(None if sc is None else sc.data_ptr() for sc in flat_scales))
+    groups = (ctypes.c_int64 * len(weights))(*(0 if sc is None else w.shape[1] // sc.shape[1]
+                                               for w, sc in zip(weights, flat_scales)))
     function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
     model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
-                         ctypes.addressof(pointers), function, ctx)
-    alive = (weights, pointers)  # what `model` points to, kept alive by the closure
+                         ctypes.addressof(pointers), function, ctx,
+                         ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups))
+    alive = (weights, pointers, flat_scales, scale_ptrs, groups)  # what `model` points to, kept alive by the closure
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive
@@ -475,5 +489,68 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
             assert check is not None, status
             check(status)
         return out
+
+    return run
+
+
+def bind_q8(lib: ctypes.CDLL) -> None:
+    """Declares the int8 product's C signature on a loaded build of kernels.c."""
+    lib.tprt_gemv_q8.argtypes, lib.tprt_gemv_q8.restype = [_P] * 4 + [_I] * 7, None
+    lib.tprt_q8_path.argtypes, lib.tprt_q8_path.restype = [], _I
+    lib.tprt_quantize_q8.argtypes, lib.tprt_quantize_q8.restype = [_P, _I, _P, _P, _I, _I, _I], None
+
+
+def quantize_q8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """tprt.quant.formats.quantize for int8, bit for bit, in one compiled pass over `w` [rows,
+    cols] (float32 or bf16, contiguous) on the kernels' thread pool: (int8 [rows, cols], float32
+    scales [rows, cols / group]); None without the kernels or for another dtype."""
+    lib = _library()
+    if lib is None or w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    w = w.contiguous()
+    rows, cols = w.shape
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    s = torch.empty(rows, cols // group, dtype=torch.float32)
+    lib.tprt_quantize_q8(w.data_ptr(), int(w.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(), rows, cols, group)
+    return q, s
+
+
+Q8_PATHS = {"best": 0, "scalar": 1, "float": 2}  # tprt_gemv_q8's path argument
+
+
+def q8_path(lib: ctypes.CDLL | None = None) -> str:
+    """The path this build's int8 products take: "vnni" (x quantized per block of 32, integer
+    dot products), "avx512" or "avx2" (float32 on the exactly converted weights), "scalar"."""
+    lib = lib or _library()
+    return "none" if lib is None else {4: "vnni", 3: "avx512", 2: "avx2", 1: "scalar"}[int(lib.tprt_q8_path())]
+
+
+def q8_kernel(weight: torch.Tensor, scale: torch.Tensor, lib: ctypes.CDLL | None = None,
+              path: str = "best") -> Kernel | None:
+    """A function computing x @ (weight * scale)^T for x [..., k] of 1 to MAX_FEW_ROWS rows in
+    float32 or bf16 (the output in x's dtype), from int8 `weight` [n, k] and float32 `scale`
+    [n, k / group] (tprt.quant.formats), or None without the kernels or off CPU. `lib`: another
+    build of kernels.c (tests compare builds); `path` (Q8_PATHS): "best" is the build's fastest
+    (`q8_path`), "float" its float32 vector loop, "scalar" the plain C loop."""
+    lib = lib or _library()
+    if lib is None or weight.device.type != "cpu" or weight.dtype != torch.int8 or weight.dim() != 2:
+        return None
+    w, s = weight.detach().contiguous(), scale.detach().to(torch.float32).contiguous()
+    n, k = w.shape
+    group = k // s.shape[1]
+    if s.shape[0] != n or group * s.shape[1] != k:
+        raise ValueError(f"int8 weight {list(w.shape)} and scales {list(s.shape)} do not match")
+    fn, which = lib.tprt_gemv_q8, Q8_PATHS[path]
+
+    def run(x: torch.Tensor) -> torch.Tensor:  # the closure keeps the weight and scales alive
+        rows = x.numel() // k if x.shape[-1] == k else 0
+        if not 1 <= rows <= MAX_FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"native int8 product expects 1-{MAX_FEW_ROWS} rows of {k} float32/bf16 values, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        bf16 = int(x.dtype == torch.bfloat16)
+        fn(w.data_ptr(), s.data_ptr(), x.data_ptr(), y.data_ptr(), rows, n, k, group, bf16, bf16, which)
+        return y
 
     return run

@@ -10,6 +10,7 @@
    Sums are in float32, bf16 outputs rounded to nearest even, as torch rounds. */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -771,7 +772,14 @@ typedef struct {
     const void *const *weights;  /* per layer, 6 pointers: input norm, q/k/v, o, post-attention norm, gate/up, down */
     all_reduce_fn all_reduce;    /* sums a partial product over the TP group in place; NULL: TP = 1 */
     void *all_reduce_ctx;
+    const float *const *scales;  /* per layer, 6: an int8 weight's float32 scales (tprt.quant); NULL: dense */
+    const int64_t *groups;       /* per layer, 6: those scales' group sizes */
 } decode_stack;
+
+/* y [m, n] float32 = x [m, k] float32 times int8 rows w [n, k] with scales s, on this thread, by the
+   int8 products' best path (defined with them below). */
+static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                      int64_t g);
 
 /* One decode step's place in the paged float32 cache: layer 0's [block, k/v, kv_head, offset, d]
    with element strides, the next layer's s_layer further on. */
@@ -812,6 +820,22 @@ typedef struct {  /* a section's layer */
     {stack_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
 
 #define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
+/* Weight `slot` (6 * layer + index), rows [row0, row0 + n), times x [rows, k] into y (rows ldy apart):   \
+   the dense GEMV, or the int8 product on x in float32. */                                                   \
+static void stack_mm_##SUFFIX(const decode_stack *m, int64_t slot, int64_t row0, const T *x, T *y,          \
+                              int64_t rows, int64_t n, int64_t k, int64_t ldy) {                              \
+    const float *s = m->scales ? m->scales[slot] : NULL;                                                      \
+    if (!s) {                                                                                                 \
+        gemv_rows_##SUFFIX##_serial((const T *)m->weights[slot] + row0 * k, x, y, rows, n, k, ldy);           \
+        return;                                                                                               \
+    }                                                                                                         \
+    int64_t g = m->groups[slot];                                                                              \
+    float xf[rows * k], yf[rows * n];                                                                         \
+    for (int64_t i = 0; i < rows * k; i++) xf[i] = LOAD(x[i]);                                                \
+    q8_matmul((const int8_t *)m->weights[slot] + row0 * k, s + row0 * (k / g), xf, yf, rows, n, k, g);        \
+    for (int64_t r = 0; r < rows; r++)                                                                        \
+        for (int64_t j = 0; j < n; j++) y[r * ldy + j] = STORE(yf[r * n + j]);                                \
+}                                                                                                             \
 static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                      \
     const stack_layer *a = arg;                                                                               \
     stack_step *t = a->t;                                                                                     \
@@ -836,10 +860,9 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
     const decode_stack *m = t->m;                                                                             \
     const decode_cache *c = t->c;                                                                             \
     int64_t d = m->d, heads = m->nh + 2 * m->nkv;                                                             \
-    const T *w = m->weights[6 * a->layer + 1];                                                                \
     float *cache = c->cache + a->layer * c->s_layer;                                                          \
-    gemv_rows_##SUFFIX##_serial(w + lo * d * m->hidden, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d, \
-                                m->hidden, heads * d);                                                        \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 1, lo * d, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d,   \
+                      m->hidden, heads * d);                                                                  \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         float *at = cache + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;                             \
         for (int64_t h = lo; h < hi; h++)                                                                     \
@@ -876,8 +899,7 @@ static void stack_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {               
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
     int64_t k = m->nh * m->d;                                                                                 \
-    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 2] + lo * k, t->attn, (T *)t->partial + lo, \
-                                t->rows, hi - lo, k, m->hidden);                                              \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 2, lo, t->attn, (T *)t->partial + lo, t->rows, hi - lo, k, m->hidden); \
 }                                                                                                             \
 /* features [lo, hi): their gate and up rows for every row, then each row's SwiGLU into act */               \
 static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                       \
@@ -885,11 +907,10 @@ static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {         
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
     int64_t hidden = m->hidden, inter = m->inter;                                                             \
-    const T *w = m->weights[6 * a->layer + 4];                                                                \
     T *gate_up = t->gate_up, *act = t->act;                                                                   \
-    gemv_rows_##SUFFIX##_serial(w + lo * hidden, t->normed, gate_up + lo, t->rows, hi - lo, hidden, 2 * inter); \
-    gemv_rows_##SUFFIX##_serial(w + (inter + lo) * hidden, t->normed, gate_up + inter + lo, t->rows, hi - lo,  \
-                                hidden, 2 * inter);                                                           \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 4, lo, t->normed, gate_up + lo, t->rows, hi - lo, hidden, 2 * inter);  \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 4, inter + lo, t->normed, gate_up + inter + lo, t->rows, hi - lo,      \
+                      hidden, 2 * inter);                                                                     \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         const T *g = gate_up + r * 2 * inter;                                                                 \
         float *work = t->work + r * inter;                                                                    \
@@ -902,8 +923,8 @@ static void stack_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {            
     const stack_layer *a = arg;                                                                               \
     const stack_step *t = a->t;                                                                               \
     const decode_stack *m = t->m;                                                                             \
-    gemv_rows_##SUFFIX##_serial((const T *)m->weights[6 * a->layer + 5] + lo * m->inter, t->act,             \
-                                (T *)t->partial + lo, t->rows, hi - lo, m->inter, m->hidden);                 \
+    stack_mm_##SUFFIX(m, 6 * a->layer + 5, lo, t->act, (T *)t->partial + lo, t->rows, hi - lo, m->inter,      \
+                      m->hidden);                                                                             \
 }                                                                                                             \
 /* h [rows, hidden]: the embedded tokens in, the last layer's outputs (before the final norm) out.     \
    cos/sin [rows, d] are the step's RoPE angles; blocks/offsets: each row's write block and offset,    \
@@ -990,3 +1011,362 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
 
 DECODE_HALVES(f32, float)
 DECODE_HALVES(bf16, uint16_t)
+
+/* ---- int8 weight-only products (tprt.quant): y[m, n] = sum_k x[m, k] * W[n, k] * s[n, k / g] ----
+   W int8 [n, k] row-major, s float32 [n, k / g] (one scale per row and group of g columns; per
+   channel g = k). The weight is read once, front to back, for all m <= 8 rows, at one byte per
+   value (half of bf16's traffic: decode reads weights, so this is its speed). Weight-only: the
+   activations are not quantized; each int8 value is converted exactly to float32 and multiplied
+   with x in float32, a group's products summed in float32 and then scaled, the groups summed in
+   float32. The vector paths (AVX-512F, AVX2, chosen by -march=native like every kernel here)
+   need g % 16 (% 8) == 0, which the format guarantees; otherwise the scalar loop runs. x arrives
+   in the model dtype and is converted to float32 once per call. */
+typedef struct {
+    const int8_t *w;
+    const float *s, *x;  /* x: float32 [m, k] */
+    float *y;            /* float32 [m, n] */
+    int64_t m, n, k, g;
+} q8_args;
+
+static void q8_rows_scalar(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n,
+                           int64_t k, int64_t g, int64_t ldy) {
+    int64_t groups = k / g;
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t i = 0; i < m; i++) {
+            float total = 0;
+            for (int64_t b = 0; b < groups; b++) {
+                float acc = 0;
+                for (int64_t c = b * g; c < (b + 1) * g; c++) acc += (float)w[r * k + c] * x[i * k + c];
+                total += acc * s[r * groups + b];
+            }
+            y[i * ldy + r] = total;
+        }
+    }
+}
+
+/* Q8_ROWS(M, U): M input rows, U independent accumulators per row (one FMA chain per row would
+   wait on the FMA's latency every 16 weights: at one or two rows that, not memory, was the limit). */
+#if defined(__AVX512F__)
+#define Q8_LANES 16
+#define Q8_ROWS(M, U)                                                                                        \
+static void q8_rows_##M##_##U(const int8_t *w, const float *s, const float *x, float *y, int64_t n, int64_t k, \
+                              int64_t g, int64_t ldy) {                                                       \
+    int64_t groups = k / g;                                                                                   \
+    prefetch_start(w);                                                                                        \
+    for (int64_t r = 0; r < n; r++) {                                                                         \
+        const int8_t *row = w + r * k;                                                                        \
+        __m512 tot[M];                                                                                        \
+        for (int i = 0; i < M; i++) tot[i] = _mm512_setzero_ps();                                             \
+        for (int64_t b = 0; b < groups; b++) {                                                                \
+            __m512 acc[M][U];                                                                                 \
+            for (int i = 0; i < M; i++)                                                                       \
+                for (int u = 0; u < U; u++) acc[i][u] = _mm512_setzero_ps();                                  \
+            for (int64_t c = b * g; c < (b + 1) * g; c += 16 * U) {                                           \
+                if (!(c & 63)) _mm_prefetch((const char *)(row + c) + PREFETCH_BYTES, PREFETCH_HINT);         \
+                for (int u = 0; u < U; u++) {                                                                 \
+                    __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(                                      \
+                        _mm_loadu_si128((const __m128i *)(row + c + 16 * u))));                               \
+                    for (int i = 0; i < M; i++)                                                               \
+                        acc[i][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i * k + c + 16 * u), acc[i][u]);  \
+                }                                                                                             \
+            }                                                                                                 \
+            __m512 sv = _mm512_set1_ps(s[r * groups + b]);                                                    \
+            for (int i = 0; i < M; i++) {                                                                     \
+                __m512 sum = acc[i][0];                                                                       \
+                for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[i][u]);                              \
+                tot[i] = _mm512_fmadd_ps(sum, sv, tot[i]);                                                    \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < M; i++) y[i * ldy + r] = _mm512_reduce_add_ps(tot[i]);                            \
+    }                                                                                                         \
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q8_LANES 8
+static inline float q8_hsum256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+#define Q8_ROWS(M, U)                                                                                        \
+static void q8_rows_##M##_##U(const int8_t *w, const float *s, const float *x, float *y, int64_t n, int64_t k, \
+                              int64_t g, int64_t ldy) {                                                       \
+    int64_t groups = k / g;                                                                                   \
+    prefetch_start(w);                                                                                        \
+    for (int64_t r = 0; r < n; r++) {                                                                         \
+        const int8_t *row = w + r * k;                                                                        \
+        __m256 tot[M];                                                                                        \
+        for (int i = 0; i < M; i++) tot[i] = _mm256_setzero_ps();                                             \
+        for (int64_t b = 0; b < groups; b++) {                                                                \
+            __m256 acc[M][U];                                                                                 \
+            for (int i = 0; i < M; i++)                                                                       \
+                for (int u = 0; u < U; u++) acc[i][u] = _mm256_setzero_ps();                                  \
+            for (int64_t c = b * g; c < (b + 1) * g; c += 8 * U) {                                            \
+                if (!(c & 63)) _mm_prefetch((const char *)(row + c) + PREFETCH_BYTES, PREFETCH_HINT);         \
+                for (int u = 0; u < U; u++) {                                                                 \
+                    __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(                                      \
+                        _mm_loadl_epi64((const __m128i *)(row + c + 8 * u))));                                \
+                    for (int i = 0; i < M; i++)                                                               \
+                        acc[i][u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i * k + c + 8 * u), acc[i][u]);   \
+                }                                                                                             \
+            }                                                                                                 \
+            __m256 sv = _mm256_set1_ps(s[r * groups + b]);                                                    \
+            for (int i = 0; i < M; i++) {                                                                     \
+                __m256 sum = acc[i][0];                                                                       \
+                for (int u = 1; u < U; u++) sum = _mm256_add_ps(sum, acc[i][u]);                              \
+                tot[i] = _mm256_fmadd_ps(sum, sv, tot[i]);                                                    \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < M; i++) y[i * ldy + r] = q8_hsum256(tot[i]);                                      \
+    }                                                                                                         \
+}
+#endif
+
+#if defined(Q8_LANES)
+Q8_ROWS(1, 1) Q8_ROWS(1, 2) Q8_ROWS(1, 4) Q8_ROWS(2, 1) Q8_ROWS(2, 2) Q8_ROWS(3, 1) Q8_ROWS(4, 1)
+Q8_ROWS(5, 1) Q8_ROWS(6, 1) Q8_ROWS(7, 1) Q8_ROWS(8, 1)
+typedef void (*q8_fn)(const int8_t *, const float *, const float *, float *, int64_t, int64_t, int64_t, int64_t);
+/* The variant for m rows and group g: as many accumulators per row as the group allows, up to 4
+   per row at one row and 2 at two. NULL when g is not a whole number of vectors. */
+static q8_fn q8_variant(int64_t m, int64_t g) {
+    static const q8_fn one_acc[] = {0, q8_rows_1_1, q8_rows_2_1, q8_rows_3_1, q8_rows_4_1, q8_rows_5_1,
+                                    q8_rows_6_1, q8_rows_7_1, q8_rows_8_1};
+    if (g % Q8_LANES || m < 1 || m > 8) return NULL;
+    if (m == 1 && g % (4 * Q8_LANES) == 0) return q8_rows_1_4;
+    if (m == 1 && g % (2 * Q8_LANES) == 0) return q8_rows_1_2;
+    if (m == 2 && g % (2 * Q8_LANES) == 0) return q8_rows_2_2;
+    return one_acc[m];
+}
+#endif
+
+/* The AVX-512 VNNI path (as llama.cpp's Q8_0 products): x is quantized per block of 32 columns to
+   int8 with a float32 scale (symmetric, round to nearest), held as unsigned bytes x + 128 for
+   vpdpbusd (unsigned x signed bytes, four products summed per int32 lane: 64 products per
+   instruction instead of 16 FMAs); the +128 comes back out as 128 * sum(w), one more vpdpbusd per
+   64 weights shared by all rows. The integer sums are exact; each block's is scaled by its x scale
+   (and, group-wise, the weight's group scale) in float32. So the only difference from the
+   weight-only float32 path is x's rounding to 8 bits per block (relative error <= 1/254 of the
+   block's largest |x|), which bench/quant_bench.py measures in perplexity. Needs k % 64 == 0 and
+   g % 32 == 0; other shapes take the float32 path above. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define Q8V_BLOCK 32
+typedef struct {
+    const int8_t *w;
+    const float *s;
+    const uint8_t *xu;  /* [m, k]: x quantized + 128 */
+    const float *xs;    /* [m, k / 64 * 16]: per 64 columns, lanes 0-7 block 0's scale, 8-15 block 1's */
+    float *y;
+    int64_t m, n, k, g;
+} q8v_args;
+
+#define Q8V_ROWS(M)                                                                                          \
+static void q8v_rows_##M(const q8v_args *a, int64_t lo, int64_t hi) {                                         \
+    const int64_t k = a->k, g = a->g, groups = k / g;                                                         \
+    const __m512i bias = _mm512_set1_epi8((char)128);                                                         \
+    const int per_channel = groups == 1;                                                                      \
+    prefetch_start(a->w + lo * k);                                                                            \
+    for (int64_t r = lo; r < hi; r++) {                                                                       \
+        const int8_t *row = a->w + r * k;                                                                     \
+        const float *srow = a->s + r * groups;                                                                \
+        __m512 tot[M][2];                                                                                     \
+        for (int i = 0; i < M; i++) tot[i][0] = tot[i][1] = _mm512_setzero_ps();                              \
+        for (int64_t c = 0; c < k; c += 64) {                                                                 \
+            const int u = (int)((c >> 6) & 1);                                                                \
+            _mm_prefetch((const char *)(row + c) + PREFETCH_BYTES, PREFETCH_HINT);                            \
+            __m512i wv = _mm512_loadu_si512(row + c);                                                         \
+            __m512i corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv);                             \
+            __m512 wsv = per_channel ? _mm512_set1_ps(1.0f)                                                   \
+                       : g >= 64 ? _mm512_set1_ps(srow[c / g])                                                \
+                       : _mm512_insertf32x8(_mm512_set1_ps(srow[c / g]),                                      \
+                                            _mm256_set1_ps(srow[c / g + 1]), 1);                              \
+            for (int i = 0; i < M; i++) {                                                                     \
+                __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(),                                       \
+                                                _mm512_loadu_si512(a->xu + i * k + c), wv);                   \
+                __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(d, corr));                                     \
+                __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(a->xs + i * (k / 64 * 16) + c / 4), wsv);            \
+                if (u) tot[i][1] = _mm512_fmadd_ps(f, sc, tot[i][1]);                                         \
+                else tot[i][0] = _mm512_fmadd_ps(f, sc, tot[i][0]);                                           \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < M; i++) {                                                                         \
+            float v = _mm512_reduce_add_ps(_mm512_add_ps(tot[i][0], tot[i][1]));                              \
+            a->y[i * a->n + r] = per_channel ? v * srow[0] : v;                                               \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+Q8V_ROWS(1) Q8V_ROWS(2) Q8V_ROWS(3) Q8V_ROWS(4) Q8V_ROWS(5) Q8V_ROWS(6) Q8V_ROWS(7) Q8V_ROWS(8)
+
+static void q8v_section(void *arg, int64_t lo, int64_t hi) {
+    static void (*const kernel[])(const q8v_args *, int64_t, int64_t) = {
+        0, q8v_rows_1, q8v_rows_2, q8v_rows_3, q8v_rows_4, q8v_rows_5, q8v_rows_6, q8v_rows_7, q8v_rows_8};
+    const q8v_args *a = arg;
+    kernel[a->m](a, lo, hi);
+}
+
+/* x [m, k] float32 -> xu (x quantized per block of 32, + 128) and xs (block scales laid out per
+   64 columns as 16 lanes). An all-zero block gets scale 0 and bytes 128. */
+static void q8v_quantize_x(const float *x, int64_t m, int64_t k, uint8_t *xu, float *xs) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < k / Q8V_BLOCK; b++) {
+            const float *v = x + i * k + b * Q8V_BLOCK;
+            float amax = 0;
+            for (int j = 0; j < Q8V_BLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+            float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+            for (int j = 0; j < Q8V_BLOCK; j++)
+                xu[i * k + b * Q8V_BLOCK + j] = (uint8_t)((int)nearbyintf(v[j] * inv) + 128);
+            float *lanes = xs + i * (k / 64 * 16) + (b / 2) * 16 + (b % 2) * 8;
+            for (int j = 0; j < 8; j++) lanes[j] = scale;
+        }
+}
+#endif
+
+/* Which path q8 products take on this build: 4 AVX-512 VNNI (x quantized per 32), 3 AVX-512F,
+   2 AVX2, 1 scalar only (for tests). */
+int64_t tprt_q8_path(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return 4;
+#elif defined(__AVX512F__)
+    return 3;
+#elif defined(Q8_LANES)
+    return 2;
+#else
+    return 1;
+#endif
+}
+
+static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                      int64_t g) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    if (k % 64 == 0 && g % 32 == 0 && m >= 1 && m <= 8) {
+        static void (*const kernel[])(const q8v_args *, int64_t, int64_t) = {
+            0, q8v_rows_1, q8v_rows_2, q8v_rows_3, q8v_rows_4, q8v_rows_5, q8v_rows_6, q8v_rows_7, q8v_rows_8};
+        uint8_t xu[m * k];
+        float xs[m * (k / 64) * 16];
+        q8v_quantize_x(x, m, k, xu, xs);
+        q8v_args a = {w, s, xu, xs, y, m, n, k, g};
+        kernel[m](&a, 0, n);
+        return;
+    }
+#endif
+#if defined(Q8_LANES)
+    q8_fn fn = q8_variant(m, g);
+    if (fn) {
+        fn(w, s, x, y, n, k, g, n);
+        return;
+    }
+#endif
+    q8_rows_scalar(w, s, x, y, m, n, k, g, n);
+}
+
+static void q8_section(void *arg, int64_t lo, int64_t hi) {
+    const q8_args *a = arg;
+    const int8_t *w = a->w + lo * a->k;
+    const float *s = a->s + lo * (a->k / a->g);
+    float *y = a->y + lo;
+#if defined(Q8_LANES)
+    q8_fn fn = q8_variant(a->m, a->g);
+    if (fn) {
+        fn(w, s, a->x, y, hi - lo, a->k, a->g, a->n);
+        return;
+    }
+#endif
+    q8_rows_scalar(w, s, a->x, y, a->m, hi - lo, a->k, a->g, a->n);
+}
+
+/* x [m, k] (float32 or bf16 per `x_bf16`) times the int8 weight, into y [m, n] (float32 or bf16 per
+   `y_bf16`, rounded to nearest even). `scalar`: 1 forces the scalar loop, 2 the float32 vector path
+   (no VNNI), 0 the fastest this build has (tests compare the paths). */
+void tprt_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, int64_t m, int64_t n, int64_t k,
+                  int64_t g, int64_t x_bf16, int64_t y_bf16, int64_t scalar) {
+    float *xf = x_bf16 ? malloc(sizeof(float) * m * k) : (float *)x;
+    float *yf = y_bf16 ? malloc(sizeof(float) * m * n) : (float *)y;
+    if (x_bf16)
+        for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    if (scalar == 1) {
+        q8_rows_scalar(w, s, xf, yf, m, n, k, g, n);
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    } else if (scalar == 0 && k % 64 == 0 && g % 32 == 0 && m >= 1 && m <= 8) {
+        uint8_t *xu = malloc((size_t)(m * k));
+        float *xs = malloc(sizeof(float) * (size_t)(m * (k / 64) * 16));
+        q8v_quantize_x(xf, m, k, xu, xs);
+        q8v_args a = {w, s, xu, xs, yf, m, n, k, g};
+        section sec = {q8v_section, &a, n, chunk_units(n, k, 16)};
+        run_job(&sec, 1, n * k >= PARALLEL_MIN_ELEMENTS);
+        free(xu);
+        free(xs);
+#endif
+    } else {
+        q8_args a = {w, s, xf, yf, m, n, k, g};
+        section sec = {q8_section, &a, n, chunk_units(n, k, 16)};
+        run_job(&sec, 1, n * k >= PARALLEL_MIN_ELEMENTS);
+    }
+    if (y_bf16)
+        for (int64_t i = 0; i < m * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
+    if (x_bf16) free(xf);
+    if (y_bf16) free(yf);
+}
+
+/* ---- int8 quantization for the converter (tprt.quant.formats.quantize, bit for bit) ----
+   Rows of x [rows, cols] (float32 or bf16) -> q int8 [rows, cols] and s float32 [rows, cols / g]:
+   per row and group of g columns, s = max|x| / 127 (1 for an all-zero group) and q = x / s
+   rounded half to even, clamped to +-127. Rows are shared by the thread pool. */
+typedef struct {
+    const void *x;
+    int64_t bf16, cols, g;
+    int8_t *q;
+    float *s;
+} quant_args;
+
+static inline float quant_load(const quant_args *a, int64_t i) {
+    return a->bf16 ? bf16_to_f32(((const uint16_t *)a->x)[i]) : ((const float *)a->x)[i];
+}
+
+#if defined(__AVX512F__)
+static inline __m512 quant_load16(const quant_args *a, int64_t i) {
+    if (!a->bf16) return _mm512_loadu_ps((const float *)a->x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)a->x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static void quant_section(void *arg, int64_t lo, int64_t hi) {
+    const quant_args *a = arg;
+    const int64_t g = a->g, groups = a->cols / g;
+    for (int64_t r = lo; r < hi; r++)
+        for (int64_t b = 0; b < groups; b++) {
+            const int64_t start = r * a->cols + b * g;
+            float amax = 0;
+            int64_t c = 0;
+#if defined(__AVX512F__)
+            if (g % 16 == 0) {
+                __m512 m = _mm512_setzero_ps();
+                for (; c < g; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(quant_load16(a, start + c)));
+                amax = _mm512_reduce_max_ps(m);
+            }
+#endif
+            for (; c < g; c++) amax = fmaxf(amax, fabsf(quant_load(a, start + c)));
+            const float scale = amax > 0 ? amax / 127.0f : 1.0f;
+            a->s[r * groups + b] = scale;
+            c = 0;
+#if defined(__AVX512F__)
+            if (g % 16 == 0) {
+                const __m512 sv = _mm512_set1_ps(scale), lo127 = _mm512_set1_ps(-127.0f), hi127 = _mm512_set1_ps(127.0f);
+                for (; c < g; c += 16) {
+                    __m512 v = _mm512_div_ps(quant_load16(a, start + c), sv);
+                    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    v = _mm512_min_ps(_mm512_max_ps(v, lo127), hi127);
+                    _mm_storeu_si128((__m128i *)(a->q + start + c), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+                }
+            }
+#endif
+            for (; c < g; c++) {
+                float v = nearbyintf(quant_load(a, start + c) / scale);
+                a->q[start + c] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+        }
+}
+
+void tprt_quantize_q8(const void *x, int64_t bf16, int8_t *q, float *s, int64_t rows, int64_t cols, int64_t g) {
+    quant_args a = {x, bf16, cols, g, q, s};
+    section sec = {quant_section, &a, rows, chunk_units(rows, cols * (bf16 ? 2 : 4), 1)};
+    run_job(&sec, 1, rows * cols >= PARALLEL_MIN_ELEMENTS);
+}
