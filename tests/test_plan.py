@@ -166,3 +166,29 @@ def test_bad_workload() -> None:
     with pytest.raises(Exception, match="unknown LoRA target"):
         plan_memory(cfg, 1, FinetuneWorkload(lora_targets=("qq",)), device("cpu"))
     assert math.isclose(device("cpu", 2.5).memory_bytes, 2.5 * GIB)
+
+
+def test_serve_plan_counts_speculation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Speculative decoding: rank 0's draft model (its TP-1 weights at least), logits for every
+    drafted position, and the KV positions written ahead; a draft of another vocabulary is refused."""
+    big = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    small = ModelConfig.from_file(CONFIGS / "llama-3.2-1b" / "config.json")
+    dev = device("h100-80gb")
+    plain = plan_memory(big, 8, ServeWorkload(dtype="bf16"), dev)
+    spec = plan_memory(big, 8, ServeWorkload(dtype="bf16", num_speculative_tokens=4, draft=small), dev)
+    draft_weights = numel(rank_parameters(small, layout_for(small, 1))) * 2
+    assert draft_weights < spec.per_rank_bytes["draft_model"] < draft_weights * 1.5
+    layout = layout_for(big, 8)
+    assert spec.per_rank_bytes["activations"] - plain.per_rank_bytes["activations"] == \
+        16 * 4 * (layout.local_vocab + big.vocab_size) * 4
+    assert spec.extra["speculative_kv_positions"] == 16 * 4 and "speculative_kv_positions" not in plain.extra
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
+                 "serve", "--draft-model", str(CONFIGS / "llama-3.2-1b")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_rank_bytes"]["draft_model"] == spec.per_rank_bytes["draft_model"]
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({**json.loads((CONFIGS / "llama-3.2-1b" / "config.json").read_text()),
+                                 "vocab_size": 32000}))
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb",
+                 "serve", "--draft-model", str(other)]) == 2
+    assert "--draft-model" in capsys.readouterr().err

@@ -29,20 +29,18 @@ plainly, trying a one-token draft every `probe_every` steps; so free chat is not
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import torch
-
+from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS, SPECULATIVE_FLAGS
 from tprt.errors import ConfigError
 
 if TYPE_CHECKING:
     from tprt.model.llama import TPLlamaForCausalLM
 
 Method = Literal["ngram", "suffix", "draft"]
-METHODS: tuple[str, ...] = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
@@ -50,9 +48,9 @@ class SpeculativeConfig:
     """How rank 0 drafts tokens (see the module docstring)."""
 
     method: Method = "ngram"
-    num_tokens: int = 4  # drafted tokens per row at most (k)
-    min_n: int = 2  # prompt lookup: shortest n-gram matched
-    max_n: int = 4  # prompt lookup: longest n-gram matched (tried first)
+    num_tokens: int = DEFAULT_NUM_TOKENS  # drafted tokens per row at most (k)
+    min_n: int = DEFAULT_MIN_N  # prompt lookup: shortest n-gram matched
+    max_n: int = DEFAULT_MAX_N  # prompt lookup: longest n-gram matched (tried first)
     draft_model: str | None = None  # "draft": a TP-1 checkpoint directory with the same vocabulary
     adaptive: bool = True  # adapt k per request to its acceptance (False: always num_tokens)
     draft_cost: float = 0.15  # cost of one more position in a row, relative to a one-token row
@@ -279,20 +277,9 @@ def load_draft_model(path: str | Path, vocab_size: int, max_batch: int, max_seq_
     """The draft checkpoint at `path`, loaded at TP 1 on this process (rank 0); refuses one whose
     vocabulary differs from the target's (its drafts would be other tokens)."""
     from tprt.checkpoint.loading import load_model
-    from tprt.checkpoint.format import TPCheckpoint
     from tprt.distributed.context import TPContext
-    from tprt.errors import CheckpointError
 
-    try:
-        ckpt = TPCheckpoint(path)
-    except (CheckpointError, OSError) as e:
-        raise ConfigError(f"--draft-model {path}: {e}") from None
-    if ckpt.config.vocab_size != vocab_size:
-        raise ConfigError(f"--draft-model {path}: vocab_size {ckpt.config.vocab_size} differs from the model's "
-                          f"{vocab_size}; a draft model must share the model's tokenizer and vocabulary")
-    if ckpt.tp_size != 1:
-        raise ConfigError(f"--draft-model {path}: sharded for tp_size={ckpt.tp_size}; the draft runs on rank 0 "
-                          "alone: reshard it to 1 with `tprt-convert reshard`")
+    check_draft_model(path, vocab_size)
     model = load_model(path, TPContext.single())
     context = min(max_seq_len, model.config.max_position_embeddings - 1)
     return DraftModel(model, max_batch, context)
@@ -414,3 +401,38 @@ def build_speculator(config: SpeculativeConfig, vocab_size: int, max_batch: int,
         assert config.draft_model is not None
         draft = load_draft_model(config.draft_model, vocab_size, max_batch, max_seq_len)
     return Speculator(config, draft)
+
+
+# ----------------------------------------------------------------------------- flags (tprt serve, tprt generate)
+
+
+def speculative_from_flags(flags: Mapping[str, Any], vocab_size: int | None = None) -> SpeculativeConfig | None:
+    """The SpeculativeConfig the flags ask for (None: --speculative not given), checked; with the
+    model's `vocab_size`, a draft model's vocabulary is checked too (before any rank starts)."""
+    if flags.get("speculative") is None:
+        if flags.get("draft_model") is not None:
+            raise ConfigError("--draft-model needs --speculative draft")
+        return None
+    draft = flags.get("draft_model")
+    config = SpeculativeConfig(flags["speculative"], flags["num_speculative_tokens"], flags["spec_min_n"],
+                               flags["spec_max_n"], None if draft is None else str(draft)).validate()
+    if config.draft_model is not None and vocab_size is not None:
+        check_draft_model(config.draft_model, vocab_size)
+    return config
+
+
+def check_draft_model(path: str | Path, vocab_size: int) -> None:
+    """Raises ConfigError naming --draft-model unless `path` is a TP-1 checkpoint of `vocab_size` tokens."""
+    from tprt.checkpoint.format import TPCheckpoint
+    from tprt.errors import CheckpointError
+
+    try:
+        ckpt = TPCheckpoint(path)
+    except (CheckpointError, OSError) as e:
+        raise ConfigError(f"--draft-model {path}: {e}") from None
+    if ckpt.config.vocab_size != vocab_size:
+        raise ConfigError(f"--draft-model {path}: vocab_size {ckpt.config.vocab_size} differs from the model's "
+                          f"{vocab_size}; a draft model must share the model's tokenizer and vocabulary")
+    if ckpt.tp_size != 1:
+        raise ConfigError(f"--draft-model {path}: sharded for tp_size={ckpt.tp_size}; the draft runs on rank 0 "
+                          "alone: reshard it to 1 with `tprt-convert reshard`")

@@ -65,7 +65,7 @@ CPU_ONEDNN_RESERVE = 80 << 20
 GRAD_CHUNK_BYTES = 64 << 20
 
 KINDS = ("weights", "packed_weights", "kv_cache", "activations", "gradients", "optimizer_states",
-         "master_weights", "framework_reserve")
+         "master_weights", "draft_model", "framework_reserve")
 
 
 def dtype_name(dtype: str) -> str:
@@ -88,6 +88,10 @@ class ServeWorkload:
     kv_block_size: int = 16  # positions per KV block (EngineConfig.kv_block_size)
     token_budget: int = 2048  # tokens per step (EngineConfig.token_budget)
     cpu_prepack: bool = True  # EngineConfig.cpu_prepack
+    # Speculative decoding (tprt.engine.speculative): drafted tokens per row (0: off), and a draft
+    # model's config (--speculative draft), whose weights and KV cache rank 0 alone holds.
+    num_speculative_tokens: int = 0
+    draft: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -226,15 +230,41 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     mlp = tokens * b * (2 * h + 4 * inter)
     gathered = min(w.max_batch_size, tokens) * max_seq_len * 2 * kv * cb
     attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len)) + gathered
-    logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
+    # float32, gathered to sample: a decode row returns logits for its token and each drafted one
+    logits = w.max_batch_size * (1 + w.num_speculative_tokens) * (layout.local_vocab + cfg.vocab_size) * 4
     packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
     pool = w.kv_cache_tokens or w.max_batch_size * max_seq_len
     kv_cache = per_token * (-(-pool // w.kv_block_size) + 1) * w.kv_block_size  # and the scratch block
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=params * b, packed_weights=packed, kv_cache=kv_cache,
-                 activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))
+                 activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0),
+                 draft_model=_draft_bytes(w, device, max_seq_len, vocab_align))
+    extra: dict[str, Any] = {"tokens_per_step": tokens, "max_batch_size": w.max_batch_size}
+    if w.num_speculative_tokens:
+        # Drafted positions are written ahead of what a row keeps, within its max_seq_len, so they
+        # come out of the pool: at most this many at once, given back when rejected.
+        extra["speculative_kv_positions"] = w.max_batch_size * w.num_speculative_tokens
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
-                      extra={"tokens_per_step": tokens, "max_batch_size": w.max_batch_size})
+                      extra=extra)
+
+
+def _draft_bytes(w: ServeWorkload, device: Device, max_seq_len: int, vocab_align: int) -> int:
+    """Rank 0's draft model (tprt.engine.speculative.DraftModel): its weights at TP 1 (and the CPU
+    packed copies), a KV cache of one slot of max_seq_len + 1 positions per running sequence
+    (blocks of 16, and the scratch block), and one row of full-vocabulary logits per sequence."""
+    d = w.draft
+    if d is None:
+        return 0
+    layout = layout_for(d, 1, vocab_align)
+    dtype = dtype_name(d.torch_dtype)
+    b = DTYPE_BYTES[dtype]
+    shapes = rank_parameters(d, layout)
+    cpu = device.kind == "cpu"
+    packed = _packed_bytes(d, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
+    kv_dtype = "fp32" if cpu else dtype
+    slot = -(-(max_seq_len + 1) // 16) * 16
+    kv = kv_bytes_per_token(d, layout, kv_dtype) * (w.max_batch_size * slot + 16)
+    return numel(shapes) * b + packed + kv + w.max_batch_size * layout.padded_vocab_size * 4
 
 
 def _trainable_targets(w: FinetuneWorkload) -> set[str]:
