@@ -119,8 +119,9 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     ckpt = TPCheckpoint(cfg.model)
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
-    if cfg.speculative is not None and cfg.speculative.validate().draft_model is not None:
-        check_draft_model(cfg.speculative.draft_model, ckpt.config.vocab_size)
+    draft = cfg.speculative.validate().draft_model if cfg.speculative is not None else None
+    if draft is not None:
+        check_draft_model(draft, ckpt.config.vocab_size)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
                  "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
                  "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",

@@ -355,7 +355,7 @@ class Engine:
         send_step(plan, self.tp)
         # Constrained rows' masks depend only on the output so far (and a row's draft, one mask per
         # position it verifies): computed while the model runs.
-        constrained = [(s, []) for s, n in schedule.prefill
+        constrained: list[tuple[Sequence, list[int]]] = [(s, []) for s, n in schedule.prefill
                        if s.num_computed + n == s.prefill_target and s.matcher is not None]
         if plan.decode is not None:
             constrained += [(s, list(t[1:])) for s, t in zip(schedule.decode, plan.decode.tokens)

@@ -79,8 +79,8 @@ def text(plan: MemoryPlan) -> str:
 
 def _workload_json(plan: MemoryPlan) -> dict[str, Any]:
     out = asdict(plan.workload)
-    if out.get("draft") is not None:  # the draft model's config: its size is what matters here
-        d = plan.workload.draft  # type: ignore[union-attr]
+    d = getattr(plan.workload, "draft", None)
+    if d is not None:  # the draft model's config: its size is what matters here
         out["draft"] = {"num_hidden_layers": d.num_hidden_layers, "hidden_size": d.hidden_size,
                         "vocab_size": d.vocab_size}
     return out
