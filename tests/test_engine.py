@@ -686,10 +686,11 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
 
     base = EngineConfig(max_batch=len(requests), max_seq_len=64, kv_block_size=2)
     plain = run(base)
+    wide = 256  # draft in batches of every request (the CPU default stops at 8 tokens a step)
     specs = {
-        "ngram": SpeculativeConfig("ngram", num_tokens=4, min_n=1, max_n=3, adaptive=False),
-        "suffix": SpeculativeConfig("suffix", num_tokens=3, min_n=2, max_n=4),
-        "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=str(wd / "tp1")),
+        "ngram": SpeculativeConfig("ngram", num_tokens=4, min_n=1, max_n=3, adaptive=False, max_step_tokens=wide),
+        "suffix": SpeculativeConfig("suffix", num_tokens=3, min_n=2, max_n=4, max_step_tokens=wide),
+        "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=str(wd / "tp1"), max_step_tokens=wide),
     }
     runs = {name: run(replace(base, speculative=spec)) for name, spec in specs.items()}
     runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64))
@@ -1199,3 +1200,24 @@ def test_which_path_runs_is_visible_in_the_modules(workdir: Path) -> None:
         assert isinstance(attn, NativeAttention) and isinstance(layer.post_attention_layernorm, NativeRMSNorm)
         fused = one_row_native(attn.qkv_proj, attn.o_proj) or one_row_native(mlp.gate_up_proj, mlp.down_proj)
         assert isinstance(layer, NativeDecoderLayer) == fused
+
+
+def test_speculation_waits_for_a_narrow_batch(workdir: Path) -> None:
+    """With the CPU default (8 tokens a step), nine decoding rows draft nothing (a row of k + 1
+    tokens would pad all nine); one row alone drafts, and keeps plain decoding's tokens."""
+    from tprt.engine.speculative import SpeculativeConfig
+
+    tok = Tokenizer.from_dir(workdir / "hf")
+    prompt = tok.encode(SPEC_TEXTS[0])
+    engine = Engine(_model(TPContext.single(), workdir), tok,
+                    EngineConfig(max_batch=9, max_seq_len=64, speculative=SpeculativeConfig("ngram", min_n=1)))
+    for i in range(9):
+        engine.add(prompt, _greedy(12), str(i))
+    wide = run_to_completion(engine)
+    stats = engine.spec_stats
+    assert stats is not None and stats.drafted == 0, stats
+    engine.add(prompt, _greedy(12), "alone")
+    alone = run_to_completion(engine)["alone"]
+    stats = engine.spec_stats
+    assert stats is not None and stats.drafted > 0 and stats.accepted > 0, stats
+    assert alone.token_ids == wide["0"].token_ids

@@ -115,7 +115,8 @@ def check_speculative_greedy(ctx: TPContext, wd: Path) -> None:
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in (*GROUNDED, *QUESTIONS)]
     requests = [(f"{i}-{a}", p, a) for i, p in enumerate(prompts) for a in (0, i % 2 + 1)]
     outs = []
-    for spec in (None, SpeculativeConfig("ngram", min_n=1, max_n=3), SpeculativeConfig("suffix", num_tokens=3)):
+    for spec in (None, SpeculativeConfig("ngram", min_n=1, max_n=3, max_step_tokens=128),
+                 SpeculativeConfig("suffix", num_tokens=3, max_step_tokens=128)):
         model = load_model(wd / f"tp{ctx.world_size}", ctx, "fp32")
         engine = Engine(model, tok, EngineConfig(max_batch=len(requests), max_seq_len=192, kv_block_size=BLOCK,
                                                  speculative=spec))
@@ -125,7 +126,7 @@ def check_speculative_greedy(ctx: TPContext, wd: Path) -> None:
             with torch.no_grad():
                 for _, module in adapter.pieces:
                     for b in module.lora_B.values():
-                        b.copy_(torch.randn(b.shape, generator=gen) * 0.05)
+                        b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
             engine.runner.adapters.install(index, adapter)
         if not engine.is_driver:
             engine.follow()
@@ -139,7 +140,7 @@ def check_speculative_greedy(ctx: TPContext, wd: Path) -> None:
     if ctx.rank != 0:
         return
     (plain, _), *spec_runs = outs
-    assert plain["0-1"] != plain["0-0"], "the adapter changed nothing"
+    assert any(plain[f"{i}-0"] != plain[f"{i}-{i % 2 + 1}"] for i in range(len(prompts))), "adapters changed nothing"
     for got, stats in spec_runs:
         assert stats is not None and stats.accepted > 0, stats
         for rid, ids in plain.items():

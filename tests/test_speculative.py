@@ -140,3 +140,12 @@ def test_rejection_rule_greedy_and_mixed_rows() -> None:
                  [[], [], []], drafts=[1, 2, -1]).token_ids
     plain = sample(logits[2:], [sampled], [torch.Generator().manual_seed(3)], [[]]).token_ids
     assert out[:2].tolist() == [1, 1] and out[2] == plain[0]
+
+
+def test_drafting_stops_where_the_batch_is_wide() -> None:
+    """A decode batch pads every row to the widest: the engine drafts only while rows x (1 + k)
+    stays within max_step_tokens (8 on CPU: the native decode stack's rows)."""
+    assert SpeculativeConfig().step_tokens("cpu") == 8 and SpeculativeConfig().step_tokens("cuda") == 1024
+    assert SpeculativeConfig(max_step_tokens=64).step_tokens("cpu") == 64
+    with pytest.raises(ConfigError):
+        SpeculativeConfig(max_step_tokens=1).validate()

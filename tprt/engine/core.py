@@ -298,11 +298,15 @@ class Engine:
         spec = self._speculator
         if spec is None:
             return
+        decoding = sum(s.status is Status.RUNNING for s in self.scheduler.running)
+        # Every row of a decode batch is padded to the widest: draft only while rows x (1 + k) is
+        # a step about as cheap as one of single tokens (SpeculativeConfig.max_step_tokens).
+        widest = spec.config.step_tokens(self.tp.device.type) // max(decoding, 1) - 1
         seqs = [s for s in self.scheduler.running
                 if s.status is Status.RUNNING and not s.draft and s.params.speculate is not False]
-        if not seqs:
+        if not seqs or widest < 1:
             return
-        room = [s.params.max_new_tokens - len(s.output) - 1 for s in seqs]
+        room = [min(widest, s.params.max_new_tokens - len(s.output) - 1) for s in seqs]
         for seq, draft in zip(seqs, spec.propose(seqs, room)):
             seq.draft = self._grammar_prefix(seq, draft)
 

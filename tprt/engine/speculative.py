@@ -56,6 +56,15 @@ class SpeculativeConfig:
     draft_cost: float = 0.15  # cost of one more position in a row, relative to a one-token row
     probe_every: int = 8  # steps without drafting before a one-token probe (adaptive)
     suffix_cache_tokens: int = 1 << 18  # "suffix": output tokens kept per adapter
+    # Drafting only while the decode batch stays this small: rows x (1 + k) tokens, padding
+    # included (rows of a batch are padded to the widest). None: 8 on CPU (the native decode
+    # stack's rows: a wider step takes the much slower module path), 1024 on a GPU.
+    max_step_tokens: int | None = None
+
+    def step_tokens(self, device_type: str) -> int:
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        return 8 if device_type == "cpu" else 1024
 
     def validate(self) -> SpeculativeConfig:
         if self.method not in METHODS:
@@ -67,8 +76,10 @@ class SpeculativeConfig:
                               f"got {self.min_n} and {self.max_n}")
         if (self.method == "draft") != (self.draft_model is not None):
             raise ConfigError("--draft-model is needed with --speculative draft, and only with it")
-        if self.draft_cost < 0 or self.probe_every < 1 or self.suffix_cache_tokens < 1:
-            raise ConfigError("draft_cost must be >= 0, probe_every and suffix_cache_tokens >= 1")
+        if self.draft_cost < 0 or self.probe_every < 1 or self.suffix_cache_tokens < 1 \
+                or (self.max_step_tokens is not None and self.max_step_tokens < 2):
+            raise ConfigError("draft_cost must be >= 0, probe_every and suffix_cache_tokens >= 1, "
+                              "max_step_tokens >= 2")
         return self
 
 
