@@ -47,15 +47,17 @@ from tprt.text.tokenizer import Tokenizer  # noqa: E402
 PROMPTS = ROOT / "bench" / "spec_prompts.json"
 
 
-def run_batch(engine: Engine, prompts: list[list[int]], n: int, speculate: bool) -> tuple[float, list[list[int]]]:
-    """Runs the prompts together (greedy, n tokens at most); (decode tokens/s, outputs)."""
+def run_batch(engine: Engine, prompts: list[list[int]], n: int,
+              speculate: bool) -> tuple[float, list[list[int]], int]:
+    """Runs the prompts together (greedy, n tokens at most); (decode tokens/s, outputs, steps)."""
     for i, p in enumerate(prompts):
         engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=n, speculate=speculate), str(i))
     first: float | None = None
     outs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    counted = 0
+    counted = steps = 0
     while engine.has_work:
         events = engine.step()
+        steps += 1
         now = time.perf_counter()
         for ev in events:
             if ev.token_id is None:
@@ -66,25 +68,35 @@ def run_batch(engine: Engine, prompts: list[list[int]], n: int, speculate: bool)
                 counted += 1
             outs[ev.request_id].append(ev.token_id)
     assert first is not None
-    return counted / max(time.perf_counter() - first, 1e-9), [outs[str(i)] for i in range(len(prompts))]
+    return counted / max(time.perf_counter() - first, 1e-9), [outs[str(i)] for i in range(len(prompts))], steps
 
 
 def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int) -> dict[str, Any]:
     """Tokens/s without and with speculation over the prompts, `batch` at a time (alternating
-    per group so other load falls on both alike); outputs must match."""
+    per group so other load falls on both alike); outputs must match. Also machine-independent
+    figures: engine steps without / with (the most a step's cost allows the speed-up to be), and
+    the share of drafted tokens kept."""
     rates: dict[bool, list[float]] = {False: [], True: []}
+    steps = {False: 0, True: 0}
     mismatches = 0
+    before = engine.spec_stats
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
-        plain_rate, plain = run_batch(engine, group, n, speculate=False)
-        spec_rate, spec = run_batch(engine, group, n, speculate=True)
+        plain_rate, plain, plain_steps = run_batch(engine, group, n, speculate=False)
+        spec_rate, spec, spec_steps = run_batch(engine, group, n, speculate=True)
         rates[False].append(plain_rate)
         rates[True].append(spec_rate)
+        steps[False] += plain_steps
+        steps[True] += spec_steps
         mismatches += sum(a != b for a, b in zip(plain, spec))
+    after = engine.spec_stats
+    assert before is not None and after is not None
+    drafted, kept = after.drafted - before.drafted, after.accepted - before.accepted
     plain_mean = sum(rates[False]) / len(rates[False])
     spec_mean = sum(rates[True]) / len(rates[True])
     return {"plain_tps": plain_mean, "spec_tps": spec_mean, "speedup": spec_mean / plain_mean,
-            "outputs_differ": mismatches}
+            "steps_ratio": steps[False] / max(steps[True], 1), "drafted": drafted,
+            "acceptance": kept / max(drafted, 1), "outputs_differ": mismatches}
 
 
 def hf_prompt_lookup(workdir: Path, dtype: torch.dtype, prompts: list[list[int]], n: int, k: int) -> dict[str, Any]:
@@ -187,9 +199,10 @@ def main() -> None:
         longest = max(len(p) for p in chat + free) + args.tokens + 8
         engine = Engine(model, tok, EngineConfig(max_batch=16, max_seq_len=longest, speculative=spec))
         run_batch(engine, chat[:1], 8, speculate=True)  # warm-up
+        kernels = type(engine.runner.model.stack).__name__  # NativeDecodeStack unless prepack timed another way
         r: dict[str, Any] = {"grounded_b1": ours(engine, chat, args.tokens, 1),
                              "free_b1": ours(engine, free, args.tokens, 1),
-                             "free_16_streams": ours(engine, streams, args.tokens, 16)}
+                             "free_16_streams": ours(engine, streams, args.tokens, 16), "stack": kernels}
         print(f"[{dtype}] ours {json.dumps(r)}", file=sys.stderr, flush=True)
         del engine, model
         if not args.no_peers:
@@ -215,7 +228,8 @@ def report(r: dict[str, Any]) -> None:
         for name in ("grounded_b1", "free_b1", "free_16_streams"):
             y = x[name]
             print(f"{dtype} {name:<16} plain {y['plain_tps']:7.1f} tok/s  spec {y['spec_tps']:7.1f} tok/s  "
-                  f"{y['speedup']:.2f}x  (outputs differing: {y['outputs_differ']})")
+                  f"{y['speedup']:.2f}x  steps {y['steps_ratio']:.2f}x fewer, {y['acceptance']:.0%} of "
+                  f"{y['drafted']} drafted kept (outputs differing: {y['outputs_differ']})")
         for peer in ("hf_grounded_b1", "llama_cpp_grounded_b1"):
             if peer in x:
                 y = x[peer]
