@@ -1221,3 +1221,29 @@ def test_speculation_waits_for_a_narrow_batch(workdir: Path) -> None:
     stats = engine.spec_stats
     assert stats is not None and stats.drafted > 0 and stats.accepted > 0, stats
     assert alone.token_ids == wide["0"].token_ids
+
+
+def test_a_one_row_draft_step_runs_on_one_thread(workdir: Path) -> None:
+    """CPU: a single decode row of a last token and a short draft (speculative decoding at batch
+    1) runs on `one_row_threads` like a one-token row; several rows, a row longer than the native
+    stack takes, or a prefill, on the caller's count."""
+    from tprt.cpu.native import STACK_MAX_ROWS
+
+    engine = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=2, max_seq_len=32))
+    before = torch.get_num_threads()
+
+    def threads(plan: StepPlan) -> int:
+        with engine.runner.threads_for(plan):
+            return torch.get_num_threads()
+
+    def rows(*widths: int) -> BatchPlan:
+        return BatchPlan(tuple((1,) for _ in widths), (3,) * len(widths), tuple((5,) * w for w in widths), False)
+
+    try:
+        torch.set_num_threads(2)
+        assert threads(StepPlan(decode=rows(1))) == threads(StepPlan(decode=rows(5))) == 1
+        assert threads(StepPlan(decode=rows(STACK_MAX_ROWS + 1))) == 2
+        assert threads(StepPlan(decode=rows(2, 2))) == threads(StepPlan(prefill=rows(5))) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
