@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tprt.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_flags
+
 COMMANDS = ("serve", "client")
 
 SERVE_EPILOG = """examples:
@@ -102,6 +104,7 @@ def _serve_parser(sub: Any) -> None:
                    help="more adapters kept in host memory, beyond --max-loras (8; 0 = none)")
     s.add_argument("--max-lora-rank", type=int, default=64, metavar="R", help="largest LoRA rank accepted (64)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_speculative_flags(s)
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -188,7 +191,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
                         format="%(asctime)s tprt serve [%(process)d] %(levelname)s %(message)s")
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level")}
+    from tprt.engine.speculative import speculative_from_flags
+
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", *SPECULATIVE_FLAGS)}
+    fields["speculative"] = speculative_from_flags(vars(args))
     return run_serve(ServeConfig(**fields))
 
 

@@ -66,6 +66,13 @@ class Metrics:
                                    registry=r)
         self.preemptions = Counter("tprt_preemptions", "Sequences preempted for KV blocks (recomputed later)",
                                    registry=r)
+        # Speculative decoding (tprt.engine.speculative), counted as the engine reports.
+        self.spec_drafted = Counter("tprt_spec_drafted_tokens", "Tokens drafted for verification", registry=r)
+        self.spec_accepted = Counter("tprt_spec_accepted_tokens", "Drafted tokens kept", registry=r)
+        self.spec_emitted = Counter("tprt_spec_emitted_tokens", "Tokens emitted by decode rows that carried a draft",
+                                    registry=r)
+        self.spec_acceptance = Gauge("tprt_spec_acceptance_ratio", "Drafted tokens kept / drafted, by draft "
+                                     "position (0 = the first drafted token), since start", ["position"], registry=r)
         self.jobs = Gauge("tprt_finetune_jobs", "Fine-tuning jobs by state", ["state"], registry=r)
         self.ft_tokens = Counter("tprt_finetune_tokens", "Tokens trained on", registry=r)
         self.ft_steps = Counter("tprt_finetune_steps", "Fine-tuning optimizer steps", registry=r)
@@ -97,6 +104,15 @@ class Metrics:
         """Counts a finished call (the gRPC error interceptor's callback; the HTTP app's)."""
         name = method.rsplit("/", 1)[-1] if protocol == "grpc" else method
         self.requests.labels(protocol=protocol, method=name, outcome=outcome).inc()
+
+    def speculation(self, now: Any, last: Any) -> None:
+        """Advances the speculative-decoding series from the engine's SpecStats `last` to `now`."""
+        self.spec_drafted.inc(now.drafted - last.drafted)
+        self.spec_accepted.inc(now.accepted - last.accepted)
+        self.spec_emitted.inc(now.emitted - last.emitted)
+        for i, (drafted, kept) in enumerate(zip(now.drafted_at, now.accepted_at)):
+            if drafted:
+                self.spec_acceptance.labels(position=str(i)).set(kept / drafted)
 
     def set_jobs(self, counts: dict[str, int]) -> None:
         """Sets the per-state job gauges from a {state: count} snapshot."""

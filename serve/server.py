@@ -52,6 +52,7 @@ from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
 from serve.grpc.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
 from serve.core.loop import EngineLoop
+from tprt.engine.speculative import SpeculativeConfig, check_draft_model
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, in_distributed_env, init_distributed, shutdown
 from tprt.distributed.launcher import start_followers, stop_followers, watch
@@ -111,6 +112,7 @@ class ServeConfig:
     max_loras: int = 8  # LoRA adapters on the device, routable in one batch (serve/adapters/pool.py)
     max_cpu_loras: int = 8  # more adapters kept in host memory
     max_lora_rank: int = 64  # adapters of a higher rank are refused
+    speculative: SpeculativeConfig | None = None  # tprt.engine.speculative; None: off
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -118,6 +120,9 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     ckpt = TPCheckpoint(cfg.model)
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
+    draft = cfg.speculative.validate().draft_model if cfg.speculative is not None else None
+    if draft is not None:
+        check_draft_model(draft, ckpt.config.vocab_size)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
                  "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
                  "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",
@@ -165,7 +170,8 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
     fraction = cfg.gpu_memory_fraction if cfg.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
     return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
                         prefix_cache=cfg.prefix_cache, kv_cache_tokens=cfg.kv_cache_tokens,
-                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction)
+                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction,
+                        speculative=cfg.speculative)
 
 
 def max_batch_size(cfg: ServeConfig) -> int:

@@ -91,6 +91,23 @@ def test_generate_json_tp2(root: Path, hf: Any, tmp_path: Path) -> None:
     assert "TP=2" in proc.stderr
 
 
+def test_generate_speculative_tp2(root: Path, hf: Any) -> None:
+    """--speculative ngram: the same greedy ids as transformers, and a line on what was drafted."""
+    prompts = ("ab ab ab ab ab", PROMPTS[1])
+    proc = _tprt("generate", "--model", str(root / "tp2"), "--prompt", *prompts, "--max-new-tokens", "12", "--json",
+                 "--speculative", "ngram", "--spec-min-n", "1", "--num-speculative-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    tok = Tokenizer.from_dir(root / "tp2")
+    for r, text in zip([json.loads(line) for line in proc.stdout.splitlines()], prompts):
+        ids = tok.encode(text)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                               eos_token_id=2)[0, len(ids):].tolist()
+        assert r["token_ids"] == want, (text, r["token_ids"], want)
+    assert "speculative:" in proc.stderr and "tokens drafted" in proc.stderr, proc.stderr
+
+
 def test_generate_chat_streams_text(root: Path, hf: Any) -> None:
     """--chat --system: the chat template's prompt, the text streamed to stdout."""
     proc = _tprt("generate", "--model", str(root / "tp2"), "--chat", "--system", SYSTEM, "--prompt", PROMPTS[0],
@@ -183,11 +200,26 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
      ["--json-schema", "Unimplemented", "not"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--grammar", "{root}/missing.lark"],
      ["--grammar", "missing.lark"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--draft-model", "{root}/tp1"],
+     ["--draft-model", "--speculative draft"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--speculative", "ngram", "--num-speculative-tokens",
+      "0"], ["--num-speculative-tokens", "got 0"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--speculative", "draft", "--draft-model",
+      "{root}/tp2"], ["--draft-model", "tp_size=2"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--speculative", "draft", "--draft-model",
+      "{root}/othervocab"], ["--draft-model", "vocab_size 300", "tokenizer"]),
 ])
 def test_bad_input(root: Path, argv: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Refused before any rank starts: one line naming the flag, file or prompt; exit status 2."""
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n')
     (root / "not.schema.json").write_text('{"not": {"type": "string"}}')
+    other = root / "othervocab"  # a TP-1 checkpoint whose vocabulary is not the model's
+    if not other.exists():
+        shutil.copytree(root / "tp1", other)
+        for name in ("config.json", "tprt_manifest.json"):
+            meta = json.loads((other / name).read_text())
+            meta["vocab_size"] = 300
+            (other / name).write_text(json.dumps(meta))
     try:
         rc = main([a.format(root=root) for a in argv])
     except SystemExit as e:  # argparse's own errors

@@ -12,6 +12,7 @@ same ids fed to the model on every rank).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 from collections.abc import Callable
 from functools import partial
@@ -430,11 +431,11 @@ def check_prefix_reuse(ctx: TPContext, wd: Path) -> None:
 
 
 def check_drafts(ctx: TPContext, wd: Path) -> None:
-    """Decode rows of a last token and a draft (Engine.propose): drafted tokens are kept while
-    they are the tokens the request's own sampling chooses, the positions of the others are given
-    back and written again, so greedy and seeded outputs are those of plain decoding (right
-    drafts, half-right ones and wrong ones, side by side in one batch), in fewer steps when the
-    drafts are right; every rank ran the same rows of several tokens."""
+    """Decode rows of a last token and a draft (Engine.propose): greedy rows keep drafted tokens
+    while they are the argmax, the positions of the others are given back and written again, so
+    greedy outputs are those of plain decoding (right drafts, half-right ones and wrong ones,
+    side by side in one batch), in fewer steps when the drafts are right; a seeded sampled row
+    (kept by the rejection rule) is reproducible; every rank ran the same rows of several tokens."""
     ref, plans = _ref(wd), []
     prompts, greedy = ref["prompts"], ref["greedy"]
     sampled = SamplingParams(temperature=0.9, top_k=40, seed=7, max_new_tokens=N_NEW, ignore_eos=True)
@@ -468,15 +469,17 @@ def check_drafts(ctx: TPContext, wd: Path) -> None:
             return {"0": right, "1": right[:1] + [5, 6], "2": [7, 8, 9]}.get(rid, right)
 
         drafted, drafted_steps = run(engine, drafts)
+        again, _ = run(engine, drafts)
         with pytest.raises(ValidationError, match="request_id"):
             engine.propose("nobody", [1])
-        return {"plain": plain, "drafted": drafted, "steps": (plain_steps, drafted_steps)}
+        return {"plain": plain, "drafted": drafted, "again": again, "steps": (plain_steps, drafted_steps)}
 
     out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=2), fn, plans)
     assert out["plain"] == {**{str(i): greedy[i] for i in range(3)}, "s": out["plain"]["s"]}
-    assert out["drafted"] == out["plain"], out
+    assert {k: v for k, v in out["drafted"].items() if k != "s"} == {str(i): greedy[i] for i in range(3)}, out
+    assert out["again"] == out["drafted"] and len(out["drafted"]["s"]) == N_NEW, out
     plain_steps, drafted_steps = out["steps"]
-    assert drafted_steps["0"] < plain_steps["0"] and drafted_steps["s"] < plain_steps["s"], out["steps"]
+    assert drafted_steps["0"] < plain_steps["0"], out["steps"]
     assert drafted_steps["2"] == plain_steps["2"], out["steps"]
     widths = {len(t) for p in plans if p.decode is not None for t in p.decode.tokens}
     assert widths >= {1, 2, 4}, widths
@@ -634,6 +637,95 @@ def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
         assert max(abs(a - b) for a, b in zip(out[k][1], out["0"][1])) > 1e-3, f"adapter {k} changed nothing"
 
 
+SPEC_TEXTS = ("ab ab ab ab ab ab ab", "one two one two one two", "Hello there", "The quick brown fox jumps")
+SPEC_NEW = 24
+SPEC_REGEX = r"(ab|cd|ef){2,12}"
+
+
+def check_speculative(ctx: TPContext, wd: Path) -> None:
+    """Speculative decoding (EngineConfig.speculative: prompt lookup, the suffix cache, a draft
+    model, and prompt lookup under a KV pool small enough to preempt speculating rows), with base
+    and adapter rows in one batch: greedy requests give the token ids, logprobs and top logprobs
+    of plain decoding; a stop string cuts the text where plain decoding does; max_new_tokens is
+    never passed; a seeded sampled request is reproducible; constrained rows (greedy: plain
+    decoding's tokens; sampled: a full match) verify drafts cut to their grammar, masked per
+    position; drafts were made and some kept."""
+    from tprt.engine.constraints import ConstraintSpec
+    from tprt.engine.speculative import SpeculativeConfig
+
+    tok = Tokenizer.from_dir(wd / "hf")
+    prompts = [tok.encode(t) for t in SPEC_TEXTS]
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11, max_new_tokens=SPEC_NEW, ignore_eos=True)
+    requests = [(f"g{i}-{a}", p, _greedy(SPEC_NEW, logprobs=True, top_logprobs=2), a)
+                for i, p in enumerate(prompts) for a in sorted({0, i % 4 + 1})]
+    requests += [("seeded", prompts[0], seeded, 0), ("short", prompts[1], _greedy(3), 2),
+                 ("off", prompts[1], _greedy(SPEC_NEW, speculate=False), 3)]
+    regex = ConstraintSpec.regex(SPEC_REGEX, "regex")
+    requests += [("regex", prompts[0], SamplingParams(temperature=0, max_new_tokens=SPEC_NEW, constraint=regex), 1),
+                 ("regex-s", prompts[1], SamplingParams(temperature=1.0, seed=3, max_new_tokens=SPEC_NEW,
+                                                        constraint=regex), 0)]
+
+    def fn(engine: Engine) -> dict[str, Any]:
+        rounds = []
+        for r in range(2):  # the second round finds the first's outputs in the suffix cache
+            for rid, prompt, params, adapter in requests:
+                engine.add(prompt, params, rid, adapter=adapter)
+            done = run_to_completion(engine)
+            text = done["g0-0"].text
+            stop = text[len(text) // 2 : len(text) // 2 + 2] or "a"
+            engine.add(prompts[0], _greedy(SPEC_NEW, stop_strings=(stop,)), "stop")
+            done.update(run_to_completion(engine))
+            rounds.append({k: (c.token_ids, c.logprobs, [[i for i, _ in t] for t in c.top_logprobs], c.text,
+                               c.finish_reason) for k, c in done.items()})
+        stats = engine.spec_stats
+        return {"rounds": rounds, "preemptions": engine.preemptions,
+                "stats": None if stats is None else (stats.drafted, stats.accepted, stats.emitted, stats.rows)}
+
+    def run(config: EngineConfig) -> dict[str, Any]:
+        model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
+        return _drive(ctx, wd, config, fn, model=model, setup=_install_adapters)
+
+    base = EngineConfig(max_batch=len(requests), max_seq_len=64, kv_block_size=2)
+    plain = run(base)
+    wide = 256  # draft in batches of every request (the CPU default stops at 8 tokens a step)
+    specs = {
+        "ngram": SpeculativeConfig("ngram", num_tokens=4, min_n=1, max_n=3, adaptive=False, max_step_tokens=wide),
+        "suffix": SpeculativeConfig("suffix", num_tokens=3, min_n=2, max_n=4, max_step_tokens=wide),
+        "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=str(wd / "tp1"), max_step_tokens=wide),
+    }
+    runs = {name: run(replace(base, speculative=spec)) for name, spec in specs.items()}
+    runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64))
+    assert runs["preempted"]["preemptions"] > 0, "the small pool preempted nothing"
+    want = plain["rounds"][0]
+    assert plain["stats"] is None
+
+    def same(got: dict[str, Any], name: str) -> None:
+        for rid, (ids, lps, tops, text, finish) in want.items():
+            g_ids, g_lps, g_tops, g_text, g_finish = got[rid]
+            if rid == "seeded":
+                assert len(g_ids) == SPEC_NEW and g_finish == "length", (name, rid)
+                continue
+            if rid == "regex-s":
+                assert g_finish == "length" or re.fullmatch(SPEC_REGEX, g_text), (name, g_text)
+                continue
+            assert g_ids == ids and g_tops == tops and (g_text, g_finish) == (text, finish), (name, rid)
+            assert len(g_lps) == len(lps) and all(abs(a - b) < 1e-4 for a, b in zip(g_lps, lps)), (name, rid)
+
+    same(plain["rounds"][1], "plain")
+    for name, out in runs.items():
+        drafted, accepted, emitted, rows = out["stats"]
+        # A row emits its kept drafts and one token more, unless the request ended on a kept one.
+        assert 0 < accepted < drafted and accepted <= emitted <= rows + accepted, (name, out["stats"])
+        for r, got in enumerate(out["rounds"]):
+            same(got, f"{name} round {r}")
+        # Prompt lookup's and the draft model's drafts depend on the request alone: a seeded
+        # request is reproducible.
+        if name != "suffix":
+            assert out["rounds"][0]["seeded"] == out["rounds"][1]["seeded"], name
+    assert want["short"][0] == want["short"][0][:3] and want["short"][4] == "length"
+    assert want["stop"][4] == "stop" and len(want["stop"][3]) < len(want["g0-0"][3]), want["stop"]
+
+
 SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                                  "ok": {"type": "boolean"}, "tag": {"enum": ["x", "yz"]}},
                 "required": ["n", "ok", "tag"], "additionalProperties": False}
@@ -732,6 +824,7 @@ CHECKS: Checks = [
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),
     ("drafts", check_drafts),
+    ("speculative", check_speculative),
     ("k_token_rows", check_k_token_rows),
     ("rank_protocol", check_rank_protocol),
     ("constrained", check_constrained),
@@ -1108,3 +1201,50 @@ def test_which_path_runs_is_visible_in_the_modules(workdir: Path) -> None:
         assert isinstance(attn, NativeAttention) and isinstance(layer.post_attention_layernorm, NativeRMSNorm)
         fused = one_row_native(attn.qkv_proj, attn.o_proj) or one_row_native(mlp.gate_up_proj, mlp.down_proj)
         assert isinstance(layer, NativeDecoderLayer) == fused
+
+
+def test_speculation_waits_for_a_narrow_batch(workdir: Path) -> None:
+    """With the CPU default (8 tokens a step), nine decoding rows draft nothing (a row of k + 1
+    tokens would pad all nine); one row alone drafts, and keeps plain decoding's tokens."""
+    from tprt.engine.speculative import SpeculativeConfig
+
+    tok = Tokenizer.from_dir(workdir / "hf")
+    prompt = tok.encode(SPEC_TEXTS[0])
+    engine = Engine(_model(TPContext.single(), workdir), tok,
+                    EngineConfig(max_batch=9, max_seq_len=64, speculative=SpeculativeConfig("ngram", min_n=1)))
+    for i in range(9):
+        engine.add(prompt, _greedy(12), str(i))
+    wide = run_to_completion(engine)
+    stats = engine.spec_stats
+    assert stats is not None and stats.drafted == 0, stats
+    engine.add(prompt, _greedy(12), "alone")
+    alone = run_to_completion(engine)["alone"]
+    stats = engine.spec_stats
+    assert stats is not None and stats.drafted > 0 and stats.accepted > 0, stats
+    assert alone.token_ids == wide["0"].token_ids
+
+
+def test_a_one_row_draft_step_runs_on_one_thread(workdir: Path) -> None:
+    """CPU: a single decode row of a last token and a short draft (speculative decoding at batch
+    1) runs on `one_row_threads` like a one-token row; several rows, a row longer than the native
+    stack takes, or a prefill, on the caller's count."""
+    from tprt.cpu.native import STACK_MAX_ROWS
+
+    engine = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=2, max_seq_len=32))
+    before = torch.get_num_threads()
+
+    def threads(plan: StepPlan) -> int:
+        with engine.runner.threads_for(plan):
+            return torch.get_num_threads()
+
+    def rows(*widths: int) -> BatchPlan:
+        return BatchPlan(tuple((1,) for _ in widths), (3,) * len(widths), tuple((5,) * w for w in widths), False)
+
+    try:
+        torch.set_num_threads(2)
+        assert threads(StepPlan(decode=rows(1))) == threads(StepPlan(decode=rows(5))) == 1
+        assert threads(StepPlan(decode=rows(STACK_MAX_ROWS + 1))) == 2
+        assert threads(StepPlan(decode=rows(2, 2))) == threads(StepPlan(prefill=rows(5))) == 2
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -85,7 +85,8 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
             "--threads", "1", "--collective-timeout", "30", "--max-message-bytes", str(MAX_BODY),
             "--max-dataset-bytes", str(MAX_DATASET), "--max-queued-jobs", "1",
-            "--http-max-connections", str(MAX_HTTP_CONNECTIONS), "--http-max-unauthenticated", "16"]
+            "--http-max-connections", str(MAX_HTTP_CONNECTIONS), "--http-max-unauthenticated", "16",
+            "--speculative", "suffix", "--num-speculative-tokens", "3", "--spec-min-n", "1"]  # every request drafts
     args += ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
     srv = ServerProcess(args, root / "server.log", tls[0] if tls else None, launcher=LIMITED_LAUNCHER)
     try:
@@ -122,6 +123,27 @@ def test_streaming_chat_equals_grpc(api: Api) -> None:
     assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
     assert whole.usage.prompt_tokens_details.cached_tokens is not None
     assert 0 < whole.usage.prompt_tokens_details.cached_tokens < whole.usage.prompt_tokens
+
+
+def test_speculation_switch_and_metrics(api: Api) -> None:
+    """The server drafts (--speculative suffix): a request that turns it off (HTTP extra body,
+    gRPC field) gets the same greedy text as one that keeps it; the drafted, accepted and emitted
+    counters move; a speculate that is not a boolean is a 400 naming it."""
+    prompt = "ab ab ab ab ab ab ab ab"
+    before = metric(api.server.metrics(), "tprt_spec_drafted_tokens_total")
+    texts = [api.client.completions.create(model=api.model, prompt=prompt, max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True, **extra}).choices[0].text
+             for extra in ({}, {"speculate": False}, {"speculate": True})]
+    with api.server.client() as grpc_client:
+        off = grpc_client.complete(prompt, max_new_tokens=16, temperature=0, ignore_eos=True, speculate=False)
+    assert texts[0] == texts[1] == texts[2] == off.text, texts
+    m = api.server.metrics()
+    drafted = metric(m, "tprt_spec_drafted_tokens_total") - before
+    assert drafted > 0 and metric(m, "tprt_spec_emitted_tokens_total") > 0, m
+    assert 0 <= metric(m, "tprt_spec_accepted_tokens_total") <= metric(m, "tprt_spec_drafted_tokens_total")
+    assert 'tprt_spec_acceptance_ratio{position="0"}' in m
+    bad = api.http().post(f"{api.base_url}/completions", json={"model": api.model, "prompt": "x", "speculate": 3})
+    assert bad.status_code == 400 and "speculate" in bad.text, bad.text
 
 
 def test_completions_with_logprobs(api: Api) -> None:

@@ -203,3 +203,29 @@ def test_llama70b_tp8_quantized_weights_and_tokens_gained(capsys: pytest.Capture
     assert "fp8 weights: 9.09 GB per rank instead of 17.64 GB" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="--weight-group-size 32: expected a positive group size, with --weight-dtype int8"):
         plan_memory(_config("gqa"), 1, ServeWorkload(weight_dtype="fp8", weight_group_size=32), device("cpu"))
+
+
+def test_serve_plan_counts_speculation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Speculative decoding: rank 0's draft model (its TP-1 weights at least), logits for every
+    drafted position, and the KV positions written ahead; a draft of another vocabulary is refused."""
+    big = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    small = ModelConfig.from_file(CONFIGS / "llama-3.2-1b" / "config.json")
+    dev = device("h100-80gb")
+    plain = plan_memory(big, 8, ServeWorkload(dtype="bf16"), dev)
+    spec = plan_memory(big, 8, ServeWorkload(dtype="bf16", num_speculative_tokens=4, draft=small), dev)
+    draft_weights = numel(rank_parameters(small, layout_for(small, 1))) * 2
+    assert draft_weights < spec.per_rank_bytes["draft_model"] < draft_weights * 1.5
+    layout = layout_for(big, 8)
+    assert spec.per_rank_bytes["activations"] - plain.per_rank_bytes["activations"] == \
+        16 * 4 * (layout.local_vocab + big.vocab_size) * 4
+    assert spec.extra["speculative_kv_positions"] == 16 * 4 and "speculative_kv_positions" not in plain.extra
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
+                 "serve", "--draft-model", str(CONFIGS / "llama-3.2-1b")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["per_rank_bytes"]["draft_model"] == spec.per_rank_bytes["draft_model"]
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps({**json.loads((CONFIGS / "llama-3.2-1b" / "config.json").read_text()),
+                                 "vocab_size": 32000}))
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb",
+                 "serve", "--draft-model", str(other)]) == 2
+    assert "--draft-model" in capsys.readouterr().err

@@ -99,8 +99,58 @@ def check_greedy_chat(ctx: TPContext, wd: Path) -> None:
         assert got.finish_reason == ("stop" if want[-1] in tok.eos_token_ids else "length")
 
 
-CHECKS: Checks = [("greedy_chat", check_greedy_chat), *PLAN_CHECKS]
-CHECKS_TP1: Checks = [("greedy_chat", check_greedy_chat), *PLAN_CHECKS_TP1]
+GROUNDED = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog.",
+            'Rewrite this JSON with the key "name" first: {"age": 41, "city": "Paris", "name": "Ana"}',
+            "Fix the bug in: def add(a, b):\n    return a - b")
+
+
+def check_speculative_greedy(ctx: TPContext, wd: Path) -> None:
+    """Speculative decoding on the real model with two random LoRA adapters beside the base
+    model in one batch (prompt lookup and the suffix cache, adaptive k): every greedy output is
+    plain decoding's, token for token, and drafts were kept."""
+    from tprt.engine.speculative import SpeculativeConfig
+    from tprt.lora.attach import build_lora
+
+    tok = Tokenizer.from_dir(wd / f"tp{ctx.world_size}")
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in (*GROUNDED, *QUESTIONS)]
+    requests = [(f"{i}-{a}", p, a) for i, p in enumerate(prompts) for a in (0, i % 2 + 1)]
+    outs = []
+    for spec in (None, SpeculativeConfig("ngram", min_n=1, max_n=3, max_step_tokens=128),
+                 SpeculativeConfig("suffix", num_tokens=3, max_step_tokens=128)):
+        model = load_model(wd / f"tp{ctx.world_size}", ctx, "fp32")
+        engine = Engine(model, tok, EngineConfig(max_batch=len(requests), max_seq_len=192, kv_block_size=BLOCK,
+                                                 speculative=spec))
+        for index in (1, 2):
+            adapter = build_lora(model, ("q", "v", "down") if index == 1 else ("o", "up"), 4, 8.0, seed=index)
+            gen = torch.Generator().manual_seed(index)
+            with torch.no_grad():
+                for _, module in adapter.pieces:
+                    for b in module.lora_B.values():
+                        b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+            engine.runner.adapters.install(index, adapter)
+        if not engine.is_driver:
+            engine.follow()
+            continue
+        with engine:
+            for rid, p, a in requests:
+                engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=N_NEW * 2), rid, adapter=a)
+            done = run_to_completion(engine)
+            stats = engine.spec_stats
+        outs.append(({rid: c.token_ids for rid, c in done.items()}, stats))
+    if ctx.rank != 0:
+        return
+    (plain, _), *spec_runs = outs
+    assert any(plain[f"{i}-0"] != plain[f"{i}-{i % 2 + 1}"] for i in range(len(prompts))), "adapters changed nothing"
+    for got, stats in spec_runs:
+        assert stats is not None and stats.accepted > 0, stats
+        for rid, ids in plain.items():
+            assert got[rid] == ids, f"{rid}: {tok.decode(got[rid])!r} != {tok.decode(ids)!r}"
+
+
+CHECKS: Checks = [("greedy_chat", check_greedy_chat), ("speculative_greedy", check_speculative_greedy),
+                  *PLAN_CHECKS]
+CHECKS_TP1: Checks = [("greedy_chat", check_greedy_chat), ("speculative_greedy", check_speculative_greedy),
+                      *PLAN_CHECKS_TP1]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from serve.grpc.pb import generation_pb2 as pb
 from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs")
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "speculate")
 HP_FIELDS = ("steps", "learning_rate", "batch_size", "max_seq_len", "lora_rank", "lora_alpha", "weight_decay",
              "warmup_steps", "seed", "checkpoint_every")
 FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_STOP: "stop",
@@ -54,7 +54,7 @@ def generate_request(prompt: str | None = None, *, chat: Sequence[Mapping[str, s
                      **sampling: Any) -> Any:
     """A GenerateRequest: exactly one of prompt, chat or prompt_ids, plus sampling keywords
     (temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop,
-    stop_token_ids, ignore_eos, logprobs, top_logprobs); None values are left unset.
+    stop_token_ids, ignore_eos, logprobs, top_logprobs, speculate); None values are left unset.
     `constraint`: a pb.OutputConstraint; with a chat, `tools` (pb.Tool) and `tool_choice` (pb.ToolChoice)."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:

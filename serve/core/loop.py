@@ -112,6 +112,7 @@ class EngineLoop:
         self.ranks = ranks
         self.metrics = metrics
         self._kv_seen = engine.kv_stats  # what the metrics' KV counters have counted so far
+        self._spec_seen = getattr(engine, "spec_stats", None)  # and the speculative ones (None: off)
         self.max_queue = max_queue
         self.keepalive_s = keepalive_s
         self.side_every_s = side_every_s
@@ -458,3 +459,7 @@ class EngineLoop:
         m.prefix_hits.inc(kv.prefix_hit_tokens - last.prefix_hit_tokens)
         m.preemptions.inc(kv.preemptions - last.preemptions)
         self._kv_seen = kv
+        spec = getattr(self.engine, "spec_stats", None)
+        if spec is not None and self._spec_seen is not None:
+            m.speculation(spec, self._spec_seen)
+            self._spec_seen = spec

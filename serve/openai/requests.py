@@ -202,6 +202,7 @@ class _Common(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    speculate: bool | None = None  # speculative decoding for this request (false: off); the server's otherwise
     # Output constraints (serve/core/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
     response_format: Any = None
     structured_outputs: Any = None
@@ -262,7 +263,7 @@ def _common_fields(body: _Common) -> dict[str, Any]:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
             "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
-            "stop_strings": stop, "stop_token_ids": body.stop_token_ids}
+            "stop_strings": stop, "stop_token_ids": body.stop_token_ids, "speculate": body.speculate}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
+from tprt.engine.speculative import SPECULATIVE_FLAGS, SpeculativeConfig, speculative_from_flags
 from tprt.text.tokenizer import Tokenizer
 
 MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot
@@ -62,6 +63,12 @@ class GenerateArgs:
     regex: str | None = None
     choice: tuple[str, ...] = ()
     grammar: Path | None = None
+    # Speculative decoding (tprt.engine.speculative.add_speculative_flags); None: off.
+    speculative: str | None = None
+    num_speculative_tokens: int = SpeculativeConfig.num_tokens
+    spec_min_n: int = SpeculativeConfig.min_n
+    spec_max_n: int = SpeculativeConfig.max_n
+    draft_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class GenerateJob:
     max_seq_len: int
     json: bool
     adapter: str | None = None
+    speculative: SpeculativeConfig | None = None
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -191,7 +199,8 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
         raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
     adapter = None if args.adapter is None else str(args.adapter)
-    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
+    spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
+    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -212,7 +221,7 @@ def generate_rank(job: GenerateJob) -> None:
         model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
-                          token_budget=max(2048, MAX_BATCH + 1))
+                          token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative)
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()
@@ -232,6 +241,10 @@ def generate_rank(job: GenerateJob) -> None:
     n_tokens = sum(len(c.token_ids) for c in results)
     print(f"tprt: {len(results)} sequence(s), {n_tokens} tokens in {seconds:.2f}s "
           f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, TP={ctx.world_size})", file=sys.stderr, flush=True)
+    spec = engine.spec_stats
+    if spec is not None:
+        print(f"tprt: speculative: {spec.drafted} tokens drafted, {spec.accepted} accepted "
+              f"({spec.accepted / max(spec.drafted, 1):.0%}) in {spec.rows} rows", file=sys.stderr, flush=True)
 
 
 def _completion_json(index: int, c: Completion, tok: Tokenizer) -> dict[str, Any]:

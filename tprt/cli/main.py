@@ -95,6 +95,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     c.add_argument("--choice", action="extend", nargs="+", default=[], metavar="TEXT",
                    help="exactly one of these strings")
     c.add_argument("--grammar", type=Path, metavar="FILE", help="text in the language of this Lark grammar")
+    from tprt.cli.speculative_flags import add_speculative_flags
+
+    add_speculative_flags(g)
 
 
 def build_parser() -> argparse.ArgumentParser:

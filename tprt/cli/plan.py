@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--kv-cache-tokens", type=int, metavar="N",
                    help="KV cache positions per rank (default: max batch size x max seq len)")
     s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
+    s.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: drafted tokens per row (0 = off; 4 with --draft-model)")
+    s.add_argument("--draft-model", type=Path, metavar="SRC", help="a draft model (rank 0 holds it), as --model")
     f = work.add_parser("finetune", help="a step of `tprt finetune`")
     _common(f, suppress=True)
     m = f.add_mutually_exclusive_group()
@@ -88,10 +91,17 @@ def run(args: argparse.Namespace) -> int:
     dev = device(args.device, args.device_memory, ranks_per_host=args.tp * dp)
     workload: Workload
     if args.workload == "serve":
+        draft = read_source(args.draft_model).config if args.draft_model is not None else None
+        if draft is not None and draft.vocab_size != src.config.vocab_size:
+            raise ConfigError(f"--draft-model {args.draft_model}: vocab_size {draft.vocab_size} differs from the "
+                              f"model's {src.config.vocab_size}")
+        k = args.num_speculative_tokens or (4 if draft is not None else 0)
+        if k < 0:
+            raise ConfigError(f"--num-speculative-tokens must be at least 0, got {k}")
         workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                                  max_batch_size=args.max_batch_size, kv_cache_tokens=args.kv_cache_tokens,
                                  kv_block_size=args.kv_block_size, weight_dtype=args.weight_dtype,
-                                 weight_group_size=args.weight_group_size)
+                                 weight_group_size=args.weight_group_size, num_speculative_tokens=k, draft=draft)
     else:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
         workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,

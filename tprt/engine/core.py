@@ -31,11 +31,14 @@ before; Usage reports how many prompt tokens were reused.
 
 Rows carry k tokens: `propose(request_id, draft)` gives a running request tokens for the
 positions after its last one; its next decode row computes them all and returns logits for
-each. Each drafted token is kept while it is the token the request's own sampling (its
-processors, its generator) chooses at that position; the first that is not is replaced by the
-chosen one and the rest of the row's positions are given back to the scheduler. The output is
-the same as without a draft (token for token, greedy or seeded), in fewer steps when the draft
-is right.
+each. Speculative decoding (`EngineConfig.speculative`, tprt.engine.speculative) drafts them
+itself before each step. Each drafted token is kept by the speculative rejection rule for a
+deterministic draft (tprt.engine.sampling.sample): a greedy row keeps it when it is the argmax,
+a sampled row with probability p(token) under its processed distribution, else it samples from
+p without that token. The first token not kept ends the row, and the rest of its positions are
+given back to the scheduler. Greedy output is the same as without a draft, token for token;
+sampled output has the same distribution and is reproducible for a seed and the same drafts.
+A constrained row's draft is cut to what its grammar accepts, and it gets a mask per position.
 
 Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
 batch's input tokens), so no extra collective is needed and no rank needs the tokenizer or an
@@ -68,6 +71,7 @@ from tprt.engine.request import check_request
 from tprt.engine.runner import BatchResult, ModelRunner, free_memory_tokens
 from tprt.engine.sampling import SamplingParams, sample
 from tprt.engine.scheduler import Scheduler, SchedulerConfig, Status
+from tprt.engine.speculative import SpecStats, SpeculativeConfig, Speculator, build_speculator
 from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.text.tokenizer import Tokenizer
 
@@ -97,6 +101,9 @@ class EngineConfig:
     # weights (the smallest over the TP ranks). Otherwise (and off CUDA) the pool holds
     # max_batch x max_seq_len positions, as many as one slot per sequence would.
     gpu_memory_fraction: float | None = None
+    # Speculative decoding (tprt.engine.speculative): rank 0 drafts tokens for decoding rows and
+    # verifies them in one step; None: off.
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,10 @@ class Engine:
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
         self._masker: MaskWorker | None = None
+        self._speculator: Speculator | None = None
+        if config.speculative is not None and self.is_driver:
+            self._speculator = build_speculator(config.speculative, self.vocab_size, config.max_batch,
+                                                self.max_seq_len)
 
     # ----------------------------------------------------------------- requests (rank 0)
 
@@ -265,12 +276,12 @@ class Engine:
 
     def propose(self, request_id: str, draft: Seq[int]) -> int:
         """Drafted tokens for the positions after a request's last token: its next decode row
-        carries them, and each is kept while it is the token the request's sampling chooses there
-        (see the module docstring). Replaces an earlier draft not yet verified; trimmed to the
-        tokens the request may still generate. Returns how many were taken: none while the
-        request is not decoding (waiting, or prefilling again after a preemption, which also
-        drops its draft), and none for a constrained request (its mask is computed for one
-        position a step). Raises ValidationError naming request_id (unknown or finished) or draft."""
+        carries them, and each is kept by the speculative rejection rule (see the module
+        docstring). Replaces an earlier draft not yet verified; trimmed to the tokens the request
+        may still generate, and for a constrained request to the tokens its grammar accepts.
+        Returns how many were taken: none while the request is not decoding (waiting, or
+        prefilling again after a preemption, which also drops its draft). Raises ValidationError
+        naming request_id (unknown or finished) or draft."""
         self._require_driver()
         seq = self._by_id.get(request_id)
         if seq is None:
@@ -279,8 +290,39 @@ class Engine:
         if any(not 0 <= t < self.vocab_size for t in ids):
             raise ValidationError("draft", f"draft token ids must be in [0, {self.vocab_size - 1}]")
         room = seq.params.max_new_tokens - len(seq.output) - 1
-        seq.draft = ids[: max(0, room)] if seq.status is Status.RUNNING and seq.matcher is None else []
+        seq.draft = self._grammar_prefix(seq, ids[: max(0, room)]) if seq.status is Status.RUNNING else []
         return len(seq.draft)
+
+    @staticmethod
+    def _grammar_prefix(seq: Sequence, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` that seq's output constraint accepts (all without one)."""
+        if seq.matcher is None or not draft:
+            return draft
+        n = seq.matcher.accept_prefix(draft)
+        seq.matcher.rollback(n)
+        return draft[:n]
+
+    def _speculate(self) -> None:
+        """Drafts for the decoding requests that have none (rank 0's speculator, when configured)."""
+        spec = self._speculator
+        if spec is None:
+            return
+        decoding = sum(s.status is Status.RUNNING for s in self.scheduler.running)
+        # Every row of a decode batch is padded to the widest: draft only while rows x (1 + k) is
+        # a step about as cheap as one of single tokens (SpeculativeConfig.max_step_tokens).
+        widest = spec.config.step_tokens(self.tp.device.type) // max(decoding, 1) - 1
+        seqs = [s for s in self.scheduler.running
+                if s.status is Status.RUNNING and not s.draft and s.params.speculate is not False]
+        if not seqs or widest < 1:
+            return
+        room = [min(widest, s.params.max_new_tokens - len(s.output) - 1) for s in seqs]
+        for seq, draft in zip(seqs, spec.propose(seqs, room)):
+            seq.draft = self._grammar_prefix(seq, draft)
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Speculative decoding's counts since start (None when it is off): for metrics."""
+        return self._speculator.stats.copy() if self._speculator is not None else None
 
     def forget_prefixes(self, adapter: int) -> None:
         """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
@@ -318,15 +360,19 @@ class Engine:
         `follow()`); a step with nothing to run only returns pending cancellations."""
         self._require_driver()
         events, self._pending = self._pending, []
+        self._speculate()
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         if plan.empty:
             return events
         send_step(plan, self.tp)
-        # Constrained rows' masks depend only on the output so far: computed while the model runs.
-        # (A constrained row carries no draft, so one mask per row covers its one position.)
-        constrained = [s for s in [*(s for s, n in schedule.prefill if s.num_computed + n == s.prefill_target),
-                                   *schedule.decode] if s.matcher is not None]
+        # Constrained rows' masks depend only on the output so far (and a row's draft, one mask per
+        # position it verifies): computed while the model runs.
+        constrained: list[tuple[Sequence, list[int]]] = [(s, []) for s, n in schedule.prefill
+                       if s.num_computed + n == s.prefill_target and s.matcher is not None]
+        if plan.decode is not None:
+            constrained += [(s, list(t[1:])) for s, t in zip(schedule.decode, plan.decode.tokens)
+                            if s.matcher is not None]
         masks = self._mask_worker().start(constrained) if constrained else None
         # A one-row step samples on the runner's thread count too: its torch ops are small, and
         # more OpenMP threads would only contend with the native kernels' spinning pool.
@@ -382,52 +428,61 @@ class Engine:
 
     def _verify(self, seqs: list[Sequence], batch: BatchPlan, result: BatchResult,
                 allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
-        """Chooses each decode row's tokens position by position: a row of its last token and a
-        draft keeps drafted tokens while each is the one chosen at the position before it, and
-        ends at the first chosen token that differs (or its end); the positions after what it
-        kept are given back. Result rows: each decode row's positions in order."""
+        """Chooses each decode row's tokens position by position: at a position with a drafted
+        token after it, the sampler keeps the draft or replaces it (tprt.engine.sampling's
+        rejection rule); a row goes on while its drafts are kept and ends at the first one
+        replaced (or its end, or the request's); the positions after what it kept are given
+        back. Result rows: each decode row's positions in order."""
         firsts = [0]
         for tokens in batch.tokens:
             firsts.append(firsts[-1] + len(tokens))
         live = list(range(len(seqs)))  # rows still choosing
         kept = [0] * len(seqs)
+        accepted = [0] * len(seqs)
         events: list[TokenEvent] = []
         j = 0
         while live:
-            choices = self._choose([seqs[r] for r in live], [firsts[r] + j for r in live], result, allowed)
+            drafts = [batch.tokens[r][j + 1] if j + 1 < len(batch.tokens[r]) else -1 for r in live]
+            choices = self._choose([seqs[r] for r in live], [firsts[r] + j for r in live], result, allowed, j,
+                                   drafts)
             still = []
-            for r, choice in zip(live, choices):
-                seq, tokens = seqs[r], batch.tokens[r]
+            for r, choice, draft in zip(live, choices, drafts):
+                seq = seqs[r]
                 events.append(self._emit(seq, choice))
                 kept[r] += 1
-                if seq.status is Status.FINISHED:
-                    continue
-                if j + 1 < len(tokens) and choice.token_id == tokens[j + 1]:
+                hit = draft >= 0 and choice.token_id == draft
+                accepted[r] += hit
+                if seq.status is not Status.FINISHED and hit:
                     still.append(r)
-                else:
+                    continue
+                if seq.status is not Status.FINISHED:
                     self.scheduler.decoded(seq, kept[r])
+                if self._speculator is not None:
+                    self._speculator.observe(seq, len(batch.tokens[r]) - 1, accepted[r], kept[r])
             live, j = still, j + 1
         return events
 
     def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult,
-                allowed: dict[str, torch.Tensor]) -> list[_Choice]:
+                allowed: dict[str, torch.Tensor], position: int = 0, drafts: list[int] | None = None) -> list[_Choice]:
         """The next token of each sequence from its result row (constrained ones among the tokens
-        `allowed[request_id]` allows)."""
-        if result.logits is None:
+        `allowed[request_id][position]` allows), keeping drafts[i] >= 0 by the rejection rule."""
+        if result.logits is None:  # greedy rows: the argmax, which keeps a draft iff it is the draft
             assert result.ids is not None
             ids = result.ids.tolist()
             return [_Choice(ids[r], None, []) for r in rows]
         all_rows = rows == list(range(result.logits.shape[0]))
         logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
+        here = {s.request_id: allowed[s.request_id][position] for s in seqs
+                if s.request_id in allowed and position < len(allowed[s.request_id])}
         mask = None
-        if allowed and self._masker is not None:
+        if here and self._masker is not None:
             best = logits.argmax(dim=-1).tolist()
-            mask = self._masker.rows(seqs, allowed, best)
+            mask = self._masker.rows(seqs, here, best)
             if mask is None and all(_plain_greedy(s.params) for s in seqs):  # every row takes its argmax
-                return [_Choice(t, None, []) for t in best]
+                return [_Choice(t, None, []) for t in best]  # (which keeps a greedy row's draft iff it is the draft)
             mask = None if mask is None else mask.to(logits.device)
         chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
-                        mask)
+                        mask, drafts)
         ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         if chosen.top_ids.shape[1]:
@@ -448,12 +503,14 @@ class Engine:
             usage=seq.usage() if finished else None,
         )
         if finished:
-            self._end(seq)
+            self._end(seq, completed=True)
         return event
 
-    def _end(self, seq: Sequence) -> None:
+    def _end(self, seq: Sequence, completed: bool = False) -> None:
         self.scheduler.remove(seq)
         self._by_id.pop(seq.request_id, None)
+        if self._speculator is not None:
+            self._speculator.finish(seq, completed)
 
 
 class MaskWorker:
@@ -471,17 +528,29 @@ class MaskWorker:
         self._eos = [t for t in eos_token_ids if t < self._known][:1]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
 
-    def start(self, seqs: list[Sequence]) -> Future[dict[str, torch.Tensor]]:
-        return self._pool.submit(self._masks, seqs)
+    def start(self, rows: list[tuple[Sequence, list[int]]]) -> Future[dict[str, torch.Tensor]]:
+        """Each (sequence, draft) row's masks [positions, words]: one for its next position, then
+        one after each drafted token its grammar accepts (the positions after a token it refuses
+        are never reached: the sampler cannot keep that token)."""
+        return self._pool.submit(self._masks, rows)
 
-    def _masks(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        words = self._outputs.bitmask(len(seqs))
-        for i, seq in enumerate(seqs):
-            assert seq.matcher is not None
-            seq.matcher.fill_bitmask(words[i])
-            if self._eos and not words[i].any():
-                words[i, self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
-        return {seq.request_id: words[i] for i, seq in enumerate(seqs)}
+    def _masks(self, rows: list[tuple[Sequence, list[int]]]) -> dict[str, torch.Tensor]:
+        out = {}
+        for seq, draft in rows:
+            matcher = seq.matcher
+            assert matcher is not None
+            words = self._outputs.bitmask(1 + len(draft))
+            consumed = 0
+            for j in range(1 + len(draft)):
+                matcher.fill_bitmask(words[j])
+                if self._eos and not words[j].any():
+                    words[j, self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
+                if j == len(draft) or not matcher.accept(draft[j]):
+                    break
+                consumed += 1
+            matcher.rollback(consumed)
+            out[seq.request_id] = words[: consumed + 1]
+        return out
 
     def rows(self, seqs: list[Sequence], words: dict[str, torch.Tensor], best: list[int]) -> torch.Tensor | None:
         """[rows, vocab] bool (on the CPU) for `sample`, or None when no row needs one. `best`:

@@ -18,8 +18,11 @@ into one [rows, blocks] tensor with the scratch block, where padding tokens writ
 
 On CPU a step that decodes a single row runs its few torch ops on `one_row_threads` torch
 threads (1 by default) while its GEMVs and fused layer halves stream the weights on the native
-kernels' own pool (tprt.cpu.native.set_threads: every thread given); every other step runs on
-the caller's thread count.
+kernels' own pool (tprt.cpu.native.set_threads: every thread given); so does a single row of a
+last token and a short draft (at most STACK_MAX_ROWS tokens: speculative decoding's batch-1
+verification, whose torch ops are as small, and which more OpenMP threads spinning against the
+native pool slowed several-fold on a busy machine); every other step runs on the caller's
+thread count.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from tprt.cpu.fast_linear import prepack
+from tprt.cpu.native import STACK_MAX_ROWS
 from tprt.cpu.native_layers import install_native_layers
 from tprt.errors import ConfigError
 from tprt.lora.routing import AdapterSlots
@@ -90,7 +94,8 @@ class ModelRunner:
         """One-row decode steps on `one_row_threads`; the caller's thread count is restored after
         (setting it takes microseconds and keeps oneDNN's packed weights)."""
         threads = torch.get_num_threads()
-        one_row = plan.prefill is None and plan.decode is not None and plan.decode.rows == 1 == plan.decode.width
+        one_row = (plan.prefill is None and plan.decode is not None and plan.decode.rows == 1
+                   and plan.decode.width <= STACK_MAX_ROWS)
         if not one_row or self.one_row_threads is None or self.one_row_threads >= threads:
             yield
             return

@@ -65,7 +65,7 @@ CPU_ONEDNN_RESERVE = 80 << 20
 GRAD_CHUNK_BYTES = 64 << 20
 
 KINDS = ("weights", "packed_weights", "kv_cache", "activations", "gradients", "optimizer_states",
-         "master_weights", "framework_reserve")
+         "master_weights", "draft_model", "framework_reserve")
 
 
 def dtype_name(dtype: str) -> str:
@@ -90,6 +90,10 @@ class ServeWorkload:
     cpu_prepack: bool = True  # EngineConfig.cpu_prepack
     weight_dtype: str | None = None  # "int8"/"fp8": the decoder's linear weights quantized (tprt.quant)
     weight_group_size: int | None = None  # int8: one float32 scale per this many input columns (None: per row)
+    # Speculative decoding (tprt.engine.speculative): drafted tokens per row (0: off), and a draft
+    # model's config (--speculative draft), whose weights and KV cache rank 0 alone holds.
+    num_speculative_tokens: int = 0
+    draft: ModelConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,8 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     mlp = tokens * b * (2 * h + 4 * inter)
     gathered = min(w.max_batch_size, tokens) * max_seq_len * 2 * kv * cb
     attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len)) + gathered
-    logits = w.max_batch_size * (layout.local_vocab + cfg.vocab_size) * 4  # float32, gathered to sample
+    # float32, gathered to sample: a decode row returns logits for its token and each drafted one
+    logits = w.max_batch_size * (1 + w.num_speculative_tokens) * (layout.local_vocab + cfg.vocab_size) * 4
     dense_packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
     weights, packed = params * b, dense_packed
     if w.weight_dtype is not None:
@@ -237,13 +242,18 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     kv_cache = per_token * (-(-pool // w.kv_block_size) + 1) * w.kv_block_size  # and the scratch block
     parts = dict.fromkeys(KINDS, 0)
     parts.update(weights=weights, packed_weights=packed, kv_cache=kv_cache,
-                 activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0))
+                 activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0),
+                 draft_model=_draft_bytes(w, device, max_seq_len, vocab_align))
     extra: dict[str, Any] = {"tokens_per_step": tokens, "max_batch_size": w.max_batch_size}
     if w.weight_dtype is not None:
         saved = params * b + dense_packed - weights - packed  # (the reserve counts oneDNN's either way)
         extra.update(weight_dtype=w.weight_dtype, weight_group_size=w.weight_group_size,
                      dense_weights_bytes_per_rank=params * b, weights_saved_bytes_per_rank=saved,
                      kv_tokens_gained=saved // per_token)
+    if w.num_speculative_tokens:
+        # Drafted positions are written ahead of what a row keeps, within its max_seq_len, so they
+        # come out of the pool: at most this many at once, given back when rejected.
+        extra["speculative_kv_positions"] = w.max_batch_size * w.num_speculative_tokens
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
                       extra=extra)
 
@@ -268,6 +278,25 @@ def _quantized_weights(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], b: 
     head = shapes["embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
     packed = (2 * math.prod(head) * b) if cpu and w.cpu_prepack else 0  # packed + transposed, as timed
     return total, packed
+
+
+def _draft_bytes(w: ServeWorkload, device: Device, max_seq_len: int, vocab_align: int) -> int:
+    """Rank 0's draft model (tprt.engine.speculative.DraftModel): its weights at TP 1 (and the CPU
+    packed copies), a KV cache of one slot of max_seq_len + 1 positions per running sequence
+    (blocks of 16, and the scratch block), and one row of full-vocabulary logits per sequence."""
+    d = w.draft
+    if d is None:
+        return 0
+    layout = layout_for(d, 1, vocab_align)
+    dtype = dtype_name(d.torch_dtype)
+    b = DTYPE_BYTES[dtype]
+    shapes = rank_parameters(d, layout)
+    cpu = device.kind == "cpu"
+    packed = _packed_bytes(d, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
+    kv_dtype = "fp32" if cpu else dtype
+    slot = -(-(max_seq_len + 1) // 16) * 16
+    kv = kv_bytes_per_token(d, layout, kv_dtype) * (w.max_batch_size * slot + 16)
+    return numel(shapes) * b + packed + kv + w.max_batch_size * layout.padded_vocab_size * 4
 
 
 def _trainable_targets(w: FinetuneWorkload) -> set[str]:

@@ -12,7 +12,8 @@ GIB = 1 << 30
 _LABELS = {
     "weights": "weights", "packed_weights": "CPU packed weight copies", "kv_cache": "KV cache",
     "activations": "activations (peak)", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
-    "master_weights": "fp32 master weights", "framework_reserve": "framework reserve",
+    "master_weights": "fp32 master weights", "draft_model": "draft model (rank 0 only)",
+    "framework_reserve": "framework reserve",
 }
 
 
@@ -67,6 +68,10 @@ def text(plan: MemoryPlan) -> str:
             lines.append(f"{e['weight_dtype']} weights: {plan.weights_bytes_per_rank / 1e9:.2f} GB per rank instead of "
                          f"{e['dense_weights_bytes_per_rank'] / 1e9:.2f} GB; the {e['weights_saved_bytes_per_rank'] / 1e9:.2f} "
                          f"GB freed hold {e['kv_tokens_gained']} more KV tokens per rank")
+        ahead = plan.extra.get("speculative_kv_positions")
+        if ahead:
+            lines.append(f"speculative decoding: {plan.workload.num_speculative_tokens} drafted tokens per row, up to "
+                         f"{ahead} KV positions written ahead at once (from the pool; given back when rejected)")
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
                else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
     lines.append(f"verdict: {verdict}")
@@ -75,6 +80,15 @@ def text(plan: MemoryPlan) -> str:
         lines.append("what would fit:" if not plan.fits else "room:")
         lines += [f"  - {s}" for s in advice]
     return "\n".join(lines)
+
+
+def _workload_json(plan: MemoryPlan) -> dict[str, Any]:
+    out = asdict(plan.workload)
+    d = getattr(plan.workload, "draft", None)
+    if d is not None:  # the draft model's config: its size is what matters here
+        out["draft"] = {"num_hidden_layers": d.num_hidden_layers, "hidden_size": d.hidden_size,
+                        "vocab_size": d.vocab_size}
+    return out
 
 
 def as_json(plan: MemoryPlan) -> dict[str, Any]:
@@ -94,7 +108,7 @@ def as_json(plan: MemoryPlan) -> dict[str, Any]:
         "tp": plan.tp,
         "dp": plan.dp,
         "device": plan.device.name,
-        "workload": {"kind": "serve" if serving else "finetune", **asdict(plan.workload)},
+        "workload": {"kind": "serve" if serving else "finetune", **_workload_json(plan)},
         "dtype": plan.dtype,
         "kv_dtype": plan.kv_dtype,
         "max_seq_len": plan.max_seq_len,

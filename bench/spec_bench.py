@@ -1,0 +1,241 @@
+"""Speculative decoding on the real SmolLM2-135M-Instruct: batch-1 tokens/s with and without it,
+on input-grounded prompts (bench/spec_prompts.json: edit this code, rewrite this JSON, quote this
+text, extract these fields) and on free chat (batch 1 and 16 concurrent streams), fp32 and bf16,
+against peers on the same weights, prompts and threads:
+
+- transformers' prompt lookup (`generate(prompt_lookup_num_tokens=K)`) against its own plain
+  greedy `generate`: their speed-up ratio;
+- llama.cpp (llama-cpp-python, when `import llama_cpp` works) with `LlamaPromptLookupDecoding`
+  against its plain decoding, on F32 / BF16 GGUF copies of the same weights (bench/generate_bench.py).
+
+    python bench/spec_bench.py                     # everything (tens of minutes on 2 busy cores)
+    python bench/spec_bench.py --quick             # 8 grounded prompts, 48 tokens, fp32 only
+
+Ours: one engine per dtype with `--speculative` on; the plain runs turn it off per request
+(SamplingParams.speculate=False), so both use the same weights and kernels. Every greedy output
+with speculation is checked to be plain decoding's, token for token. Rates are generated tokens
+over wall time from the request's first token to its last (decode only: prefill is the same work
+either way), summed over prompts; the 16-stream figure is all streams' tokens over the batch's
+decode time. The machine may be shared: compare ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
+import torch  # noqa: E402
+
+from generate_bench import gguf_copy, prepare  # noqa: E402
+from tprt.checkpoint.loading import load_model  # noqa: E402
+from tprt.distributed.context import TPContext  # noqa: E402
+from tprt.engine.core import Engine, EngineConfig  # noqa: E402
+from tprt.engine.sampling import SamplingParams  # noqa: E402
+from tprt.engine.speculative import SpeculativeConfig  # noqa: E402
+from tprt.text.tokenizer import Tokenizer  # noqa: E402
+
+PROMPTS = ROOT / "bench" / "spec_prompts.json"
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], n: int,
+              speculate: bool) -> tuple[float, list[list[int]], int]:
+    """Runs the prompts together (greedy, n tokens at most); (decode tokens/s, outputs, steps)."""
+    for i, p in enumerate(prompts):
+        engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=n, speculate=speculate), str(i))
+    first: float | None = None
+    outs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    counted = steps = 0
+    while engine.has_work:
+        events = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for ev in events:
+            if ev.token_id is None:
+                continue
+            if first is None:  # the batch's prefill step ends here: decode time starts
+                first = now
+            else:
+                counted += 1
+            outs[ev.request_id].append(ev.token_id)
+    assert first is not None
+    return counted / max(time.perf_counter() - first, 1e-9), [outs[str(i)] for i in range(len(prompts))], steps
+
+
+def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int) -> dict[str, Any]:
+    """Tokens/s without and with speculation over the prompts, `batch` at a time (alternating
+    per group so other load falls on both alike); outputs must match. Also machine-independent
+    figures: engine steps without / with (the most a step's cost allows the speed-up to be), and
+    the share of drafted tokens kept."""
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    steps = {False: 0, True: 0}
+    mismatches = 0
+    before = engine.spec_stats
+    for start in range(0, len(prompts), batch):
+        group = prompts[start : start + batch]
+        plain_rate, plain, plain_steps = run_batch(engine, group, n, speculate=False)
+        spec_rate, spec, spec_steps = run_batch(engine, group, n, speculate=True)
+        rates[False].append(plain_rate)
+        rates[True].append(spec_rate)
+        steps[False] += plain_steps
+        steps[True] += spec_steps
+        mismatches += sum(a != b for a, b in zip(plain, spec))
+    after = engine.spec_stats
+    assert before is not None and after is not None
+    drafted, kept = after.drafted - before.drafted, after.accepted - before.accepted
+    plain_mean = sum(rates[False]) / len(rates[False])
+    spec_mean = sum(rates[True]) / len(rates[True])
+    return {"plain_tps": plain_mean, "spec_tps": spec_mean, "speedup": spec_mean / plain_mean,
+            "steps_ratio": steps[False] / max(steps[True], 1), "drafted": drafted,
+            "acceptance": kept / max(drafted, 1), "outputs_differ": mismatches}
+
+
+def hf_prompt_lookup(workdir: Path, dtype: torch.dtype, prompts: list[list[int]], n: int, k: int) -> dict[str, Any]:
+    """transformers' plain greedy generate and its prompt lookup, decode tokens/s (mean per prompt)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(workdir / "hf", dtype=dtype).eval()
+
+    def rate(p: list[int], **kw: Any) -> float:
+        x = torch.tensor([p])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=1, do_sample=False, pad_token_id=2)
+            t1 = time.perf_counter()
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                 pad_token_id=2, **kw)
+            t2 = time.perf_counter()
+        made = out.shape[1] - len(p)
+        return (made - 1) / max((t2 - t1) - (t1 - t0), 1e-9)  # the prefill call's time taken off
+
+    plain, spec = [], []
+    for p in prompts:
+        plain.append(rate(p))
+        spec.append(rate(p, prompt_lookup_num_tokens=k))
+    a, b = sum(plain) / len(plain), sum(spec) / len(spec)
+    return {"plain_tps": a, "spec_tps": b, "speedup": b / a}
+
+
+def llama_cpp_prompt_lookup(workdir: Path, dtype: str, prompts: list[list[int]], n: int, k: int,
+                            threads: int) -> dict[str, Any] | None:
+    """llama.cpp plain and with LlamaPromptLookupDecoding (num_pred_tokens=k), tokens/s per prompt
+    from its first generated token to its last; None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("llama.cpp peer skipped: llama-cpp-python is not installed", file=sys.stderr)
+        return None
+    from tprt.cli.demo import smollm2_gguf
+
+    weights = "F32" if dtype == "fp32" else "BF16"
+    path = workdir / f"smollm2-{weights}.gguf"
+    if not path.exists():
+        gguf_copy(smollm2_gguf(), path, weights)
+    ctx = max(len(p) for p in prompts) + n + 16
+    out: dict[str, Any] = {"weights": weights}
+    for name, draft in (("plain", None), ("spec", LlamaPromptLookupDecoding(num_pred_tokens=k))):
+        llm = Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, use_mmap=False,
+                    verbose=False, draft_model=draft)
+        rates = []
+        for p in prompts:
+            first, made = None, 0
+            for token in llm.generate(p, top_k=1, temp=0.0, reset=True):
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    made += 1
+                if made + 1 >= n or token in (2,):  # SmolLM2's <|im_end|> ends a chat answer
+                    break
+            rates.append(made / max(time.perf_counter() - (first or 0.0), 1e-9))
+        out[f"{name}_tps"] = sum(rates) / len(rates)
+        del llm
+    out["speedup"] = out["spec_tps"] / out["plain_tps"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-bench"),
+                    help="SmolLM2 converted by bench/generate_bench.py (made here when missing)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128, help="generated tokens per prompt at most")
+    ap.add_argument("--method", choices=("ngram", "suffix"), default="ngram")
+    ap.add_argument("--k", type=int, default=4, help="drafted tokens per step at most (ours and the peers)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--limit", type=int, help="only the first N grounded prompts")
+    ap.add_argument("--quick", action="store_true", help="--limit 8 --tokens 48 --dtypes fp32")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.limit, args.tokens, args.dtypes = 8, 48, "fp32"
+    torch.set_num_threads(args.threads)
+    from tprt.cpu import native
+
+    native.set_threads(args.threads)
+    workdir = prepare(args.workdir, (1,))
+    tok = Tokenizer.from_dir(workdir / "tp1")
+    data = json.loads(PROMPTS.read_text())
+    chat = [tok.encode_chat([{"role": "user", "content": q}]) for q in data["grounded"][: args.limit]]
+    free = [tok.encode_chat([{"role": "user", "content": q}]) for q in data["free"]]
+    streams = (free * 2)[:16]
+    result: dict[str, Any] = {"threads": args.threads, "tokens": args.tokens, "method": args.method, "k": args.k,
+                              "grounded_prompts": len(chat), "load_average_before": os.getloadavg()}
+    spec = SpeculativeConfig(args.method, num_tokens=args.k)
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if dtype not in args.dtypes.split(","):
+            continue
+        model = load_model(workdir / "tp1", TPContext.single(), dtype)
+        longest = max(len(p) for p in chat + free) + args.tokens + 8
+        engine = Engine(model, tok, EngineConfig(max_batch=16, max_seq_len=longest, speculative=spec))
+        run_batch(engine, chat[:1], 8, speculate=True)  # warm-up
+        kernels = type(engine.runner.model.stack).__name__  # NativeDecodeStack unless prepack timed another way
+        r: dict[str, Any] = {"grounded_b1": ours(engine, chat, args.tokens, 1),
+                             "free_b1": ours(engine, free, args.tokens, 1),
+                             "free_16_streams": ours(engine, streams, args.tokens, 16), "stack": kernels}
+        print(f"[{dtype}] ours {json.dumps(r)}", file=sys.stderr, flush=True)
+        del engine, model
+        if not args.no_peers:
+            r["hf_grounded_b1"] = hf_prompt_lookup(workdir, torch_dtype, chat, args.tokens, args.k)
+            print(f"[{dtype}] transformers {json.dumps(r['hf_grounded_b1'])}", file=sys.stderr, flush=True)
+            peer = llama_cpp_prompt_lookup(workdir, dtype, chat, args.tokens, args.k, args.threads)
+            if peer is not None:
+                r["llama_cpp_grounded_b1"] = peer
+                print(f"[{dtype}] llama.cpp {json.dumps(peer)}", file=sys.stderr, flush=True)
+        result[dtype] = r
+    result["load_average_after"] = os.getloadavg()
+    print(json.dumps(result, indent=2))
+    report(result)
+
+
+def report(r: dict[str, Any]) -> None:
+    print(f"\nspeculative decoding ({r['method']}, k <= {r['k']}), SmolLM2-135M, {r['threads']} threads, "
+          f"{r['grounded_prompts']} grounded prompts, {r['tokens']} tokens at most")
+    for dtype in ("fp32", "bf16"):
+        x = r.get(dtype)
+        if not x:
+            continue
+        for name in ("grounded_b1", "free_b1", "free_16_streams"):
+            y = x[name]
+            print(f"{dtype} {name:<16} plain {y['plain_tps']:7.1f} tok/s  spec {y['spec_tps']:7.1f} tok/s  "
+                  f"{y['speedup']:.2f}x  steps {y['steps_ratio']:.2f}x fewer, {y['acceptance']:.0%} of "
+                  f"{y['drafted']} drafted kept (outputs differing: {y['outputs_differ']})")
+        for peer in ("hf_grounded_b1", "llama_cpp_grounded_b1"):
+            if peer in x:
+                y = x[peer]
+                print(f"{dtype} {peer:<22} plain {y['plain_tps']:7.1f} tok/s  spec {y['spec_tps']:7.1f} tok/s  "
+                      f"{y['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
