@@ -321,12 +321,22 @@ def file_digest(path: Path) -> str:
 
 @dataclass
 class Dataset:
-    """Packed training and evaluation rows."""
+    """Packed training and evaluation rows. `pairs`: preference pairs, rows 2i and 2i + 1 the
+    preferred and non-preferred completions of pair i (tprt.train.preference)."""
 
     train: PackedRows
     eval: PackedRows | None
     digest: str  # of the training file (and the eval file, when given)
     report: dict[str, Any] = field(default_factory=dict)
+    pairs: bool = False
+    # DPO's reference log-probabilities per row, by split ("train", "eval"), once computed
+    # (tprt.train.dpo): kept with the rows, so no epoch scores them again
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_examples(self) -> int:
+        """Training examples: rows, or pairs of rows."""
+        return len(self.train) // 2 if self.pairs else len(self.train)
 
 
 def prepare_data(
