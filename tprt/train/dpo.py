@@ -132,7 +132,7 @@ def load_initial_adapter(model: TPLlamaForCausalLM, cfg: FinetuneConfig, ctx: TP
         raise ConfigError(f"--init-adapter {path}: targets {','.join(targets)}, rank {rank}, alpha {alpha:g}; this run "
                           f"has {','.join(cfg.lora_targets)}, {cfg.lora_rank}, {cfg.lora_alpha:g}")
     with torch.no_grad():
-        load_lora_state_dict(attached(model), read_adapter_weights(path / ADAPTER_WEIGHTS, str(path)), ctx)
+        load_lora_state_dict(attached(model), read_adapter_weights(path, str(path / ADAPTER_WEIGHTS)), ctx)
 
 
 class PreferenceTrainer:
