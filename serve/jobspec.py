@@ -30,6 +30,11 @@ STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "suc
             "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
 PB_STATE = {v: k for k, v in STATE_PB.items()}
 METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
+OBJECTIVE_PB = {"supervised": pb.OBJECTIVE_SUPERVISED, "dpo": pb.OBJECTIVE_DPO}
+# DPO's hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, low open)
+_DPO_HP: dict[str, tuple[float, float, float, bool]] = {"beta": (0.1, 0.0, 100.0, True),
+                                                        "label_smoothing": (0.0, 0.0, 0.5, False)}
+DPO_LOSSES = ("sigmoid", "ipo")
 
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
 # batch_size counts examples (one per row, serve.jobspec.load_dataset), as OpenAI's API does. The
@@ -99,6 +104,65 @@ def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
     return out
 
 
+def dpo_hyperparameters(hp: Any, objective: str) -> dict[str, Any]:
+    """beta, dpo_loss and label_smoothing with defaults filled in for a DPO job (range-checked);
+    none for a supervised one, which may not set them."""
+    names = [*_DPO_HP, "dpo_loss"]
+    if objective != "dpo":
+        for name in names:
+            if hp.HasField(name):
+                raise InvalidArgument("applies to OBJECTIVE_DPO jobs only", f"hyperparameters.{name}")
+        return {}
+    out: dict[str, Any] = {}
+    for name, (default, low, high, low_open) in _DPO_HP.items():
+        value = getattr(hp, name) if hp.HasField(name) else default
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
+            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got {value}",
+                                  f"hyperparameters.{name}")
+        out[name] = float(value)
+    out["dpo_loss"] = hp.dpo_loss if hp.HasField("dpo_loss") else "sigmoid"
+    if out["dpo_loss"] not in DPO_LOSSES:
+        raise InvalidArgument(f"must be one of {', '.join(DPO_LOSSES)}, got {echo(out['dpo_loss'][:40])}",
+                              "hyperparameters.dpo_loss")
+    if out["label_smoothing"] and out["dpo_loss"] != "sigmoid":
+        raise InvalidArgument("applies to dpo_loss 'sigmoid' only", "hyperparameters.label_smoothing")
+    return out
+
+
+def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
+    """The adapter a LoRA job starts from: a succeeded LoRA job's (by adapter id or job id), or one
+    under --data-dir/adapters/; NotFound naming `init_adapter` otherwise."""
+    from serve.jobs import SUCCEEDED
+
+    for rec in store.select(SUCCEEDED, limit=1_000_000):
+        if rec.method == "lora" and rec.output_path and name in (rec.adapter_id, rec.id):
+            return data_dir / rec.output_path
+    if ADAPTER_ID.fullmatch(name) and (data_dir / "adapters" / name / "adapter_config.json").is_file():
+        return data_dir / "adapters" / name
+    raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
+
+
+def _start_from(request: Any, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
+    """The job's init_adapter (relative to --data-dir; "" for none); its rank and alpha become the job's."""
+    if not request.init_adapter:
+        return ""
+    if method != "lora":
+        raise InvalidArgument("a full fine-tune starts from the base model, not an adapter", "init_adapter")
+    from tprt.lora.peft_io import read_adapter_config, read_config_file
+    from tprt.errors import ConfigError
+
+    path = resolve_init_adapter(request.init_adapter, store, data_dir)
+    try:
+        _, rank, alpha, _ = read_adapter_config(read_config_file(path, "adapter_config.json", ConfigError))
+    except TprtError as e:
+        raise FailedPrecondition(f"{echo(request.init_adapter)}: {e}", "init_adapter") from None
+    for key, own in (("lora_rank", rank), ("lora_alpha", alpha)):
+        if request.hyperparameters.HasField(key) and hp[key] != own:
+            raise InvalidArgument(f"{hp[key]} differs from init_adapter's {own}", f"hyperparameters.{key}")
+        hp[key] = own
+    return str(path.relative_to(data_dir))
+
+
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a file
 MAX_NAME_BYTES = 255  # NAME_MAX, per path component
 
@@ -161,7 +225,13 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     if request.method not in (pb.METHOD_UNSPECIFIED, pb.METHOD_LORA, pb.METHOD_FULL):
         raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
     method = "full" if request.method == pb.METHOD_FULL else "lora"
+    if request.objective not in (pb.OBJECTIVE_UNSPECIFIED, *OBJECTIVE_PB.values()):
+        raise InvalidArgument(f"unknown objective {request.objective}; OBJECTIVE_SUPERVISED or OBJECTIVE_DPO",
+                              "objective")
+    objective = "dpo" if request.objective == pb.OBJECTIVE_DPO else "supervised"
     hp = hyperparameters(request.hyperparameters, method, context)
+    hp.update(dpo_hyperparameters(request.hyperparameters, objective))
+    init_adapter = _start_from(request, method, hp, store, data_dir)
     if admit is not None:
         admit(method, hp)
     job_id = new_job_id()
@@ -182,7 +252,7 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     if request.validation_dataset_path:
         held_out = resolve_dataset(data_dir, request.validation_dataset_path, "validation_dataset_path")
         _check_dataset_size(held_out.stat().st_size, max_dataset_bytes, "validation_dataset_path")
-        _check_documents(held_out, tokenizer, hp, "validation_dataset_path")
+        _check_documents(held_out, tokenizer, hp, "validation_dataset_path", objective)
         validation = str(held_out.relative_to(data_dir))
     ensure_room(data_dir, len(request.inline_jsonl.encode("utf-8")) if which == "inline_jsonl" else 0)
     try:  # a refused request leaves nothing on disk
@@ -190,7 +260,8 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
             job_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(request.inline_jsonl)
         rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
-                        hyperparameters=hp, validation_dataset=validation)
+                        hyperparameters=hp, validation_dataset=validation, objective=objective,
+                        init_adapter=init_adapter)
         try:
             load_dataset(rec, data_dir, tokenizer)  # refused now, not failed later; not kept (JobManager)
         except TprtError as e:
@@ -202,11 +273,15 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     return JobSpec(rec)
 
 
-def _check_documents(path: Path, tokenizer: Any, hp: dict[str, Any], field: str) -> None:
+def _check_documents(path: Path, tokenizer: Any, hp: dict[str, Any], field: str, objective: str) -> None:
     """Refuses a JSONL file training could not read, naming `field`."""
     from tprt.train.data import load_documents
+    from tprt.train.preference import load_pairs
 
     try:
+        if objective == "dpo":
+            load_pairs(path, tokenizer, int(hp["max_seq_len"]))
+            return
         docs, _ = load_documents(path, tokenizer, int(hp["max_seq_len"]), True)
     except TprtError as e:
         raise InvalidArgument(f"{e}", field) from None
@@ -218,9 +293,13 @@ def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:
     """Reads and tokenizes the job's JSONL, and its held-out JSONL if any (tprt.train.data), one
     example per row: a job's batch_size counts examples."""
     from tprt.train.data import prepare_data
+    from tprt.train.preference import prepare_preferences
 
     hp = rec.hyperparameters
     held_out = data_dir / rec.validation_dataset if rec.validation_dataset else None
+    if rec.objective == "dpo":  # one completion per row already; batch_size counts pairs
+        return prepare_preferences(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]),
+                                   eval_data=held_out)
     return prepare_data(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]),
                         eval_data=held_out, per_example=True)
 
@@ -231,6 +310,13 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
 
     hp = rec.hyperparameters
     lora = rec.method == "lora"
+    start = data_dir / rec.init_adapter if rec.init_adapter else None
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    if start is not None:  # the job was checked against it; its targets are the run's
+        from tprt.errors import ConfigError
+        from tprt.lora.peft_io import read_adapter_config, read_config_file
+
+        targets = read_adapter_config(read_config_file(start, "adapter_config.json", ConfigError))[0]
     return FinetuneConfig(
         model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
         lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
@@ -238,6 +324,9 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
         eval_data=data_dir / rec.validation_dataset if rec.validation_dataset else None,
+        objective="dpo" if rec.objective == "dpo" else "sft", beta=float(hp.get("beta", 0.1)),
+        dpo_loss=str(hp.get("dpo_loss", "sigmoid")), label_smoothing=float(hp.get("label_smoothing", 0.0)),
+        init_adapter=start, lora_targets=targets,
     )
 
 
@@ -245,6 +334,7 @@ def job_pb(rec: JobRecord) -> Any:
     """The stored job as a Job message."""
     hp = pb.Hyperparameters(**rec.hyperparameters)
     return pb.Job(id=rec.id, state=STATE_PB[rec.state], method=METHOD_PB.get(rec.method, pb.METHOD_LORA),
+                  objective=OBJECTIVE_PB.get(rec.objective, pb.OBJECTIVE_SUPERVISED), init_adapter=rec.init_adapter,
                   adapter_id=rec.adapter_id, dataset=rec.dataset, hyperparameters=hp,
                   created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
                   step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,

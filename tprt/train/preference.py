@@ -156,3 +156,11 @@ def prepare_preferences(
     report = {"documents": len(pairs), "truncated": len(cut), "tokens": int(rows.n_tokens(range(len(rows)))),
               "pairs": len(train), "train_rows": len(rows), "eval_rows": len(eval_rows) if eval_rows else 0}
     return Dataset(rows, eval_rows, digest, report, pairs=True)
+
+
+def is_preference_file(path: Path) -> bool:
+    """Whether the first record of a JSONL file is a preference pair (has 'preferred_output',
+    'non_preferred_output' or 'input'), as an upload is checked before a job names its method."""
+    for _, rec in read_jsonl(path):
+        return any(key in rec for key in (*OUTPUTS, "input"))
+    return False
