@@ -36,7 +36,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from tprt.text.tokenizer import Tokenizer
 log = logging.getLogger("tprt")
 
 IGNORE_INDEX = -100
+T = TypeVar("T")
 
 
 @dataclass
@@ -297,8 +298,8 @@ def shuffled(items: Sequence[Any], seed: int) -> list[Any]:
     return [items[i] for i in order]
 
 
-def split_eval(docs: Sequence[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
-    """(train, eval): a seeded `fraction` of the documents held out (at least one when > 0)."""
+def split_eval(docs: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """(train, eval): a seeded `fraction` of the documents (or pairs) held out (at least one when > 0)."""
     if not 0.0 <= fraction < 1.0:
         raise ValidationError("--eval-fraction", f"--eval-fraction must be in [0, 1), got {fraction}")
     order = shuffled(docs, seed)
