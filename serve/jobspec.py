@@ -21,6 +21,7 @@ from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgumen
 from serve.jobs import JobRecord, JobStore, new_job_id, now_ms
 from serve.storage import ensure_room
 from serve.pb import finetuning_pb2 as pb
+from serve.preference_jobs import OBJECTIVE_PB, dpo_hyperparameters, start_from
 from tprt.errors import TprtError
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -30,11 +31,6 @@ STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "suc
             "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
 PB_STATE = {v: k for k, v in STATE_PB.items()}
 METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
-OBJECTIVE_PB = {"supervised": pb.OBJECTIVE_SUPERVISED, "dpo": pb.OBJECTIVE_DPO}
-# DPO's hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, low open)
-_DPO_HP: dict[str, tuple[float, float, float, bool]] = {"beta": (0.1, 0.0, 100.0, True),
-                                                        "label_smoothing": (0.0, 0.0, 0.5, False)}
-DPO_LOSSES = ("sigmoid", "ipo")
 
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
 # batch_size counts examples (one per row, serve.jobspec.load_dataset), as OpenAI's API does. The
@@ -102,65 +98,6 @@ def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
     if out["warmup_steps"] > out["steps"]:
         raise InvalidArgument(f"{out['warmup_steps']} is more than steps={out['steps']}", "hyperparameters.warmup_steps")
     return out
-
-
-def dpo_hyperparameters(hp: Any, objective: str) -> dict[str, Any]:
-    """beta, dpo_loss and label_smoothing with defaults filled in for a DPO job (range-checked);
-    none for a supervised one, which may not set them."""
-    names = [*_DPO_HP, "dpo_loss"]
-    if objective != "dpo":
-        for name in names:
-            if hp.HasField(name):
-                raise InvalidArgument("applies to OBJECTIVE_DPO jobs only", f"hyperparameters.{name}")
-        return {}
-    out: dict[str, Any] = {}
-    for name, (default, low, high, low_open) in _DPO_HP.items():
-        value = getattr(hp, name) if hp.HasField(name) else default
-        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
-            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got {value}",
-                                  f"hyperparameters.{name}")
-        out[name] = float(value)
-    out["dpo_loss"] = hp.dpo_loss if hp.HasField("dpo_loss") else "sigmoid"
-    if out["dpo_loss"] not in DPO_LOSSES:
-        raise InvalidArgument(f"must be one of {', '.join(DPO_LOSSES)}, got {echo(out['dpo_loss'][:40])}",
-                              "hyperparameters.dpo_loss")
-    if out["label_smoothing"] and out["dpo_loss"] != "sigmoid":
-        raise InvalidArgument("applies to dpo_loss 'sigmoid' only", "hyperparameters.label_smoothing")
-    return out
-
-
-def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
-    """The adapter a LoRA job starts from: a succeeded LoRA job's (by adapter id or job id), or one
-    under --data-dir/adapters/; NotFound naming `init_adapter` otherwise."""
-    from serve.jobs import SUCCEEDED
-
-    for rec in store.select(SUCCEEDED, limit=1_000_000):
-        if rec.method == "lora" and rec.output_path and name in (rec.adapter_id, rec.id):
-            return data_dir / rec.output_path
-    if ADAPTER_ID.fullmatch(name) and (data_dir / "adapters" / name / "adapter_config.json").is_file():
-        return data_dir / "adapters" / name
-    raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
-
-
-def _start_from(request: Any, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
-    """The job's init_adapter (relative to --data-dir; "" for none); its rank and alpha become the job's."""
-    if not request.init_adapter:
-        return ""
-    if method != "lora":
-        raise InvalidArgument("a full fine-tune starts from the base model, not an adapter", "init_adapter")
-    from tprt.lora.peft_io import read_adapter_config, read_config_file
-    from tprt.errors import ConfigError
-
-    path = resolve_init_adapter(request.init_adapter, store, data_dir)
-    try:
-        _, rank, alpha, _ = read_adapter_config(read_config_file(path, "adapter_config.json", ConfigError))
-    except TprtError as e:
-        raise FailedPrecondition(f"{echo(request.init_adapter)}: {e}", "init_adapter") from None
-    for key, own in (("lora_rank", rank), ("lora_alpha", alpha)):
-        if request.hyperparameters.HasField(key) and hp[key] != own:
-            raise InvalidArgument(f"{hp[key]} differs from init_adapter's {own}", f"hyperparameters.{key}")
-        hp[key] = own
-    return str(path.relative_to(data_dir))
 
 
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux: a longer path cannot name a file
@@ -231,7 +168,7 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     objective = "dpo" if request.objective == pb.OBJECTIVE_DPO else "supervised"
     hp = hyperparameters(request.hyperparameters, method, context)
     hp.update(dpo_hyperparameters(request.hyperparameters, objective))
-    init_adapter = _start_from(request, method, hp, store, data_dir)
+    init_adapter = start_from(request, method, hp, store, data_dir)
     if admit is not None:
         admit(method, hp)
     job_id = new_job_id()
