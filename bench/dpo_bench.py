@@ -1,6 +1,7 @@
 """DPO learning bench: SmolLM2-135M-Instruct at TP 3 learns a preferred answer style.
 
-    python bench/dpo_bench.py [--steps 60] [--beta 0.1] [--lr 1e-3] [--batch 4] [--model /tmp/smol/hf]
+    python bench/dpo_bench.py [--steps 60] [--beta 0.1] [--lr 5e-4] [--label-smoothing 0.1] [--batch 4]
+                              [--model /tmp/smol/hf]
 
 The preference set (written by `write_sets`, kept in bench/data/) holds short factual questions
 (sums, capitals, colours, opposites) whose preferred answer opens with "Sure! " and whose
@@ -9,7 +10,8 @@ about other items. The bench converts the HF model to TP 3 once (into $TMPDIR), 
 `tprt finetune --method dpo` (LoRA on every projection, the reference being the base with the
 adapter switched off) with the held-out pairs as eval data, then answers the 20 held-out
 questions greedily with `tprt generate --chat` before (the base model: the peer) and after (the
-adapter) and counts the answers in the preferred style.
+adapter) and counts the answers in the preferred style, and those that also state the right fact
+(a model collapsed onto the style says "Sure! Sure! Sure!").
 
 Reported: held-out reward accuracy and margin, the share of greedy answers in the preferred
 style (base vs tuned), steps, and the wall time of the fine-tune. The issue's bar: accuracy >= 0.9
@@ -100,8 +102,14 @@ def cli(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, list[str]]:
-    """The share of greedy answers to the held-out questions that open in the preferred style."""
+def key_fact(answer: str) -> str:
+    """The word an answer must contain to be right: its last ("... is 12." -> "12")."""
+    return answer.rstrip(".").split()[-1]
+
+
+def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, float, list[str]]:
+    """Greedy answers to the held-out questions: the share that open in the preferred style, the
+    share that also state the right fact (a model collapsed onto the style would not), the answers."""
     prompts = CACHE / "heldout-questions.txt"
     prompts.write_text("".join(json.loads(line)["input"]["messages"][0]["content"] + "\n"
                                for line in held_out.read_text().splitlines()))
@@ -109,7 +117,12 @@ def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, li
             "--prompts-file", str(prompts)]
     out = cli(*args, *(["--adapter", str(adapter)] if adapter else [])).stdout
     answers = [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]
-    return sum(a.lstrip().startswith(STYLE.strip()) for a in answers) / max(1, len(answers)), answers
+    facts = [key_fact(json.loads(line)["non_preferred_output"][0]["content"])
+             for line in held_out.read_text().splitlines()]
+    style = [a.lstrip().startswith(STYLE.strip()) for a in answers]
+    right = [s and fact.lower() in a.lower() for s, a, fact in zip(style, answers, facts)]
+    n = max(1, len(answers))
+    return sum(style) / n, sum(right) / n, answers
 
 
 def main() -> None:
@@ -117,7 +130,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=Path("/tmp/smol/hf"), help="SmolLM2-135M-Instruct, HF layout")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--label-smoothing", type=float, default=0.1,
+                    help="cDPO: bounds the margin (at 0, 60 steps at lr 1e-3 collapsed the answers onto the style)")
     ap.add_argument("--batch", type=int, default=4, help="pairs per step")
     ap.add_argument("--eval-every", type=int, default=20)
     a = ap.parse_args()
@@ -128,27 +143,29 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(out)
-    base_rate, _ = styled(model, held_out, None)
+    base_rate, _, _ = styled(model, held_out, None)
     t0 = time.perf_counter()
     cli("finetune", "--model", str(model), "--data", str(train), "--out", str(out), "--method", "dpo",
-        "--beta", str(a.beta), "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch),
+        "--beta", str(a.beta), "--label-smoothing", str(a.label_smoothing), "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch),
         "--seq-len", "96", "--lora-rank", "8", "--lora-targets", "q,k,v,o,gate,up,down", "--warmup-steps", "5",
         "--eval-data", str(held_out), "--eval-every", str(a.eval_every), "--no-progress")
     seconds = time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_reward_accuracy"], r["eval_reward_margin"]) for r in records
              if r.get("eval_reward_accuracy") is not None]
-    tuned_rate, tuned_answers = styled(model, held_out, out / "adapter")
-    print(f"DPO bench: SmolLM2-135M-Instruct, TP 3, {a.steps} steps of {a.batch} pairs, beta {a.beta}, lr {a.lr}")
+    tuned_rate, tuned_right, tuned_answers = styled(model, held_out, out / "adapter")
+    print(f"DPO bench: SmolLM2-135M-Instruct, TP 3, {a.steps} steps of {a.batch} pairs, beta {a.beta}, lr {a.lr}, "
+          f"label smoothing {a.label_smoothing}")
     for step, acc, margin in evals:
         print(f"  step {step:3d}: held-out reward accuracy {acc:.3f}, margin {margin:.3f}")
     print(f"  train loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; fine-tune wall time {seconds:.0f} s")
     print(f"  greedy answers in the preferred style ({STYLE.strip()!r}): base {base_rate:.0%}, "
-          f"tuned {tuned_rate:.0%} of {len(tuned_answers)}")
+          f"tuned {tuned_rate:.0%} of {len(tuned_answers)} ({tuned_right:.0%} in the style and right)")
     for q, ans in zip(held_out.read_text().splitlines()[:3], tuned_answers):
         print(f"    {json.loads(q)['input']['messages'][0]['content']!r} -> {ans.strip()[:60]!r}")
     ok = evals and evals[-1][1] >= 0.9 and tuned_rate >= 0.9
-    print(f"  the issue's bar (accuracy >= 0.9, style >= 90%): {'met' if ok else 'NOT met'}")
+    print(f"  the issue's bar (accuracy >= 0.9, style >= 90%): {'met' if ok else 'NOT met'}; in {seconds:.0f} s "
+          f"({'under' if seconds < 300 else 'over'} 5 minutes)")
 
 
 if __name__ == "__main__":
