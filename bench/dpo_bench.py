@@ -5,7 +5,9 @@
 
 The preference set (written by `write_sets`, kept in bench/data/) holds short factual questions
 (sums, capitals, colours, opposites) whose preferred answer opens with "Sure! " and whose
-non-preferred answer is the same sentence without it: 60 training pairs and 20 held-out ones
+non-preferred answer opens with "Hmm. ", the same sentence following (with the bare sentence as
+the non-preferred answer, DPO learnt to push its first words down wherever they came, and the
+answers collapsed to "Sure!Sure!Sure!"): 60 training pairs and 20 held-out ones
 about other items. The bench converts the HF model to TP 3 once (into $TMPDIR), runs
 `tprt finetune --method dpo` (LoRA on every projection, the reference being the base with the
 adapter switched off) with the held-out pairs as eval data, then answers the 20 held-out
@@ -33,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "bench" / "data"
 CACHE = Path(tempfile.gettempdir()) / "tprt-dpo-bench"
-STYLE = "Sure! "
+STYLE = "Sure! "  # the preferred answer's opening
+OTHER = "Hmm. "  # the non-preferred one's: both then say the same sentence
 
 CAPITALS = [("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
             ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Russia", "Moscow"), ("Greece", "Athens"),
@@ -68,7 +71,7 @@ def questions() -> list[tuple[str, str]]:
 def pair(question: str, answer: str) -> dict[str, object]:
     return {"input": {"messages": [{"role": "user", "content": question}]},
             "preferred_output": [{"role": "assistant", "content": STYLE + answer}],
-            "non_preferred_output": [{"role": "assistant", "content": answer}]}
+            "non_preferred_output": [{"role": "assistant", "content": OTHER + answer}]}
 
 
 def write_sets() -> tuple[Path, Path]:
@@ -117,7 +120,7 @@ def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, fl
             "--prompts-file", str(prompts)]
     out = cli(*args, *(["--adapter", str(adapter)] if adapter else [])).stdout
     answers = [json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")]
-    facts = [key_fact(json.loads(line)["non_preferred_output"][0]["content"])
+    facts = [key_fact(json.loads(line)["preferred_output"][0]["content"])
              for line in held_out.read_text().splitlines()]
     style = [a.lstrip().startswith(STYLE.strip()) for a in answers]
     right = [s and fact.lower() in a.lower() for s, a, fact in zip(style, answers, facts)]
