@@ -77,6 +77,9 @@ class Metrics:
         self.ft_tokens = Counter("tprt_finetune_tokens", "Tokens trained on", registry=r)
         self.ft_steps = Counter("tprt_finetune_steps", "Fine-tuning optimizer steps", registry=r)
         self.ft_loss = Gauge("tprt_finetune_loss", "Training loss of the latest fine-tuning step", registry=r)
+        self.ft_preference = Gauge("tprt_finetune_preference", "DPO jobs: the latest step's rewards_chosen, "
+                                   "rewards_rejected, reward_accuracy and reward_margin (and eval_ ones)",
+                                   ["metric"], registry=r)
         self.healthy = Gauge("tprt_serving", "1 while every rank is up and the server accepts requests",
                              registry=r)
         self.info = Info("tprt_model", "The served model", registry=r)

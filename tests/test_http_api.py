@@ -486,6 +486,46 @@ def test_fine_tuning_flow(api: Api, training_file: str) -> None:
         assert metric(m, "tprt_requests_total", protocol="http", method=route, outcome="ok") >= 1, route
 
 
+def _pairs_jsonl(n: int, start: int = 0) -> bytes:
+    """OpenAI's DPO format: "hi there" preferred over "go away"."""
+    return "".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"Q{i}: say hi"}]},
+                               "preferred_output": [{"role": "assistant", "content": "hi there"}],
+                               "non_preferred_output": [{"role": "assistant", "content": "go away"}]}) + "\n"
+                   for i in range(start, start + n)).encode()
+
+
+def test_sft_then_dpo_on_its_adapter(api: Api, training_file: str) -> None:
+    """A supervised job, then a DPO job naming its fine-tuned model: method "dpo" with beta, the
+    reward metrics and the held-out reward accuracy in its events, its adapter served at once."""
+    c = api.client
+    sft = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, suffix="sft", hyperparameters={
+        "n_epochs": 1, "batch_size": 4, "max_seq_len": SEQ_LEN, "lora_rank": 4})
+    sft_model = _wait_job(api, sft.id, "succeeded").fine_tuned_model
+    pairs = c.files.create(file=("prefs.jsonl", _pairs_jsonl(8)), purpose="fine-tune").id
+    held_out = c.files.create(file=("held.jsonl", _pairs_jsonl(3, start=8)), purpose="fine-tune").id
+    hp: Any = {"beta": 0.5, "n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 30, "max_seq_len": SEQ_LEN}
+    job = c.fine_tuning.jobs.create(model=sft_model, training_file=pairs, validation_file=held_out, suffix="dpo",
+                                    method={"type": "dpo", "dpo": {"hyperparameters": hp}})
+    ours = (job.model_extra or {})["tprt"]
+    assert job.method is not None and job.method.type == "dpo" and job.method.dpo is not None
+    assert job.method.dpo.hyperparameters is not None and job.method.dpo.hyperparameters.beta == 0.5
+    assert ours["init_adapter"] and ours["hyperparameters"]["lora_rank"] == 4  # the SFT adapter's rank
+    done = _wait_job(api, job.id, "succeeded")
+    events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert [m["step"] for m in metrics] == [2, 1]  # type: ignore[index]
+    assert all(0.0 <= m["reward_accuracy"] <= 1.0 and "reward_margin" in m for m in metrics)  # type: ignore[index,operator]
+    assert 0.0 <= metrics[0]["eval_reward_accuracy"] <= 1.0  # type: ignore[index]
+    assert "reward accuracy=" in events[1].message
+    chat = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True, "extra_body": {"ignore_eos": True}}
+    tuned = c.chat.completions.create(model=done.fine_tuned_model, **chat)  # type: ignore[arg-type]
+    before = c.chat.completions.create(model=sft_model, **chat)  # type: ignore[arg-type]
+    assert tuned.model == done.fine_tuned_model
+    lp = [[t.logprob for t in (r.choices[0].logprobs.content or [])] for r in (tuned, before)]  # type: ignore[union-attr]
+    assert lp[0] != lp[1]  # DPO moved the SFT model
+    assert metric(api.server.metrics(), "tprt_finetune_preference", metric="reward_accuracy") >= 0.0
+
+
 def test_jobs_paging_queue_limit_cancel_across_protocols(api: Api, training_file: str) -> None:
     c = api.client
     endless: dict[str, Any] = {"inline_jsonl": '{"text": "hello hello hello"}\n', "steps": 100000, "batch_size": 1,
@@ -542,8 +582,13 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
         (create, {"model": api.model, "training_file": training_file,
                   "hyperparameters": {"learning_rate_multiplier": 1e5}}, openai.BadRequestError,
          "hyperparameters.learning_rate_multiplier"),
-        (create, {"model": api.model, "training_file": training_file, "method": {"type": "dpo"}},
+        (create, {"model": api.model, "training_file": training_file, "method": {"type": "reinforcement"}},
          openai.BadRequestError, "method.type"),
+        (create, {"model": api.model, "training_file": training_file, "method": {"type": "dpo"}},
+         openai.BadRequestError, "training_file"),  # chats, not preference pairs: line 1 is refused
+        (create, {"model": api.model, "training_file": training_file,
+                  "method": {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}},
+         openai.BadRequestError, "method.supervised.hyperparameters.beta"),
         (create, {"model": api.model, "training_file": training_file, "validation_file": "file-" + "1" * 24},
          openai.NotFoundError, "validation_file"),
         (create, {"model": api.model, "training_file": training_file, "suffix": "no spaces"},

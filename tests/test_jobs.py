@@ -283,6 +283,7 @@ def test_a_store_from_schema_1_gains_the_new_columns(tmp_path: Path) -> None:
     store = JobStore(tmp_path)
     old = store.get("job-old")
     assert (old.state, old.loss, old.validation_dataset, old.eval_loss) == (SUCCEEDED, 0.5, "", None)
+    assert (old.objective, old.init_adapter) == ("supervised", "")  # schema 4: jobs from before DPO
     store.update("job-old", eval_loss=1.25)
     assert store.get("job-old").eval_loss == 1.25
     store.close()
@@ -662,3 +663,48 @@ def test_hyperparameters_past_their_range_name_the_field(server: Callable[[], Se
             checked_value(name, value)
         assert info.value.field == f"hyperparameters.{name}", (name, value)
     assert checked_value("seed", 2**63 - 1) == 2**63 - 1 and checked_value("batch_size", 4.0) == 4
+
+
+def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Server]) -> None:
+    """OBJECTIVE_DPO: the trainer gets preference pairs, beta and the earlier job's adapter (whose
+    rank, alpha and targets become the job's); a bad pair is refused by line at creation."""
+    from serve.errors import InvalidArgument
+    from serve.jobs.spec import job_pb
+
+    s = server()
+    sft = s.create(steps=1, adapter_id="sft-first")
+    s.run(2)
+    assert s.job(sft).state == SUCCEEDED
+    pair = {"input": {"messages": [{"role": "user", "content": "hello"}]},
+            "preferred_output": [{"role": "assistant", "content": "hi"}],
+            "non_preferred_output": [{"role": "assistant", "content": "go"}]}
+    (s.data_dir / "pairs.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps(pair) + "\n")
+
+    def request(**fields: Any) -> Any:
+        req = ft_pb.CreateJobRequest(**{"dataset_path": "pairs.jsonl", "objective": ft_pb.OBJECTIVE_DPO, **fields})
+        for key, value in {"steps": 2, "max_seq_len": 48, "batch_size": 1, "beta": 0.25}.items():
+            setattr(req.hyperparameters, key, value)
+        return req
+
+    spec = check_create(request(init_adapter="sft-first"), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+    job_id = s.jobs.create(spec).id
+    rec = s.job(job_id)
+    assert (rec.objective, rec.init_adapter) == ("dpo", f"jobs/{sft}/adapter")
+    assert rec.hyperparameters["beta"] == 0.25 and rec.hyperparameters["dpo_loss"] == "sigmoid"
+    assert (rec.hyperparameters["lora_rank"], rec.hyperparameters["lora_alpha"]) == (4, 8.0)  # the adapter's
+    assert job_pb(rec).objective == ft_pb.OBJECTIVE_DPO and job_pb(rec).hyperparameters.beta == 0.25
+    s.run(1)
+    started = s.ranks.started[-1]
+    config, dataset = started["config"], started["dataset"]
+    assert (config.objective, config.beta, config.lora_rank, config.lora_targets) == ("dpo", 0.25, 4, ("q",))
+    assert config.init_adapter == s.data_dir / "jobs" / sft / "adapter"
+    assert dataset.pairs and dataset.n_examples == 2 and len(dataset.train) == 4
+    (s.data_dir / "bad.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "preferred_output": []}))
+    for req, field, message in (
+            (request(init_adapter="sft-first", hyperparameters=ft_pb.Hyperparameters(lora_rank=8)),
+             "hyperparameters.lora_rank", "differs from init_adapter's 4"),
+            (request(dataset_path="bad.jsonl"), "dataset_path", "bad.jsonl:2: 'preferred_output' must be"),
+            (request(method=ft_pb.METHOD_FULL, init_adapter="sft-first"), "init_adapter", "full fine-tune")):
+        with pytest.raises(InvalidArgument) as info:
+            check_create(req, s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+        assert info.value.field == field and message in str(info.value), (field, str(info.value))

@@ -119,6 +119,24 @@ def test_finetune_numbers() -> None:
     assert ac.per_rank_bytes["activations"] < lora.per_rank_bytes["activations"] / 4
 
 
+def test_dpo_counts_two_completions_per_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    """A DPO micro-batch of B pairs holds 2B rows: the activations of an SFT batch of 2B rows,
+    the same state; the CLI's --method dpo says so."""
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    dpo, sft2, sft1 = (plan_memory(cfg, 8, FinetuneWorkload(lora_rank=16, dtype="bf16", batch_size=b, seq_len=2048,
+                                                            dpo=d), device("h100-80gb"))
+                       for b, d in ((2, True), (4, False), (2, False)))
+    assert dpo.per_rank_bytes == sft2.per_rank_bytes
+    assert dpo.per_rank_bytes["activations"] > 1.9 * sft1.per_rank_bytes["activations"]
+    assert dpo.extra["global_batch_rows"] == 4
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
+                 "finetune", "--method", "dpo", "--lora-rank", "16", "--seq-len", "2048", "--batch-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["per_rank_bytes"] == dpo.per_rank_bytes
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb",
+                 "finetune", "--method", "dpo", "--batch-size", "2"]) == 0
+    assert "batch_size 2 pairs (DPO: 4 rows)" in capsys.readouterr().out
+
+
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
                  "finetune", "--full", "--seq-len", "4096", "--batch-size", "1"]) == 0

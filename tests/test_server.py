@@ -573,6 +573,31 @@ def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProce
     assert metric(m, "tprt_finetune_jobs", state="succeeded") == succeeded_before + 1
 
 
+def test_dpo_job_then_its_adapter_serves(server: ServerProcess, client: Client) -> None:
+    """OBJECTIVE_DPO over gRPC: preference pairs inline, rewards in Prometheus, the adapter served
+    at once; a starting adapter that does not exist is NOT_FOUND."""
+    pairs = "".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"Q{i}: say hi"}]},
+                                "preferred_output": [{"role": "assistant", "content": "hi there"}],
+                                "non_preferred_output": [{"role": "assistant", "content": "go away"}]}) + "\n"
+                    for i in range(4))
+    common: dict[str, Any] = {"inline_jsonl": pairs, "objective": "dpo", "steps": 3, "batch_size": 2,
+                              "max_seq_len": 32, "lora_rank": 4, "learning_rate": 0.05, "beta": 0.5}
+    err = rpc_error(lambda: client.create_job(**common, init_adapter="no-such-adapter"))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.NOT_FOUND, "init_adapter")
+    err = rpc_error(lambda: client.create_job(**{**common, "objective": "supervised"}))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.beta")
+    job = client.create_job(**common, adapter_id="tiny-dpo")
+    assert job.objective == ft_pb.OBJECTIVE_DPO and job.hyperparameters.beta == 0.5
+    assert job.hyperparameters.dpo_loss == "sigmoid"
+    last = list(client.watch_job(job.id, timeout=120))[-1]
+    assert last.state == ft_pb.JOB_STATE_SUCCEEDED, last.error
+    assert "tiny-dpo" in {a.id for a in client.model_info().adapters}
+    ids = list(client.tokenize("Q1: say hi").ids)
+    assert _first_logprobs(client, ids, "tiny-dpo") != _first_logprobs(client, ids)
+    m = server.metrics()
+    assert 0.0 <= metric(m, "tprt_finetune_preference", metric="reward_accuracy") <= 1.0
+
+
 def test_full_finetune_job_writes_a_checkpoint(workdir: Path, client: Client) -> None:
     adapters = list(client.model_info().adapters)
     job = client.create_job(dataset_path="train.jsonl", full=True, steps=2, batch_size=1, max_seq_len=16,

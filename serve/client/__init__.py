@@ -33,7 +33,7 @@ from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "speculate")
 HP_FIELDS = ("steps", "learning_rate", "batch_size", "max_seq_len", "lora_rank", "lora_alpha", "weight_decay",
-             "warmup_steps", "seed", "checkpoint_every")
+             "warmup_steps", "seed", "checkpoint_every", "beta", "dpo_loss", "label_smoothing")
 FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_STOP: "stop",
                 pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "cancelled"}
 
@@ -173,14 +173,16 @@ class Client:
 
     def create_job(self, *, dataset_path: str | None = None, inline_jsonl: str | None = None, full: bool = False,
                    adapter_id: str = "", validation_dataset_path: str = "", timeout: float | None = None,
-                   **hyperparameters: Any) -> Any:
+                   objective: str = "supervised", init_adapter: str = "", **hyperparameters: Any) -> Any:
         """A new fine-tuning job (LoRA unless `full`); hyper-parameters as keywords (HP_FIELDS);
-        `validation_dataset_path`: held-out data under --data-dir, evaluated after the last step."""
+        `validation_dataset_path`: held-out data under --data-dir, evaluated after the last step;
+        `objective` "dpo" for preference pairs; `init_adapter`: a served adapter to start from."""
         unknown = set(hyperparameters) - set(HP_FIELDS)
         if unknown:
             raise TypeError(f"unknown hyper-parameter(s): {', '.join(sorted(unknown))}")
         req = ft_pb.CreateJobRequest(method=ft_pb.METHOD_FULL if full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
-                                     validation_dataset_path=validation_dataset_path)
+                                     validation_dataset_path=validation_dataset_path, init_adapter=init_adapter,
+                                     objective=ft_pb.Objective.Value(f"OBJECTIVE_{objective.upper()}"))
         if dataset_path is not None:
             req.dataset_path = dataset_path
         if inline_jsonl is not None:

@@ -60,7 +60,8 @@ def job_memory(c: ModelConfig, tp: int, method: str, hp: dict[str, Any], served_
     full = method == "full"
     dtype = served_dtype if not full and served_dtype in _SHARED_DTYPES else "fp32"
     workload = FinetuneWorkload(full=full, lora_rank=int(hp.get("lora_rank", 8)), dtype=dtype,
-                                batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]))
+                                batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
+                                dpo="beta" in hp)  # a DPO job's (serve.jobs.preference.dpo_hyperparameters)
     plan = plan_memory(c, tp, workload, plan_device("cpu" if device_kind == "cpu" else "h100-80gb"))
     parts = plan.per_rank_bytes
     weights = parts["weights"] if full else parts["weights"] - plan.params_per_rank * DTYPE_BYTES[dtype]

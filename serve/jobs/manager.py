@@ -315,6 +315,8 @@ class JobManager:
         self.metrics.ft_steps.inc()
         self.metrics.ft_tokens.inc(out.tokens)
         self.metrics.ft_loss.set(job.loss)
+        for name, value in (out.metrics or {}).items():  # a DPO job's rewards
+            self.metrics.ft_preference.labels(name).set(value)
         measured = {} if out.eval_loss is None else {"eval_loss": out.eval_loss}
         rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s,
                                 trained_tokens=job.tokens, **measured)

@@ -21,6 +21,7 @@ from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgumen
 from serve.jobs.store import JobRecord, JobStore, new_job_id, now_ms
 from serve.jobs.storage import ensure_room
 from serve.grpc.pb import finetuning_pb2 as pb
+from serve.jobs.preference import OBJECTIVE_PB, dpo_hyperparameters, start_from
 from tprt.errors import TprtError
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -161,7 +162,13 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     if request.method not in (pb.METHOD_UNSPECIFIED, pb.METHOD_LORA, pb.METHOD_FULL):
         raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
     method = "full" if request.method == pb.METHOD_FULL else "lora"
+    if request.objective not in (pb.OBJECTIVE_UNSPECIFIED, *OBJECTIVE_PB.values()):
+        raise InvalidArgument(f"unknown objective {request.objective}; OBJECTIVE_SUPERVISED or OBJECTIVE_DPO",
+                              "objective")
+    objective = "dpo" if request.objective == pb.OBJECTIVE_DPO else "supervised"
     hp = hyperparameters(request.hyperparameters, method, context)
+    hp.update(dpo_hyperparameters(request.hyperparameters, objective))
+    init_adapter = start_from(request, method, hp, store, data_dir)
     if admit is not None:
         admit(method, hp)
     job_id = new_job_id()
@@ -182,7 +189,7 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     if request.validation_dataset_path:
         held_out = resolve_dataset(data_dir, request.validation_dataset_path, "validation_dataset_path")
         _check_dataset_size(held_out.stat().st_size, max_dataset_bytes, "validation_dataset_path")
-        _check_documents(held_out, tokenizer, hp, "validation_dataset_path")
+        _check_documents(held_out, tokenizer, hp, "validation_dataset_path", objective)
         validation = str(held_out.relative_to(data_dir))
     ensure_room(data_dir, len(request.inline_jsonl.encode("utf-8")) if which == "inline_jsonl" else 0)
     try:  # a refused request leaves nothing on disk
@@ -190,7 +197,8 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
             job_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(request.inline_jsonl)
         rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
-                        hyperparameters=hp, validation_dataset=validation)
+                        hyperparameters=hp, validation_dataset=validation, objective=objective,
+                        init_adapter=init_adapter)
         try:
             load_dataset(rec, data_dir, tokenizer)  # refused now, not failed later; not kept (JobManager)
         except TprtError as e:
@@ -202,11 +210,15 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
     return JobSpec(rec)
 
 
-def _check_documents(path: Path, tokenizer: Any, hp: dict[str, Any], field: str) -> None:
+def _check_documents(path: Path, tokenizer: Any, hp: dict[str, Any], field: str, objective: str) -> None:
     """Refuses a JSONL file training could not read, naming `field`."""
     from tprt.train.data import load_documents
+    from tprt.train.preference import load_pairs
 
     try:
+        if objective == "dpo":
+            load_pairs(path, tokenizer, int(hp["max_seq_len"]))
+            return
         docs, _ = load_documents(path, tokenizer, int(hp["max_seq_len"]), True)
     except TprtError as e:
         raise InvalidArgument(f"{e}", field) from None
@@ -218,9 +230,13 @@ def load_dataset(rec: JobRecord, data_dir: Path, tokenizer: Any) -> Any:
     """Reads and tokenizes the job's JSONL, and its held-out JSONL if any (tprt.train.data), one
     example per row: a job's batch_size counts examples."""
     from tprt.train.data import prepare_data
+    from tprt.train.preference import prepare_preferences
 
     hp = rec.hyperparameters
     held_out = data_dir / rec.validation_dataset if rec.validation_dataset else None
+    if rec.objective == "dpo":  # one completion per row already; batch_size counts pairs
+        return prepare_preferences(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]),
+                                   eval_data=held_out)
     return prepare_data(data_dir / rec.dataset, tokenizer, int(hp["max_seq_len"]), int(hp["seed"]),
                         eval_data=held_out, per_example=True)
 
@@ -237,6 +253,13 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
 
     hp = rec.hyperparameters
     lora = rec.method == "lora"
+    start = data_dir / rec.init_adapter if rec.init_adapter else None
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    if start is not None:  # the job was checked against it; its targets are the run's
+        from tprt.errors import ConfigError
+        from tprt.lora.peft_io import read_adapter_config, read_config_file
+
+        targets = read_adapter_config(read_config_file(start, "adapter_config.json", ConfigError))[0]
     return FinetuneConfig(
         model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
         lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
@@ -245,6 +268,9 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
         eval_data=data_dir / rec.validation_dataset if rec.validation_dataset else None,
+        objective="dpo" if rec.objective == "dpo" else "sft", beta=float(hp.get("beta", 0.1)),
+        dpo_loss=str(hp.get("dpo_loss", "sigmoid")), label_smoothing=float(hp.get("label_smoothing", 0.0)),
+        init_adapter=start, lora_targets=targets,
     )
 
 
@@ -252,6 +278,7 @@ def job_pb(rec: JobRecord) -> Any:
     """The stored job as a Job message."""
     hp = pb.Hyperparameters(**rec.hyperparameters)
     return pb.Job(id=rec.id, state=STATE_PB[rec.state], method=METHOD_PB.get(rec.method, pb.METHOD_LORA),
+                  objective=OBJECTIVE_PB.get(rec.objective, pb.OBJECTIVE_SUPERVISED), init_adapter=rec.init_adapter,
                   adapter_id=rec.adapter_id, dataset=rec.dataset, hyperparameters=hp,
                   created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
                   step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,

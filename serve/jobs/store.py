@@ -33,7 +33,7 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 _LIVE = (QUEUED, RUNNING, SUCCEEDED)  # the states whose job holds its adapter id
 _PRUNABLE = (FAILED, CANCELLED)  # the jobs a full store drops, oldest first
 DB_NAME = "jobs.sqlite3"
-SCHEMA_VERSION = 3  # 2: validation_dataset, eval_loss; 3: trained_tokens
+SCHEMA_VERSION = 4  # 2: validation_dataset, eval_loss; 3: trained_tokens; 4: objective, init_adapter
 
 
 def now_ms() -> int:
@@ -80,6 +80,8 @@ class JobRecord:
     validation_dataset: str = ""  # a held-out JSONL, relative to --data-dir ("" = none)
     eval_loss: float | None = None  # its loss after the last step
     trained_tokens: int = 0  # tokens of every step's examples, padding left out
+    objective: str = "supervised"  # or "dpo" (preference pairs; beta etc. in hyperparameters)
+    init_adapter: str = ""  # LoRA: the adapter the job starts from, relative to --data-dir ("" = none)
 
     @property
     def terminal(self) -> bool:
@@ -95,12 +97,14 @@ CREATE TABLE IF NOT EXISTS jobs (
     step INTEGER NOT NULL, total_steps INTEGER NOT NULL, loss REAL NOT NULL,
     tokens_per_second REAL NOT NULL, error TEXT NOT NULL, output_path TEXT NOT NULL,
     checkpoint TEXT NOT NULL, cancel_requested INTEGER NOT NULL,
-    validation_dataset TEXT NOT NULL DEFAULT '', eval_loss REAL, trained_tokens INTEGER NOT NULL DEFAULT 0
+    validation_dataset TEXT NOT NULL DEFAULT '', eval_loss REAL, trained_tokens INTEGER NOT NULL DEFAULT 0,
+    objective TEXT NOT NULL DEFAULT 'supervised', init_adapter TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, created_ms);
 """
 _ADDED_COLUMNS = {"validation_dataset": "TEXT NOT NULL DEFAULT ''", "eval_loss": "REAL",  # since schema 1
-                  "trained_tokens": "INTEGER NOT NULL DEFAULT 0"}  # since schema 2
+                  "trained_tokens": "INTEGER NOT NULL DEFAULT 0",  # since schema 2
+                  "objective": "TEXT NOT NULL DEFAULT 'supervised'", "init_adapter": "TEXT NOT NULL DEFAULT ''"}
 
 
 def _to_row(rec: JobRecord) -> tuple[Any, ...]:

@@ -327,12 +327,12 @@ class OpenAIApi:
         d = self.d
         if not d.jobs.accepting:
             raise Unavailable(d.jobs.refusal)
-        if body.model != d.facts.name:
-            if d.adapters.has(body.model):
-                raise ParamError("fine-tuning an adapter is not supported; name the base model "
-                                 f"{d.facts.name!r}", "model")
-            raise NotFound(f"model {echo(body.model)} is not the served base model {d.facts.name!r}", "model")
+        if body.model != d.facts.name and not d.adapters.has(body.model):
+            raise NotFound(f"model {echo(body.model)} is neither the served base model {d.facts.name!r} nor an "
+                           "adapter", "model")
         job = JobRequest(body)
+        if body.model != d.facts.name:  # a fine-tuned model (adapter) to train on, e.g. DPO after SFT
+            job.request.init_adapter = body.model
         with d.files.lock:  # the job's files stay until the job is stored
             d.files.get(body.training_file, "training_file")
             job.request.dataset_path = dataset_path(body.training_file)

@@ -131,10 +131,12 @@ class FileStore:
 
     def _check_dataset(self, path: Path, filename: str) -> None:
         from tprt.train.data import load_documents
+        from tprt.train.preference import is_preference_file, load_pairs
 
         assert self.tokenizer is not None
         try:
-            load_documents(path, self.tokenizer, self.context_length)
+            check = load_pairs if is_preference_file(path) else load_documents
+            check(path, self.tokenizer, self.context_length)
         except ValidationError as e:
             raise ParamError(str(e).replace(str(path), echo(filename)), "file") from None
 

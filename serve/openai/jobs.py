@@ -2,8 +2,10 @@
 
 A `POST /v1/fine_tuning/jobs` body becomes the CreateJobRequest gRPC would have sent, checked by
 the same `check_create`: `training_file` is the uploaded file's path under --data-dir
-(serve/openai/files.py), `method.type` must be "supervised" (LoRA unless the extra field
-`full: true` asks for a full fine-tune), and the hyper-parameters map as follows:
+(serve/openai/files.py), `method.type` is "supervised" or "dpo" (preference pairs; LoRA unless
+the extra field `full: true` asks for a full fine-tune; `model` naming a served adapter starts from
+it, e.g. DPO after SFT), and the hyper-parameters map as follows (DPO's `beta` as OpenAI's, our
+`dpo_loss` and `label_smoothing` as extras):
 
     n_epochs                   passes over the examples: steps = ceil(n_epochs x examples / batch_size)
                                ("auto": 3, more for a small file, fewer for a large one: `auto_epochs`)
@@ -74,6 +76,9 @@ class Hyperparameters(BaseModel):
     weight_decay: float | None = None
     warmup_steps: int | None = None
     checkpoint_every: int | None = None
+    beta: float | Auto | None = None  # method "dpo" ("auto": 0.1), as OpenAI's; dpo_loss and label_smoothing ours
+    dpo_loss: str | None = None
+    label_smoothing: float | None = None
 
 
 class Supervised(BaseModel):
@@ -85,6 +90,7 @@ class Method(BaseModel):
 
     type: str
     supervised: Supervised | None = None
+    dpo: Supervised | None = None  # the same shape: {"hyperparameters": {...}}
 
 
 class FineTuningJobBody(BaseModel):
@@ -148,6 +154,7 @@ class JobRequest:
         self.body = body
         hp, self.hp_param = _chosen_hyperparameters(body)
         self.hp = hp
+        self.objective = body.method.type if body.method is not None else "supervised"
         if body.integrations:
             raise ParamError("not supported by this server", "integrations")
         check_metadata(body.metadata)
@@ -187,9 +194,17 @@ class JobRequest:
             raise renamed(e, {"hyperparameters.seed": "seed", "hyperparameters": self.hp_param}) from None
         if seed is not None:
             given["seed"] = seed
+        dpo = {name: getattr(hp, name) for name in ("beta", "dpo_loss", "label_smoothing")}
+        dpo = {k: v for k, v in dpo.items() if v is not None and v != "auto"}
+        if self.objective != "dpo" and dpo:
+            raise ParamError("applies to method 'dpo' only", f"{self.hp_param}.{next(iter(dpo))}")
+        for name in ("beta", "label_smoothing"):
+            if name in dpo and not math.isfinite(dpo[name]):
+                raise ParamError(f"must be a finite number, got {dpo[name]}", f"{self.hp_param}.{name}")
         self.request = ft_pb.CreateJobRequest(
             method=ft_pb.METHOD_FULL if body.full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
-            hyperparameters=ft_pb.Hyperparameters(**given))
+            hyperparameters=ft_pb.Hyperparameters(**given, **dpo),
+            objective=ft_pb.OBJECTIVE_DPO if self.objective == "dpo" else ft_pb.OBJECTIVE_SUPERVISED)
 
     def fit(self, examples: int) -> None:
         """The batch size (auto: from the number of examples) and, unless `steps` was given, the
@@ -208,7 +223,7 @@ class JobRequest:
     def error(self, e: ServeError) -> ParamError:
         """A check_create error with its field as this body spells it."""
         return renamed(e, {"hyperparameters": self.hp_param, "dataset_path": "training_file",
-                           "dataset": "training_file", "adapter_id": "suffix",
+                           "dataset": "training_file", "adapter_id": "suffix", "init_adapter": "model",
                            "validation_dataset_path": "validation_file"})
 
     def sidecar(self) -> dict[str, Any]:
@@ -220,13 +235,15 @@ class JobRequest:
 
 def _chosen_hyperparameters(body: FineTuningJobBody) -> tuple[Hyperparameters, str]:
     method = body.method
-    if method is not None and method.type != "supervised":
-        raise ParamError(f"{echo(method.type)}; this server fine-tunes with 'supervised' only", "method.type")
-    nested = method.supervised.hyperparameters if method is not None and method.supervised is not None else None
+    if method is not None and method.type not in ("supervised", "dpo"):
+        raise ParamError(f"{echo(method.type)}; this server fine-tunes with 'supervised' or 'dpo'", "method.type")
+    kind = method.type if method is not None else "supervised"
+    inner = getattr(method, kind) if method is not None else None
+    nested = inner.hyperparameters if inner is not None else None
     if nested is not None and body.hyperparameters is not None:
-        raise ParamError("give method.supervised.hyperparameters or hyperparameters, not both", "hyperparameters")
+        raise ParamError(f"give method.{kind}.hyperparameters or hyperparameters, not both", "hyperparameters")
     if nested is not None:
-        return nested, "method.supervised.hyperparameters"
+        return nested, f"method.{kind}.hyperparameters"
     return body.hyperparameters or Hyperparameters(), "hyperparameters"
 
 
@@ -287,12 +304,26 @@ def job_object(rec: JobRecord, base_model: str, data_dir: Path) -> dict[str, Any
         "error": {"code": "job_failed", "message": rec.error, "param": None} if rec.state == FAILED else None,
         "seed": int(hp.get("seed", 0)), "estimated_finish": None, "integrations": [],
         "user_provided_suffix": side.get("suffix"), "metadata": side.get("metadata"),
-        "method": {"type": "supervised", "supervised": {"hyperparameters": hyper}},
+        "method": _method(rec, hyper),
         "tprt": {"job_id": rec.id, "method": rec.method, "step": rec.step, "total_steps": rec.total_steps,
+                 "init_adapter": rec.init_adapter or None,
                  "trained_tokens": rec.trained_tokens,
                  "loss": rec.loss, "eval_loss": rec.eval_loss, "output_path": rec.output_path,
                  "hyperparameters": hp},
     }
+
+
+def _method(rec: JobRecord, hyper: dict[str, Any]) -> dict[str, Any]:
+    if rec.objective != "dpo":
+        return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
+    hp = rec.hyperparameters
+    return {"type": "dpo", "dpo": {"hyperparameters": {**hyper, "beta": hp.get("beta"), "dpo_loss": hp.get("dpo_loss"),
+                                                       "label_smoothing": hp.get("label_smoothing")}}}
+
+
+# a DPO step's metrics, as its events carry them (tprt.train.dpo)
+_PREFERENCE_KEYS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "eval_rewards_chosen",
+                    "eval_rewards_rejected", "eval_reward_accuracy", "eval_reward_margin")
 
 
 def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
@@ -308,6 +339,11 @@ def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
         if r.get("eval_loss") is not None:  # over the whole validation file, as OpenAI's full_valid_loss
             data["full_valid_loss"] = r["eval_loss"]
             message += f", validation loss={r['eval_loss']}"
+        data.update({k: r[k] for k in _PREFERENCE_KEYS if r.get(k) is not None})
+        if r.get("reward_accuracy") is not None:
+            message += f", reward accuracy={r['reward_accuracy']}"
+        if r.get("eval_reward_accuracy") is not None:
+            message += f", validation reward accuracy={r['eval_reward_accuracy']}"
         raw.append((int(r.get("time_unix_ms", started)), "info", message, data))
     if rec.state == SUCCEEDED:
         raw.append((rec.finished_ms, "info", "The job has successfully completed", None))

@@ -32,6 +32,7 @@ class TrainStepResult:
     seconds: float
     tokens: int  # tokens in the global batch
     eval_loss: float | None = None  # measured after this step (the last, with held-out data), else None
+    metrics: dict[str, float] | None = None  # DPO: rewards, reward accuracy and margin (tprt.train.dpo)
 
 
 @dataclass(frozen=True)

@@ -116,8 +116,10 @@ class RankExecutor:
         if self.ctx.rank == 0:
             t.metrics.write({"step": t.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                              "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "eval_loss": eval_loss,
+                             **t.logged_metrics(eval_loss),
                              "time_unix_ms": int(time.time() * 1000)})  # when: the OpenAI API's job events
-        return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens), eval_loss)
+        return TrainStepResult(int(t.step), float(loss), float(grad_norm), seconds, int(tokens), eval_loss,
+                               t.logged_metrics(eval_loss) or None)
 
     def _cmd_train_save(self) -> str:
         t = self._need_trainer()

@@ -39,12 +39,20 @@ FINETUNE_EPILOG = """examples:
       --grad-accum 8 --activation-checkpointing --eval-fraction 0.05 --eval-every 100
   torchrun --nproc-per-node 8 -m tprt.cli finetune --model ./llama-tp4 --data d.jsonl --out ./run  # dp=2
 
+  tprt finetune --model ./smollm2-tp3 --data prefs.jsonl --out ./dpo --method dpo --beta 0.1 \\
+      --init-adapter ./run1/adapter    # DPO on an SFT run's adapter
+
 data (JSONL, one object per line):
   {"text": "..."}                                   loss on every token
   {"prompt": "...", "completion": "..."}            loss on the completion only
   {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
                                                     chat template; loss on the assistant turns only
 Documents are packed into rows of --seq-len tokens, separated by EOS.
+--method dpo takes preference pairs (OpenAI's format), one completion per row:
+  {"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": "..."}],
+   "non_preferred_output": [{"role": "assistant", "content": "..."}]}
+  --batch-size counts pairs; metrics.jsonl adds rewards_chosen, rewards_rejected, reward_accuracy,
+  reward_margin (and eval_ ones with eval data).
 
 outputs in --out: adapter/ (LoRA: adapter_model.safetensors + adapter_config.json, loadable by
 PEFT) or model/ (--full: a TP checkpoint, exportable with `tprt-convert tp-to-hf`); metrics.jsonl
@@ -102,6 +110,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="continue from the newest complete checkpoint in --out (a larger --steps trains on; "
                         "the learning-rate schedule stays the original run's)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = f.add_argument_group("preference tuning (DPO)")
+    d.add_argument("--method", choices=("sft", "dpo"), default="sft",
+                   help="sft: next-token loss on the data's targets; dpo: preference pairs (sft)")
+    d.add_argument("--beta", type=float, metavar="B", help="DPO: pull towards the reference (0.1)")
+    d.add_argument("--dpo-loss", choices=("sigmoid", "ipo"), help="DPO: the loss on the log-ratio margin (sigmoid)")
+    d.add_argument("--label-smoothing", type=float, metavar="E",
+                   help="DPO sigmoid loss: the share of pairs taken to be mislabelled (0)")
+    f.add_argument("--init-adapter", type=Path, metavar="DIR",
+                   help="LoRA: start from this adapter (e.g. an SFT run's out/adapter); its rank, alpha and targets "
+                        "are the run's")
     g = sub.add_parser("merge-lora", help="merge a LoRA adapter into a TP checkpoint", epilog=MERGE_EPILOG,
                        formatter_class=raw, description="Write base + LoRA adapter as a new TP checkpoint.")
     g.add_argument("--model", type=Path, required=True, metavar="DIR", help="base TP checkpoint")
@@ -140,9 +158,16 @@ def _targets(text: str | None) -> tuple[str, ...]:
 def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
     """Flags -> FinetuneConfig; any bad value is a one-line ConfigError naming its flag."""
     lora_given = [f for f, v in (("--lora-alpha", a.lora_alpha), ("--lora-dropout", a.lora_dropout),
-                                 ("--lora-targets", a.lora_targets)) if v is not None]
+                                 ("--lora-targets", a.lora_targets), ("--init-adapter", a.init_adapter))
+                  if v is not None]
     if a.full and lora_given:
         raise ConfigError(f"{lora_given[0]} cannot be used with --full")
+    dpo_given = [f for f, v in (("--beta", a.beta), ("--dpo-loss", a.dpo_loss),
+                                ("--label-smoothing", a.label_smoothing)) if v is not None]
+    if a.method != "dpo" and dpo_given:
+        raise ConfigError(f"{dpo_given[0]} needs --method dpo")
+    if a.init_adapter is not None:
+        a = _from_adapter(a)
     rank = a.lora_rank if a.lora_rank is not None else 8
     import torch
 
@@ -159,10 +184,28 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
         resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress,
+        progress=not a.no_progress, objective=a.method, beta=a.beta if a.beta is not None else 0.1,
+        dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0, init_adapter=a.init_adapter,
     )
     validate(cfg)
     return cfg
+
+
+def _from_adapter(a: argparse.Namespace) -> argparse.Namespace:
+    """--init-adapter's rank, alpha and targets as the run's; a differing flag is an error."""
+    from tprt.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+
+    path = a.init_adapter / ADAPTER_CONFIG
+    try:
+        targets, rank, alpha, _ = read_adapter_config(json.loads(path.read_text()), str(path))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--init-adapter {a.init_adapter}: no readable {ADAPTER_CONFIG} ({type(e).__name__})") from None
+    _check((a.init_adapter / ADAPTER_WEIGHTS).is_file(), "--init-adapter", f"{a.init_adapter}: no {ADAPTER_WEIGHTS}")
+    for flag, given, own in (("--lora-rank", a.lora_rank, rank), ("--lora-alpha", a.lora_alpha, alpha)):
+        _check(given is None or given == own, flag, f"{given} differs from --init-adapter's {own}")
+    _check(a.lora_targets is None or set(_targets(a.lora_targets)) == set(targets), "--lora-targets",
+           f"{a.lora_targets} differs from --init-adapter's {','.join(targets)}")
+    return argparse.Namespace(**{**vars(a), "lora_rank": rank, "lora_alpha": alpha, "lora_targets": ",".join(targets)})
 
 
 def validate(c: FinetuneConfig) -> None:
@@ -186,6 +229,9 @@ def validate(c: FinetuneConfig) -> None:
     _check(c.eval_every >= 0, "--eval-every", f"must be >= 0, got {c.eval_every}")
     _check(c.dp >= 1, "--dp", f"must be at least 1, got {c.dp}")
     _check(c.offload_optimizer == "none" or c.full, "--offload-optimizer", "needs --full (LoRA keeps no large state)")
+    _check(math.isfinite(c.beta) and c.beta > 0, "--beta", f"must be a positive number, got {c.beta}")
+    _check(0 <= c.label_smoothing < 0.5, "--label-smoothing", f"must be in [0, 0.5), got {c.label_smoothing}")
+    _check(c.label_smoothing == 0 or c.dpo_loss == "sigmoid", "--label-smoothing", "applies to --dpo-loss sigmoid only")
     _check(c.data.is_file(), "--data", f"{c.data}: no such file")
     _check(c.eval_data is None or c.eval_data.is_file(), "--eval-data", f"{c.eval_data}: no such file")
 
@@ -220,16 +266,18 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from tprt.distributed.launcher import run_on_ranks
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
+    from tprt.train.preference import prepare_preferences
     from tprt.train.trainer import total_steps, train_rank
 
     ckpt = TPCheckpoint(cfg.model)
     _check_out(cfg)
     tok = Tokenizer.from_dir(cfg.model)
-    dataset = prepare_data(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
+    prepare = prepare_preferences if cfg.objective == "dpo" else prepare_data
+    dataset = prepare(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
     world_dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size)
     dims = ParallelDims(tp=ckpt.tp_size, dp=world_dp if in_distributed_env() else cfg.dp)
     _check(cfg.dp in (1, dims.dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dims.dp}")
-    steps = total_steps(cfg, len(dataset.train), dims.dp)
+    steps = total_steps(cfg, dataset.n_examples, dims.dp)
     _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
     r = dataset.report
     log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
@@ -247,6 +295,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     if not s or s.get("plot") is None:  # a torchrun rank other than 0
         return
     ev = f", eval loss {s['eval_loss']:.4f}" if s.get("eval_loss") is not None else ""
+    if s.get("eval_reward_accuracy") is not None:
+        ev += f", held-out reward accuracy {s['eval_reward_accuracy']:.3f}"
     print(f"trained {s['steps']} steps: loss {s['loss']:.4f}{ev}")
     print(f"output: {s['output']}\nmetrics: {s['metrics']}\nloss curve: {s['plot']}")
 

@@ -13,7 +13,8 @@ adapters side by side instead (tprt.lora.routing).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,17 @@ def detach(model: TPLlamaForCausalLM) -> LoRAAdapter:
     for site, _ in adapter.pieces:
         unwrap(site.linear)
     return adapter
+
+
+@contextmanager
+def adapter_off(model: TPLlamaForCausalLM) -> Iterator[None]:
+    """`model` without its attached LoRA modules for the body of the `with`, then with them again:
+    the base model's output from the same weights (DPO's reference), no copy."""
+    adapter = detach(model)
+    try:
+        yield
+    finally:
+        attach(model, adapter)
 
 
 def apply_lora(

@@ -45,7 +45,7 @@ def hf_names(targets: Sequence[str]) -> list[str]:
     return [HF_MODULES[t].split(".")[1] for t in targets]
 
 
-MAX_ALPHA = 1e6  # as a job's lora_alpha (serve/jobspec.py): more only overflows the scaled update
+MAX_ALPHA = 1e6  # as a job's lora_alpha (serve/jobs/spec.py): more only overflows the scaled update
 
 
 def check_hparams(rank: int, alpha: float, dropout: float) -> None:

@@ -110,6 +110,16 @@ class FinetuneWorkload:
     activation_checkpointing: bool = False
     sharded: bool = False  # full: FSDP over dp as `tprt finetune --full` (False: replicated, the server's)
     offload_optimizer: bool = False  # sharded: fp32 shards, gradients and moments in host memory
+    # DPO (tprt.train.dpo): batch_size counts preference pairs, each two rows (the preferred and the
+    # non-preferred completion) in the same micro-batch, so twice the activations of SFT's rows. The
+    # reference pass runs without autograd (its transients are one forward's, below the saved
+    # activations) and the stored reference log-probabilities are 4 bytes per row.
+    dpo: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Rows in one micro-batch."""
+        return self.batch_size * (2 if self.dpo else 1)
 
 
 Workload = ServeWorkload | FinetuneWorkload
@@ -333,7 +343,7 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     params = numel(shapes)
     trained = shapes if w.full else lora_parameters(cfg, layout, w.lora_targets, w.lora_rank)
     trainable = numel(trained)
-    tokens = w.batch_size * w.seq_len  # one micro-batch; accumulation adds no activations
+    tokens = w.rows * w.seq_len  # one micro-batch; accumulation adds no activations
     per_layer = _saved_per_token_per_layer(cfg, layout, w)
     h = cfg.hidden_size
     if w.activation_checkpointing:  # each block keeps its input; one block is recomputed at a time
@@ -343,11 +353,11 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     # The loss: final norm, the local logits in the dtype and the vocab-parallel cross-entropy's
     # float32 softmax (the logits' gradient reuses its size), over the target tokens (at most
     # every token but the last of each row).
-    targets = w.batch_size * (w.seq_len - 1)
+    targets = w.rows * (w.seq_len - 1)
     loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4))
     cpu = device.kind == "cpu"
     packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
-    extra: dict[str, Any] = {"tokens_per_micro_batch": tokens, "global_batch_rows": w.batch_size * w.grad_accum * dp}
+    extra: dict[str, Any] = {"tokens_per_micro_batch": tokens, "global_batch_rows": w.rows * w.grad_accum * dp}
     if w.full and w.sharded:
         parts = _sharded_state(cfg, shapes, b, dp, w.offload_optimizer, extra)
         parts.update(activations=blocks + loss, framework_reserve=_reserve(device, False))

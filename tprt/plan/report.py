@@ -35,7 +35,8 @@ def _workload_line(plan: MemoryPlan) -> str:
     method = "full" if w.full else f"LoRA rank {w.lora_rank} on {','.join(w.lora_targets)}"
     if w.full and w.sharded:
         method += f", FSDP over dp {plan.dp}" + (", optimizer offloaded to the host" if w.offload_optimizer else "")
-    return (f"workload: finetune ({method}), {plan.dtype}, batch_size {w.batch_size} x seq_len {w.seq_len} per "
+    batch = f"batch_size {w.batch_size} pairs (DPO: {w.rows} rows)" if w.dpo else f"batch_size {w.batch_size}"
+    return (f"workload: finetune ({method}), {plan.dtype}, {batch} x seq_len {w.seq_len} per "
             f"micro-batch, grad_accum {w.grad_accum}, activation checkpointing "
             f"{'on' if w.activation_checkpointing else 'off'}; {plan.trainable_params_per_rank / 1e6:.2f} M "
             "trainable parameters per rank")

@@ -47,7 +47,8 @@ PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 # Run-config fields a resume must share with the checkpoint, in the order they are checked.
 MUST_MATCH = ("tp", "model_fingerprint", "method", "lora_rank", "lora_alpha", "lora_targets",
-              "seq_len", "data_digest", "seed", "dtype")
+              "seq_len", "data_digest", "seed", "dtype", "objective", "beta", "dpo_loss", "label_smoothing",
+              "init_adapter")
 
 
 def model_fingerprint(model_dir: Path) -> str:

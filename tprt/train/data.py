@@ -36,7 +36,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from tprt.text.tokenizer import Tokenizer
 log = logging.getLogger("tprt")
 
 IGNORE_INDEX = -100
+T = TypeVar("T")
 
 
 @dataclass
@@ -297,8 +298,8 @@ def shuffled(items: Sequence[Any], seed: int) -> list[Any]:
     return [items[i] for i in order]
 
 
-def split_eval(docs: Sequence[Document], fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
-    """(train, eval): a seeded `fraction` of the documents held out (at least one when > 0)."""
+def split_eval(docs: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """(train, eval): a seeded `fraction` of the documents (or pairs) held out (at least one when > 0)."""
     if not 0.0 <= fraction < 1.0:
         raise ValidationError("--eval-fraction", f"--eval-fraction must be in [0, 1), got {fraction}")
     order = shuffled(docs, seed)
@@ -321,12 +322,22 @@ def file_digest(path: Path) -> str:
 
 @dataclass
 class Dataset:
-    """Packed training and evaluation rows."""
+    """Packed training and evaluation rows. `pairs`: preference pairs, rows 2i and 2i + 1 the
+    preferred and non-preferred completions of pair i (tprt.train.preference)."""
 
     train: PackedRows
     eval: PackedRows | None
     digest: str  # of the training file (and the eval file, when given)
     report: dict[str, Any] = field(default_factory=dict)
+    pairs: bool = False
+    # DPO's reference log-probabilities per row, by split ("train", "eval"), once computed
+    # (tprt.train.dpo): kept with the rows, so no epoch scores them again
+    reference: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def n_examples(self) -> int:
+        """Training examples: rows, or pairs of rows."""
+        return len(self.train) // 2 if self.pairs else len(self.train)
 
 
 def prepare_data(

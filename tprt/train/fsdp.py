@@ -51,9 +51,16 @@ class LossModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                per_sequence: bool = False) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """(loss sum, target tokens), or with `per_sequence` each row's summed log-probability
+        of its targets (DPO, tprt.train.dpo)."""
         from tprt.train.step import compute_loss
 
+        if per_sequence:
+            from tprt.train.dpo import sequence_logps
+
+            return sequence_logps(self.model, input_ids, labels)
         return compute_loss(self.model, input_ids, labels)
 
 

@@ -60,11 +60,22 @@ def plot_loss(metrics_path: Path, png: Path) -> Path:
         if evals:
             ax.plot(*zip(*evals), "o-", label="eval loss", linewidth=1.2, markersize=4)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats/token)")
+        dpo = [(r["step"], r["reward_accuracy"]) for r in records if r.get("reward_accuracy") is not None]
+        ax.set_ylabel("DPO loss (per pair)" if dpo else "loss (nats/token)")
         ax.set_title("tprt finetune")
         ax.grid(alpha=0.3)
         if train or evals:
-            ax.legend()
+            ax.legend(loc="upper left")
+        if dpo:  # a DPO run: its reward accuracy on a second axis
+            acc = ax.twinx()
+            acc.plot(*zip(*dpo), color="tab:green", linewidth=1.0, alpha=0.7, label="reward accuracy")
+            held = [(r["step"], r["eval_reward_accuracy"]) for r in records
+                    if r.get("eval_reward_accuracy") is not None]
+            if held:
+                acc.plot(*zip(*held), "s", color="tab:green", markersize=4, label="held-out reward accuracy")
+            acc.set_ylim(-0.02, 1.02)
+            acc.set_ylabel("reward accuracy")
+            acc.legend(loc="upper right")
         tmp = png.with_name(f".{png.name}.tmp-{os.getpid()}.png")
         fig.savefig(tmp)
         os.replace(tmp, png)

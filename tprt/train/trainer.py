@@ -41,6 +41,7 @@ from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
 from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
+from tprt.train.dpo import PreferenceTrainer
 from tprt.train.fsdp import ShardedModel
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
 
@@ -86,6 +87,11 @@ class FinetuneConfig:
     resume: bool = False
     truncate: bool = True
     progress: bool = True
+    objective: str = "sft"  # "dpo": preference pairs (tprt.train.dpo, tprt.train.preference)
+    beta: float = 0.1  # DPO: strength of the pull towards the reference
+    dpo_loss: str = "sigmoid"  # or "ipo"
+    label_smoothing: float = 0.0  # DPO (sigmoid): the share of pairs assumed mislabelled
+    init_adapter: Path | None = None  # LoRA: start from this adapter's weights (SFT then DPO)
 
     @property
     def method(self) -> str:
@@ -98,17 +104,20 @@ def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]
     d["lora_targets"] = list(cfg.lora_targets)
     if cfg.full:
         d.update(lora_rank=None, lora_alpha=None, lora_targets=None)
+    if cfg.objective == "sft":  # as runs before DPO existed recorded them
+        d.update(objective=None, beta=None, dpo_loss=None, label_smoothing=None)
     d.update(tp=tp, method=cfg.method, data_digest=data_digest,
              model_fingerprint=ckpt.model_fingerprint(Path(cfg.model)))
     return d
 
 
-def total_steps(cfg: FinetuneConfig, n_rows: int, dp_size: int) -> int:
-    """--steps, else ceil(--epochs (default 1) x rows / rows per step)."""
+def total_steps(cfg: FinetuneConfig, n_examples: int, dp_size: int) -> int:
+    """--steps, else ceil(--epochs (default 1) x examples / examples per step); an example is a
+    row, or with DPO a pair."""
     if cfg.steps is not None:
         return cfg.steps
-    rows_per_step = cfg.batch_size * cfg.grad_accum * dp_size
-    return max(1, math.ceil((cfg.epochs or 1.0) * n_rows / rows_per_step))
+    per_step = cfg.batch_size * cfg.grad_accum * dp_size
+    return max(1, math.ceil((cfg.epochs or 1.0) * n_examples / per_step))
 
 
 def watch_parent(pid: int | None, poll_s: float = 1.0) -> None:
@@ -178,14 +187,19 @@ class Trainer:
         self.model.train()
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        self.steps = total_steps(cfg, len(dataset.train), ctx.dp_size)
+        self.steps = total_steps(cfg, dataset.n_examples, ctx.dp_size)
         self.optimizer = AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.steps, cfg.min_lr_ratio)
-        self.stream = BatchStream(len(dataset.train), cfg.seed, cfg.batch_size * cfg.grad_accum * ctx.dp_size)
+        self.stream = BatchStream(dataset.n_examples, cfg.seed, cfg.batch_size * cfg.grad_accum * ctx.dp_size)
         self.step = 0
         self.step_tokens = 0  # tokens of the last step's rows
+        self.step_metrics: dict[str, float] = {}  # beyond the loss: DPO's rewards of the last step
+        self.eval_metrics: dict[str, float] = {}  # beyond the eval loss: DPO's of the last evaluation
         self.last_saved: Path | None = None
         self.metrics = MetricsLog(self.out)
+        self.dpo: PreferenceTrainer | None = None
+        if cfg.objective == "dpo":
+            self.dpo = PreferenceTrainer(self)
         torch.manual_seed(cfg.seed + 7919 * (1 + ctx.dp_rank))  # dropout: the same over TP, not over DP
 
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -196,6 +210,10 @@ class Trainer:
 
         params = apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
                             self.cfg.lora_dropout, seed=self.cfg.seed)
+        if self.cfg.init_adapter is not None:
+            from tprt.train.dpo import load_initial_adapter
+
+            load_initial_adapter(self.model, self.cfg, self.ctx)
         if not self.shares_base:
             # On CPU the frozen base runs forward and input-gradient from oneDNN-packed copies: faster
             # steps for one more copy of the base weights (docs/PERF.md). A shared twin already has
@@ -284,11 +302,9 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.dp_group)
         return t
 
-    def train_step(self) -> tuple[float, float]:
-        """One optimizer step; returns (mean loss over the global batch, gradient norm)."""
-        from tprt.train.grads import clip_grad_norm, sync_gradients
-
-        rows = self.stream.next_step()
+    def _forward_backward(self, rows: list[int]) -> float:
+        """The gradients of the token-mean loss over the global batch `rows` (this DP rank's
+        share); returns that mean."""
         train = self.data.train
         self.step_tokens = train.n_tokens(rows)  # padding left out
         n_global = max(1, int((train.labels[torch.tensor(rows)][:, 1:] != -100).sum()))
@@ -298,7 +314,14 @@ class Trainer:
             ls, _ = self._micro_loss(train, micro)
             (ls * scale).backward()
             loss_sum += ls.detach()
-        loss = float(self._dp_sum(loss_sum)) / n_global
+        return float(self._dp_sum(loss_sum)) / n_global
+
+    def train_step(self) -> tuple[float, float]:
+        """One optimizer step; returns (mean loss over the global batch, gradient norm)."""
+        from tprt.train.grads import clip_grad_norm, sync_gradients
+
+        rows = self.stream.next_step()
+        loss = self.dpo.forward_backward(rows) if self.dpo is not None else self._forward_backward(rows)
         if self.sharded is not None:  # FSDP reduce-scattered (averaged over DP) in the backward
             from tprt.train.fsdp import clip_sharded_grad_norm, sync_tp_gradients
 
@@ -331,6 +354,8 @@ class Trainer:
         rows = self.data.eval
         if rows is None:
             return None
+        if self.dpo is not None:
+            return self.dpo.evaluate()
         self.model.eval()
         try:
             idx = list(range(self.ctx.dp_rank, len(rows), self.ctx.dp_size))
@@ -359,8 +384,13 @@ class Trainer:
         tok_s = self.step_tokens / max(seconds, 1e-9)
         if self.ctx.is_main:
             self.metrics.write({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                "tokens_per_s": round(tok_s, 1), "eval_loss": eval_loss})
+                                "tokens_per_s": round(tok_s, 1), "eval_loss": eval_loss,
+                                **self.logged_metrics(eval_loss)})
         return tok_s
+
+    def logged_metrics(self, eval_loss: float | None) -> dict[str, float]:
+        """The last step's metrics beyond loss and eval_loss (DPO's), for metrics.jsonl."""
+        return {**self.step_metrics, **(self.eval_metrics if eval_loss is not None else {})}
 
     def _due(self, every: int) -> bool:
         return self.step == self.steps or (every > 0 and self.step % every == 0)
@@ -403,7 +433,7 @@ class Trainer:
         else:
             output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
         summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
-                   "metrics": str(self.out / METRICS_FILE), "plot": None}
+                   "metrics": str(self.out / METRICS_FILE), "plot": None, **self.eval_metrics}
         if self.ctx.is_main:
             summary["plot"] = str(plot_loss(self.out / METRICS_FILE, self.out / PLOT_FILE))
         return summary

@@ -1,0 +1,81 @@
+"""A fine-tuning job's preference-tuning side (OBJECTIVE_DPO) and its starting adapter, for
+serve/jobs/spec.py's `check_create`: DPO's hyper-parameters checked and defaulted, and an earlier
+job's adapter (named by adapter id or job id) resolved under --data-dir, its rank and alpha made
+the job's."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from serve.errors import FailedPrecondition, InvalidArgument, NotFound, echo
+from serve.jobs.store import SUCCEEDED, JobStore
+from serve.grpc.pb import finetuning_pb2 as pb
+from tprt.errors import ConfigError, TprtError
+
+ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an adapter id, as serve/jobs/spec.py's ADAPTER_ID
+
+OBJECTIVE_PB = {"supervised": pb.OBJECTIVE_SUPERVISED, "dpo": pb.OBJECTIVE_DPO}
+# DPO's hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, low open)
+_DPO_HP: dict[str, tuple[float, float, float, bool]] = {"beta": (0.1, 0.0, 100.0, True),
+                                                        "label_smoothing": (0.0, 0.0, 0.5, False)}
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def dpo_hyperparameters(hp: Any, objective: str) -> dict[str, Any]:
+    """beta, dpo_loss and label_smoothing with defaults filled in for a DPO job (range-checked);
+    none for a supervised one, which may not set them."""
+    names = [*_DPO_HP, "dpo_loss"]
+    if objective != "dpo":
+        for name in names:
+            if hp.HasField(name):
+                raise InvalidArgument("applies to OBJECTIVE_DPO jobs only", f"hyperparameters.{name}")
+        return {}
+    out: dict[str, Any] = {}
+    for name, (default, low, high, low_open) in _DPO_HP.items():
+        value = getattr(hp, name) if hp.HasField(name) else default
+        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
+            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got {value}",
+                                  f"hyperparameters.{name}")
+        out[name] = float(value)
+    out["dpo_loss"] = hp.dpo_loss if hp.HasField("dpo_loss") else "sigmoid"
+    if out["dpo_loss"] not in DPO_LOSSES:
+        raise InvalidArgument(f"must be one of {', '.join(DPO_LOSSES)}, got {echo(out['dpo_loss'][:40])}",
+                              "hyperparameters.dpo_loss")
+    if out["label_smoothing"] and out["dpo_loss"] != "sigmoid":
+        raise InvalidArgument("applies to dpo_loss 'sigmoid' only", "hyperparameters.label_smoothing")
+    return out
+
+
+def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
+    """The adapter a LoRA job starts from: a succeeded LoRA job's (by adapter id or job id), or one
+    under --data-dir/adapters/; NotFound naming `init_adapter` otherwise."""
+    for rec in store.select(SUCCEEDED, limit=1_000_000):
+        if rec.method == "lora" and rec.output_path and name in (rec.adapter_id, rec.id):
+            return data_dir / rec.output_path
+    if _ADAPTER_DIR.fullmatch(name) and (data_dir / "adapters" / name / ADAPTER_CONFIG).is_file():
+        return data_dir / "adapters" / name
+    raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
+
+
+def start_from(request: Any, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
+    """The job's init_adapter (relative to --data-dir; "" for none); its rank and alpha become the job's."""
+    if not request.init_adapter:
+        return ""
+    if method != "lora":
+        raise InvalidArgument("a full fine-tune starts from the base model, not an adapter", "init_adapter")
+    from tprt.lora.peft_io import read_adapter_config, read_config_file
+
+    path = resolve_init_adapter(request.init_adapter, store, data_dir)
+    try:
+        _, rank, alpha, _ = read_adapter_config(read_config_file(path, "adapter_config.json", ConfigError))
+    except TprtError as e:
+        raise FailedPrecondition(f"{echo(request.init_adapter)}: {e}", "init_adapter") from None
+    for key, own in (("lora_rank", rank), ("lora_alpha", alpha)):
+        if request.hyperparameters.HasField(key) and hp[key] != own:
+            raise InvalidArgument(f"{hp[key]} differs from init_adapter's {own}", f"hyperparameters.{key}")
+        hp[key] = own
+    return str(path.relative_to(data_dir))
