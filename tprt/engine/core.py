@@ -32,12 +32,11 @@ before; Usage reports how many prompt tokens were reused.
 Rows carry k tokens: `propose(request_id, draft)` gives a running request tokens for the
 positions after its last one; its next decode row computes them all and returns logits for
 each. Speculative decoding (`EngineConfig.speculative`, tprt.engine.speculative) drafts them
-itself before each step. Each drafted token is kept by the speculative rejection rule for a
-deterministic draft (tprt.engine.sampling.sample): a greedy row keeps it when it is the argmax,
-a sampled row with probability p(token) under its processed distribution, else it samples from
-p without that token. The first token not kept ends the row, and the rest of its positions are
-given back to the scheduler. Greedy output is the same as without a draft, token for token;
-sampled output has the same distribution and is reproducible for a seed and the same drafts.
+itself before each step. Each drafted token is kept iff the sampler, at the position before it,
+picks it (tprt.engine.sampling.sample): a greedy row's argmax, a sampled row's draw, which picks
+a deterministic draft with probability p(token), the speculative rejection rule's acceptance.
+The first token not kept ends the row, and the rest of its positions are given back to the
+scheduler. Output is the same as without drafts, token for token, greedy or seeded.
 A constrained row's draft is cut to what its grammar accepts, and it gets a mask per position.
 
 Sampling: rank 0 samples and the ids reach the other ranks inside the next plan (the decode
@@ -276,7 +275,7 @@ class Engine:
 
     def propose(self, request_id: str, draft: Seq[int]) -> int:
         """Drafted tokens for the positions after a request's last token: its next decode row
-        carries them, and each is kept by the speculative rejection rule (see the module
+        carries them, and each is kept iff the sampler picks it at its position (see the module
         docstring). Replaces an earlier draft not yet verified; trimmed to the tokens the request
         may still generate, and for a constrained request to the tokens its grammar accepts.
         Returns how many were taken: none while the request is not decoding (waiting, or
@@ -429,8 +428,8 @@ class Engine:
     def _verify(self, seqs: list[Sequence], batch: BatchPlan, result: BatchResult,
                 allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
         """Chooses each decode row's tokens position by position: at a position with a drafted
-        token after it, the sampler keeps the draft or replaces it (tprt.engine.sampling's
-        rejection rule); a row goes on while its drafts are kept and ends at the first one
+        token after it, the draft is kept iff the sampler picks it there (tprt.engine.sampling's
+        coupled rule); a row goes on while its drafts are kept and ends at the first one
         replaced (or its end, or the request's); the positions after what it kept are given
         back. Result rows: each decode row's positions in order."""
         firsts = [0]
@@ -443,8 +442,7 @@ class Engine:
         j = 0
         while live:
             drafts = [batch.tokens[r][j + 1] if j + 1 < len(batch.tokens[r]) else -1 for r in live]
-            choices = self._choose([seqs[r] for r in live], [firsts[r] + j for r in live], result, allowed, j,
-                                   drafts)
+            choices = self._choose([seqs[r] for r in live], [firsts[r] + j for r in live], result, allowed, j)
             still = []
             for r, choice, draft in zip(live, choices, drafts):
                 seq = seqs[r]
@@ -463,9 +461,9 @@ class Engine:
         return events
 
     def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult,
-                allowed: dict[str, torch.Tensor], position: int = 0, drafts: list[int] | None = None) -> list[_Choice]:
+                allowed: dict[str, torch.Tensor], position: int = 0) -> list[_Choice]:
         """The next token of each sequence from its result row (constrained ones among the tokens
-        `allowed[request_id][position]` allows), keeping drafts[i] >= 0 by the rejection rule."""
+        `allowed[request_id][position]` allows)."""
         if result.logits is None:  # greedy rows: the argmax, which keeps a draft iff it is the draft
             assert result.ids is not None
             ids = result.ids.tolist()
@@ -482,7 +480,7 @@ class Engine:
                 return [_Choice(t, None, []) for t in best]  # (which keeps a greedy row's draft iff it is the draft)
             mask = None if mask is None else mask.to(logits.device)
         chosen = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.history() for s in seqs],
-                        mask, drafts)
+                        mask)
         ids, logprobs = chosen.token_ids.tolist(), chosen.logprobs.tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         if chosen.top_ids.shape[1]:

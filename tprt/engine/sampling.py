@@ -134,8 +134,7 @@ class SampleResult:
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           history: Sequence[Sequence[int] | Tensor], allowed: Tensor | None = None,
-           drafts: Sequence[int] | None = None) -> SampleResult:
+           history: Sequence[Sequence[int] | Tensor], allowed: Tensor | None = None) -> SampleResult:
     """Picks one token per row of `logits` [B, V].
 
     V must be the true vocabulary (slice TP padding off first). `history[i]` is row i's prompt and
@@ -144,12 +143,13 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
     top-p and min-p then act on the allowed tokens); reported logprobs stay the raw model's.
     Computes in float32.
 
-    `drafts[i]` >= 0: a drafted token for row i's position, from a deterministic proposer (q is a
-    point mass), kept by the speculative rejection rule: a greedy row keeps it when it is the
-    argmax; a sampled row keeps it with probability p(token) (one uniform draw) and otherwise
-    takes a draw from the residual max(p - q, 0), i.e. p without that token, renormalised (a
-    second draw). Either way the row's token is distributed as p, the processed distribution
-    `sample` draws from without a draft; the caller keeps the draft iff the token equals it."""
+    Speculative decoding needs nothing more: a drafted token x (from a deterministic proposer,
+    so its q is a point mass) is kept iff this function picks it at x's position. A greedy row
+    picks the argmax; a sampled row's inverse-CDF draw picks x with probability p(x), exactly the
+    acceptance min(1, p(x)/q(x)) of speculative rejection sampling, and on a miss its token is
+    already a draw from p without x, the residual rule's. Coupling the test to the draw this way
+    spends one uniform per emitted token, as plain decoding does, so a seeded request gives the
+    same tokens with or without drafts, whatever they were."""
     batch = logits.shape[0]
     if not len(params) == len(generators) == len(history) == batch:
         raise ValueError(f"sample: {batch} logits rows but {len(params)} params, {len(generators)} "
@@ -161,15 +161,8 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         index = _index(rows, raw.device)
-        probs = torch.softmax(scores[index], dim=-1)  # [R, V]
         u = _uniforms([generators[i] for i in rows], raw.device)
-        chosen = _inverse_cdf(probs, u)
-        drafted = [r for r, i in enumerate(rows) if drafts is not None and drafts[i] >= 0]
-        if drafted:
-            chosen[_index(drafted, raw.device)] = _verify_drafts(
-                probs[_index(drafted, raw.device)], [drafts[rows[r]] for r in drafted],  # type: ignore[index]
-                u[_index(drafted, raw.device)], [generators[rows[r]] for r in drafted])
-        tokens[index] = chosen
+        tokens[index] = _inverse_cdf(torch.softmax(scores[index], dim=-1), u)
     n = max([p.top_logprobs for p in params if p.logprobs], default=0)
     if not any(p.logprobs for p in params):  # nobody reads them: spare the log-softmax
         return SampleResult(tokens, raw.new_zeros(batch), tokens.new_empty(batch, 0), raw.new_empty(batch, 0))
@@ -202,26 +195,6 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams],
         remove = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         scores = _on_rows(scores, rows, sub.masked_fill(remove, -math.inf))
     return scores
-
-
-def _verify_drafts(probs: Tensor, drafts: list[int], u: Tensor,
-                   generators: Sequence[torch.Generator | None]) -> Tensor:
-    """Speculative rejection with a point-mass draft q = onehot(x) per row: keep x when u < p(x)
-    (min(1, p/q) = p(x)); else draw from max(p - q, 0) normalised, which is p with x removed (a
-    second uniform from the row's generator, drawn only on rejection)."""
-    device = probs.device
-    x = torch.tensor(drafts, dtype=torch.long, device=device)
-    p_x = probs.gather(1, x[:, None]).squeeze(1).double()
-    keep = u < p_x  # [R]
-    out = x.clone()
-    rejected = (~keep).nonzero().flatten().tolist()
-    if rejected:
-        idx = _index(rejected, device)
-        residual = probs[idx].scatter(1, x[idx, None], 0.0)  # max(p - onehot(x), 0)
-        drawn = _inverse_cdf(residual, _uniforms([generators[r] for r in rejected], device))
-        # p(x) rounded just below 1: nothing else has mass, so x is the only token p allows.
-        out[idx] = torch.where(residual.sum(dim=-1) > 0, drawn, x[idx])
-    return out
 
 
 def _index(rows: list[int], device: torch.device) -> Tensor:

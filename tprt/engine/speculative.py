@@ -2,11 +2,12 @@
 
 The engine (tprt.engine.core) verifies drafts; this module only proposes them. Before each step
 the driver asks the `Speculator` for a draft per decoding request; the row then carries its last
-token and the draft (k + 1 positions in one forward call), and the sampler keeps each drafted
-token by the speculative rejection rule (tprt.engine.sampling). Every proposer here is
+token and the draft (k + 1 positions in one forward call), and a drafted token is kept iff the
+sampler picks it at its position (tprt.engine.sampling.sample). Every proposer here is
 deterministic, so the draft distribution q is a point mass: a greedy row keeps a drafted token
-when it is the argmax, a sampled row keeps it with probability p(token) and otherwise samples
-from p without it. The output distribution is therefore the model's own.
+when it is the argmax, and a sampled row's draw keeps it with probability p(token), the
+rejection rule's acceptance, with a miss already drawn from p without it. The output is the
+model's own, token for token for a seed.
 
 Proposers (`SpeculativeConfig.method`):
 - "ngram" (prompt lookup): the last n tokens of prompt + output (n from max_n down to min_n) are
