@@ -254,7 +254,7 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
     hp = rec.hyperparameters
     lora = rec.method == "lora"
     start = data_dir / rec.init_adapter if rec.init_adapter else None
-    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    targets: tuple[str, ...] = JOB_LORA_TARGETS
     if start is not None:  # the job was checked against it; its targets are the run's
         from tprt.errors import ConfigError
         from tprt.lora.peft_io import read_adapter_config, read_config_file
@@ -263,7 +263,6 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
     return FinetuneConfig(
         model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
         lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
-        lora_targets=JOB_LORA_TARGETS,
         steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
         weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
