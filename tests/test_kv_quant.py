@@ -212,3 +212,19 @@ def test_native_layers_take_int8_and_leave_fp8_to_torch() -> None:
     assert not native.supports_cache(KVCache(1, 2, 1, 4, 8, torch.bfloat16))
     if HAS_FP8:
         assert not native.supports_cache(KVCache(1, 2, 1, 4, 8, torch.float8_e4m3fn))
+
+
+def test_serve_flag_is_checked_and_reaches_the_engine(tmp_path: Path) -> None:
+    """`tprt serve --kv-cache-dtype`: refused at start-up in one line naming the flag; a valid
+    one becomes the engine's cache dtype."""
+    from convert.api import hf_to_tp
+    from helpers import make_hf_llama
+    from serve.server import ServeConfig, check_config, engine_config
+
+    hf_to_tp(make_hf_llama(tmp_path / "hf"), tmp_path / "tp1", 1)
+    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="int8")
+    check_config(cfg)
+    assert engine_config(cfg).cache_dtype == torch.int8
+    assert engine_config(ServeConfig(model=tmp_path / "tp1")).cache_dtype is None  # auto
+    with pytest.raises(ConfigError, match=r"^--kv-cache-dtype must be one of .* got 'fp4'$"):
+        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="fp4"))

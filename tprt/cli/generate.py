@@ -25,6 +25,7 @@ from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.model.kv_cache import kv_cache_dtype
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
 from tprt.text.tokenizer import Tokenizer
@@ -53,6 +54,7 @@ class GenerateArgs:
     logprobs: bool = False
     top_logprobs: int = 0
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
@@ -75,6 +77,7 @@ class GenerateJob:
     max_seq_len: int
     json: bool
     adapter: str | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -181,6 +184,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     ckpt = TPCheckpoint(args.model)
     if args.dtype is not None:
         parse_dtype(args.dtype)
+    kv_cache_dtype(args.kv_cache_dtype)
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat")
     tok = Tokenizer.from_dir(args.model)
@@ -191,7 +195,8 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     if args.adapter is not None and not (args.adapter / "adapter_config.json").is_file():
         raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
     adapter = None if args.adapter is None else str(args.adapter)
-    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter)
+    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter,
+                       args.kv_cache_dtype)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -212,7 +217,7 @@ def generate_rank(job: GenerateJob) -> None:
         model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
-                          token_budget=max(2048, MAX_BATCH + 1))
+                          token_budget=max(2048, MAX_BATCH + 1), cache_dtype=kv_cache_dtype(job.kv_cache_dtype))
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()
