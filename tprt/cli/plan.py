@@ -47,8 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s = work.add_parser("serve", help="the engine of `tprt serve`")
     _common(s, suppress=True)
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="weights and compute (default: the checkpoint's)")
-    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16}",
-                   help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine)")
+    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16,int8,fp8}",
+                   help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine); int8/fp8 "
+                        "(--kv-cache-dtype of tprt serve) also state the KV tokens gained against bf16")
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per sequence (default: min(model's, 2048))")
     s.add_argument("--max-batch-size", type=int, default=16, metavar="N", help="running sequences at once (16)")
     s.add_argument("--kv-cache-tokens", type=int, metavar="N",

@@ -62,6 +62,8 @@ def text(plan: MemoryPlan) -> str:
                      f"{plan.per_rank_bytes['kv_cache'] / GIB:.2f} GiB")
         lines.append(f"beside everything else, {tokens} KV tokens fit: {tokens // (plan.max_seq_len or 1)} "
                      f"sequences of {plan.max_seq_len} tokens")
+        if "max_kv_tokens_bf16" in plan.extra:
+            lines.append(_kv_gain_line(plan, tokens))
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
                else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
     lines.append(f"verdict: {verdict}")
@@ -70,6 +72,15 @@ def text(plan: MemoryPlan) -> str:
         lines.append("what would fit:" if not plan.fits else "room:")
         lines += [f"  - {s}" for s in advice]
     return "\n".join(lines)
+
+
+def _kv_gain_line(plan: MemoryPlan, tokens: int) -> str:
+    """This KV dtype against a bf16 cache: bytes per token and the KV tokens that fit, gained or lost."""
+    bf16_bytes, bf16_tokens = plan.extra["kv_bytes_per_token_per_rank_bf16"], plan.extra["max_kv_tokens_bf16"] or 0
+    gained = tokens - bf16_tokens
+    ratio = f" (x{tokens / bf16_tokens:.2f})" if bf16_tokens else ""
+    return (f"vs a bf16 KV cache ({bf16_bytes / 1024:.1f} KiB per token per rank): {gained:+d} KV tokens{ratio}, "
+            f"{tokens // (plan.max_seq_len or 1) - bf16_tokens // (plan.max_seq_len or 1):+d} sequences")
 
 
 def as_json(plan: MemoryPlan) -> dict[str, Any]:
