@@ -72,7 +72,7 @@ def kv_cache_dtype(name: str, flag: str = "--kv-cache-dtype") -> torch.dtype | N
     return named[name]
 
 
-def kv_bytes_per_position(dtype: torch.dtype, head_dim: int) -> float:
+def kv_bytes_per_position(dtype: torch.dtype, head_dim: int) -> int:
     """Bytes one key or value head vector of `head_dim` takes in a cache stored in `dtype`,
     its scale included when quantized."""
     return head_dim * dtype.itemsize + (4 if dtype in QUANTIZED else 0)

@@ -762,6 +762,7 @@ static void paged_attend(const float *q, const float *head, const int64_t *table
 static void paged_attend_q8_generic(const float *q, const int8_t *head, const float *scales, const int64_t *table,
                                     int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                                     int64_t s_pos, float scale, float *s, float *out) {
+    int64_t sp = s_pos / d;  /* scales per position */
     for (int64_t g = 0; g < group; g++) {
         float top = -INFINITY, sum = 0, *o = out + g * d;
         for (int64_t t = 0, b = 0; t < len; b++) {
@@ -770,7 +771,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const fl
                 const int8_t *k = head + at + u * s_pos;
                 float dot = 0;
                 for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * (float)k[i];
-                s[t] = dot * scales[(at + u * s_pos) / d] * scale;
+                s[t] = dot * scales[at / d + u * sp] * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -780,7 +781,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const fl
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
                 const int8_t *v = head + at + u * s_pos;
-                float p = s[t] * scales[(at + u * s_pos) / d];
+                float p = s[t] * scales[at / d + u * sp];
                 for (int64_t i = 0; i < d; i++) o[i] += p * (float)v[i];
             }
         }
@@ -798,6 +799,7 @@ static inline __m512 load16_q8(const int8_t *p) {
 static void paged_attend_q8_##M(const float *q, const int8_t *head, const float *scales, const int64_t *table, \
                                 int64_t len, int64_t group, int64_t bs, int64_t s_block, int64_t s_kv,        \
                                 int64_t s_pos, float scale, float *s, float *out) {                           \
+    int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
     for (int64_t g = 0; g < group; g++) {                                                                     \
         __m512 qv[M], acc[M];                                                                                 \
         for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
@@ -807,7 +809,7 @@ static void paged_attend_q8_##M(const float *q, const int8_t *head, const float 
                 const int8_t *k = head + at + u * s_pos;                                                      \
                 __m512 a = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
                 for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a);             \
-                s[t] = _mm512_reduce_add_ps(a) * scales[(at + u * s_pos) / (16 * M)] * scale;                 \
+                s[t] = _mm512_reduce_add_ps(a) * scales[at / (16 * M) + u * sp] * scale;                      \
             }                                                                                                 \
         }                                                                                                     \
         __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
@@ -815,7 +817,7 @@ static void paged_attend_q8_##M(const float *q, const int8_t *head, const float 
         for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
             int64_t at = table[b] * s_block + s_kv;                                                           \
             for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                __m512 p = _mm512_set1_ps(s[t] * scales[(at + u * s_pos) / (16 * M)]);                        \
+                __m512 p = _mm512_set1_ps(s[t] * scales[at / (16 * M) + u * sp]);                             \
                 const int8_t *v = head + at + u * s_pos;                                                      \
                 for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);       \
             }                                                                                                 \
@@ -839,7 +841,7 @@ static inline float hsum256(__m256 v) {
 static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float *scales, const int64_t *table,
                                  int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                                  int64_t s_pos, float scale, float *s, float *out) {
-    int64_t n = d / 8;
+    int64_t n = d / 8, sp = s_pos / d;  /* scales per position */
     for (int64_t g = 0; g < group; g++) {
         __m256 qv[32], acc[32];
         float top = -INFINITY, sum = 0;
@@ -850,7 +852,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float
                 const int8_t *k = head + at + u * s_pos;
                 __m256 a = _mm256_mul_ps(qv[0], load8_q8(k));
                 for (int64_t c = 1; c < n; c++) a = _mm256_fmadd_ps(qv[c], load8_q8(k + 8 * c), a);
-                s[t] = hsum256(a) * scales[(at + u * s_pos) / d] * scale;
+                s[t] = hsum256(a) * scales[at / d + u * sp] * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -859,7 +861,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float
         for (int64_t t = 0, b = 0; t < len; b++) {
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
-                __m256 p = _mm256_set1_ps(s[t] * scales[(at + u * s_pos) / d]);
+                __m256 p = _mm256_set1_ps(s[t] * scales[at / d + u * sp]);
                 const int8_t *v = head + at + u * s_pos;
                 for (int64_t c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(p, load8_q8(v + 8 * c), acc[c]);
             }
