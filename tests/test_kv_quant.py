@@ -228,3 +228,50 @@ def test_serve_flag_is_checked_and_reaches_the_engine(tmp_path: Path) -> None:
     assert engine_config(ServeConfig(model=tmp_path / "tp1")).cache_dtype is None  # auto
     with pytest.raises(ConfigError, match=r"^--kv-cache-dtype must be one of .* got 'fp4'$"):
         check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="fp4"))
+
+
+def test_fused_decode_kernels_over_int8() -> None:
+    """The one-row attention half and the decode stack (3 layers, 2 rows) over an int8 cache
+    holding the same values as a float32 one: each new token's keys and values stored as the
+    reference quantizes the float32 kernel's (layer 0's: later layers' inputs differ), every other
+    entry untouched, and outputs near the
+    float32 cache's (they differ by the new token's quantization only)."""
+    if not native.available():
+        pytest.skip("no C compiler")
+    nh, nkv, d, hidden = 4, 2, 64, 96
+    g = torch.Generator().manual_seed(4)
+    w = [(torch.rand(hidden, generator=g) + 0.5, torch.randn((nh + 2 * nkv) * d, hidden, generator=g) / 8,
+          torch.randn(hidden, nh * d, generator=g) / 8, torch.rand(hidden, generator=g) + 0.5,
+          torch.randn(2 * 80, hidden, generator=g) / 8, torch.randn(hidden, 80, generator=g) / 8) for _ in range(3)]
+    half = native.attention_decode_kernel(w[0][0], 1e-5, w[0][1], w[0][2], nh, nkv)
+    stack = native.decode_stack_kernel(w, 1e-5, nh, nkv)
+    assert half is not None and stack is not None
+    cos, sin = torch.rand(2, 1, 1, d, generator=g), torch.rand(2, 1, 1, d, generator=g)
+    x = torch.randn(2, 1, hidden, generator=g)
+    tables = (torch.randperm(16, generator=g) + 1).view(2, 8)
+
+    def caches(layers: int) -> tuple[KVCache, KVCache]:
+        q8, f32 = KVCache(layers, 17, nkv, 5, d, torch.int8), KVCache(layers, 17, nkv, 5, d, torch.float32)
+        assert q8.scales is not None
+        values, scales = quantize(torch.randn(f32.kv.shape, generator=g), torch.int8)
+        q8.kv.copy_(values)
+        q8.scales.copy_(scales)
+        f32.kv.copy_(values.float() * scales.unsqueeze(-1))
+        return q8, f32
+
+    for layers, rows, run in ((1, 1, lambda c, s: half(x[:1], cos[:1], sin[:1], c, s, 0)),
+                              (3, 2, lambda c, s: stack(x, cos, sin, c, s))):
+        q8, f32 = caches(layers)
+        before = q8.kv.clone()
+        positions = torch.tensor([[37], [21]])[:rows]
+        outs = [run(c, c.prepare(positions, tables[:rows])) for c in (q8, f32)]
+        assert (outs[0] - outs[1]).abs().max() <= 0.03 * outs[1].abs().max(), layers
+        assert q8.scales is not None
+        written = torch.zeros(q8.kv.shape[:-1], dtype=torch.bool)
+        for r, p in enumerate(positions[:, 0].tolist()):
+            written[:, tables[r, p // 5], :, :, p % 5] = True
+        first = written.clone()
+        first[1:] = False  # layer 0's input is the same in both runs; later layers' differ a little
+        values, scales = quantize(f32.kv[first], torch.int8)
+        assert torch.equal(q8.kv[first], values) and torch.equal(q8.scales[first], scales), layers
+        assert torch.equal(q8.kv[~written], before[~written]), layers
