@@ -17,6 +17,13 @@ engine's defaults otherwise (prefix caching on). Reported, per implementation:
   generated tokens/s (first token to last), greedy, 16 new tokens each.
 
 Time is wall time: the machine may be shared, so compare implementations within a run.
+
+    python bench/kv_bench.py --kv-dtypes bf16 int8 fp8     # about 3-5 minutes on 2 cores
+
+compares KV cache dtypes of this checkout instead (--kv-cache-dtype): the capacity workload with
+the same KV memory for each, the bytes of --budget bf16 positions (int8/fp8: one byte per value
+and a float32 scale per head vector, so (2 * 64) / (64 + 4) = 1.88x the positions at SmolLM2's
+head_dim 64), and the most sequences running at once in each.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQ_LEN = 1024
 
 
-def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | None) -> Any:
+def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | None, kv_dtype: str = "auto") -> Any:
     """An engine over tp1 in this process's tprt (ours or the baseline's): the same KV memory
     either way (kv_tokens, or max_batch x max_seq_len)."""
     from tprt.checkpoint.loading import load_model
@@ -47,6 +54,10 @@ def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | 
     kw: dict[str, Any] = {"max_batch": max_batch, "max_seq_len": max_seq_len}
     if kv_tokens is not None and "kv_cache_tokens" in fields:
         kw["kv_cache_tokens"] = kv_tokens
+    if kv_dtype != "auto":  # this checkout only (--kv-dtypes)
+        from tprt.model.kv_cache import kv_cache_dtype
+
+        kw["cache_dtype"] = kv_cache_dtype(kv_dtype)
     return Engine(load_model(model_dir, TPContext.single(), "fp32"), None, EngineConfig(**kw), eos_token_ids=())
 
 
@@ -90,7 +101,16 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     model_dir = args.workdir / "tp1"
-    if args.workload == "capacity":
+    if args.workload.startswith("capacity-"):  # --kv-dtypes: the KV bytes of --budget bf16 positions
+        import torch
+
+        from tprt.model.kv_cache import kv_bytes_per_position, kv_cache_dtype
+
+        kv = args.workload.removeprefix("capacity-")
+        dtype, d = kv_cache_dtype(kv), 64  # SmolLM2's head_dim
+        tokens = int(args.budget * kv_bytes_per_position(torch.bfloat16, d) // kv_bytes_per_position(dtype, d))
+        result = {"kv_cache_tokens": tokens, **_drive(_engine(model_dir, 64, MAX_SEQ_LEN, tokens, kv), _capacity_requests())}
+    elif args.workload == "capacity":
         slots = args.budget // MAX_SEQ_LEN
         paged = "kv_cache_tokens" in _engine_fields()
         # The slot cache: budget // max_seq_len sequences; the paged one: as many as fit (up to 64).
@@ -131,17 +151,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternating runs per implementation (1)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a shared machine more threads than free cores stall every op)")
+    ap.add_argument("--kv-dtypes", nargs="+", metavar="DTYPE",
+                    help="compare these --kv-cache-dtype values of this checkout at the same KV memory instead")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         args.workload = args.child
         child(args)
         return
-    if args.baseline is None:
-        ap.error("--baseline is required")
     sys.path.insert(0, str(ROOT / "bench"))
     from generate_bench import prepare
 
+    if args.kv_dtypes:
+        prepare(args.workdir, (1,))
+        kv_report: dict[str, Any] = {"budget_bf16_positions": args.budget, "max_seq_len": MAX_SEQ_LEN,
+                                     "load_average_before": os.getloadavg()}
+        for kv in args.kv_dtypes:
+            kv_report[kv] = _run(ROOT, f"capacity-{kv}", args)
+            print(kv, json.dumps(kv_report[kv]), file=sys.stderr)
+        if "bf16" in kv_report:
+            kv_report["peak_running_vs_bf16"] = {kv: kv_report[kv]["peak_running"] / kv_report["bf16"]["peak_running"]
+                                                 for kv in args.kv_dtypes}
+        kv_report["load_average_after"] = os.getloadavg()
+        print(json.dumps(kv_report, indent=1))
+        return
+    if args.baseline is None:
+        ap.error("--baseline or --kv-dtypes is required")
     prepare(args.workdir, (1,))
     print(f"load average before: {os.getloadavg()}", file=sys.stderr)
     report: dict[str, Any] = {"budget": args.budget, "max_seq_len": MAX_SEQ_LEN, "prefix": args.prefix}

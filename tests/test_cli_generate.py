@@ -171,6 +171,16 @@ def test_score_tp2_jsonl(root: Path, hf: Any, tmp_path: Path) -> None:
     assert abs(out["overall"]["logprob"] - total_lp) < 1e-3
 
 
+def test_generate_with_a_quantized_kv_cache_tp1(root: Path, hf: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-cache-dtype int8 and fp8: transformers' greedy tokens (the tiny model's margins are wide
+    enough for both at this length)."""
+    ids = Tokenizer.from_dir(root / "tp1").encode(PROMPTS[0])
+    for kv in ("int8", "fp8"):
+        assert main(["generate", "--model", str(root / "tp1"), "--prompt", PROMPTS[0], "--max-new-tokens", str(N_NEW),
+                     "--kv-cache-dtype", kv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == _hf_greedy(hf, ids), kv
+
+
 def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A .txt file is one document; the text report has a line per document and an overall line."""
     (tmp_path / "doc.txt").write_text("Hello world, hello tensor parallel world.\n")
@@ -187,6 +197,7 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--temperature", "hot"], ["--temperature", "hot"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--stop-token-id", "999"], ["--stop-token-id"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--dtype", "int8"], ["--dtype", "int8"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-cache-dtype", "int4"], ["--kv-cache-dtype", "int4"]),
     (["generate", "--model", "{root}/tp2"], ["no prompt"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),

@@ -24,7 +24,7 @@ from tprt.checkpoint.format import TPCheckpoint
 from tprt.model.config import ModelConfig
 from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
-from tprt.model.kv_cache import KVCache
+from tprt.model.kv_cache import KVCache, kv_cache_dtype, quantize
 from tprt.checkpoint.loading import load_model
 from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import LayerStack, TPLlamaForCausalLM
@@ -276,6 +276,56 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     assert (calls[1] == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == native.available(), calls
 
 
+# Quantized KV caches (tprt.model.kv_cache): max |logit error| over the logit scale against the
+# uncached recomputation, and the share of greedy picks that must agree with transformers'.
+KV_TOL = {"int8": 1e-2, "fp8": 4e-2}  # measured at TP 1: 3.2e-3, 1.5e-2
+KV_AGREE = {"int8": 1.0, "fp8": 0.95}  # measured: all, 95 of 96
+
+
+def _quantized_garbage(model: TPLlamaForCausalLM, n_seqs: int, kv: str) -> tuple[KVCache, list[int]]:
+    """`_garbage_cache` in a quantized dtype: junk values and scales (finite), as left by earlier sequences."""
+    cache = model.new_cache(n_seqs * TABLE + 1, BLOCK, kv_cache_dtype(kv))
+    assert cache.quantized and cache.scales is not None
+    values, scales = quantize(torch.randn(cache.kv.shape), cache.storage_dtype)
+    cache.kv.copy_(values)
+    cache.scales.copy_(scales * torch.rand(scales.shape) * 4)
+    free = (torch.randperm(n_seqs * TABLE, generator=torch.Generator().manual_seed(n_seqs)) + 1).tolist()
+    return cache, free
+
+
+def check_quantized_cache(ctx: TPContext, workdir: Path, name: str, kv: str) -> None:
+    """Prefill and decode of the whole batch over an int8 / FP8 cache (scattered blocks of 5 full
+    of junk), fed transformers' greedy tokens: every step's logits within KV_TOL of the uncached
+    recomputation and the greedy picks agreeing with transformers' (KV_AGREE). The same steps on
+    CPU decode's compiled path (every layer in one call, int8 read in the kernel; FP8 falls back
+    to the torch path) give logits close to the torch path's."""
+    from tprt.cpu import native
+
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    fused = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx)  # its own: kernels are set on it
+    calls = force_native_decode(fused)
+    runs = []
+    for m in (model, fused):
+        cache, free = _quantized_garbage(m, 4, kv)
+        seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
+        agree = 0
+        for i in range(N_NEW):
+            _step(m, cache, seqs)
+            for b, s in enumerate(seqs):
+                agree += s.out[-1] == ref["generated"][b][i]
+                s.out[-1] = ref["generated"][b][i]  # teacher-forced: every step sees the reference's tokens
+        runs.append(seqs)
+        assert agree >= KV_AGREE[kv] * N_NEW * len(seqs), f"{kv}: {agree} of {N_NEW * len(seqs)} greedy picks agree"
+    ids, _ = _pad([p + g[:-1] for p, g in zip(ref["prompts"], ref["generated"])])
+    with torch.inference_mode():
+        full = model.gather_logits(model(ids))  # [batch, seq, vocab]
+    for b, (s, f) in enumerate(zip(*runs)):
+        n = len(s.prompt)
+        _assert_close(torch.stack(s.logits), full[b, n - 1 : n - 1 + N_NEW], f"{kv} cache, prompt {b}", KV_TOL[kv])
+        _assert_close(torch.stack(f.logits), torch.stack(s.logits), f"{kv} cache, prompt {b}: fused vs torch", 1e-4)
+    assert (calls[1] == N_NEW - 1) == (native.available() and kv == "int8"), calls
+
+
 def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:
     """Sequences join and leave: A leaves, C takes A's blocks (stale keys beyond C's length) and
     prefills alone while B decodes, D joins in a step that mixes its prefill with decodes."""
@@ -396,6 +446,7 @@ CHECKS: Checks = [
     ("tied-native_stack_bf16", partial(check_native_stack, name="tied", dtype="bf16")),
     *((f"{n}-backward", partial(check_backward, name=n)) for n in CONFIGS),
     ("tied-bf16", partial(check_bf16, name="tied")),
+    *((f"gqa-kv_{kv}", partial(check_quantized_cache, name="gqa", kv=kv)) for kv in KV_TOL),
     ("wrong_tp", check_wrong_tp),
 ]
 

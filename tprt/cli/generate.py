@@ -25,6 +25,7 @@ from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.model.kv_cache import kv_cache_dtype
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
 from tprt.engine.speculative import SPECULATIVE_FLAGS, SpeculativeConfig, speculative_from_flags
@@ -54,6 +55,7 @@ class GenerateArgs:
     logprobs: bool = False
     top_logprobs: int = 0
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
@@ -83,6 +85,7 @@ class GenerateJob:
     json: bool
     adapter: str | None = None
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -189,6 +192,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     ckpt = TPCheckpoint(args.model)
     if args.dtype is not None:
         parse_dtype(args.dtype)
+    kv_cache_dtype(args.kv_cache_dtype)
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat")
     tok = Tokenizer.from_dir(args.model)
@@ -200,7 +204,8 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
         raise ConfigError(f"--adapter {args.adapter}: no adapter_config.json; expected a LoRA adapter directory")
     adapter = None if args.adapter is None else str(args.adapter)
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
-    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec)
+    return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
+                       args.kv_cache_dtype)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -221,7 +226,8 @@ def generate_rank(job: GenerateJob) -> None:
         model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
-                          token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative)
+                          token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
+                          cache_dtype=kv_cache_dtype(job.kv_cache_dtype))
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()

@@ -85,6 +85,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--logprobs", action="store_true", help="report each token's log-probability (with --json)")
     g.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="also the N most likely tokens (0-20)")
     g.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,fp32,int8,fp8}",
+                   help="KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
+                        "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")

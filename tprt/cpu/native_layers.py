@@ -7,16 +7,17 @@ Each runs its kernel only for the inference step it was written for and otherwis
 the reference math:
 
 - `NativeRMSNorm`: any call with autograd off, in one compiled call;
-- `NativeAttention`: a one-token step (any batch) with autograd off over a float32 KV cache:
+- `NativeAttention`: a one-token step (any batch) with autograd off over a float32 or int8 KV
+  cache (`tprt.cpu.native.supports_cache`; int8 is quantized on write, read as int8 in the loop):
   RoPE, the cache write and q in float32 in one call, attention over the cache in another;
 - `NativeDecoderLayer`: one row with autograd off and no adapter acting on the half: each half
   (its norm included) in one call giving this rank's partial product, which the row-parallel
-  layer all-reduces; the attention half also needs a float32 cache. A half gets its kernel only
+  layer all-reduces; the attention half also needs a float32 or int8 cache. A half gets its kernel only
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
 - `NativeDecodeStack` (the model's `stack`): where every layer has both halves' kernels,
   a decode step of 1 to 8 tokens (rows of one token, or fewer decode rows of several) with
-  autograd off, a float32 cache and no adapter acting runs every layer in one compiled call,
+  autograd off, a float32 or int8 cache and no adapter acting runs every layer in one compiled call,
   with the all-reduces between halves in C through the TP group's shared-memory all-reduce where
   TP > 1 (so not where the group has none: ranks on several hosts). One row gets the halves' bits.
   Other steps run the layers one by one.
@@ -57,7 +58,7 @@ class NativeRMSNorm(RMSNorm):
 
 
 class NativeAttention(Attention):
-    """Attention whose one-token steps over a float32 cache run `rope_cache` and, when available,
+    """Attention whose one-token steps over a float32 or int8 cache run `rope_cache` and, when available,
     `decode_attention` (tprt.cpu.native) instead of the torch ops."""
 
     def __init__(self, model: TPLlamaForCausalLM, layer: int, rope_cache: Kernel,
@@ -69,7 +70,7 @@ class NativeAttention(Attention):
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         batch, seq, _ = x.shape
         cache, cache_step = step.cache, step.cache_step
-        if seq != 1 or torch.is_grad_enabled() or cache is None or cache_step is None or cache.dtype != torch.float32:
+        if seq != 1 or torch.is_grad_enabled() or cache is None or cache_step is None or not native.supports_cache(cache):
             return super().forward(x, step)
         qkv = self.qkv_proj(x).view(batch, seq, self.n_heads + 2 * self.n_kv, self.head_dim)
         q32 = self.rope_cache(qkv, step.cos, step.sin, cache, cache_step, self.layer)
@@ -94,7 +95,7 @@ class NativeDecoderLayer(DecoderLayer):
         attn, mlp = self.self_attn, self.mlp
         one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
         if (one_row and self.attention_half is not None and step.cache is not None and step.cache_step is not None
-                and step.cache.dtype == torch.float32 and not adapted(attn.qkv_proj, attn.o_proj)):
+                and native.supports_cache(step.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
             partial = self.attention_half(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
             h = x + attn.o_proj.reduce(partial)
         else:
@@ -121,7 +122,7 @@ class NativeDecodeStack(LayerStack):
     def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
         if (h.dim() != 3 or h.shape[0] * h.shape[1] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
                 or step.cache is None or step.cache_step is None
-                or step.cache.dtype != torch.float32 or adapted(*self.linears)):
+                or not native.supports_cache(step.cache) or adapted(*self.linears)):
             return super().__call__(layers, h, step)
         rows, width, hidden = h.shape
         if width == 1:

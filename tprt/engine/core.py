@@ -84,7 +84,7 @@ class EngineConfig:
     max_seq_len: int | None = None  # tokens per sequence (prompt + output); None: min(model's, 2048)
     token_budget: int = 2048  # tokens per step: every decode row's tokens plus prefill chunks
     seed: int | None = None  # base seed for sampled requests without their own seed
-    cache_dtype: torch.dtype | None = None  # KV cache dtype; None: the model's
+    cache_dtype: torch.dtype | None = None  # KV cache storage (int8, float8_e4m3fn: quantized); None: the model's
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
     static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
     # CPU: torch threads for steps that only decode one row (None: leave the thread count alone).

@@ -38,7 +38,7 @@ from tprt.cpu.native import STACK_MAX_ROWS
 from tprt.cpu.native_layers import install_native_layers
 from tprt.errors import ConfigError
 from tprt.lora.routing import AdapterSlots
-from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
+from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache, kv_bytes_per_position
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.plan import BatchPlan, StepPlan
 from tprt.engine.static_decode import StaticDecode
@@ -177,7 +177,7 @@ def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
-    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * cfg.head_dim * dtype.itemsize
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * kv_bytes_per_position(dtype, cfg.head_dim)
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:

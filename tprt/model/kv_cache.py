@@ -18,6 +18,14 @@ kept positions is never written again, which is what lets sequences share it.
 A row may carry several new tokens (a prefill chunk, or a decode row of a last token and a draft):
 each is written at its position, and a query at position p attends to the row's positions <= p,
 the others of its own row included (causal within the row).
+
+Quantized storage (`QUANTIZED`: int8, FP8 e4m3): each written key or value head vector [head_dim]
+is stored with its own float32 scale (amax / 127, or amax / 448 for e4m3) in `scales`
+[n_layers, n_blocks, 2, n_kv_heads, block_size], indexed like `kv` without head_dim. Writes
+quantize, reads dequantize to `dtype` (the attention's dtype). A scale per token and head, not
+per block, keeps every write independent of the others: a position is quantized once, when
+written, never re-scaled by a later token of its block, so shared blocks keep their scales and a
+position given back is simply written again (docs/DESIGN.md has the measurement).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tprt.cpu.hugepages import huge_tensors
+from tprt.errors import ConfigError
 
 
 # The most elements a prefill's attention mask holds (64 MiB in float32): a chunk whose mask
@@ -37,6 +46,36 @@ from tprt.cpu.hugepages import huge_tensors
 MASK_ELEMENTS = 1 << 24
 
 SCRATCH_BLOCK = 0  # never holds a sequence's keys and values (see the module docstring)
+
+# Storage dtypes kept quantized, with the largest magnitude each represents (the scale maps amax to it).
+QUANTIZED = {torch.int8: 127.0}
+if hasattr(torch, "float8_e4m3fn"):
+    QUANTIZED[torch.float8_e4m3fn] = 448.0
+
+# `--kv-cache-dtype` names: "auto" is None (the model's default_cache_dtype).
+KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "int8", "fp8")
+
+
+def kv_cache_dtype(name: str, flag: str = "--kv-cache-dtype") -> torch.dtype | None:
+    """The KV cache storage dtype a `--kv-cache-dtype` value names (None for auto); a ConfigError
+    naming `flag` for any other value, or for fp8 where this torch has no float8_e4m3fn."""
+    if name == "auto":
+        return None
+    if name == "fp8":
+        if not hasattr(torch, "float8_e4m3fn"):
+            raise ConfigError(f"{flag} fp8: this torch ({torch.__version__}) has no torch.float8_e4m3fn; "
+                              f"use int8")
+        return torch.float8_e4m3fn
+    named = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8}
+    if name not in named:
+        raise ConfigError(f"{flag} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return named[name]
+
+
+def kv_bytes_per_position(dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes one key or value head vector of `head_dim` takes in a cache stored in `dtype`,
+    its scale included when quantized."""
+    return head_dim * dtype.itemsize + (4 if dtype in QUANTIZED else 0)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -56,7 +95,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """dtype: the storage dtype; a QUANTIZED one stores scales too and reads as `compute_dtype`."""
         if n_blocks < 2 or block_size < 1:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch) of at least 1 position, "
                              f"got {n_blocks} of {block_size}")
@@ -68,15 +109,27 @@ class KVCache:
             self.kv = huge_tensors([shape], dtype)[0].zero_()
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        # Quantized: one float32 scale per written head vector (module docstring); zeros read as 0.
+        self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if dtype in QUANTIZED else None
+        self._dtype = compute_dtype if dtype in QUANTIZED else dtype
         self.n_blocks = n_blocks
         self.block_size = block_size
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype reads return and attention runs in (the storage dtype unless quantized)."""
+        return self._dtype
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
         return self.kv.dtype
 
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def prepare(
         self, positions: torch.Tensor, tables: torch.Tensor, kv_len: int | None = None,
@@ -133,7 +186,7 @@ class KVCache:
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where attention is allowed, -inf where `hidden`, in the cache dtype (SDPA would
         otherwise convert a bool mask into a new float one in every layer)."""
-        mask = torch.zeros(hidden.shape, dtype=self.kv.dtype, device=hidden.device)
+        mask = torch.zeros(hidden.shape, dtype=self.dtype, device=hidden.device)
         return mask.masked_fill_(hidden, float("-inf"))
 
     @staticmethod
@@ -155,17 +208,39 @@ class KVCache:
 
     def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
-        (block, offset) and returns `read(layer, step)`."""
-        self.kv[layer][step.write_blocks, :, :, step.write_offsets] = kv  # [block, k/v, kv_head, offset, head_dim]
+        (block, offset) and returns `read(layer, step)`; quantized with a scale per head vector
+        when the storage is (`quantize`)."""
+        if self.scales is None:
+            self.kv[layer][step.write_blocks, :, :, step.write_offsets] = kv  # [block, k/v, kv_head, offset, head_dim]
+        else:
+            values, scales = quantize(kv, self.kv.dtype)
+            self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
+            self.scales[layer][step.write_blocks, :, :, step.write_offsets] = scales  # [block, k/v, kv_head, offset]
         return self.read(layer, step)
 
     def read(self, layer: int, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values up to kv_len, gathered from its blocks in order, each
         [batch, n_kv_heads, kv_len, head_dim]."""
         blocks = self.kv[layer][step.tables]  # [batch, n, k/v, kv_head, block_size, head_dim]
+        if self.scales is not None:  # dequantized on read
+            blocks = blocks.to(self.dtype) * self.scales[layer][step.tables].unsqueeze(-1).to(self.dtype)
         batch, n, _, nkv, size, d = blocks.shape
         both = blocks.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, nkv, n * size, d)[:, :, :, : step.kv_len]
         return both[:, 0], both[:, 1]
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (values [..., head_dim] in the QUANTIZED `dtype`, float32 scales
+    [...]): symmetric, one scale per vector, amax / QUANTIZED[dtype] (1 for an all-zero vector),
+    values = round(x / scale) for int8 (to nearest even, as tprt.cpu.native's kernels round) and
+    x / scale cast for FP8. x * scale reads them back."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1) / QUANTIZED[dtype]
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    scaled = x / scales.unsqueeze(-1)
+    if dtype == torch.int8:
+        return scaled.round_().clamp_(-127, 127).to(torch.int8), scales
+    return scaled.clamp_(-QUANTIZED[dtype], QUANTIZED[dtype]).to(dtype), scales
 
 
 @dataclass(frozen=True)

@@ -214,10 +214,12 @@ class TPLlamaForCausalLM(nn.Module):
 
     def new_cache(self, n_blocks: int, block_size: int, dtype: torch.dtype | None = None) -> KVCache:
         """A zeroed paged KV cache of `n_blocks` blocks (block 0 is scratch) of `block_size`
-        positions for this rank's kv heads (dtype: `default_cache_dtype()` when None)."""
+        positions for this rank's kv heads (dtype: `default_cache_dtype()` when None). A quantized
+        dtype (int8, FP8: tprt.model.kv_cache.QUANTIZED) stores that with scales and reads as
+        `default_cache_dtype()`."""
         return KVCache(
             self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
-            self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device,
+            self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device, self.default_cache_dtype(),
         )
 
     def forward_hidden(

@@ -13,7 +13,9 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
 - kv_cache: the paged `KVCache` [layers, blocks, 2, local kv heads, block size, head_dim]:
   kv_cache_tokens positions (default max_batch_size x max_seq_len) in blocks, plus one scratch
   block, allocated whole when the engine starts; its dtype is the model's except float32 for
-  bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`).
+  bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`), or `--kv-dtype`: int8 and fp8
+  store one byte per value and a float32 scale per head vector (`tprt.model.kv_cache.QUANTIZED`)
+  and read back in the compute dtype (float32 on CPU).
 - activations: serving, the largest transient of one forward step of `token_budget` tokens
   (a layer's MLP or attention intermediates, the attention mask, the sampled rows' logits);
   fine-tuning, what autograd keeps for the backward of one micro-batch (per layer and token, the
@@ -41,7 +43,7 @@ gradients and the moments live in host memory (`extra["host_bytes_per_rank"]`), 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tprt.errors import ConfigError
@@ -52,6 +54,10 @@ from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, n
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# KV cache dtypes (--kv-dtype): the float ones, and the quantized ones with a float32 scale per
+# head vector of each token (tprt.model.kv_cache.kv_bytes_per_position).
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8": 1}
+KV_SCALE_BYTES = {"int8": 4, "fp8": 4}
 DEFAULT_MAX_SEQ_LEN = 2048  # tprt.engine.core's default context (min with the model's)
 GIB = 1 << 30
 # Beyond tensors: CUDA context (~0.5 GiB), NCCL and cuBLAS workspaces, caching-allocator slack.
@@ -73,6 +79,14 @@ def dtype_name(dtype: str) -> str:
     name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if name not in DTYPE_BYTES:
         raise ConfigError(f"dtype {dtype!r} is not supported; expected fp32, bf16 or fp16")
+    return name
+
+
+def kv_dtype_name(dtype: str) -> str:
+    """A KV cache dtype: dtype_name's, or int8 / fp8 (e4m3); anything else is a one-line error."""
+    name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if name not in KV_DTYPE_BYTES:
+        raise ConfigError(f"--kv-dtype {dtype!r} is not supported; expected fp32, bf16, fp16, int8 or fp8")
     return name
 
 
@@ -208,7 +222,8 @@ def _packed_bytes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], elem: in
 
 def kv_bytes_per_token(cfg: ModelConfig, layout: TPLayout, kv_dtype: str) -> int:
     """One token's keys and values on one rank, over every layer."""
-    return cfg.num_hidden_layers * 2 * layout.local_kv_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    per_head = cfg.head_dim * KV_DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+    return cfg.num_hidden_layers * 2 * layout.local_kv_heads * per_head
 
 
 def _check_positive(**values: int | None) -> None:
@@ -223,12 +238,14 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
                     kv_cache_tokens=w.kv_cache_tokens, kv_block_size=w.kv_block_size)
     dtype = dtype_name(w.dtype or cfg.torch_dtype)
     cpu = device.kind == "cpu"
-    kv_dtype = dtype_name(w.kv_dtype) if w.kv_dtype else ("fp32" if cpu else dtype)
+    kv_dtype = kv_dtype_name(w.kv_dtype) if w.kv_dtype else ("fp32" if cpu else dtype)
     max_seq_len = w.max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len > cfg.max_position_embeddings:
         raise ConfigError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings}")
-    b, cb = DTYPE_BYTES[dtype], DTYPE_BYTES[kv_dtype]
+    # cb: attention's dtype (a quantized cache reads back as the engine's default cache dtype)
+    b = DTYPE_BYTES[dtype]
+    cb = DTYPE_BYTES[kv_dtype] if kv_dtype in DTYPE_BYTES else DTYPE_BYTES["fp32" if cpu else dtype]
     shapes = rank_parameters(cfg, layout)
     params = numel(shapes)
     per_token = kv_bytes_per_token(cfg, layout, kv_dtype)
@@ -264,6 +281,10 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
         # Drafted positions are written ahead of what a row keeps, within its max_seq_len, so they
         # come out of the pool: at most this many at once, given back when rejected.
         extra["speculative_kv_positions"] = w.max_batch_size * w.num_speculative_tokens
+    if kv_dtype != "bf16":  # what this KV dtype gains (or loses) against a bf16 cache in the same memory
+        bf16 = _plan_serve(cfg, layout, replace(w, kv_dtype="bf16"), device, dp, vocab_align)
+        extra["kv_bytes_per_token_per_rank_bf16"] = bf16.kv_bytes_per_token_per_rank
+        extra["max_kv_tokens_bf16"] = bf16.max_kv_tokens
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
                       extra=extra)
 

@@ -73,6 +73,8 @@ def text(plan: MemoryPlan) -> str:
         if ahead:
             lines.append(f"speculative decoding: {plan.workload.num_speculative_tokens} drafted tokens per row, up to "
                          f"{ahead} KV positions written ahead at once (from the pool; given back when rejected)")
+        if "max_kv_tokens_bf16" in plan.extra:
+            lines.append(_kv_gain_line(plan, tokens))
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
                else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
     lines.append(f"verdict: {verdict}")
@@ -90,6 +92,15 @@ def _workload_json(plan: MemoryPlan) -> dict[str, Any]:
         out["draft"] = {"num_hidden_layers": d.num_hidden_layers, "hidden_size": d.hidden_size,
                         "vocab_size": d.vocab_size}
     return out
+
+
+def _kv_gain_line(plan: MemoryPlan, tokens: int) -> str:
+    """This KV dtype against a bf16 cache: bytes per token and the KV tokens that fit, gained or lost."""
+    bf16_bytes, bf16_tokens = plan.extra["kv_bytes_per_token_per_rank_bf16"], plan.extra["max_kv_tokens_bf16"] or 0
+    gained = tokens - bf16_tokens
+    ratio = f" (x{tokens / bf16_tokens:.2f})" if bf16_tokens else ""
+    return (f"vs a bf16 KV cache ({bf16_bytes / 1024:.1f} KiB per token per rank): {gained:+d} KV tokens{ratio}, "
+            f"{tokens // (plan.max_seq_len or 1) - bf16_tokens // (plan.max_seq_len or 1):+d} sequences")
 
 
 def as_json(plan: MemoryPlan) -> dict[str, Any]:

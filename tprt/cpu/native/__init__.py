@@ -12,10 +12,10 @@
   read once for all of them: 2-2.5x oneDNN at 2 rows, even with it from about 4.
 - `rms_norm_kernel(weight, eps)`: RMSNorm with transformers' rounding in bf16, one call instead
   of torch's five or six ops (2 us instead of 15-35 us per call at decode sizes).
-- `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the float32
+- `rope_cache_kernel(dtype)`: a decode step's RoPE on q and k, the k/v write into the (float32 or int8)
   paged KV cache (tprt.model.kv_cache) and q's conversion to float32, in one call instead of
   about ten ops per layer.
-- `decode_attention_kernel(dtype)`: a decode step's attention over the float32 paged KV cache,
+- `decode_attention_kernel(dtype)`: a decode step's attention over the paged KV cache (float32 or int8),
   each row up to its own position through its block table, every kv head's keys and values read
   once for its group of q heads (SDPA's CPU kernel spends ~2 us per (row, head) pair around
   ~0.1 us of arithmetic).
@@ -63,10 +63,10 @@ _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
-               "tprt_rope_cache": [_P] * 7 + [_I] * 8,
-               "tprt_paged_decode_attention": [_P] * 6 + [_I] * 10 + [_F],
+               "tprt_rope_cache": [_P] * 8 + [_I] * 8,
+               "tprt_paged_decode_attention": [_P] * 7 + [_I] * 10 + [_F],
                "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
-               "tprt_paged_attention_decode": [_P] * 15 + [_I] * 9 + [_F, _F]}
+               "tprt_paged_attention_decode": [_P] * 16 + [_I] * 9 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -282,12 +282,32 @@ def _block_tables(kernel: str, cache_step: Any, rows: int) -> tuple[torch.Tensor
     return tables, positions
 
 
+def _cache_store(kernel: str, cache: Any, layer: int | None) -> tuple[torch.Tensor, int | None]:
+    """The cache's storage (one layer's, or every layer's when `layer` is None) and its scales'
+    address (None for a float32 cache): what the kernels read and write. They take float32, or
+    int8 with a scale per head vector (tprt.model.kv_cache.quantize), contiguous so a vector's
+    scale is at its element offset / head_dim."""
+    store = cache.kv if layer is None else cache.kv[layer]
+    scales = cache.scales if layer is None or cache.scales is None else cache.scales[layer]
+    if store.dtype == torch.float32 and scales is None and store.stride(-1) == 1:
+        return store, None
+    if store.dtype == torch.int8 and scales is not None and store.is_contiguous() and scales.is_contiguous():
+        return store, scales.data_ptr()
+    raise ValueError(f"native {kernel}: the cache must be float32, or int8 with scales, contiguous; got {store.dtype}")
+
+
+def supports_cache(cache: Any) -> bool:
+    """Whether the decode kernels read and write this KV cache (float32, or int8 with scales)."""
+    return cache.kv.dtype == torch.float32 or cache.kv.dtype == torch.int8
+
+
 def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A function (qkv, cos, sin, cache, cache_step, layer) -> q for one decode token per row, or
     None like `gemv_kernel`. qkv [batch, 1, nh + 2 nkv, d] is the fused projection in `dtype`,
     cos/sin [batch, 1, 1, d] from `tprt.model.rope.rope_angles`; k and v are rotated (k) and written
-    into the float32 `cache` (a `tprt.model.kv_cache.KVCache`) at the step's write blocks and
-    offsets (checked in range by `KVCache.prepare`); returns q rotated, float32, [batch, nh, 1, d]."""
+    into the `cache` (a `tprt.model.kv_cache.KVCache`, float32 or int8: `supports_cache`) at the
+    step's write blocks and offsets (checked in range by `KVCache.prepare`); returns q rotated,
+    float32, [batch, nh, 1, d]."""
     lib = _library()
     if lib is None or dtype not in _DTYPE_SUFFIX:
         return None
@@ -295,17 +315,17 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
 
     def run(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:
-        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
+        store, scales = _cache_store("rope_cache", cache, layer)  # [block, k/v, kv_head, offset, d]
         batch, seq, heads, d = qkv.shape
         nkv = store.shape[2]
         nh = heads - 2 * nkv
-        if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.dtype != torch.float32
-                or store.stride(-1) != 1 or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
+        if (seq != 1 or qkv.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or store.shape[-1] != d
+                or qkv.device.type != "cpu" or nh <= 0 or cos.shape[-1] != d):
             raise ValueError(f"native rope_cache: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} / cache {store.dtype}")
         blocks, offsets = _decode_indices("rope_cache", cache_step, batch)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
-        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), blocks, offsets,
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), scales, blocks, offsets,
            batch, nh, nkv, d, *store.stride()[:4])
         return q
 
@@ -324,17 +344,16 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
     fn = getattr(lib, f"tprt_paged_decode_attention_{_DTYPE_SUFFIX[dtype]}")
 
     def run(q: torch.Tensor, cache: Any, cache_step: Any, layer: int) -> torch.Tensor:
-        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
+        store, scales = _cache_store("decode_attention", cache, layer)  # [block, k/v, kv_head, offset, d]
         batch, nh, seq, d = q.shape
         nkv = store.shape[2]
-        if (seq != 1 or q.dtype != torch.float32 or store.dtype != torch.float32 or store.stride(-1) != 1
-                or store.shape[-1] != d or nh % nkv or q.device.type != "cpu"):
+        if seq != 1 or q.dtype != torch.float32 or store.shape[-1] != d or nh % nkv or q.device.type != "cpu":
             raise ValueError(f"native decode_attention: unsupported q {tuple(q.shape)} {q.dtype} / cache {store.dtype}")
         tables, positions = _block_tables("decode_attention", cache_step, batch)
         q = q.contiguous()
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
         scratch = torch.empty(cache_step.kv_len, dtype=torch.float32)
-        fn(q.data_ptr(), store.data_ptr(), tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
+        fn(q.data_ptr(), store.data_ptr(), scales, tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
            scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5)
         return out
 
@@ -373,7 +392,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
                             n_heads: int, n_kv_heads: int) -> Callable[..., torch.Tensor] | None:
     """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
     decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
-    residual add), writing the row's k and v into the float32 paged `cache` like
+    residual add), writing the row's k and v into the paged `cache` (float32 or int8) like
     `rope_cache_kernel` and attending through its block table like `decode_attention_kernel`;
     or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama)."""
     fn = _function("tprt_paged_attention_decode", qkv_weight, 2)
@@ -388,10 +407,9 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:  # the closure keeps the weights alive
-        store = cache.kv[layer]  # [block, k/v, kv_head, offset, d]
+        store, scales = _cache_store("attention_decode", cache, layer)  # [block, k/v, kv_head, offset, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
-                or store.dtype != torch.float32 or store.stride(-1) != 1 or tuple(store.shape[2:3]) != (n_kv_heads,)
-                or store.shape[-1] != d):
+                or tuple(store.shape[2:3]) != (n_kv_heads,) or store.shape[-1] != d):
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
         block, offset = _decode_indices("attention_decode", cache_step, 1)
         table, position = _block_tables("attention_decode", cache_step, 1)
@@ -400,7 +418,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
         q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
+           store.data_ptr(), scales, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
            attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3], *store.stride()[:4], eps,
            d ** -0.5)
         return out
@@ -418,7 +436,7 @@ class _DecodeStack(ctypes.Structure):
 class _DecodeCache(ctypes.Structure):
     """kernels.c's decode_cache: where a step's keys and values go, layer 0's and the stride to the next."""
     _fields_ = [("cache", _P), ("s_layer", _I), ("block_size", _I), ("s_block", _I), ("s_kv", _I),
-                ("s_head", _I), ("s_pos", _I)]
+                ("s_head", _I), ("s_pos", _I), ("scales", _P)]
 
 
 STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS)
@@ -430,7 +448,7 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
                         ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
     final norm) for a decode step of 1 to STACK_MAX_ROWS rows of one token, h [rows, 1, hidden],
-    writing each layer's k and v into the float32 paged `cache` and each row attending through its
+    writing each layer's k and v into the paged `cache` (float32 or int8) and each row attending through its
     block table up to its own position, as `attention_decode_kernel` does for one row; or None
     like `gemv_kernel`. One row gives the bits of the per-half kernels. `layers`: per decoder
     layer, its (input norm, q/k/v, o, post-attention norm, gate/up, down) weights as the halves'
@@ -471,18 +489,18 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive
-        kv = cache.kv  # [layer, block, k/v, kv_head, offset, d]
+        kv, scales = _cache_store("decode_stack", cache, None)  # [layer, block, k/v, kv_head, offset, d]
         rows = h.shape[0]
         if (h.dim() != 3 or h.shape[1:] != (1, hidden) or not 1 <= rows <= STACK_MAX_ROWS or h.dtype != dtype
                 or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d or cos.numel() != rows * d
-                or kv.dtype != torch.float32 or kv.stride(-1) != 1 or kv.shape[0] != len(layers)
+                or kv.shape[0] != len(layers)
                 or kv.shape[3] != n_kv_heads or kv.shape[-1] != d):
             raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} (1 to {STACK_MAX_ROWS} "
                              f"rows of one token) / cache {tuple(kv.shape)} {kv.dtype}")
         blocks, offsets = _decode_indices("decode_stack", cache_step, rows)
         tables, positions = _block_tables("decode_stack", cache_step, rows)
         out, cos, sin = h.contiguous().clone(), cos.contiguous(), sin.contiguous()
-        where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5])
+        where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5], scales)
         status = fn(ctypes.addressof(model), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
                     ctypes.addressof(where), blocks, offsets, tables.data_ptr(), tables.stride(0), positions.data_ptr())
         if status:

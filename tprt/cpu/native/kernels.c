@@ -442,23 +442,55 @@ static void rope_head_##SUFFIX(const T *qkv, const T *c, const T *s, float *q_ou
     }                                                                                                         \
 }
 
+/* ---- The int8 KV cache (tprt.model.kv_cache.quantize): each key or value head vector of d values is
+   stored as int8 with its own float32 scale, amax / 127 (1 for an all-zero vector), the values
+   round(x / scale) to nearest even, as torch rounds. The cache is contiguous, so a vector's scale
+   sits at its element offset / d in the scales array [.., k/v, kv_head, position]. */
+static void quantize_q8(const float *x, int64_t d, int8_t *out, float *scale) {
+    float amax = 0;
+    for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    float sc = amax / 127.0f;
+    sc = sc == 0.0f ? 1.0f : sc;
+    for (int64_t i = 0; i < d; i++) {
+        float v = nearbyintf(x[i] / sc);
+        out[i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+    }
+    *scale = sc;
+}
+
+/* The k/v heads among heads [lo, hi) of one token, staged in float32 as [k/v, kv_head, d]
+   (rope_head with s_kv = nkv d, s_head = d), quantized into the int8 cache at `at` (the token's
+   block and offset) with their scales at `scale_at` (at's element offset / d). */
+static void store_q8_heads(const float *stage, int8_t *at, float *scale_at, int64_t lo, int64_t hi, int64_t nh,
+                           int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {
+    for (int64_t h = lo > nh ? lo : nh; h < hi; h++) {
+        int64_t kv = h >= nh + nkv, j = h - nh - kv * nkv, e = kv * s_kv + j * s_head;
+        quantize_q8(stage + (kv * nkv + j) * d, d, at + e, scale_at + e / d);
+    }
+}
+
 /* Decode step of attention's input side, one token per row: rotates q and k of the fused
    projection qkv [rows, nh + 2 nkv, d] by RoPE (rotate-half; sin [rows, d] has its first half
-   negated, as tprt.rope makes it), writes k and v into the float32 cache at each row's slot and
+   negated, as tprt.rope makes it), writes k and v into the cache at each row's slot and
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
-   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos. Rounds as
-   torch's in-place ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
+   [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos; float32,
+   or int8 when `scales` (the layer's, see quantize_q8) is not NULL. Rounds as torch's in-place
+   ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
 #define ROPE_CACHE(SUFFIX, T)                                                                                \
-void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, float *cache,          \
-                              const int64_t *slots, const int64_t *positions, int64_t rows, int64_t nh,       \
-                              int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv, int64_t s_head,          \
-                              int64_t s_pos) {                                                                \
+void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, void *cache,           \
+                              float *scales, const int64_t *slots, const int64_t *positions, int64_t rows,    \
+                              int64_t nh, int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv,               \
+                              int64_t s_head, int64_t s_pos) {                                                \
     int64_t heads = nh + 2 * nkv;                                                                             \
+    float stage[scales ? 2 * nkv * d : 1];                                                                    \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
-        float *slot = cache + slots[r] * s_slot + positions[r] * s_pos;                                       \
+        int64_t at = slots[r] * s_slot + positions[r] * s_pos;                                                \
+        float *slot = scales ? stage : (float *)cache + at;                                                   \
         for (int64_t h = 0; h < heads; h++)                                                                   \
             rope_head_##SUFFIX(qkv + r * heads * d, cos + r * d, sin + r * d, q_out + r * nh * d, slot, h,    \
-                               nh, nkv, d, s_kv, s_head);                                                     \
+                               nh, nkv, d, scales ? nkv * d : s_kv, scales ? d : s_head);                     \
+        if (scales) store_q8_heads(stage, (int8_t *)cache + at, scales + at / d, nh, nh + 2 * nkv, nh, nkv, d, \
+                                   s_kv, s_head);                                                             \
     }                                                                                                         \
 }
 
@@ -725,9 +757,153 @@ static void paged_attend(const float *q, const float *head, const int64_t *table
     paged_attend_generic(q, head, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
 }
 
+/* paged_attend over an int8 cache: `head` and `scales` at one layer's kv head (scales at head's
+   element offset / d); a key's score is its scale times q . its int8 values, a value enters the
+   sum times its weight and scale, so nothing is dequantized into memory. */
+static void paged_attend_q8_generic(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+                                    int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
+                                    int64_t s_pos, float scale, float *s, float *out) {
+    int64_t sp = s_pos / d;  /* scales per position */
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY, sum = 0, *o = out + g * d;
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            int64_t at = table[b] * s_block;
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {
+                const int8_t *k = head + at + u * s_pos;
+                float dot = 0;
+                for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * (float)k[i];
+                s[t] = dot * scales[at / d + u * sp] * scale;
+                top = s[t] > top ? s[t] : top;
+            }
+        }
+        for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
+        for (int64_t i = 0; i < d; i++) o[i] = 0;
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            int64_t at = table[b] * s_block + s_kv;
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {
+                const int8_t *v = head + at + u * s_pos;
+                float p = s[t] * scales[at / d + u * sp];
+                for (int64_t i = 0; i < d; i++) o[i] += p * (float)v[i];
+            }
+        }
+        for (int64_t i = 0; i < d; i++) o[i] /= sum;
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 int8 at p as 16 floats */
+static inline __m512 load16_q8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* paged_attend_q8 for head_dim = 16 * M (as PAGED_ATTEND_512) */
+#define PAGED_ATTEND_Q8_512(M)                                                                                \
+static void paged_attend_q8_##M(const float *q, const int8_t *head, const float *scales, const int64_t *table, \
+                                int64_t len, int64_t group, int64_t bs, int64_t s_block, int64_t s_kv,        \
+                                int64_t s_pos, float scale, float *s, float *out) {                           \
+    int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
+    for (int64_t g = 0; g < group; g++) {                                                                     \
+        __m512 qv[M], acc[M];                                                                                 \
+        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
+        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
+            int64_t at = table[b] * s_block;                                                                  \
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
+                const int8_t *k = head + at + u * s_pos;                                                      \
+                __m512 a = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
+                for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a);             \
+                s[t] = _mm512_reduce_add_ps(a) * scales[at / (16 * M) + u * sp] * scale;                      \
+            }                                                                                                 \
+        }                                                                                                     \
+        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
+        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
+        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
+            int64_t at = table[b] * s_block + s_kv;                                                           \
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
+                __m512 p = _mm512_set1_ps(s[t] * scales[at / (16 * M) + u * sp]);                             \
+                const int8_t *v = head + at + u * s_pos;                                                      \
+                for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);       \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
+    }                                                                                                         \
+}
+PAGED_ATTEND_Q8_512(4)
+PAGED_ATTEND_Q8_512(8)
+#elif defined(__AVX2__)
+/* 8 int8 at p as 8 floats */
+static inline __m256 load8_q8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+/* paged_attend_q8 for head_dim a multiple of 8 (up to 256), 8 lanes at a time */
+static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+                                 int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
+                                 int64_t s_pos, float scale, float *s, float *out) {
+    int64_t n = d / 8, sp = s_pos / d;  /* scales per position */
+    for (int64_t g = 0; g < group; g++) {
+        __m256 qv[32], acc[32];
+        float top = -INFINITY, sum = 0;
+        for (int64_t c = 0; c < n; c++) qv[c] = _mm256_loadu_ps(q + g * d + 8 * c);
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            int64_t at = table[b] * s_block;
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {
+                const int8_t *k = head + at + u * s_pos;
+                __m256 a = _mm256_mul_ps(qv[0], load8_q8(k));
+                for (int64_t c = 1; c < n; c++) a = _mm256_fmadd_ps(qv[c], load8_q8(k + 8 * c), a);
+                s[t] = hsum256(a) * scales[at / d + u * sp] * scale;
+                top = s[t] > top ? s[t] : top;
+            }
+        }
+        for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
+        for (int64_t c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
+        for (int64_t t = 0, b = 0; t < len; b++) {
+            int64_t at = table[b] * s_block + s_kv;
+            for (int64_t u = 0; u < bs && t < len; u++, t++) {
+                __m256 p = _mm256_set1_ps(s[t] * scales[at / d + u * sp]);
+                const int8_t *v = head + at + u * s_pos;
+                for (int64_t c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(p, load8_q8(v + 8 * c), acc[c]);
+            }
+        }
+        __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (int64_t c = 0; c < n; c++) _mm256_storeu_ps(out + g * d + 8 * c, _mm256_mul_ps(acc[c], inv));
+    }
+}
+#endif
+
+/* One (row, kv head) over the int8 cache, as paged_attend. */
+static void paged_attend_q8(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+                            int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
+                            int64_t s_pos, float scale, float *scratch, float *out) {
+#if defined(__AVX512F__)
+    if (d == 64) return paged_attend_q8_4(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 128) return paged_attend_q8_8(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+#elif defined(__AVX2__)
+    if (d % 8 == 0 && d <= 256)
+        return paged_attend_q8_avx2(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+#endif
+    paged_attend_q8_generic(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+}
+
+/* paged_attend over the cache of one layer's kv head j: float32, or int8 with `scales` (the layer's). */
+static inline void paged_attend_any(const float *q, const void *cache, const float *scales, int64_t j,
+                                    const int64_t *table, int64_t len, int64_t group, int64_t d, int64_t bs,
+                                    int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos, float scale,
+                                    float *scratch, float *out) {
+    if (scales)
+        paged_attend_q8(q, (const int8_t *)cache + j * s_head, scales + j * s_head / d, table, len, group, d, bs,
+                        s_block, s_kv, s_pos, scale, scratch, out);
+    else
+        paged_attend(q, (const float *)cache + j * s_head, table, len, group, d, bs, s_block, s_kv, s_pos, scale,
+                     scratch, out);
+}
+
 #define PAGED_DECODE_ATTENTION(SUFFIX, T, STORE)                                                             \
-void tprt_paged_decode_attention_##SUFFIX(const float *q, const float *cache, const int64_t *tables,           \
-                                          const int64_t *positions, T *out, float *scratch, int64_t rows,     \
+void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, const float *scales,             \
+                                          const int64_t *tables, const int64_t *positions, T *out,            \
+                                          float *scratch, int64_t rows,                                       \
                                           int64_t nh, int64_t nkv, int64_t d, int64_t bs, int64_t s_table,    \
                                           int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
                                           float scale) {                                                      \
@@ -735,8 +911,8 @@ void tprt_paged_decode_attention_##SUFFIX(const float *q, const float *cache, co
     float acc[group * d];                                                                                     \
     for (int64_t r = 0; r < rows; r++)                                                                        \
         for (int64_t j = 0; j < nkv; j++) {                                                                   \
-            paged_attend(q + (r * nh + j * group) * d, cache + j * s_head, tables + r * s_table,              \
-                         positions[r] + 1, group, d, bs, s_block, s_kv, s_pos, scale, scratch, acc);          \
+            paged_attend_any(q + (r * nh + j * group) * d, cache, scales, j, tables + r * s_table,            \
+                             positions[r] + 1, group, d, bs, s_block, s_kv, s_head, s_pos, scale, scratch, acc); \
             T *o = out + (r * nh + j * group) * d;                                                            \
             for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
         }                                                                                                     \
@@ -781,11 +957,13 @@ typedef struct {
 static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                       int64_t g);
 
-/* One decode step's place in the paged float32 cache: layer 0's [block, k/v, kv_head, offset, d]
-   with element strides, the next layer's s_layer further on. */
+/* One decode step's place in the paged cache: layer 0's [block, k/v, kv_head, offset, d] with
+   element strides, the next layer's s_layer further on. float32, or int8 where `scales` (layer 0's,
+   contiguous: see quantize_q8) is not NULL. */
 typedef struct {
-    float *cache;
+    void *cache;
     int64_t s_layer, block_size, s_block, s_kv, s_head, s_pos;
+    float *scales;
 } decode_cache;
 
 /* What every section of a step shares: the step's rows and their buffers, each [rows, ...]. */
@@ -860,15 +1038,19 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
     const decode_stack *m = t->m;                                                                             \
     const decode_cache *c = t->c;                                                                             \
     int64_t d = m->d, heads = m->nh + 2 * m->nkv;                                                             \
-    float *cache = c->cache + a->layer * c->s_layer;                                                          \
+    float stage[c->scales ? 2 * m->nkv * d : 1];  /* int8 cache: the row's k/v heads before quantizing */     \
     stack_mm_##SUFFIX(m, 6 * a->layer + 1, lo * d, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d,   \
                       m->hidden, heads * d);                                                                  \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
-        float *at = cache + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;                             \
+        int64_t e = a->layer * c->s_layer + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;             \
+        float *at = c->scales ? stage : (float *)c->cache + e;                                                \
         for (int64_t h = lo; h < hi; h++)                                                                     \
             rope_head_##SUFFIX((const T *)t->qkv + r * heads * d, (const T *)t->cos + r * d,                  \
                                (const T *)t->sin + r * d, t->q + r * m->nh * d, at, h, m->nh, m->nkv, d,      \
-                               c->s_kv, c->s_head);                                                           \
+                               c->scales ? m->nkv * d : c->s_kv, c->scales ? d : c->s_head);                  \
+        if (c->scales)                                                                                        \
+            store_q8_heads(stage, (int8_t *)c->cache + e, c->scales + e / d, lo, hi, m->nh, m->nkv, d, c->s_kv, \
+                           c->s_head);                                                                        \
     }                                                                                                         \
 }                                                                                                             \
 /* units [lo, hi) of rows x q heads: runs of q heads of one row sharing a kv head */                         \
@@ -881,15 +1063,18 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
     for (int64_t r = lo / nh; r <= (hi - 1) / nh; r++)                                                        \
         longest = t->positions[r] + 1 > longest ? t->positions[r] + 1 : longest;                              \
     float scores[longest], acc[group * d];                                                                    \
-    const float *cache = c->cache + a->layer * c->s_layer;                                                    \
+    int64_t layer = a->layer * c->s_layer;                                                                    \
+    const void *cache = c->scales ? (const void *)((const int8_t *)c->cache + layer)                          \
+                                  : (const void *)((const float *)c->cache + layer);                          \
+    const float *scales = c->scales ? c->scales + layer / d : NULL;                                           \
     T *attn = t->attn;                                                                                        \
     for (int64_t u = lo; u < hi;) {                                                                           \
         int64_t r = u / nh, h = u % nh, kv = h / group;                                                       \
         int64_t end = (kv + 1) * group < nh ? (kv + 1) * group : nh;                                          \
         end = end < h + (hi - u) ? end : h + (hi - u);                                                        \
-        paged_attend(t->q + (r * nh + h) * d, cache + kv * c->s_head, t->tables + r * t->s_table,             \
-                     t->positions[r] + 1, end - h, d, c->block_size, c->s_block, c->s_kv, c->s_pos, m->scale, \
-                     scores, acc);                                                                            \
+        paged_attend_any(t->q + (r * nh + h) * d, cache, scales, kv, t->tables + r * t->s_table,             \
+                         t->positions[r] + 1, end - h, d, c->block_size, c->s_block, c->s_kv, c->s_head,      \
+                         c->s_pos, m->scale, scores, acc);                                                    \
         for (int64_t i = 0; i < (end - h) * d; i++) attn[(r * nh + h) * d + i] = STORE(acc[i]);               \
         u += end - h;                                                                                         \
     }                                                                                                         \
@@ -979,7 +1164,8 @@ DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
    [hidden, inter]; scratch: gate_up [2 inter] in the model dtype, work [inter] float32. */
 #define DECODE_HALVES(SUFFIX, T)                                                                              \
 void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
-                                          const T *cos, const T *sin, float *cache, const int64_t *block,     \
+                                          const T *cos, const T *sin, void *cache, float *scales,             \
+                                          const int64_t *block,                                               \
                                           const int64_t *offset, const int64_t *table,                       \
                                           const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
                                           int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
@@ -987,7 +1173,7 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
                                           float eps, float scale) {                                           \
     const void *weights[6] = {norm_w, w_qkv, w_o, NULL, NULL, NULL};                                          \
     decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL};                             \
-    decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos};                                            \
+    decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos, scales};                                    \
     T normed[hidden];                                                                                         \
     stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, (void *)x, normed, out, qkv, attn, \
                     NULL, NULL, q, NULL, 0};                                                                  \
