@@ -1,8 +1,8 @@
 """serve.jobs.manager.JobManager on its own: the SQLite job store (serve/jobs/store.py) and a fake rank
 group standing in for the ranks' trainer, no server.
 
-Jobs are created the way CreateJob does (serve.jobs.spec.check_create, with a real tokenizer and
-dataset) and stepped the way the scheduler does (`has_work`, `step(ranks)`). Covered: the
+Jobs are created the way CreateJob does (serve.grpc.jobs.job_request, then serve.jobs.spec.check_create,
+with a real tokenizer and dataset) and stepped the way the scheduler does (`has_work`, `step(ranks)`). Covered: the
 queued -> running -> succeeded / failed / cancelled transitions and what the store records for
 each, one job at a time in creation order, a LoRA job's adapter registered, the shutdown
 checkpoint, WatchJob's progress stream, and a restart (a running job resumes from its checkpoint
@@ -27,6 +27,7 @@ from serve.grpc.handlers import FineTuningService
 from serve.jobs.store import (CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore,
                               QueueLimit)
 from serve.jobs.spec import check_create
+from serve.grpc.jobs import job_pb, job_request
 from serve.metrics import Metrics
 from serve.grpc.pb import finetuning_pb2 as ft_pb
 from serve.ranks.commands import (AdapterLoaded, LoadAdapter, RankCommand, TrainAbort, TrainFinish, TrainSave,
@@ -167,7 +168,7 @@ class Server:
                                      validation_dataset_path=validation)
         for key, value in {"steps": 3, "max_seq_len": 16, "batch_size": 1, **hp}.items():
             setattr(req.hyperparameters, key, value)
-        spec = check_create(req, self.store, self.data_dir, self.tokenizer, CONTEXT, self.adapters.has)
+        spec = check_create(job_request(req), self.store, self.data_dir, self.tokenizer, CONTEXT, self.adapters.has)
         return self.jobs.create(spec).id
 
     def run(self, turns: int) -> None:
@@ -242,7 +243,6 @@ def test_a_lora_job_runs_to_success_and_its_adapter_is_served(server: Callable[[
 
 def test_a_validation_dataset_is_checked_evaluated_and_its_loss_kept(server: Callable[[], Server]) -> None:
     from serve.errors import InvalidArgument
-    from serve.jobs.spec import job_pb
 
     s = server()
     (s.data_dir / "valid.jsonl").write_text('{"text": "held out one"}\n{"text": "held out two"}\n')
@@ -648,7 +648,7 @@ def test_a_dataset_that_is_not_utf8_is_invalid_argument(server: Callable[[], Ser
     for name, line in (("utf16.jsonl", 1), ("binary.jsonl", 2)):
         req = ft_pb.CreateJobRequest(dataset_path=name)
         with pytest.raises(InvalidArgument) as info:
-            check_create(req, s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+            check_create(job_request(req), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
         assert info.value.field == "dataset_path" and f"{name}:{line}: not UTF-8 text" in str(info.value)
 
 
@@ -669,7 +669,6 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
     """OBJECTIVE_DPO: the trainer gets preference pairs, beta and the earlier job's adapter (whose
     rank, alpha and targets become the job's); a bad pair is refused by line at creation."""
     from serve.errors import InvalidArgument
-    from serve.jobs.spec import job_pb
 
     s = server()
     sft = s.create(steps=1, adapter_id="sft-first")
@@ -686,7 +685,8 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
             setattr(req.hyperparameters, key, value)
         return req
 
-    spec = check_create(request(init_adapter="sft-first"), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+    spec = check_create(job_request(request(init_adapter="sft-first")), s.store, s.data_dir, s.tokenizer, CONTEXT,
+                        s.adapters.has)
     job_id = s.jobs.create(spec).id
     rec = s.job(job_id)
     assert (rec.objective, rec.init_adapter) == ("dpo", f"jobs/{sft}/adapter")
@@ -706,5 +706,52 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
             (request(dataset_path="bad.jsonl"), "dataset_path", "bad.jsonl:2: 'preferred_output' must be"),
             (request(method=ft_pb.METHOD_FULL, init_adapter="sft-first"), "init_adapter", "full fine-tune")):
         with pytest.raises(InvalidArgument) as info:
-            check_create(req, s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+            check_create(job_request(req), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
         assert info.value.field == field and message in str(info.value), (field, str(info.value))
+
+
+def test_a_job_request_is_neutral_and_grpc_maps_onto_it(server: Callable[[], Server]) -> None:
+    """check_create takes serve.jobs.request.JobRequest, which either front end builds: gRPC's
+    mapping keeps proto3 presence (only the hyper-parameters set) and its own enum errors, and the
+    neutral request's own mistakes are refused by name."""
+    from serve.errors import InvalidArgument
+    from serve.jobs.request import JobRequest
+
+    req = ft_pb.CreateJobRequest(inline_jsonl="x", method=ft_pb.METHOD_FULL, objective=ft_pb.OBJECTIVE_DPO,
+                                 hyperparameters=ft_pb.Hyperparameters(steps=5, beta=0.5, dpo_loss="ipo"))
+    assert job_request(req) == JobRequest(method="full", objective="dpo", inline_jsonl="x",
+                                          hyperparameters={"steps": 5, "beta": 0.5, "dpo_loss": "ipo"})
+    assert job_request(ft_pb.CreateJobRequest(dataset_path="")) == JobRequest(dataset_path="")  # set, if empty
+    for bad, field in ((ft_pb.CreateJobRequest(method=7), "method"), (ft_pb.CreateJobRequest(objective=9), "objective")):
+        with pytest.raises(InvalidArgument, match="unknown") as info:
+            job_request(bad)
+        assert info.value.field == field
+    s = server()
+    spec = check_create(JobRequest(dataset_path="train.jsonl", hyperparameters={"steps": 2, "seed": 7}),
+                        s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+    assert (spec.record.hyperparameters["steps"], spec.record.hyperparameters["seed"]) == (2, 7)
+    assert spec.record.hyperparameters["batch_size"] == 4 and spec.record.method == "lora"  # defaults filled in
+    for bad, field in ((JobRequest(dataset_path="train.jsonl", inline_jsonl="{}"), "dataset"),
+                       (JobRequest(dataset_path="train.jsonl", method="METHOD_FULL"), "method"),
+                       (JobRequest(dataset_path="train.jsonl", objective="sft"), "objective"),
+                       (JobRequest(dataset_path="train.jsonl", hyperparameters={"epochs": 3}), "hyperparameters.epochs"),
+                       (JobRequest(dataset_path="train.jsonl", objective="dpo", hyperparameters={"beta": "high"}),
+                        "hyperparameters.beta")):
+        with pytest.raises(InvalidArgument) as info:
+            check_create(bad, s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
+        assert info.value.field == field, (bad, str(info.value))
+    assert s.store.select() == [] and not (s.data_dir / "jobs").exists()  # nothing kept of a refused request
+
+
+def test_the_job_side_and_the_http_path_import_no_protobuf() -> None:
+    """Protobuf stays in serve/grpc/: the job checks and the OpenAI routes read their own types (gRPC's
+    status codes are the errors' vocabulary, serve/errors.py, and may be named)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "serve"
+    for path in sorted([*(root / "jobs").glob("*.py"), *(root / "openai").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith(("serve.grpc", "serve._proto", "google.protobuf")), (path, name)

@@ -26,7 +26,8 @@ from serve.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, I
                           Unavailable, echo)
 from serve.jobs.manager import JobManager
 from serve.jobs.store import SUCCEEDED, JobStore
-from serve.jobs.spec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, PB_STATE, check_create, job_pb, progress_pb
+from serve.jobs.spec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, check_create
+from serve.grpc.jobs import PB_STATE, job_pb, job_request, progress_pb
 from serve.grpc.pb import finetuning_pb2 as ft_pb
 from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
 from serve.grpc.pb import generation_pb2 as pb
@@ -251,7 +252,7 @@ class FineTuningService(FineTuningServicer):
     def CreateJob(self, request: Any, context: grpc.ServicerContext) -> Any:
         if not self.jobs.accepting:
             raise Unavailable(self.jobs.refusal)
-        spec = check_create(request, self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
+        spec = check_create(job_request(request), self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
                             self.adapters.has, self.max_dataset_bytes, self.admit)
         return job_pb(self.jobs.create(spec))
 

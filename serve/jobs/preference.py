@@ -7,43 +7,45 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from serve.errors import FailedPrecondition, InvalidArgument, NotFound, echo
+from serve.jobs.request import JobRequest
 from serve.jobs.store import SUCCEEDED, JobStore
-from serve.grpc.pb import finetuning_pb2 as pb
 from tprt.errors import ConfigError, TprtError
 
 ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an adapter id, as serve/jobs/spec.py's ADAPTER_ID
 
-OBJECTIVE_PB = {"supervised": pb.OBJECTIVE_SUPERVISED, "dpo": pb.OBJECTIVE_DPO}
 # DPO's hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, low open)
 _DPO_HP: dict[str, tuple[float, float, float, bool]] = {"beta": (0.1, 0.0, 100.0, True),
                                                         "label_smoothing": (0.0, 0.0, 0.5, False)}
 DPO_LOSSES = ("sigmoid", "ipo")
+DPO_HYPERPARAMETERS = (*_DPO_HP, "dpo_loss")
 
 
-def dpo_hyperparameters(hp: Any, objective: str) -> dict[str, Any]:
-    """beta, dpo_loss and label_smoothing with defaults filled in for a DPO job (range-checked);
-    none for a supervised one, which may not set them."""
-    names = [*_DPO_HP, "dpo_loss"]
+def dpo_hyperparameters(hp: Mapping[str, Any], objective: str) -> dict[str, Any]:
+    """beta, dpo_loss and label_smoothing (of those the caller set, `hp`) with defaults filled in
+    for a DPO job, range-checked; none for a supervised one, which may not set them."""
     if objective != "dpo":
-        for name in names:
-            if hp.HasField(name):
+        for name in DPO_HYPERPARAMETERS:
+            if name in hp:
                 raise InvalidArgument("applies to OBJECTIVE_DPO jobs only", f"hyperparameters.{name}")
         return {}
     out: dict[str, Any] = {}
     for name, (default, low, high, low_open) in _DPO_HP.items():
-        value = getattr(hp, name) if hp.HasField(name) else default
-        if not (math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
-            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got {value}",
-                                  f"hyperparameters.{name}")
-        out[name] = float(value)
-    out["dpo_loss"] = hp.dpo_loss if hp.HasField("dpo_loss") else "sigmoid"
+        value = hp.get(name, default)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if number else value  # an integer is shown as the float it becomes
+        if not (number and math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
+            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got "
+                                  f"{str(value)[:40]}", f"hyperparameters.{name}")
+        out[name] = value
+    out["dpo_loss"] = hp.get("dpo_loss", "sigmoid")
     if out["dpo_loss"] not in DPO_LOSSES:
-        raise InvalidArgument(f"must be one of {', '.join(DPO_LOSSES)}, got {echo(out['dpo_loss'][:40])}",
+        raise InvalidArgument(f"must be one of {', '.join(DPO_LOSSES)}, got {echo(str(out['dpo_loss'])[:40])}",
                               "hyperparameters.dpo_loss")
     if out["label_smoothing"] and out["dpo_loss"] != "sigmoid":
         raise InvalidArgument("applies to dpo_loss 'sigmoid' only", "hyperparameters.label_smoothing")
@@ -61,7 +63,7 @@ def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
     raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
 
 
-def start_from(request: Any, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
+def start_from(request: JobRequest, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
     """The job's init_adapter (relative to --data-dir; "" for none); its rank and alpha become the job's."""
     if not request.init_adapter:
         return ""
@@ -75,7 +77,7 @@ def start_from(request: Any, method: str, hp: dict[str, Any], store: JobStore, d
     except TprtError as e:
         raise FailedPrecondition(f"{echo(request.init_adapter)}: {e}", "init_adapter") from None
     for key, own in (("lora_rank", rank), ("lora_alpha", alpha)):
-        if request.hyperparameters.HasField(key) and hp[key] != own:
+        if key in request.hyperparameters and hp[key] != own:
             raise InvalidArgument(f"{hp[key]} differs from init_adapter's {own}", f"hyperparameters.{key}")
         hp[key] = own
     return str(path.relative_to(data_dir))

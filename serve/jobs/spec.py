@@ -1,4 +1,4 @@
-"""CreateJob requests -> checked job records; job records <-> protobuf; training configs.
+"""Job requests (serve/jobs/request.py, from either front end) -> checked job records; training configs.
 
 Every hyper-parameter is range-checked (INVALID_ARGUMENT naming `hyperparameters.<name>`,
 OUT_OF_RANGE for a max_seq_len beyond the served context). Dataset paths are resolved inside
@@ -12,25 +12,21 @@ from __future__ import annotations
 import math
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from serve.errors import AlreadyExists, echo, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from serve.jobs.store import JobRecord, JobStore, new_job_id, now_ms
+from serve.jobs.preference import DPO_HYPERPARAMETERS, dpo_hyperparameters, start_from
+from serve.jobs.request import METHODS, OBJECTIVES, JobRequest
+from serve.jobs.store import JobRecord, JobStore, new_job_id
 from serve.jobs.storage import ensure_room
-from serve.grpc.pb import finetuning_pb2 as pb
-from serve.jobs.preference import OBJECTIVE_PB, dpo_hyperparameters, start_from
 from tprt.errors import TprtError
 
 ADAPTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DATASET_FILE = "dataset.jsonl"
 DEFAULT_MAX_DATASET_BYTES = 64 << 20  # --max-dataset-bytes: inline JSONL and dataset files
-STATE_PB = {"queued": pb.JOB_STATE_QUEUED, "running": pb.JOB_STATE_RUNNING, "succeeded": pb.JOB_STATE_SUCCEEDED,
-            "failed": pb.JOB_STATE_FAILED, "cancelled": pb.JOB_STATE_CANCELLED}
-PB_STATE = {v: k for k, v in STATE_PB.items()}
-METHOD_PB = {"lora": pb.METHOD_LORA, "full": pb.METHOD_FULL}
 
 # name -> (default LoRA, default full, low, high, integer); None defaults are filled in below.
 # batch_size counts examples (one per row, serve.jobs.spec.load_dataset), as OpenAI's API does. The
@@ -66,8 +62,7 @@ class JobSpec:
 
 
 def checked_value(name: str, value: Any) -> int | float:
-    """One hyper-parameter's value in its range (also before it goes into a protobuf field, whose
-    own range is wider than ours); InvalidArgument naming `hyperparameters.<name>` otherwise."""
+    """One hyper-parameter's value in its range; InvalidArgument naming `hyperparameters.<name>` otherwise."""
     _, _, low, high, integer = _HP[name]
     ok = (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
           and (value > low if name in _LOW_OPEN else value >= low) and value <= high
@@ -79,16 +74,16 @@ def checked_value(name: str, value: Any) -> int | float:
     return int(value) if integer else float(value)
 
 
-def hyperparameters(hp: Any, method: str, context: int) -> dict[str, Any]:
-    """The Hyperparameters message with every default filled in, range-checked."""
+def hyperparameters(hp: Mapping[str, Any], method: str, context: int) -> dict[str, Any]:
+    """The hyper-parameters the caller set (`hp`) with every other default filled in, range-checked."""
     out: dict[str, Any] = {}
     for name, (d_lora, d_full, *_) in _HP.items():
-        given = hp.HasField(name)
+        given = name in hp
         if method == "full" and name.startswith("lora_"):
             if given:
                 raise InvalidArgument("LoRA settings do not apply to METHOD_FULL", f"hyperparameters.{name}")
             continue
-        value = getattr(hp, name) if given else (d_lora if method == "lora" else d_full)
+        value = hp[name] if given else (d_lora if method == "lora" else d_full)
         if name == "max_seq_len" and not given:
             value = min(512, context)
         out[name] = checked_value(name, value)
@@ -129,7 +124,7 @@ def resolve_dataset(data_dir: Path, given: str, field: str = "dataset_path") -> 
     return path
 
 
-def _adapter_id(request: Any, method: str, job_id: str, store: JobStore, taken: Any) -> str:
+def _adapter_id(request: JobRequest, method: str, job_id: str, store: JobStore, taken: Any) -> str:
     if method == "full":
         if request.adapter_id:
             raise InvalidArgument("a full fine-tune produces a model, not an adapter", "adapter_id")
@@ -149,23 +144,24 @@ def _check_dataset_size(size: int, limit: int, field: str) -> None:
                               "(--max-dataset-bytes)", field)
 
 
-def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
+def check_create(request: JobRequest, store: JobStore, data_dir: Path, tokenizer: Any, context: int,
                  adapter_taken: Any, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
                  admit: Callable[[str, dict[str, Any]], None] | None = None) -> JobSpec:
-    """Everything about a CreateJob request, checked; writes inline data into the job's directory.
+    """Everything about a job request, checked; writes inline data into the job's directory.
     `admit(method, hyperparameters)` refuses a job too large for the server's memory
     (serve/jobs/admission.py), and a dataset over `max_dataset_bytes` is refused, before anything is
     written or read."""
     data_dir = data_dir.resolve()
     if tokenizer is None:
         raise FailedPrecondition("the served model has no tokenizer; fine-tuning needs one", "dataset")
-    if request.method not in (pb.METHOD_UNSPECIFIED, pb.METHOD_LORA, pb.METHOD_FULL):
-        raise InvalidArgument(f"unknown method {request.method}; METHOD_LORA or METHOD_FULL", "method")
-    method = "full" if request.method == pb.METHOD_FULL else "lora"
-    if request.objective not in (pb.OBJECTIVE_UNSPECIFIED, *OBJECTIVE_PB.values()):
-        raise InvalidArgument(f"unknown objective {request.objective}; OBJECTIVE_SUPERVISED or OBJECTIVE_DPO",
-                              "objective")
-    objective = "dpo" if request.objective == pb.OBJECTIVE_DPO else "supervised"
+    method, objective = request.method, request.objective
+    if method not in METHODS:  # the front ends map their own spellings (with their own errors) first
+        raise InvalidArgument(f"unknown method {echo(method)}; {' or '.join(METHODS)}", "method")
+    if objective not in OBJECTIVES:
+        raise InvalidArgument(f"unknown objective {echo(objective)}; {' or '.join(OBJECTIVES)}", "objective")
+    for name in request.hyperparameters:
+        if name not in _HP and name not in DPO_HYPERPARAMETERS:
+            raise InvalidArgument("no such hyper-parameter", f"hyperparameters.{name}")
     hp = hyperparameters(request.hyperparameters, method, context)
     hp.update(dpo_hyperparameters(request.hyperparameters, objective))
     init_adapter = start_from(request, method, hp, store, data_dir)
@@ -173,16 +169,20 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         admit(method, hp)
     job_id = new_job_id()
     aid = _adapter_id(request, method, job_id, store, adapter_taken)
-    which = request.WhichOneof("dataset")
+    inline = request.inline_jsonl
     job_dir = data_dir / "jobs" / job_id
-    if which is None:
+    if request.dataset_path is None and inline is None:
         raise InvalidArgument("set dataset_path or inline_jsonl", "dataset")
-    if which == "dataset_path":
+    if request.dataset_path is not None and inline is not None:
+        raise InvalidArgument("set dataset_path or inline_jsonl, not both", "dataset")
+    which = "dataset_path" if inline is None else "inline_jsonl"
+    if request.dataset_path is not None:
         path = resolve_dataset(data_dir, request.dataset_path)
         _check_dataset_size(path.stat().st_size, max_dataset_bytes, "dataset_path")
     else:
-        _check_dataset_size(len(request.inline_jsonl.encode("utf-8")), max_dataset_bytes, "inline_jsonl")
-        if not request.inline_jsonl.strip():
+        assert inline is not None
+        _check_dataset_size(len(inline.encode("utf-8")), max_dataset_bytes, "inline_jsonl")
+        if not inline.strip():
             raise InvalidArgument("empty dataset", "inline_jsonl")
         path = job_dir / DATASET_FILE
     validation = ""
@@ -191,11 +191,11 @@ def check_create(request: Any, store: JobStore, data_dir: Path, tokenizer: Any, 
         _check_dataset_size(held_out.stat().st_size, max_dataset_bytes, "validation_dataset_path")
         _check_documents(held_out, tokenizer, hp, "validation_dataset_path", objective)
         validation = str(held_out.relative_to(data_dir))
-    ensure_room(data_dir, len(request.inline_jsonl.encode("utf-8")) if which == "inline_jsonl" else 0)
+    ensure_room(data_dir, len(inline.encode("utf-8")) if inline is not None else 0)
     try:  # a refused request leaves nothing on disk
-        if which == "inline_jsonl":
+        if inline is not None:
             job_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(request.inline_jsonl)
+            path.write_text(inline)
         rec = JobRecord(id=job_id, method=method, dataset=str(path.relative_to(data_dir)), adapter_id=aid,
                         hyperparameters=hp, validation_dataset=validation, objective=objective,
                         init_adapter=init_adapter)
@@ -271,21 +271,3 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         dpo_loss=str(hp.get("dpo_loss", "sigmoid")), label_smoothing=float(hp.get("label_smoothing", 0.0)),
         init_adapter=start, lora_targets=targets,
     )
-
-
-def job_pb(rec: JobRecord) -> Any:
-    """The stored job as a Job message."""
-    hp = pb.Hyperparameters(**rec.hyperparameters)
-    return pb.Job(id=rec.id, state=STATE_PB[rec.state], method=METHOD_PB.get(rec.method, pb.METHOD_LORA),
-                  objective=OBJECTIVE_PB.get(rec.objective, pb.OBJECTIVE_SUPERVISED), init_adapter=rec.init_adapter,
-                  adapter_id=rec.adapter_id, dataset=rec.dataset, hyperparameters=hp,
-                  created_unix_ms=rec.created_ms, started_unix_ms=rec.started_ms, finished_unix_ms=rec.finished_ms,
-                  step=rec.step, total_steps=rec.total_steps, loss=rec.loss, tokens_per_second=rec.tokens_per_second,
-                  error=rec.error, output_path=rec.output_path, validation_dataset=rec.validation_dataset,
-                  eval_loss=rec.eval_loss, trained_tokens=rec.trained_tokens)
-
-
-def progress_pb(rec: JobRecord) -> Any:
-    return pb.JobProgress(job_id=rec.id, state=STATE_PB[rec.state], step=rec.step, total_steps=rec.total_steps,
-                          loss=rec.loss, tokens_per_second=rec.tokens_per_second, error=rec.error,
-                          time_unix_ms=now_ms())

@@ -58,7 +58,7 @@ from serve.jobs.manager import JobManager
 from serve.jobs.spec import check_create
 from serve.metrics import Metrics
 from serve.openai.files import FileStore, dataset_path
-from serve.openai.jobs import (FineTuningJobBody, JobRequest, job_checkpoints, job_events, job_object, page,
+from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
 from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
                                    chat_request, completion_request, error_body, invalid_param, parse_body)
@@ -330,18 +330,19 @@ class OpenAIApi:
         if body.model != d.facts.name and not d.adapters.has(body.model):
             raise NotFound(f"model {echo(body.model)} is neither the served base model {d.facts.name!r} nor an "
                            "adapter", "model")
-        job = JobRequest(body)
-        if body.model != d.facts.name:  # a fine-tuned model (adapter) to train on, e.g. DPO after SFT
-            job.request.init_adapter = body.model
+        job = OpenAIJob(body)
+        # a fine-tuned model (adapter) to train on, e.g. DPO after SFT
+        init_adapter = body.model if body.model != d.facts.name else ""
         with d.files.lock:  # the job's files stay until the job is stored
             d.files.get(body.training_file, "training_file")
-            job.request.dataset_path = dataset_path(body.training_file)
+            training = dataset_path(body.training_file)
+            validation = ""
             if body.validation_file:
                 d.files.get(body.validation_file, "validation_file")
-                job.request.validation_dataset_path = dataset_path(body.validation_file)
+                validation = dataset_path(body.validation_file)
             try:
-                job.fit(self._examples(job))
-                spec = check_create(job.request, d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
+                job.fit(self._examples(training))
+                spec = check_create(job.request(training, validation, init_adapter), d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
                                     d.adapters.has, d.max_dataset_bytes, d.admit)
             except ServeError as e:
                 raise job.error(e) if e.field else e from None
@@ -349,13 +350,13 @@ class OpenAIApi:
             rec = d.jobs.create(spec)
         return job_object(rec, d.facts.name, d.jobs.data_dir)
 
-    def _examples(self, job: JobRequest) -> int:
+    def _examples(self, training: str) -> int:
         """The examples of the job's training file (n_epochs and an auto batch size count them);
         check_create reads and tokenizes the file afterwards."""
         from tprt.train.data import read_jsonl
 
         try:
-            return sum(1 for _ in read_jsonl(self.d.jobs.data_dir / job.request.dataset_path))
+            return sum(1 for _ in read_jsonl(self.d.jobs.data_dir / training))
         except ValidationError as e:
             raise ParamError(str(e), "training_file") from None
 

@@ -1,7 +1,7 @@
 """OpenAI fine-tuning jobs <-> tprt's jobs (the same JobManager and SQLite store as gRPC).
 
-A `POST /v1/fine_tuning/jobs` body becomes the CreateJobRequest gRPC would have sent, checked by
-the same `check_create`: `training_file` is the uploaded file's path under --data-dir
+A `POST /v1/fine_tuning/jobs` body becomes the same JobRequest (serve/jobs/request.py) a gRPC
+CreateJob becomes, checked by the same `check_create`: `training_file` is the uploaded file's path under --data-dir
 (serve/openai/files.py), `method.type` is "supervised" or "dpo" (preference pairs; LoRA unless
 the extra field `full: true` asks for a full fine-tune; `model` naming a served adapter starts from
 it, e.g. DPO after SFT), and the hyper-parameters map as follows (DPO's `beta` as OpenAI's, our
@@ -17,7 +17,7 @@ it, e.g. DPO after SFT), and the hyper-parameters map as follows (DPO's `beta` a
 
 and our own settings go in the same hyperparameters object as extras: steps (instead of
 n_epochs), learning_rate, max_seq_len, lora_rank, lora_alpha, weight_decay, warmup_steps,
-checkpoint_every. Every value is range-checked before it becomes a protobuf field (400 naming it).
+checkpoint_every. Every value is range-checked before the file is counted (400 naming it).
 What the job store does not keep (the epochs chosen, the suffix, metadata) is a small JSON file
 in the job's directory; a job created over gRPC has none and shows its dataset path as
 `training_file`. `trained_tokens` counts the tokens of every step's examples (padding left out).
@@ -39,11 +39,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from serve.errors import InvalidArgument, NotFound, ServeError, echo
-from serve.jobs.store import FAILED, SUCCEEDED, JobRecord
+from serve.jobs.request import JobRequest
 from serve.jobs.spec import ADAPTER_ID, checked_value, default_of
+from serve.jobs.store import FAILED, SUCCEEDED, JobRecord
 from serve.openai.files import file_of_dataset
 from serve.openai.requests import ParamError, renamed
-from serve.grpc.pb import finetuning_pb2 as ft_pb
 from tprt.checkpoint.fsutil import write_bytes_atomic
 
 SIDECAR = "openai.json"
@@ -145,10 +145,11 @@ def store_job_id(given: str) -> str:
     return given[2:] if given.startswith("ftjob-") else given
 
 
-class JobRequest:
-    """A checked-as-far-as-OpenAI-goes job body: the CreateJobRequest to check further, the
-    parameter prefix its hyper-parameters came under, and what the job store will not keep.
-    `fit(examples)` settles what depends on the training file (auto batch size, epochs -> steps)."""
+class OpenAIJob:
+    """A checked-as-far-as-OpenAI-goes job body: the hyper-parameters it sets (our names), the
+    parameter prefix they came under, and what the job store will not keep. `fit(examples)`
+    settles what depends on the training file (auto batch size, epochs -> steps); `request(...)` is
+    the JobRequest for `check_create`."""
 
     def __init__(self, body: FineTuningJobBody) -> None:
         self.body = body
@@ -159,12 +160,12 @@ class JobRequest:
             raise ParamError("not supported by this server", "integrations")
         check_metadata(body.metadata)
         self.method = "full" if body.full else "lora"
-        adapter_id = ""
+        self.adapter_id = ""
         if body.suffix is not None:
             if body.full:
                 raise ParamError("a full fine-tune produces a checkpoint, not a model served by name", "suffix")
-            adapter_id = f"{body.suffix}-{secrets.token_hex(3)}"
-            if len(body.suffix) > _SUFFIX_CHARS or not ADAPTER_ID.fullmatch(adapter_id):
+            self.adapter_id = f"{body.suffix}-{secrets.token_hex(3)}"
+            if len(body.suffix) > _SUFFIX_CHARS or not ADAPTER_ID.fullmatch(self.adapter_id):
                 raise ParamError(f"1-{_SUFFIX_CHARS} characters: letters, digits, '.', '_', '-' (starting with a "
                                  "letter or digit)", "suffix")
         given = {name: getattr(hp, name) for name in ("steps", "learning_rate", "max_seq_len", "lora_rank",
@@ -187,7 +188,7 @@ class JobRequest:
         if self.epochs is not None and not 1 <= self.epochs <= MAX_EPOCHS:
             raise ParamError(f"must be in [1, {MAX_EPOCHS}], got {str(self.epochs)[:40]}", f"{self.hp_param}.n_epochs")
         given = {k: v for k, v in given.items() if v is not None}
-        try:  # in our ranges before they become protobuf fields (whose ranges are wider, or narrower)
+        try:  # in our ranges now: `fit` computes with batch_size, and seed's error names the top-level field
             given = {k: checked_value(k, v) for k, v in given.items()}
             seed = None if body.seed is None else checked_value("seed", body.seed)
         except InvalidArgument as e:
@@ -201,24 +202,26 @@ class JobRequest:
         for name in ("beta", "label_smoothing"):
             if name in dpo and not math.isfinite(dpo[name]):
                 raise ParamError(f"must be a finite number, got {dpo[name]}", f"{self.hp_param}.{name}")
-        self.request = ft_pb.CreateJobRequest(
-            method=ft_pb.METHOD_FULL if body.full else ft_pb.METHOD_LORA, adapter_id=adapter_id,
-            hyperparameters=ft_pb.Hyperparameters(**given, **dpo),
-            objective=ft_pb.OBJECTIVE_DPO if self.objective == "dpo" else ft_pb.OBJECTIVE_SUPERVISED)
+        self.hyperparameters: dict[str, Any] = {**given, **dpo}  # those set, by the names check_create reads
 
     def fit(self, examples: int) -> None:
         """The batch size (auto: from the number of examples) and, unless `steps` was given, the
         steps of n_epochs (auto: from the number of examples) passes over the examples."""
-        hp = self.request.hyperparameters
-        if not hp.HasField("batch_size"):
-            hp.batch_size = auto_batch_size(examples)
-        if not hp.HasField("steps"):
+        hp = self.hyperparameters
+        batch_size = hp.setdefault("batch_size", auto_batch_size(examples))
+        if "steps" not in hp:
             self.epochs = self.epochs or auto_epochs(examples)
-            steps = max(1, math.ceil(self.epochs * examples / hp.batch_size))
+            steps = max(1, math.ceil(self.epochs * examples / batch_size))
             if steps > 1_000_000:
-                raise ParamError(f"{self.epochs} epochs of {examples} examples at batch size {hp.batch_size} are "
+                raise ParamError(f"{self.epochs} epochs of {examples} examples at batch size {batch_size} are "
                                  f"{steps} steps, more than 1000000", f"{self.hp_param}.n_epochs")
-            hp.steps = steps
+            hp["steps"] = steps
+
+    def request(self, dataset_path: str, validation_dataset_path: str, init_adapter: str) -> JobRequest:
+        """The job as `check_create` takes it (after `fit`)."""
+        return JobRequest(method=self.method, objective=self.objective, hyperparameters=dict(self.hyperparameters),
+                          dataset_path=dataset_path, validation_dataset_path=validation_dataset_path,
+                          adapter_id=self.adapter_id, init_adapter=init_adapter)
 
     def error(self, e: ServeError) -> ParamError:
         """A check_create error with its field as this body spells it."""
