@@ -215,7 +215,7 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     z = byte_tok.encode("z", add_special_tokens=False)[0]
     assert broken.matcher is not None and not broken.matcher.accept(z)  # the matcher is now in error
     worker = MaskWorker(so, so.vocab_size + 3, byte_tok.eos_token_ids)
-    words = worker.start([broken, fine]).result()
+    words = {rid: w[0] for rid, w in worker.start([(broken, []), (fine, [])]).result().items()}  # one position each
     a = byte_tok.encode("a", add_special_tokens=False)[0]
     logits = torch.zeros(2, so.vocab_size + 3)
     logits[:, z] = 1.0  # both rows' most likely token is one their constraints refuse
