@@ -184,6 +184,18 @@ def hf_decode(model: Any, prompt: list[int], batch: int, n1: int, n2: int, repea
     return batch * (n2 - n1) / (t2 - t1)
 
 
+def smollm2_gguf_copy(workdir: Path, dtype: str) -> tuple[Path, str]:
+    """The bundled SmolLM2 GGUF re-encoded in `dtype`'s float type (F32 or BF16) for llama.cpp
+    peers, made once under `workdir`; (its path, the GGUF type name)."""
+    from tprt.cli.demo import smollm2_gguf
+
+    weights = "F32" if dtype == "fp32" else "BF16"
+    path = workdir / f"smollm2-{weights}.gguf"
+    if not path.exists():
+        gguf_copy(smollm2_gguf(), path, weights)
+    return path, weights
+
+
 def gguf_copy(src: Path, dst: Path, float_type: str) -> Path:
     """src (a llama.cpp GGUF file) with every matrix dequantised to F32 or BF16 (vectors F32, as
     llama.cpp keeps norms) and its metadata as is: the weights tprt decodes, for llama.cpp."""
@@ -223,12 +235,7 @@ def llama_cpp_decode(workdir: Path, dtype: str, prompt: list[int], n1: int, n2: 
         print("llama.cpp peer skipped: llama-cpp-python is not installed (`pip install llama-cpp-python` builds "
               "it from source, about 10 minutes on 2 cores)", file=sys.stderr)
         return None
-    from tprt.cli.demo import smollm2_gguf
-
-    weights = "F32" if dtype == "fp32" else "BF16"
-    path = workdir / f"smollm2-{weights}.gguf"
-    if not path.exists():
-        gguf_copy(smollm2_gguf(), path, weights)
+    path, weights = smollm2_gguf_copy(workdir, dtype)
     # use_mmap=False: llama.cpp reads its weights into its own memory. Mapped from the page cache,
     # its decode here swung between 41 and 61 tokens/s (BF16) with the state of the cache.
     llm = Llama(model_path=str(path), n_ctx=len(prompt) + n2 + 8, n_threads=threads, n_threads_batch=threads,

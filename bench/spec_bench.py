@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import tprt  # noqa: E402, F401 - before torch: its allocator setting applies to every peer alike
 import torch  # noqa: E402
 
-from generate_bench import gguf_copy, prepare  # noqa: E402
+from generate_bench import prepare, smollm2_gguf_copy  # noqa: E402
 from tprt.checkpoint.loading import load_model  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig  # noqa: E402
@@ -135,12 +135,7 @@ def llama_cpp_prompt_lookup(workdir: Path, dtype: str, prompts: list[list[int]],
     except ImportError:
         print("llama.cpp peer skipped: llama-cpp-python is not installed", file=sys.stderr)
         return None
-    from tprt.cli.demo import smollm2_gguf
-
-    weights = "F32" if dtype == "fp32" else "BF16"
-    path = workdir / f"smollm2-{weights}.gguf"
-    if not path.exists():
-        gguf_copy(smollm2_gguf(), path, weights)
+    path, weights = smollm2_gguf_copy(workdir, dtype)
     ctx = max(len(p) for p in prompts) + n + 16
     out: dict[str, Any] = {"weights": weights}
     for name, draft in (("plain", None), ("spec", LlamaPromptLookupDecoding(num_pred_tokens=k))):

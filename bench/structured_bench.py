@@ -136,13 +136,9 @@ def llama_cpp_peer(workdir: Path, dtype: str, threads: int, n: int) -> dict[str,
     except ImportError:
         print("llama.cpp peer skipped: llama-cpp-python is not installed", file=sys.stderr)
         return None
-    from generate_bench import gguf_copy
-    from tprt.cli.demo import smollm2_gguf
+    from generate_bench import smollm2_gguf_copy
 
-    weights = "F32" if dtype == "fp32" else "BF16"
-    path = workdir / f"smollm2-{weights}.gguf"
-    if not path.exists():
-        gguf_copy(smollm2_gguf(), path, weights)
+    path, weights = smollm2_gguf_copy(workdir, dtype)
     llm = Llama(model_path=str(path), n_ctx=n + 256, n_threads=threads, n_threads_batch=threads, use_mmap=False,
                 verbose=False)
     messages = [{"role": "user", "content": ASK}]
