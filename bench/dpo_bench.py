@@ -110,9 +110,10 @@ def key_fact(answer: str) -> str:
     return answer.rstrip(".").split()[-1]
 
 
-def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, float, list[str]]:
+def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, float, float, list[str]]:
     """Greedy answers to the held-out questions: the share that open in the preferred style, the
-    share that also state the right fact (a model collapsed onto the style would not), the answers."""
+    share that also state the right fact (a model collapsed onto the style would not), the share
+    that state it in any style, the answers."""
     prompts = CACHE / "heldout-questions.txt"
     prompts.write_text("".join(json.loads(line)["input"]["messages"][0]["content"] + "\n"
                                for line in held_out.read_text().splitlines()))
@@ -123,9 +124,10 @@ def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, fl
     facts = [key_fact(json.loads(line)["preferred_output"][0]["content"])
              for line in held_out.read_text().splitlines()]
     style = [a.lstrip().startswith(STYLE.strip()) for a in answers]
-    right = [s and fact.lower() in a.lower() for s, a, fact in zip(style, answers, facts)]
+    fact_ok = [fact.lower() in a.lower() for a, fact in zip(answers, facts)]
+    right = [s and f for s, f in zip(style, fact_ok)]
     n = max(1, len(answers))
-    return sum(style) / n, sum(right) / n, answers
+    return sum(style) / n, sum(right) / n, sum(fact_ok) / n, answers
 
 
 def main() -> None:
@@ -136,6 +138,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--label-smoothing", type=float, default=0.1,
                     help="cDPO: bounds the margin (at 0, 60 steps at lr 1e-3 collapsed the answers onto the style)")
+    ap.add_argument("--rpo-alpha", type=float, default=1.0,
+                    help="weight of the preferred answer's per-token NLL (RPO); 0 is pure DPO")
     ap.add_argument("--batch", type=int, default=4, help="pairs per step")
     ap.add_argument("--eval-every", type=int, default=20)
     a = ap.parse_args()
@@ -146,24 +150,26 @@ def main() -> None:
         import shutil
 
         shutil.rmtree(out)
-    base_rate, _, _ = styled(model, held_out, None)
+    base_rate, _, base_facts, _ = styled(model, held_out, None)
     t0 = time.perf_counter()
     cli("finetune", "--model", str(model), "--data", str(train), "--out", str(out), "--method", "dpo",
-        "--beta", str(a.beta), "--label-smoothing", str(a.label_smoothing), "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch),
+        "--beta", str(a.beta), "--label-smoothing", str(a.label_smoothing),
+        "--rpo-alpha", str(a.rpo_alpha), "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch),
         "--seq-len", "96", "--lora-rank", "8", "--lora-targets", "q,k,v,o,gate,up,down", "--warmup-steps", "5",
         "--eval-data", str(held_out), "--eval-every", str(a.eval_every), "--no-progress")
     seconds = time.perf_counter() - t0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_reward_accuracy"], r["eval_reward_margin"]) for r in records
              if r.get("eval_reward_accuracy") is not None]
-    tuned_rate, tuned_right, tuned_answers = styled(model, held_out, out / "adapter")
+    tuned_rate, tuned_right, tuned_facts, tuned_answers = styled(model, held_out, out / "adapter")
     print(f"DPO bench: SmolLM2-135M-Instruct, TP 3, {a.steps} steps of {a.batch} pairs, beta {a.beta}, lr {a.lr}, "
-          f"label smoothing {a.label_smoothing}")
+          f"label smoothing {a.label_smoothing}, rpo alpha {a.rpo_alpha}")
     for step, acc, margin in evals:
         print(f"  step {step:3d}: held-out reward accuracy {acc:.3f}, margin {margin:.3f}")
     print(f"  train loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; fine-tune wall time {seconds:.0f} s")
     print(f"  greedy answers in the preferred style ({STYLE.strip()!r}): base {base_rate:.0%}, "
           f"tuned {tuned_rate:.0%} of {len(tuned_answers)} ({tuned_right:.0%} in the style and right)")
+    print(f"  greedy answers stating the right fact, any style: base {base_facts:.0%}, tuned {tuned_facts:.0%}")
     for q, ans in zip(held_out.read_text().splitlines()[:3], tuned_answers):
         print(f"    {json.loads(q)['input']['messages'][0]['content']!r} -> {ans.strip()[:60]!r}")
     ok = evals and evals[-1][1] >= 0.9 and tuned_rate >= 0.9

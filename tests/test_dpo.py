@@ -77,6 +77,39 @@ def test_loss_equals_the_formula(kind: str, eps: float, beta: float) -> None:
         dpo_loss(pc, pr, rc, rr, beta, "hinge")
 
 
+def test_rpo_adds_the_preferred_answers_nll_per_token() -> None:
+    """RPO (TRL's rpo_alpha): the pair's DPO loss plus alpha x -log pi(y_w | x) / |y_w|."""
+    gen = torch.Generator().manual_seed(3)
+    pc, pr, rc, rr = (-40 * torch.rand(8, generator=gen, dtype=torch.float64) for _ in range(4))
+    tokens = torch.randint(1, 30, (8,), generator=gen)
+    loss, _, _ = dpo_loss(pc, pr, rc, rr, 0.1, "sigmoid", 0.1, rpo_alpha=0.5, chosen_tokens=tokens)
+    for i in range(8):
+        want = _reference_loss(*(float(t[i]) for t in (pc, pr, rc, rr)), 0.1, "sigmoid", 0.1)
+        want += 0.5 * -float(pc[i]) / int(tokens[i])
+        assert abs(float(loss[i]) - want) <= 1e-6 * max(1.0, abs(want)), (i, float(loss[i]), want)
+    with pytest.raises(ValueError, match="chosen_tokens"):
+        dpo_loss(pc, pr, rc, rr, 0.1, rpo_alpha=1.0)
+
+
+def test_rpo_run_raises_the_preferred_answer_and_resumes_only_with_the_same_alpha(
+        setup: dict[str, Path], tmp_path: Path) -> None:
+    """Pure DPO may lower both answers; with --rpo-alpha the preferred one's log-probability rises
+    (its reward, beta x the log-ratio to the reference, ends positive)."""
+    out = tmp_path / "rpo"
+    args = _args(setup, out, "--lr", "1e-2", "--steps", "6", "--rpo-alpha", "1.0", "--save-every", "3")
+    assert main(args) == 0
+    records = _metrics(out)
+    assert records[0]["loss"] > math.log(2) + 0.5  # the NLL term is in the loss from the first step
+    assert records[-1]["rewards_chosen"] > 0 and records[-1]["reward_accuracy"] == 1.0
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    assert main([*args, "--resume"]) == 0
+    assert _metrics(out)[-1]["loss"] == pytest.approx(records[-1]["loss"], rel=1e-5, abs=1e-7)
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    assert main([*args[:-4], "--rpo-alpha", "0.5", "--save-every", "3", "--resume"]) != 0  # another alpha: refused
+    assert main(["finetune", "--model", str(setup["tp1"]), "--data", str(setup["data"]), "--out",
+                 str(tmp_path / "sft"), "--rpo-alpha", "1"]) != 0  # needs --method dpo
+
+
 def test_sequence_logps_sum_the_full_log_softmax_over_targets(setup: dict[str, Path]) -> None:
     """Rows of uneven length and targets: our TP sum equals log_softmax of the gathered logits."""
     from tprt.checkpoint.loading import load_model

@@ -117,6 +117,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     d.add_argument("--dpo-loss", choices=("sigmoid", "ipo"), help="DPO: the loss on the log-ratio margin (sigmoid)")
     d.add_argument("--label-smoothing", type=float, metavar="E",
                    help="DPO sigmoid loss: the share of pairs taken to be mislabelled (0)")
+    d.add_argument("--rpo-alpha", type=float, metavar="A",
+                   help="DPO: add A x the preferred answer's per-token NLL (RPO), which keeps it likely while "
+                        "the margin grows; 1.0 is the paper's (0)")
     f.add_argument("--init-adapter", type=Path, metavar="DIR",
                    help="LoRA: start from this adapter (e.g. an SFT run's out/adapter); its rank, alpha and targets "
                         "are the run's")
@@ -163,7 +166,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
     if a.full and lora_given:
         raise ConfigError(f"{lora_given[0]} cannot be used with --full")
     dpo_given = [f for f, v in (("--beta", a.beta), ("--dpo-loss", a.dpo_loss),
-                                ("--label-smoothing", a.label_smoothing)) if v is not None]
+                                ("--label-smoothing", a.label_smoothing), ("--rpo-alpha", a.rpo_alpha))
+                 if v is not None]
     if a.method != "dpo" and dpo_given:
         raise ConfigError(f"{dpo_given[0]} needs --method dpo")
     if a.init_adapter is not None:
@@ -185,7 +189,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
         resume=a.resume, truncate=not a.no_truncate,
         progress=not a.no_progress, objective=a.method, beta=a.beta if a.beta is not None else 0.1,
-        dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0, init_adapter=a.init_adapter,
+        dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0,
+        rpo_alpha=a.rpo_alpha or 0.0, init_adapter=a.init_adapter,
     )
     validate(cfg)
     return cfg
@@ -232,6 +237,8 @@ def validate(c: FinetuneConfig) -> None:
     _check(math.isfinite(c.beta) and c.beta > 0, "--beta", f"must be a positive number, got {c.beta}")
     _check(0 <= c.label_smoothing < 0.5, "--label-smoothing", f"must be in [0, 0.5), got {c.label_smoothing}")
     _check(c.label_smoothing == 0 or c.dpo_loss == "sigmoid", "--label-smoothing", "applies to --dpo-loss sigmoid only")
+    _check(0 <= c.rpo_alpha <= 100 and math.isfinite(c.rpo_alpha), "--rpo-alpha",
+           f"must be in [0, 100], got {c.rpo_alpha}")
     _check(c.data.is_file(), "--data", f"{c.data}: no such file")
     _check(c.eval_data is None or c.eval_data.is_file(), "--eval-data", f"{c.eval_data}: no such file")
 

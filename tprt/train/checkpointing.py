@@ -48,7 +48,7 @@ TMP_PREFIX = ".tmp-step-"
 # Run-config fields a resume must share with the checkpoint, in the order they are checked.
 MUST_MATCH = ("tp", "model_fingerprint", "method", "lora_rank", "lora_alpha", "lora_targets",
               "seq_len", "data_digest", "seed", "dtype", "objective", "beta", "dpo_loss", "label_smoothing",
-              "init_adapter")
+              "rpo_alpha", "init_adapter")
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -210,7 +210,9 @@ def check_resume(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any
     """Refuses to resume checkpoint `path` into a run that differs in model, TP or method; the
     error names the first field that differs."""
     for key in MUST_MATCH:
-        if saved.get(key) == current.get(key):
+        # a DPO run saved before --rpo-alpha existed ran without the term
+        old = 0.0 if key == "rpo_alpha" and saved.get("objective") == "dpo" else None
+        if saved.get(key, old) == current.get(key):
             continue
         if key == "model_fingerprint":
             raise ConfigError(

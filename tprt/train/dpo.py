@@ -8,6 +8,13 @@ log-probabilities summed over the completion's tokens. Per pair (Rafailov et al.
     sigmoid   -(1 - eps) log sigmoid(beta logits) - eps log sigmoid(-beta logits)
     ipo       (logits - 1 / (2 beta))^2
 
+With `rpo_alpha` a > 0 (RPO, Pang et al. 2024; TRL's `rpo_alpha`), each pair's loss also holds
+a times the preferred completion's negative log-likelihood per token under the policy. Pure DPO
+only widens the margin and may lower both completions while doing so: when the two share most of
+their tokens it learns "the non-preferred words are bad" wherever they come, and greedy answers
+collapse (bench/dpo_bench.py measured "Sure!Sure!Sure!"). The NLL term keeps the preferred answer
+likely as a whole.
+
 The implicit rewards are beta (log pi - log ref) of each completion; a pair is "won" when the
 preferred one's reward is the larger. The loss of a batch is the mean over its pairs.
 
@@ -49,9 +56,12 @@ LOSS_KINDS = ("sigmoid", "ipo")
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             label_smoothing: float = 0.0, rpo_alpha: float = 0.0,
+             chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss per pair, chosen reward, rejected reward), each [pairs], from summed sequence
-    log-probabilities [pairs] (float32). Differentiable in the policy's; the rewards are detached."""
+    log-probabilities [pairs] (float32). Differentiable in the policy's; the rewards are detached.
+    rpo_alpha > 0 adds that times the preferred completion's mean per-token NLL, which needs
+    `chosen_tokens` [pairs], its target-token counts."""
     logits = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # [pairs]
     if kind == "sigmoid":
         loss = (-(1.0 - label_smoothing) * F.logsigmoid(beta * logits)
@@ -60,6 +70,10 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         loss = (logits - 1.0 / (2.0 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss {kind!r}; expected one of {', '.join(LOSS_KINDS)}")
+    if rpo_alpha:
+        if chosen_tokens is None:
+            raise ValueError("rpo_alpha needs chosen_tokens, the preferred completions' token counts")
+        loss = loss + rpo_alpha * (-policy_chosen / chosen_tokens.clamp(min=1).to(policy_chosen.dtype))
     chosen = beta * (policy_chosen - ref_chosen).detach()
     rejected = beta * (policy_rejected - ref_rejected).detach()
     return loss, chosen, rejected
@@ -204,7 +218,11 @@ class PreferenceTrainer:
         idx = pair_rows(pairs)
         policy = self._logps(rows, idx)  # [2 * pairs]: preferred, non-preferred, ...
         ref = self._reference(split, rows, idx)
-        return dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], cfg.beta, cfg.dpo_loss, cfg.label_smoothing)
+        chosen_tokens = None
+        if cfg.rpo_alpha:
+            chosen_tokens = (rows.labels[torch.tensor(idx[0::2]), 1:] != IGNORE_INDEX).sum(1).to(policy.device)
+        return dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], cfg.beta, cfg.dpo_loss, cfg.label_smoothing,
+                        cfg.rpo_alpha, chosen_tokens)
 
     def forward_backward(self, pairs: list[int]) -> float:
         """The gradients of the mean DPO loss over the global batch of `pairs` (this DP rank's

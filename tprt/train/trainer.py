@@ -91,6 +91,7 @@ class FinetuneConfig:
     beta: float = 0.1  # DPO: strength of the pull towards the reference
     dpo_loss: str = "sigmoid"  # or "ipo"
     label_smoothing: float = 0.0  # DPO (sigmoid): the share of pairs assumed mislabelled
+    rpo_alpha: float = 0.0  # DPO: weight of the preferred completion's per-token NLL (RPO)
     init_adapter: Path | None = None  # LoRA: start from this adapter's weights (SFT then DPO)
 
     @property
@@ -105,7 +106,7 @@ def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]
     if cfg.full:
         d.update(lora_rank=None, lora_alpha=None, lora_targets=None)
     if cfg.objective == "sft":  # as runs before DPO existed recorded them
-        d.update(objective=None, beta=None, dpo_loss=None, label_smoothing=None)
+        d.update(objective=None, beta=None, dpo_loss=None, label_smoothing=None, rpo_alpha=None)
     d.update(tp=tp, method=cfg.method, data_digest=data_digest,
              model_fingerprint=ckpt.model_fingerprint(Path(cfg.model)))
     return d
