@@ -215,7 +215,7 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     z = byte_tok.encode("z", add_special_tokens=False)[0]
     assert broken.matcher is not None and not broken.matcher.accept(z)  # the matcher is now in error
     worker = MaskWorker(so, so.vocab_size + 3, byte_tok.eos_token_ids)
-    words = {rid: w[0] for rid, w in worker.start([(broken, []), (fine, [])]).result().items()}  # one position each
+    words = worker.start([(broken, []), (fine, [])], overlap=False).result()  # one position each
     a = byte_tok.encode("a", add_special_tokens=False)[0]
     logits = torch.zeros(2, so.vocab_size + 3)
     logits[:, z] = 1.0  # both rows' most likely token is one their constraints refuse
@@ -225,5 +225,8 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     assert mask[1].nonzero().flatten().tolist() == [a]
     logits[:, a] = 2.0  # a greedy row whose best token is allowed needs no mask
     assert worker.rows([fine], {"fine": words["fine"]}, logits[1:].argmax(-1).tolist()) is None
+    ahead = worker.start([(fine, [])], overlap=True).result()["fine"]  # filled on the worker's thread
+    assert ahead.allows(0, a) and not ahead.allows(0, z)
+    assert bits_to_bool(ahead.words(0)[None], so.vocab_size)[0].nonzero().flatten().tolist() == [a]
     out = fine.append(z)  # a token its matcher refuses ends the sequence
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"

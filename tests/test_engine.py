@@ -718,7 +718,8 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
         "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=str(wd / "tp1"), max_step_tokens=wide),
     }
     runs = {name: run(replace(base, speculative=spec)) for name, spec in specs.items()}
-    runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64))
+    # masks computed after each step, only where needed (the CPU's default when no core is spare)
+    runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64, overlap_masks=False))
     assert runs["preempted"]["preemptions"] > 0, "the small pool preempted nothing"
     want = plain["rounds"][0]
     assert plain["stats"] is None
@@ -810,9 +811,12 @@ def check_constrained(ctx: TPContext, wd: Path) -> None:
         return done
 
     model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
-    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96), alone_and_mixed, model=model,
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, overlap_masks=True), alone_and_mixed,
+                 model=model,
                  setup=_install_adapters)
-    small = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, kv_cache_tokens=96, kv_block_size=4),
+    # ... and with masks computed after each step, where needed (alone and mixed: on a thread)
+    small = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, kv_cache_tokens=96, kv_block_size=4,
+                                         overlap_masks=False),
                    mixed_only, model=load_model(wd / f"tp{ctx.world_size}", ctx), setup=_install_adapters)
     if ctx.rank == 0:
         assert preemptions[0] > 0, "the small pool preempted nothing"

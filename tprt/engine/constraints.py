@@ -251,6 +251,10 @@ class Matcher:
         """Advances by as many of `token_ids` as the grammar allows (drafted tokens); how many."""
         return int(self._m.try_consume_tokens([int(t) for t in token_ids]))
 
+    def validates(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` the grammar would take in turn from here (nothing advances)."""
+        return int(self._m.validate_tokens([int(t) for t in token_ids]))
+
     def rollback(self, n: int) -> None:
         """Gives back the last `n` accepted tokens."""
         if n and not self._m.rollback(n):

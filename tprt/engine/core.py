@@ -51,6 +51,7 @@ row instead of gathering the full-vocabulary logits.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Callable
@@ -103,6 +104,9 @@ class EngineConfig:
     # Speculative decoding (tprt.engine.speculative): rank 0 drafts tokens for decoding rows and
     # verifies them in one step; None: off.
     speculative: SpeculativeConfig | None = None
+    # Constrained rows: compute their masks on a thread while the forward pass runs (True), or
+    # after it and only where a row needs one (False); None: overlap when a CPU core is spare.
+    overlap_masks: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -372,7 +376,7 @@ class Engine:
         if plan.decode is not None:
             constrained += [(s, list(t[1:])) for s, t in zip(schedule.decode, plan.decode.tokens)
                             if s.matcher is not None]
-        masks = self._mask_worker().start(constrained) if constrained else None
+        masks = self._mask_worker().start(constrained, self._spare_core()) if constrained else None
         # A one-row step samples on the runner's thread count too: its torch ops are small, and
         # more OpenMP threads would only contend with the native kernels' spinning pool.
         with self.runner.threads_for(plan):
@@ -386,6 +390,18 @@ class Engine:
             if plan.decode is not None and result.decode is not None:
                 events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
         return events
+
+    def _spare_core(self) -> bool:
+        """Whether a thread beside the forward pass has a core of its own: on a GPU, or when the
+        CPU kernels run on fewer threads than the machine has cores (or as configured)."""
+        if self.config.overlap_masks is not None:
+            return self.config.overlap_masks
+        if self.runner.device.type != "cpu":
+            return True
+        from tprt.cpu import native
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(torch.get_num_threads(), native.threads()) < cores
 
     def _mask_worker(self) -> MaskWorker:
         if self._masker is None:
@@ -426,7 +442,7 @@ class Engine:
     # ----------------------------------------------------------------- sampling and events
 
     def _verify(self, seqs: list[Sequence], batch: BatchPlan, result: BatchResult,
-                allowed: dict[str, torch.Tensor]) -> list[TokenEvent]:
+                allowed: dict[str, RowMasks]) -> list[TokenEvent]:
         """Chooses each decode row's tokens position by position: at a position with a drafted
         token after it, the draft is kept iff the sampler picks it there (tprt.engine.sampling's
         coupled rule); a row goes on while its drafts are kept and ends at the first one
@@ -461,21 +477,20 @@ class Engine:
         return events
 
     def _choose(self, seqs: list[Sequence], rows: list[int], result: BatchResult,
-                allowed: dict[str, torch.Tensor], position: int = 0) -> list[_Choice]:
+                allowed: dict[str, RowMasks], position: int = 0) -> list[_Choice]:
         """The next token of each sequence from its result row (constrained ones among the tokens
-        `allowed[request_id][position]` allows)."""
+        `allowed[request_id]` allows at `position`)."""
         if result.logits is None:  # greedy rows: the argmax, which keeps a draft iff it is the draft
             assert result.ids is not None
             ids = result.ids.tolist()
             return [_Choice(ids[r], None, []) for r in rows]
         all_rows = rows == list(range(result.logits.shape[0]))
         logits = result.logits if all_rows else result.logits[torch.tensor(rows, device=result.logits.device)]
-        here = {s.request_id: allowed[s.request_id][position] for s in seqs
-                if s.request_id in allowed and position < len(allowed[s.request_id])}
+        here = any(s.request_id in allowed and position < allowed[s.request_id].positions for s in seqs)
         mask = None
         if here and self._masker is not None:
             best = logits.argmax(dim=-1).tolist()
-            mask = self._masker.rows(seqs, here, best)
+            mask = self._masker.rows(seqs, allowed, best, position)
             if mask is None and all(_plain_greedy(s.params) for s in seqs):  # every row takes its argmax
                 return [_Choice(t, None, []) for t in best]  # (which keeps a greedy row's draft iff it is the draft)
             mask = None if mask is None else mask.to(logits.device)
@@ -511,11 +526,65 @@ class Engine:
             self._speculator.finish(seq, completed)
 
 
+class RowMasks:
+    """One constrained row's next-token bitmasks for a step: position j is the token after the
+    row's first j drafted tokens (all of which its grammar accepts: `Engine._grammar_prefix`).
+    Either all filled ahead, on the mask worker's thread before any token of the step is chosen,
+    or each computed when asked: by then the row's matcher has taken the tokens kept before that
+    position, which are its drafts (`Engine._verify` goes on along a row only while its draft is
+    kept). A greedy row usually needs no mask (`allows`). A position whose grammar allows nothing
+    may only end: EOS."""
+
+    def __init__(self, seq: Sequence, draft: list[int], outputs: StructuredOutputs, eos: list[int]) -> None:
+        assert seq.matcher is not None
+        self._matcher = seq.matcher
+        self._draft = draft
+        self._outputs = outputs
+        self._eos = eos
+        self.positions = 1 + len(draft)
+        self._ahead: torch.Tensor | None = None  # [positions, words], when filled ahead
+
+    def fill(self) -> None:
+        """Computes every position's mask now, before the step's tokens are chosen."""
+        words = self._outputs.bitmask(self.positions)
+        consumed = 0
+        for j in range(self.positions):
+            self._fill(words[j])
+            if j == len(self._draft) or not self._matcher.accept(self._draft[j]):
+                break  # (a refused draft cannot happen: it was cut to the grammar)
+            consumed += 1
+        self._matcher.rollback(consumed)
+        self._ahead = words
+
+    def _fill(self, row: torch.Tensor) -> None:
+        self._matcher.fill_bitmask(row)
+        if self._eos and not row.any():
+            row[self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
+
+    def words(self, position: int) -> torch.Tensor:
+        """The int32 bitmask row of `position`."""
+        if self._ahead is not None:
+            return self._ahead[position]
+        row = self._outputs.bitmask(1)[0]
+        self._fill(row)  # the matcher stands at `position` now
+        return row
+
+    def allows(self, position: int, token: int) -> bool:
+        """Whether the grammar takes `token` at `position`: from the mask when it was filled
+        ahead, else by asking the matcher about that one token (microseconds, not a whole mask)."""
+        if self._ahead is not None:
+            return bool(int(self._ahead[position, token // 32]) >> (token % 32) & 1)
+        return self._matcher.validates([token]) == 1
+
+
 class MaskWorker:
-    """Constrained sequences' next-token masks: computed as bitmasks (one bit per token) on a
-    thread of its own, so that they are ready when the step's logits are (llguidance releases the
-    GIL while it computes), and made into the rows `sample` takes only where they change the
-    choice. A row whose constraint allows nothing (its matcher hit a limit) may only end: EOS."""
+    """Constrained sequences' next-token masks, made into the rows `sample` takes only where they
+    change the choice. When the forward pass leaves a CPU core free (a GPU runs it, or the CPU
+    kernels use fewer threads than there are cores) the bitmasks are computed on a thread of
+    their own while it runs (llguidance releases the GIL). When the kernels use every core, that
+    thread would stall them (a preempted kernel thread holds up the others at each barrier), so
+    masks are computed after the pass, and only for the rows that need one: a greedy row whose
+    most likely token the grammar takes needs none."""
 
     def __init__(self, outputs: StructuredOutputs, vocab: int, eos_token_ids: Seq[int]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -526,45 +595,37 @@ class MaskWorker:
         self._eos = [t for t in eos_token_ids if t < self._known][:1]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
 
-    def start(self, rows: list[tuple[Sequence, list[int]]]) -> Future[dict[str, torch.Tensor]]:
-        """Each (sequence, draft) row's masks [positions, words]: one for its next position, then
-        one after each drafted token its grammar accepts (the positions after a token it refuses
-        are never reached: the sampler cannot keep that token)."""
-        return self._pool.submit(self._masks, rows)
+    def start(self, rows: list[tuple[Sequence, list[int]]], overlap: bool = True) -> Future[dict[str, RowMasks]]:
+        """Each (sequence, draft) row's masks, one position for its next token, then one after
+        each drafted token; filled on the worker's thread while the step runs with `overlap`,
+        else later, as `rows` needs them."""
+        masks = {seq.request_id: RowMasks(seq, draft, self._outputs, self._eos) for seq, draft in rows}
+        if overlap:
+            return self._pool.submit(self._fill, masks)
+        done: Future[dict[str, RowMasks]] = Future()
+        done.set_result(masks)
+        return done
 
-    def _masks(self, rows: list[tuple[Sequence, list[int]]]) -> dict[str, torch.Tensor]:
-        out = {}
-        for seq, draft in rows:
-            matcher = seq.matcher
-            assert matcher is not None
-            words = self._outputs.bitmask(1 + len(draft))
-            consumed = 0
-            for j in range(1 + len(draft)):
-                matcher.fill_bitmask(words[j])
-                if self._eos and not words[j].any():
-                    words[j, self._eos[0] // 32] = _signed_bit(self._eos[0] % 32)
-                if j == len(draft) or not matcher.accept(draft[j]):
-                    break
-                consumed += 1
-            matcher.rollback(consumed)
-            out[seq.request_id] = words[: consumed + 1]
-        return out
+    @staticmethod
+    def _fill(masks: dict[str, RowMasks]) -> dict[str, RowMasks]:
+        for row in masks.values():
+            row.fill()
+        return masks
 
-    def rows(self, seqs: list[Sequence], words: dict[str, torch.Tensor], best: list[int]) -> torch.Tensor | None:
-        """[rows, vocab] bool (on the CPU) for `sample`, or None when no row needs one. `best`:
-        each row's most likely token. A greedy row whose most likely token is allowed needs none
-        (the mask would not change its choice); other constrained rows get their mask (never a
-        token past the tokenizer's vocabulary); free rows everything."""
-        constrained = [(i, words[s.request_id]) for i, s in enumerate(seqs) if s.request_id in words]
-        if not constrained:
-            return None
+    def rows(self, seqs: list[Sequence], masks: dict[str, RowMasks], best: list[int],
+             position: int = 0) -> torch.Tensor | None:
+        """[rows, vocab] bool (on the CPU) for `sample` at `position`, or None when no row needs
+        one. `best`: each row's most likely token. A greedy row whose most likely token is allowed
+        needs none (the mask would not change its choice); other constrained rows get their mask
+        (never a token past the tokenizer's vocabulary); free rows everything."""
+        constrained = [(i, masks[s.request_id]) for i, s in enumerate(seqs)
+                       if s.request_id in masks and position < masks[s.request_id].positions]
         needed = []
         for i, row in constrained:
             p = seqs[i].params
-            if p.greedy and p.repetition_penalty == 1.0 and best[i] < self._known \
-                    and int(row[best[i] // 32]) >> (best[i] % 32) & 1:
+            if p.greedy and p.repetition_penalty == 1.0 and best[i] < self._known and row.allows(position, best[i]):
                 continue
-            needed.append((i, row))
+            needed.append((i, row.words(position)))
         if not needed:
             return None
         mask = torch.ones(len(seqs), self._vocab, dtype=torch.bool)
