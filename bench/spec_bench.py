@@ -71,9 +71,10 @@ def run_batch(engine: Engine, prompts: list[list[int]], n: int,
     return counted / max(time.perf_counter() - first, 1e-9), [outs[str(i)] for i in range(len(prompts))], steps
 
 
-def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int) -> dict[str, Any]:
+def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: int = 1) -> dict[str, Any]:
     """Tokens/s without and with speculation over the prompts, `batch` at a time (alternating
-    per group so other load falls on both alike); outputs must match. Also machine-independent
+    per group so other load falls on both alike; with `rounds` > 1 each group runs that many
+    times, which side goes first alternating); outputs must match. Also machine-independent
     figures: engine steps without / with (the most a step's cost allows the speed-up to be), and
     the share of drafted tokens kept."""
     rates: dict[bool, list[float]] = {False: [], True: []}
@@ -82,13 +83,13 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int) -> dict[s
     before = engine.spec_stats
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
-        plain_rate, plain, plain_steps = run_batch(engine, group, n, speculate=False)
-        spec_rate, spec, spec_steps = run_batch(engine, group, n, speculate=True)
-        rates[False].append(plain_rate)
-        rates[True].append(spec_rate)
-        steps[False] += plain_steps
-        steps[True] += spec_steps
-        mismatches += sum(a != b for a, b in zip(plain, spec))
+        for r in range(rounds):
+            got = {}
+            for speculate in ((False, True) if r % 2 == 0 else (True, False)):
+                got[speculate] = run_batch(engine, group, n, speculate=speculate)
+                rates[speculate].append(got[speculate][0])
+                steps[speculate] += got[speculate][2]
+            mismatches += sum(a != b for a, b in zip(got[False][1], got[True][1]))
     after = engine.spec_stats
     assert before is not None and after is not None
     drafted, kept = after.drafted - before.drafted, after.accepted - before.accepted
@@ -171,6 +172,10 @@ def main() -> None:
     ap.add_argument("--limit", type=int, help="only the first N grounded prompts")
     ap.add_argument("--quick", action="store_true", help="--limit 8 --tokens 48 --dtypes fp32")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--stream-rounds", type=int, default=4,
+                    help="runs of the 16-stream batch each way, which side goes first alternating (one run of "
+                         "a few seconds is within the machine's noise)")
+    ap.add_argument("--draft-cost", type=float, help="SpeculativeConfig.draft_cost (the default's otherwise)")
     args = ap.parse_args()
     if args.quick:
         args.limit, args.tokens, args.dtypes = 8, 48, "fp32"
@@ -187,6 +192,8 @@ def main() -> None:
     result: dict[str, Any] = {"threads": args.threads, "tokens": args.tokens, "method": args.method, "k": args.k,
                               "grounded_prompts": len(chat), "load_average_before": os.getloadavg()}
     spec = SpeculativeConfig(args.method, num_tokens=args.k)
+    if args.draft_cost is not None:
+        spec = SpeculativeConfig(args.method, num_tokens=args.k, draft_cost=args.draft_cost)
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if dtype not in args.dtypes.split(","):
             continue
@@ -197,7 +204,8 @@ def main() -> None:
         kernels = type(engine.runner.model.stack).__name__  # NativeDecodeStack unless prepack timed another way
         r: dict[str, Any] = {"grounded_b1": ours(engine, chat, args.tokens, 1),
                              "free_b1": ours(engine, free, args.tokens, 1),
-                             "free_16_streams": ours(engine, streams, args.tokens, 16), "stack": kernels}
+                             "free_16_streams": ours(engine, streams, args.tokens, 16, args.stream_rounds),
+                             "stack": kernels}
         print(f"[{dtype}] ours {json.dumps(r)}", file=sys.stderr, flush=True)
         del engine, model
         if not args.no_peers:

@@ -60,7 +60,7 @@ def test_best_path_matches_torch(n: int, k: int, group: int | None) -> None:
     q, s = _weights(n, k, group)
     kernel = native.q8_kernel(q, s)
     assert kernel is not None
-    for m in range(1, native.MAX_FEW_ROWS + 1):
+    for m in (*range(1, 9), 13, 16, native.MAX_Q8_ROWS):  # beyond 8: 8 rows at a time per weight tile
         x = _x(m, k, torch.float32)
         y = kernel(x)
         if _uses_vnni(k, group):
@@ -77,7 +77,7 @@ def test_float_and_scalar_paths_match_torch(path: str) -> None:
             q, s = _weights(n, k, group)
             kernel = native.q8_kernel(q, s, path=path)
             assert kernel is not None
-            for m in (1, 2, 5, 8):
+            for m in (1, 2, 5, 8, 11, native.MAX_Q8_ROWS):
                 x = _x(m, k, torch.float32)
                 assert _rel(kernel(x), _plain(x, q, s)) < 2e-6, (path, n, k, group, m)
 
@@ -94,13 +94,15 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     q, s = _weights(4096, 576, 32)  # large enough to be split over the pool
     kernel = native.q8_kernel(q, s)
     assert kernel is not None
-    x = _x(3, 576, torch.float32)
     before = native.threads()
     try:
-        native.set_threads(1)
-        one = kernel(x)
-        native.set_threads(2)
-        assert torch.equal(kernel(x), one)
+        for m in (3, 20):  # 20: many weight tiles (28 rows of 576 each), each taken by 8 + 8 + 4 rows
+            x = _x(m, 576, torch.float32)
+            native.set_threads(1)
+            one = kernel(x)
+            native.set_threads(2)
+            assert torch.equal(kernel(x), one)
+            assert torch.equal(one, torch.cat([kernel(r[None]) for r in x])), m  # a row's result is its own
     finally:
         native.set_threads(before)
 
@@ -109,8 +111,8 @@ def test_bad_inputs_are_refused() -> None:
     q, s = _weights(32, 64, None)
     kernel = native.q8_kernel(q, s)
     assert kernel is not None
-    with pytest.raises(ValueError, match="1-8 rows of 64"):
-        kernel(torch.zeros(9, 64))
+    with pytest.raises(ValueError, match=f"1-{native.MAX_Q8_ROWS} rows of 64"):
+        kernel(torch.zeros(native.MAX_Q8_ROWS + 1, 64))
     with pytest.raises(ValueError, match="do not match"):
         native.q8_kernel(q, s[:16])
 
@@ -189,10 +191,10 @@ def test_compiled_quantize_equals_the_torch_reference(dtype: torch.dtype, group:
     assert torch.equal(quantize(w, spec)[0], want[0])
 
 
-def test_native_method_takes_batched_decode_in_passes_of_eight_rows() -> None:
-    """NativeInt8Linear: 1-32 rows through the compiled product (8 rows per pass), equal to the
-    kernel row by row; more rows, or a product that needs the input's gradient, take the torch path."""
-    from tprt.cpu.quant_linear import MAX_KERNEL_ROWS, NativeInt8Linear
+def test_native_method_takes_batched_decode_in_one_call() -> None:
+    """NativeInt8Linear: 1-32 rows through the compiled product in one call, equal to the kernel
+    row by row; more rows, or a product that needs the input's gradient, take the torch path."""
+    from tprt.cpu.quant_linear import NativeInt8Linear
     from tprt.distributed.context import TPContext
     from tprt.parallel.layers import ColumnParallelLinear
 
@@ -205,11 +207,11 @@ def test_native_method_takes_batched_decode_in_passes_of_eight_rows() -> None:
     method.process_after_loading(layer)
     kernel = native.q8_kernel(q, s)
     assert kernel is not None
-    x = _x(20, 128, torch.float32).view(4, 5, 128)  # [batch, seq, in]: 20 rows, 3 passes
+    x = _x(20, 128, torch.float32).view(4, 5, 128)  # [batch, seq, in]: 20 rows
     with torch.inference_mode():
         got = method.apply(layer, x)
     assert torch.equal(got.view(20, 48), torch.cat([kernel(r[None]) for r in x.view(20, 128)]))
-    big = _x(MAX_KERNEL_ROWS + 1, 128, torch.float32)
+    big = _x(native.MAX_Q8_ROWS + 1, 128, torch.float32)
     with torch.inference_mode():
         assert torch.equal(method.apply(layer, big), F.linear(big, dequantize(q, s)))
     xg = x.clone().requires_grad_()

@@ -14,12 +14,6 @@ from tprt.quant.formats import QuantSpec
 from tprt.quant.methods import QuantLinear, quantized
 
 
-# Up to this many rows (decode of up to 32 sequences) the compiled product runs, 8 rows per pass
-# over the weight (each pass reads a byte per weight: 4 passes read what one bf16 pass does);
-# more rows (prefill) take the torch path, one dequantization for all of them.
-MAX_KERNEL_ROWS = 32
-
-
 class NativeInt8Linear(QuantLinear):
     """One per layer: it holds the layer's compiled product (made in `process_after_loading`)."""
 
@@ -32,11 +26,7 @@ class NativeInt8Linear(QuantLinear):
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if (self.kernel is None or (torch.is_grad_enabled() and x.requires_grad) or rows > MAX_KERNEL_ROWS
+        if (self.kernel is None or (torch.is_grad_enabled() and x.requires_grad) or rows > native.MAX_Q8_ROWS
                 or x.dtype not in (torch.float32, torch.bfloat16)):
-            return super().apply(layer, x)
-        if rows <= native.MAX_FEW_ROWS:
-            return self.kernel(x)
-        flat = x.reshape(rows, x.shape[-1])  # [rows, in]: batched decode, 8 rows per pass over the weight
-        parts = [self.kernel(flat[i : i + native.MAX_FEW_ROWS]) for i in range(0, rows, native.MAX_FEW_ROWS)]
-        return torch.cat(parts).view(*x.shape[:-1], -1)
+            return super().apply(layer, x)  # prefill: one dequantization for all its rows
+        return self.kernel(x)

@@ -206,6 +206,9 @@ def _function(name: str, weight: torch.Tensor, dims: int) -> Any | None:
 
 
 MAX_FEW_ROWS = 8  # gemv_rows_kernel's limit (its C loop keeps one accumulator per row in registers)
+# q8_kernel's: 8 rows per pass over a cache-sized tile of the weight, so the weight is read from
+# memory once for all of them (batched decode); more rows (prefill) are better off dequantized
+MAX_Q8_ROWS = 32
 
 
 def gemv_kernel(weight: torch.Tensor) -> Kernel | None:
@@ -545,7 +548,7 @@ def q8_path(lib: ctypes.CDLL | None = None) -> str:
 
 def q8_kernel(weight: torch.Tensor, scale: torch.Tensor, lib: ctypes.CDLL | None = None,
               path: str = "best") -> Kernel | None:
-    """A function computing x @ (weight * scale)^T for x [..., k] of 1 to MAX_FEW_ROWS rows in
+    """A function computing x @ (weight * scale)^T for x [..., k] of 1 to MAX_Q8_ROWS rows in
     float32 or bf16 (the output in x's dtype), from int8 `weight` [n, k] and float32 `scale`
     [n, k / group] (tprt.quant.formats), or None without the kernels or off CPU. `lib`: another
     build of kernels.c (tests compare builds); `path` (Q8_PATHS): "best" is the build's fastest
@@ -562,8 +565,8 @@ def q8_kernel(weight: torch.Tensor, scale: torch.Tensor, lib: ctypes.CDLL | None
 
     def run(x: torch.Tensor) -> torch.Tensor:  # the closure keeps the weight and scales alive
         rows = x.numel() // k if x.shape[-1] == k else 0
-        if not 1 <= rows <= MAX_FEW_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"native int8 product expects 1-{MAX_FEW_ROWS} rows of {k} float32/bf16 values, "
+        if not 1 <= rows <= MAX_Q8_ROWS or x.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"native int8 product expects 1-{MAX_Q8_ROWS} rows of {k} float32/bf16 values, "
                              f"got {tuple(x.shape)} {x.dtype}")
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)

@@ -1207,6 +1207,7 @@ DECODE_HALVES(bf16, uint16_t)
    float32. The vector paths (AVX-512F, AVX2, chosen by -march=native like every kernel here)
    need g % 16 (% 8) == 0, which the format guarantees; otherwise the scalar loop runs. x arrives
    in the model dtype and is converted to float32 once per call. */
+#define Q8_TILE_BYTES (16 * 1024)  /* see q8v_section */
 typedef struct {
     const int8_t *w;
     const float *s, *x;  /* x: float32 [m, k] */
@@ -1381,11 +1382,29 @@ static void q8v_rows_##M(const q8v_args *a, int64_t lo, int64_t hi) {           
 }
 Q8V_ROWS(1) Q8V_ROWS(2) Q8V_ROWS(3) Q8V_ROWS(4) Q8V_ROWS(5) Q8V_ROWS(6) Q8V_ROWS(7) Q8V_ROWS(8)
 
+/* More than 8 rows: the weight rows of a tile of Q8_TILE_BYTES are taken by every group of 8 input
+   rows in turn, so they come from memory once and from the cache after (two passes over the whole
+   weight would read it twice from memory: batched decode reads weights too). */
 static void q8v_section(void *arg, int64_t lo, int64_t hi) {
     static void (*const kernel[])(const q8v_args *, int64_t, int64_t) = {
         0, q8v_rows_1, q8v_rows_2, q8v_rows_3, q8v_rows_4, q8v_rows_5, q8v_rows_6, q8v_rows_7, q8v_rows_8};
     const q8v_args *a = arg;
-    kernel[a->m](a, lo, hi);
+    if (a->m <= 8) {
+        kernel[a->m](a, lo, hi);
+        return;
+    }
+    int64_t tile = Q8_TILE_BYTES / a->k > 0 ? Q8_TILE_BYTES / a->k : 1;
+    for (int64_t t0 = lo; t0 < hi; t0 += tile) {
+        int64_t t1 = t0 + tile < hi ? t0 + tile : hi;
+        for (int64_t i0 = 0; i0 < a->m; i0 += 8) {
+            q8v_args part = *a;
+            part.m = a->m - i0 < 8 ? a->m - i0 : 8;
+            part.xu = a->xu + i0 * a->k;
+            part.xs = a->xs + i0 * (a->k / 64 * 16);
+            part.y = a->y + i0 * a->n;
+            kernel[part.m](&part, t0, t1);
+        }
+    }
 }
 
 /* x [m, k] float32 -> xu (x quantized per block of 32, + 128) and xs (block scales laid out per
@@ -1445,17 +1464,25 @@ static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y,
 
 static void q8_section(void *arg, int64_t lo, int64_t hi) {
     const q8_args *a = arg;
-    const int8_t *w = a->w + lo * a->k;
-    const float *s = a->s + lo * (a->k / a->g);
-    float *y = a->y + lo;
+    int64_t tile = a->m <= 8 ? hi - lo : (Q8_TILE_BYTES / a->k > 0 ? Q8_TILE_BYTES / a->k : 1);
+    for (int64_t t0 = lo; t0 < hi; t0 += tile) {  /* as q8v_section: 8 input rows at a time per tile */
+        int64_t t1 = t0 + tile < hi ? t0 + tile : hi;
+        const int8_t *w = a->w + t0 * a->k;
+        const float *s = a->s + t0 * (a->k / a->g);
+        for (int64_t i0 = 0; i0 < a->m; i0 += 8) {
+            int64_t m = a->m - i0 < 8 ? a->m - i0 : 8;
+            const float *x = a->x + i0 * a->k;
+            float *y = a->y + i0 * a->n + t0;
 #if defined(Q8_LANES)
-    q8_fn fn = q8_variant(a->m, a->g);
-    if (fn) {
-        fn(w, s, a->x, y, hi - lo, a->k, a->g, a->n);
-        return;
-    }
+            q8_fn fn = q8_variant(m, a->g);
+            if (fn) {
+                fn(w, s, x, y, t1 - t0, a->k, a->g, a->n);
+                continue;
+            }
 #endif
-    q8_rows_scalar(w, s, a->x, y, a->m, hi - lo, a->k, a->g, a->n);
+            q8_rows_scalar(w, s, x, y, m, t1 - t0, a->k, a->g, a->n);
+        }
+    }
 }
 
 /* x [m, k] (float32 or bf16 per `x_bf16`) times the int8 weight, into y [m, n] (float32 or bf16 per
@@ -1470,7 +1497,7 @@ void tprt_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, int64
     if (scalar == 1) {
         q8_rows_scalar(w, s, xf, yf, m, n, k, g, n);
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-    } else if (scalar == 0 && k % 64 == 0 && g % 32 == 0 && m >= 1 && m <= 8) {
+    } else if (scalar == 0 && k % 64 == 0 && g % 32 == 0 && m >= 1) {
         uint8_t *xu = malloc((size_t)(m * k));
         float *xs = malloc(sizeof(float) * (size_t)(m * (k / 64) * 16));
         q8v_quantize_x(xf, m, k, xu, xs);
