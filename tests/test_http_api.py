@@ -495,20 +495,25 @@ def _pairs_jsonl(n: int, start: int = 0) -> bytes:
 
 
 def test_sft_then_dpo_on_its_adapter(api: Api, training_file: str) -> None:
-    """A supervised job, then a DPO job naming its fine-tuned model: method "dpo" with beta, the
-    reward metrics and the held-out reward accuracy in its events, its adapter served at once."""
+    """A supervised job, then a DPO job naming its fine-tuned model: method "dpo" with beta and our
+    rpo_alpha, the reward metrics and the held-out reward accuracy in its events, its adapter served
+    at once."""
     c = api.client
     sft = c.fine_tuning.jobs.create(model=api.model, training_file=training_file, suffix="sft", hyperparameters={
         "n_epochs": 1, "batch_size": 4, "max_seq_len": SEQ_LEN, "lora_rank": 4})
     sft_model = _wait_job(api, sft.id, "succeeded").fine_tuned_model
     pairs = c.files.create(file=("prefs.jsonl", _pairs_jsonl(8)), purpose="fine-tune").id
     held_out = c.files.create(file=("held.jsonl", _pairs_jsonl(3, start=8)), purpose="fine-tune").id
-    hp: Any = {"beta": 0.5, "n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 30, "max_seq_len": SEQ_LEN}
+    hp: Any = {"beta": 0.5, "n_epochs": 1, "batch_size": 4, "learning_rate_multiplier": 30, "max_seq_len": SEQ_LEN,
+               "rpo_alpha": 0.5}
     job = c.fine_tuning.jobs.create(model=sft_model, training_file=pairs, validation_file=held_out, suffix="dpo",
                                     method={"type": "dpo", "dpo": {"hyperparameters": hp}})
     ours = (job.model_extra or {})["tprt"]
     assert job.method is not None and job.method.type == "dpo" and job.method.dpo is not None
     assert job.method.dpo.hyperparameters is not None and job.method.dpo.hyperparameters.beta == 0.5
+    assert (job.method.dpo.hyperparameters.model_extra or {})["rpo_alpha"] == 0.5 == ours["hyperparameters"]["rpo_alpha"]
+    with api.server.client() as grpc_client:  # the same job over gRPC
+        assert grpc_client.get_job(ours["job_id"]).hyperparameters.rpo_alpha == 0.5
     assert ours["init_adapter"] and ours["hyperparameters"]["lora_rank"] == 4  # the SFT adapter's rank
     done = _wait_job(api, job.id, "succeeded")
     events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
@@ -632,6 +637,17 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
         with api.http() as http:
             r = http.post(f"{api.base_url}/fine_tuning/jobs", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"].endswith(param.split(".")[-1]), (raw, r.text)
+    # our rpo_alpha (RPO): method "dpo" only, in [0, 100] (1e400 parses as inf)
+    for kind, value, message in (("supervised", b"1.0", "applies to method 'dpo' only"),
+                                 ("dpo", b"100.5", "must be a number in [0.0, 100.0], got 100.5"),
+                                 ("dpo", b"1e400", "must be a finite number")):
+        body = b'{"model": "%s", "training_file": "%s", "method": {"type": "%s", "%s": {"hyperparameters": ' \
+               b'{"rpo_alpha": %s}}}}' % (api.model.encode(), training_file.encode(), kind.encode(), kind.encode(), value)
+        with api.http() as http:
+            r = http.post(f"{api.base_url}/fine_tuning/jobs", content=body, headers={"content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == f"method.{kind}.hyperparameters.rpo_alpha", (value, r.text)
+        assert message in error["message"], (value, r.text)
     with pytest.raises(openai.AuthenticationError):
         api.openai("wrong").files.list()
     assert not any(f.filename in ("a.jsonl", "mine.jsonl", "big.jsonl") for f in c.files.list().data)

@@ -681,7 +681,7 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
 
     def request(**fields: Any) -> Any:
         req = ft_pb.CreateJobRequest(**{"dataset_path": "pairs.jsonl", "objective": ft_pb.OBJECTIVE_DPO, **fields})
-        for key, value in {"steps": 2, "max_seq_len": 48, "batch_size": 1, "beta": 0.25}.items():
+        for key, value in {"steps": 2, "max_seq_len": 48, "batch_size": 1, "beta": 0.25, "rpo_alpha": 2.5}.items():
             setattr(req.hyperparameters, key, value)
         return req
 
@@ -693,10 +693,12 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
     assert rec.hyperparameters["beta"] == 0.25 and rec.hyperparameters["dpo_loss"] == "sigmoid"
     assert (rec.hyperparameters["lora_rank"], rec.hyperparameters["lora_alpha"]) == (4, 8.0)  # the adapter's
     assert job_pb(rec).objective == ft_pb.OBJECTIVE_DPO and job_pb(rec).hyperparameters.beta == 0.25
+    assert rec.hyperparameters["rpo_alpha"] == 2.5 and job_pb(rec).hyperparameters.rpo_alpha == 2.5
     s.run(1)
     started = s.ranks.started[-1]
     config, dataset = started["config"], started["dataset"]
     assert (config.objective, config.beta, config.lora_rank, config.lora_targets) == ("dpo", 0.25, 4, ("q",))
+    assert config.rpo_alpha == 2.5
     assert config.init_adapter == s.data_dir / "jobs" / sft / "adapter"
     assert dataset.pairs and dataset.n_examples == 2 and len(dataset.train) == 4
     (s.data_dir / "bad.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "preferred_output": []}))
@@ -708,6 +710,38 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
         with pytest.raises(InvalidArgument) as info:
             check_create(job_request(req), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has)
         assert info.value.field == field and message in str(info.value), (field, str(info.value))
+
+
+def test_rpo_alpha_is_a_dpo_hyperparameter_in_0_to_100(server: Callable[[], Server]) -> None:
+    """rpo_alpha (RPO, tprt/train/dpo.py): 0 unless set, both ends of [0, 100] taken; outside it, not
+    finite, or on a supervised job it is INVALID_ARGUMENT naming hyperparameters.rpo_alpha."""
+    from serve.errors import InvalidArgument
+
+    s = server()
+    pair = {"input": {"messages": [{"role": "user", "content": "hello"}]},
+            "preferred_output": [{"role": "assistant", "content": "hi"}],
+            "non_preferred_output": [{"role": "assistant", "content": "go"}]}
+    (s.data_dir / "pairs.jsonl").write_text(json.dumps(pair) + "\n")
+
+    def create(objective: int = ft_pb.OBJECTIVE_DPO, **hp: Any) -> Any:
+        req = ft_pb.CreateJobRequest(dataset_path="pairs.jsonl" if objective == ft_pb.OBJECTIVE_DPO else "train.jsonl",
+                                     objective=objective,
+                                     hyperparameters=ft_pb.Hyperparameters(steps=1, max_seq_len=48, batch_size=1, **hp))
+        return check_create(job_request(req), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has).record
+
+    assert create().hyperparameters["rpo_alpha"] == 0.0
+    for value in (0.0, 1, 100.0):
+        rec = create(rpo_alpha=value)
+        assert rec.hyperparameters["rpo_alpha"] == value and job_pb(rec).hyperparameters.rpo_alpha == value
+    assert "rpo_alpha" not in create(ft_pb.OBJECTIVE_SUPERVISED).hyperparameters
+    for objective, value, message in ((ft_pb.OBJECTIVE_SUPERVISED, 1.0, "applies to OBJECTIVE_DPO jobs only"),
+                                      (ft_pb.OBJECTIVE_DPO, -0.5, "must be a number in [0.0, 100.0], got -0.5"),
+                                      (ft_pb.OBJECTIVE_DPO, 100.5, "got 100.5"),
+                                      (ft_pb.OBJECTIVE_DPO, float("nan"), "got nan"),
+                                      (ft_pb.OBJECTIVE_DPO, float("inf"), "got inf")):
+        with pytest.raises(InvalidArgument) as info:
+            create(objective, rpo_alpha=value)
+        assert info.value.field == "hyperparameters.rpo_alpha" and message in str(info.value), (value, str(info.value))
 
 
 def test_a_job_request_is_neutral_and_grpc_maps_onto_it(server: Callable[[], Server]) -> None:

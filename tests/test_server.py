@@ -575,20 +575,27 @@ def test_finetune_job_then_its_adapter_serves(workdir: Path, server: ServerProce
 
 def test_dpo_job_then_its_adapter_serves(server: ServerProcess, client: Client) -> None:
     """OBJECTIVE_DPO over gRPC: preference pairs inline, rewards in Prometheus, the adapter served
-    at once; a starting adapter that does not exist is NOT_FOUND."""
+    at once; a starting adapter that does not exist is NOT_FOUND; rpo_alpha (RPO) is echoed back,
+    refused out of [0, 100] and on a supervised job."""
     pairs = "".join(json.dumps({"input": {"messages": [{"role": "user", "content": f"Q{i}: say hi"}]},
                                 "preferred_output": [{"role": "assistant", "content": "hi there"}],
                                 "non_preferred_output": [{"role": "assistant", "content": "go away"}]}) + "\n"
                     for i in range(4))
     common: dict[str, Any] = {"inline_jsonl": pairs, "objective": "dpo", "steps": 3, "batch_size": 2,
-                              "max_seq_len": 32, "lora_rank": 4, "learning_rate": 0.05, "beta": 0.5}
+                              "max_seq_len": 32, "lora_rank": 4, "learning_rate": 0.05, "beta": 0.5, "rpo_alpha": 1.0}
     err = rpc_error(lambda: client.create_job(**common, init_adapter="no-such-adapter"))
     assert (err.code(), field_of(err)) == (grpc.StatusCode.NOT_FOUND, "init_adapter")
     err = rpc_error(lambda: client.create_job(**{**common, "objective": "supervised"}))
     assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.beta")
+    err = rpc_error(lambda: client.create_job(dataset_path="train.jsonl", steps=1, rpo_alpha=1.0))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.rpo_alpha")
+    err = rpc_error(lambda: client.create_job(**{**common, "rpo_alpha": 101.0}))
+    assert (err.code(), field_of(err)) == (grpc.StatusCode.INVALID_ARGUMENT, "hyperparameters.rpo_alpha")
+    assert "[0.0, 100.0]" in (err.details() or "")
     job = client.create_job(**common, adapter_id="tiny-dpo")
     assert job.objective == ft_pb.OBJECTIVE_DPO and job.hyperparameters.beta == 0.5
-    assert job.hyperparameters.dpo_loss == "sigmoid"
+    assert job.hyperparameters.dpo_loss == "sigmoid" and job.hyperparameters.rpo_alpha == 1.0
+    assert client.get_job(job.id).hyperparameters.rpo_alpha == 1.0
     last = list(client.watch_job(job.id, timeout=120))[-1]
     assert last.state == ft_pb.JOB_STATE_SUCCEEDED, last.error
     assert "tiny-dpo" in {a.id for a in client.model_info().adapters}

@@ -33,7 +33,7 @@ from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "speculate")
 HP_FIELDS = ("steps", "learning_rate", "batch_size", "max_seq_len", "lora_rank", "lora_alpha", "weight_decay",
-             "warmup_steps", "seed", "checkpoint_every", "beta", "dpo_loss", "label_smoothing")
+             "warmup_steps", "seed", "checkpoint_every", "beta", "dpo_loss", "label_smoothing", "rpo_alpha")
 FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_STOP: "stop",
                 pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_CANCELLED: "cancelled"}
 

@@ -19,15 +19,17 @@ from tprt.errors import ConfigError, TprtError
 ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an adapter id, as serve/jobs/spec.py's ADAPTER_ID
 
-# DPO's hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, low open)
-_DPO_HP: dict[str, tuple[float, float, float, bool]] = {"beta": (0.1, 0.0, 100.0, True),
-                                                        "label_smoothing": (0.0, 0.0, 0.5, False)}
+# DPO's numeric hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, brackets), the
+# brackets "(" / "[" and ")" / "]" saying which ends are open. rpo_alpha: tprt/train/dpo.py (RPO).
+_DPO_HP: dict[str, tuple[float, float, float, str]] = {"beta": (0.1, 0.0, 100.0, "()"),
+                                                       "label_smoothing": (0.0, 0.0, 0.5, "[)"),
+                                                       "rpo_alpha": (0.0, 0.0, 100.0, "[]")}
 DPO_LOSSES = ("sigmoid", "ipo")
 DPO_HYPERPARAMETERS = (*_DPO_HP, "dpo_loss")
 
 
 def dpo_hyperparameters(hp: Mapping[str, Any], objective: str) -> dict[str, Any]:
-    """beta, dpo_loss and label_smoothing (of those the caller set, `hp`) with defaults filled in
+    """beta, dpo_loss, label_smoothing and rpo_alpha (of those the caller set, `hp`) with defaults filled in
     for a DPO job, range-checked; none for a supervised one, which may not set them."""
     if objective != "dpo":
         for name in DPO_HYPERPARAMETERS:
@@ -35,12 +37,13 @@ def dpo_hyperparameters(hp: Mapping[str, Any], objective: str) -> dict[str, Any]
                 raise InvalidArgument("applies to OBJECTIVE_DPO jobs only", f"hyperparameters.{name}")
         return {}
     out: dict[str, Any] = {}
-    for name, (default, low, high, low_open) in _DPO_HP.items():
+    for name, (default, low, high, brackets) in _DPO_HP.items():
         value = hp.get(name, default)
         number = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if number else value  # an integer is shown as the float it becomes
-        if not (number and math.isfinite(value) and (value > low if low_open else value >= low) and value < high):
-            raise InvalidArgument(f"must be a number in {'(' if low_open else '['}{low}, {high}), got "
+        if not (number and math.isfinite(value) and (value > low if brackets[0] == "(" else value >= low)
+                and (value < high if brackets[1] == ")" else value <= high)):
+            raise InvalidArgument(f"must be a number in {brackets[0]}{low}, {high}{brackets[1]}, got "
                                   f"{str(value)[:40]}", f"hyperparameters.{name}")
         out[name] = value
     out["dpo_loss"] = hp.get("dpo_loss", "sigmoid")

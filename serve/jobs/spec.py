@@ -269,5 +269,6 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         eval_data=data_dir / rec.validation_dataset if rec.validation_dataset else None,
         objective="dpo" if rec.objective == "dpo" else "sft", beta=float(hp.get("beta", 0.1)),
         dpo_loss=str(hp.get("dpo_loss", "sigmoid")), label_smoothing=float(hp.get("label_smoothing", 0.0)),
+        rpo_alpha=float(hp.get("rpo_alpha", 0.0)),  # 0 too for a DPO job stored before RPO existed
         init_adapter=start, lora_targets=targets,
     )

@@ -5,7 +5,7 @@ CreateJob becomes, checked by the same `check_create`: `training_file` is the up
 (serve/openai/files.py), `method.type` is "supervised" or "dpo" (preference pairs; LoRA unless
 the extra field `full: true` asks for a full fine-tune; `model` naming a served adapter starts from
 it, e.g. DPO after SFT), and the hyper-parameters map as follows (DPO's `beta` as OpenAI's, our
-`dpo_loss` and `label_smoothing` as extras):
+`dpo_loss`, `label_smoothing` and `rpo_alpha` as extras):
 
     n_epochs                   passes over the examples: steps = ceil(n_epochs x examples / batch_size)
                                ("auto": 3, more for a small file, fewer for a large one: `auto_epochs`)
@@ -76,9 +76,10 @@ class Hyperparameters(BaseModel):
     weight_decay: float | None = None
     warmup_steps: int | None = None
     checkpoint_every: int | None = None
-    beta: float | Auto | None = None  # method "dpo" ("auto": 0.1), as OpenAI's; dpo_loss and label_smoothing ours
+    beta: float | Auto | None = None  # method "dpo" ("auto": 0.1), as OpenAI's; the next three ours
     dpo_loss: str | None = None
     label_smoothing: float | None = None
+    rpo_alpha: float | None = None
 
 
 class Supervised(BaseModel):
@@ -195,11 +196,11 @@ class OpenAIJob:
             raise renamed(e, {"hyperparameters.seed": "seed", "hyperparameters": self.hp_param}) from None
         if seed is not None:
             given["seed"] = seed
-        dpo = {name: getattr(hp, name) for name in ("beta", "dpo_loss", "label_smoothing")}
+        dpo = {name: getattr(hp, name) for name in ("beta", "dpo_loss", "label_smoothing", "rpo_alpha")}
         dpo = {k: v for k, v in dpo.items() if v is not None and v != "auto"}
         if self.objective != "dpo" and dpo:
             raise ParamError("applies to method 'dpo' only", f"{self.hp_param}.{next(iter(dpo))}")
-        for name in ("beta", "label_smoothing"):
+        for name in ("beta", "label_smoothing", "rpo_alpha"):
             if name in dpo and not math.isfinite(dpo[name]):
                 raise ParamError(f"must be a finite number, got {dpo[name]}", f"{self.hp_param}.{name}")
         self.hyperparameters: dict[str, Any] = {**given, **dpo}  # those set, by the names check_create reads
@@ -321,7 +322,9 @@ def _method(rec: JobRecord, hyper: dict[str, Any]) -> dict[str, Any]:
         return {"type": "supervised", "supervised": {"hyperparameters": hyper}}
     hp = rec.hyperparameters
     return {"type": "dpo", "dpo": {"hyperparameters": {**hyper, "beta": hp.get("beta"), "dpo_loss": hp.get("dpo_loss"),
-                                                       "label_smoothing": hp.get("label_smoothing")}}}
+                                                       "label_smoothing": hp.get("label_smoothing"),
+                                                       # 0: a job stored before RPO existed ran without it
+                                                       "rpo_alpha": hp.get("rpo_alpha", 0.0)}}}
 
 
 # a DPO step's metrics, as its events carry them (tprt.train.dpo)
