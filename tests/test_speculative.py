@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tprt.engine.sampling import SamplingParams, process_logits, sample
-from tprt.engine.speculative import AdaptiveK, Context, SpeculativeConfig, Speculator, SuffixCache
+from tprt.engine.speculative import AdaptiveK, Context, SpeculativeConfig, Speculator, StepCosts, SuffixCache
 from tprt.errors import ConfigError
 
 
@@ -86,6 +86,39 @@ def test_adaptive_k_turns_down_probes_and_recovers() -> None:
     fixed = AdaptiveK(max_k=3, cost=0.15, probe_every=4, adaptive=False)
     fixed.observe(3, 0)
     assert fixed.next_k() == 3
+
+
+def test_step_costs_price_drafts_by_measured_steps() -> None:
+    """Before any step the prior prices a drafted position; then measured averages, with a line
+    through them for step widths not seen; k follows: all it may where wide steps cost what
+    narrow ones do, fewer where they cost more."""
+    costs = StepCosts(prior=0.15)
+    assert costs.relative(1, 4) == pytest.approx(1.6)
+    for _ in range(5):
+        costs.observe(1, 0.010)
+        costs.observe(3, 0.011)
+    assert costs.seconds(1) == pytest.approx(0.010) and costs.seconds(3) == pytest.approx(0.011)
+    assert costs.seconds(8) == pytest.approx(0.010 + 0.0005 * 7)  # on the line through (1, 10 ms), (3, 11 ms)
+    assert costs.relative(1, 7) == pytest.approx(0.0135 / 0.010)
+    costs.observe(0, 1.0)  # nothing to price: ignored
+    costs.observe(2, float("nan"))
+    assert costs.seconds(2) == pytest.approx(0.0105)
+    k = AdaptiveK(max_k=7, cost=0.15, probe_every=4)
+    for _ in range(10):
+        k.observe(4, 1)  # one of four drafted tokens kept
+    cheap = StepCosts(prior=0.15)
+    for n in (1, 4, 8):
+        cheap.observe(n, 0.010)
+    dear = StepCosts(prior=0.15)
+    for n in (1, 4, 8):
+        dear.observe(n, 0.010 * n)
+    assert k.next_k(lambda j: cheap.relative(1, j)) == 7
+    assert k.next_k(lambda j: dear.relative(1, j)) == 0  # a step of k + 1 tokens costs k + 1 plain ones
+    assert 1 <= k.next_k() < 7  # the prior alone: a few
+    slower = StepCosts(prior=0.15)  # a step noisily cheaper when wider still costs at least a plain one
+    slower.observe(1, 0.02)
+    slower.observe(2, 0.01)
+    assert slower.relative(1, 1) == 1.0
 
 
 def test_config_errors_name_the_flag() -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from collections.abc import Sequence as Seq
@@ -319,7 +320,7 @@ class Engine:
         if not seqs or widest < 1:
             return
         room = [min(widest, s.params.max_new_tokens - len(s.output) - 1) for s in seqs]
-        for seq, draft in zip(seqs, spec.propose(seqs, room)):
+        for seq, draft in zip(seqs, spec.propose(seqs, room, rows=decoding)):
             seq.draft = self._grammar_prefix(seq, draft)
 
     @property
@@ -380,7 +381,9 @@ class Engine:
         # A one-row step samples on the runner's thread count too: its torch ops are small, and
         # more OpenMP threads would only contend with the native kernels' spinning pool.
         with self.runner.threads_for(plan):
+            started = time.perf_counter()
             result = self.runner.execute(plan)
+            self._step_cost(plan, time.perf_counter() - started)
             allowed = masks.result() if masks is not None else {}
             if plan.prefill is not None and result.prefill is not None:
                 done = [(i, seq) for i, (seq, n) in enumerate(schedule.prefill) if self.scheduler.prefilled(seq, n)]
@@ -402,6 +405,16 @@ class Engine:
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(torch.get_num_threads(), native.threads()) < cores
+
+    def _step_cost(self, plan: StepPlan, seconds: float) -> None:
+        """A decode-only step's time, for the speculator's pricing of drafts: steps as wide as it
+        may draft (wider ones take other kernels, whose cost says nothing about drafting)."""
+        spec = self._speculator
+        if spec is None or plan.prefill is not None or plan.decode is None:
+            return
+        tokens = plan.decode.rows * plan.decode.width
+        if tokens <= spec.config.step_tokens(self.tp.device.type):
+            spec.costs.observe(tokens, seconds)
 
     def _mask_worker(self) -> MaskWorker:
         if self._masker is None:

@@ -22,15 +22,20 @@ Proposers (`SpeculativeConfig.method`):
 
 Adaptive k (`AdaptiveK`): each request estimates its per-token acceptance a from what it kept
 (decayed counts) and drafts the k in [0, num_tokens] that maximises the expected tokens per step,
-(1 - a^(k+1)) / (1 - a), per unit of cost, 1 + draft_cost * k (a k-token row costs about that
-much more than a one-token row). When acceptance is low k falls to 0 and the request decodes
-plainly, trying a one-token draft every `probe_every` steps; so free chat is not slowed down.
+(1 - a^(k+1)) / (1 - a), per unit of the step's cost. That cost is measured (`StepCosts`): the
+engine reports each decode step's time by its tokens (rows x width), and a step of n tokens is
+priced at its own average once seen, else by a line fitted through those seen (before any, a
+k-token row costs 1 + draft_cost * k one-token rows). So k follows the device and dtype: where
+a row of 8 positions costs about what a row of 1 does (a CPU decode step that is bound by
+reading the weights), requests draft all they may. When acceptance is low k falls to 0 and the
+request decodes plainly, trying a one-token draft every `probe_every` steps; so free chat is
+not slowed down.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -171,6 +176,47 @@ class SuffixCache:
 # ----------------------------------------------------------------------------- adaptive k
 
 
+class StepCosts:
+    """Decode step times by the step's tokens (rows x width, padding included): a decayed average
+    per token count seen, and the relative cost of drafting (see the module docstring)."""
+
+    DECAY = 0.9
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior  # a drafted position's cost in one-token rows, until steps are measured
+        self._mean: dict[int, float] = {}
+        self._fit: tuple[float, float] | None = None  # (intercept, slope) of the line through _mean
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < 1 or not seconds > 0:
+            return
+        old = self._mean.get(tokens)
+        self._mean[tokens] = seconds if old is None else old * self.DECAY + seconds * (1 - self.DECAY)
+        self._fit = None
+
+    def seconds(self, tokens: int) -> float | None:
+        """A step of `tokens` tokens: its average, else the fitted line's value (None: nothing seen)."""
+        if tokens in self._mean:
+            return self._mean[tokens]
+        if not self._mean:
+            return None
+        if self._fit is None:
+            xs, ys = list(self._mean), list(self._mean.values())
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else my * self.prior
+            self._fit = (my - slope * mx, max(slope, 0.0))
+        a, b = self._fit
+        return max(a + b * tokens, 1e-9)
+
+    def relative(self, rows: int, k: int) -> float:
+        """A step of `rows` rows of 1 + k positions against one of `rows` single tokens."""
+        base, wide = self.seconds(rows), self.seconds(rows * (1 + k))
+        if base is None or wide is None:
+            return 1.0 + self.prior * k
+        return max(wide / base, 1.0)
+
+
 class AdaptiveK:
     """How many tokens a request drafts next (see the module docstring)."""
 
@@ -185,13 +231,14 @@ class AdaptiveK:
     def rate(self) -> float:
         return self.accepted / self.trials
 
-    def next_k(self) -> int:
+    def next_k(self, cost: Callable[[int], float] | None = None) -> int:
+        """`cost(k)`: a step with this row drafting k against one without (1 + cost * k by default)."""
         if not self.adaptive:
             return self.max_k
         a = min(self.rate, 0.999)
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / (1 + self.cost * k)
+            value = (1 - a ** (k + 1)) / (1 - a) / (cost(k) if cost is not None else 1 + self.cost * k)
             if value > best + 1e-9:
                 best_k, best = k, value
         if best_k == 0:
@@ -342,6 +389,7 @@ class Speculator:
         self.draft = draft
         self._requests: dict[str, _Request] = {}
         self._caches: dict[int, SuffixCache] = {}
+        self.costs = StepCosts(config.draft_cost)
         self.stats = SpecStats(drafted_at=[0] * config.num_tokens, accepted_at=[0] * config.num_tokens)
 
     def _request(self, seq: Drafting) -> _Request:
@@ -352,14 +400,19 @@ class Speculator:
                 Context(c.min_n, c.max_n), AdaptiveK(c.num_tokens, c.draft_cost, c.probe_every, c.adaptive))
         return req
 
-    def propose(self, seqs: Seq[Drafting], room: Seq[int]) -> list[list[int]]:
-        """A draft for each sequence, at most room[i] tokens (and its adaptive k)."""
+    def propose(self, seqs: Seq[Drafting], room: Seq[int], rows: int = 1) -> list[list[int]]:
+        """A draft for each sequence, at most room[i] tokens (and its adaptive k, priced for a
+        decode step of `rows` rows)."""
         out: list[list[int]] = [[] for _ in seqs]
         model_rows = []
+
+        def cost(k: int) -> float:
+            return self.costs.relative(rows, k)
+
         for i, seq in enumerate(seqs):
             req = self._request(seq)
             req.context.sync(seq.prompt, seq.output)
-            k = min(req.k.next_k(), room[i])
+            k = min(req.k.next_k(cost), room[i])
             if k <= 0:
                 continue
             if self.config.method == "draft":
