@@ -48,8 +48,9 @@ PROMPTS = ROOT / "bench" / "spec_prompts.json"
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], n: int,
-              speculate: bool) -> tuple[float, list[list[int]], int]:
-    """Runs the prompts together (greedy, n tokens at most); (decode tokens/s, outputs, steps)."""
+              speculate: bool) -> tuple[int, float, list[list[int]], int]:
+    """Runs the prompts together (greedy, n tokens at most); (decode tokens, their seconds, outputs,
+    steps)."""
     for i, p in enumerate(prompts):
         engine.add(p, SamplingParams(temperature=0.0, max_new_tokens=n, speculate=speculate), str(i))
     first: float | None = None
@@ -68,7 +69,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], n: int,
                 counted += 1
             outs[ev.request_id].append(ev.token_id)
     assert first is not None
-    return counted / max(time.perf_counter() - first, 1e-9), [outs[str(i)] for i in range(len(prompts))], steps
+    return counted, time.perf_counter() - first, [outs[str(i)] for i in range(len(prompts))], steps
 
 
 def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: int = 1) -> dict[str, Any]:
@@ -77,7 +78,8 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: i
     times, which side goes first alternating); outputs must match. Also machine-independent
     figures: engine steps without / with (the most a step's cost allows the speed-up to be), and
     the share of drafted tokens kept."""
-    rates: dict[bool, list[float]] = {False: [], True: []}
+    tokens: dict[bool, list[int]] = {False: [], True: []}
+    seconds: dict[bool, list[float]] = {False: [], True: []}
     steps = {False: 0, True: 0}
     mismatches = 0
     before = engine.spec_stats
@@ -87,26 +89,30 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: i
             got = {}
             for speculate in ((False, True) if r % 2 == 0 else (True, False)):
                 got[speculate] = run_batch(engine, group, n, speculate=speculate)
-                rates[speculate].append(got[speculate][0])
-                steps[speculate] += got[speculate][2]
-            mismatches += sum(a != b for a, b in zip(got[False][1], got[True][1]))
+                tokens[speculate].append(got[speculate][0])
+                seconds[speculate].append(got[speculate][1])
+                steps[speculate] += got[speculate][3]
+            mismatches += sum(a != b for a, b in zip(got[False][2], got[True][2]))
     after = engine.spec_stats
     assert before is not None and after is not None
     drafted, kept = after.drafted - before.drafted, after.accepted - before.accepted
-    plain_mean = sum(rates[False]) / len(rates[False])
-    spec_mean = sum(rates[True]) / len(rates[True])
-    return {"plain_tps": plain_mean, "spec_tps": spec_mean, "speedup": spec_mean / plain_mean,
+    # all tokens over all decode time (a mean of per-prompt rates would let a short answer that
+    # was drafted whole count as much as a long one)
+    plain_tps = sum(tokens[False]) / sum(seconds[False])
+    spec_tps = sum(tokens[True]) / sum(seconds[True])
+    return {"plain_tps": plain_tps, "spec_tps": spec_tps, "speedup": spec_tps / plain_tps,
             "steps_ratio": steps[False] / max(steps[True], 1), "drafted": drafted,
             "acceptance": kept / max(drafted, 1), "outputs_differ": mismatches}
 
 
 def hf_prompt_lookup(workdir: Path, dtype: torch.dtype, prompts: list[list[int]], n: int, k: int) -> dict[str, Any]:
-    """transformers' plain greedy generate and its prompt lookup, decode tokens/s (mean per prompt)."""
+    """transformers' plain greedy generate and its prompt lookup, decode tokens/s (all prompts'
+    tokens over their time)."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(workdir / "hf", dtype=dtype).eval()
 
-    def rate(p: list[int], **kw: Any) -> float:
+    def rate(p: list[int], **kw: Any) -> tuple[int, float]:
         x = torch.tensor([p])
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -116,20 +122,22 @@ def hf_prompt_lookup(workdir: Path, dtype: torch.dtype, prompts: list[list[int]]
                                  pad_token_id=2, **kw)
             t2 = time.perf_counter()
         made = out.shape[1] - len(p)
-        return (made - 1) / max((t2 - t1) - (t1 - t0), 1e-9)  # the prefill call's time taken off
+        return made - 1, max((t2 - t1) - (t1 - t0), 1e-9)  # the prefill call's time taken off
 
     plain, spec = [], []
     for p in prompts:
         plain.append(rate(p))
         spec.append(rate(p, prompt_lookup_num_tokens=k))
-    a, b = sum(plain) / len(plain), sum(spec) / len(spec)
+    a = sum(t for t, _ in plain) / sum(s for _, s in plain)
+    b = sum(t for t, _ in spec) / sum(s for _, s in spec)
     return {"plain_tps": a, "spec_tps": b, "speedup": b / a}
 
 
 def llama_cpp_prompt_lookup(workdir: Path, dtype: str, prompts: list[list[int]], n: int, k: int,
                             threads: int) -> dict[str, Any] | None:
-    """llama.cpp plain and with LlamaPromptLookupDecoding (num_pred_tokens=k), tokens/s per prompt
-    from its first generated token to its last; None without llama-cpp-python."""
+    """llama.cpp plain and with LlamaPromptLookupDecoding (num_pred_tokens=k), tokens/s from each
+    prompt's first generated token to its last, all prompts' tokens over their time; None without
+    llama-cpp-python."""
     try:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -142,7 +150,7 @@ def llama_cpp_prompt_lookup(workdir: Path, dtype: str, prompts: list[list[int]],
     for name, draft in (("plain", None), ("spec", LlamaPromptLookupDecoding(num_pred_tokens=k))):
         llm = Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, use_mmap=False,
                     verbose=False, draft_model=draft)
-        rates = []
+        made_all, seconds_all = 0, 0.0
         for p in prompts:
             first, made = None, 0
             for token in llm.generate(p, top_k=1, temp=0.0, reset=True):
@@ -153,8 +161,9 @@ def llama_cpp_prompt_lookup(workdir: Path, dtype: str, prompts: list[list[int]],
                     made += 1
                 if made + 1 >= n or token in (2,):  # SmolLM2's <|im_end|> ends a chat answer
                     break
-            rates.append(made / max(time.perf_counter() - (first or 0.0), 1e-9))
-        out[f"{name}_tps"] = sum(rates) / len(rates)
+            made_all += made
+            seconds_all += time.perf_counter() - (first or time.perf_counter())
+        out[f"{name}_tps"] = made_all / max(seconds_all, 1e-9)
         del llm
     out["speedup"] = out["spec_tps"] / out["plain_tps"]
     return out
