@@ -750,6 +750,21 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
     assert want["short"][0] == want["short"][0][:3] and want["short"][4] == "length"
     assert want["stop"][4] == "stop" and len(want["stop"][3]) < len(want["g0-0"][3]), want["stop"]
 
+    # bf16 too: a row of drafted tokens goes through the few-row products, whose rows have the
+    # one-row product's bits, so greedy output is plain decoding's token for token and logprob
+    # for logprob (steps of up to 8 positions, the CPU default: wider ones take oneDNN's
+    # many-row kernels).
+    def greedy_ids(engine: Engine) -> dict[str, tuple[list[int], list[float]]]:
+        for i, p in enumerate(prompts[:2]):
+            engine.add(p, _greedy(SPEC_NEW, logprobs=True), f"b{i}")
+        return {k: (c.token_ids, c.logprobs) for k, c in run_to_completion(engine).items()}
+
+    bf16 = {name: _drive(ctx, wd, replace(base, speculative=spec), greedy_ids,
+                         model=load_model(wd / f"tp{ctx.world_size}", ctx, "bf16"))
+            for name, spec in (("plain", None), ("ngram", SpeculativeConfig("ngram", num_tokens=4, min_n=1, max_n=3,
+                                                                             adaptive=False)))}
+    assert bf16["ngram"] == bf16["plain"], bf16
+
 
 SMALL_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                                  "ok": {"type": "boolean"}, "tag": {"enum": ["x", "yz"]}},

@@ -72,6 +72,23 @@ def test_gemv_rows_matches_linear(dtype: torch.dtype) -> None:
             rows_gemv(bad.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """Each row of the few-row kernel has the one-row GEMV's bits (the same sums in the same
+    order): a decode row of drafted tokens verifies them with the logits one-token steps give."""
+    if not native.available():
+        return
+    torch.manual_seed(1)
+    for n, k in ((7, 31), (33, 72), (200, 576), (5, 100), (3, 1536), (9, 96)):
+        w = torch.randn(n, k).to(dtype)
+        one, rows_gemv = native.gemv_kernel(w), native.gemv_rows_kernel(w)
+        assert one is not None and rows_gemv is not None
+        for rows in range(2, native.MAX_FEW_ROWS + 1):
+            x = torch.randn(rows, k).to(dtype)
+            alone = torch.stack([one(x[i]) for i in range(rows)])
+            assert torch.equal(rows_gemv(x), alone), (dtype, n, k, rows)
+
+
 def test_fast_linear_routes_by_row_count() -> None:
     """One row to `one`, the counts in `few_rows` to `few`, everything else to `many`."""
     from tprt.cpu.fast_linear import FastLinear
