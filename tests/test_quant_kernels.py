@@ -107,6 +107,23 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         native.set_threads(before)
 
 
+@pytest.mark.parametrize("group", [None, 32, 64])
+def test_many_bf16_rows_take_the_weight_dequantized_to_bf16(group: int | None) -> None:
+    """9-32 rows of bf16 activations (batched decode): the weight tile dequantized to bf16 once and
+    taken by bf16 dot products; each row as close to the bf16-rounded dequantized product as a bf16
+    model's GEMV is, and the same whatever rows come with it."""
+    q, s = _weights(300, 576, group)  # 300 rows: several tiles of 28 rows
+    kernel = native.q8_kernel(q, s)
+    assert kernel is not None
+    w = dequantize(q, s).to(torch.bfloat16).float()
+    x = _x(native.MAX_Q8_ROWS, 576, torch.bfloat16)
+    full = kernel(x)
+    for m in (9, 16, 25, native.MAX_Q8_ROWS):
+        got = kernel(x[:m])
+        assert got.dtype == torch.bfloat16 and torch.equal(got, full[:m]), m
+        assert _rel(got, F.linear(x[:m].float(), w)) < 2e-2, m  # (without AVX512-BF16: x rounded per 32)
+
+
 def test_bad_inputs_are_refused() -> None:
     q, s = _weights(32, 64, None)
     kernel = native.q8_kernel(q, s)

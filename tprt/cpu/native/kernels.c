@@ -1514,13 +1514,73 @@ static void q8_section(void *arg, int64_t lo, int64_t hi) {
     }
 }
 
+#if defined(__AVX512BF16__)
+/* 9-32 rows of bf16 activations (batched decode). The VNNI loop spends about seven instructions
+   per 64 products and input row (each 32-column block's int32 sum converted and scaled, row by
+   row), so at 16 rows it is bound by arithmetic, not by the weight's bytes. Here each tile of
+   weight rows is dequantized once into bf16 (w * s rounded to bf16, as a bf16 model's weight is
+   rounded), and every 8 input rows take it with the few-row bf16 GEMV: 32 products per
+   instruction, no per-row conversions. The weight is still read from memory once, as int8. */
+#define Q8B_MIN_ROWS 9
+typedef struct {
+    const int8_t *w;
+    const float *s;
+    const uint16_t *x;  /* bf16 [m, k] */
+    float *y;           /* [m, n] */
+    int64_t m, n, k, g;
+} q8b_args;
+
+static void q8b_section(void *arg, int64_t lo, int64_t hi) {
+    const q8b_args *a = arg;
+    const int64_t k = a->k, g = a->g, groups = k / g;
+    int64_t tile = Q8_TILE_BYTES / k > 0 ? Q8_TILE_BYTES / k : 1;
+    tile = tile < hi - lo ? tile : hi - lo;
+    uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)(tile * k));
+    uint16_t *yb = malloc(sizeof(uint16_t) * (size_t)(8 * tile));
+    for (int64_t t0 = lo; t0 < hi; t0 += tile) {
+        int64_t t1 = t0 + tile < hi ? t0 + tile : hi;
+        for (int64_t r = t0; r < t1; r++) {
+            const int8_t *src = a->w + r * k;
+            const float *srow = a->s + r * groups;
+            uint16_t *dst = wb + (r - t0) * k;
+            for (int64_t c = 0; c < k; c += 32) {
+                __m512 sv = _mm512_set1_ps(srow[c / g]);
+                __m512 lo16 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + c))));
+                __m512 hi16 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + c + 16))));
+                _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi16, sv), _mm512_mul_ps(lo16, sv)));
+            }
+        }
+        for (int64_t i0 = 0; i0 < a->m; i0 += 8) {
+            int64_t mm = a->m - i0 < 8 ? a->m - i0 : 8;
+            gemv_rows_bf16_serial(wb, a->x + i0 * k, yb, mm, t1 - t0, k, t1 - t0);
+            for (int64_t i = 0; i < mm; i++)
+                for (int64_t r = t0; r < t1; r++) a->y[(i0 + i) * a->n + r] = bf16_to_f32(yb[i * (t1 - t0) + r - t0]);
+        }
+    }
+    free(wb);
+    free(yb);
+}
+#endif
+
 /* x [m, k] (float32 or bf16 per `x_bf16`) times the int8 weight, into y [m, n] (float32 or bf16 per
    `y_bf16`, rounded to nearest even). `scalar`: 1 forces the scalar loop, 2 the float32 vector path
    (no VNNI), 0 the fastest this build has (tests compare the paths). */
 void tprt_gemv_q8(const int8_t *w, const float *s, const void *x, void *y, int64_t m, int64_t n, int64_t k,
                   int64_t g, int64_t x_bf16, int64_t y_bf16, int64_t scalar) {
-    float *xf = x_bf16 ? malloc(sizeof(float) * m * k) : (float *)x;
     float *yf = y_bf16 ? malloc(sizeof(float) * m * n) : (float *)y;
+#if defined(__AVX512BF16__)
+    if (scalar == 0 && x_bf16 && m >= Q8B_MIN_ROWS && g % 32 == 0 && k % 32 == 0) {
+        q8b_args a = {w, s, (const uint16_t *)x, yf, m, n, k, g};
+        section sec = {q8b_section, &a, n, chunk_units(n, k, 16)};
+        run_job(&sec, 1, n * k >= PARALLEL_MIN_ELEMENTS);
+        if (y_bf16) {
+            for (int64_t i = 0; i < m * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(yf[i]);
+            free(yf);
+        }
+        return;
+    }
+#endif
+    float *xf = x_bf16 ? malloc(sizeof(float) * m * k) : (float *)x;
     if (x_bf16)
         for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     if (scalar == 1) {
