@@ -1519,7 +1519,7 @@ static void q8_section(void *arg, int64_t lo, int64_t hi) {
    per 64 products and input row (each 32-column block's int32 sum converted and scaled, row by
    row), so at 16 rows it is bound by arithmetic, not by the weight's bytes. Here each tile of
    weight rows is dequantized once into bf16 (w * s rounded to bf16, as a bf16 model's weight is
-   rounded), and every 8 input rows take it with the few-row bf16 GEMV: 32 products per
+   rounded), and every 8 input rows take it with bf16 dot products (`q8b_dots`): 32 products per
    instruction, no per-row conversions. The weight is still read from memory once, as int8. */
 #define Q8B_MIN_ROWS 9
 typedef struct {
@@ -1530,13 +1530,51 @@ typedef struct {
     int64_t m, n, k, g;
 } q8b_args;
 
+/* Q8B_DOTS(M): y[i * ldy + r] = w[r] . x[i] in float32 for nw bf16 weight rows and M input rows
+   (k % 32 == 0): two weight rows at a time against the M input rows, so each x load serves two
+   dot products and each weight load M (2M accumulators in registers: M is a constant). */
+#define Q8B_DOTS(M)                                                                                          \
+static void q8b_dots_##M(const uint16_t *w, int64_t nw, const uint16_t *x, int64_t k, float *y, int64_t ldy) { \
+    int64_t r = 0;                                                                                            \
+    for (; r + 2 <= nw; r += 2) {                                                                             \
+        const uint16_t *w0 = w + r * k, *w1 = w0 + k;                                                         \
+        __m512 a0[M], a1[M];                                                                                  \
+        for (int i = 0; i < M; i++) a0[i] = a1[i] = _mm512_setzero_ps();                                      \
+        for (int64_t c = 0; c < k; c += 32) {                                                                 \
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + c), v1 = (__m512bh)_mm512_loadu_si512(w1 + c);    \
+            for (int i = 0; i < M; i++) {                                                                     \
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * k + c);                                    \
+                a0[i] = _mm512_dpbf16_ps(a0[i], v0, xv);                                                      \
+                a1[i] = _mm512_dpbf16_ps(a1[i], v1, xv);                                                      \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int i = 0; i < M; i++) {                                                                         \
+            y[i * ldy + r] = _mm512_reduce_add_ps(a0[i]);                                                     \
+            y[i * ldy + r + 1] = _mm512_reduce_add_ps(a1[i]);                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (; r < nw; r++) {                                                                                     \
+        const uint16_t *w0 = w + r * k;                                                                       \
+        __m512 a0[M];                                                                                         \
+        for (int i = 0; i < M; i++) a0[i] = _mm512_setzero_ps();                                              \
+        for (int64_t c = 0; c < k; c += 32) {                                                                 \
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + c);                                               \
+            for (int i = 0; i < M; i++)                                                                       \
+                a0[i] = _mm512_dpbf16_ps(a0[i], v0, (__m512bh)_mm512_loadu_si512(x + i * k + c));            \
+        }                                                                                                     \
+        for (int i = 0; i < M; i++) y[i * ldy + r] = _mm512_reduce_add_ps(a0[i]);                             \
+    }                                                                                                         \
+}
+Q8B_DOTS(1) Q8B_DOTS(2) Q8B_DOTS(3) Q8B_DOTS(4) Q8B_DOTS(5) Q8B_DOTS(6) Q8B_DOTS(7) Q8B_DOTS(8)
+static void (*const q8b_dots[])(const uint16_t *, int64_t, const uint16_t *, int64_t, float *, int64_t) = {
+    0, q8b_dots_1, q8b_dots_2, q8b_dots_3, q8b_dots_4, q8b_dots_5, q8b_dots_6, q8b_dots_7, q8b_dots_8};
+
 static void q8b_section(void *arg, int64_t lo, int64_t hi) {
     const q8b_args *a = arg;
     const int64_t k = a->k, g = a->g, groups = k / g;
     int64_t tile = Q8_TILE_BYTES / k > 0 ? Q8_TILE_BYTES / k : 1;
     tile = tile < hi - lo ? tile : hi - lo;
     uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)(tile * k));
-    uint16_t *yb = malloc(sizeof(uint16_t) * (size_t)(8 * tile));
     for (int64_t t0 = lo; t0 < hi; t0 += tile) {
         int64_t t1 = t0 + tile < hi ? t0 + tile : hi;
         for (int64_t r = t0; r < t1; r++) {
@@ -1552,13 +1590,10 @@ static void q8b_section(void *arg, int64_t lo, int64_t hi) {
         }
         for (int64_t i0 = 0; i0 < a->m; i0 += 8) {
             int64_t mm = a->m - i0 < 8 ? a->m - i0 : 8;
-            gemv_rows_bf16_serial(wb, a->x + i0 * k, yb, mm, t1 - t0, k, t1 - t0);
-            for (int64_t i = 0; i < mm; i++)
-                for (int64_t r = t0; r < t1; r++) a->y[(i0 + i) * a->n + r] = bf16_to_f32(yb[i * (t1 - t0) + r - t0]);
+            q8b_dots[mm](wb, t1 - t0, a->x + i0 * k, k, a->y + i0 * a->n + t0, a->n);
         }
     }
     free(wb);
-    free(yb);
 }
 #endif
 
