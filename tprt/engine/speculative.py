@@ -26,10 +26,10 @@ Adaptive k (`AdaptiveK`): each request estimates its per-token acceptance a from
 engine reports each decode step's time by its tokens (rows x width), and a step of n tokens is
 priced at its own average once seen, else by a line fitted through those seen (before any, a
 k-token row costs 1 + draft_cost * k one-token rows). So k follows the device and dtype: where
-a row of 8 positions costs about what a row of 1 does (a CPU decode step that is bound by
-reading the weights), requests draft all they may. When acceptance is low k falls to 0 and the
-request decodes plainly, trying a one-token draft every `probe_every` steps; so free chat is
-not slowed down.
+wider rows cost little (a GPU step bound by reading the weights) requests draft all they may,
+and where they cost more (two CPU cores: 8 positions about twice one) they draft fewer. When
+acceptance is low k falls to 0 and the request decodes plainly, trying a one-token draft every
+`probe_every` steps; so free chat is not slowed down.
 """
 
 from __future__ import annotations
