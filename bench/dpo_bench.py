@@ -1,6 +1,7 @@
 """DPO learning bench: SmolLM2-135M-Instruct at TP 3 learns a preferred answer style.
 
-    python bench/dpo_bench.py [--steps 60] [--beta 0.1] [--lr 5e-4] [--label-smoothing 0.1] [--batch 4]
+    python bench/dpo_bench.py [--steps 60] [--beta 0.1] [--lr 5e-4] [--rpo-alpha 1.0] [--label-smoothing 0]
+                              [--batch 4]
                               [--model /tmp/smol/hf]
 
 The preference set (written by `write_sets`, kept in bench/data/) holds short factual questions
@@ -136,8 +137,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--label-smoothing", type=float, default=0.1,
-                    help="cDPO: bounds the margin (at 0, 60 steps at lr 1e-3 collapsed the answers onto the style)")
+    ap.add_argument("--label-smoothing", type=float, default=0.0,
+                    help="cDPO: bounds the margin (without RPO, neither 0 nor 0.1 kept the answers sound)")
     ap.add_argument("--rpo-alpha", type=float, default=1.0,
                     help="weight of the preferred answer's per-token NLL (RPO); 0 is pure DPO")
     ap.add_argument("--batch", type=int, default=4, help="pairs per step")
