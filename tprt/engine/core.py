@@ -396,7 +396,8 @@ class Engine:
 
     def _spare_core(self) -> bool:
         """Whether a thread beside the forward pass has a core of its own: on a GPU, or when the
-        CPU kernels run on fewer threads than the machine has cores (or as configured)."""
+        CPU kernels of all this host's ranks (LOCAL_WORLD_SIZE, as torchrun and tprt's launcher
+        set it) run on fewer threads than the machine has cores (or as configured)."""
         if self.config.overlap_masks is not None:
             return self.config.overlap_masks
         if self.runner.device.type != "cpu":
@@ -404,7 +405,9 @@ class Engine:
         from tprt.cpu import native
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(torch.get_num_threads(), native.threads()) < cores
+        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+        local_ranks = max(1, int(local)) if local.isdigit() else 1
+        return max(torch.get_num_threads(), native.threads()) * local_ranks < cores
 
     def _step_cost(self, plan: StepPlan, seconds: float) -> None:
         """A decode-only step's time, for the speculator's pricing of drafts: steps as wide as it
