@@ -72,10 +72,11 @@ def test_gemv_rows_matches_linear(dtype: torch.dtype) -> None:
             rows_gemv(bad.to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
-    """Each row of the few-row kernel has the one-row GEMV's bits (the same sums in the same
-    order): a decode row of drafted tokens verifies them with the logits one-token steps give."""
+    """Each row of the bf16 few-row kernel has the one-row GEMV's bits (the same sums in the same
+    order): a decode row of drafted tokens verifies them with the logits one-token steps give.
+    (fp32 rows match to rounding only: test_gemv_rows_matches_linear; see kernels.c.)"""
     if not native.available():
         return
     torch.manual_seed(1)
