@@ -26,6 +26,9 @@ from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
 from tprt.model.kv_cache import KVCache, kv_cache_dtype, quantize
 from tprt.checkpoint.loading import load_model
+from tprt.cpu import native
+from tprt.cpu.fast_linear import prepack
+from tprt.cpu.quant_linear import Int8Head
 from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import LayerStack, TPLlamaForCausalLM
 
@@ -193,6 +196,14 @@ def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
         agree += int((full[b, :n].argmax(-1) == ref["logits"][b].argmax(-1)).sum())
         total += n
     assert agree >= QUANT_AGREE * total, f"int8 top-1 agreement {agree}/{total}"
+    packed = load_model(workdir / f"{name}-int8-tp{ctx.world_size}", ctx)
+    prepack(packed)  # the LM head in int8 too (tprt.cpu.quant_linear.Int8Head), each rank its vocabulary rows
+    assert isinstance(packed.lm_head.method.base, Int8Head)
+    for b, n in enumerate(lens):
+        assert n <= native.MAX_Q8_ROWS  # one prompt's rows take the compiled int8 head
+        with torch.inference_mode():
+            one = packed.gather_logits(packed(ids[b : b + 1, :n]))[0]  # [n, vocab]
+        _assert_close(one, ref["logits"][b], f"prompt {b} (int8, int8 LM head)", QUANT_TOL)
 
 
 def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:

@@ -183,6 +183,40 @@ def test_garbage_check_fails_a_broken_model(root: Path, breakage: str) -> None:
     assert agreement(model, ref) < AGREE["int8"], breakage
 
 
+def test_int8_model_reads_its_lm_head_in_int8_at_inference(root: Path) -> None:
+    """prepack gives an int8 model's LM head an int8 copy in the decoder's format (groups of 32
+    here): products without autograd, of any row count, take it (the compiled kernel rounds x per
+    block of 32 on VNNI CPUs); a product autograd records takes the dense weight; the prepacked
+    model still passes the garbage check; a float model's head stays dense."""
+    from tprt.cpu import native
+    from tprt.cpu.fast_linear import FastLinear, prepack
+    from tprt.cpu.quant_linear import Int8Head
+
+    assert native.available(), "the compiled kernels must build here (a C compiler)"
+    ref = _logits(load_model(root / "float", TPContext.single()))
+    model = load_model(root / "int8-g32", TPContext.single())
+    dense = model.lm_head.weight_matrix().detach().clone()  # [vocab, hidden]
+    prepack(model)
+    method = model.lm_head.method.base
+    assert isinstance(method, Int8Head) and method.q8 is not None
+    want_q, want_s = quantize(dense, QuantSpec("int8", 32))
+    assert torch.equal(method.q8[0], want_q) and torch.equal(method.q8[1], want_s)
+    x = torch.randn(40, dense.shape[1], generator=torch.Generator().manual_seed(5))
+    exact = F.linear(x, dequantize(want_q, want_s))  # [40, vocab]
+    with torch.inference_mode():
+        for rows in (1, 5, 16, 40):  # one-row, few-row, tiled and dequantized paths
+            got = model.lm_head(x[:rows])
+            assert (got - exact[:rows]).abs().max() <= 0.02 * exact.abs().max(), rows
+            assert (got - F.linear(x[:rows], dense)).abs().max() > 0, rows  # not the dense weight
+    xg = x[:3].clone().requires_grad_()
+    model.lm_head(xg).sum().backward()
+    assert torch.allclose(xg.grad, dense.sum(0).expand(3, -1), atol=1e-5)  # dense weight's gradient
+    assert agreement(model, ref) >= AGREE["int8"]
+    floats = load_model(root / "float", TPContext.single())
+    prepack(floats)
+    assert isinstance(floats.lm_head.method.base, FastLinear)
+
+
 def test_lora_base_takes_no_gradient_and_full_finetune_is_refused(root: Path) -> None:
     with pytest.raises(ConfigError, match=r"weights are int8 \(frozen\).*LoRA"):
         load_model(root / "int8", TPContext.single(), requires_grad=True)

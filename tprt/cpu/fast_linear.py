@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from tprt.cpu import native
 from tprt.cpu.threads import decode_threads
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.cpu.quant_linear import NativeInt8Linear
+from tprt.cpu.quant_linear import Int8Head, NativeInt8Linear
 from tprt.parallel.layers import DenseLinear, ParallelLinear, set_base_method
 from tprt.quant.methods import QuantLinear
 
@@ -217,13 +217,15 @@ def _tune_few_rows(weights: list[torch.Tensor], many: list[Kernel]
 
 def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int | None = None) -> dict[str, str]:
     """Gives every dense linear layer and the LM head a `FastLinear` as its weight method (under
-    any LoRA wrapping it), and int8 layers a `NativeInt8Linear`, when `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
+    any LoRA wrapping it), and int8 layers a `NativeInt8Linear` (and, with `tune`, the LM head an
+    `Int8Head`), when `supported(model)`; returns, per weight shape, the variant chosen for one-row inputs (empty
     when nothing was done). Without `tune`, one-row inputs use the packed weight too (training:
     faster frozen-base products without the timing). `one_row_threads`: the torch threads
     one-row steps run on (tprt.engine.runner; None: the current count), which torch's one-row
     variants are timed with."""
     if not supported(model):
         return {}
+    head_method = int8_head(model) if tune else None
     native.set_threads(decode_threads())  # before the timings, so the native GEMV is timed as it will run
     if one_row_threads is not None:  # one-row steps never raise the count (tprt.engine.runner)
         one_row_threads = min(one_row_threads, torch.get_num_threads())
@@ -235,6 +237,10 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
                     quant = NativeInt8Linear(layer.method.base.spec)
                     quant.process_after_loading(layer)
                     set_base_method(layer, quant)
+                continue
+            if layer is model.lm_head and head_method is not None:
+                head_method.process_after_loading(layer)
+                set_base_method(layer, head_method)
                 continue
             if isinstance(layer, ParallelLinear):
                 method = FastLinear()
@@ -255,6 +261,15 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
                     method.choose(one, name, fews[i] if fews else None, few_rows)
             chosen["x".join(map(str, shape))] = group[0][1].one_variant
     return chosen
+
+
+def int8_head(model: TPLlamaForCausalLM) -> Int8Head | None:
+    """The LM head's method at inference when the decoder's weights are int8 and the compiled
+    kernels are there: the head quantized in the same format (tprt.cpu.quant_linear.Int8Head)."""
+    method = model.weight_method
+    if isinstance(method, QuantLinear) and method.spec.name == "int8" and native.available():
+        return Int8Head(method.spec)
+    return None
 
 
 @contextmanager

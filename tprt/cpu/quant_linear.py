@@ -2,15 +2,16 @@
 `QuantLinear` (tprt.quant.methods) whose decode products (up to 32 rows, no autograd) run in
 `tprt.cpu.native.q8_kernel`, reading one byte per weight; other products (prefill, training
 through a frozen base) take QuantLinear's torch path. `tprt.cpu.fast_linear.prepack` gives every
-int8 layer one."""
+int8 layer one, and the LM head of a model whose decoder is int8 an `Int8Head`."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tprt.cpu import native
-from tprt.parallel.layers import ParallelLinear
-from tprt.quant.formats import QuantSpec
+from tprt.parallel.layers import DenseLinear, ParallelLinear
+from tprt.quant.formats import QuantSpec, dequantize, quantize
 from tprt.quant.methods import QuantLinear, quantized
 
 
@@ -30,3 +31,32 @@ class NativeInt8Linear(QuantLinear):
                 or x.dtype not in (torch.float32, torch.bfloat16)):
             return super().apply(layer, x)  # prefill: one dequantization for all its rows
         return self.kernel(x)
+
+
+class Int8Head(DenseLinear):
+    """The LM head of a model whose decoder weights are int8, at inference: its dense weight
+    quantized at load in the decoder's format (`spec`), as llama.cpp's Q8_0 files store
+    `output.weight`. The head is a fifth of SmolLM2's weight bytes, so reading it as bf16 held
+    batch-1 int8 decode well under 2x bf16's speed (docs/PERF.md). Products with autograd off
+    use the int8 copy (the compiled kernel for up to MAX_Q8_ROWS rows, else float32 on its
+    dequantization), so decode, verification and scoring see the same weights; products that
+    autograd records (training through the head) use the dense weight, which stays the
+    checkpoint's (tied embeddings included)."""
+
+    def __init__(self, spec: QuantSpec) -> None:
+        self.spec = spec
+        self.q8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kernel: native.Kernel | None = None
+
+    def process_after_loading(self, layer: ParallelLinear) -> None:
+        self.q8 = quantize(layer.weight_matrix().detach(), self.spec)
+        self.kernel = native.q8_kernel(*self.q8)
+
+    def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        weight = layer.weight_matrix()
+        if self.q8 is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+            return F.linear(x, weight)
+        rows = x.numel() // x.shape[-1]
+        if self.kernel is not None and rows <= native.MAX_Q8_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+            return self.kernel(x)
+        return F.linear(x.to(torch.float32), dequantize(*self.q8)).to(x.dtype)
