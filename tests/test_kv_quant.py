@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tprt.cpu import native
 from tprt.errors import ConfigError
-from tprt.model.kv_cache import QUANTIZED, KVCache, kv_bytes_per_position, kv_cache_dtype, quantize
+from tprt.model.kv_cache import QUANTIZED, KVCache, key_rotation, kv_bytes_per_position, kv_cache_dtype, quantize
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 QDTYPES = [torch.int8] + ([torch.float8_e4m3fn] if HAS_FP8 else [])
@@ -70,14 +70,39 @@ def test_paged_cache_writes_quantize_and_reads_dequantize(dtype: torch.dtype) ->
         k, v = c.update(1, kv, step)
     k_ref, v_ref = ref.read(1, ref.prepare(positions, tables))
     amax = kv.abs().amax(-1).max()
+    rotation = cache.key_rotation  # FP8 keys are stored rotated, int8's as given
+    assert (rotation is None) == (dtype == torch.int8)
     for got, want in ((k, k_ref), (v, v_ref)):
         real = torch.cat([got[0, :, :6], got[1, :, 6:12]]) - torch.cat([want[0, :, :6], want[1, :, 6:12]])
-        assert real.abs().max() <= ELEMENT_TOL[dtype] * amax
-    values, scales = quantize(kv[1, 3], dtype)  # row 1's position 9: block 5 (its table's third), offset 1
+        if rotation is None or got is v:
+            assert real.abs().max() <= ELEMENT_TOL[dtype] * amax
+        else:  # the rotation keeps each error vector's length: within half an ulp of the key's
+            assert (real.norm(dim=-1) <= ELEMENT_TOL[dtype] * torch.cat([want[0, :, :6], want[1, :, 6:12]]).norm(dim=-1)).all()
+    written = kv[1, 3].clone()  # row 1's position 9: block 5 (its table's third), offset 1
+    if rotation is not None:
+        assert torch.allclose(rotation @ rotation.T, torch.eye(d), atol=1e-6)
+        written[0] = written[0] @ rotation
+    values, scales = quantize(written, dtype)
     assert cache.scales is not None
     assert torch.equal(cache.kv[1, 5, :, :, 1].view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(cache.scales[1, 5, :, :, 1], scales)
     assert not cache.kv[0].view(torch.uint8).any() and not cache.scales[0].any(), "layer 0 was written"
+
+
+def test_key_rotation_is_a_hadamard_matrix_where_head_dim_allows() -> None:
+    """FP8 keys' rotation: orthogonal, every entry +-1/sqrt(d), the same matrix each time; none
+    for a head_dim that is not a power of 2 (keys then stored as given, and still read back)."""
+    for d in (2, 64, 128):
+        h = key_rotation(d)
+        assert h is not None and torch.allclose(h @ h.T, torch.eye(d), atol=1e-6)
+        assert torch.equal(h.abs(), torch.full((d, d), d ** -0.5)) and torch.equal(h, key_rotation(d))
+    assert key_rotation(48) is None and key_rotation(1) is None
+    if HAS_FP8:
+        cache = KVCache(1, 3, 1, 4, 48, torch.float8_e4m3fn)
+        assert cache.key_rotation is None
+        kv = torch.randn(1, 4, 2, 1, 48)
+        k, _ = cache.update(0, kv, cache.prepare(torch.arange(4)[None], torch.tensor([[1]])))
+        assert ((k[0, 0] - kv[0, :, 0, 0]).abs() <= ELEMENT_TOL[torch.float8_e4m3fn] * kv[0, :, 0, 0].abs() + 1e-3).all()
 
 
 @pytest.mark.parametrize("dtype", QDTYPES, ids=str)
