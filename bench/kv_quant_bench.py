@@ -60,9 +60,9 @@ def perplexity(model: TPLlamaForCausalLM, ids: list[int], kv: str, chunk: int,
     if keep is not None:
         update = cache.update
 
-        def recording(layer: int, kv_: torch.Tensor, step: Any) -> Any:
+        def recording(layer: int, kv_: torch.Tensor, step: Any, **kw: Any) -> Any:
             keep.append(kv_[0].detach().float().clone())
-            return update(layer, kv_, step)
+            return update(layer, kv_, step, **kw)
 
         cache.update = recording  # type: ignore[method-assign]
     table = torch.arange(1, n_blocks + 1)[None]

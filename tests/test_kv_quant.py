@@ -97,6 +97,14 @@ def test_key_rotation_is_a_hadamard_matrix_where_head_dim_allows() -> None:
         assert h is not None and torch.allclose(h @ h.T, torch.eye(d), atol=1e-6)
         assert torch.equal(h.abs(), torch.full((d, d), d ** -0.5)) and torch.equal(h, key_rotation(d))
     assert key_rotation(48) is None and key_rotation(1) is None
+    if HAS_FP8:  # attention reads FP8 keys as stored and rotates its queries instead: the same scores
+        cache = KVCache(1, 3, 2, 4, 64, torch.float8_e4m3fn)
+        step = cache.prepare(torch.arange(6)[None], torch.tensor([[1, 2]]))
+        k, _ = cache.update(0, torch.randn(1, 6, 2, 2, 64), step)
+        k_stored, _ = cache.read(0, step, rotated_keys=True)
+        q = torch.randn(1, 2, 6, 64)
+        assert not torch.allclose(k_stored, k, atol=1e-2)
+        assert torch.allclose(cache.rotate_queries(q) @ k_stored.transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-4)
     if HAS_FP8:
         cache = KVCache(1, 3, 1, 4, 48, torch.float8_e4m3fn)
         assert cache.key_rotation is None

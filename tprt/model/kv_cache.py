@@ -230,10 +230,11 @@ class KVCache:
         if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= self.n_blocks):
             raise ValueError(f"block ids must lie in [0, {self.n_blocks})")
 
-    def update(self, layer: int, kv: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, kv: torch.Tensor, step: CacheStep,
+               rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
-        (block, offset) and returns `read(layer, step)`; quantized with a scale per head vector
-        when the storage is (`quantize`)."""
+        (block, offset) and returns `read(layer, step, rotated_keys)`; quantized with a scale per
+        head vector when the storage is (`quantize`)."""
         if self.scales is None:
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = kv  # [block, k/v, kv_head, offset, head_dim]
         else:
@@ -242,15 +243,17 @@ class KVCache:
             values, scales = quantize(kv, self.kv.dtype)
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
             self.scales[layer][step.write_blocks, :, :, step.write_offsets] = scales  # [block, k/v, kv_head, offset]
-        return self.read(layer, step)
+        return self.read(layer, step, rotated_keys)
 
-    def read(self, layer: int, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, step: CacheStep, rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values up to kv_len, gathered from its blocks in order, each
-        [batch, n_kv_heads, kv_len, head_dim]."""
+        [batch, n_kv_heads, kv_len, head_dim]. `rotated_keys`: keys stored rotated (FP8) stay
+        so, for queries put in the same basis by `rotate_queries` (the scores are the same, and
+        only the queries are multiplied, not every key in the cache)."""
         blocks = self.kv[layer][step.tables]  # [batch, n, k/v, kv_head, block_size, head_dim]
         if self.scales is not None:  # dequantized on read
             scales = self.scales[layer][step.tables].unsqueeze(-1)  # [batch, n, k/v, kv_head, block_size, 1]
-            if self.key_rotation is None:
+            if self.key_rotation is None or rotated_keys:
                 blocks = blocks.to(self.dtype) * scales.to(self.dtype)
             else:  # keys rotated back (module docstring), in float32 before the cast
                 keys = (blocks[:, :, 0].float() * scales[:, :, 0]) @ self.key_rotation.T
@@ -258,6 +261,13 @@ class KVCache:
         batch, n, _, nkv, size, d = blocks.shape
         both = blocks.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, nkv, n * size, d)[:, :, :, : step.kv_len]
         return both[:, 0], both[:, 1]
+
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [..., head_dim] in the basis `read(..., rotated_keys=True)` returns keys in."""
+        if self.key_rotation is None:
+            return q
+        return (q.float() @ self.key_rotation).to(q.dtype)
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,8 +97,10 @@ class Attention(nn.Module):
             kv = torch.stack((k, v), dim=2) if autograd else qkv[:, :, nh:].unflatten(2, (2, nkv))
             # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see default_cache_dtype).
             cache_dtype = step.cache.dtype
-            k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step)  # [batch, nkv, kv_len, head_dim]
-            out = step.cache_step.attend(q.to(cache_dtype), k, v, self.gqa).to(x.dtype)
+            # [batch, nkv, kv_len, head_dim]; FP8 keys as stored, rotated, for queries rotated alike
+            k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step, rotated_keys=True)
+            q = step.cache.rotate_queries(q.to(cache_dtype))
+            out = step.cache_step.attend(q, k, v, self.gqa).to(x.dtype)
         out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
         return self.o_proj(out)
 
