@@ -17,6 +17,11 @@ with speculation is checked to be plain decoding's, token for token. Rates are g
 over wall time from the request's first token to its last (decode only: prefill is the same work
 either way), summed over prompts; the 16-stream figure is all streams' tokens over the batch's
 decode time. The machine may be shared: compare ratios measured in the same run.
+
+Each set also reports a ceiling computed from plain decoding's outputs (`ceiling`): the speed-up
+prompt lookup would give if k were known in advance (no drafted position wasted), priced by the
+step times the engine measured, and the steps ratio of copying the best stretch from anywhere in
+the context. A target above the first is out of reach for prompt lookup on this model and CPU.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: i
     seconds: dict[bool, list[float]] = {False: [], True: []}
     steps = {False: 0, True: 0}
     mismatches = 0
+    plain_outputs: list[list[int]] = []
     before = engine.spec_stats
     for start in range(0, len(prompts), batch):
         group = prompts[start : start + batch]
@@ -93,6 +99,8 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: i
                 seconds[speculate].append(got[speculate][1])
                 steps[speculate] += got[speculate][3]
             mismatches += sum(a != b for a, b in zip(got[False][2], got[True][2]))
+            if r == 0:
+                plain_outputs += got[False][2]
     after = engine.spec_stats
     assert before is not None and after is not None
     drafted, kept = after.drafted - before.drafted, after.accepted - before.accepted
@@ -102,7 +110,49 @@ def ours(engine: Engine, prompts: list[list[int]], n: int, batch: int, rounds: i
     spec_tps = sum(tokens[True]) / sum(seconds[True])
     return {"plain_tps": plain_tps, "spec_tps": spec_tps, "speedup": spec_tps / plain_tps,
             "steps_ratio": steps[False] / max(steps[True], 1), "drafted": drafted,
-            "acceptance": kept / max(drafted, 1), "outputs_differ": mismatches}
+            "acceptance": kept / max(drafted, 1), "outputs_differ": mismatches,
+            "ceiling": ceiling(engine, prompts, plain_outputs) if batch == 1 else {}}
+
+
+def ceiling(engine: Engine, prompts: list[list[int]], outputs: list[list[int]]) -> dict[str, float]:
+    """What drafting could give on these outputs at most, from plain decoding's tokens (so no
+    machine noise): `lookup_oracle_k` drafts with the engine's prompt lookup but drafts exactly
+    the tokens that will be kept (no position wasted, so no k policy can do better), each step
+    priced by the step times this engine measured (StepCosts; batch 1); `copy_oracle_steps`
+    takes, each step, the longest stretch of the coming output found anywhere in prompt + output
+    so far (at most k), the most any copying proposer could keep (a steps ratio, unpriced)."""
+    from tprt.engine.speculative import Context
+
+    spec = engine._speculator
+    if spec is None:
+        return {}
+    c = spec.config
+    tokens = sum(len(o) for o in outputs)
+    cost = steps = 0.0
+    for prompt, out in zip(prompts, outputs):
+        ctx, pos = Context(c.min_n, c.max_n), 0
+        ctx.extend(prompt)
+        while pos < len(out):
+            draft, kept = ctx.lookup(c.num_tokens), 0
+            while kept < len(draft) and pos + kept < len(out) and draft[kept] == out[pos + kept]:
+                kept += 1
+            take = min(kept + 1, len(out) - pos)
+            cost += spec.costs.relative(1, take - 1)
+            ctx.extend(out[pos : pos + take])
+            pos += take
+        pos, seen = 0, list(prompt)
+        while pos < len(out):
+            best = 0
+            for length in range(1, min(c.num_tokens, len(out) - pos) + 1):
+                want = out[pos : pos + length]
+                if not any(seen[j : j + length] == want for j in range(len(seen) - length + 1)):
+                    break
+                best = length
+            take = min(best + 1, len(out) - pos)
+            seen += out[pos : pos + take]
+            pos += take
+            steps += 1
+    return {"lookup_oracle_k": tokens / max(cost, 1e-9), "copy_oracle_steps": tokens / max(steps, 1)}
 
 
 def hf_prompt_lookup(workdir: Path, dtype: torch.dtype, prompts: list[list[int]], n: int, k: int) -> dict[str, Any]:
@@ -245,6 +295,9 @@ def report(r: dict[str, Any]) -> None:
             print(f"{dtype} {name:<16} plain {y['plain_tps']:7.1f} tok/s  spec {y['spec_tps']:7.1f} tok/s  "
                   f"{y['speedup']:.2f}x  steps {y['steps_ratio']:.2f}x fewer, {y['acceptance']:.0%} of "
                   f"{y['drafted']} drafted kept (outputs differing: {y['outputs_differ']})")
+            if y.get("ceiling"):
+                print(f"{'':<21}ceiling: {y['ceiling']['lookup_oracle_k']:.2f}x with prompt lookup and k known "
+                      f"in advance; {y['ceiling']['copy_oracle_steps']:.2f}x fewer steps copying the best stretch")
         for peer in ("hf_grounded_b1", "llama_cpp_grounded_b1"):
             if peer in x:
                 y = x[peer]
