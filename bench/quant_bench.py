@@ -19,6 +19,8 @@ same int8 values and scales llama.cpp reads); llama.cpp (llama-cpp-python) on th
 Batch-1 decode tokens/s at 1 and 2 threads (torch's and the native pool's), and 16 sequences'
 aggregate decode tokens/s, ours only. Rates are differences of two run lengths, best of
 --repeats (bench/generate_bench.py's method). The machine may be shared: compare ratios.
+Our int8 model reads its LM head in int8 too (tprt.cpu.quant_linear.Int8Head, as llama.cpp's
+Q8_0 file stores it); --compare-head adds the int8 model with a bf16 head to the same alternation.
 """
 
 from __future__ import annotations
@@ -210,6 +212,15 @@ def speed(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
     n1, n2 = args.n1, args.n2
     engines = {name: Engine(load_model(workdir / f"speed-{name}", TPContext.single()), None,
                             EngineConfig(max_batch=16, max_seq_len=512)) for name in ("bf16", "int8")}
+    if args.compare_head:  # the int8 model with its LM head left in bf16, as before Int8Head
+        from tprt.cpu import fast_linear
+
+        int8_head, fast_linear.int8_head = fast_linear.int8_head, lambda model: None
+        try:
+            engines["int8_bf16_head"] = Engine(load_model(workdir / "speed-int8", TPContext.single()), None,
+                                               EngineConfig(max_batch=16, max_seq_len=512))
+        finally:
+            fast_linear.int8_head = int8_head
     out: dict[str, Any] = {"q8_path": native.q8_path()}
     before = torch.get_num_threads()
     try:
@@ -221,15 +232,17 @@ def speed(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
                     native.set_threads(threads)
                     rates[name] = max(rates[name], ours_decode(engine, prompt, 1, n1, n2, 1))
             peer = llama_cpp_rate(q8, prompt, n1, n2, args.repeats, threads)
-            out[f"b1_t{threads}"] = {"bf16": round(rates["bf16"], 1), "int8": round(rates["int8"], 1),
+            out[f"b1_t{threads}"] = {name: round(rate, 1) for name, rate in rates.items()} | {
                                      "llama_cpp_q8_0": None if peer is None else round(peer, 1),
-                                     "int8_over_bf16": round(rates["int8"] / rates["bf16"], 2),
-                                     "int8_over_llama_cpp": None if peer is None else round(rates["int8"] / peer, 2)}
+                                     "int8_over_llama_cpp": None if peer is None else round(rates["int8"] / peer, 2)} | {
+                                     f"{name}_over_bf16": round(rate / rates["bf16"], 2)
+                                     for name, rate in rates.items() if name != "bf16"}
             print(f"batch 1, {threads} thread(s):", json.dumps(out[f"b1_t{threads}"]), flush=True)
         torch.set_num_threads(max(args.threads))
         native.set_threads(max(args.threads))
         b16 = {name: ours_decode(engine, prompt, 16, n1, n2, args.repeats) for name, engine in engines.items()}
-        out["b16"] = {k: round(v, 1) for k, v in b16.items()} | {"int8_over_bf16": round(b16["int8"] / b16["bf16"], 2)}
+        out["b16"] = {k: round(v, 1) for k, v in b16.items()} | {f"{k}_over_bf16": round(v / b16["bf16"], 2)
+                                                                for k, v in b16.items() if k != "bf16"}
         print("16 sequences:", json.dumps(out["b16"]), flush=True)
     finally:
         torch.set_num_threads(before)
@@ -247,6 +260,8 @@ def main() -> None:
     ap.add_argument("--skip", choices=("quality", "speed"), help="leave one part out")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--compare-head", action="store_true", help="speed: also the int8 model with its LM "
+                    "head in bf16 (before tprt.cpu.quant_linear.Int8Head), in the same alternation")
     args = ap.parse_args()
     args.window, args.decode_tokens = 512, 128 if args.quick else 512
     args.new = 32 if args.quick else 256
