@@ -27,15 +27,16 @@ per block, keeps every write independent of the others: a position is quantized 
 written, never re-scaled by a later token of its block, so shared blocks keep their scales and a
 position given back is simply written again (docs/DESIGN.md has the measurement).
 
-FP8 keys are stored multiplied by a fixed orthogonal matrix (`key_rotation`, a Hadamard matrix)
-and multiplied back on read, which is exact up to rounding. On SmolLM2 the keys carry nearly all
-of FP8's error (FP8 keys alone: +1.95% perplexity; FP8 values alone: -0.02%). e4m3 keeps about
-two significant digits of every value but the largest of its vector; spread by the rotation over
-every channel, the keys' errors cost the whole FP8 cache +0.24-0.28% instead of +1.91% on the
-bench text, and 0.40% instead of 0.99% averaged over three texts (docs/PERF.md: FP8 rounding
-makes these figures move by about 0.2% under float32-level changes). This is measured, not
-derived: random signs before the Hadamard did worse (+0.73% to +1.18%). int8 keys, whose error
-is already small, are stored as given (rotated they measured slightly worse).
+FP8 keys are stored multiplied by a fixed orthogonal matrix (`key_rotation`, a Hadamard matrix),
+exact up to rounding: `read` multiplies them back, or, for attention, leaves them so
+(`rotated_keys`) while `rotate_queries` puts the queries in the same basis. On SmolLM2 the keys
+carry nearly all of FP8's error (FP8 keys alone: +1.95% perplexity; FP8 values alone: -0.02%). e4m3
+keeps about two significant digits of every value but the largest of its vector; spread by the
+rotation over every channel, the keys' errors cost the whole FP8 cache +0.24-0.28% instead of
++1.91% on the bench text, and 0.40% instead of 0.99% averaged over three texts (docs/PERF.md: FP8
+rounding makes these figures move by about 0.2% under float32-level changes). This is measured, not
+derived: random signs before the Hadamard did worse (+0.73% to +1.18%). int8 keys, whose error is
+already small, are stored as given (rotated they measured slightly worse).
 """
 
 from __future__ import annotations
