@@ -38,8 +38,8 @@ class Int8Head(DenseLinear):
     quantized at load in the decoder's format (`spec`), as llama.cpp's Q8_0 files store
     `output.weight`. The head is a fifth of SmolLM2's weight bytes, so reading it as bf16 held
     batch-1 int8 decode well under 2x bf16's speed (docs/PERF.md). Products with autograd off
-    use the int8 copy (the compiled kernel for up to MAX_Q8_ROWS rows, else float32 on its
-    dequantization), so decode, verification and scoring see the same weights; products that
+    use the int8 copy (the compiled kernel, MAX_Q8_ROWS rows a call), so decode, verification
+    and scoring see the same weights; products that
     autograd records (training through the head) use the dense weight, which stays the
     checkpoint's (tied embeddings included)."""
 
@@ -56,7 +56,12 @@ class Int8Head(DenseLinear):
         weight = layer.weight_matrix()
         if self.q8 is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
             return F.linear(x, weight)
+        if self.kernel is None or x.dtype not in (torch.float32, torch.bfloat16):
+            return F.linear(x.to(torch.float32), dequantize(*self.q8)).to(x.dtype)
         rows = x.numel() // x.shape[-1]
-        if self.kernel is not None and rows <= native.MAX_Q8_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if rows <= native.MAX_Q8_ROWS:
             return self.kernel(x)
-        return F.linear(x.to(torch.float32), dequantize(*self.q8)).to(x.dtype)
+        # Many rows (scoring a prompt): the kernel over chunks, not a float32 copy of the head per call.
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.cat([self.kernel(flat[i : i + native.MAX_Q8_ROWS]) for i in range(0, rows, native.MAX_Q8_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
