@@ -43,6 +43,7 @@ import torch  # noqa: E402
 
 from generate_bench import prepare, smollm2_gguf_copy  # noqa: E402
 from tprt.checkpoint.loading import load_model  # noqa: E402
+from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402
@@ -235,6 +236,8 @@ def main() -> None:
                     help="runs of the 16-stream batch each way, which side goes first alternating (one run of "
                          "a few seconds is within the machine's noise)")
     ap.add_argument("--draft-cost", type=float, help="SpeculativeConfig.draft_cost (the default's otherwise)")
+    ap.add_argument("--min-n", type=int, default=DEFAULT_MIN_N, help=f"shortest n-gram matched ({DEFAULT_MIN_N})")
+    ap.add_argument("--max-n", type=int, default=DEFAULT_MAX_N, help=f"longest n-gram matched ({DEFAULT_MAX_N})")
     args = ap.parse_args()
     if args.quick:
         args.limit, args.tokens, args.dtypes = 8, 48, "fp32"
@@ -248,11 +251,12 @@ def main() -> None:
     chat = [tok.encode_chat([{"role": "user", "content": q}]) for q in data["grounded"][: args.limit]]
     free = [tok.encode_chat([{"role": "user", "content": q}]) for q in data["free"]]
     streams = (free * 2)[:16]
-    result: dict[str, Any] = {"threads": args.threads, "tokens": args.tokens, "method": args.method, "k": args.k,
+    result: dict[str, Any] = {"threads": args.threads, "tokens": args.tokens, "method": args.method, "k": args.k, "min_n": args.min_n, "max_n": args.max_n,
                               "grounded_prompts": len(chat), "load_average_before": os.getloadavg()}
-    spec = SpeculativeConfig(args.method, num_tokens=args.k)
+    spec = SpeculativeConfig(args.method, num_tokens=args.k, min_n=args.min_n, max_n=args.max_n)
     if args.draft_cost is not None:
-        spec = SpeculativeConfig(args.method, num_tokens=args.k, draft_cost=args.draft_cost)
+        spec = SpeculativeConfig(args.method, num_tokens=args.k, min_n=args.min_n, max_n=args.max_n,
+                                 draft_cost=args.draft_cost)
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         if dtype not in args.dtypes.split(","):
             continue
@@ -284,7 +288,7 @@ def main() -> None:
 
 
 def report(r: dict[str, Any]) -> None:
-    print(f"\nspeculative decoding ({r['method']}, k <= {r['k']}), SmolLM2-135M, {r['threads']} threads, "
+    print(f"\nspeculative decoding ({r['method']}, k <= {r['k']}, n-grams {r.get('min_n')}-{r.get('max_n')}), SmolLM2-135M, {r['threads']} threads, "
           f"{r['grounded_prompts']} grounded prompts, {r['tokens']} tokens at most")
     for dtype in ("fp32", "bf16"):
         x = r.get(dtype)
