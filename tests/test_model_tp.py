@@ -288,9 +288,10 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
 
 
 # Quantized KV caches (tprt.model.kv_cache): max |logit error| over the logit scale against the
-# uncached recomputation, and the share of greedy picks that must agree with transformers'.
+# uncached recomputation, and the share of greedy picks that must agree with transformers' (a
+# pick that differs must be a near-tie: its lead over transformers' pick within KV_TOL too).
 KV_TOL = {"int8": 1e-2, "fp8": 4e-2}  # measured at TP 1: 3.2e-3, 1.5e-2
-KV_AGREE = {"int8": 1.0, "fp8": 0.95}  # measured: all, 95 of 96
+KV_AGREE = {"int8": 0.95, "fp8": 0.95}  # measured: 94 of 96 (two ties, leads of 1e-4, 8e-4), 95 of 96
 
 
 def _quantized_garbage(model: TPLlamaForCausalLM, n_seqs: int, kv: str) -> tuple[KVCache, list[int]]:
@@ -307,7 +308,7 @@ def _quantized_garbage(model: TPLlamaForCausalLM, n_seqs: int, kv: str) -> tuple
 def check_quantized_cache(ctx: TPContext, workdir: Path, name: str, kv: str) -> None:
     """Prefill and decode of the whole batch over an int8 / FP8 cache (scattered blocks of 5 full
     of junk), fed transformers' greedy tokens: every step's logits within KV_TOL of the uncached
-    recomputation and the greedy picks agreeing with transformers' (KV_AGREE). The same steps on
+    recomputation and the greedy picks agreeing with transformers' (KV_AGREE; the others ties). The same steps on
     CPU decode's compiled path (every layer in one call, int8 read in the kernel; FP8 falls back
     to the torch path) give logits close to the torch path's."""
     from tprt.cpu import native
@@ -323,7 +324,11 @@ def check_quantized_cache(ctx: TPContext, workdir: Path, name: str, kv: str) -> 
         for i in range(N_NEW):
             _step(m, cache, seqs)
             for b, s in enumerate(seqs):
-                agree += s.out[-1] == ref["generated"][b][i]
+                want = ref["generated"][b][i]
+                agree += s.out[-1] == want
+                logits = s.logits[-1].float()
+                margin = float(logits[s.out[-1]] - logits[want]) / float(logits.abs().max())
+                assert margin <= KV_TOL[kv], f"{kv}: prompt {b} step {i} picked {s.out[-1]} over {want} by {margin:.1e}"
                 s.out[-1] = ref["generated"][b][i]  # teacher-forced: every step sees the reference's tokens
         runs.append(seqs)
         assert agree >= KV_AGREE[kv] * N_NEW * len(seqs), f"{kv}: {agree} of {N_NEW * len(seqs)} greedy picks agree"

@@ -14,7 +14,7 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
   kv_cache_tokens positions (default max_batch_size x max_seq_len) in blocks, plus one scratch
   block, allocated whole when the engine starts; its dtype is the model's except float32 for
   bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`), or `--kv-dtype`: int8 and fp8
-  store one byte per value and a float32 scale per head vector (`tprt.model.kv_cache.QUANTIZED`)
+  store one byte per value and a bfloat16 scale per head vector (`tprt.model.kv_cache.QUANTIZED`)
   and read back in the compute dtype (float32 on CPU).
 - activations: serving, the largest transient of one forward step of `token_budget` tokens
   (a layer's MLP or attention intermediates, the attention mask, the sampled rows' logits);
@@ -54,10 +54,10 @@ from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, n
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-# KV cache dtypes (--kv-dtype): the float ones, and the quantized ones with a float32 scale per
+# KV cache dtypes (--kv-dtype): the float ones, and the quantized ones with a bfloat16 scale per
 # head vector of each token (tprt.model.kv_cache.kv_bytes_per_position).
 KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8": 1}
-KV_SCALE_BYTES = {"int8": 4, "fp8": 4}
+KV_SCALE_BYTES = {"int8": 2, "fp8": 2}
 DEFAULT_MAX_SEQ_LEN = 2048  # tprt.engine.core's default context (min with the model's)
 GIB = 1 << 30
 # Beyond tensors: CUDA context (~0.5 GiB), NCCL and cuBLAS workspaces, caching-allocator slack.

@@ -288,15 +288,17 @@ def _block_tables(kernel: str, cache_step: Any, rows: int) -> tuple[torch.Tensor
 def _cache_store(kernel: str, cache: Any, layer: int | None) -> tuple[torch.Tensor, int | None]:
     """The cache's storage (one layer's, or every layer's when `layer` is None) and its scales'
     address (None for a float32 cache): what the kernels read and write. They take float32, or
-    int8 with a scale per head vector (tprt.model.kv_cache.quantize), contiguous so a vector's
-    scale is at its element offset / head_dim."""
+    int8 with a bfloat16 scale per head vector (tprt.model.kv_cache.quantize), contiguous so a
+    vector's scale is at its element offset / head_dim."""
     store = cache.kv if layer is None else cache.kv[layer]
     scales = cache.scales if layer is None or cache.scales is None else cache.scales[layer]
     if store.dtype == torch.float32 and scales is None and store.stride(-1) == 1:
         return store, None
-    if store.dtype == torch.int8 and scales is not None and store.is_contiguous() and scales.is_contiguous():
+    if (store.dtype == torch.int8 and scales is not None and scales.dtype == torch.bfloat16
+            and store.is_contiguous() and scales.is_contiguous()):
         return store, scales.data_ptr()
-    raise ValueError(f"native {kernel}: the cache must be float32, or int8 with scales, contiguous; got {store.dtype}")
+    raise ValueError(f"native {kernel}: the cache must be float32, or int8 with bfloat16 scales, contiguous; "
+                     f"got {store.dtype}")
 
 
 def supports_cache(cache: Any) -> bool:

@@ -443,25 +443,30 @@ static void rope_head_##SUFFIX(const T *qkv, const T *c, const T *s, float *q_ou
 }
 
 /* ---- The int8 KV cache (tprt.model.kv_cache.quantize): each key or value head vector of d values is
-   stored as int8 with its own float32 scale, amax / 127 (1 for an all-zero vector), the values
-   round(x / scale) to nearest even, as torch rounds. The cache is contiguous, so a vector's scale
-   sits at its element offset / d in the scales array [.., k/v, kv_head, position]. */
-static void quantize_q8(const float *x, int64_t d, int8_t *out, float *scale) {
+   stored as int8 with its own scale, amax / 127 rounded up to a bfloat16 (1 for an all-zero
+   vector), kept as its bf16 bits; the values round(x / scale) to nearest even, as torch rounds.
+   The cache is contiguous, so a vector's scale sits at its element offset / d in the scales array
+   [.., k/v, kv_head, position]. */
+static void quantize_q8(const float *x, int64_t d, int8_t *out, uint16_t *scale) {
     float amax = 0;
     for (int64_t i = 0; i < d; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    float sc = amax / 127.0f;
-    sc = sc == 0.0f ? 1.0f : sc;
+    float ratio = amax / 127.0f, sc;
+    uint32_t bits;
+    memcpy(&bits, &ratio, 4);
+    bits = (bits + 0xFFFFu) & 0xFFFF0000u;  /* up to the next bfloat16 */
+    memcpy(&sc, &bits, 4);
+    sc = ratio == 0.0f ? 1.0f : sc;
     for (int64_t i = 0; i < d; i++) {
         float v = nearbyintf(x[i] / sc);
         out[i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
     }
-    *scale = sc;
+    *scale = f32_to_bf16(sc);  /* exact: sc is a bfloat16 */
 }
 
 /* The k/v heads among heads [lo, hi) of one token, staged in float32 as [k/v, kv_head, d]
    (rope_head with s_kv = nkv d, s_head = d), quantized into the int8 cache at `at` (the token's
    block and offset) with their scales at `scale_at` (at's element offset / d). */
-static void store_q8_heads(const float *stage, int8_t *at, float *scale_at, int64_t lo, int64_t hi, int64_t nh,
+static void store_q8_heads(const float *stage, int8_t *at, uint16_t *scale_at, int64_t lo, int64_t hi, int64_t nh,
                            int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {
     for (int64_t h = lo > nh ? lo : nh; h < hi; h++) {
         int64_t kv = h >= nh + nkv, j = h - nh - kv * nkv, e = kv * s_kv + j * s_head;
@@ -478,7 +483,7 @@ static void store_q8_heads(const float *stage, int8_t *at, float *scale_at, int6
    ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
 #define ROPE_CACHE(SUFFIX, T)                                                                                \
 void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, void *cache,           \
-                              float *scales, const int64_t *slots, const int64_t *positions, int64_t rows,    \
+                              uint16_t *scales, const int64_t *slots, const int64_t *positions, int64_t rows, \
                               int64_t nh, int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv,               \
                               int64_t s_head, int64_t s_pos) {                                                \
     int64_t heads = nh + 2 * nkv;                                                                             \
@@ -776,7 +781,7 @@ static void paged_attend(const float *q, const float *head, const int64_t *table
 /* paged_attend over an int8 cache: `head` and `scales` at one layer's kv head (scales at head's
    element offset / d); a key's score is its scale times q . its int8 values, a value enters the
    sum times its weight and scale, so nothing is dequantized into memory. */
-static void paged_attend_q8_generic(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+static void paged_attend_q8_generic(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                                     int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                                     int64_t s_pos, float scale, float *s, float *out) {
     int64_t sp = s_pos / d;  /* scales per position */
@@ -788,7 +793,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const fl
                 const int8_t *k = head + at + u * s_pos;
                 float dot = 0;
                 for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * (float)k[i];
-                s[t] = dot * scales[at / d + u * sp] * scale;
+                s[t] = dot * bf16_to_f32(scales[at / d + u * sp]) * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -798,7 +803,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const fl
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
                 const int8_t *v = head + at + u * s_pos;
-                float p = s[t] * scales[at / d + u * sp];
+                float p = s[t] * bf16_to_f32(scales[at / d + u * sp]);
                 for (int64_t i = 0; i < d; i++) o[i] += p * (float)v[i];
             }
         }
@@ -813,7 +818,7 @@ static inline __m512 load16_q8(const int8_t *p) {
 }
 /* paged_attend_q8 for head_dim = 16 * M (as PAGED_ATTEND_512) */
 #define PAGED_ATTEND_Q8_512(M)                                                                                \
-static void paged_attend_q8_##M(const float *q, const int8_t *head, const float *scales, const int64_t *table, \
+static void paged_attend_q8_##M(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table, \
                                 int64_t len, int64_t group, int64_t bs, int64_t s_block, int64_t s_kv,        \
                                 int64_t s_pos, float scale, float *s, float *out) {                           \
     int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
@@ -826,7 +831,7 @@ static void paged_attend_q8_##M(const float *q, const int8_t *head, const float 
                 const int8_t *k = head + at + u * s_pos;                                                      \
                 __m512 a = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
                 for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a);             \
-                s[t] = _mm512_reduce_add_ps(a) * scales[at / (16 * M) + u * sp] * scale;                      \
+                s[t] = _mm512_reduce_add_ps(a) * bf16_to_f32(scales[at / (16 * M) + u * sp]) * scale;         \
             }                                                                                                 \
         }                                                                                                     \
         __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
@@ -834,7 +839,7 @@ static void paged_attend_q8_##M(const float *q, const int8_t *head, const float 
         for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
             int64_t at = table[b] * s_block + s_kv;                                                           \
             for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                __m512 p = _mm512_set1_ps(s[t] * scales[at / (16 * M) + u * sp]);                             \
+                __m512 p = _mm512_set1_ps(s[t] * bf16_to_f32(scales[at / (16 * M) + u * sp]));                \
                 const int8_t *v = head + at + u * s_pos;                                                      \
                 for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);       \
             }                                                                                                 \
@@ -855,7 +860,7 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 /* paged_attend_q8 for head_dim a multiple of 8 (up to 256), 8 lanes at a time */
-static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                                  int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                                  int64_t s_pos, float scale, float *s, float *out) {
     int64_t n = d / 8, sp = s_pos / d;  /* scales per position */
@@ -869,7 +874,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float
                 const int8_t *k = head + at + u * s_pos;
                 __m256 a = _mm256_mul_ps(qv[0], load8_q8(k));
                 for (int64_t c = 1; c < n; c++) a = _mm256_fmadd_ps(qv[c], load8_q8(k + 8 * c), a);
-                s[t] = hsum256(a) * scales[at / d + u * sp] * scale;
+                s[t] = hsum256(a) * bf16_to_f32(scales[at / d + u * sp]) * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -878,7 +883,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float
         for (int64_t t = 0, b = 0; t < len; b++) {
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
-                __m256 p = _mm256_set1_ps(s[t] * scales[at / d + u * sp]);
+                __m256 p = _mm256_set1_ps(s[t] * bf16_to_f32(scales[at / d + u * sp]));
                 const int8_t *v = head + at + u * s_pos;
                 for (int64_t c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(p, load8_q8(v + 8 * c), acc[c]);
             }
@@ -890,7 +895,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const float
 #endif
 
 /* One (row, kv head) over the int8 cache, as paged_attend. */
-static void paged_attend_q8(const float *q, const int8_t *head, const float *scales, const int64_t *table,
+static void paged_attend_q8(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                             int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                             int64_t s_pos, float scale, float *scratch, float *out) {
 #if defined(__AVX512F__)
@@ -904,7 +909,7 @@ static void paged_attend_q8(const float *q, const int8_t *head, const float *sca
 }
 
 /* paged_attend over the cache of one layer's kv head j: float32, or int8 with `scales` (the layer's). */
-static inline void paged_attend_any(const float *q, const void *cache, const float *scales, int64_t j,
+static inline void paged_attend_any(const float *q, const void *cache, const uint16_t *scales, int64_t j,
                                     const int64_t *table, int64_t len, int64_t group, int64_t d, int64_t bs,
                                     int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos, float scale,
                                     float *scratch, float *out) {
@@ -917,7 +922,7 @@ static inline void paged_attend_any(const float *q, const void *cache, const flo
 }
 
 #define PAGED_DECODE_ATTENTION(SUFFIX, T, STORE)                                                             \
-void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, const float *scales,             \
+void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, const uint16_t *scales,          \
                                           const int64_t *tables, const int64_t *positions, T *out,            \
                                           float *scratch, int64_t rows,                                       \
                                           int64_t nh, int64_t nkv, int64_t d, int64_t bs, int64_t s_table,    \
@@ -979,7 +984,7 @@ static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y,
 typedef struct {
     void *cache;
     int64_t s_layer, block_size, s_block, s_kv, s_head, s_pos;
-    float *scales;
+    uint16_t *scales;  /* bfloat16 bits */
 } decode_cache;
 
 /* What every section of a step shares: the step's rows and their buffers, each [rows, ...]. */
@@ -1082,7 +1087,7 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
     int64_t layer = a->layer * c->s_layer;                                                                    \
     const void *cache = c->scales ? (const void *)((const int8_t *)c->cache + layer)                          \
                                   : (const void *)((const float *)c->cache + layer);                          \
-    const float *scales = c->scales ? c->scales + layer / d : NULL;                                           \
+    const uint16_t *scales = c->scales ? c->scales + layer / d : NULL;                                        \
     T *attn = t->attn;                                                                                        \
     for (int64_t u = lo; u < hi;) {                                                                           \
         int64_t r = u / nh, h = u % nh, kv = h / group;                                                       \
@@ -1180,7 +1185,7 @@ DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
    [hidden, inter]; scratch: gate_up [2 inter] in the model dtype, work [inter] float32. */
 #define DECODE_HALVES(SUFFIX, T)                                                                              \
 void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
-                                          const T *cos, const T *sin, void *cache, float *scales,             \
+                                          const T *cos, const T *sin, void *cache, uint16_t *scales,          \
                                           const int64_t *block,                                               \
                                           const int64_t *offset, const int64_t *table,                       \
                                           const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
