@@ -23,7 +23,7 @@ Quantized storage (`QUANTIZED`: int8, FP8 e4m3): each written key or value head 
 is stored with its own scale in `scales` [n_layers, n_blocks, 2, n_kv_heads, block_size], indexed
 like `kv` without head_dim: amax / 127 (amax / 448 for e4m3) rounded up to a bfloat16, two bytes
 where float32 took four (1.94x bf16's positions at head_dim 64, 1.97x at 128, instead of 1.88x and
-1.94x), and rounded up so the largest value still lands on the format's largest, exactly. Writes
+1.94x), rounded up so that the largest value lands within 2^-7 of the format's largest. Writes
 quantize, reads dequantize to `dtype` (the attention's dtype). A scale per token and head, not
 per block, keeps every write independent of the others: a position is quantized once, when
 written, never re-scaled by a later token of its block, so shared blocks keep their scales and a
@@ -34,7 +34,7 @@ exact up to rounding: `read` multiplies them back, or, for attention, leaves the
 (`rotated_keys`) while `rotate_queries` puts the queries in the same basis. On SmolLM2 the keys
 carry nearly all of FP8's error (FP8 keys alone: +1.95% perplexity; FP8 values alone: -0.02%). e4m3
 keeps about two significant digits of every value but the largest of its vector; spread by the
-rotation over every channel, the keys' errors cost the whole FP8 cache +0.24-0.28% instead of
+rotation over every channel, the keys' errors cost the whole FP8 cache +0.24-0.32% instead of
 +1.91% on the bench text, and 0.40% instead of 0.99% averaged over three texts (docs/PERF.md: FP8
 rounding makes these figures move by about 0.2% under float32-level changes). This is measured, not
 derived: random signs before the Hadamard did worse (+0.73% to +1.18%). int8 keys, whose error is
