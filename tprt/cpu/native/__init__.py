@@ -357,7 +357,7 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
         tables, positions = _block_tables("decode_attention", cache_step, batch)
         q = q.contiguous()
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
-        scratch = torch.empty(cache_step.kv_len, dtype=torch.float32)
+        scratch = torch.empty(cache_step.kv_len * (nh // nkv), dtype=torch.float32)  # a group's scores
         fn(q.data_ptr(), store.data_ptr(), scales, tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
            scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5)
         return out

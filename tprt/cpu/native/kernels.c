@@ -707,7 +707,7 @@ GEMV_ROWS_DISPATCH(f32, float)
    block through its table (row r's table starts at tables + r * s_table), grouped-query (q head h
    reads kv head h / (nh / nkv), as SDPA's enable_gqa). q [rows, nh, d] float32 (tprt_rope_cache
    writes it, and the new k/v, given each row's block and offset); out [rows, nh * d] in the model
-   dtype. Scores live in `scratch` (at least max position + 1 floats). Sums run in another order
+   dtype. Scores live in `scratch` (at least (max position + 1) x nh / nkv floats). Sums run in another order
    than SDPA's (differences in rounding only). */
 static void paged_attend_generic(const float *q, const float *head, const int64_t *table, int64_t len,
                                  int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
@@ -733,34 +733,77 @@ static void paged_attend_generic(const float *q, const float *head, const int64_
 }
 
 #if defined(__AVX512F__)
-/* The same for head_dim = 16 * M, with q's and the output's M vectors kept in registers. */
+/* The sums of 16 vectors' lanes, in one vector: lane j is the sum of a[j]'s 16 lanes. 45
+   shuffles and adds instead of 16 separate reductions (about 140). Each lane adds only its own
+   vector's values, always in the same order, so a vector's sum has the same bits whatever the
+   other 15 hold (zeros included). */
+static inline __m512 q8b_sum16(const __m512 a[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: a's lanes 0+2, 1+3 and b's, interleaved */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the lane sums of 4 vectors, in order */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+/* The same for head_dim = 16 * M. Keys and values are read 16 positions of a block at a time, and
+   every q head of the group takes its turn on them while they are in L1 (the group's heads used
+   to read the whole cache one after the other, from L3 or memory at long contexts). Scores are
+   reduced 16 at a time (q8b_sum16: one reduction per key, a chain of dependent adds, had made the
+   score pass wait on latency); s holds group x len of them. The output accumulates in `out`. A
+   position's score, and each head's sum, has the same bits whichever positions share its group
+   and whatever the other heads hold. */
 #define PAGED_ATTEND_512(M)                                                                                   \
 static void paged_attend_##M(const float *q, const float *head, const int64_t *table, int64_t len,            \
                              int64_t group, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos,         \
                              float scale, float *s, float *out) {                                             \
+    __m512 scale16 = _mm512_set1_ps(scale);                                                                   \
+    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
+        const float *keys = head + table[b] * s_block;                                                        \
+        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
+            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
+            n = len - t < n ? len - t : n;                                                                    \
+            for (int64_t g = 0; g < group; g++) {                                                             \
+                __m512 qv[M], a[16];                                                                          \
+                for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                 \
+                for (int64_t u = 0; u < 16; u++) {                                                            \
+                    if (u >= n) { a[u] = _mm512_setzero_ps(); continue; }                                     \
+                    const float *k = keys + (u0 + u) * s_pos;                                                 \
+                    a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                          \
+                    for (int c = 1; c < M; c++) a[u] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a[u]); \
+                }                                                                                             \
+                _mm512_mask_storeu_ps(s + g * len + t, (__mmask16)((1u << n) - 1), _mm512_mul_ps(q8b_sum16(a), scale16)); \
+            }                                                                                                 \
+            t += n;                                                                                           \
+        }                                                                                                     \
+    }                                                                                                         \
+    float total[group];  /* each head's scores to weights; its 1 / sum applied at the end */                 \
+    for (int64_t g = 0; g < group; g++) total[g] = softmax512(s + g * len, len);                              \
+    for (int64_t i = 0; i < group * 16 * M; i++) out[i] = 0;                                                  \
+    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
+        const float *values = head + table[b] * s_block + s_kv;                                               \
+        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
+            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
+            n = len - t < n ? len - t : n;                                                                    \
+            for (int64_t g = 0; g < group; g++) {                                                             \
+                __m512 acc[M];                                                                                \
+                for (int c = 0; c < M; c++) acc[c] = _mm512_loadu_ps(out + g * 16 * M + 16 * c);              \
+                for (int64_t u = 0; u < n; u++) {                                                             \
+                    __m512 p = _mm512_set1_ps(s[g * len + t + u]);                                            \
+                    const float *v = values + (u0 + u) * s_pos;                                               \
+                    for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]); \
+                }                                                                                             \
+                for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, acc[c]);              \
+            }                                                                                                 \
+            t += n;                                                                                           \
+        }                                                                                                     \
+    }                                                                                                         \
     for (int64_t g = 0; g < group; g++) {                                                                     \
-        __m512 qv[M], acc[M];                                                                                 \
-        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
-        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
-            const float *keys = head + table[b] * s_block;                                                    \
-            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                const float *k = keys + u * s_pos;                                                            \
-                __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                          \
-                for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a);       \
-                s[t] = _mm512_reduce_add_ps(a) * scale;                                                       \
-            }                                                                                                 \
-        }                                                                                                     \
-        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
-        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
-        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
-            const float *values = head + table[b] * s_block + s_kv;                                           \
-            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                __m512 p = _mm512_set1_ps(s[t]);                                                              \
-                const float *v = values + u * s_pos;                                                          \
-                for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]); \
-            }                                                                                                 \
-        }                                                                                                     \
-        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
+        __m512 inv = _mm512_set1_ps(1.0f / total[g]);                                                         \
+        for (int c = 0; c < M; c++)                                                                           \
+            _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * 16 * M + 16 * c), inv)); \
     }                                                                                                         \
 }
 PAGED_ATTEND_512(4)
@@ -816,35 +859,63 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const ui
 static inline __m512 load16_q8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* paged_attend_q8 for head_dim = 16 * M (as PAGED_ATTEND_512) */
+/* paged_attend_q8 for head_dim = 16 * M, in PAGED_ATTEND_512's order (s: group x len scores) */
 #define PAGED_ATTEND_Q8_512(M)                                                                                \
 static void paged_attend_q8_##M(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table, \
                                 int64_t len, int64_t group, int64_t bs, int64_t s_block, int64_t s_kv,        \
                                 int64_t s_pos, float scale, float *s, float *out) {                           \
     int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
+    __m512 scale16 = _mm512_set1_ps(scale);                                                                   \
+    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
+        int64_t at = table[b] * s_block;                                                                      \
+        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
+            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
+            n = len - t < n ? len - t : n;                                                                    \
+            float sc[16];                                                                                     \
+            for (int64_t u = 0; u < 16; u++) sc[u] = u < n ? bf16_to_f32(scales[at / (16 * M) + (u0 + u) * sp]) : 0; \
+            __m512 kscale = _mm512_loadu_ps(sc);                                                              \
+            for (int64_t g = 0; g < group; g++) {                                                             \
+                __m512 qv[M], a[16];                                                                          \
+                for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                 \
+                for (int64_t u = 0; u < 16; u++) {                                                            \
+                    if (u >= n) { a[u] = _mm512_setzero_ps(); continue; }                                     \
+                    const int8_t *k = head + at + (u0 + u) * s_pos;                                           \
+                    a[u] = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
+                    for (int c = 1; c < M; c++) a[u] = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a[u]);   \
+                }                                                                                             \
+                __m512 dots = _mm512_mul_ps(q8b_sum16(a), kscale);                                            \
+                _mm512_mask_storeu_ps(s + g * len + t, (__mmask16)((1u << n) - 1), _mm512_mul_ps(dots, scale16)); \
+            }                                                                                                 \
+            t += n;                                                                                           \
+        }                                                                                                     \
+    }                                                                                                         \
+    float total[group];                                                                                       \
+    for (int64_t g = 0; g < group; g++) total[g] = softmax512(s + g * len, len);                              \
+    for (int64_t i = 0; i < group * 16 * M; i++) out[i] = 0;                                                  \
+    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
+        int64_t at = table[b] * s_block + s_kv;                                                               \
+        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
+            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
+            n = len - t < n ? len - t : n;                                                                    \
+            float vs[16];                                                                                     \
+            for (int64_t u = 0; u < n; u++) vs[u] = bf16_to_f32(scales[at / (16 * M) + (u0 + u) * sp]);       \
+            for (int64_t g = 0; g < group; g++) {                                                             \
+                __m512 acc[M];                                                                                \
+                for (int c = 0; c < M; c++) acc[c] = _mm512_loadu_ps(out + g * 16 * M + 16 * c);              \
+                for (int64_t u = 0; u < n; u++) {                                                             \
+                    __m512 p = _mm512_set1_ps(s[g * len + t + u] * vs[u]);                                    \
+                    const int8_t *v = head + at + (u0 + u) * s_pos;                                           \
+                    for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);   \
+                }                                                                                             \
+                for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, acc[c]);              \
+            }                                                                                                 \
+            t += n;                                                                                           \
+        }                                                                                                     \
+    }                                                                                                         \
     for (int64_t g = 0; g < group; g++) {                                                                     \
-        __m512 qv[M], acc[M];                                                                                 \
-        for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                         \
-        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
-            int64_t at = table[b] * s_block;                                                                  \
-            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                const int8_t *k = head + at + u * s_pos;                                                      \
-                __m512 a = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
-                for (int c = 1; c < M; c++) a = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a);             \
-                s[t] = _mm512_reduce_add_ps(a) * bf16_to_f32(scales[at / (16 * M) + u * sp]) * scale;         \
-            }                                                                                                 \
-        }                                                                                                     \
-        __m512 inv = _mm512_set1_ps(1.0f / softmax512(s, len));                                              \
-        for (int c = 0; c < M; c++) acc[c] = _mm512_setzero_ps();                                             \
-        for (int64_t t = 0, b = 0; t < len; b++) {                                                            \
-            int64_t at = table[b] * s_block + s_kv;                                                           \
-            for (int64_t u = 0; u < bs && t < len; u++, t++) {                                                \
-                __m512 p = _mm512_set1_ps(s[t] * bf16_to_f32(scales[at / (16 * M) + u * sp]));                \
-                const int8_t *v = head + at + u * s_pos;                                                      \
-                for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);       \
-            }                                                                                                 \
-        }                                                                                                     \
-        for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(acc[c], inv)); \
+        __m512 inv = _mm512_set1_ps(1.0f / total[g]);                                                         \
+        for (int c = 0; c < M; c++)                                                                           \
+            _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * 16 * M + 16 * c), inv)); \
     }                                                                                                         \
 }
 PAGED_ATTEND_Q8_512(4)
@@ -1083,7 +1154,8 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
     int64_t d = m->d, nh = m->nh, group = nh / m->nkv, longest = 0;                                           \
     for (int64_t r = lo / nh; r <= (hi - 1) / nh; r++)                                                        \
         longest = t->positions[r] + 1 > longest ? t->positions[r] + 1 : longest;                              \
-    float scores[longest], acc[group * d];                                                                    \
+    float acc[group * d];                                                                                     \
+    float *scores = malloc(sizeof(float) * (size_t)(longest * group));  /* paged_attend: group x len */      \
     int64_t layer = a->layer * c->s_layer;                                                                    \
     const void *cache = c->scales ? (const void *)((const int8_t *)c->cache + layer)                          \
                                   : (const void *)((const float *)c->cache + layer);                          \
@@ -1099,6 +1171,7 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
         for (int64_t i = 0; i < (end - h) * d; i++) attn[(r * nh + h) * d + i] = STORE(acc[i]);               \
         u += end - h;                                                                                         \
     }                                                                                                         \
+    free(scores);                                                                                             \
 }                                                                                                             \
 static void stack_o_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                             \
     const stack_layer *a = arg;                                                                               \
@@ -1545,21 +1618,6 @@ typedef struct {
     float *y;           /* [m, n] */
     int64_t m, n, k, g;
 } q8b_args;
-
-/* The sums of 16 vectors' lanes, in one vector: lane j is the sum of a[j]'s 16 lanes. 45
-   shuffles and adds instead of 16 separate reductions (about 140). Each lane adds only its own
-   vector's values, always in the same order, so a vector's sum has the same bits whatever the
-   other 15 hold (zeros included). */
-static inline __m512 q8b_sum16(const __m512 a[16]) {
-    __m512 t[8], u[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: a's lanes 0+2, 1+3 and b's, interleaved */
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the lane sums of 4 vectors, in order */
-        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-    __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-    __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-}
 
 /* Q8B_DOTS(M): y[i * ldy + r] = w[r] . x[i] in float32 for nw bf16 weight rows and M input rows
    (k % 32 == 0): two weight rows at a time against the M input rows, so each x load serves two
