@@ -269,7 +269,6 @@ class KVCache:
         both = blocks.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, nkv, n * size, d)[:, :, :, : step.kv_len]
         return both[:, 0], both[:, 1]
 
-
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [..., head_dim] in the basis `read(..., rotated_keys=True)` returns keys in."""
         if self.key_rotation is None:

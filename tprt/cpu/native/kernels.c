@@ -748,33 +748,41 @@ static inline __m512 q8b_sum16(const __m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-/* The same for head_dim = 16 * M. Keys and values are read 16 positions of a block at a time, and
-   every q head of the group takes its turn on them while they are in L1 (the group's heads used
-   to read the whole cache one after the other, from L3 or memory at long contexts). Scores are
-   reduced 16 at a time (q8b_sum16: one reduction per key, a chain of dependent adds, had made the
-   score pass wait on latency); s holds group x len of them. The output accumulates in `out`. A
-   position's score, and each head's sum, has the same bits whichever positions share its group
-   and whatever the other heads hold. */
-#define PAGED_ATTEND_512(M)                                                                                   \
-static void paged_attend_##M(const float *q, const float *head, const int64_t *table, int64_t len,            \
-                             int64_t group, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos,         \
-                             float scale, float *s, float *out) {                                             \
+/* The same for head_dim = 16 * M, over a cache of T (float32, or int8 with `scales`): LOAD16 reads
+   16 values as floats; where SCALED, POS_SCALE(i) is the scale of the position whose scale index
+   is i, and a key's score and a value's weight are multiplied by it. Keys and values are read 16
+   positions of a block at a time, and every q head of the group takes its turn on them while
+   they are in L1 (the group's heads used to read the whole cache one after the other, from L3
+   or memory at long contexts).
+   Scores are reduced 16 at a time (q8b_sum16: one reduction per key, a chain of dependent adds,
+   had made the score pass wait on latency); s holds group x len of them. The output accumulates
+   in `out`. A position's score, and each head's sum, has the same bits whichever positions share
+   its group and whatever the other heads hold. */
+#define PAGED_ATTEND_512(NAME, M, T, LOAD16, SCALED, POS_SCALE)                                              \
+static void NAME(const float *q, const T *head, const uint16_t *scales, const int64_t *table, int64_t len,    \
+                 int64_t group, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos, float scale,       \
+                 float *s, float *out) {                                                                      \
+    int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
     __m512 scale16 = _mm512_set1_ps(scale);                                                                   \
+    (void)scales, (void)sp;                                                                                   \
     for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
-        const float *keys = head + table[b] * s_block;                                                        \
+        int64_t at = table[b] * s_block;                                                                      \
         for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
             int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
             n = len - t < n ? len - t : n;                                                                    \
+            float sc[16];                                                                                     \
+            for (int64_t u = 0; SCALED && u < 16; u++) sc[u] = u < n ? POS_SCALE(at / (16 * M) + (u0 + u) * sp) : 0; \
             for (int64_t g = 0; g < group; g++) {                                                             \
                 __m512 qv[M], a[16];                                                                          \
                 for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                 \
                 for (int64_t u = 0; u < 16; u++) {                                                            \
                     if (u >= n) { a[u] = _mm512_setzero_ps(); continue; }                                     \
-                    const float *k = keys + (u0 + u) * s_pos;                                                 \
-                    a[u] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));                                          \
-                    for (int c = 1; c < M; c++) a[u] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), a[u]); \
+                    const T *k = head + at + (u0 + u) * s_pos;                                                \
+                    a[u] = _mm512_mul_ps(qv[0], LOAD16(k));                                                   \
+                    for (int c = 1; c < M; c++) a[u] = _mm512_fmadd_ps(qv[c], LOAD16(k + 16 * c), a[u]);      \
                 }                                                                                             \
-                _mm512_mask_storeu_ps(s + g * len + t, (__mmask16)((1u << n) - 1), _mm512_mul_ps(q8b_sum16(a), scale16)); \
+                __m512 dots = SCALED ? _mm512_mul_ps(q8b_sum16(a), _mm512_loadu_ps(sc)) : q8b_sum16(a);       \
+                _mm512_mask_storeu_ps(s + g * len + t, (__mmask16)((1u << n) - 1), _mm512_mul_ps(dots, scale16)); \
             }                                                                                                 \
             t += n;                                                                                           \
         }                                                                                                     \
@@ -783,17 +791,19 @@ static void paged_attend_##M(const float *q, const float *head, const int64_t *t
     for (int64_t g = 0; g < group; g++) total[g] = softmax512(s + g * len, len);                              \
     for (int64_t i = 0; i < group * 16 * M; i++) out[i] = 0;                                                  \
     for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
-        const float *values = head + table[b] * s_block + s_kv;                                               \
+        int64_t at = table[b] * s_block + s_kv;                                                               \
         for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
             int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
             n = len - t < n ? len - t : n;                                                                    \
+            float vs[16];                                                                                     \
+            for (int64_t u = 0; SCALED && u < n; u++) vs[u] = POS_SCALE(at / (16 * M) + (u0 + u) * sp);       \
             for (int64_t g = 0; g < group; g++) {                                                             \
                 __m512 acc[M];                                                                                \
                 for (int c = 0; c < M; c++) acc[c] = _mm512_loadu_ps(out + g * 16 * M + 16 * c);              \
                 for (int64_t u = 0; u < n; u++) {                                                             \
-                    __m512 p = _mm512_set1_ps(s[g * len + t + u]);                                            \
-                    const float *v = values + (u0 + u) * s_pos;                                               \
-                    for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]); \
+                    __m512 p = _mm512_set1_ps(SCALED ? s[g * len + t + u] * vs[u] : s[g * len + t + u]);       \
+                    const T *v = head + at + (u0 + u) * s_pos;                                                \
+                    for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, LOAD16(v + 16 * c), acc[c]);      \
                 }                                                                                             \
                 for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, acc[c]);              \
             }                                                                                                 \
@@ -806,8 +816,9 @@ static void paged_attend_##M(const float *q, const float *head, const int64_t *t
             _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * 16 * M + 16 * c), inv)); \
     }                                                                                                         \
 }
-PAGED_ATTEND_512(4)
-PAGED_ATTEND_512(8)
+#define NO_SCALE(i) 1.0f  /* never called: SCALED is 0 */
+PAGED_ATTEND_512(paged_attend_4, 4, float, _mm512_loadu_ps, 0, NO_SCALE)
+PAGED_ATTEND_512(paged_attend_8, 8, float, _mm512_loadu_ps, 0, NO_SCALE)
 #endif
 
 /* One (row, kv head): each q head of the group reads the head's keys and values (kept in cache). */
@@ -815,8 +826,8 @@ static void paged_attend(const float *q, const float *head, const int64_t *table
                          int64_t d, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos, float scale,
                          float *scratch, float *out) {
 #if defined(__AVX512F__)
-    if (d == 64) return paged_attend_4(q, head, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
-    if (d == 128) return paged_attend_8(q, head, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 64) return paged_attend_4(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 128) return paged_attend_8(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
 #endif
     paged_attend_generic(q, head, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
 }
@@ -859,67 +870,10 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const ui
 static inline __m512 load16_q8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* paged_attend_q8 for head_dim = 16 * M, in PAGED_ATTEND_512's order (s: group x len scores) */
-#define PAGED_ATTEND_Q8_512(M)                                                                                \
-static void paged_attend_q8_##M(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table, \
-                                int64_t len, int64_t group, int64_t bs, int64_t s_block, int64_t s_kv,        \
-                                int64_t s_pos, float scale, float *s, float *out) {                           \
-    int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
-    __m512 scale16 = _mm512_set1_ps(scale);                                                                   \
-    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
-        int64_t at = table[b] * s_block;                                                                      \
-        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
-            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
-            n = len - t < n ? len - t : n;                                                                    \
-            float sc[16];                                                                                     \
-            for (int64_t u = 0; u < 16; u++) sc[u] = u < n ? bf16_to_f32(scales[at / (16 * M) + (u0 + u) * sp]) : 0; \
-            __m512 kscale = _mm512_loadu_ps(sc);                                                              \
-            for (int64_t g = 0; g < group; g++) {                                                             \
-                __m512 qv[M], a[16];                                                                          \
-                for (int c = 0; c < M; c++) qv[c] = _mm512_loadu_ps(q + g * 16 * M + 16 * c);                 \
-                for (int64_t u = 0; u < 16; u++) {                                                            \
-                    if (u >= n) { a[u] = _mm512_setzero_ps(); continue; }                                     \
-                    const int8_t *k = head + at + (u0 + u) * s_pos;                                           \
-                    a[u] = _mm512_mul_ps(qv[0], load16_q8(k));                                                \
-                    for (int c = 1; c < M; c++) a[u] = _mm512_fmadd_ps(qv[c], load16_q8(k + 16 * c), a[u]);   \
-                }                                                                                             \
-                __m512 dots = _mm512_mul_ps(q8b_sum16(a), kscale);                                            \
-                _mm512_mask_storeu_ps(s + g * len + t, (__mmask16)((1u << n) - 1), _mm512_mul_ps(dots, scale16)); \
-            }                                                                                                 \
-            t += n;                                                                                           \
-        }                                                                                                     \
-    }                                                                                                         \
-    float total[group];                                                                                       \
-    for (int64_t g = 0; g < group; g++) total[g] = softmax512(s + g * len, len);                              \
-    for (int64_t i = 0; i < group * 16 * M; i++) out[i] = 0;                                                  \
-    for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
-        int64_t at = table[b] * s_block + s_kv;                                                               \
-        for (int64_t u0 = 0; u0 < bs && t < len; u0 += 16) {                                                  \
-            int64_t n = bs - u0 < 16 ? bs - u0 : 16;                                                          \
-            n = len - t < n ? len - t : n;                                                                    \
-            float vs[16];                                                                                     \
-            for (int64_t u = 0; u < n; u++) vs[u] = bf16_to_f32(scales[at / (16 * M) + (u0 + u) * sp]);       \
-            for (int64_t g = 0; g < group; g++) {                                                             \
-                __m512 acc[M];                                                                                \
-                for (int c = 0; c < M; c++) acc[c] = _mm512_loadu_ps(out + g * 16 * M + 16 * c);              \
-                for (int64_t u = 0; u < n; u++) {                                                             \
-                    __m512 p = _mm512_set1_ps(s[g * len + t + u] * vs[u]);                                    \
-                    const int8_t *v = head + at + (u0 + u) * s_pos;                                           \
-                    for (int c = 0; c < M; c++) acc[c] = _mm512_fmadd_ps(p, load16_q8(v + 16 * c), acc[c]);   \
-                }                                                                                             \
-                for (int c = 0; c < M; c++) _mm512_storeu_ps(out + g * 16 * M + 16 * c, acc[c]);              \
-            }                                                                                                 \
-            t += n;                                                                                           \
-        }                                                                                                     \
-    }                                                                                                         \
-    for (int64_t g = 0; g < group; g++) {                                                                     \
-        __m512 inv = _mm512_set1_ps(1.0f / total[g]);                                                         \
-        for (int c = 0; c < M; c++)                                                                           \
-            _mm512_storeu_ps(out + g * 16 * M + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(out + g * 16 * M + 16 * c), inv)); \
-    }                                                                                                         \
-}
-PAGED_ATTEND_Q8_512(4)
-PAGED_ATTEND_Q8_512(8)
+/* paged_attend_q8 for head_dim = 16 * M: PAGED_ATTEND_512 over int8, each position times its scale */
+#define Q8_POS_SCALE(i) bf16_to_f32(scales[i])
+PAGED_ATTEND_512(paged_attend_q8_4, 4, int8_t, load16_q8, 1, Q8_POS_SCALE)
+PAGED_ATTEND_512(paged_attend_q8_8, 8, int8_t, load16_q8, 1, Q8_POS_SCALE)
 #elif defined(__AVX2__)
 /* 8 int8 at p as 8 floats */
 static inline __m256 load8_q8(const int8_t *p) {
