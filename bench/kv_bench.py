@@ -18,7 +18,7 @@ engine's defaults otherwise (prefix caching on). Reported, per implementation:
 
 Time is wall time: the machine may be shared, so compare implementations within a run.
 
-    python bench/kv_bench.py --kv-dtypes bf16 int8 fp8     # about 3-5 minutes on 2 cores
+    python bench/kv_bench.py --kv-dtypes bf16 int8 fp8 int8-static    # about 3-5 minutes on 2 cores
 
 compares KV cache dtypes of this checkout instead (--kv-cache-dtype): the capacity workload with
 the same KV memory for each, the bytes of --budget bf16 positions (int8/fp8: one byte per value
@@ -26,6 +26,8 @@ and a bfloat16 scale per head vector, so (2 * 64) / (64 + 2) = 1.94x the positio
 head_dim 64), and the most sequences running at once in each; then the sequences held at once
 (`held_peak_running`): 64 requests of one length (240 prompt tokens, 16 new) in the same memory,
 where the count is set by the cache's bytes rather than by when requests come and go.
+int8-static is int8 with static scales (`--kv-scales`, calibrated on bench/quant_text.txt): one
+byte per value and nothing per token, 2x the positions.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ MAX_SEQ_LEN = 1024
 
 def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | None, kv_dtype: str = "auto") -> Any:
     """An engine over tp1 in this process's tprt (ours or the baseline's): the same KV memory
-    either way (kv_tokens, or max_batch x max_seq_len)."""
+    either way (kv_tokens, or max_batch x max_seq_len). kv_dtype int8-static: int8 with static
+    scales calibrated on bench/quant_text.txt (`tprt calibrate-kv`'s, margin 1.25)."""
     from tprt.checkpoint.loading import load_model
     from tprt.distributed.context import TPContext
     from tprt.engine.core import Engine, EngineConfig
@@ -56,11 +59,18 @@ def _engine(model_dir: Path, max_batch: int, max_seq_len: int, kv_tokens: int | 
     kw: dict[str, Any] = {"max_batch": max_batch, "max_seq_len": max_seq_len}
     if kv_tokens is not None and "kv_cache_tokens" in fields:
         kw["kv_cache_tokens"] = kv_tokens
+    model = load_model(model_dir, TPContext.single(), "fp32")
     if kv_dtype != "auto":  # this checkout only (--kv-dtypes)
         from tprt.model.kv_cache import kv_cache_dtype
 
-        kw["cache_dtype"] = kv_cache_dtype(kv_dtype)
-    return Engine(load_model(model_dir, TPContext.single(), "fp32"), None, EngineConfig(**kw), eos_token_ids=())
+        kw["cache_dtype"] = kv_cache_dtype(kv_dtype.removesuffix("-static"))
+    if kv_dtype == "int8-static":
+        from tprt.model.kv_scales import calibrate, scales_from_amax
+        from tprt.text.tokenizer import Tokenizer
+
+        ids = Tokenizer.from_dir(model_dir).encode((ROOT / "bench" / "quant_text.txt").read_text())
+        kw["kv_scales"] = scales_from_amax(calibrate(model, [ids]))
+    return Engine(model, None, EngineConfig(**kw), eos_token_ids=())
 
 
 def _drive(engine: Any, requests: list[tuple[list[int], int]]) -> dict[str, Any]:
@@ -117,8 +127,9 @@ def child(args: argparse.Namespace) -> None:
         from tprt.model.kv_cache import kv_bytes_per_position, kv_cache_dtype
 
         kv = args.workload.removeprefix("capacity-")
-        dtype, d = kv_cache_dtype(kv), 64  # SmolLM2's head_dim
-        tokens = int(args.budget * kv_bytes_per_position(torch.bfloat16, d) // kv_bytes_per_position(dtype, d))
+        dtype, d = kv_cache_dtype(kv.removesuffix("-static")), 64  # SmolLM2's head_dim
+        per_position = kv_bytes_per_position(dtype, d, static_scales=kv.endswith("-static"))
+        tokens = int(args.budget * kv_bytes_per_position(torch.bfloat16, d) // per_position)
         result = {"kv_cache_tokens": tokens, **_drive(_engine(model_dir, 64, MAX_SEQ_LEN, tokens, kv), _capacity_requests())}
         # Held at once: 64 sequences of one length (HELD_LENGTH positions, HELD_NEW of them
         # generated), so the count is set by the memory, not by when a mixed workload's

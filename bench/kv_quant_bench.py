@@ -8,13 +8,16 @@ Reported, one JSON object (and a table on stderr):
 - perplexity of bench/data/kv_ppl.txt (the Apache-2.0 license text, 2215 tokens) prefilled in
   chunks of --chunk tokens through the paged cache, so every chunk attends to the earlier ones
   as stored (quantized, for int8/fp8), per cache dtype, and its change against the bf16 cache
-  (the issue's bar: within +0.5%).
+  (the issue's bar: within +0.5%). int8-static: int8 with static scales (`--kv-scales`)
+  calibrated on another text, bench/quant_text.txt, as `tprt calibrate-kv` makes them, so
+  the figure is on held-out text.
 - scale granularity: the keys and values of that text (every layer), quantized to int8 with a
   scale per token and head (what tprt stores) and with one per block of 16 positions and head;
   the relative RMS error of each (docs/DESIGN.md's choice).
 - decode speed at long context: one sequence, a prompt of each --contexts length (the text
   repeated), --new greedy tokens after the first; generated tokens/s per cache dtype. fp32 and
-  int8 run the compiled decode kernels (int8 read in their inner loop), bf16 and fp8 torch's.
+  int8 (both kinds) run the compiled decode kernels (int8 read in their inner loop), bf16 and
+  fp8 torch's.
 
 Weights: bench/generate_bench.py's workdir (SmolLM2 converted; made when missing), fp32 unless
 --dtype. Time is wall time: the machine may be shared, so compare dtypes within a run.
@@ -43,20 +46,24 @@ from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402
 from tprt.model.kv_cache import blocks_for, kv_cache_dtype, quantize  # noqa: E402
+from tprt.model.kv_scales import calibrate, scales_from_amax  # noqa: E402
 from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
 from tprt.text.tokenizer import Tokenizer  # noqa: E402
 
 TEXT = ROOT / "bench" / "data" / "kv_ppl.txt"
-DTYPES = ("fp32", "bf16", "int8", "fp8")
+DTYPES = ("fp32", "bf16", "int8", "fp8", "int8-static")
+CALIBRATION = ROOT / "bench" / "quant_text.txt"  # int8-static's scales: calibrated on another text than TEXT
 BLOCK = 16
 
 
 def perplexity(model: TPLlamaForCausalLM, ids: list[int], kv: str, chunk: int,
-               keep: list[torch.Tensor] | None = None) -> float:
+               keep: list[torch.Tensor] | None = None, kv_scales: torch.Tensor | None = None) -> float:
     """exp(mean next-token NLL) of ids, prefilled `chunk` tokens at a time through a paged cache
-    of dtype `kv`; `keep` collects every layer's written keys/values [tokens, 2, kv_heads, d]."""
+    of dtype `kv` (int8-static: with `kv_scales`); `keep` collects every layer's written
+    keys/values [tokens, 2, kv_heads, d]."""
     n_blocks = blocks_for(len(ids), BLOCK)
-    cache = model.new_cache(n_blocks + 1, BLOCK, kv_cache_dtype(kv))
+    cache = model.new_cache(n_blocks + 1, BLOCK, kv_cache_dtype(kv.removesuffix("-static")),
+                            kv_scales if kv == "int8-static" else None)
     if keep is not None:
         update = cache.update
 
@@ -96,11 +103,13 @@ def scale_granularity(kv: list[torch.Tensor]) -> dict[str, float]:
     return {k: math.sqrt(v / total) for k, v in err.items()}
 
 
-def decode_rate(model_dir: Path, dtype: str, kv: str, prompt: list[int], new: int) -> float:
+def decode_rate(model_dir: Path, dtype: str, kv: str, prompt: list[int], new: int,
+                kv_scales: torch.Tensor | None = None) -> float:
     """Generated tokens/s after the first token, one sequence, a fresh engine and model."""
     model = load_model(model_dir, TPContext.single(), dtype)
     config = EngineConfig(max_batch=1, max_seq_len=len(prompt) + new + 1, prefix_cache=False,
-                          cache_dtype=kv_cache_dtype(kv))
+                          cache_dtype=kv_cache_dtype(kv.removesuffix("-static")),
+                          kv_scales=kv_scales if kv == "int8-static" else None)
     engine = Engine(model, None, config, eos_token_ids=())
     engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=new + 1, ignore_eos=True), "0")
     first = None
@@ -136,7 +145,9 @@ def main() -> None:
                               "load_average_before": os.getloadavg()}
     model = load_model(model_dir, TPContext.single(), args.dtype)
     kept: list[torch.Tensor] = []
-    ppl = {kv: perplexity(model, ids, kv, args.chunk, kept if kv == "fp32" else None) for kv in args.kv_dtypes}
+    tok = Tokenizer.from_dir(model_dir)
+    static = scales_from_amax(calibrate(model, [tok.encode(CALIBRATION.read_text())]))  # `tprt calibrate-kv`'s
+    ppl = {kv: perplexity(model, ids, kv, args.chunk, kept if kv == "fp32" else None, static) for kv in args.kv_dtypes}
     report["perplexity"] = ppl
     if "bf16" in ppl:
         report["perplexity_change_vs_bf16_pct"] = {kv: 100 * (p / ppl["bf16"] - 1) for kv, p in ppl.items()}
@@ -146,12 +157,12 @@ def main() -> None:
     if not args.skip_decode:
         prompts = {n: (ids * (n // len(ids) + 1))[:n] for n in args.contexts}
         report["decode_tokens_per_s"] = {
-            str(n): {kv: decode_rate(model_dir, args.dtype, kv, p, args.new) for kv in args.kv_dtypes}
+            str(n): {kv: decode_rate(model_dir, args.dtype, kv, p, args.new, static) for kv in args.kv_dtypes}
             for n, p in prompts.items()}
     report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=1))
     for kv in args.kv_dtypes:
-        line = f"{kv:>5}: perplexity {ppl[kv]:.4f}"
+        line = f"{kv:>11}: perplexity {ppl[kv]:.4f}"
         if "perplexity_change_vs_bf16_pct" in report:
             line += f" ({report['perplexity_change_vs_bf16_pct'][kv]:+.3f}% vs bf16)"
         for n, rates in report.get("decode_tokens_per_s", {}).items():

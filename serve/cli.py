@@ -64,6 +64,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,fp32,int8,fp8}",
                    help="KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
                         "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
+    s.add_argument("--kv-scales", type=Path, metavar="FILE",
+                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
+                        "stored per token, exactly 2x the tokens of bf16")
     s.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
     s.add_argument("--max-queue", type=int, default=256, metavar="N",

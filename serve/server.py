@@ -62,6 +62,7 @@ from tprt.engine.core import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
 from tprt.errors import ConfigError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.kv_cache import kv_cache_dtype
+from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.cpu.threads import run_on_exiting_thread
 from tprt.text.tokenizer import Tokenizer
@@ -101,6 +102,7 @@ class ServeConfig:
     kv_cache_tokens: int | None = None  # KV pool positions per rank; None: see EngineConfig
     kv_block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
+    kv_scales: Path | None = None  # static int8 KV scales (tprt.model.kv_scales); implies an int8 cache
     gpu_memory_fraction: float | None = None  # CUDA: the KV pool's share of free memory (default 0.9)
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
@@ -125,7 +127,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     draft = cfg.speculative.validate().draft_model if cfg.speculative is not None else None
     if draft is not None:
         check_draft_model(draft, ckpt.config.vocab_size)
-    kv_cache_dtype(cfg.kv_cache_dtype)
+    kv_cache_flags(cfg.kv_cache_dtype, cfg.kv_scales, ckpt.config)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
                  "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
                  "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",
@@ -171,10 +173,12 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 
 def engine_config(cfg: ServeConfig) -> EngineConfig:
     fraction = cfg.gpu_memory_fraction if cfg.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
+    kv_scales = None if cfg.kv_scales is None else load_kv_scales(cfg.kv_scales, TPCheckpoint(cfg.model).config)
     return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
                         prefix_cache=cfg.prefix_cache, kv_cache_tokens=cfg.kv_cache_tokens,
-                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction,
-                        speculative=cfg.speculative, cache_dtype=kv_cache_dtype(cfg.kv_cache_dtype))
+                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction, speculative=cfg.speculative,
+                        cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cfg.kv_cache_dtype),
+                        kv_scales=kv_scales)
 
 
 def max_batch_size(cfg: ServeConfig) -> int:

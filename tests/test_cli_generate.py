@@ -181,6 +181,40 @@ def test_generate_with_a_quantized_kv_cache_tp1(root: Path, hf: Any, capsys: pyt
         assert json.loads(capsys.readouterr().out)["token_ids"] == _hf_greedy(hf, ids), kv
 
 
+def test_calibrate_kv_then_generate_and_score_with_static_scales(root: Path, hf: Any, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """`tprt calibrate-kv` at TP=2 (two ranks, each its kv heads) writes the same scales as at TP=1
+    in this process; `generate --kv-scales` then gives transformers' greedy tokens, and `score
+    --kv-scales` logprobs near transformers' (a float cache's: equal to them)."""
+    from safetensors.torch import load_file
+
+    doc = tmp_path / "calib.txt"
+    doc.write_text(" ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog. " * 3)
+    proc = _tprt("calibrate-kv", "--model", str(root / "tp2"), "--file", str(doc), "--out", str(tmp_path / "kv2.st"))
+    assert proc.returncode == 0, proc.stderr
+    assert "--kv-scales" in proc.stdout and "margin 1.25" in proc.stdout, proc.stdout
+    assert main(["calibrate-kv", "--model", str(root / "tp1"), "--file", str(doc), "--out", str(tmp_path / "kv1.st"),
+                 "--margin", "2"]) == 0
+    tp2, tp1 = load_file(tmp_path / "kv2.st")["kv_scales"], load_file(tmp_path / "kv1.st")["kv_scales"]
+    torch.testing.assert_close(tp1, tp2 * 2 / 1.25, rtol=1e-5, atol=0)
+    cfg = json.loads((root / "tp2" / "config.json").read_text())
+    assert list(tp2.shape) == [cfg["num_hidden_layers"], 2, cfg["num_key_value_heads"]] and bool((tp2 > 0).all())
+
+    ids = Tokenizer.from_dir(root / "tp2").encode(PROMPTS[1])
+    proc = _tprt("generate", "--model", str(root / "tp2"), "--prompt", PROMPTS[1], "--max-new-tokens", str(N_NEW),
+                 "--kv-scales", str(tmp_path / "kv2.st"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == _hf_greedy(hf, ids)
+    capsys.readouterr()
+    text = "The quick brown fox jumps over the lazy dog. Hello there."
+    (tmp_path / "doc.txt").write_text(text)
+    want = _hf_logprobs(hf, Tokenizer.from_dir(root / "tp1").encode(text))
+    for flags, tol in ((["--kv-cache-dtype", "fp32"], 1e-4), (["--kv-scales", str(tmp_path / "kv1.st")], 0.05)):
+        assert main(["score", "--model", str(root / "tp1"), "--file", str(tmp_path / "doc.txt"), "--json", *flags]) == 0
+        got = torch.tensor([t["logprob"] for t in json.loads(capsys.readouterr().out)["documents"][0]["tokens"][1:]])
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+
+
 def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A .txt file is one document; the text report has a line per document and an overall line."""
     (tmp_path / "doc.txt").write_text("Hello world, hello tensor parallel world.\n")
@@ -199,6 +233,21 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--dtype", "int8"], ["--dtype", "int8"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-cache-dtype", "int4"], ["--kv-cache-dtype", "int4"]),
     (["generate", "--model", "{root}/tp2"], ["no prompt"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-scales", "{root}/none.st"],
+     ["--kv-scales", "none.st", "no such file", "tprt calibrate-kv"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-scales", "{root}/kv_bad.st"],
+     ["--kv-scales", "kv_bad.st", "[1, 2, 1]", "this model needs"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-scales", "{root}/bad.jsonl"],
+     ["--kv-scales", "bad.jsonl", "not a safetensors file"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--kv-scales", "{root}/kv_bad.st", "--kv-cache-dtype",
+      "fp8"], ["--kv-scales", "--kv-cache-dtype int8", "not fp8"]),
+    (["score", "--model", "{root}/tp2", "--file", "{root}/not.schema.json", "--kv-cache-dtype", "int3"],
+     ["--kv-cache-dtype", "int3"]),
+    (["calibrate-kv", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl", "--out", "{root}/x.st"], ["bad.jsonl:2"]),
+    (["calibrate-kv", "--model", "{root}/tp2", "--file", "{root}/not.schema.json", "--out", "{root}/x.st",
+      "--margin", "0.5"], ["--margin", "at least 1", "0.5"]),
+    (["calibrate-kv", "--model", "{root}/tp2", "--file", "{root}/not.schema.json", "--out", "{root}/no/x.st"],
+     ["--out", "does not exist"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
     (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),
@@ -224,6 +273,9 @@ def test_bad_input(root: Path, argv: list[str], needles: list[str], capsys: pyte
     """Refused before any rank starts: one line naming the flag, file or prompt; exit status 2."""
     (root / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n')
     (root / "not.schema.json").write_text('{"not": {"type": "string"}}')
+    from safetensors.torch import save_file
+
+    save_file({"kv_scales": torch.ones(1, 2, 1)}, root / "kv_bad.st")  # not this model's shape
     other = root / "othervocab"  # a TP-1 checkpoint whose vocabulary is not the model's
     if not other.exists():
         shutil.copytree(root / "tp1", other)

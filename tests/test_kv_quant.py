@@ -1,7 +1,8 @@
-"""The quantized KV cache (tprt.model.kv_cache: int8 and FP8 e4m3 with a float32 scale per head
-vector): the quantizer, the paged cache's writes and reads, the C decode kernels reading int8
-directly (native build, and the AVX2 and scalar builds of the same source) against the torch
-reference, the `--kv-cache-dtype` names, and garbage detection (wrong scales must show).
+"""The quantized KV cache (tprt.model.kv_cache: int8 and FP8 e4m3 with a bfloat16 scale per head
+vector, or int8 with static scales per layer, k/v and head: tprt.model.kv_scales): the quantizers,
+the paged cache's writes and reads, the C decode kernels reading int8 directly (native build, and
+the AVX2 and scalar builds of the same source) against the torch reference, the
+`--kv-cache-dtype` names, the static scales' file, and garbage detection (wrong scales must show).
 Model-level checks (logits near the float cache's at TP 1/2/4/8, greedy agreement, prefix sharing
 through the engine) live in the existing worlds: tests/test_model_tp.py and tests/test_engine.py."""
 
@@ -19,7 +20,9 @@ import torch.nn.functional as F
 
 from tprt.cpu import native
 from tprt.errors import ConfigError
-from tprt.model.kv_cache import QUANTIZED, SCALE_DTYPE, KVCache, key_rotation, kv_bytes_per_position, kv_cache_dtype, quantize
+from tprt.model.kv_cache import (QUANTIZED, SCALE_DTYPE, KVCache, key_rotation, kv_bytes_per_position, kv_cache_dtype,
+                                  quantize, quantize_fixed)
+from tprt.model.kv_scales import kv_cache_flags, load_kv_scales, local_kv_scales, save_kv_scales, scales_from_amax
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 QDTYPES = [torch.int8] + ([torch.float8_e4m3fn] if HAS_FP8 else [])
@@ -31,6 +34,9 @@ ELEMENT_TOL = {torch.int8: 0.5 / 127 * (1 + 2 ** -7) + 1e-6, torch.float8_e4m3fn
 # Max |attention output error| over its max, unit-scale keys/values and queries (measured: int8
 # 1.0e-2, e4m3 3.3e-2; wrong scales give 0.66 to 140).
 ATTENTION_TOL = {torch.int8: 0.02, torch.float8_e4m3fn: 0.06}
+# The same with static scales, 1.25 x each head's amax over all 40 tokens (measured 2.2e-2: a
+# head's step is its largest value's, not each token's).
+STATIC_ATTENTION_TOL = 0.04
 
 
 @pytest.mark.parametrize("dtype", QDTYPES, ids=str)
@@ -149,6 +155,108 @@ def test_wrong_scales_are_detected(dtype: torch.dtype) -> None:
     assert err(attention(cache)) > 5 * ATTENTION_TOL[dtype]
 
 
+def test_static_scales_store_int8_alone_and_read_back_within_half_a_step() -> None:
+    """An int8 cache with static scales (one per layer, k/v and kv head): exactly half a bf16
+    cache's bytes per position (nothing stored per token); round(x / scale) written at each
+    token's block and offset, values beyond +-127 steps clipped; reads within half a step; and
+    the cache refuses scales of the wrong shape or for another dtype."""
+    n_layers, nkv, bs, d = 2, 3, 4, 64
+    fixed = torch.tensor([[[0.01, 0.02, 0.04], [0.03, 0.05, 0.02]], [[0.02, 0.01, 0.03], [0.04, 0.02, 0.01]]])
+    cache = KVCache(n_layers, 12, nkv, bs, d, torch.int8, fixed_scales=fixed)
+    assert cache.quantized and cache.scales is None and torch.equal(cache.fixed_scales, fixed)
+    assert kv_bytes_per_position(torch.int8, d, static_scales=True) * 2 == kv_bytes_per_position(torch.bfloat16, d)
+    assert KVCache(n_layers, 12, nkv, bs, d, torch.bfloat16).kv.nbytes == 2 * cache.kv.nbytes
+    assert cache.nbytes() == cache.kv.nbytes + fixed.nbytes
+    positions, tables = torch.arange(6)[None], torch.tensor([[7, 3]])
+    kv = torch.randn(1, 6, 2, nkv, d)
+    kv[0, 2, 1, 0, 5] = 1e3  # far beyond head 0's values range (127 x 0.03): clipped
+    k, v = cache.update(1, kv, cache.prepare(positions, tables))
+    want = quantize_fixed(kv[0], fixed[1])  # [6, 2, nkv, d]
+    assert torch.equal(cache.kv[1, 7, :, :, 1], want[1]) and torch.equal(cache.kv[1, 3, :, :, 1], want[5])
+    assert want[2, 1, 0, 5] == 127 and not cache.kv[0].any()
+    back = torch.stack((k[0], v[0]), dim=1).permute(2, 1, 0, 3)  # [6, 2, nkv, d]
+    inside = kv[0].abs() <= 127 * fixed[1][:, :, None]
+    step = fixed[1][:, :, None].expand_as(kv[0])
+    assert ((back - kv[0]).abs()[inside] <= 0.5 * step[inside] + 1e-6).all()
+    assert back[2, 1, 0, 5] == 127 * fixed[1, 1, 0]
+    with pytest.raises(ValueError, match=r"static KV scales need an int8 cache and the shape \[2, 2, 3\]"):
+        KVCache(n_layers, 12, nkv, bs, d, torch.int8, fixed_scales=fixed[:, :, :2])
+    with pytest.raises(ValueError, match="static KV scales need an int8 cache"):
+        KVCache(n_layers, 12, nkv, bs, d, torch.float32, fixed_scales=fixed)
+
+
+def test_wrong_static_scales_are_detected() -> None:
+    """Garbage detection for static scales: attention close to the float cache's with the right
+    scales, far from it with all ones (a path that forgot them) or each head's scales swapped with another's."""
+    torch.manual_seed(1)
+    kv = torch.randn(1, 40, 2, 2, 64) * torch.tensor([1.0, 3.0])[None, None, None, :, None]  # heads differ
+    amax = kv.abs().amax(dim=(0, 1, 4))[None]  # [1 layer, k/v, head]
+    cache = KVCache(1, 6, 2, 8, 64, torch.int8, fixed_scales=scales_from_amax(amax))
+    ref = KVCache(1, 6, 2, 8, 64, torch.float32)
+    positions, tables = torch.arange(40)[None], torch.tensor([[1, 2, 3, 4, 5]])
+    q = torch.randn(1, 2, 40, 64)
+
+    def attention(c: KVCache) -> torch.Tensor:
+        step = c.prepare(positions, tables)
+        k, v = c.read(0, step)
+        return step.attend(q, k, v, enable_gqa=False)
+
+    for c in (cache, ref):
+        c.update(0, kv, c.prepare(positions, tables))
+    want = attention(ref)
+    err = lambda got: ((got - want).abs().max() / want.abs().max()).item()  # noqa: E731
+    assert err(attention(cache)) < STATIC_ATTENTION_TOL
+    assert cache.fixed_scales is not None
+    good = cache.fixed_scales.clone()
+    cache.fixed_scales.fill_(1.0)
+    assert err(attention(cache)) > 10 * STATIC_ATTENTION_TOL
+    cache.fixed_scales.copy_(good.flip(-1))  # each head read with the other's scales
+    assert err(attention(cache)) > 5 * STATIC_ATTENTION_TOL
+
+
+def test_static_scales_file_round_trip_and_refusals(tmp_path: Path) -> None:
+    """The calibrate-kv file: written atomically and read back for the model it fits; each rank
+    takes its kv heads (split, or replicated when TP exceeds them); any other file, tensor, shape
+    or value is refused in one line naming --kv-scales and the file, and so is another cache dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tprt.model.config import ModelConfig, TPLayout
+
+    cfg = ModelConfig.from_dict({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 8,
+                                 "num_key_value_heads": 4, "num_hidden_layers": 3, "vocab_size": 300})
+    scales = scales_from_amax(torch.rand(3, 2, 4) + 0.1, margin=1.5)
+    path = tmp_path / "kv.safetensors"
+    save_kv_scales(path, scales, 1.5, 1234)
+    assert torch.equal(load_kv_scales(path, cfg), scales) and [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
+    with safe_open(path, "pt") as f:
+        assert f.metadata() == {"format": "tprt-kv-scales", "margin": "1.5", "tokens": "1234"}
+    assert kv_cache_flags("auto", path, cfg) == "int8" and kv_cache_flags(None, path, cfg) == "int8"
+    assert kv_cache_flags("int8", path, cfg) == "int8" and kv_cache_flags("fp8", None, cfg) == "fp8"
+    for tp, heads in ((1, [0, 1, 2, 3]), (2, [2, 3]), (4, [1]), (8, [0]), (8, [3])):
+        rank = {(2, 2): 1, (4, 1): 1, (8, 0): 1, (8, 3): 7}.get((tp, heads[0]), 0)
+        assert torch.equal(local_kv_scales(scales, TPLayout.for_model(cfg, tp), rank), scales[:, :, heads]), (tp, heads)
+    with pytest.raises(ConfigError, match=r"--kv-scales .*nope: no such file \(make one with `tprt calibrate-kv`\)"):
+        load_kv_scales(tmp_path / "nope", cfg)
+    (tmp_path / "junk").write_text("not safetensors")
+    with pytest.raises(ConfigError, match=r"--kv-scales .*junk: not a safetensors file of KV scales"):
+        load_kv_scales(tmp_path / "junk", cfg)
+    save_file({"scales": scales}, tmp_path / "other.st")
+    with pytest.raises(ConfigError, match=r"other.st: no tensor 'kv_scales' \(found \['scales'\]\)"):
+        load_kv_scales(tmp_path / "other.st", cfg)
+    save_file({"kv_scales": scales[:2]}, tmp_path / "short.st")
+    with pytest.raises(ConfigError, match=r"short.st: tensor 'kv_scales' is \[2, 2, 4\], this model needs \[3, 2, 4\]"):
+        load_kv_scales(tmp_path / "short.st", cfg)
+    for bad in (0.0, float("nan"), -1.0):
+        save_file({"kv_scales": scales.clone().index_fill_(0, torch.tensor([1]), bad)}, tmp_path / "bad.st")
+        with pytest.raises(ConfigError, match=r"bad.st: tensor 'kv_scales' must hold finite positive scales"):
+            load_kv_scales(tmp_path / "bad.st", cfg)
+    with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: use it with --kv-cache-dtype int8, not bf16$"):
+        kv_cache_flags("bf16", path, cfg)
+    with pytest.raises(ConfigError, match=r"--margin must be a number of at least 1"):
+        scales_from_amax(torch.ones(1), 0.9)
+
+
 def test_kv_cache_dtype_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kv_cache_dtype("auto") is None
     assert kv_cache_dtype("int8") == torch.int8 and kv_cache_dtype("bf16") == torch.bfloat16
@@ -165,16 +273,20 @@ def test_kv_cache_dtype_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> N
 # ----------------------------------------------------------------------------- the C kernels
 
 
-def _int8_case(d: int, nh: int, nkv: int, size: int, seed: int) -> tuple[KVCache, object, torch.Tensor, torch.Tensor]:
+def _int8_case(d: int, nh: int, nkv: int, size: int, seed: int,
+               static: bool = False) -> tuple[KVCache, object, torch.Tensor, torch.Tensor]:
     """An int8 cache of 2 layers holding random keys/values of both magnitudes in scattered
-    blocks, a step of 4 rows at positions 0..33 and its q; with the torch reference output."""
+    blocks (`static`: under static scales, different per layer, k/v and head), a step of 4 rows
+    at positions 0..33 and its q; with the torch reference output."""
     g = torch.Generator().manual_seed(seed)
     width = -(-34 // size)
-    cache = KVCache(2, 4 * width + 1, nkv, size, d, torch.int8)
-    assert cache.scales is not None
+    fixed = torch.rand(2, 2, nkv, generator=g) * 0.1 + 0.01 if static else None
+    cache = KVCache(2, 4 * width + 1, nkv, size, d, torch.int8, fixed_scales=fixed)
     values, scales = quantize(torch.randn(*cache.kv.shape, generator=g) * 3, torch.int8)
     cache.kv.copy_(values)
-    cache.scales.copy_(scales * torch.rand(scales.shape, generator=g) * 2)  # per-vector magnitudes differ
+    if not static:
+        assert cache.scales is not None
+        cache.scales.copy_(scales * torch.rand(scales.shape, generator=g) * 2)  # per-vector magnitudes differ
     positions = torch.tensor([[0], [16], [33], [5]])
     tables = (torch.randperm(4 * width, generator=g) + 1).view(4, width)
     step = cache.prepare(positions, tables)
@@ -187,15 +299,16 @@ def _int8_case(d: int, nh: int, nkv: int, size: int, seed: int) -> tuple[KVCache
 SHAPES = list(itertools.product((24, 64, 128), ((6, 2), (4, 4)), (1, 5, 16)))
 
 
-def test_native_attention_reads_int8_like_the_reference() -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["per_vector", "static"])
+def test_native_attention_reads_int8_like_the_reference(static: bool) -> None:
     """tprt_paged_decode_attention over an int8 cache (the vectorised paths at head_dim 64/128,
-    the generic one at 24) against dequantize-then-SDPA."""
+    the generic one at 24; a scale per vector, or static ones) against dequantize-then-SDPA."""
     attend = native.decode_attention_kernel(torch.float32)
     if not native.available():
         pytest.skip("no C compiler: the torch reference is the only path")
     assert attend is not None
     for d, (nh, nkv), size in SHAPES:
-        cache, step, q, want = _int8_case(d, nh, nkv, size, d + size)
+        cache, step, q, want = _int8_case(d, nh, nkv, size, d + size, static)
         got = attend(q, cache, step, 1)
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (d, nh, size)  # sums in another order
 
@@ -212,16 +325,17 @@ def test_avx2_and_scalar_builds_read_int8_like_the_reference(march: str, tmp_pat
                     str(native.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
     fn = ctypes.CDLL(str(lib_path)).tprt_paged_decode_attention_f32
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes, fn.restype = [P] * 7 + [I] * 10 + [ctypes.c_float], None
-    for d, (nh, nkv), size in SHAPES:
-        cache, step, q, want = _int8_case(d, nh, nkv, size, d * size)
-        assert cache.scales is not None
-        store, scales = cache.kv[1], cache.scales[1]
-        out, scratch = torch.empty(4, 1, nh * d), torch.empty(step.kv_len)
+    fn.argtypes, fn.restype = [P] * 8 + [I] * 10 + [ctypes.c_float], None
+    for (d, (nh, nkv), size), static in itertools.product(SHAPES, (False, True)):
+        cache, step, q, want = _int8_case(d, nh, nkv, size, d * size, static)
+        store = cache.kv[1]
+        scales = None if cache.scales is None else cache.scales[1].data_ptr()
+        fixed = None if cache.fixed_scales is None else cache.fixed_scales[1].data_ptr()
+        out, scratch = torch.empty(4, 1, nh * d), torch.empty(step.kv_len * (nh // nkv))
         tables, positions = step.tables.contiguous(), step.flat_positions
-        fn(q.contiguous().data_ptr(), store.data_ptr(), scales.data_ptr(), tables.data_ptr(), positions.data_ptr(),
+        fn(q.contiguous().data_ptr(), store.data_ptr(), scales, fixed, tables.data_ptr(), positions.data_ptr(),
            out.data_ptr(), scratch.data_ptr(), 4, nh, nkv, d, size, tables.stride(0), *store.stride()[:4], d ** -0.5)
-        assert (out - want).abs().max() <= 1e-5 * want.abs().max(), (march, d, nh, size)  # sums in another order
+        assert (out - want).abs().max() <= 1e-5 * want.abs().max(), (march, d, nh, size, static)  # another order
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -243,6 +357,13 @@ def test_native_cache_write_quantizes_like_the_reference(dtype: torch.dtype) -> 
     values, scales = quantize(flt.kv, torch.int8)
     assert q8.scales is not None
     assert torch.equal(q8.kv, values) and torch.equal(q8.scales, torch.where(flt.kv.any(-1), scales, 0))
+    fixed = torch.rand(2, 2, nkv, generator=g) * 0.02 + 0.005  # small enough that some values clip
+    static = KVCache(2, 10, nkv, 4, d, torch.int8, fixed_scales=fixed)
+    assert torch.equal(rope_cache(qkv, cos, sin, static, static.prepare(positions, tables), 1), q_f)
+    stored = flt.kv[1].permute(0, 3, 1, 2, 4)  # [block, offset, k/v, kv_head, d]
+    want = quantize_fixed(stored, fixed[1]).permute(0, 2, 3, 1, 4)
+    assert torch.equal(static.kv[1], want) and not static.kv[0].any()
+    assert (want.abs() == 127).any() and (stored.abs() > 127.5 * fixed[1][:, :, None]).any()  # clipped ones too
 
 
 def test_native_layers_take_int8_and_leave_fp8_to_torch() -> None:
@@ -268,9 +389,20 @@ def test_serve_flag_is_checked_and_reaches_the_engine(tmp_path: Path) -> None:
     assert engine_config(ServeConfig(model=tmp_path / "tp1")).cache_dtype is None  # auto
     with pytest.raises(ConfigError, match=r"^--kv-cache-dtype must be one of .* got 'fp4'$"):
         check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="fp4"))
+    # --kv-scales: an int8 cache with the file's static scales (auto becomes int8); another dtype refused
+    scales = scales_from_amax(torch.rand(2, 2, 4) + 0.1)
+    save_kv_scales(tmp_path / "kv.st", scales, 1.25, 10)
+    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_scales=tmp_path / "kv.st")
+    check_config(cfg)
+    engine = engine_config(cfg)
+    assert engine.cache_dtype == torch.int8 and engine.kv_scales is not None and torch.equal(engine.kv_scales, scales)
+    with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: .* not fp8$"):
+        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_scales=tmp_path / "kv.st",
+                                 kv_cache_dtype="fp8"))
 
 
-def test_fused_decode_kernels_over_int8() -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["per_vector", "static"])
+def test_fused_decode_kernels_over_int8(static: bool) -> None:
     """The one-row attention half and the decode stack (3 layers, 2 rows) over an int8 cache
     holding the same values as a float32 one: each new token's keys and values stored as the
     reference quantizes the float32 kernel's (layer 0's: later layers' inputs differ), every other
@@ -291,12 +423,17 @@ def test_fused_decode_kernels_over_int8() -> None:
     tables = (torch.randperm(16, generator=g) + 1).view(2, 8)
 
     def caches(layers: int) -> tuple[KVCache, KVCache]:
-        q8, f32 = KVCache(layers, 17, nkv, 5, d, torch.int8), KVCache(layers, 17, nkv, 5, d, torch.float32)
-        assert q8.scales is not None
+        fixed = torch.rand(layers, 2, nkv, generator=g) * 0.05 + 0.05 if static else None
+        q8 = KVCache(layers, 17, nkv, 5, d, torch.int8, fixed_scales=fixed)
+        f32 = KVCache(layers, 17, nkv, 5, d, torch.float32)
         values, scales = quantize(torch.randn(f32.kv.shape, generator=g), torch.int8)
         q8.kv.copy_(values)
-        q8.scales.copy_(scales)
-        f32.kv.copy_(values.float() * scales.unsqueeze(-1))
+        if fixed is None:
+            assert q8.scales is not None
+            q8.scales.copy_(scales)
+            f32.kv.copy_(values.float() * scales.unsqueeze(-1))
+        else:
+            f32.kv.copy_(values.float() * fixed[:, None, :, :, None, None])
         return q8, f32
 
     for layers, rows, run in ((1, 1, lambda c, s: half(x[:1], cos[:1], sin[:1], c, s, 0)),
@@ -306,12 +443,16 @@ def test_fused_decode_kernels_over_int8() -> None:
         positions = torch.tensor([[37], [21]])[:rows]
         outs = [run(c, c.prepare(positions, tables[:rows])) for c in (q8, f32)]
         assert (outs[0] - outs[1]).abs().max() <= 0.03 * outs[1].abs().max(), layers
-        assert q8.scales is not None
         written = torch.zeros(q8.kv.shape[:-1], dtype=torch.bool)
         for r, p in enumerate(positions[:, 0].tolist()):
             written[:, tables[r, p // 5], :, :, p % 5] = True
         first = written.clone()
         first[1:] = False  # layer 0's input is the same in both runs; later layers' differ a little
-        values, scales = quantize(f32.kv[first], torch.int8)
-        assert torch.equal(q8.kv[first], values) and torch.equal(q8.scales[first], scales), layers
+        if q8.fixed_scales is None:
+            assert q8.scales is not None
+            values, scales = quantize(f32.kv[first], torch.int8)
+            assert torch.equal(q8.kv[first], values) and torch.equal(q8.scales[first], scales), layers
+        else:  # [k/v, kv_head] of layer 0, spread over the written (block, offset)s
+            step_scales = q8.fixed_scales[:, None, :, :, None].expand(first.shape)[first]
+            assert torch.equal(q8.kv[first], (f32.kv[first] / step_scales[:, None]).round().clamp(-127, 127).to(torch.int8))
         assert torch.equal(q8.kv[~written], before[~written]), layers

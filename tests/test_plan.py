@@ -272,4 +272,27 @@ def test_quantized_kv_cache(kv: str, capsys: pytest.CaptureFixture[str]) -> None
     assert f"vs a bf16 KV cache (40.0 KiB per token per rank): +{plan.max_kv_tokens - bf16.max_kv_tokens} KV tokens (x1.97)" in out
     assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "serve",
                  "--kv-dtype", "int4"]) == 2
-    assert "--kv-dtype 'int4' is not supported; expected fp32, bf16, fp16, int8 or fp8" in capsys.readouterr().err
+    assert "--kv-dtype 'int4' is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static" in capsys.readouterr().err
+
+
+def test_static_scale_kv_cache_doubles_bf16s_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-dtype int8-static (serve's --kv-scales): one byte per value and nothing per token, as
+    the runtime's cache with static scales holds them: exactly 2x bf16's KV tokens."""
+    from tprt.model.kv_cache import KVCache
+
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    plan = plan_memory(cfg, 8, ServeWorkload(kv_dtype="int8-static", max_seq_len=8192), device("h100-80gb"))
+    bf16 = plan_memory(cfg, 8, ServeWorkload(kv_dtype="bf16", max_seq_len=8192), device("h100-80gb"))
+    assert plan.kv_bytes_per_token_per_rank * 2 == bf16.kv_bytes_per_token_per_rank == 80 * 2 * 1 * 256
+    assert plan.max_kv_tokens is not None and bf16.max_kv_tokens is not None
+    assert abs(plan.max_kv_tokens - 2 * bf16.max_kv_tokens) <= 2  # whole tokens of the same bytes
+    small = _config("gqa")
+    fixed = torch.ones(small.num_hidden_layers, 2, small.num_key_value_heads)
+    runtime = KVCache(small.num_hidden_layers, 5, small.num_key_value_heads, 16, small.head_dim, torch.int8,
+                      fixed_scales=fixed)
+    planned = plan_memory(small, 1, ServeWorkload(kv_dtype="int8-static"), device("cpu"))
+    assert runtime.kv.nbytes == 5 * 16 * planned.kv_bytes_per_token_per_rank
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "serve",
+                 "--kv-dtype", "int8-static", "--max-seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: 20.0 KiB per token per rank (int8-static)" in out and "(x2.00)" in out, out

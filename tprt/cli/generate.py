@@ -26,6 +26,7 @@ from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.kv_cache import kv_cache_dtype
+from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
 from tprt.engine.speculative import SPECULATIVE_FLAGS, SpeculativeConfig, speculative_from_flags
@@ -56,6 +57,7 @@ class GenerateArgs:
     top_logprobs: int = 0
     dtype: str | None = None
     kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
+    kv_scales: Path | None = None  # static int8 KV scales (tprt.model.kv_scales)
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
@@ -86,6 +88,7 @@ class GenerateJob:
     adapter: str | None = None
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
+    kv_scales: str | None = None
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -192,7 +195,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     ckpt = TPCheckpoint(args.model)
     if args.dtype is not None:
         parse_dtype(args.dtype)
-    kv_cache_dtype(args.kv_cache_dtype)
+    kv_dtype = kv_cache_flags(args.kv_cache_dtype, args.kv_scales, ckpt.config)
     if args.system is not None and not args.chat:
         raise ConfigError("--system needs --chat")
     tok = Tokenizer.from_dir(args.model)
@@ -205,7 +208,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     adapter = None if args.adapter is None else str(args.adapter)
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
-                       args.kv_cache_dtype)
+                       kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales))
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -227,7 +230,8 @@ def generate_rank(job: GenerateJob) -> None:
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
                           token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
-                          cache_dtype=kv_cache_dtype(job.kv_cache_dtype))
+                          cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
+                          kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config))
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()
@@ -311,6 +315,8 @@ class ScoreArgs:
     dtype: str | None = None
     json: bool = False
     threads: int | None = None  # torch threads per rank; None: cores / TP
+    kv_cache_dtype: str | None = None  # score through a KV cache of this dtype; None: no cache
+    kv_scales: Path | None = None  # static int8 KV scales (implies an int8 cache)
 
 
 @dataclass(frozen=True)
@@ -319,6 +325,8 @@ class ScoreJob:
     dtype: str | None
     documents: list[list[int]]
     json: bool
+    kv_cache_dtype: str | None = None
+    kv_scales: str | None = None
 
 
 def read_documents(path: Path) -> list[str]:
@@ -362,7 +370,9 @@ def prepare_score(args: ScoreArgs) -> ScoreJob:
             raise ConfigError(f"{where}: {len(ids)} tokens, longer than the model's context "
                               f"(max_position_embeddings={context}); split it")
         docs.append(ids)
-    return ScoreJob(str(args.model), args.dtype, docs, args.json)
+    kv_dtype = kv_cache_flags(args.kv_cache_dtype, args.kv_scales, ckpt.config)
+    return ScoreJob(str(args.model), args.dtype, docs, args.json, kv_dtype,
+                    None if args.kv_scales is None else str(args.kv_scales))
 
 
 def run_score(args: ScoreArgs) -> int:
@@ -378,10 +388,13 @@ def score_rank(job: ScoreJob) -> None:
     ctx = init_distributed()
     model = load_model(job.model, ctx, job.dtype)
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
+    through_cache = job.kv_cache_dtype is not None
+    cache_dtype = kv_cache_dtype(job.kv_cache_dtype) if job.kv_cache_dtype is not None else None
+    kv_scales = None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config)
     total = Perplexity(0, 0.0)
     docs_json = []
     for i, ids in enumerate(job.documents, start=1):
-        lps = token_logprobs(model, ids)
+        lps = token_logprobs(model, ids, cache_dtype, kv_scales, through_cache)
         doc = Perplexity.of(lps)
         total = total + doc
         if tok is None:

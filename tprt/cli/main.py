@@ -16,6 +16,7 @@ EPILOG = """examples:
   tprt demo                              convert the bundled SmolLM2 model, chat, fine-tune and serve it at TP=3
   tprt generate --model ./smollm2-tp3 --chat --prompt "What is the capital of France?"
   tprt score --model ./smollm2-tp3 --file essay.txt
+  tprt calibrate-kv --model ./smollm2-tp3 --file chats.jsonl --out kv_scales.safetensors
   tprt finetune --model ./smollm2-tp3 --data chats.jsonl --out ./run --lora-rank 8 --steps 100
   tprt serve --model ./smollm2-tp3 --port 50051 --metrics-port 9400
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --max-seq-len 8192
@@ -88,6 +89,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,fp32,int8,fp8}",
                    help="KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
                         "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
+    g.add_argument("--kv-scales", type=Path, metavar="FILE",
+                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
+                        "stored per token, exactly 2x the tokens of bf16")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
@@ -124,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", type=Path, required=True, metavar="TEXT_OR_JSONL", help=".txt (one document) or .jsonl")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--json", action="store_true", help="print per-token results as JSON")
+    s.add_argument("--kv-cache-dtype", default=None, metavar="{bf16,fp32,int8,fp8}",
+                   help="score through a KV cache of this dtype, 512 tokens at a time, each part attending to the "
+                        "earlier ones as stored (default: no cache, one pass in the compute dtype)")
+    s.add_argument("--kv-scales", type=Path, metavar="FILE",
+                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8)")
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
     from tprt.cli.finetune import add_parsers as add_train_parsers  # finetune, merge-lora
 
@@ -134,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tprt.cli.plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from tprt.cli.calibrate import add_parser as add_calibrate_parser
+
+    add_calibrate_parser(sub)
     return ap
 
 
@@ -146,6 +158,10 @@ def _run(args: argparse.Namespace) -> int:
         from tprt.cli.finetune import run as run_train
 
         return run_train(args)
+    if args.command == "calibrate-kv":
+        from tprt.cli.calibrate import run as run_calibrate
+
+        return run_calibrate(args)
     if args.command == "plan":
         from tprt.cli.plan import run as run_plan
 
@@ -165,7 +181,8 @@ def _run(args: argparse.Namespace) -> int:
         from tprt.cli.generate import ScoreArgs, run_score
 
         return run_score(ScoreArgs(model=args.model, file=args.file, dtype=args.dtype, json=args.json,
-                                   threads=args.threads))
+                                   threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
+                                   kv_scales=args.kv_scales))
     return 2
 
 

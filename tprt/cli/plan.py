@@ -49,9 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s = work.add_parser("serve", help="the engine of `tprt serve`")
     _common(s, suppress=True)
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="weights and compute (default: the checkpoint's)")
-    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16,int8,fp8}",
+    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16,int8,fp8,int8-static}",
                    help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine); int8/fp8 "
-                        "(--kv-cache-dtype of tprt serve) also state the KV tokens gained against bf16")
+                        "(--kv-cache-dtype of tprt serve) also state the KV tokens gained against bf16; "
+                        "int8-static: int8 with the static scales of tprt calibrate-kv (serve's --kv-scales)")
     s.add_argument("--weight-dtype", choices=("int8", "fp8"),
                    help="the decoder's linear weights quantized (tprt-convert --quantize); states the KV tokens freed")
     s.add_argument("--weight-group-size", type=int, metavar="G",

@@ -87,6 +87,9 @@ class EngineConfig:
     token_budget: int = 2048  # tokens per step: every decode row's tokens plus prefill chunks
     seed: int | None = None  # base seed for sampled requests without their own seed
     cache_dtype: torch.dtype | None = None  # KV cache storage (int8, float8_e4m3fn: quantized); None: the model's
+    # An int8 cache's static scales, model-wide [layers, 2, kv heads] (tprt.model.kv_scales); None:
+    # a scale per head vector.
+    kv_scales: torch.Tensor | None = None
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
     static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
     # CPU: torch threads for steps that only decode one row (None: leave the thread count alone).
@@ -170,13 +173,14 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = _context(config, model.config.max_position_embeddings)
         free = None if config.kv_cache_tokens is not None else free_memory_tokens(model, config.gpu_memory_fraction,
-                                                                                 config.cache_dtype)
+                                                                                 config.cache_dtype,
+                                                                                 config.kv_scales is not None)
         n_blocks = kv_pool_blocks(config, self.max_seq_len, free)
         self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
             config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.cache_dtype, config.cpu_prepack, config.static_decode,
-                                  config.one_row_threads)
+                                  config.one_row_threads, config.kv_scales)
         self.tokenizer = tokenizer
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids

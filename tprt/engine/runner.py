@@ -65,7 +65,8 @@ class ModelRunner:
 
     def __init__(self, model: TPLlamaForCausalLM, n_blocks: int, block_size: int, max_batch: int, max_seq_len: int,
                  cache_dtype: torch.dtype | None = None, cpu_prepack: bool = True,
-                 static_decode: bool | None = None, one_row_threads: int | None = None) -> None:
+                 static_decode: bool | None = None, one_row_threads: int | None = None,
+                 kv_scales: torch.Tensor | None = None) -> None:
         self.model = model
         if cpu_prepack:  # no-ops off CPU: packed matmuls, then the compiled one-row decode layers
             prepack(model, one_row_threads=one_row_threads)
@@ -73,7 +74,7 @@ class ModelRunner:
         # The adapters served side by side (tprt.lora.routing); each batch's rows are routed to them.
         self.adapters = AdapterSlots(model)
         self.device = model.tp.device
-        self.cache: KVCache = model.new_cache(n_blocks, block_size, cache_dtype)
+        self.cache: KVCache = model.new_cache(n_blocks, block_size, cache_dtype, kv_scales)
         self._arange = torch.arange(max_seq_len, device=self.device)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
@@ -167,7 +168,7 @@ class ModelRunner:
 
 
 def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
-                       cache_dtype: torch.dtype | None = None) -> int | None:
+                       cache_dtype: torch.dtype | None = None, static_scales: bool = False) -> int | None:
     """With a gpu_memory_fraction on CUDA: the KV positions that fit in that share of the device
     memory free now (after the weights), the smallest over the TP ranks so every rank's pool is
     the same (collective: every rank sizes its pool with it). None otherwise."""
@@ -177,7 +178,7 @@ def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
-    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * kv_bytes_per_position(dtype, cfg.head_dim)
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * kv_bytes_per_position(dtype, cfg.head_dim, static_scales)
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:

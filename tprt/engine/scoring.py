@@ -13,21 +13,32 @@ from dataclasses import dataclass
 
 import torch
 
+from tprt.model.kv_cache import blocks_for
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import vocab_parallel_logprobs
 
 HEAD_CHUNK = 512  # positions per LM-head call: [chunk, local_vocab] float32 at most
+CACHE_CHUNK = 512  # positions per forward when scoring through a KV cache
+CACHE_BLOCK = 16
 
 
 @torch.inference_mode()
-def token_logprobs(model: TPLlamaForCausalLM, ids: Sequence[int]) -> list[float]:
+def token_logprobs(model: TPLlamaForCausalLM, ids: Sequence[int], cache_dtype: torch.dtype | None = None,
+                   kv_scales: torch.Tensor | None = None, through_cache: bool = False) -> list[float]:
     """log p(ids[i] | ids[:i]) for i = 1..len(ids)-1, float32; collective over the TP group.
 
-    `ids` must fit in the model's context (max_position_embeddings)."""
+    `ids` must fit in the model's context (max_position_embeddings). One causal pass without a
+    KV cache, unless `through_cache` (or a `cache_dtype` or `kv_scales` is given): then the text
+    is prefilled CACHE_CHUNK positions at a time through a paged cache of `cache_dtype` (the
+    model's default when None; `kv_scales`: static int8 scales, tprt.model.kv_scales), each part
+    attending to the earlier ones as the cache stores them, as served prompts do."""
     if len(ids) < 2:
         return []
     x = torch.tensor([list(ids)], dtype=torch.long, device=model.tp.device)  # [1, T]
-    hidden = model.forward_hidden(x)[0, :-1]  # [T - 1, hidden]: position i predicts ids[i + 1]
+    if through_cache or cache_dtype is not None or kv_scales is not None:
+        hidden = _prefill_through_cache(model, x, cache_dtype, kv_scales)[0, :-1]
+    else:
+        hidden = model.forward_hidden(x)[0, :-1]  # [T - 1, hidden]: position i predicts ids[i + 1]
     target = x[0, 1:]  # [T - 1]
     out = []
     for start in range(0, hidden.shape[0], HEAD_CHUNK):
@@ -36,6 +47,20 @@ def token_logprobs(model: TPLlamaForCausalLM, ids: Sequence[int]) -> list[float]
         out.append(vocab_parallel_logprobs(local, target[start : start + HEAD_CHUNK], model.tp,
                                            model.config.vocab_size))
     return torch.cat(out).tolist()
+
+
+def _prefill_through_cache(model: TPLlamaForCausalLM, x: torch.Tensor, cache_dtype: torch.dtype | None,
+                           kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """x [1, T] -> hidden states [1, T, hidden], CACHE_CHUNK positions per forward through a fresh cache."""
+    n_blocks = blocks_for(x.shape[1], CACHE_BLOCK) + 1  # block 0 is scratch
+    cache = model.new_cache(n_blocks, CACHE_BLOCK, cache_dtype, kv_scales)
+    table = torch.arange(1, n_blocks, device=x.device)[None]
+    parts = []
+    for a in range(0, x.shape[1], CACHE_CHUNK):
+        part = x[:, a : a + CACHE_CHUNK]
+        positions = torch.arange(a, a + part.shape[1], device=x.device)[None]
+        parts.append(model.forward_hidden(part, positions, cache, table, kv_len=a + part.shape[1], starts=(a,)))
+    return torch.cat(parts, dim=1)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,13 @@ per block, keeps every write independent of the others: a position is quantized 
 written, never re-scaled by a later token of its block, so shared blocks keep their scales and a
 position given back is simply written again (docs/DESIGN.md has the measurement).
 
+Static int8 scales (`fixed_scales`, opt-in: tprt.model.kv_scales calibrates them): one float32
+scale per layer, k/v and kv head, fixed before serving, instead of one per vector. Nothing is
+stored per position, so the cache holds exactly 2x bf16's positions (a per-vector scale costs 2
+bytes per head_dim values: 1.94x at 64). A value beyond the head's calibrated range is clipped to
++-127 steps; on SmolLM2, scales calibrated on one text with a 1.25x margin cost -0.11% / +0.26%
+perplexity on two others, at 4-6x the per-vector scale's KL divergence (docs/DESIGN.md).
+
 FP8 keys are stored multiplied by a fixed orthogonal matrix (`key_rotation`, a Hadamard matrix),
 exact up to rounding: `read` multiplies them back, or, for attention, leaves them so
 (`rotated_keys`) while `rotate_queries` puts the queries in the same basis. On SmolLM2 the keys
@@ -88,10 +95,10 @@ def kv_cache_dtype(name: str, flag: str = "--kv-cache-dtype") -> torch.dtype | N
     return named[name]
 
 
-def kv_bytes_per_position(dtype: torch.dtype, head_dim: int) -> int:
-    """Bytes one key or value head vector of `head_dim` takes in a cache stored in `dtype`,
-    its scale included when quantized."""
-    return head_dim * dtype.itemsize + (SCALE_DTYPE.itemsize if dtype in QUANTIZED else 0)
+def kv_bytes_per_position(dtype: torch.dtype, head_dim: int, static_scales: bool = False) -> int:
+    """Bytes one key or value head vector of `head_dim` takes in a cache stored in `dtype`, its
+    scale included when quantized with a scale per vector (not with `static_scales`)."""
+    return head_dim * dtype.itemsize + (SCALE_DTYPE.itemsize if dtype in QUANTIZED and not static_scales else 0)
 
 
 def key_rotation(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
@@ -125,11 +132,16 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype = torch.float32,
+        fixed_scales: torch.Tensor | None = None,
     ) -> None:
-        """dtype: the storage dtype; a QUANTIZED one stores scales too and reads as `compute_dtype`."""
+        """dtype: the storage dtype; a QUANTIZED one stores scales too and reads as `compute_dtype`.
+        fixed_scales [n_layers, 2, n_kv_heads] (int8 only): static scales, none stored per vector."""
         if n_blocks < 2 or block_size < 1:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch) of at least 1 position, "
                              f"got {n_blocks} of {block_size}")
+        if fixed_scales is not None and (dtype != torch.int8 or tuple(fixed_scales.shape) != (n_layers, 2, n_kv_heads)):
+            raise ValueError(f"static KV scales need an int8 cache and the shape {[n_layers, 2, n_kv_heads]}, "
+                             f"got a {dtype} cache and {list(fixed_scales.shape)}")
         shape = (n_layers, n_blocks, 2, n_kv_heads, block_size, head_dim)
         # [layer, block, k/v, kv_head, offset, head_dim]; on CPU on huge pages (attention streams it).
         # Zeros, not empty: masked-out entries still enter SDPA's weighted sum (with weight 0),
@@ -138,8 +150,12 @@ class KVCache:
             self.kv = huge_tensors([shape], dtype)[0].zero_()
         else:
             self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        # Quantized: one scale per written head vector (module docstring); zeros read as 0.
-        self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if dtype in QUANTIZED else None
+        # Quantized: one scale per written head vector (module docstring), zeros read as 0; or
+        # static ones per layer, k/v and head (float32, contiguous: the C kernels index them).
+        per_vector = dtype in QUANTIZED and fixed_scales is None
+        self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if per_vector else None
+        self.fixed_scales = (None if fixed_scales is None
+                             else fixed_scales.to(device=device, dtype=torch.float32).contiguous())
         self._dtype = compute_dtype if dtype in QUANTIZED else dtype
         # FP8 keys are stored rotated (module docstring); None: stored as given.
         self.key_rotation = key_rotation(head_dim, device) if dtype in QUANTIZED and dtype != torch.int8 else None
@@ -157,10 +173,10 @@ class KVCache:
 
     @property
     def quantized(self) -> bool:
-        return self.scales is not None
+        return self.kv.dtype in QUANTIZED
 
     def nbytes(self) -> int:
-        return self.kv.nbytes + (0 if self.scales is None else self.scales.nbytes)
+        return self.kv.nbytes + sum(x.nbytes for x in (self.scales, self.fixed_scales) if x is not None)
 
     def prepare(
         self, positions: torch.Tensor, tables: torch.Tensor, kv_len: int | None = None,
@@ -242,7 +258,10 @@ class KVCache:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
         (block, offset) and returns `read(layer, step, rotated_keys)`; quantized with a scale per
         head vector when the storage is (`quantize`)."""
-        if self.scales is None:
+        if self.fixed_scales is not None:
+            values = quantize_fixed(kv, self.fixed_scales[layer])
+            self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
+        elif self.scales is None:
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = kv  # [block, k/v, kv_head, offset, head_dim]
         else:
             if self.key_rotation is not None:
@@ -258,7 +277,9 @@ class KVCache:
         so, for queries put in the same basis by `rotate_queries` (the scores are the same, and
         only the queries are multiplied, not every key in the cache)."""
         blocks = self.kv[layer][step.tables]  # [batch, n, k/v, kv_head, block_size, head_dim]
-        if self.scales is not None:  # dequantized on read
+        if self.fixed_scales is not None:
+            blocks = blocks.to(self.dtype) * self.fixed_scales[layer][:, :, None, None].to(self.dtype)
+        elif self.scales is not None:  # dequantized on read
             scales = self.scales[layer][step.tables].unsqueeze(-1)  # [batch, n, k/v, kv_head, block_size, 1]
             if self.key_rotation is None or rotated_keys:
                 blocks = blocks.to(self.dtype) * scales.to(self.dtype)
@@ -293,6 +314,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     if dtype == torch.int8:
         return scaled.round_().clamp_(-127, 127).to(torch.int8), scales.to(SCALE_DTYPE)
     return scaled.clamp_(-QUANTIZED[dtype], QUANTIZED[dtype]).to(dtype), scales.to(SCALE_DTYPE)
+
+
+def quantize_fixed(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., 2, n_kv_heads, head_dim] (keys, then values) -> int8 round(x / scale) with one
+    static float32 scale per k/v and kv head, scales [2, n_kv_heads]; values beyond +-127 steps
+    are clipped. In float32, rounding to nearest even, as tprt.cpu.native's kernels round."""
+    scaled = x.float() / scales[:, :, None]
+    return scaled.round_().clamp_(-127, 127).to(torch.int8)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 # KV cache dtypes (--kv-dtype): the float ones, and the quantized ones with a bfloat16 scale per
 # head vector of each token (tprt.model.kv_cache.kv_bytes_per_position).
-KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8": 1}
+# int8-static: int8 with static scales per layer, k/v and head (serve's --kv-scales FILE), none per token.
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8": 1, "int8-static": 1}
 KV_SCALE_BYTES = {"int8": 2, "fp8": 2}
 DEFAULT_MAX_SEQ_LEN = 2048  # tprt.engine.core's default context (min with the model's)
 GIB = 1 << 30
@@ -83,10 +84,10 @@ def dtype_name(dtype: str) -> str:
 
 
 def kv_dtype_name(dtype: str) -> str:
-    """A KV cache dtype: dtype_name's, or int8 / fp8 (e4m3); anything else is a one-line error."""
+    """A KV cache dtype: dtype_name's, or int8 / fp8 (e4m3) / int8-static; anything else is a one-line error."""
     name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if name not in KV_DTYPE_BYTES:
-        raise ConfigError(f"--kv-dtype {dtype!r} is not supported; expected fp32, bf16, fp16, int8 or fp8")
+        raise ConfigError(f"--kv-dtype {dtype!r} is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static")
     return name
 
 

@@ -63,10 +63,10 @@ _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
-               "tprt_rope_cache": [_P] * 8 + [_I] * 8,
-               "tprt_paged_decode_attention": [_P] * 7 + [_I] * 10 + [_F],
+               "tprt_rope_cache": [_P] * 9 + [_I] * 8,
+               "tprt_paged_decode_attention": [_P] * 8 + [_I] * 10 + [_F],
                "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
-               "tprt_paged_attention_decode": [_P] * 16 + [_I] * 9 + [_F, _F]}
+               "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -285,20 +285,24 @@ def _block_tables(kernel: str, cache_step: Any, rows: int) -> tuple[torch.Tensor
     return tables, positions
 
 
-def _cache_store(kernel: str, cache: Any, layer: int | None) -> tuple[torch.Tensor, int | None]:
-    """The cache's storage (one layer's, or every layer's when `layer` is None) and its scales'
-    address (None for a float32 cache): what the kernels read and write. They take float32, or
-    int8 with a bfloat16 scale per head vector (tprt.model.kv_cache.quantize), contiguous so a
-    vector's scale is at its element offset / head_dim."""
+def _cache_store(kernel: str, cache: Any, layer: int | None) -> tuple[torch.Tensor, int | None, int | None]:
+    """The cache's storage (one layer's, or every layer's when `layer` is None), its scales'
+    address and its static scales' address (None where it has none): what the kernels read and
+    write. They take float32, or int8 with a bfloat16 scale per head vector
+    (tprt.model.kv_cache.quantize), contiguous so a vector's scale is at its element offset /
+    head_dim, or int8 with static float32 scales [layer, k/v, kv_head] (`fixed_scales`)."""
     store = cache.kv if layer is None else cache.kv[layer]
     scales = cache.scales if layer is None or cache.scales is None else cache.scales[layer]
-    if store.dtype == torch.float32 and scales is None and store.stride(-1) == 1:
-        return store, None
-    if (store.dtype == torch.int8 and scales is not None and scales.dtype == torch.bfloat16
-            and store.is_contiguous() and scales.is_contiguous()):
-        return store, scales.data_ptr()
-    raise ValueError(f"native {kernel}: the cache must be float32, or int8 with bfloat16 scales, contiguous; "
-                     f"got {store.dtype}")
+    fixed = cache.fixed_scales if layer is None or cache.fixed_scales is None else cache.fixed_scales[layer]
+    if store.dtype == torch.float32 and scales is None and fixed is None and store.stride(-1) == 1:
+        return store, None, None
+    if store.dtype == torch.int8 and store.is_contiguous():
+        if scales is not None and scales.dtype == torch.bfloat16 and scales.is_contiguous():
+            return store, scales.data_ptr(), None
+        if fixed is not None and fixed.dtype == torch.float32 and fixed.is_contiguous():
+            return store, None, fixed.data_ptr()
+    raise ValueError(f"native {kernel}: the cache must be float32, or int8 with bfloat16 scales or static float32 "
+                     f"ones, contiguous; got {store.dtype}")
 
 
 def supports_cache(cache: Any) -> bool:
@@ -320,7 +324,7 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
 
     def run(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:
-        store, scales = _cache_store("rope_cache", cache, layer)  # [block, k/v, kv_head, offset, d]
+        store, scales, fixed = _cache_store("rope_cache", cache, layer)  # [block, k/v, kv_head, offset, d]
         batch, seq, heads, d = qkv.shape
         nkv = store.shape[2]
         nh = heads - 2 * nkv
@@ -330,8 +334,8 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
         blocks, offsets = _decode_indices("rope_cache", cache_step, batch)
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         q = torch.empty(batch, nh, 1, d, dtype=torch.float32)
-        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), scales, blocks, offsets,
-           batch, nh, nkv, d, *store.stride()[:4])
+        fn(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), store.data_ptr(), scales, fixed, blocks,
+           offsets, batch, nh, nkv, d, *store.stride()[:4])
         return q
 
     return run
@@ -349,7 +353,7 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
     fn = getattr(lib, f"tprt_paged_decode_attention_{_DTYPE_SUFFIX[dtype]}")
 
     def run(q: torch.Tensor, cache: Any, cache_step: Any, layer: int) -> torch.Tensor:
-        store, scales = _cache_store("decode_attention", cache, layer)  # [block, k/v, kv_head, offset, d]
+        store, scales, fixed = _cache_store("decode_attention", cache, layer)  # [block, k/v, kv_head, offset, d]
         batch, nh, seq, d = q.shape
         nkv = store.shape[2]
         if seq != 1 or q.dtype != torch.float32 or store.shape[-1] != d or nh % nkv or q.device.type != "cpu":
@@ -358,7 +362,7 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
         q = q.contiguous()
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
         scratch = torch.empty(cache_step.kv_len * (nh // nkv), dtype=torch.float32)  # a group's scores
-        fn(q.data_ptr(), store.data_ptr(), scales, tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
+        fn(q.data_ptr(), store.data_ptr(), scales, fixed, tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
            scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5)
         return out
 
@@ -412,7 +416,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
             layer: int) -> torch.Tensor:  # the closure keeps the weights alive
-        store, scales = _cache_store("attention_decode", cache, layer)  # [block, k/v, kv_head, offset, d]
+        store, scales, fixed = _cache_store("attention_decode", cache, layer)  # [block, k/v, kv_head, offset, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
                 or tuple(store.shape[2:3]) != (n_kv_heads,) or store.shape[-1] != d):
             raise ValueError(f"native attention_decode: unsupported x {tuple(x.shape)} {x.dtype} / cache {store.dtype}")
@@ -423,7 +427,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
         q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), scales, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
+           store.data_ptr(), scales, fixed, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
            attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3], *store.stride()[:4], eps,
            d ** -0.5)
         return out
@@ -441,7 +445,7 @@ class _DecodeStack(ctypes.Structure):
 class _DecodeCache(ctypes.Structure):
     """kernels.c's decode_cache: where a step's keys and values go, layer 0's and the stride to the next."""
     _fields_ = [("cache", _P), ("s_layer", _I), ("block_size", _I), ("s_block", _I), ("s_kv", _I),
-                ("s_head", _I), ("s_pos", _I), ("scales", _P)]
+                ("s_head", _I), ("s_pos", _I), ("scales", _P), ("fixed", _P)]
 
 
 STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS)
@@ -494,7 +498,7 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive
-        kv, scales = _cache_store("decode_stack", cache, None)  # [layer, block, k/v, kv_head, offset, d]
+        kv, scales, fixed = _cache_store("decode_stack", cache, None)  # [layer, block, k/v, kv_head, offset, d]
         rows = h.shape[0]
         if (h.dim() != 3 or h.shape[1:] != (1, hidden) or not 1 <= rows <= STACK_MAX_ROWS or h.dtype != dtype
                 or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d or cos.numel() != rows * d
@@ -505,7 +509,7 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
         blocks, offsets = _decode_indices("decode_stack", cache_step, rows)
         tables, positions = _block_tables("decode_stack", cache_step, rows)
         out, cos, sin = h.contiguous().clone(), cos.contiguous(), sin.contiguous()
-        where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5], scales)
+        where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5], scales, fixed)
         status = fn(ctypes.addressof(model), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
                     ctypes.addressof(where), blocks, offsets, tables.data_ptr(), tables.stride(0), positions.data_ptr())
         if status:

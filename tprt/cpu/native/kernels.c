@@ -463,14 +463,25 @@ static void quantize_q8(const float *x, int64_t d, int8_t *out, uint16_t *scale)
     *scale = f32_to_bf16(sc);  /* exact: sc is a bfloat16 */
 }
 
+/* The int8 cache with static scales (tprt.model.kv_cache.quantize_fixed): one float32 scale per
+   layer, k/v and kv head, nothing stored per vector; round(x / scale) clipped to +-127. */
+static void quantize_fixed_q8(const float *x, int64_t d, int8_t *out, float scale) {
+    for (int64_t i = 0; i < d; i++) {
+        float v = nearbyintf(x[i] / scale);
+        out[i] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+    }
+}
+
 /* The k/v heads among heads [lo, hi) of one token, staged in float32 as [k/v, kv_head, d]
    (rope_head with s_kv = nkv d, s_head = d), quantized into the int8 cache at `at` (the token's
-   block and offset) with their scales at `scale_at` (at's element offset / d). */
-static void store_q8_heads(const float *stage, int8_t *at, uint16_t *scale_at, int64_t lo, int64_t hi, int64_t nh,
-                           int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {
+   block and offset): with the layer's static scales `fixed` [k/v, kv_head] where given, else
+   with their own scales, written at `scale_at` (at's element offset / d). */
+static void store_q8_heads(const float *stage, int8_t *at, uint16_t *scale_at, const float *fixed, int64_t lo,
+                           int64_t hi, int64_t nh, int64_t nkv, int64_t d, int64_t s_kv, int64_t s_head) {
     for (int64_t h = lo > nh ? lo : nh; h < hi; h++) {
         int64_t kv = h >= nh + nkv, j = h - nh - kv * nkv, e = kv * s_kv + j * s_head;
-        quantize_q8(stage + (kv * nkv + j) * d, d, at + e, scale_at + e / d);
+        if (fixed) quantize_fixed_q8(stage + (kv * nkv + j) * d, d, at + e, fixed[kv * nkv + j]);
+        else quantize_q8(stage + (kv * nkv + j) * d, d, at + e, scale_at + e / d);
     }
 }
 
@@ -479,23 +490,25 @@ static void store_q8_heads(const float *stage, int8_t *at, uint16_t *scale_at, i
    negated, as tprt.rope makes it), writes k and v into the cache at each row's slot and
    position, and writes q as float32 to q_out [rows, nh, d]. cache points at one layer:
    [slot, k/v, kv_head, position, d] with element strides s_slot, s_kv, s_head, s_pos; float32,
-   or int8 when `scales` (the layer's, see quantize_q8) is not NULL. Rounds as torch's in-place
-   ops in the model dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
+   or int8 when `scales` (the layer's, see quantize_q8) or `fixed` (the layer's static scales
+   [k/v, kv_head], see quantize_fixed_q8) is not NULL. Rounds as torch's in-place ops in the model
+   dtype: x * cos, rounded, plus rotate_half(x) * sin, rounded. */
 #define ROPE_CACHE(SUFFIX, T)                                                                                \
 void tprt_rope_cache_##SUFFIX(const T *qkv, const T *cos, const T *sin, float *q_out, void *cache,           \
-                              uint16_t *scales, const int64_t *slots, const int64_t *positions, int64_t rows, \
+                              uint16_t *scales, const float *fixed, const int64_t *slots,                     \
+                              const int64_t *positions, int64_t rows,                                         \
                               int64_t nh, int64_t nkv, int64_t d, int64_t s_slot, int64_t s_kv,               \
                               int64_t s_head, int64_t s_pos) {                                                \
-    int64_t heads = nh + 2 * nkv;                                                                             \
-    float stage[scales ? 2 * nkv * d : 1];                                                                    \
+    int64_t heads = nh + 2 * nkv, q8 = scales || fixed;                                                       \
+    float stage[q8 ? 2 * nkv * d : 1];                                                                        \
     for (int64_t r = 0; r < rows; r++) {                                                                      \
         int64_t at = slots[r] * s_slot + positions[r] * s_pos;                                                \
-        float *slot = scales ? stage : (float *)cache + at;                                                   \
+        float *slot = q8 ? stage : (float *)cache + at;                                                       \
         for (int64_t h = 0; h < heads; h++)                                                                   \
             rope_head_##SUFFIX(qkv + r * heads * d, cos + r * d, sin + r * d, q_out + r * nh * d, slot, h,    \
-                               nh, nkv, d, scales ? nkv * d : s_kv, scales ? d : s_head);                     \
-        if (scales) store_q8_heads(stage, (int8_t *)cache + at, scales + at / d, nh, nh + 2 * nkv, nh, nkv, d, \
-                                   s_kv, s_head);                                                             \
+                               nh, nkv, d, q8 ? nkv * d : s_kv, q8 ? d : s_head);                             \
+        if (q8) store_q8_heads(stage, (int8_t *)cache + at, scales ? scales + at / d : NULL, fixed, nh,       \
+                               nh + 2 * nkv, nh, nkv, d, s_kv, s_head);                                       \
     }                                                                                                         \
 }
 
@@ -847,7 +860,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const ui
                 const int8_t *k = head + at + u * s_pos;
                 float dot = 0;
                 for (int64_t i = 0; i < d; i++) dot += q[g * d + i] * (float)k[i];
-                s[t] = dot * bf16_to_f32(scales[at / d + u * sp]) * scale;
+                s[t] = dot * (scales ? bf16_to_f32(scales[at / d + u * sp]) : 1.0f) * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -857,7 +870,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const ui
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
                 const int8_t *v = head + at + u * s_pos;
-                float p = s[t] * bf16_to_f32(scales[at / d + u * sp]);
+                float p = scales ? s[t] * bf16_to_f32(scales[at / d + u * sp]) : s[t];
                 for (int64_t i = 0; i < d; i++) o[i] += p * (float)v[i];
             }
         }
@@ -874,6 +887,9 @@ static inline __m512 load16_q8(const int8_t *p) {
 #define Q8_POS_SCALE(i) bf16_to_f32(scales[i])
 PAGED_ATTEND_512(paged_attend_q8_4, 4, int8_t, load16_q8, 1, Q8_POS_SCALE)
 PAGED_ATTEND_512(paged_attend_q8_8, 8, int8_t, load16_q8, 1, Q8_POS_SCALE)
+/* and with no scale per position (static scales: paged_attend_any) */
+PAGED_ATTEND_512(paged_attend_s8_4, 4, int8_t, load16_q8, 0, NO_SCALE)
+PAGED_ATTEND_512(paged_attend_s8_8, 8, int8_t, load16_q8, 0, NO_SCALE)
 #elif defined(__AVX2__)
 /* 8 int8 at p as 8 floats */
 static inline __m256 load8_q8(const int8_t *p) {
@@ -899,7 +915,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint1
                 const int8_t *k = head + at + u * s_pos;
                 __m256 a = _mm256_mul_ps(qv[0], load8_q8(k));
                 for (int64_t c = 1; c < n; c++) a = _mm256_fmadd_ps(qv[c], load8_q8(k + 8 * c), a);
-                s[t] = hsum256(a) * bf16_to_f32(scales[at / d + u * sp]) * scale;
+                s[t] = hsum256(a) * (scales ? bf16_to_f32(scales[at / d + u * sp]) : 1.0f) * scale;
                 top = s[t] > top ? s[t] : top;
             }
         }
@@ -908,7 +924,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint1
         for (int64_t t = 0, b = 0; t < len; b++) {
             int64_t at = table[b] * s_block + s_kv;
             for (int64_t u = 0; u < bs && t < len; u++, t++) {
-                __m256 p = _mm256_set1_ps(s[t] * bf16_to_f32(scales[at / d + u * sp]));
+                __m256 p = _mm256_set1_ps(scales ? s[t] * bf16_to_f32(scales[at / d + u * sp]) : s[t]);
                 const int8_t *v = head + at + u * s_pos;
                 for (int64_t c = 0; c < n; c++) acc[c] = _mm256_fmadd_ps(p, load8_q8(v + 8 * c), acc[c]);
             }
@@ -919,11 +935,13 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint1
 }
 #endif
 
-/* One (row, kv head) over the int8 cache, as paged_attend. */
+/* One (row, kv head) over the int8 cache, as paged_attend; `scales` NULL: every position's is 1. */
 static void paged_attend_q8(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                             int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
                             int64_t s_pos, float scale, float *scratch, float *out) {
 #if defined(__AVX512F__)
+    if (d == 64 && !scales) return paged_attend_s8_4(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 128 && !scales) return paged_attend_s8_8(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
     if (d == 64) return paged_attend_q8_4(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
     if (d == 128) return paged_attend_q8_8(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
 #elif defined(__AVX2__)
@@ -933,12 +951,21 @@ static void paged_attend_q8(const float *q, const int8_t *head, const uint16_t *
     paged_attend_q8_generic(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
 }
 
-/* paged_attend over the cache of one layer's kv head j: float32, or int8 with `scales` (the layer's). */
-static inline void paged_attend_any(const float *q, const void *cache, const uint16_t *scales, int64_t j,
-                                    const int64_t *table, int64_t len, int64_t group, int64_t d, int64_t bs,
-                                    int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos, float scale,
-                                    float *scratch, float *out) {
-    if (scales)
+/* paged_attend over the cache of one layer's kv head j (of nkv): float32, or int8 with `scales`
+   (the layer's, one per position) or `fixed` (the layer's static scales [k/v, kv_head]). A static
+   key scale multiplies the group's queries before the scores, a static value scale the output,
+   so the loop over positions reads int8 alone. */
+static inline void paged_attend_any(const float *q, const void *cache, const uint16_t *scales, const float *fixed,
+                                    int64_t j, int64_t nkv, const int64_t *table, int64_t len, int64_t group,
+                                    int64_t d, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_head,
+                                    int64_t s_pos, float scale, float *scratch, float *out) {
+    if (fixed) {
+        float scaled[group * d];
+        for (int64_t i = 0; i < group * d; i++) scaled[i] = q[i] * fixed[j];
+        paged_attend_q8(scaled, (const int8_t *)cache + j * s_head, NULL, table, len, group, d, bs, s_block, s_kv,
+                        s_pos, scale, scratch, out);
+        for (int64_t i = 0; i < group * d; i++) out[i] *= fixed[nkv + j];
+    } else if (scales)
         paged_attend_q8(q, (const int8_t *)cache + j * s_head, scales + j * s_head / d, table, len, group, d, bs,
                         s_block, s_kv, s_pos, scale, scratch, out);
     else
@@ -948,6 +975,7 @@ static inline void paged_attend_any(const float *q, const void *cache, const uin
 
 #define PAGED_DECODE_ATTENTION(SUFFIX, T, STORE)                                                             \
 void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, const uint16_t *scales,          \
+                                          const float *fixed,                                                 \
                                           const int64_t *tables, const int64_t *positions, T *out,            \
                                           float *scratch, int64_t rows,                                       \
                                           int64_t nh, int64_t nkv, int64_t d, int64_t bs, int64_t s_table,    \
@@ -957,7 +985,7 @@ void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, con
     float acc[group * d];                                                                                     \
     for (int64_t r = 0; r < rows; r++)                                                                        \
         for (int64_t j = 0; j < nkv; j++) {                                                                   \
-            paged_attend_any(q + (r * nh + j * group) * d, cache, scales, j, tables + r * s_table,            \
+            paged_attend_any(q + (r * nh + j * group) * d, cache, scales, fixed, j, nkv, tables + r * s_table, \
                              positions[r] + 1, group, d, bs, s_block, s_kv, s_head, s_pos, scale, scratch, acc); \
             T *o = out + (r * nh + j * group) * d;                                                            \
             for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
@@ -1005,11 +1033,12 @@ static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y,
 
 /* One decode step's place in the paged cache: layer 0's [block, k/v, kv_head, offset, d] with
    element strides, the next layer's s_layer further on. float32, or int8 where `scales` (layer 0's,
-   contiguous: see quantize_q8) is not NULL. */
+   contiguous: see quantize_q8) or `fixed` is not NULL. */
 typedef struct {
     void *cache;
     int64_t s_layer, block_size, s_block, s_kv, s_head, s_pos;
     uint16_t *scales;  /* bfloat16 bits */
+    const float *fixed;  /* or static scales, every layer's [layer, k/v, kv_head] (quantize_fixed_q8) */
 } decode_cache;
 
 /* What every section of a step shares: the step's rows and their buffers, each [rows, ...]. */
@@ -1084,19 +1113,21 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
     const decode_stack *m = t->m;                                                                             \
     const decode_cache *c = t->c;                                                                             \
     int64_t d = m->d, heads = m->nh + 2 * m->nkv;                                                             \
-    float stage[c->scales ? 2 * m->nkv * d : 1];  /* int8 cache: the row's k/v heads before quantizing */     \
+    int64_t q8 = c->scales || c->fixed;                                                                       \
+    const float *fixed = c->fixed ? c->fixed + a->layer * 2 * m->nkv : NULL;                                  \
+    float stage[q8 ? 2 * m->nkv * d : 1];  /* int8 cache: the row's k/v heads before quantizing */            \
     stack_mm_##SUFFIX(m, 6 * a->layer + 1, lo * d, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d,   \
                       m->hidden, heads * d);                                                                  \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         int64_t e = a->layer * c->s_layer + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;             \
-        float *at = c->scales ? stage : (float *)c->cache + e;                                                \
+        float *at = q8 ? stage : (float *)c->cache + e;                                                       \
         for (int64_t h = lo; h < hi; h++)                                                                     \
             rope_head_##SUFFIX((const T *)t->qkv + r * heads * d, (const T *)t->cos + r * d,                  \
                                (const T *)t->sin + r * d, t->q + r * m->nh * d, at, h, m->nh, m->nkv, d,      \
-                               c->scales ? m->nkv * d : c->s_kv, c->scales ? d : c->s_head);                  \
-        if (c->scales)                                                                                        \
-            store_q8_heads(stage, (int8_t *)c->cache + e, c->scales + e / d, lo, hi, m->nh, m->nkv, d, c->s_kv, \
-                           c->s_head);                                                                        \
+                               q8 ? m->nkv * d : c->s_kv, q8 ? d : c->s_head);                                \
+        if (q8)                                                                                               \
+            store_q8_heads(stage, (int8_t *)c->cache + e, c->scales ? c->scales + e / d : NULL, fixed, lo, hi,  \
+                           m->nh, m->nkv, d, c->s_kv, c->s_head);                                             \
     }                                                                                                         \
 }                                                                                                             \
 /* units [lo, hi) of rows x q heads: runs of q heads of one row sharing a kv head */                         \
@@ -1111,15 +1142,16 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
     float acc[group * d];                                                                                     \
     float *scores = malloc(sizeof(float) * (size_t)(longest * group));  /* paged_attend: group x len */      \
     int64_t layer = a->layer * c->s_layer;                                                                    \
-    const void *cache = c->scales ? (const void *)((const int8_t *)c->cache + layer)                          \
-                                  : (const void *)((const float *)c->cache + layer);                          \
+    const void *cache = c->scales || c->fixed ? (const void *)((const int8_t *)c->cache + layer)              \
+                                              : (const void *)((const float *)c->cache + layer);              \
     const uint16_t *scales = c->scales ? c->scales + layer / d : NULL;                                        \
+    const float *fixed = c->fixed ? c->fixed + a->layer * 2 * m->nkv : NULL;                                  \
     T *attn = t->attn;                                                                                        \
     for (int64_t u = lo; u < hi;) {                                                                           \
         int64_t r = u / nh, h = u % nh, kv = h / group;                                                       \
         int64_t end = (kv + 1) * group < nh ? (kv + 1) * group : nh;                                          \
         end = end < h + (hi - u) ? end : h + (hi - u);                                                        \
-        paged_attend_any(t->q + (r * nh + h) * d, cache, scales, kv, t->tables + r * t->s_table,             \
+        paged_attend_any(t->q + (r * nh + h) * d, cache, scales, fixed, kv, m->nkv, t->tables + r * t->s_table, \
                          t->positions[r] + 1, end - h, d, c->block_size, c->s_block, c->s_kv, c->s_head,      \
                          c->s_pos, m->scale, scores, acc);                                                    \
         for (int64_t i = 0; i < (end - h) * d; i++) attn[(r * nh + h) * d + i] = STORE(acc[i]);               \
@@ -1213,7 +1245,7 @@ DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
 #define DECODE_HALVES(SUFFIX, T)                                                                              \
 void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_qkv, const T *w_o,         \
                                           const T *cos, const T *sin, void *cache, uint16_t *scales,          \
-                                          const int64_t *block,                                               \
+                                          const float *fixed, const int64_t *block,                           \
                                           const int64_t *offset, const int64_t *table,                       \
                                           const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
                                           int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
@@ -1221,7 +1253,7 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
                                           float eps, float scale) {                                           \
     const void *weights[6] = {norm_w, w_qkv, w_o, NULL, NULL, NULL};                                          \
     decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL};                             \
-    decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos, scales};                                    \
+    decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos, scales, fixed};                             \
     T normed[hidden];                                                                                         \
     stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, (void *)x, normed, out, qkv, attn, \
                     NULL, NULL, q, NULL, 0};                                                                  \
