@@ -22,7 +22,7 @@ from tprt.cpu import native
 from tprt.errors import ConfigError
 from tprt.model.kv_cache import (QUANTIZED, SCALE_DTYPE, KVCache, key_rotation, kv_bytes_per_position, kv_cache_dtype,
                                   quantize, quantize_fixed)
-from tprt.model.kv_scales import kv_cache_flags, load_kv_scales, local_kv_scales, save_kv_scales, scales_from_amax
+from tprt.model.kv_scales import kv_cache_flags, load_kv_scales, save_kv_scales, scales_from_amax
 
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")
 QDTYPES = [torch.int8] + ([torch.float8_e4m3fn] if HAS_FP8 else [])
@@ -233,9 +233,8 @@ def test_static_scales_file_round_trip_and_refusals(tmp_path: Path) -> None:
         assert f.metadata() == {"format": "tprt-kv-scales", "margin": "1.5", "tokens": "1234"}
     assert kv_cache_flags("auto", path, cfg) == "int8" and kv_cache_flags(None, path, cfg) == "int8"
     assert kv_cache_flags("int8", path, cfg) == "int8" and kv_cache_flags("fp8", None, cfg) == "fp8"
-    for tp, heads in ((1, [0, 1, 2, 3]), (2, [2, 3]), (4, [1]), (8, [0]), (8, [3])):
-        rank = {(2, 2): 1, (4, 1): 1, (8, 0): 1, (8, 3): 7}.get((tp, heads[0]), 0)
-        assert torch.equal(local_kv_scales(scales, TPLayout.for_model(cfg, tp), rank), scales[:, :, heads]), (tp, heads)
+    for tp, rank, heads in ((1, 0, [0, 1, 2, 3]), (2, 1, [2, 3]), (4, 1, [1]), (8, 1, [0]), (8, 7, [3])):
+        assert list(TPLayout.for_model(cfg, tp).kv_heads_of(rank)) == heads, (tp, rank)  # split, then replicated
     with pytest.raises(ConfigError, match=r"--kv-scales .*nope: no such file \(make one with `tprt calibrate-kv`\)"):
         load_kv_scales(tmp_path / "nope", cfg)
     (tmp_path / "junk").write_text("not safetensors")
@@ -251,7 +250,8 @@ def test_static_scales_file_round_trip_and_refusals(tmp_path: Path) -> None:
         save_file({"kv_scales": scales.clone().index_fill_(0, torch.tensor([1]), bad)}, tmp_path / "bad.st")
         with pytest.raises(ConfigError, match=r"bad.st: tensor 'kv_scales' must hold finite positive scales"):
             load_kv_scales(tmp_path / "bad.st", cfg)
-    with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: use it with --kv-cache-dtype int8, not bf16$"):
+    with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: use it with --kv-cache-dtype int8, "
+                                          r"not bf16$"):
         kv_cache_flags("bf16", path, cfg)
     with pytest.raises(ConfigError, match=r"--margin must be a number of at least 1"):
         scales_from_amax(torch.ones(1), 0.9)
@@ -454,5 +454,6 @@ def test_fused_decode_kernels_over_int8(static: bool) -> None:
             assert torch.equal(q8.kv[first], values) and torch.equal(q8.scales[first], scales), layers
         else:  # [k/v, kv_head] of layer 0, spread over the written (block, offset)s
             step_scales = q8.fixed_scales[:, None, :, :, None].expand(first.shape)[first]
-            assert torch.equal(q8.kv[first], (f32.kv[first] / step_scales[:, None]).round().clamp(-127, 127).to(torch.int8))
+            want = (f32.kv[first] / step_scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+            assert torch.equal(q8.kv[first], want), layers
         assert torch.equal(q8.kv[~written], before[~written]), layers

@@ -178,7 +178,8 @@ def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
-    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * kv_bytes_per_position(dtype, cfg.head_dim, static_scales)
+    per_head = kv_bytes_per_position(dtype, cfg.head_dim, static_scales)
+    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * per_head
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:

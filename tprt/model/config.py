@@ -228,6 +228,12 @@ class TPLayout:
     def local_kv_heads(self) -> int:
         return max(1, self.num_kv_heads // self.tp)
 
+    def kv_heads_of(self, rank: int) -> range:
+        """The model-wide indices of TP rank `rank`'s kv heads: split, or replicated with rank r
+        holding head r // (TP / n_kv)."""
+        first = rank // self.kv_replication * self.local_kv_heads
+        return range(first, first + self.local_kv_heads)
+
     @property
     def local_vocab(self) -> int:
         return self.padded_vocab_size // self.tp

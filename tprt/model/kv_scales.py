@@ -10,7 +10,8 @@ what will be served; the margin leaves room (1.25 measured best on SmolLM2: docs
 
 The file: safetensors, one float32 tensor "kv_scales" [num_hidden_layers, 2 (k, v),
 num_key_value_heads] over every kv head of the model, whatever the TP degree (each rank takes its
-heads: `local_kv_scales`), with metadata {"format": "tprt-kv-scales", "margin", "tokens"}.
+heads, `TPLayout.kv_heads_of`, in `TPLlamaForCausalLM.new_cache`), with metadata {"format":
+"tprt-kv-scales", "margin", "tokens"}.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from safetensors.torch import load_file, save
 
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ConfigError
-from tprt.model.config import ModelConfig, TPLayout
+from tprt.model.config import ModelConfig
 from tprt.model.kv_cache import CacheStep, KVCache, blocks_for, kv_cache_dtype
 
 FORMAT = "tprt-kv-scales"
@@ -34,18 +35,6 @@ TENSOR = "kv_scales"
 DEFAULT_MARGIN = 1.25
 CHUNK = 512  # calibration prefill chunk (positions per forward)
 BLOCK = 16
-
-
-def first_kv_head(layout: TPLayout, rank: int) -> int:
-    """The model-wide index of TP rank `rank`'s first kv head (ARCHITECTURE.md: kv heads split,
-    or replicated with rank r holding head r // (TP / n_kv))."""
-    return rank // layout.kv_replication * layout.local_kv_heads
-
-
-def local_kv_scales(scales: torch.Tensor, layout: TPLayout, rank: int) -> torch.Tensor:
-    """This rank's [layers, 2, local_kv_heads] of the model-wide scales."""
-    first = first_kv_head(layout, rank)
-    return scales[:, :, first : first + layout.local_kv_heads].contiguous()
 
 
 class _AmaxCache(KVCache):
@@ -87,8 +76,8 @@ def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK
     dist.all_gather(parts, local.contiguous(), group=tp.group)
     amax = torch.zeros(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, dtype=torch.float32)
     for rank, part in enumerate(parts):  # replicas of a head hold the same values
-        first = first_kv_head(layout, rank)
-        amax[:, :, first : first + layout.local_kv_heads] = part.cpu()
+        heads = layout.kv_heads_of(rank)
+        amax[:, :, heads.start : heads.stop] = part.cpu()
     return amax
 
 

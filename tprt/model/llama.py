@@ -26,7 +26,6 @@ from tprt.model.config import ModelConfig, TPLayout
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
 from tprt.model.kv_cache import CacheStep, KVCache
-from tprt.model.kv_scales import local_kv_scales
 from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, adapted)
 from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
@@ -222,7 +221,8 @@ class TPLlamaForCausalLM(nn.Module):
         dtype (int8, FP8: tprt.model.kv_cache.QUANTIZED) stores that with scales and reads as
         `default_cache_dtype()`. kv_scales: static int8 scales, model-wide [layers, 2,
         num_key_value_heads] (tprt.model.kv_scales); this rank keeps its heads'."""
-        fixed = None if kv_scales is None else local_kv_scales(kv_scales, self.layout, self.tp.rank)
+        heads = self.layout.kv_heads_of(self.tp.rank)
+        fixed = None if kv_scales is None else kv_scales[:, :, heads.start : heads.stop]
         return KVCache(
             self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
             self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device, self.default_cache_dtype(),

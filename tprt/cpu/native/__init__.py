@@ -427,9 +427,9 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         qkv, attn = torch.empty((n_heads + 2 * n_kv_heads) * d, dtype=dtype), torch.empty(n_heads * d, dtype=dtype)
         q = torch.empty(n_heads * d, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-           store.data_ptr(), scales, fixed, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(), qkv.data_ptr(),
-           attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3], *store.stride()[:4], eps,
-           d ** -0.5)
+           store.data_ptr(), scales, fixed, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(),
+           qkv.data_ptr(), attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3],
+           *store.stride()[:4], eps, d ** -0.5)
         return out
 
     return run
