@@ -257,7 +257,7 @@ class KVCache:
                rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
         (block, offset) and returns `read(layer, step, rotated_keys)`; quantized with a scale per
-        head vector when the storage is (`quantize`)."""
+        head vector when the storage is (`quantize`), or with the static ones (`quantize_fixed`)."""
         if self.fixed_scales is not None:
             values = quantize_fixed(kv, self.fixed_scales[layer])
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
