@@ -236,21 +236,26 @@ def test_native_method_takes_batched_decode_in_one_call() -> None:
     assert xg.grad is not None and torch.allclose(xg.grad, dequantize(q, s).sum(0).expand_as(xg), atol=1e-4)
 
 
-def test_int8_model_decodes_in_the_whole_stack_kernel(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype, batch", [("bf16", 3), ("bf16", 12), ("bf16", 32), ("bf16", 33), ("fp32", 3), ("fp32", 12)])
+def test_int8_model_decodes_in_the_whole_stack_kernel(tmp_path: Path, dtype: str, batch: int) -> None:
     """An int8 model gets the one-call decode stack (tprt_decode_stack reading int8 weights and
     their scales) after prepack + install_native_layers; in bf16 its decode steps equal the layer
-    by layer path bit for bit (the same products, the same roundings), several rows at once too."""
+    by layer path bit for bit (the same products, the same roundings; in float32 to rounding),
+    several rows at once too:
+    up to STACK_MAX_Q8_ROWS (the batched int8 products, as the layer by layer path calls them),
+    and more rows take the layer by layer path."""
     from convert.api import hf_to_tp
     from tests.helpers import make_hf_llama
     from tprt.checkpoint.loading import load_model
     from tprt.cpu.fast_linear import prepack
+    from tprt.cpu.native import STACK_MAX_Q8_ROWS
     from tprt.cpu.native_layers import NativeDecodeStack, install_native_layers
     from tprt.distributed.context import TPContext
     from tprt.model.llama import LayerStack
 
     hf = make_hf_llama(tmp_path / "hf", "gqa", seed=8)
     hf_to_tp(hf, tmp_path / "q", 1, quantize="int8", group_size=32)
-    model = load_model(tmp_path / "q", TPContext.single(), dtype="bf16")
+    model = load_model(tmp_path / "q", TPContext.single(), dtype=dtype)
     prepack(model, tune=False)
     install_native_layers(model)
     stack = model.stack
@@ -263,20 +268,23 @@ def test_int8_model_decodes_in_the_whole_stack_kernel(tmp_path: Path) -> None:
         return kernel(*args)
 
     stack.kernel = counted
-    ids = torch.randint(3, 256, (3, 6), generator=torch.Generator().manual_seed(2))  # [batch, steps]
+    ids = torch.randint(3, 256, (batch, 6), generator=torch.Generator().manual_seed(2))  # [batch, steps]
 
     def decode(with_stack: bool) -> torch.Tensor:
         model.stack = stack if with_stack else LayerStack()
-        cache = model.new_cache(3 * 2 + 1, 4)
-        tables = torch.arange(1, 7).view(3, 2)  # [batch, blocks]
+        cache = model.new_cache(batch * 2 + 1, 4)
+        tables = torch.arange(1, 2 * batch + 1).view(batch, 2)  # [batch, blocks]
         out = []
         with torch.inference_mode():
             for t in range(ids.shape[1]):
-                local = model(ids[:, t : t + 1], torch.full((3, 1), t), cache, tables, kv_len=t + 1,
-                              logits_index=torch.zeros(3, dtype=torch.long))  # [batch, local_vocab]
+                local = model(ids[:, t : t + 1], torch.full((batch, 1), t), cache, tables, kv_len=t + 1,
+                              logits_index=torch.zeros(batch, dtype=torch.long))  # [batch, local_vocab]
                 out.append(model.gather_logits(local))
         return torch.stack(out)
 
     got, want = decode(True), decode(False)
-    assert calls[0] == ids.shape[1]
-    assert torch.equal(got, want)
+    assert calls[0] == (ids.shape[1] if batch <= STACK_MAX_Q8_ROWS else 0)
+    if dtype == "bf16":
+        assert torch.equal(got, want)
+    else:  # float32's sums (the norms', the attention's) run in another order: rounding only (measured 1.5e-7)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()

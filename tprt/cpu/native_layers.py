@@ -107,7 +107,8 @@ class NativeDecoderLayer(DecoderLayer):
 
 class NativeDecodeStack(LayerStack):
     """A decoder stack running `kernel` (tprt.cpu.native.decode_stack_kernel) for decode steps of
-    up to STACK_MAX_ROWS tokens (one row of one token: those `NativeDecoderLayer` would run half
+    up to `max_rows` tokens (STACK_MAX_ROWS; STACK_MAX_Q8_ROWS for an int8 model, whose batched
+    products take any count; one row of one token: those `NativeDecoderLayer` would run half
     by half in every layer) and the layers one by one for the others. Decode rows of several
     tokens (a last token and a draft, `Step.decode`; prompt chunks keep the module path) go in as
     one-token rows sharing their row's block table at consecutive positions
@@ -115,12 +116,13 @@ class NativeDecodeStack(LayerStack):
     section) before any row attends (the next section), so each token sees its own row's earlier
     tokens of this step, and attends to positions up to its own only."""
 
-    def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
+    def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel, max_rows: int = native.STACK_MAX_ROWS) -> None:
         self.kernel = kernel
+        self.max_rows = max_rows
         self.linears = model.linears()
 
     def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
-        if (h.dim() != 3 or h.shape[0] * h.shape[1] > native.STACK_MAX_ROWS or torch.is_grad_enabled()
+        if (h.dim() != 3 or h.shape[0] * h.shape[1] > self.max_rows or torch.is_grad_enabled()
                 or step.cache is None or step.cache_step is None
                 or not native.supports_cache(step.cache) or adapted(*self.linears)):
             return super().__call__(layers, h, step)
@@ -167,7 +169,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
                                         first.self_attn.n_kv, all_reduce, scales if any_int8 else None)
     if kernel is None:
         return None
-    model.stack = stack = NativeDecodeStack(model, kernel)
+    model.stack = stack = NativeDecodeStack(model, kernel, native.stack_max_rows(scales if any_int8 else None))
     return stack
 
 

@@ -449,6 +449,7 @@ class _DecodeCache(ctypes.Structure):
 
 
 STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS)
+STACK_MAX_Q8_ROWS = 32  # with every projection in int8 (kernels.c: STACK_MAX_Q8_ROWS)
 
 
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
@@ -456,7 +457,7 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
                         scales: list[tuple[torch.Tensor | None, ...]] | None = None,
                         ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
-    final norm) for a decode step of 1 to STACK_MAX_ROWS rows of one token, h [rows, 1, hidden],
+    final norm) for a decode step of 1 to `stack_max_rows(scales)` rows of one token, h [rows, 1, hidden],
     writing each layer's k and v into the paged `cache` (float32 or int8) and each row attending through its
     block table up to its own position, as `attention_decode_kernel` does for one row; or None
     like `gemv_kernel`. One row gives the bits of the per-half kernels. `layers`: per decoder
@@ -495,16 +496,17 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
                          ctypes.addressof(pointers), function, ctx,
                          ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups))
     alive = (weights, pointers, flat_scales, scale_ptrs, groups)  # what `model` points to, kept alive by the closure
+    max_rows = stack_max_rows(scales)
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive
         kv, scales, fixed = _cache_store("decode_stack", cache, None)  # [layer, block, k/v, kv_head, offset, d]
         rows = h.shape[0]
-        if (h.dim() != 3 or h.shape[1:] != (1, hidden) or not 1 <= rows <= STACK_MAX_ROWS or h.dtype != dtype
+        if (h.dim() != 3 or h.shape[1:] != (1, hidden) or not 1 <= rows <= max_rows or h.dtype != dtype
                 or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d or cos.numel() != rows * d
                 or kv.shape[0] != len(layers)
                 or kv.shape[3] != n_kv_heads or kv.shape[-1] != d):
-            raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} (1 to {STACK_MAX_ROWS} "
+            raise ValueError(f"native decode_stack: unsupported h {tuple(h.shape)} {h.dtype} (1 to {max_rows} "
                              f"rows of one token) / cache {tuple(kv.shape)} {kv.dtype}")
         blocks, offsets = _decode_indices("decode_stack", cache_step, rows)
         tables, positions = _block_tables("decode_stack", cache_step, rows)
@@ -518,6 +520,14 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
         return out
 
     return run
+
+
+def stack_max_rows(scales: list[tuple[torch.Tensor | None, ...]] | None) -> int:
+    """The most rows `decode_stack_kernel` takes for these weights' `scales`: STACK_MAX_Q8_ROWS
+    where every layer's four projections are int8 (their batched products take any row count),
+    else STACK_MAX_ROWS (the dense few-row kernels are compiled for up to 8)."""
+    int8 = scales is not None and all(all(x is not None for x in (s[1], s[2], s[4], s[5])) for s in scales)
+    return STACK_MAX_Q8_ROWS if int8 else STACK_MAX_ROWS
 
 
 def bind_q8(lib: ctypes.CDLL) -> None:

@@ -1014,6 +1014,7 @@ typedef int64_t (*all_reduce_fn)(void *ctx, void *data, int64_t n, int64_t dtype
 #define DTYPE_CODE_F32 0  /* the all-reduce's dtype codes (tprt/distributed/shm_allreduce.c) */
 #define DTYPE_CODE_BF16 1
 #define STACK_MAX_ROWS 8
+#define STACK_MAX_Q8_ROWS 32  /* a stack whose projections are all int8 (q8_matmul_rows takes any count) */
 
 /* The model, built once by tprt.cpu.native.decode_stack_kernel. */
 typedef struct {
@@ -1030,6 +1031,9 @@ typedef struct {
    int8 products' best path (defined with them below). */
 static void q8_matmul(const int8_t *w, const float *s, const float *x, float *y, int64_t m, int64_t n, int64_t k,
                       int64_t g);
+/* The same for more than 8 rows of x in bf16 (x_bf16) or float32: tprt_gemv_q8's batched paths. */
+static void q8_matmul_rows(const int8_t *w, const float *s, const void *x, int64_t x_bf16, float *y, int64_t m,
+                           int64_t n, int64_t k, int64_t g);
 
 /* One decode step's place in the paged cache: layer 0's [block, k/v, kv_head, offset, d] with
    element strides, the next layer's s_layer further on. float32, or int8 where `scales` (layer 0's,
@@ -1083,9 +1087,15 @@ static void stack_mm_##SUFFIX(const decode_stack *m, int64_t slot, int64_t row0,
         return;                                                                                               \
     }                                                                                                         \
     int64_t g = m->groups[slot];                                                                              \
-    float xf[rows * k], yf[rows * n];                                                                         \
-    for (int64_t i = 0; i < rows * k; i++) xf[i] = LOAD(x[i]);                                                \
-    q8_matmul((const int8_t *)m->weights[slot] + row0 * k, s + row0 * (k / g), xf, yf, rows, n, k, g);        \
+    float yf[rows * n];                                                                                       \
+    if (rows > 8) {  /* as tprt_gemv_q8 computes 9-32 rows: the same bits as the module path's products */   \
+        q8_matmul_rows((const int8_t *)m->weights[slot] + row0 * k, s + row0 * (k / g), x, sizeof(T) == 2, yf, \
+                       rows, n, k, g);                                                                        \
+    } else {                                                                                                  \
+        float xf[rows * k];                                                                                   \
+        for (int64_t i = 0; i < rows * k; i++) xf[i] = LOAD(x[i]);                                            \
+        q8_matmul((const int8_t *)m->weights[slot] + row0 * k, s + row0 * (k / g), xf, yf, rows, n, k, g);    \
+    }                                                                                                         \
     for (int64_t r = 0; r < rows; r++)                                                                        \
         for (int64_t j = 0; j < n; j++) y[r * ldy + j] = STORE(yf[r * n + j]);                                \
 }                                                                                                             \
@@ -1200,7 +1210,10 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
                                    const int64_t *tables, int64_t s_table, const int64_t *positions) {        \
     int64_t L = m->layers, hidden = m->hidden, inter = m->inter, nh = m->nh, nkv = m->nkv, d = m->d;         \
     int64_t row = (int64_t)sizeof(T) * hidden, reduce = m->all_reduce != NULL;                               \
-    if (rows < 1 || rows > STACK_MAX_ROWS) return -2;                                                         \
+    int64_t all_q8 = m->scales != NULL;                                                                       \
+    for (int64_t l = 0; l < L && all_q8; l++)                                                                 \
+        all_q8 = m->scales[6 * l + 1] && m->scales[6 * l + 2] && m->scales[6 * l + 4] && m->scales[6 * l + 5]; \
+    if (rows < 1 || rows > (all_q8 ? STACK_MAX_Q8_ROWS : STACK_MAX_ROWS)) return -2;                          \
     T normed[rows * hidden], partial[rows * hidden], qkv[rows * (nh + 2 * nkv) * d], attn[rows * nh * d];     \
     T gate_up[rows * 2 * inter], act[rows * inter];                                                           \
     float q[rows * nh * d], work[rows * inter];                                                               \
@@ -1685,6 +1698,36 @@ static void q8b_section(void *arg, int64_t lo, int64_t hi) {
     free(wb);
 }
 #endif
+
+/* The decode stack's int8 product for more than 8 rows, on this thread: the section functions of
+   tprt_gemv_q8's batched paths over all of w's n rows, so each output has the bits that the
+   layer-by-layer path's call gives it (the tiles' bounds move, no element's sums). */
+static void q8_matmul_rows(const int8_t *w, const float *s, const void *x, int64_t x_bf16, float *y, int64_t m,
+                           int64_t n, int64_t k, int64_t g) {
+#if defined(__AVX512BF16__)
+    if (x_bf16 && m >= Q8B_MIN_ROWS && g % 32 == 0 && k % 32 == 0) {
+        q8b_args a = {w, s, (const uint16_t *)x, y, m, n, k, g};
+        q8b_section(&a, 0, n);
+        return;
+    }
+#endif
+    float *xf = malloc(sizeof(float) * (size_t)(m * k));
+    for (int64_t i = 0; i < m * k; i++) xf[i] = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    if (k % 64 == 0 && g % 32 == 0) {
+        uint8_t *xu = malloc((size_t)(m * k));
+        float *xs = malloc(sizeof(float) * (size_t)(m * (k / 64) * 16));
+        q8v_quantize_x(xf, m, k, xu, xs);
+        q8v_args a = {w, s, xu, xs, y, m, n, k, g};
+        q8v_section(&a, 0, n);
+        free(xu), free(xs), free(xf);
+        return;
+    }
+#endif
+    q8_args a = {w, s, xf, y, m, n, k, g};
+    q8_section(&a, 0, n);
+    free(xf);
+}
 
 /* x [m, k] (float32 or bf16 per `x_bf16`) times the int8 weight, into y [m, n] (float32 or bf16 per
    `y_bf16`, rounded to nearest even). `scalar`: 1 forces the scalar loop, 2 the float32 vector path
