@@ -195,7 +195,8 @@ def check_logits(ctx: TPContext, workdir: Path, name: str) -> None:
 
 def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
     """The int8 checkpoint (each rank its own scales, groups whole) is close to transformers'
-    float logits and agrees on nearly every top-1 token."""
+    float logits and agrees on nearly every top-1 token; prepacked, 12 decode rows in the
+    compiled stack give the layer path's logits."""
     ref, model = _ref(workdir, name), _model(ctx, workdir, f"{name}-int8")
     ids, lens = _pad(ref["prompts"])
     with torch.inference_mode():
@@ -214,6 +215,27 @@ def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
         with torch.inference_mode():
             one = packed.gather_logits(packed(ids[b : b + 1, :n]))[0]  # [n, vocab]
         _assert_close(one, ref["logits"][b], f"prompt {b} (int8, int8 LM head)", QUANT_TOL)
+    # 12 rows (each prompt 4 times) decoding in one call of the compiled stack (an int8 model's
+    # 9-32 rows; the all-reduces in C where TP > 1) against the layers one by one.
+    from tprt.cpu.native_layers import NativeDecodeStack, install_native_layers
+
+    install_native_layers(packed)
+    stack = packed.stack
+    assert isinstance(stack, NativeDecodeStack) == native.available()
+    if not isinstance(stack, NativeDecodeStack):
+        return
+    assert stack.max_rows == native.STACK_MAX_Q8_ROWS
+    cache, free = _garbage_cache(packed, 12)
+    seqs = [_Seq(p, _take(free)) for p in ref["prompts"] * 4]
+    _step(packed, cache, seqs)  # one padded prefill: the module path
+    for _ in range(4):
+        packed.stack = LayerStack()
+        modules = [_Seq(s.prompt, s.table, list(s.out)) for s in seqs]
+        _step(packed, cache, modules)
+        packed.stack = stack
+        _step(packed, cache, seqs)
+        for s, m in zip(seqs, modules):  # float32: the norms' and attention's sums in another order
+            _assert_close(s.logits[-1], m.logits[-1], "12 int8 rows: stack vs layers")
 
 
 def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
