@@ -324,7 +324,9 @@ class App:
         self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
-                           dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids)
+                           dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids,
+                           kv_cache_dtype=engine.runner.cache.format_name,
+                           kv_cache_tokens=engine.runner.cache.positions)
         compile_constraint = None
         if tokenizer is not None:  # output constraints: compiled on the requests' threads, cached for the engine
             m = self.metrics
@@ -351,7 +353,8 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
-                                "context_length": str(facts.context_length)})
+                                "context_length": str(facts.context_length), "kv_cache_dtype": facts.kv_cache_dtype,
+                                "kv_cache_tokens": str(facts.kv_cache_tokens)})
 
     def _job_admission(self, ctx: TPContext, model: TPLlamaForCausalLM) -> JobAdmission:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory

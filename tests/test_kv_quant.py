@@ -164,6 +164,9 @@ def test_static_scales_store_int8_alone_and_read_back_within_half_a_step() -> No
     fixed = torch.tensor([[[0.01, 0.02, 0.04], [0.03, 0.05, 0.02]], [[0.02, 0.01, 0.03], [0.04, 0.02, 0.01]]])
     cache = KVCache(n_layers, 12, nkv, bs, d, torch.int8, fixed_scales=fixed)
     assert cache.quantized and cache.scales is None and torch.equal(cache.fixed_scales, fixed)
+    assert cache.format_name == "int8-static" and cache.positions == 11 * bs  # block 0 is scratch
+    assert [KVCache(1, 2, 1, 4, 8, dt).format_name for dt in (torch.float32, torch.bfloat16, *QDTYPES)] == [
+        "fp32", "bf16", "int8", "fp8"][: 2 + len(QDTYPES)]
     assert kv_bytes_per_position(torch.int8, d, static_scales=True) * 2 == kv_bytes_per_position(torch.bfloat16, d)
     assert KVCache(n_layers, 12, nkv, bs, d, torch.bfloat16).kv.nbytes == 2 * cache.kv.nbytes
     assert cache.nbytes() == cache.kv.nbytes + fixed.nbytes

@@ -408,6 +408,7 @@ def test_model_info_and_reflection(client: Client) -> None:
     assert (info.tp_size, info.context_length, info.max_batch_size) == (2, CONTEXT, MAX_BATCH)
     assert info.config.vocab_size == 259 and info.config.num_hidden_layers == 2
     assert info.has_chat_template and list(info.eos_token_ids) == [2]
+    assert (info.kv_cache_dtype, info.kv_cache_tokens) == ("fp32", MAX_BATCH * CONTEXT)  # the default pool, on CPU
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
@@ -445,6 +446,7 @@ def test_metrics_count(server: ServerProcess, client: Client) -> None:
                  "tprt_batch_size_count", "tprt_finetune_tokens_total", "tprt_finetune_loss"):
         assert re.search(rf"^{name}(\{{.*\}})? ", after, re.M), name
     assert 'tprt_finetune_jobs{state="running"}' in after
+    assert metric(after, "tprt_model_info", kv_cache_dtype="fp32", kv_cache_tokens=str(MAX_BATCH * CONTEXT)) == 1
     dashboard = (Path(__file__).resolve().parents[1] / "docs" / "grafana-dashboard.json").read_text()
     plotted = set(re.findall(r"tprt_[a-z_]+", dashboard))
     assert plotted and all(re.search(rf"^{name}[{{ ]", after, re.M) for name in plotted), \

@@ -109,6 +109,8 @@ class ModelFacts:
     max_batch_size: int
     dtype: str
     eos_token_ids: tuple[int, ...]
+    kv_cache_dtype: str = ""  # tprt.model.kv_cache.KVCache.format_name
+    kv_cache_tokens: int = 0  # positions in each rank's KV pool
 
 
 def text_byte_limit(tok: Tokenizer, context: int) -> int:

@@ -110,7 +110,8 @@ class GenerationService(GenerationServicer):
             model=f.name, config=config, tp_size=f.tp_size, context_length=f.context_length,
             max_batch_size=f.max_batch_size, dtype=f.dtype, eos_token_ids=list(f.eos_token_ids),
             has_chat_template=bool(self.tokenizer is not None and self.tokenizer.chat_template),
-            adapters=adapters, max_top_logprobs=MAX_TOP_LOGPROBS)
+            adapters=adapters, max_top_logprobs=MAX_TOP_LOGPROBS, kv_cache_dtype=f.kv_cache_dtype,
+            kv_cache_tokens=f.kv_cache_tokens)
 
     def LoadAdapter(self, request: Any, context: grpc.ServicerContext) -> Any:
         pool = self._need_pool()

@@ -175,6 +175,19 @@ class KVCache:
     def quantized(self) -> bool:
         return self.kv.dtype in QUANTIZED
 
+    @property
+    def format_name(self) -> str:
+        """The storage as `--kv-cache-dtype` names it: fp32, bf16, fp16, int8, fp8, or int8-static
+        (int8 with static scales, `--kv-scales`)."""
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
+        name = names.get(self.kv.dtype, "fp8")
+        return name + "-static" if self.fixed_scales is not None else name
+
+    @property
+    def positions(self) -> int:
+        """The positions sequences can hold (block 0 is scratch)."""
+        return (self.n_blocks - 1) * self.block_size
+
     def nbytes(self) -> int:
         return self.kv.nbytes + sum(x.nbytes for x in (self.scales, self.fixed_scales) if x is not None)
 
