@@ -8,6 +8,7 @@ rank measuring its own kv heads; rank 0 writes the file (atomically).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,12 +105,16 @@ def run_calibrate(args: CalibrateArgs) -> int:
 
 def calibrate_rank(job: CalibrateJob) -> None:
     """One rank's part: every rank runs every document (collective); rank 0 writes the file."""
+    from tqdm import tqdm
+
     ctx = init_distributed()
     model = load_model(job.model, ctx, job.dtype)
-    amax = calibrate(model, job.documents)
+    tokens = sum(len(d) for d in job.documents)
+    with tqdm(total=tokens, desc="calibrate-kv", unit="tok", file=sys.stderr, dynamic_ncols=True,
+              disable=ctx.rank != 0 or not sys.stderr.isatty()) as bar:
+        amax = calibrate(model, job.documents, progress=bar.update)
     if ctx.rank != 0:
         return
-    tokens = sum(len(d) for d in job.documents)
     save_kv_scales(Path(job.out), scales_from_amax(amax, job.margin), job.margin, tokens)
     cfg = model.config
     print(f"calibrated on {tokens} tokens ({len(job.documents)} sequence(s)): static scales for "

@@ -16,7 +16,7 @@ heads, `TPLayout.kv_heads_of`, in `TPLlamaForCausalLM.new_cache`), with metadata
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,13 @@ class _AmaxCache(KVCache):
 
 
 @torch.inference_mode()
-def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK) -> torch.Tensor:
+def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK,
+              progress: Callable[[int], object] | None = None) -> torch.Tensor:
     """The largest |key| and |value| the model writes per layer, k/v and kv head over `documents`
     (token ids, each within the model's context), model-wide [layers, 2, num_key_value_heads]
     float32 on every rank; collective over the TP group. Each document is one sequence, prefilled
-    `chunk` positions at a time through a float cache, as the engine runs a prompt."""
+    `chunk` positions at a time through a float cache, as the engine runs a prompt. `progress`
+    is called with the positions of each chunk done."""
     cfg, layout, tp = model.config, model.layout, model.tp
     longest = max(len(d) for d in documents)
     n_blocks = blocks_for(longest, BLOCK) + 1
@@ -69,6 +71,8 @@ def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK
             x = torch.tensor([list(ids[a : a + chunk])], device=tp.device)
             positions = torch.arange(a, a + x.shape[1], device=tp.device)[None]
             model.forward_hidden(x, positions, cache, table, kv_len=a + x.shape[1], starts=(a,))
+            if progress is not None:
+                progress(x.shape[1])
     local = cache.amax
     if tp.world_size == 1:
         return local.cpu()
