@@ -12,6 +12,7 @@ import ctypes
 import itertools
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -132,9 +133,23 @@ def test_wrong_scales_are_detected(dtype: torch.dtype) -> None:
     the same check fails when the scales are wrong (all 1, as a path that forgot them would read;
     or another token's), so a quantized path producing garbage cannot pass as close."""
     torch.manual_seed(0)
-    cache, ref = KVCache(1, 6, 2, 8, 64, dtype), KVCache(1, 6, 2, 8, 64, torch.float32)
+    cache = KVCache(1, 6, 2, 8, 64, dtype)
+    err = _attention_error(cache, torch.randn(1, 40, 2, 2, 64) * (0.5 + torch.rand(1, 40, 1, 1, 1)))  # per token
+    assert err() < ATTENTION_TOL[dtype]
+    assert cache.scales is not None
+    good = cache.scales.clone()
+    cache.scales.fill_(1.0)
+    assert err() > 10 * ATTENTION_TOL[dtype]
+    cache.scales.copy_(good.roll(1, dims=-1))  # each position read with its neighbour's scale
+    assert err() > 5 * ATTENTION_TOL[dtype]
+
+
+def _attention_error(cache: KVCache, kv: torch.Tensor) -> Callable[[], float]:
+    """Writes kv [1, 40, 2, 2, 64] into layer 0 of `cache` and of a float32 reference cache;
+    returns a function giving the max |error| over the max of attention read through `cache`
+    (as its scales then stand) against the reference's, for one set of random queries."""
+    ref = KVCache(1, cache.n_blocks, 2, cache.block_size, 64, torch.float32)
     positions, tables = torch.arange(40)[None], torch.tensor([[1, 2, 3, 4, 5]])
-    kv = torch.randn(1, 40, 2, 2, 64) * (0.5 + torch.rand(1, 40, 1, 1, 1))  # magnitudes differ per token
     q = torch.randn(1, 2, 40, 64)
 
     def attention(c: KVCache) -> torch.Tensor:
@@ -145,14 +160,7 @@ def test_wrong_scales_are_detected(dtype: torch.dtype) -> None:
     for c in (cache, ref):
         c.update(0, kv, c.prepare(positions, tables))
     want = attention(ref)
-    err = lambda got: ((got - want).abs().max() / want.abs().max()).item()  # noqa: E731
-    assert err(attention(cache)) < ATTENTION_TOL[dtype]
-    assert cache.scales is not None
-    good = cache.scales.clone()
-    cache.scales.fill_(1.0)
-    assert err(attention(cache)) > 10 * ATTENTION_TOL[dtype]
-    cache.scales.copy_(good.roll(1, dims=-1))  # each position read with its neighbour's scale
-    assert err(attention(cache)) > 5 * ATTENTION_TOL[dtype]
+    return lambda: ((attention(cache) - want).abs().max() / want.abs().max()).item()
 
 
 def test_static_scales_store_int8_alone_and_read_back_within_half_a_step() -> None:
@@ -195,26 +203,14 @@ def test_wrong_static_scales_are_detected() -> None:
     kv = torch.randn(1, 40, 2, 2, 64) * torch.tensor([1.0, 3.0])[None, None, None, :, None]  # heads differ
     amax = kv.abs().amax(dim=(0, 1, 4))[None]  # [1 layer, k/v, head]
     cache = KVCache(1, 6, 2, 8, 64, torch.int8, fixed_scales=scales_from_amax(amax))
-    ref = KVCache(1, 6, 2, 8, 64, torch.float32)
-    positions, tables = torch.arange(40)[None], torch.tensor([[1, 2, 3, 4, 5]])
-    q = torch.randn(1, 2, 40, 64)
-
-    def attention(c: KVCache) -> torch.Tensor:
-        step = c.prepare(positions, tables)
-        k, v = c.read(0, step)
-        return step.attend(q, k, v, enable_gqa=False)
-
-    for c in (cache, ref):
-        c.update(0, kv, c.prepare(positions, tables))
-    want = attention(ref)
-    err = lambda got: ((got - want).abs().max() / want.abs().max()).item()  # noqa: E731
-    assert err(attention(cache)) < STATIC_ATTENTION_TOL
+    err = _attention_error(cache, kv)
+    assert err() < STATIC_ATTENTION_TOL
     assert cache.fixed_scales is not None
     good = cache.fixed_scales.clone()
     cache.fixed_scales.fill_(1.0)
-    assert err(attention(cache)) > 10 * STATIC_ATTENTION_TOL
+    assert err() > 10 * STATIC_ATTENTION_TOL
     cache.fixed_scales.copy_(good.flip(-1))  # each head read with the other's scales
-    assert err(attention(cache)) > 5 * STATIC_ATTENTION_TOL
+    assert err() > 5 * STATIC_ATTENTION_TOL
 
 
 def test_static_scales_file_round_trip_and_refusals(tmp_path: Path) -> None:

@@ -77,6 +77,10 @@ SCALE_DTYPE = torch.bfloat16
 
 # `--kv-cache-dtype` names: "auto" is None (the model's default_cache_dtype).
 KV_CACHE_DTYPES = ("auto", "bf16", "fp32", "int8", "fp8")
+# Storage dtypes by name (fp16: a float16 model's default cache, not a flag value); fp8 where torch has it.
+_NAMED = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+if hasattr(torch, "float8_e4m3fn"):
+    _NAMED["fp8"] = torch.float8_e4m3fn
 
 
 def kv_cache_dtype(name: str, flag: str = "--kv-cache-dtype") -> torch.dtype | None:
@@ -89,10 +93,9 @@ def kv_cache_dtype(name: str, flag: str = "--kv-cache-dtype") -> torch.dtype | N
             raise ConfigError(f"{flag} fp8: this torch ({torch.__version__}) has no torch.float8_e4m3fn; "
                               f"use int8")
         return torch.float8_e4m3fn
-    named = {"bf16": torch.bfloat16, "fp32": torch.float32, "int8": torch.int8}
-    if name not in named:
+    if name not in KV_CACHE_DTYPES:
         raise ConfigError(f"{flag} must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
-    return named[name]
+    return _NAMED[name]
 
 
 def kv_bytes_per_position(dtype: torch.dtype, head_dim: int, static_scales: bool = False) -> int:
@@ -179,8 +182,7 @@ class KVCache:
     def format_name(self) -> str:
         """The storage as `--kv-cache-dtype` names it: fp32, bf16, fp16, int8, fp8, or int8-static
         (int8 with static scales, `--kv-scales`)."""
-        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8"}
-        name = names.get(self.kv.dtype, "fp8")
+        name = next(n for n, dtype in _NAMED.items() if dtype == self.kv.dtype)
         return name + "-static" if self.fixed_scales is not None else name
 
     @property

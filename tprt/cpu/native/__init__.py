@@ -439,7 +439,7 @@ class _DecodeStack(ctypes.Structure):
     """kernels.c's decode_stack: the model, for tprt_decode_stack."""
     _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
                 ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P),
-                ("scales", _P), ("groups", _P)]
+                ("scales", _P), ("groups", _P), ("max_rows", _I)]
 
 
 class _DecodeCache(ctypes.Structure):
@@ -448,8 +448,8 @@ class _DecodeCache(ctypes.Structure):
                 ("s_head", _I), ("s_pos", _I), ("scales", _P), ("fixed", _P)]
 
 
-STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (kernels.c: STACK_MAX_ROWS)
-STACK_MAX_Q8_ROWS = 32  # with every projection in int8 (kernels.c: STACK_MAX_Q8_ROWS)
+STACK_MAX_ROWS = 8  # decode_stack_kernel's most rows (the dense few-row kernels: gemv_rows_*)
+STACK_MAX_Q8_ROWS = 32  # with every projection in int8 (their batched products: q8_matmul_rows)
 
 
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
@@ -492,11 +492,12 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     groups = (ctypes.c_int64 * len(weights))(*(0 if sc is None else w.shape[1] // sc.shape[1]
                                                for w, sc in zip(weights, flat_scales)))
     function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
+    max_rows = stack_max_rows(scales)
     model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
                          ctypes.addressof(pointers), function, ctx,
-                         ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups))
+                         ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups),
+                         max_rows)
     alive = (weights, pointers, flat_scales, scale_ptrs, groups)  # what `model` points to, kept alive by the closure
-    max_rows = stack_max_rows(scales)
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive

@@ -1013,8 +1013,6 @@ PAGED_DECODE_ATTENTION(bf16, uint16_t, f32_to_bf16)
 typedef int64_t (*all_reduce_fn)(void *ctx, void *data, int64_t n, int64_t dtype);
 #define DTYPE_CODE_F32 0  /* the all-reduce's dtype codes (tprt/distributed/shm_allreduce.c) */
 #define DTYPE_CODE_BF16 1
-#define STACK_MAX_ROWS 8
-#define STACK_MAX_Q8_ROWS 32  /* a stack whose projections are all int8 (q8_matmul_rows takes any count) */
 
 /* The model, built once by tprt.cpu.native.decode_stack_kernel. */
 typedef struct {
@@ -1025,6 +1023,7 @@ typedef struct {
     void *all_reduce_ctx;
     const float *const *scales;  /* per layer, 6: an int8 weight's float32 scales (tprt.quant); NULL: dense */
     const int64_t *groups;       /* per layer, 6: those scales' group sizes */
+    int64_t max_rows;            /* rows a step may have (tprt.cpu.native.stack_max_rows): 8, 32 all int8 */
 } decode_stack;
 
 /* y [m, n] float32 = x [m, k] float32 times int8 rows w [n, k] with scales s, on this thread, by the
@@ -1210,10 +1209,7 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
                                    const int64_t *tables, int64_t s_table, const int64_t *positions) {        \
     int64_t L = m->layers, hidden = m->hidden, inter = m->inter, nh = m->nh, nkv = m->nkv, d = m->d;         \
     int64_t row = (int64_t)sizeof(T) * hidden, reduce = m->all_reduce != NULL;                               \
-    int64_t all_q8 = m->scales != NULL;                                                                       \
-    for (int64_t l = 0; l < L && all_q8; l++)                                                                 \
-        all_q8 = m->scales[6 * l + 1] && m->scales[6 * l + 2] && m->scales[6 * l + 4] && m->scales[6 * l + 5]; \
-    if (rows < 1 || rows > (all_q8 ? STACK_MAX_Q8_ROWS : STACK_MAX_ROWS)) return -2;                          \
+    if (rows < 1 || rows > m->max_rows) return -2;                                                            \
     T normed[rows * hidden], partial[rows * hidden], qkv[rows * (nh + 2 * nkv) * d], attn[rows * nh * d];     \
     T gate_up[rows * 2 * inter], act[rows * inter];                                                           \
     float q[rows * nh * d], work[rows * inter];                                                               \
