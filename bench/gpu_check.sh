@@ -61,7 +61,7 @@ STEPS=(
 )
 # What each step needs beyond torch (checked before it runs).
 declare -A NEEDS=([tests]="pytest numpy transformers peft safetensors")
-OPTIONAL="numpy safetensors tokenizers sentencepiece gguf jinja2 tqdm psutil grpc prometheus_client transformers peft pytest"
+OPTIONAL="numpy safetensors tokenizers sentencepiece gguf jinja2 tqdm psutil grpc prometheus_client transformers peft pytest jsonschema llguidance"
 
 {
     echo "gpu_check.sh steps (limit in seconds), run from $ROOT:"

@@ -83,7 +83,7 @@ def local_slice(hf_name: str, full: torch.Tensor, model: TPLlamaForCausalLM) -> 
 def assert_rel(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float) -> None:
     """max |ours - ref| <= tol * max |ref| (an all-zero reference must be met exactly)."""
     scale = ref.float().abs().max().item() or 1.0
-    err = (ours.detach().float() - ref.float()).abs().max().item() / scale
+    err = (ours.detach().float().cpu() - ref.float().cpu()).abs().max().item() / scale  # references live on the CPU
     assert err <= tol, f"{what}: max error {err:.2e} of the reference's scale > {tol:.0e}"
 
 

@@ -295,7 +295,7 @@ def check_mixed_batch(ctx: TPContext, workdir: Path) -> None:
         # in exactly one full group: the deltas go back by a gather instead of a scatter-add); the
         # third has full groups and base rows after them (no padding, yet not every row grouped).
         for rows in (MIXED_ROWS, (3, 1, 1, 3, 2, 2), (2, 2, 3, 3, 0, 0)):
-            pool.route(rows, ids.device)
+            pool.route(rows, ctx.device)
             mixed = model.gather_logits(model(ids))
             for r, adapter in enumerate(rows):
                 pool.route([adapter], ids.device)

@@ -70,7 +70,8 @@ def _reference(hf_dir: Path, vocab: int) -> dict[str, Any]:
     amax = torch.zeros(model.config.num_hidden_layers, 2, model.config.num_key_value_heads)
     with torch.no_grad():
         for p, g in zip(prompts, generated):
-            cache = model(torch.tensor([p + g]), use_cache=True)["cache"]
+            out = model(torch.tensor([p + g]), use_cache=True)
+            cache = out["cache"] if "cache" in out else out["past_key_values"]  # renamed in transformers 5.2x
             for i, layer in enumerate(cache.layers):  # keys / values [1, kv_heads, seq, head_dim]
                 for j, x in enumerate((layer.keys, layer.values)):
                     amax[i, j] = torch.maximum(amax[i, j], x.abs().amax(dim=(0, 2, 3)))
@@ -80,7 +81,8 @@ def _reference(hf_dir: Path, vocab: int) -> dict[str, Any]:
 def _lm_loss(logits: torch.Tensor, prompts: list[list[int]]) -> torch.Tensor:
     """Summed next-token cross-entropy over each prompt's real tokens; logits [batch, seq, vocab]."""
     losses = [
-        F.cross_entropy(logits[b, : len(p) - 1], torch.tensor(p[1:]), reduction="sum") for b, p in enumerate(prompts)
+        F.cross_entropy(logits[b, : len(p) - 1], torch.tensor(p[1:], device=logits.device), reduction="sum")
+        for b, p in enumerate(prompts)
     ]
     return torch.stack(losses).sum()
 
@@ -128,7 +130,7 @@ def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str, tol: float = TOL) -> None:
     scale = ref.float().abs().max().item() or 1.0  # an all-zero reference (a padding-only shard) must be met exactly
-    err = (ours.float() - ref.float()).abs().max().item() / scale
+    err = (ours.detach().float().cpu() - ref.float().cpu()).abs().max().item() / scale  # references live on the CPU
     assert err <= tol, f"{what}: max error {err:.2e} of the logit scale > {tol:.0e}"
 
 
@@ -204,9 +206,11 @@ def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
     agree = total = 0
     for b, n in enumerate(lens):
         _assert_close(full[b, :n], ref["logits"][b], f"prompt {b} (int8)", QUANT_TOL)
-        agree += int((full[b, :n].argmax(-1) == ref["logits"][b].argmax(-1)).sum())
+        agree += int((full[b, :n].argmax(-1).cpu() == ref["logits"][b].argmax(-1)).sum())
         total += n
     assert agree >= QUANT_AGREE * total, f"int8 top-1 agreement {agree}/{total}"
+    if ctx.device.type != "cpu":  # the int8 LM head and the compiled stack below are CPU kernels
+        return
     packed = load_model(workdir / f"{name}-int8-tp{ctx.world_size}", ctx)
     prepack(packed)  # the LM head in int8 too (tprt.cpu.quant_linear.Int8Head), each rank its vocabulary rows
     assert isinstance(packed.lm_head.method.base, Int8Head)
@@ -221,7 +225,7 @@ def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
 
     install_native_layers(packed)
     stack = packed.stack
-    assert isinstance(stack, NativeDecodeStack) == native.available()
+    assert isinstance(stack, NativeDecodeStack) == (native.available() and ctx.device.type == "cpu")
     if not isinstance(stack, NativeDecodeStack):
         return
     assert stack.max_rows == native.STACK_MAX_Q8_ROWS
@@ -288,7 +292,7 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     from tprt.cpu.native_layers import NativeDecodeStack
 
     stack = model.stack
-    assert isinstance(stack, NativeDecodeStack) == native.available()
+    assert isinstance(stack, NativeDecodeStack) == (native.available() and ctx.device.type == "cpu")
     cache, free = _garbage_cache(model, 6)
     for b, prompt in enumerate(ref["prompts"]):
         seq = _Seq(prompt, _take(free))
@@ -302,7 +306,7 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
             assert torch.equal(seq.logits[-1], halves.logits[-1]), f"prompt {b}: stack and halves differ"
         if dtype == "fp32":
             assert seq.out == ref["generated"][b], f"prompt {b}: greedy tokens differ from transformers' generate"
-    assert (calls[1] == len(ref["prompts"]) * (N_NEW - 1)) == native.available(), calls
+    assert (calls[1] == len(ref["prompts"]) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
     # Every prompt in one batch: decode steps of 3 rows in one call each, against the layers one by one.
     seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
     _step(model, cache, seqs)  # one padded prefill: the module path
@@ -316,7 +320,7 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
             _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else 2e-2)
     if dtype == "fp32":
         assert [s.out for s in seqs] == ref["generated"], "3 rows: greedy tokens differ from transformers' generate"
-    assert (calls[1] == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == native.available(), calls
+    assert (calls[1] == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
 
 
 # Quantized KV caches (tprt.model.kv_cache): max |logit error| over the logit scale against the
@@ -378,7 +382,7 @@ def check_quantized_cache(ctx: TPContext, workdir: Path, name: str, kv: str) -> 
         n = len(s.prompt)
         _assert_close(torch.stack(s.logits), full[b, n - 1 : n - 1 + N_NEW], f"{kv} cache, prompt {b}", KV_TOL[kv])
         _assert_close(torch.stack(f.logits), torch.stack(s.logits), f"{kv} cache, prompt {b}: fused vs torch", 1e-4)
-    assert (calls[1] == N_NEW - 1) == (native.available() and kv != "fp8"), calls
+    assert (calls[1] == N_NEW - 1) == (native.available() and kv != "fp8" and ctx.device.type == "cpu"), calls
 
 
 def check_kv_calibration(ctx: TPContext, workdir: Path, name: str) -> None:
@@ -396,7 +400,7 @@ def check_kv_calibration(ctx: TPContext, workdir: Path, name: str) -> None:
     assert cache.fixed_scales is not None and cache.scales is None
     heads = cache.fixed_scales.shape[-1]
     first = ctx.rank // max(1, ctx.world_size // want.shape[-1]) * heads  # ARCHITECTURE.md's kv head rule
-    assert torch.equal(cache.fixed_scales, scales[:, :, first : first + heads])
+    assert torch.equal(cache.fixed_scales.cpu(), scales[:, :, first : first + heads].cpu())
 
 
 def check_continuous(ctx: TPContext, workdir: Path, name: str) -> None:
@@ -430,7 +434,7 @@ def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
         _assert_close(full[b, :n], ref["logits"][b], f"bf16 prompt {b}", 5e-2)
     # Cached decode: on CPU the cache (and so attention) is float32 under bf16 weights.
     cache = model.new_cache(TABLE + 1, BLOCK)
-    assert cache.dtype == torch.float32
+    assert cache.dtype == (torch.float32 if ctx.device.type == "cpu" else torch.bfloat16)
     prompt, table = torch.tensor([ref["prompts"][0]]), torch.arange(1, TABLE + 1)[None]
     n = prompt.shape[1]
     with torch.inference_mode():
@@ -485,7 +489,7 @@ def check_shm_allreduce_matches_gloo(ctx: TPContext, workdir: Path) -> None:
 
     from tprt.distributed.shm_allreduce import SLOT_BYTES
 
-    if ctx.world_size == 1:
+    if ctx.world_size == 1 or ctx.device.type != "cpu":  # shared memory carries CPU tensors only
         assert ctx.shm is None
         return
     assert ctx.shm is not None  # local ranks on CPU

@@ -99,7 +99,10 @@ class TPContext:
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> TPContext:
         """A one-rank context with no process group (every collective is skipped)."""
-        return cls(group=None, rank=0, world_size=1, device=torch.device(device), backend=None)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return cls(group=None, rank=0, world_size=1, device=device, backend=None)
 
     @property
     def is_distributed(self) -> bool:
@@ -156,6 +159,8 @@ def init_distributed(
     backend = backend or ("nccl" if use_cuda else "gloo")
     device = torch.device(device) if device is not None else (
         torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+    if device.type == "cuda" and device.index is None:  # "cuda": this rank's GPU, shared when there are fewer
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -362,7 +362,7 @@ class CacheStep:
         query of the block, so leaving them out changes no value, and a block's mask is a view
         of the staircase. (One call when the rows share a start and the chunk fits one block.)"""
         if self.starts is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=enable_gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=_aligned(self.mask), enable_gqa=enable_gqa)
         block, seq = self.mask.shape[0], q.shape[2]
         runs, lo = [], 0
         for start, rows in groupby(self.starts):
@@ -372,7 +372,7 @@ class CacheStep:
                 n = min(block, seq - a)
                 keys = self.kv_len if block == seq else start + a + n  # blocks: up to the block's last position
                 first = self.corner + block - n - start - a  # the column of key 0 in the staircase
-                mask = self.mask[block - n :, first : first + keys]  # [n, keys]
+                mask = _aligned(self.mask[block - n :, first : first + keys])  # [n, keys]
                 parts.append(F.scaled_dot_product_attention(q[lo:hi, :, a : a + n], k[lo:hi, :, :keys],
                                                             v[lo:hi, :, :keys], attn_mask=mask, enable_gqa=enable_gqa))
             runs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
@@ -404,6 +404,16 @@ class CacheStep:
         seq = self.positions.shape[1]
         return TokenRows(self.flat_write_blocks, self.flat_write_offsets,
                          self.tables.repeat_interleave(seq, dim=0), self.flat_positions, self.kv_len)
+
+
+def _aligned(mask: torch.Tensor) -> torch.Tensor:
+    """`mask`, or on CUDA a copy of it when its data does not start on 16 bytes: torch's
+    memory-efficient attention picks its vectorised kernel from the strides alone, and a view
+    starting mid-row (a block of the staircase) then faults with "misaligned address" (seen on an
+    H100 and an H200 with torch 2.11, 2026-11-28). The copy is [queries, keys], small beside k/v."""
+    if mask.is_cuda and mask.data_ptr() % 16:
+        return mask.clone()
+    return mask
 
 
 @dataclass(frozen=True)

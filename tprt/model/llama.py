@@ -247,6 +247,12 @@ class TPLlamaForCausalLM(nn.Module):
         of several tokens each (a last token and a draft; see `Step.decode`).
         """
         batch, seq = input_ids.shape
+        # Index tensors built on the host (a caller's token ids, a test's) go where the weights
+        # are; a no-op when they are there already.
+        device = self.tp.device
+        input_ids = input_ids.to(device, non_blocking=True)
+        positions = None if positions is None else positions.to(device, non_blocking=True)
+        tables = None if tables is None else tables.to(device, non_blocking=True)
         if positions is None:
             if cache is not None:
                 raise ValueError("positions are required with a KV cache")
@@ -279,7 +285,7 @@ class TPLlamaForCausalLM(nn.Module):
         """
         h = self.forward_hidden(input_ids, positions, cache, tables, kv_len, starts, decode)  # [batch, seq, hidden]
         if logits_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_index]  # [batch, hidden]
+            h = h[torch.arange(h.shape[0], device=h.device), logits_index.to(h.device)]  # [batch, hidden]
         return self.lm_head(self.norm(h))
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def compute_loss(
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels {list(labels.shape)} and input_ids {list(input_ids.shape)} differ in shape")
     h = model.forward_hidden(input_ids, positions)  # [batch, seq, hidden]
-    target = labels[:, 1:].reshape(-1)  # [batch * (seq - 1)]
+    target = labels[:, 1:].reshape(-1).to(h.device)  # [batch * (seq - 1)]
     keep = target != IGNORE_INDEX
     n_tokens = keep.sum()
     hidden = h[:, :-1].reshape(-1, h.shape[-1])[keep]  # [n_tokens, hidden]
