@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -230,3 +232,111 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     assert bits_to_bool(ahead.words(0)[None], so.vocab_size)[0].nonzero().flatten().tolist() == [a]
     out = fine.append(z)  # a token its matcher refuses ends the sequence
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
+
+
+def _rule_chain(limit: int = MAX_SPEC_BYTES) -> tuple[str, int]:
+    """The longest chain of rules (`a: b`, `b: c`, ...) whose Lark text fits in `limit` bytes."""
+    import itertools
+    import string
+
+    names = ("".join(t) for n in itertools.count(1) for t in itertools.product(string.ascii_lowercase, repeat=n))
+    lines, prev = ["start: a"], next(names)
+    size = len(lines[0]) + 1
+    while True:
+        line = f"{prev}: {(name := next(names))}"
+        if size + len(line) + 1 + len(f'{name}: "x"\n') > limit:
+            break
+        lines.append(line)
+        size, prev = size + len(line) + 1, name
+    lines.append(f'{prev}: "x"')
+    return "\n".join(lines) + "\n", len(lines)
+
+
+def test_a_chain_of_rules_as_long_as_the_size_limit_allows_compiles_without_killing_the_process(
+        byte_tok: Tokenizer) -> None:
+    """The hostile round's R1: 3,000 chained rules overflowed the compiling thread's stack
+    (SIGSEGV, the whole server). Compiling runs on deep-stack threads now: the longest chain a
+    request may send compiles, on this thread and on a thread with Python's default stack."""
+    text, rules = _rule_chain()
+    assert rules > 7000 and len(text.encode()) <= MAX_SPEC_BYTES
+    so = StructuredOutputs(byte_tok)
+    m = so.matcher(so.compile(ConstraintSpec.grammar(text, "structured_outputs.grammar")))
+    x = byte_tok.encode("x", add_special_tokens=False)[0]
+    assert m.allowed().nonzero().flatten().tolist() == [x] and m.accept(x) and m.finished
+    other = StructuredOutputs(byte_tok)  # not cached: compiled again, asked from another thread
+    with ThreadPoolExecutor(1) as pool:
+        grammar = pool.submit(other.compile, ConstraintSpec.grammar(text, "g")).result()
+    assert grammar.spec.field == "g" and other.compiles == 1
+
+
+def test_sequences_share_the_compiled_grammar(byte_tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R3: a grammar is compiled once (one llguidance matcher, with its lexer) and every sequence's
+    matcher is a deep copy of it, so a costly lexer is built once, not once per sequence."""
+    import llguidance
+
+    built: list[int] = []
+    real = llguidance.LLMatcher
+
+    class Counting:  # llguidance.LLMatcher, counting the matchers built
+        def __call__(self, *args: Any, **kw: Any) -> Any:
+            built.append(1)
+            return real(*args, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    so = StructuredOutputs(byte_tok)
+    grammar = so.compile(ConstraintSpec.regex("((a{10}){10}){10}", "regex"))
+    assert len(built) == 1
+    a = byte_tok.encode("a", add_special_tokens=False)[0]
+    matchers = [so.matcher(so.compile(ConstraintSpec.regex("((a{10}){10}){10}", "regex"))) for _ in range(16)]
+    for i, m in enumerate(matchers):
+        for _ in range(i + 1):
+            assert m.allowed()[a] and m.accept(a)
+    assert len(built) == 1 and so.compiles == 1  # no matcher was built again
+    fresh = so.matcher(grammar)  # the prototype itself never advanced
+    assert fresh.allowed().nonzero().flatten().tolist() == [a]
+
+
+def test_a_row_over_its_mask_budget_ends_with_its_constraint_error(byte_tok: Tokenizer) -> None:
+    """R2: masks over the time budget on BUDGET_STRIKES steps in a row end the row: no token is
+    allowed any more (the mask worker then offers EOS alone), and the sequence finishes with
+    stop_reason "constraint_error" whatever it takes next."""
+    from tprt.engine.constraints import BUDGET_STRIKES
+    from tprt.engine.sampling import SamplingParams
+    from tprt.engine.sequence import Sequence
+
+    with pytest.raises(ValueError, match="mask_budget_s"):
+        StructuredOutputs(byte_tok, mask_budget_s=0)
+    spec = ConstraintSpec.grammar('start: s\ns: s s | s s s | "a" | "b"', "structured_outputs.grammar")
+    so = StructuredOutputs(byte_tok, mask_budget_s=1e-12)  # every mask is over it
+    seq = Sequence("r", [1, 2], SamplingParams(temperature=0, max_new_tokens=8, constraint=spec), None,
+                   byte_tok, byte_tok.eos_token_ids, torch.device("cpu"))
+    seq.matcher = m = so.matcher(so.compile(spec))
+    a = byte_tok.encode("a", add_special_tokens=False)[0]
+    for _ in range(BUDGET_STRIKES - 1):
+        assert m.allowed()[a] and not m.error
+    assert not m.allowed().any() and "budget" in m.error and "\n" not in m.error
+    assert not m.accept(a) and m.validates([a]) == 0 and m.accept_prefix([a]) == 0
+    out = seq.append(byte_tok.eos_token_ids[0])
+    assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
+    unlimited = StructuredOutputs(byte_tok, mask_budget_s=None).matcher(so.compile(spec))
+    for _ in range(4 * BUDGET_STRIKES):
+        assert unlimited.allowed()[a] and unlimited.accept(a)
+    assert not unlimited.error
+
+
+def test_errors_are_one_line_without_the_parser_state(byte_tok: Tokenizer) -> None:
+    """R11: llguidance's verbose errors (its parser state and grammar) stay inside."""
+    so = StructuredOutputs(byte_tok)
+    for spec in (ConstraintSpec.grammar("start: a\na: b\nb: a", "g"),
+                 ConstraintSpec.grammar('start: "a" /[/', "g"),
+                 ConstraintSpec.regex("(unclosed", "r")):
+        with pytest.raises(ValidationError) as info:
+            so.compile(spec)
+        message = str(info.value)
+        assert "\n" not in message and len(message) <= 320 and "Earley" not in message, message
+    m = so.matcher(so.compile(ConstraintSpec.choice(["ab"], "c")))
+    assert not m.accept(byte_tok.encode("z", add_special_tokens=False)[0])
+    assert m.error and "\n" not in m.error and len(m.error) <= 300

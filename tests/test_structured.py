@@ -158,3 +158,39 @@ def test_tool_call_stream_yields_openai_deltas() -> None:
         assert [(d.index, d.name) for d in starts] == [(0, "add"), (1, "get_weather")]
         args = ["".join(d.arguments for d in deltas if d.index == i) for i in (0, 1)]
         assert [json.loads(a) for a in args] == [{"a": 1, "b": {"c": '}]"x'}}, {"city": "Oslo"}]
+
+
+def test_a_constraint_that_fails_mid_output_is_an_error_finish_over_http() -> None:
+    """R5: gRPC says stop_reason "constraint_error"; HTTP said finish_reason "stop" with the cut
+    text, like a complete answer. It now says finish_reason "error", stop_reason beside it, whole
+    and streamed, chat and completions (and never "tool_calls" for a forced call cut short)."""
+    from serve.core.generation import ChoiceEvent, Prepared
+    from serve.openai.app import Reply
+    from tprt.engine.sampling import SamplingParams
+    from tprt.engine.sequence import Usage
+
+    def prepared(structured: Structured) -> Prepared:
+        return Prepared([[1, 2]], [(0, SamplingParams(max_new_tokens=4))], 1, structured, "", 0)
+
+    cut = [ChoiceEvent(0, '{"a": '), ChoiceEvent(0, "", None, "stop", "constraint_error", Usage(2, 2, 0))]
+    for kind in ("chat.completion", "text_completion"):
+        reply = Reply(kind, "m", prepared(Structured.from_fields(response_format={"type": "json_object"})))
+        for ev in cut:
+            reply.add(ev)
+        choice = reply.whole()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("error", "constraint_error"), choice
+        streamed = Reply(kind, "m", prepared(Structured.from_fields(response_format={"type": "json_object"})))
+        chunks = [streamed.chunk(ev, include_usage=False) for ev in cut]
+        last = chunks[-1]
+        assert last is not None and last["choices"][0]["finish_reason"] == "error"
+    forced = Structured.from_fields(tools=[WEATHER], tool_choice="required")
+    reply = Reply("chat.completion", "m", prepared(forced))
+    last = [reply.chunk(ev, include_usage=False) for ev in cut][-1]
+    assert last is not None and last["choices"][0]["finish_reason"] == "error"
+    whole = Reply("chat.completion", "m", prepared(forced))
+    for ev in cut:
+        whole.add(ev)
+    assert whole.whole()["choices"][0]["finish_reason"] == "error"
+    ok = Reply("chat.completion", "m", prepared(Structured.from_fields()))
+    ok.add(ChoiceEvent(0, "hi", None, "stop", 2, Usage(2, 1, 0)))
+    assert ok.whole()["choices"][0]["finish_reason"] == "stop" and "stop_reason" not in ok.whole()["choices"][0]

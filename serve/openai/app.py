@@ -536,7 +536,7 @@ class Reply:
         self.text[index].append(ev.text)
         self.offset[index] += len(ev.text)
         if ev.finish_reason is not None:
-            self.finish[index] = ev.finish_reason
+            self.finish[index] = _finish_reason(ev)
             self.usage_of[index] = ev.usage
         return entry
 
@@ -567,6 +567,8 @@ class Reply:
             text = "".join(self.text[i])
             choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i],
                                       "logprobs": self._choice_logprobs(self.logprobs[i])}
+            if self.finish[i] == "error":
+                choice["stop_reason"] = CONSTRAINT_ERROR
             calls = self.structured.tool_calls(text) if self.tool_mode != "none" else None
             if calls:
                 choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
@@ -594,13 +596,16 @@ class Reply:
         index = ev.index
         entry = self.add(ev)
         logprobs = self._choice_logprobs([entry]) if entry is not None else None
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                  "finish_reason": None if ev.finish_reason is None else _finish_reason(ev)}
+        if choice["finish_reason"] == "error":
+            choice["stop_reason"] = CONSTRAINT_ERROR
         if self.chat and self.tool_mode != "none":
             delta = self._tool_delta(index, ev)
             if delta is None:
                 return None
             choice["delta"] = delta
-            if ev.finish_reason == "stop" and (self.call_streams or "tool_calls" in delta):
+            if choice["finish_reason"] == "stop" and (self.call_streams or "tool_calls" in delta):
                 choice["finish_reason"] = "tool_calls"
         elif self.chat:
             choice["delta"] = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
@@ -644,3 +649,14 @@ class Reply:
     def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage()}
+
+
+CONSTRAINT_ERROR = "constraint_error"
+
+
+def _finish_reason(ev: ChoiceEvent) -> str:
+    """The OpenAI finish_reason of a choice's last event: "error" (with stop_reason
+    "constraint_error" beside it) when its output constraint failed mid-output (over a limit or
+    its mask time budget), so the cut text is never mistaken for a complete answer."""
+    assert ev.finish_reason is not None
+    return "error" if ev.stop_reason == CONSTRAINT_ERROR else ev.finish_reason

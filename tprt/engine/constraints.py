@@ -17,10 +17,22 @@ Three layers, each with one job:
   temperature, top-k/top-p and the other samplers, which therefore act on the masked distribution.
 
 Limits (each refusal is a `ValidationError` naming the field; see docs/DESIGN.md): a spec's
-source text at most `MAX_SPEC_BYTES`; llguidance's parser limits (`PARSER_LIMITS`: grammar size,
+source text at most `MAX_SPEC_BYTES`; llguidance's parser limits (`_parser_limits`: grammar size,
 lexer states and per-step fuel), which bound compile and mask time and memory, so a pathological
 schema or regex is refused or stopped instead of stalling the batch; a choice has at most
 `MAX_CHOICES` strings.
+
+Hostile constraints (docs/DESIGN.md, "Constraints a client cannot weaponise"):
+- Compiling runs on threads with a deep stack (`COMPILE_STACK_BYTES`): llguidance's compiler
+  recurses once per rule of a chain (`r0: r1`, `r1: r2`, ...), and 3,000 such rules overflow a
+  default 8 MiB thread stack, which kills the process. 64 MiB takes the longest chain that fits
+  in `MAX_SPEC_BYTES` (about 7,400 rules) with room to spare.
+- A compiled grammar is one llguidance matcher, kept in the cache; each sequence gets a deep copy
+  of it, which shares the grammar and its lexer (built lazily, bounded by `max_lexer_states`):
+  a regex whose lexer costs 0.8 s and tens of MiB is paid once, not once per sequence.
+- A mask has a time budget (`mask_budget_s`): a row whose masks take longer on
+  `BUDGET_STRIKES` steps in a row ends with its constraint error, so an ambiguous grammar whose
+  masks grow with the output cannot stall every other row of the batch.
 
 JSON is generated compact (no free whitespace between tokens): a small model given a choice of
 whitespace can emit it without end, and compact JSON parses the same.
@@ -30,12 +42,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import queue
+import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -44,8 +60,13 @@ from tprt.errors import ValidationError
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 MAX_SPEC_BYTES = 64 << 10
 MAX_CHOICES = 1024
-CACHE_ENTRIES = 256
+CACHE_ENTRIES = 128
+MAX_LEXER_STATES = 25_000  # 1-2 kB each: at most about 50 MB for one grammar, all its sequences together
+MASK_BUDGET_S = 0.025
+BUDGET_STRIKES = 2
+COMPILE_STACK_BYTES = 64 << 20
 _JSON_OPTIONS = {"whitespace_flexible": False}
+T = TypeVar("T")
 
 
 def _parser_limits() -> Any:
@@ -53,7 +74,54 @@ def _parser_limits() -> Any:
 
     # llguidance's defaults bound time (about 20 ms to build the lexer, 15 ms of lexer work and
     # 2.5 ms of parser work per mask); these two tighten memory: lexer states cost 1-2 kB each.
-    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=50_000)
+    # verbose_errors=False: an error names the problem, not the parser's state (a client's eyes).
+    return llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=MAX_LEXER_STATES,
+                                     verbose_errors=False)
+
+
+class _DeepStackThreads:
+    """A few threads with a deep stack that run functions and hand back their results (the
+    grammar compiler's; see the module docstring). `threading.stack_size` applies to threads
+    started while it is set, so they are all started at once, under a lock."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, workers: int, stack_bytes: int) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        with self._lock:
+            previous = threading.stack_size(stack_bytes)
+            try:
+                for i in range(workers):
+                    threading.Thread(target=self._serve, name=f"tprt-grammar-{i}", daemon=True).start()
+            finally:
+                threading.stack_size(previous)
+
+    def _serve(self) -> None:
+        while True:
+            fn, future = self._tasks.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+                    future.set_exception(e)
+
+    def run(self, fn: Callable[[], T]) -> T:
+        future: Future[T] = Future()
+        self._tasks.put((fn, future))
+        return future.result()
+
+
+_compiler_threads: _DeepStackThreads | None = None
+_compiler_lock = threading.Lock()
+
+
+def _on_deep_stack(fn: Callable[[], T]) -> T:
+    """fn() on one of the grammar compiler's deep-stack threads (started at first use)."""
+    global _compiler_threads
+    with _compiler_lock:
+        if _compiler_threads is None:
+            _compiler_threads = _DeepStackThreads(min(4, os.cpu_count() or 1), COMPILE_STACK_BYTES)
+    return _compiler_threads.run(fn)
 
 
 @dataclass(frozen=True)
@@ -134,32 +202,43 @@ def _llguidance_grammar(spec: ConstraintSpec) -> str:
 
 
 def _one_line(message: str, limit: int = 300) -> str:
-    text = " ".join(message.split())
+    """llguidance's message on one line, at most `limit` characters; a bare reason code (what it
+    leaves of a parser-state dump with verbose_errors off) said in words."""
+    text = " ".join(message.replace("<non-verbose/>", "").split())
+    if re.fullmatch(r"[A-Z][A-Za-z]+", text):
+        text = f"the constraint can produce no text from here ({text})"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled, checked constraint, ready to make matchers."""
+    """A compiled, checked constraint, ready to make matchers: `prototype` is an llguidance
+    matcher at the start of the output, which every sequence's matcher is a deep copy of."""
 
     spec: ConstraintSpec
     text: str  # llguidance's grammar
     compile_s: float
+    prototype: Any
 
 
 class StructuredOutputs:
     """Compiles constraints for one tokenizer and makes matchers (see the module docstring).
 
     `on_compile(seconds)` and `on_mask(seconds)` are called with each compile's and each mask's
-    duration (the server's tprt_structured_* metrics). Thread-safe: the cache is locked, and
-    compiling happens outside the lock."""
+    duration (the server's tprt_structured_* metrics). `mask_budget_s`: the time one mask may take
+    (see the module docstring; None: no budget). Thread-safe: the cache is locked, and compiling
+    happens outside the lock."""
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *,
                  on_compile: Callable[[float], None] | None = None,
-                 on_mask: Callable[[float], None] | None = None, cache_entries: int = CACHE_ENTRIES) -> None:
+                 on_mask: Callable[[float], None] | None = None, cache_entries: int = CACHE_ENTRIES,
+                 mask_budget_s: float | None = MASK_BUDGET_S) -> None:
+        if mask_budget_s is not None and not mask_budget_s > 0:
+            raise ValueError(f"mask_budget_s must be positive or None, got {mask_budget_s}")
         self.ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         self.vocab_size = self.ll_tokenizer.vocab_size
         self.limits = _parser_limits()
+        self.mask_budget_s = mask_budget_s
         self._on_compile = on_compile
         self._on_mask = on_mask
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
@@ -173,24 +252,11 @@ class StructuredOutputs:
             hit = self._cache.get(spec.key)
             if hit is not None:
                 self._cache.move_to_end(spec.key)
-                return Grammar(spec, hit.text, hit.compile_s)
-        from llguidance import LLMatcher
-
+                return Grammar(spec, hit.text, hit.compile_s, hit.prototype)
         start = time.perf_counter()
-        text = _llguidance_grammar(spec)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.ll_tokenizer, limits=self.limits)
-        if is_error:
-            raise ValidationError(spec.field, f"{spec.field}: {_one_line(messages[0] if messages else 'invalid')}")
-        # Building one matcher and its first mask compiles the lexer: a grammar over the limits
-        # fails here, at request time, rather than in the batch.
-        probe = LLMatcher(self.ll_tokenizer, text, log_level=0, limits=self.limits)
-        probe.compute_bitmask()
-        if probe.is_error():
-            raise ValidationError(spec.field, f"{spec.field}: {_one_line(probe.get_error())}")
-        if probe.is_stopped() and not probe.is_accepting():
-            raise ValidationError(spec.field, f"{spec.field}: the constraint matches no text")
+        text, prototype = _on_deep_stack(lambda: self._build(spec))
         elapsed = time.perf_counter() - start
-        grammar = Grammar(spec, text, elapsed)
+        grammar = Grammar(spec, text, elapsed, prototype)
         with self._lock:
             self.compiles += 1
             self._cache[spec.key] = grammar
@@ -199,6 +265,25 @@ class StructuredOutputs:
         if self._on_compile is not None:
             self._on_compile(elapsed)
         return grammar
+
+    def _build(self, spec: ConstraintSpec) -> tuple[str, Any]:
+        """(llguidance's grammar text, the prototype matcher) of `spec`, checked; raises
+        ValidationError naming its field. Runs on a deep-stack thread."""
+        from llguidance import LLMatcher
+
+        text = _llguidance_grammar(spec)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, self.ll_tokenizer, limits=self.limits)
+        if is_error:
+            raise ValidationError(spec.field, f"{spec.field}: {_one_line(messages[0] if messages else 'invalid')}")
+        # Building the matcher and its first mask compiles the lexer: a grammar over the limits
+        # fails here, at request time, rather than in the batch.
+        prototype = LLMatcher(self.ll_tokenizer, text, log_level=0, limits=self.limits)
+        prototype.compute_bitmask()
+        if prototype.is_error():
+            raise ValidationError(spec.field, f"{spec.field}: {_one_line(prototype.get_error())}")
+        if prototype.is_stopped() and not prototype.is_accepting():
+            raise ValidationError(spec.field, f"{spec.field}: the constraint matches no text")
+        return text, prototype
 
     def warm_up(self) -> None:
         """Compiles a small grammar outside the cache: llguidance builds its per-vocabulary tables
@@ -209,10 +294,8 @@ class StructuredOutputs:
         LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits).compute_bitmask()
 
     def matcher(self, grammar: Grammar) -> Matcher:
-        from llguidance import LLMatcher
-
-        return Matcher(LLMatcher(self.ll_tokenizer, grammar.text, log_level=0, limits=self.limits),
-                       self.vocab_size, self._on_mask)
+        """A sequence's matcher: a deep copy of the grammar's prototype (sharing its lexer)."""
+        return Matcher(grammar.prototype.deep_copy(), self.vocab_size, self._on_mask, self.mask_budget_s)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         """A zeroed bitmask for `rows` matchers: int32 [rows, ceil(vocab / 32)]."""
@@ -222,20 +305,35 @@ class StructuredOutputs:
 class Matcher:
     """The constraint's state for one sequence (see the module docstring)."""
 
-    def __init__(self, inner: Any, vocab_size: int, on_mask: Callable[[float], None] | None) -> None:
+    def __init__(self, inner: Any, vocab_size: int, on_mask: Callable[[float], None] | None,
+                 budget_s: float | None = None) -> None:
         self._m = inner
         self.vocab_size = vocab_size
         self._on_mask = on_mask
+        self._budget_s = budget_s
+        self._strikes = 0  # masks over the budget in a row
+        self._over_budget = ""  # the error once the budget is spent
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Writes the tokens allowed next into `row` (int32, contiguous, ceil(vocab / 32) words)."""
+        """Writes the tokens allowed next into `row` (int32, contiguous, ceil(vocab / 32) words):
+        none once the matcher has failed or is over its time budget (`error` says why)."""
         if row.dtype != torch.int32 or not row.is_contiguous() or row.numel() * 32 < self.vocab_size \
                 or row.device.type != "cpu":
             raise ValueError("fill_bitmask: row must be a contiguous CPU int32 tensor of ceil(vocab/32) words")
+        if self._over_budget:
+            row.zero_()
+            return
         start = time.perf_counter()
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        elapsed = time.perf_counter() - start
         if self._on_mask is not None:
-            self._on_mask(time.perf_counter() - start)
+            self._on_mask(elapsed)
+        if self._budget_s is not None:
+            self._strikes = self._strikes + 1 if elapsed > self._budget_s else 0
+            if self._strikes >= BUDGET_STRIKES:
+                self._over_budget = (f"the constraint's next-token mask took {elapsed * 1000:.0f} ms, over its "
+                                     f"budget of {self._budget_s * 1000:.0f} ms per step (an ambiguous grammar?)")
+                row.zero_()
 
     def allowed(self) -> torch.Tensor:
         """The tokens allowed next as a bool tensor of the vocabulary's size."""
@@ -244,16 +342,17 @@ class Matcher:
         return bits_to_bool(words, self.vocab_size)[0]
 
     def accept(self, token_id: int) -> bool:
-        """Advances by one sampled token; False when the grammar does not allow it."""
-        return bool(self._m.consume_token(int(token_id)))
+        """Advances by one sampled token; False when the grammar does not allow it (or the matcher
+        is over its time budget)."""
+        return not self._over_budget and bool(self._m.consume_token(int(token_id)))
 
     def accept_prefix(self, token_ids: Sequence[int]) -> int:
         """Advances by as many of `token_ids` as the grammar allows (drafted tokens); how many."""
-        return int(self._m.try_consume_tokens([int(t) for t in token_ids]))
+        return 0 if self._over_budget else int(self._m.try_consume_tokens([int(t) for t in token_ids]))
 
     def validates(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids` the grammar would take in turn from here (nothing advances)."""
-        return int(self._m.validate_tokens([int(t) for t in token_ids]))
+        return 0 if self._over_budget else int(self._m.validate_tokens([int(t) for t in token_ids]))
 
     def rollback(self, n: int) -> None:
         """Gives back the last `n` accepted tokens."""
@@ -272,7 +371,10 @@ class Matcher:
 
     @property
     def error(self) -> str:
-        return str(self._m.get_error()) if self._m.is_error() else ""
+        """Why the matcher failed (one line), or ""."""
+        if self._over_budget:
+            return self._over_budget
+        return _one_line(str(self._m.get_error())) if self._m.is_error() else ""
 
 
 _BIT = torch.arange(32, dtype=torch.int32)

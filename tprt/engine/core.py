@@ -78,6 +78,7 @@ from tprt.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_BLOCK_SIZE = 16
+MAX_MASK_THREADS = 8  # constrained rows' masks computed at once, at most
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,8 @@ class Engine:
         if plan.decode is not None:
             constrained += [(s, list(t[1:])) for s, t in zip(schedule.decode, plan.decode.tokens)
                             if s.matcher is not None]
-        masks = self._mask_worker().start(constrained, self._spare_core()) if constrained else None
+        spare = self._spare_cores()
+        masks = self._mask_worker().start(constrained, spare > 0, spare) if constrained else None
         # A one-row step samples on the runner's thread count too: its torch ops are small, and
         # more OpenMP threads would only contend with the native kernels' spinning pool.
         with self.runner.threads_for(plan):
@@ -398,20 +400,24 @@ class Engine:
                 events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
         return events
 
-    def _spare_core(self) -> bool:
-        """Whether a thread beside the forward pass has a core of its own: on a GPU, or when the
-        CPU kernels of all this host's ranks (LOCAL_WORLD_SIZE, as torchrun and tprt's launcher
-        set it) run on fewer threads than the machine has cores (or as configured)."""
-        if self.config.overlap_masks is not None:
-            return self.config.overlap_masks
-        if self.runner.device.type != "cpu":
-            return True
-        from tprt.cpu import native
-
+    def _spare_cores(self) -> int:
+        """How many threads beside the forward pass have a core of their own (for constrained
+        rows' masks, computed in parallel): on a GPU the host's cores (up to MAX_MASK_THREADS);
+        on the CPU those the kernels of all this host's ranks (LOCAL_WORLD_SIZE, as torchrun and
+        tprt's launcher set it) leave. `overlap_masks` False: none; True: at least one."""
+        if self.config.overlap_masks is False:
+            return 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-        local_ranks = max(1, int(local)) if local.isdigit() else 1
-        return max(torch.get_num_threads(), native.threads()) * local_ranks < cores
+        if self.runner.device.type != "cpu":
+            spare = cores
+        else:
+            from tprt.cpu import native
+
+            local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+            local_ranks = max(1, int(local)) if local.isdigit() else 1
+            spare = cores - max(torch.get_num_threads(), native.threads()) * local_ranks
+        spare = min(max(spare, 0), MAX_MASK_THREADS)
+        return max(spare, 1) if self.config.overlap_masks else spare
 
     def _step_cost(self, plan: StepPlan, seconds: float) -> None:
         """A decode-only step's time, for the speculator's pricing of drafts: steps as wide as it
@@ -614,22 +620,31 @@ class MaskWorker:
         self._known = min(vocab, outputs.vocab_size)  # tokens the tokenizer (and so the matcher) knows
         self._eos = [t for t in eos_token_ids if t < self._known][:1]
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
+        # Rows' masks in parallel (llguidance releases the GIL): one slow grammar's row does not
+        # hold up the others' behind it.
+        self._rows_pool = ThreadPoolExecutor(MAX_MASK_THREADS, thread_name_prefix="tprt-mask-rows")
 
-    def start(self, rows: list[tuple[Sequence, list[int]]], overlap: bool = True) -> Future[dict[str, RowMasks]]:
+    def start(self, rows: list[tuple[Sequence, list[int]]], overlap: bool = True,
+              threads: int = 1) -> Future[dict[str, RowMasks]]:
         """Each (sequence, draft) row's masks, one position for its next token, then one after
-        each drafted token; filled on the worker's thread while the step runs with `overlap`,
+        each drafted token; filled while the step runs with `overlap`, `threads` rows at a time,
         else later, as `rows` needs them."""
         masks = {seq.request_id: RowMasks(seq, draft, self._outputs, self._eos) for seq, draft in rows}
         if overlap:
-            return self._pool.submit(self._fill, masks)
+            return self._pool.submit(self._fill, masks, threads)
         done: Future[dict[str, RowMasks]] = Future()
         done.set_result(masks)
         return done
 
-    @staticmethod
-    def _fill(masks: dict[str, RowMasks]) -> dict[str, RowMasks]:
-        for row in masks.values():
-            row.fill()
+    def _fill(self, masks: dict[str, RowMasks], threads: int) -> dict[str, RowMasks]:
+        rows = list(masks.values())
+        if threads <= 1 or len(rows) <= 1:
+            for row in rows:
+                row.fill()
+            return masks
+        chunks = [rows[i::threads] for i in range(min(threads, len(rows)))]
+        for done in [self._rows_pool.submit(_fill_all, chunk) for chunk in chunks]:
+            done.result()
         return masks
 
     def rows(self, seqs: list[Sequence], masks: dict[str, RowMasks], best: list[int],
@@ -654,6 +669,11 @@ class MaskWorker:
             mask[i, :self._known] = bools[k]
             mask[i, self._known:] = False
         return mask
+
+
+def _fill_all(rows: list[RowMasks]) -> None:
+    for row in rows:
+        row.fill()
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -102,12 +102,14 @@ class Sequence:
         out = self.stop.step(token_id)
         if self.matcher is not None and out.finish_reason is None:
             # The mask allowed only what the constraint accepts; when it has ended, so has the output.
-            # A matcher that fails (over one of llguidance's limits mid-sequence) ends it too, and
-            # says so, rather than stopping the engine.
+            # A matcher that fails (over one of llguidance's limits or its mask time budget
+            # mid-sequence) ends it too, and says so, rather than stopping the engine.
             accepted = self.matcher.accept(token_id)
             if not accepted or self.matcher.finished:
                 end = self.stop.finish("stop")
                 out = StepOutput(out.text + end.text, "stop", None if accepted else "constraint_error")
+        elif self.matcher is not None and self.matcher.error:  # its failed mask offered only the end
+            out = StepOutput(out.text, "stop", "constraint_error")
         if out.finish_reason is not None:
             self.status = Status.FINISHED
         return out
