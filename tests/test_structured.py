@@ -194,3 +194,55 @@ def test_a_constraint_that_fails_mid_output_is_an_error_finish_over_http() -> No
     ok = Reply("chat.completion", "m", prepared(Structured.from_fields()))
     ok.add(ChoiceEvent(0, "hi", None, "stop", 2, Usage(2, 1, 0)))
     assert ok.whole()["choices"][0]["finish_reason"] == "stop" and "stop_reason" not in ok.whole()["choices"][0]
+
+
+def test_tool_parameters_must_be_an_object_schema() -> None:
+    """R4: a tool whose parameters are not an object schema (`{"type": "string"}`) was accepted,
+    and its arguments then streamed as something other than JSON."""
+    for parameters in ({"type": "string"}, {"type": "array", "items": {}}, {"type": ["object", "null"]}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        with pytest.raises(ValidationError) as info:
+            Structured.from_fields(tools=[tool])
+        assert info.value.field == "tools[0].function.parameters" and "object schema" in str(info.value)
+    for parameters in ({"type": "object"}, {"properties": {"a": {"type": "integer"}}}, None):
+        Structured.from_fields(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+
+
+def test_vllm_guided_fields_are_aliases_of_structured_outputs() -> None:
+    """R6: guided_json, guided_regex, guided_choice and guided_grammar were ignored (free text, a
+    200); they constrain the output as structured_outputs does, errors naming them."""
+    from serve.openai.requests import ChatBody, CompletionBody, ParamError, chat_request, completion_request
+
+    for kind, value, want in (("json", {"type": "integer"}, "json_schema"), ("json", '{"type": "integer"}', "json_schema"),
+                              ("regex", "[ab]+", "regex"), ("choice", ["x", "y"], "choice"),
+                              ("grammar", 'start: "a"', "grammar")):
+        c = Structured.from_fields(guided={kind: value}).constraint
+        assert c is not None and c.kind == want and c.field == f"guided_{kind}"
+        body = CompletionBody(model="m", prompt="hi", **{f"guided_{kind}": value})
+        c = completion_request(body, "").request.structured.constraint
+        assert c is not None and c.kind == want
+    chat = ChatBody(model="m", messages=[{"role": "user", "content": "hi"}], guided_choice=["a", "b"])
+    c = chat_request(chat, "").request.structured.constraint
+    assert c is not None and c.kind == "choice"
+    for body, param in ((CompletionBody(model="m", prompt="hi", guided_regex="a", guided_choice=["b"]), "guided_choice"),
+                        (CompletionBody(model="m", prompt="hi", guided_regex="a", structured_outputs={"regex": "b"}),
+                         "guided_regex"),
+                        (CompletionBody(model="m", prompt="hi", guided_json="{not json"), "guided_json"),
+                        (CompletionBody(model="m", prompt="hi", guided_choice=[]), "guided_choice")):
+        with pytest.raises(ParamError) as info:
+            completion_request(body, "")
+        assert info.value.param == param, (info.value.param, param)
+
+
+def test_an_empty_grpc_constraint_is_named_constraint() -> None:
+    """R7: an empty `constraint {}` was reported under sampling.constraint."""
+    from serve.errors import InvalidArgument
+    from serve.grpc.pb import generation_pb2 as gen_pb
+    from serve.grpc.validation import grpc_field, structured_of
+
+    request = gen_pb.GenerateRequest(prompt="hi")
+    request.constraint.SetInParent()
+    with pytest.raises(InvalidArgument) as info:
+        structured_of(request)
+    assert info.value.field == "constraint"
+    assert grpc_field("constraint") == "constraint" and grpc_field("temperature") == "sampling.temperature"

@@ -69,11 +69,14 @@ class Structured:
 
     @staticmethod
     def from_fields(*, response_format: Any = None, structured_outputs: Any = None, tools: Any = None,
-                    tool_choice: Any = None, parallel_tool_calls: Any = None) -> Structured:
+                    tool_choice: Any = None, parallel_tool_calls: Any = None,
+                    guided: Mapping[str, Any] | None = None) -> Structured:
         """Reads OpenAI's `response_format`, vLLM's `structured_outputs` ({json, regex, choice,
-        grammar}), `tools`, `tool_choice` and `parallel_tool_calls` (already parsed JSON values)."""
-        constraints = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs))
-                       if c is not None]
+        grammar}) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
+        (`guided`: {"json": ..., ...}, aliases of the same), `tools`, `tool_choice` and
+        `parallel_tool_calls` (already parsed JSON values)."""
+        constraints = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs),
+                                   _guided(guided or {})) if c is not None]
         parsed_tools = _tools(tools)
         mode, named = _tool_choice(tool_choice, parsed_tools)
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
@@ -149,7 +152,23 @@ def _structured_outputs(value: Any) -> ConstraintSpec | None:
         raise ValidationError("structured_outputs", "structured_outputs: give exactly one of json, regex, choice, "
                                                     "grammar")
     (kind, spec), = given.items()
-    field = f"structured_outputs.{kind}"
+    return _constraint(kind, spec, f"structured_outputs.{kind}")
+
+
+GUIDED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def _guided(guided: Mapping[str, Any]) -> ConstraintSpec | None:
+    """vLLM's guided_* fields, the older spelling of structured_outputs: at most one of them."""
+    given = [(kind, guided[kind]) for kind in GUIDED_KINDS if guided.get(kind) is not None]
+    if len(given) > 1:
+        raise ValidationError(f"guided_{given[1][0]}", f"guided_{given[1][0]}: give one of guided_json, guided_regex, "
+                                                      "guided_choice, guided_grammar, not several")
+    return _constraint(given[0][0], given[0][1], f"guided_{given[0][0]}") if given else None
+
+
+def _constraint(kind: str, spec: Any, field: str) -> ConstraintSpec:
+    """One constraint of `kind` (json, regex, choice or grammar), errors naming `field`."""
     if kind == "json":
         if isinstance(spec, str):
             try:
@@ -193,6 +212,10 @@ def _tools(value: Any) -> list[Tool]:
         if not isinstance(parameters, Mapping):
             raise ValidationError(f"{field}.function.parameters",
                                   f"{field}.function.parameters: expected a JSON Schema object")
+        if parameters.get("type", "object") != "object":  # arguments are an object of named values
+            raise ValidationError(f"{field}.function.parameters",
+                                  f"{field}.function.parameters: expected an object schema ({{\"type\": \"object\", "
+                                  f"\"properties\": ...}}), got type {str(parameters['type'])[:40]!r}")
         ConstraintSpec.json_schema(parameters, f"{field}.function.parameters")  # plain JSON; compiled later
         tools.append(Tool(name, description, dict(parameters)))
     return tools

@@ -42,6 +42,8 @@ _INPUT_PATHS = by_prefix({"prompt_ids": "prompt_ids.ids", "messages": "chat.mess
 
 def grpc_field(field: str) -> str:
     """A canonical field of the core's errors as the proto's path."""
+    if field == "constraint" or field.startswith("constraint."):  # a GenerateRequest's own, not sampling's
+        return field
     if field in _SAMPLING or field in FIELD_PATHS:
         return field_path(field)
     return _structured_path(_INPUT_PATHS(field))

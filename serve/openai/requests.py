@@ -206,6 +206,11 @@ class _Common(BaseModel):
     # Output constraints (serve/core/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
     response_format: Any = None
     structured_outputs: Any = None
+    # vLLM's older spellings of structured_outputs' json, regex, choice and grammar
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionBody(_Common):
@@ -256,6 +261,11 @@ def _structured(fields: dict[str, Any]) -> Structured:
         raise ParamError(str(e), e.field) from None
 
 
+def _guided(body: _Common) -> dict[str, Any]:
+    return {"json": body.guided_json, "regex": body.guided_regex, "choice": body.guided_choice,
+            "grammar": body.guided_grammar}
+
+
 def _common_fields(body: _Common) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) not in (None, 0, 0.0):
@@ -285,7 +295,8 @@ _CHAT_PARAMS = {"stop_strings": "stop", "prompt": "messages", "chat": "messages"
 
 def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
     """A /v1/completions body as the core's request; ParamError for what OpenAI's API alone has."""
-    structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs})
+    structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
+                              "guided": _guided(body)})
     if body.echo:
         raise ParamError("echo is not supported", "echo")
     if body.suffix:
@@ -322,7 +333,7 @@ def _content(message: ChatMessageBody, i: int) -> str:
 def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
     """A /v1/chat/completions body as the core's request (with tools, rendered by serve/core/structured.py)."""
     structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
-                              "tools": body.tools, "tool_choice": body.tool_choice,
+                              "guided": _guided(body), "tools": body.tools, "tool_choice": body.tool_choice,
                               "parallel_tool_calls": body.parallel_tool_calls})
     messages = []
     for i, m in enumerate(body.messages):
