@@ -291,6 +291,15 @@ def test_adapter_paths_and_on_demand_ids_share_one_resolver(pool: AdapterPool, t
         pool.acquire("loop")
     (tmp_path / ADAPTERS_DIR / "inside").symlink_to(tmp_path / ADAPTERS_DIR / "a")  # a link inside is fine
     assert pool.acquire("inside").path == (tmp_path / ADAPTERS_DIR / "a").resolve()
+    # R8: a directory inside whose files are links out of --data-dir (on demand and by path)
+    leaky = tmp_path / ADAPTERS_DIR / "leaky"
+    leaky.mkdir()
+    (leaky / "adapter_config.json").symlink_to(outside / ADAPTERS_DIR / "evil" / "adapter_config.json")
+    for call, field in ((lambda: pool.acquire("leaky"), "adapter_id"),
+                        (lambda: pool.resolve_path(f"{ADAPTERS_DIR}/leaky"), "path")):
+        with pytest.raises(InvalidArgument, match="adapter_config.json.* leads outside the server's --data-dir") as e:
+            call()
+        assert e.value.field == field and not pool.registry.has("leaky")
 
 
 def test_a_request_that_can_never_be_placed_is_refused_at_once(pool: AdapterPool) -> None:

@@ -12,6 +12,7 @@ or is failed with the reason; adapters are restored).
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -702,7 +703,15 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
     assert config.init_adapter == s.data_dir / "jobs" / sft / "adapter"
     assert dataset.pairs and dataset.n_examples == 2 and len(dataset.train) == 4
     (s.data_dir / "bad.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "preferred_output": []}))
+    # R8: an adapter under --data-dir/adapters/ whose files lead out of --data-dir is not followed
+    outside = s.data_dir.parent / f"{s.data_dir.name}-outside"
+    shutil.copytree(s.data_dir / "jobs" / sft / "adapter", outside)
+    leaky = s.data_dir / "adapters" / "leaky"
+    leaky.mkdir(parents=True)
+    for f in outside.iterdir():
+        (leaky / f.name).symlink_to(f)
     for req, field, message in (
+            (request(init_adapter="leaky"), "init_adapter", "leads outside the server's --data-dir"),
             (request(init_adapter="sft-first", hyperparameters=ft_pb.Hyperparameters(lora_rank=8)),
              "hyperparameters.lora_rank", "differs from init_adapter's 4"),
             (request(dataset_path="bad.jsonl"), "dataset_path", "bad.jsonl:2: 'preferred_output' must be"),

@@ -41,6 +41,7 @@ from serve.adapters.registry import DEVICE, DISK, HOST, TIERS, AdapterInfo, Adap
 from serve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, QueueFull, echo
 from serve.jobs.spec import ADAPTER_ID, MAX_NAME_BYTES, MAX_PATH_BYTES
 from serve.metrics import Metrics
+from serve.paths import check_files_inside
 from serve.ranks.commands import LoadAdapter, MoveAdapter
 from tprt.distributed.ranks import CommandFailed
 from tprt.errors import TprtError
@@ -137,6 +138,7 @@ class AdapterPool:
             raise InvalidArgument(f"{echo(given)} is outside the server's --data-dir", field)
         if not is_dir:
             raise NotFound(f"{echo(given)} is not a directory under the server's --data-dir", field)
+        check_files_inside(path, root, given, field)
         return path
 
     def check_new_id(self, adapter_id: str, field: str = "adapter_id") -> None:

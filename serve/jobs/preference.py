@@ -13,6 +13,7 @@ from typing import Any
 
 from serve.errors import FailedPrecondition, InvalidArgument, NotFound, echo
 from serve.jobs.request import JobRequest
+from serve.paths import check_files_inside
 from serve.jobs.store import SUCCEEDED, JobStore
 from tprt.errors import ConfigError, TprtError
 
@@ -58,12 +59,25 @@ def dpo_hyperparameters(hp: Mapping[str, Any], objective: str) -> dict[str, Any]
 def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
     """The adapter a LoRA job starts from: a succeeded LoRA job's (by adapter id or job id), or one
     under --data-dir/adapters/; NotFound naming `init_adapter` otherwise."""
+    root = data_dir.resolve()
     for rec in store.select(SUCCEEDED, limit=1_000_000):
         if rec.method == "lora" and rec.output_path and name in (rec.adapter_id, rec.id):
-            return data_dir / rec.output_path
+            return _inside(data_dir / rec.output_path, root, name)
     if _ADAPTER_DIR.fullmatch(name) and (data_dir / "adapters" / name / ADAPTER_CONFIG).is_file():
-        return data_dir / "adapters" / name
+        return _inside(data_dir / "adapters" / name, root, name)
     raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
+
+
+def _inside(path: Path, root: Path, name: str) -> Path:
+    """`path`, when it and every file in it resolve inside --data-dir (symlinks followed)."""
+    try:
+        inside = path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError, ValueError):
+        inside = False
+    if not inside:
+        raise InvalidArgument(f"{echo(name)} leads outside the server's --data-dir", "init_adapter")
+    check_files_inside(path, root, name, "init_adapter")
+    return path
 
 
 def start_from(request: JobRequest, method: str, hp: dict[str, Any], store: JobStore, data_dir: Path) -> str:
