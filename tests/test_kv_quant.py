@@ -249,6 +249,11 @@ def test_static_scales_file_round_trip_and_refusals(tmp_path: Path) -> None:
         save_file({"kv_scales": scales.clone().index_fill_(0, torch.tensor([1]), bad)}, tmp_path / "bad.st")
         with pytest.raises(ConfigError, match=r"bad.st: tensor 'kv_scales' must hold finite positive scales"):
             load_kv_scales(tmp_path / "bad.st", cfg)
+    for bad, shown in ((1e-40, "1e-40"), (3e38, "3e\\+38"), (5e-7, "5e-07"), (2e3, "2e\\+03")):  # R10: accepted, then noise
+        save_file({"kv_scales": scales.clone().index_fill_(0, torch.tensor([1]), bad)}, tmp_path / "bad.st")
+        with pytest.raises(ConfigError, match=rf"bad.st: tensor 'kv_scales' holds a scale of {shown}, outside "
+                                              r"\[1e-06, 1000\]"):
+            load_kv_scales(tmp_path / "bad.st", cfg)
     with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: use it with --kv-cache-dtype int8, "
                                           r"not bf16$"):
         kv_cache_flags("bf16", path, cfg)

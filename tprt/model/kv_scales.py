@@ -34,6 +34,9 @@ FORMAT = "tprt-kv-scales"
 TENSOR = "kv_scales"
 DEFAULT_MARGIN = 1.25
 CHUNK = 512  # calibration prefill chunk (positions per forward)
+# A scale is the largest |k| or |v| of a head over 127 (times the margin): outside this range the
+# file was not calibrated on a model (1e-40 clips every value to nothing, 3e38 rounds all to zero).
+MIN_SCALE, MAX_SCALE = 1e-6, 1e3
 BLOCK = 16
 
 
@@ -124,6 +127,13 @@ def load_kv_scales(path: Path | str, cfg: ModelConfig) -> torch.Tensor:
     scales = scales.float()
     if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
         raise ConfigError(f"--kv-scales {path}: tensor {TENSOR!r} must hold finite positive scales")
+    low, high = float(scales.min()), float(scales.max())
+    if low < MIN_SCALE or high > MAX_SCALE:
+        bad = low if low < MIN_SCALE else high
+        raise ConfigError(f"--kv-scales {path}: tensor {TENSOR!r} holds a scale of {bad:.3g}, outside "
+                          f"[{MIN_SCALE:g}, {MAX_SCALE:g}] (a key or value range of 127 x scale that no model "
+                          f"writes: every value would be clipped or rounded to zero); calibrate again with "
+                          f"`tprt calibrate-kv`")
     return scales
 
 
