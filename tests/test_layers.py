@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mp import Checks, WorldResults, names, run_world
+from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig, RopeScaling
 from tprt.distributed.context import TPContext, init_distributed
 from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache
@@ -323,3 +325,21 @@ def test_launch_local_tears_down_on_failure() -> None:
     with pytest.raises(LaunchError, match=r"^rank 1 failed: ValueError: boom on rank 1$") as info:
         launch_local(2, _ranks_fail, (1,), timeout_s=120)
     assert info.value.rank == 1 and "Traceback" in info.value.details
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "mistral", "sliding_window": 8, "max_position_embeddings": 256}, "'sliding_window'=8 is not supported"),
+    ({"sliding_window": "8"}, "'sliding_window'='8' is not supported"),
+    ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping'=30.0 is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'=50.0 is not supported"),
+    ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor'=0.5 is not supported"),
+])
+def test_config_fields_that_change_the_math_are_refused_by_name(fields: dict[str, Any], message: str) -> None:
+    """A Mistral config's sliding window was accepted and ignored (wrong log-probs past the window)."""
+    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "max_position_embeddings": 256}
+    with pytest.raises(ConfigError, match=rf"^cfg.json: field {message}"):
+        ModelConfig.from_dict({**base, **fields}, source="cfg.json")
+    for harmless in ({"sliding_window": None}, {"sliding_window": 256}, {"sliding_window": 8, "use_sliding_window": False},
+                     {"final_logit_softcapping": None}, {"partial_rotary_factor": 1.0}):
+        ModelConfig.from_dict({**base, **harmless})

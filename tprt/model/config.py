@@ -126,6 +126,7 @@ class ModelConfig:
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
                 raise ConfigError(f"{source}: field {key!r}=true is not supported (Llama has no biases)")
+        _refuse_unimplemented(d, source)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -160,6 +161,24 @@ class ModelConfig:
         path = Path(path)
         return cls.from_dict(read_json_object(path, str(path), "a Hugging Face config.json", ConfigError),
                              source=str(path))
+
+
+def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
+    """Fields that change the model's math and that tprt does not implement are refused by name
+    (ignored, they would give wrong logits without a word)."""
+    window = d.get("sliding_window")
+    in_effect = d.get("use_sliding_window", True) is not False
+    longest = d.get("max_position_embeddings", 2048)
+    if window is not None and in_effect and not (isinstance(window, int) and window >= longest):
+        raise ConfigError(f"{source}: field 'sliding_window'={window!r} is not supported (attention over only "
+                          f"the last {window} positions; full attention differs once a sequence is longer); "
+                          f"expected null or at least max_position_embeddings={longest}")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"{source}: field {key!r}={d[key]!r} is not supported (expected null)")
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{source}: field 'partial_rotary_factor'={d['partial_rotary_factor']!r} is not "
+                          f"supported (expected 1.0: RoPE over the whole head)")
 
 
 def _parse_rope_scaling(rs: Any, source: str) -> RopeScaling | None:
