@@ -61,6 +61,16 @@ def test_suffix_cache_is_per_adapter_and_bounded() -> None:
     assert spec.propose([_Seq("f", [10, 11, 99, 10, 11], adapter=1)], [2]) == [[99, 10]]
     assert spec.propose([new], [1]) == [[12]]  # room caps the draft
 
+    # The hostile round's R9: the bound holds over all adapters together (6 + 4 tokens, then 5 more
+    # on adapter 3 evict adapter 1's output, the oldest), and an adapter reloaded or dropped from
+    # the pool (Engine.forget_prefixes) takes its outputs with it.
+    spec.finish(_Seq("g", [1], [20, 21, 22, 23, 24], adapter=3), completed=True)
+    assert spec.suffix_cache_tokens == 9
+    assert spec.propose([_Seq("h", [3, 10, 11], adapter=1)], [5]) == [[]]
+    assert spec.propose([_Seq("i", [3, 20, 21], adapter=3)], [5]) == [[22, 23, 24]]
+    spec.forget(2)
+    assert spec.propose([_Seq("j", [3, 10, 11], adapter=2)], [5]) == [[]] and spec.suffix_cache_tokens == 5
+
     cache = SuffixCache(2, 2, capacity=8)
     cache.add([1, 2, 3, 4, 5])
     cache.add([6, 7, 8, 9])  # 9 tokens > 8: the first output is evicted, with its index entries

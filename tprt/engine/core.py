@@ -334,9 +334,12 @@ class Engine:
         return self._speculator.stats.copy() if self._speculator is not None else None
 
     def forget_prefixes(self, adapter: int) -> None:
-        """The weights of adapter index `adapter` changed (an adapter reloaded under its index):
-        keys and values computed with the old ones are never reused."""
+        """The weights of adapter index `adapter` changed (an adapter reloaded under its index, or
+        dropped from the pool): keys and values computed with the old ones are never reused, nor
+        its outputs for suffix drafting."""
         self._adapter_versions[adapter] = self._adapter_versions.get(adapter, 0) + 1
+        if self._speculator is not None:
+            self._speculator.forget(adapter)
 
     def _check_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str) -> list[int]:
         """The prompt as ints; the request checked by the front ends' own resolver (defensive)."""

@@ -14,8 +14,11 @@ Proposers (`SpeculativeConfig.method`):
   looked up in the same prompt + output; the tokens that followed their latest earlier occurrence
   are the draft. An incremental index makes each lookup O(max_n - min_n).
 - "suffix": prompt lookup first, then a cache of recent outputs of all requests, kept per adapter
-  (outputs differ by adapter) and bounded in tokens, oldest evicted first (SuffixDecoding's idea
-  with a hash index of n-grams instead of a suffix tree).
+  (outputs differ by adapter; an adapter's outputs are dropped when it is reloaded or leaves the
+  pool, so the next one under its index never drafts from them) and bounded in tokens over all
+  adapters together (`suffix_cache_tokens`, about `SUFFIX_BYTES_PER_TOKEN` each with the n-gram
+  index), oldest evicted first (SuffixDecoding's idea with a hash index of n-grams instead of a
+  suffix tree).
 - "draft": a small model with the same vocabulary (any TP-1 checkpoint, `--draft-model DIR`)
   decodes k tokens greedily on rank 0, with its own paged KV cache (one slot per request); what it
   already computed for a request is kept between steps.
@@ -34,14 +37,20 @@ acceptance is low k falls to 0 and the request decodes plainly, trying a one-tok
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence as Seq
+from collections.abc import Callable, Iterator, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS, SPECULATIVE_FLAGS
 from tprt.errors import ConfigError
+
+# The suffix caches' bound, all adapters together, and what a token costs there with its n-gram
+# index (measured: tests/test_speculative.py's memory check).
+DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 16
+SUFFIX_BYTES_PER_TOKEN = 800
 
 if TYPE_CHECKING:
     from tprt.model.llama import TPLlamaForCausalLM
@@ -61,7 +70,7 @@ class SpeculativeConfig:
     adaptive: bool = True  # adapt k per request to its acceptance (False: always num_tokens)
     draft_cost: float = 0.15  # cost of one more position in a row, relative to a one-token row
     probe_every: int = 8  # steps without drafting before a one-token probe (adaptive)
-    suffix_cache_tokens: int = 1 << 18  # "suffix": output tokens kept per adapter
+    suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS  # "suffix": output tokens kept, all adapters together
     # Drafting only while the decode batch stays this small: rows x (1 + k) tokens, padding
     # included (rows of a batch are padded to the widest). None: 8 on CPU (the native decode
     # stack's rows: a wider step takes the much slower module path), 1024 on a GPU.
@@ -131,33 +140,42 @@ class Context:
 class SuffixCache:
     """Recent outputs of finished requests for one adapter, at most `capacity` tokens in all, with
     an index of their n-grams to (output, position after). Oldest outputs are evicted first, and
-    with them the index entries that still point into them."""
+    with them the index entries that still point into them. Output ids come from `ids` (shared by
+    the caches of one Speculator, so that the oldest output of them all can be found)."""
 
-    def __init__(self, min_n: int, max_n: int, capacity: int) -> None:
+    def __init__(self, min_n: int, max_n: int, capacity: int, ids: Iterator[int] | None = None) -> None:
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         self._outputs: OrderedDict[int, list[int]] = OrderedDict()
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}
-        self._next_id = 0
+        self._ids = ids if ids is not None else itertools.count()
         self.tokens = 0
 
     def add(self, tokens: Seq[int]) -> None:
         out = [int(t) for t in tokens][-self.capacity :]
         if len(out) < 2:
             return
-        oid, self._next_id = self._next_id, self._next_id + 1
+        oid = next(self._ids)
         self._outputs[oid] = out
         self.tokens += len(out)
         for end in range(1, len(out)):
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self._index[tuple(out[end - n : end])] = (oid, end)
         while self.tokens > self.capacity:
-            old_id, old = self._outputs.popitem(last=False)
-            self.tokens -= len(old)
-            for end in range(1, len(old)):
-                for n in range(self.min_n, min(self.max_n, end) + 1):
-                    key = tuple(old[end - n : end])
-                    if self._index.get(key, (None,))[0] == old_id:
-                        del self._index[key]
+            self.evict_oldest()
+
+    @property
+    def oldest(self) -> int | None:
+        """The id of its oldest output (None when empty)."""
+        return next(iter(self._outputs), None)
+
+    def evict_oldest(self) -> None:
+        old_id, old = self._outputs.popitem(last=False)
+        self.tokens -= len(old)
+        for end in range(1, len(old)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                key = tuple(old[end - n : end])
+                if self._index.get(key, (None,))[0] == old_id:
+                    del self._index[key]
 
     def lookup(self, context: Context, k: int) -> list[int]:
         for n in range(self.max_n, self.min_n - 1, -1):
@@ -389,6 +407,7 @@ class Speculator:
         self.draft = draft
         self._requests: dict[str, _Request] = {}
         self._caches: dict[int, SuffixCache] = {}
+        self._output_ids = itertools.count()  # one order over every adapter's suffix cache
         self.costs = StepCosts(config.draft_cost)
         self.stats = SpecStats(drafted_at=[0] * config.num_tokens, accepted_at=[0] * config.num_tokens)
 
@@ -455,8 +474,26 @@ class Speculator:
             c = self.config
             cache = self._caches.get(seq.adapter)
             if cache is None:
-                cache = self._caches[seq.adapter] = SuffixCache(c.min_n, c.max_n, c.suffix_cache_tokens)
+                cache = self._caches[seq.adapter] = SuffixCache(c.min_n, c.max_n, c.suffix_cache_tokens,
+                                                                self._output_ids)
             cache.add(seq.output)
+            self._bound_suffix_caches()
+
+    def _bound_suffix_caches(self) -> None:
+        """Evicts the oldest outputs of all adapters until they hold suffix_cache_tokens at most."""
+        while self.suffix_cache_tokens > self.config.suffix_cache_tokens:
+            oldest = min((c for c in self._caches.values() if c.tokens), key=lambda c: c.oldest or 0)
+            oldest.evict_oldest()
+
+    @property
+    def suffix_cache_tokens(self) -> int:
+        """Output tokens the suffix caches hold, all adapters together."""
+        return sum(c.tokens for c in self._caches.values())
+
+    def forget(self, adapter: int) -> None:
+        """Adapter index `adapter` was reloaded or left the pool: its outputs no longer say what
+        the next adapter under that index writes."""
+        self._caches.pop(adapter, None)
 
 
 def build_speculator(config: SpeculativeConfig, vocab_size: int, max_batch: int, max_seq_len: int) -> Speculator:

@@ -282,6 +282,10 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
         # Drafted positions are written ahead of what a row keeps, within its max_seq_len, so they
         # come out of the pool: at most this many at once, given back when rejected.
         extra["speculative_kv_positions"] = w.max_batch_size * w.num_speculative_tokens
+        # --speculative suffix: rank 0's cache of recent outputs, bounded over all adapters (host memory)
+        from tprt.engine.speculative import DEFAULT_SUFFIX_CACHE_TOKENS, SUFFIX_BYTES_PER_TOKEN
+
+        extra["suffix_cache_host_bytes"] = DEFAULT_SUFFIX_CACHE_TOKENS * SUFFIX_BYTES_PER_TOKEN
     if kv_dtype != "bf16":  # what this KV dtype gains (or loses) against a bf16 cache in the same memory
         bf16 = _plan_serve(cfg, layout, replace(w, kv_dtype="bf16"), device, dp, vocab_align)
         extra["kv_bytes_per_token_per_rank_bf16"] = bf16.kv_bytes_per_token_per_rank

@@ -73,6 +73,9 @@ def text(plan: MemoryPlan) -> str:
         if ahead:
             lines.append(f"speculative decoding: {plan.workload.num_speculative_tokens} drafted tokens per row, up to "
                          f"{ahead} KV positions written ahead at once (from the pool; given back when rejected)")
+            suffix = plan.extra.get("suffix_cache_host_bytes", 0)
+            lines.append(f"  with --speculative suffix, rank 0 also keeps recent outputs: at most "
+                         f"{suffix / 2**20:.0f} MiB of host memory, all adapters together")
         if "max_kv_tokens_bf16" in plan.extra:
             lines.append(_kv_gain_line(plan, tokens))
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
