@@ -141,6 +141,8 @@ BAD_LINES = {
         {"role": "user", "content": "Another question"}, {"role": "assistant", "content": "b"}]},
         "has role 'user'; outputs hold assistant messages only"),
     "no room": (pair("word " * 80, "a", "b"), "leaving no room for the completions"),
+    "unknown role": ({**pair("Hi", "a", "b"), "input": {"messages": [{"role": "oracle", "content": "Hi"}]}},
+                     r"input.messages\[0\] has role 'oracle'; expected one of system, user, assistant, tool"),
     "no input": ({"preferred_output": [], "non_preferred_output": []}, "expected 'input' with 'messages'"),
     "output not a list": ({**pair("Hi", "a", "b"), "preferred_output": "a"}, "must be a non-empty list"),
 }

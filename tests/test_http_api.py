@@ -529,6 +529,13 @@ def test_sft_then_dpo_on_its_adapter(api: Api, training_file: str) -> None:
     lp = [[t.logprob for t in (r.choices[0].logprobs.content or [])] for r in (tuned, before)]  # type: ignore[union-attr]
     assert lp[0] != lp[1]  # DPO moved the SFT model
     assert metric(api.server.metrics(), "tprt_finetune_preference", metric="reward_accuracy") >= 0.0
+    # An adapter on disk under --data-dir/adapters/, never loaded, starts a job as gRPC's
+    # init_adapter takes it (it was a 404 over HTTP).
+    shutil.copytree(api.root / "data" / ours["init_adapter"], api.root / "data" / "adapters" / "sft-on-disk")
+    again = c.fine_tuning.jobs.create(model="sft-on-disk", training_file=pairs, suffix="again",
+                                      method={"type": "dpo", "dpo": {"hyperparameters": {**hp, "n_epochs": 1}}})
+    assert (again.model_extra or {})["tprt"]["init_adapter"] == "adapters/sft-on-disk"
+    _wait_job(api, again.id, "succeeded")
 
 
 def test_jobs_paging_queue_limit_cancel_across_protocols(api: Api, training_file: str) -> None:
@@ -591,6 +598,9 @@ def test_file_and_job_errors_are_typed(api: Api, training_file: str) -> None:
          openai.BadRequestError, "method.type"),
         (create, {"model": api.model, "training_file": training_file, "method": {"type": "dpo"}},
          openai.BadRequestError, "training_file"),  # chats, not preference pairs: line 1 is refused
+        (create, {"model": api.model, "training_file": training_file,  # a block the method would ignore
+                  "method": {"type": "dpo", "supervised": {"hyperparameters": {"n_epochs": 2}}}},
+         openai.BadRequestError, "method.supervised"),
         (create, {"model": api.model, "training_file": training_file,
                   "method": {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}},
          openai.BadRequestError, "method.supervised.hyperparameters.beta"),

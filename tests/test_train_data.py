@@ -99,6 +99,11 @@ def test_chat_without_assistant_or_template_is_refused(tok: Tokenizer, tmp_path:
         chat_document([{"role": "user", "content": "hi"}], tok, "f:3")
     with pytest.raises(ValidationError, match=r"f:4: messages\[0\] must be an object"):
         chat_document([{"role": "user"}], tok, "f:4")
+    # a role generation refuses is not trained on either
+    with pytest.raises(ValidationError, match=r"f:5: messages\[1\] has role 'narrator'; expected one of system, "
+                                              r"user, assistant, tool"):
+        chat_document([{"role": "user", "content": "hi"}, {"role": "narrator", "content": "x"},
+                       {"role": "assistant", "content": "ok"}], tok, "f:5")
 
 
 def test_pack_keeps_documents_whole_and_masks_padding() -> None:

@@ -37,13 +37,14 @@ from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
 from tprt.errors import ConfigError, ValidationError
+from tprt.text.chat import CHAT_ROLES
 from tprt.text.chat import NoChatTemplateError
 from tprt.text.tokenizer import Tokenizer
 
 STOP_LIMITS = StopLimits()  # requests come from the network: cap their stop conditions
 MAX_CHAT_MESSAGES = 1024
 MAX_CHOICES = 16  # sequences of one request (prompts times n); each is a sequence of its own
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = CHAT_ROLES
 _POLL_S = 0.5  # how often a waiting front end checks that its caller is still there
 
 Compile = Callable[[ConstraintSpec], object]  # checks (compiles) a constraint; raises ValidationError

@@ -63,9 +63,14 @@ def resolve_init_adapter(name: str, store: JobStore, data_dir: Path) -> Path:
     for rec in store.select(SUCCEEDED, limit=1_000_000):
         if rec.method == "lora" and rec.output_path and name in (rec.adapter_id, rec.id):
             return _inside(data_dir / rec.output_path, root, name)
-    if _ADAPTER_DIR.fullmatch(name) and (data_dir / "adapters" / name / ADAPTER_CONFIG).is_file():
+    if adapter_on_disk(name, data_dir):
         return _inside(data_dir / "adapters" / name, root, name)
     raise NotFound(f"no adapter {echo(name)}: name a succeeded LoRA job's adapter id or job id", "init_adapter")
+
+
+def adapter_on_disk(name: str, data_dir: Path) -> bool:
+    """Whether --data-dir/adapters/<name>/ holds an adapter (served on demand by that id)."""
+    return bool(_ADAPTER_DIR.fullmatch(name)) and (data_dir / "adapters" / name / ADAPTER_CONFIG).is_file()
 
 
 def _inside(path: Path, root: Path, name: str) -> Path:

@@ -55,6 +55,7 @@ from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepa
 from serve.core.loop import EngineLoop
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
 from serve.jobs.manager import JobManager
+from serve.jobs.preference import adapter_on_disk
 from serve.jobs.spec import check_create
 from serve.metrics import Metrics
 from serve.openai.files import FileStore, dataset_path
@@ -327,7 +328,8 @@ class OpenAIApi:
         d = self.d
         if not d.jobs.accepting:
             raise Unavailable(d.jobs.refusal)
-        if body.model != d.facts.name and not d.adapters.has(body.model):
+        if body.model != d.facts.name and not d.adapters.has(body.model) \
+                and not adapter_on_disk(body.model, d.jobs.data_dir):  # as gRPC's init_adapter takes them
             raise NotFound(f"model {echo(body.model)} is neither the served base model {d.facts.name!r} nor an "
                            "adapter", "model")
         job = OpenAIJob(body)

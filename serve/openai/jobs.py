@@ -242,6 +242,9 @@ def _chosen_hyperparameters(body: FineTuningJobBody) -> tuple[Hyperparameters, s
     if method is not None and method.type not in ("supervised", "dpo"):
         raise ParamError(f"{echo(method.type)}; this server fine-tunes with 'supervised' or 'dpo'", "method.type")
     kind = method.type if method is not None else "supervised"
+    other = "dpo" if kind == "supervised" else "supervised"
+    if method is not None and getattr(method, other) is not None:  # it would be ignored
+        raise ParamError(f"given with method.type {kind!r}; its hyperparameters go in method.{kind}", f"method.{other}")
     inner = getattr(method, kind) if method is not None else None
     nested = inner.hyperparameters if inner is not None else None
     if nested is not None and body.hyperparameters is not None:

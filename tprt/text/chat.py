@@ -21,6 +21,9 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+# The roles a conversation may hold, in generation and in training data alike.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 from tprt.errors import ConfigError, ValidationError
 
 

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from tprt.errors import ConfigError, ValidationError
+from tprt.text.chat import CHAT_ROLES
 from tprt.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tprt")
@@ -126,6 +127,13 @@ def tokenize_record(rec: Mapping[str, Any], tok: Tokenizer, where: str) -> Docum
     )
 
 
+def check_role(role: str, where: str) -> None:
+    """A training message's role is one generation takes (a role the template does not know would
+    otherwise be trained on in whatever shape the template gives it)."""
+    if role not in CHAT_ROLES:
+        raise ValidationError("--data", f"{where} has role {role[:20]!r}; expected one of {', '.join(CHAT_ROLES)}")
+
+
 def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ValidationError("--data", f"{where}: field 'messages' must be a non-empty list")
@@ -134,6 +142,7 @@ def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
             raise ValidationError(
                 "--data", f"{where}: messages[{i}] must be an object with string 'role' and 'content'"
             )
+        check_role(m["role"], f"{where}: messages[{i}]")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValidationError("--data", f"{where}: 'messages' has no assistant turn to train on")
     return [dict(m) for m in messages]

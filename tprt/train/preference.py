@@ -32,8 +32,8 @@ from typing import Any
 
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
-from tprt.train.data import (Dataset, Document, _check_messages, _common_prefix, chat_document, eos_id, file_digest,
-                             pack, read_jsonl, shuffled, split_eval)
+from tprt.train.data import (Dataset, Document, _check_messages, _common_prefix, chat_document, check_role, eos_id,
+                             file_digest, pack, read_jsonl, shuffled, split_eval)
 
 log = logging.getLogger("tprt")
 
@@ -53,6 +53,7 @@ def _prompt_messages(rec: Mapping[str, Any], where: str) -> list[dict[str, Any]]
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValidationError("--data", f"{where}: input.messages[{i}] must be an object with string 'role' "
                                             "and 'content'")
+        check_role(m["role"], f"{where}: input.messages[{i}]")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
