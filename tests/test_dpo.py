@@ -48,7 +48,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _args(s: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["finetune", "--model", str(s["tp1"]), "--data", str(s["data"]), "--out", str(out), "--seq-len", "96",
-            "--batch-size", "2", "--no-progress", "--method", "dpo", "--beta", "0.5", *extra]
+            "--batch-size", "2", "--no-progress", "--method", "dpo", "--beta", "0.5",
+            "--rpo-alpha", "0", *extra]  # pure DPO (its formulas are checked), unless extra says otherwise
 
 
 # ----------------------------------------------------------------------------- the formula
@@ -280,3 +281,28 @@ def test_full_dpo_dp2_on_fsdp_equals_accumulation_and_resumes(setup: dict[str, P
     assert [s for s, _ in ckpt.complete_checkpoints(acc)] == [2, 4]
     for a, b in zip(before, _metrics(acc), strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_dpo_defaults_move_the_model_and_a_hollow_success_is_warned_of(setup: dict[str, Path]) -> None:
+    """The defaults (rpo_alpha 1.0 for DPO at every front end; none for SFT), and the warning when
+    reward accuracy is high while the preferred answers became less likely (issue 38: accuracy
+    1.0, chosen reward -2.8 on the rejected side... and an unchanged model)."""
+    from serve.jobs.preference import dpo_hyperparameters
+    from tprt.cli.finetune import config_from_args
+    from tprt.cli.main import build_parser
+    from tprt.train.dpo_advice import DEFAULT_RPO_ALPHA, unmoved_warning
+
+    parser = build_parser()
+    base = ["finetune", "--model", str(setup["tp1"]), "--data", str(setup["data"]), "--out", "o"]
+    assert config_from_args(parser.parse_args([*base, "--method", "dpo"])).rpo_alpha == DEFAULT_RPO_ALPHA == 1.0
+    assert config_from_args(parser.parse_args([*base, "--method", "dpo", "--rpo-alpha", "0"])).rpo_alpha == 0.0
+    assert config_from_args(parser.parse_args(base)).rpo_alpha == 0.0
+    assert dpo_hyperparameters({}, "dpo")["rpo_alpha"] == 1.0 and dpo_hyperparameters({}, "supervised") == {}
+    hollow = {"reward_accuracy": 1.0, "rewards_chosen": -2.8, "rewards_rejected": -9.2}
+    warning = unmoved_warning(hollow)
+    assert warning is not None and "preferred answers became less likely" in warning and "rpo_alpha" in warning
+    assert unmoved_warning({**hollow, "rewards_chosen": 0.4}) is None  # the preferred answers rose
+    assert unmoved_warning({**hollow, "reward_accuracy": 0.6}) is None
+    # held-out metrics, when there are some, are the ones read
+    assert unmoved_warning({**hollow, "eval_reward_accuracy": 1.0, "eval_rewards_chosen": 0.2}) is None
+    assert "held-out" in (unmoved_warning({"eval_reward_accuracy": 0.95, "eval_rewards_chosen": -1.0}) or "")

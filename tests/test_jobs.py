@@ -738,7 +738,7 @@ def test_rpo_alpha_is_a_dpo_hyperparameter_in_0_to_100(server: Callable[[], Serv
                                      hyperparameters=ft_pb.Hyperparameters(steps=1, max_seq_len=48, batch_size=1, **hp))
         return check_create(job_request(req), s.store, s.data_dir, s.tokenizer, CONTEXT, s.adapters.has).record
 
-    assert create().hyperparameters["rpo_alpha"] == 0.0
+    assert create().hyperparameters["rpo_alpha"] == 1.0  # the default: DPO that moves greedy answers (dpo_advice)
     for value in (0.0, 1, 100.0):
         rec = create(rpo_alpha=value)
         assert rec.hyperparameters["rpo_alpha"] == value and job_pb(rec).hyperparameters.rpo_alpha == value

@@ -16,15 +16,16 @@ from serve.jobs.request import JobRequest
 from serve.paths import check_files_inside
 from serve.jobs.store import SUCCEEDED, JobStore
 from tprt.errors import ConfigError, TprtError
+from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_RPO_ALPHA
 
 ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_DIR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # an adapter id, as serve/jobs/spec.py's ADAPTER_ID
 
 # DPO's numeric hyper-parameters (OBJECTIVE_DPO only): name -> (default, low, high, brackets), the
 # brackets "(" / "[" and ")" / "]" saying which ends are open. rpo_alpha: tprt/train/dpo.py (RPO).
-_DPO_HP: dict[str, tuple[float, float, float, str]] = {"beta": (0.1, 0.0, 100.0, "()"),
+_DPO_HP: dict[str, tuple[float, float, float, str]] = {"beta": (DEFAULT_BETA, 0.0, 100.0, "()"),
                                                        "label_smoothing": (0.0, 0.0, 0.5, "[)"),
-                                                       "rpo_alpha": (0.0, 0.0, 100.0, "[]")}
+                                                       "rpo_alpha": (DEFAULT_RPO_ALPHA, 0.0, 100.0, "[]")}
 DPO_LOSSES = ("sigmoid", "ipo")
 DPO_HYPERPARAMETERS = (*_DPO_HP, "dpo_loss")
 

@@ -45,6 +45,7 @@ from serve.jobs.store import FAILED, SUCCEEDED, JobRecord
 from serve.openai.files import file_of_dataset
 from serve.openai.requests import ParamError, renamed
 from tprt.checkpoint.fsutil import write_bytes_atomic
+from tprt.train.dpo_advice import unmoved_warning
 
 SIDECAR = "openai.json"
 METRICS_LOG = "metrics.jsonl"  # written by the trainer in the job's directory (tprt.train.plot)
@@ -341,7 +342,8 @@ def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
     raw: list[tuple[int, str, str, dict[str, Any] | None]] = [(rec.created_ms, "info", "Created fine-tuning job", None)]
     if rec.started_ms:
         raw.append((rec.started_ms, "info", "Fine-tuning job started", None))
-    for r in _step_records(data_dir, rec):
+    records = _step_records(data_dir, rec)
+    for r in records:
         data = {"step": r.get("step"), "total_steps": rec.total_steps, "train_loss": r.get("loss"),
                 "learning_rate": r.get("lr"), "tokens_per_second": r.get("tokens_per_s")}
         message = f"Step {r.get('step')}/{rec.total_steps}: training loss={r.get('loss')}"
@@ -354,6 +356,10 @@ def job_events(rec: JobRecord, data_dir: Path) -> list[dict[str, Any]]:
         if r.get("eval_reward_accuracy") is not None:
             message += f", validation reward accuracy={r['eval_reward_accuracy']}"
         raw.append((int(r.get("time_unix_ms", started)), "info", message, data))
+    preference = [r for r in records if r.get("reward_accuracy") is not None]
+    warning = unmoved_warning(preference[-1]) if preference else None  # DPO "worked", the model did not move
+    if warning:
+        raw.append((int(preference[-1].get("time_unix_ms", started)), "warn", warning[0].upper() + warning[1:], None))
     if rec.state == SUCCEEDED:
         raw.append((rec.finished_ms, "info", "The job has successfully completed", None))
     elif rec.state == FAILED:

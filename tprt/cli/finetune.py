@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.errors import ConfigError
+from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_RPO_ALPHA, unmoved_warning
 
 log = logging.getLogger("tprt")
 
@@ -113,13 +114,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     d = f.add_argument_group("preference tuning (DPO)")
     d.add_argument("--method", choices=("sft", "dpo"), default="sft",
                    help="sft: next-token loss on the data's targets; dpo: preference pairs (sft)")
-    d.add_argument("--beta", type=float, metavar="B", help="DPO: pull towards the reference (0.1)")
+    d.add_argument("--beta", type=float, metavar="B", help=f"DPO: pull towards the reference ({DEFAULT_BETA})")
     d.add_argument("--dpo-loss", choices=("sigmoid", "ipo"), help="DPO: the loss on the log-ratio margin (sigmoid)")
     d.add_argument("--label-smoothing", type=float, metavar="E",
                    help="DPO sigmoid loss: the share of pairs taken to be mislabelled (0)")
     d.add_argument("--rpo-alpha", type=float, metavar="A",
                    help="DPO: add A x the preferred answer's per-token NLL (RPO), which keeps it likely while "
-                        "the margin grows; 1.0 is the paper's (0)")
+                        f"the margin grows; 0 is pure DPO, which on small sets often leaves greedy answers "
+                        f"unchanged ({DEFAULT_RPO_ALPHA})")
     f.add_argument("--init-adapter", type=Path, metavar="DIR",
                    help="LoRA: start from this adapter (e.g. an SFT run's out/adapter); its rank, alpha and targets "
                         "are the run's")
@@ -188,9 +190,10 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
         resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress, objective=a.method, beta=a.beta if a.beta is not None else 0.1,
+        progress=not a.no_progress, objective=a.method, beta=a.beta if a.beta is not None else DEFAULT_BETA,
         dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0,
-        rpo_alpha=a.rpo_alpha or 0.0, init_adapter=a.init_adapter,
+        rpo_alpha=(a.rpo_alpha if a.rpo_alpha is not None else DEFAULT_RPO_ALPHA) if a.method == "dpo" else 0.0,
+        init_adapter=a.init_adapter,
     )
     validate(cfg)
     return cfg
@@ -305,6 +308,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     if s.get("eval_reward_accuracy") is not None:
         ev += f", held-out reward accuracy {s['eval_reward_accuracy']:.3f}"
     print(f"trained {s['steps']} steps: loss {s['loss']:.4f}{ev}")
+    warning = unmoved_warning(s)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"output: {s['output']}\nmetrics: {s['metrics']}\nloss curve: {s['plot']}")
 
 

@@ -434,7 +434,7 @@ class Trainer:
         else:
             output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
         summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
-                   "metrics": str(self.out / METRICS_FILE), "plot": None, **self.eval_metrics}
+                   "metrics": str(self.out / METRICS_FILE), "plot": None, **self.step_metrics, **self.eval_metrics}
         if self.ctx.is_main:
             summary["plot"] = str(plot_loss(self.out / METRICS_FILE, self.out / PLOT_FILE))
         return summary
