@@ -1,8 +1,10 @@
 """DPO learning bench: SmolLM2-135M-Instruct at TP 3 learns a preferred answer style.
 
-    python bench/dpo_bench.py [--steps 60] [--beta 0.1] [--lr 5e-4] [--rpo-alpha 1.0] [--label-smoothing 0]
-                              [--batch 4]
-                              [--model /tmp/smol/hf]
+    python bench/dpo_bench.py [--tp 3] [--steps 60] [--batch 4] [--beta B] [--lr LR] [--rpo-alpha A]
+                              [--label-smoothing E] [--model /tmp/smol/hf]
+
+Without --beta, --lr, --rpo-alpha and --label-smoothing the fine-tune runs on `tprt finetune`'s own
+defaults: what a user gets (issue 38: DPO defaults that move greedy answers).
 
 The preference set (written by `write_sets`, kept in bench/data/) holds short factual questions
 (sums, capitals, colours, opposites) whose preferred answer opens with "Sure! " and whose
@@ -87,14 +89,14 @@ def write_sets() -> tuple[Path, Path]:
     return paths
 
 
-def tp3(hf: Path) -> Path:
-    """The model at TP 3, converted once."""
+def converted(hf: Path, tp: int) -> Path:
+    """The model at TP `tp`, converted once."""
     from convert import api
 
-    out = CACHE / "smollm2-tp3"
+    out = CACHE / f"smollm2-tp{tp}"
     if not (out / "tprt_manifest.json").is_file():
         CACHE.mkdir(parents=True, exist_ok=True)
-        api.hf_to_tp(hf, out, tp=3)
+        api.hf_to_tp(hf, out, tp=tp)
     return out
 
 
@@ -134,18 +136,19 @@ def styled(model: Path, held_out: Path, adapter: Path | None) -> tuple[float, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("/tmp/smol/hf"), help="SmolLM2-135M-Instruct, HF layout")
+    ap.add_argument("--tp", type=int, default=3, choices=(1, 3, 9), help="TP degree (SmolLM2's 9 heads: 1, 3 or 9)")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--label-smoothing", type=float, default=0.0,
+    ap.add_argument("--beta", type=float, help="DPO's beta (default: tprt finetune's)")
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: tprt finetune's)")
+    ap.add_argument("--label-smoothing", type=float,
                     help="cDPO: bounds the margin (without RPO, neither 0 nor 0.1 kept the answers sound)")
-    ap.add_argument("--rpo-alpha", type=float, default=1.0,
-                    help="weight of the preferred answer's per-token NLL (RPO); 0 is pure DPO")
+    ap.add_argument("--rpo-alpha", type=float,
+                    help="weight of the preferred answer's per-token NLL (RPO); 0 is pure DPO (default: tprt's)")
     ap.add_argument("--batch", type=int, default=4, help="pairs per step")
     ap.add_argument("--eval-every", type=int, default=20)
     a = ap.parse_args()
     train, held_out = write_sets()
-    model = tp3(a.model)
+    model = converted(a.model, a.tp)
     out = CACHE / "run"
     if out.exists():
         import shutil
@@ -153,9 +156,10 @@ def main() -> None:
         shutil.rmtree(out)
     base_rate, _, base_facts, _ = styled(model, held_out, None)
     t0 = time.perf_counter()
+    given = [(flag, value) for flag, value in (("--beta", a.beta), ("--lr", a.lr), ("--rpo-alpha", a.rpo_alpha),
+                                               ("--label-smoothing", a.label_smoothing)) if value is not None]
     cli("finetune", "--model", str(model), "--data", str(train), "--out", str(out), "--method", "dpo",
-        "--beta", str(a.beta), "--label-smoothing", str(a.label_smoothing),
-        "--rpo-alpha", str(a.rpo_alpha), "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch),
+        *[x for flag, value in given for x in (flag, str(value))], "--steps", str(a.steps), "--batch-size", str(a.batch),
         "--seq-len", "96", "--lora-rank", "8", "--lora-targets", "q,k,v,o,gate,up,down", "--warmup-steps", "5",
         "--eval-data", str(held_out), "--eval-every", str(a.eval_every), "--no-progress")
     seconds = time.perf_counter() - t0
@@ -163,8 +167,8 @@ def main() -> None:
     evals = [(r["step"], r["eval_reward_accuracy"], r["eval_reward_margin"]) for r in records
              if r.get("eval_reward_accuracy") is not None]
     tuned_rate, tuned_right, tuned_facts, tuned_answers = styled(model, held_out, out / "adapter")
-    print(f"DPO bench: SmolLM2-135M-Instruct, TP 3, {a.steps} steps of {a.batch} pairs, beta {a.beta}, lr {a.lr}, "
-          f"label smoothing {a.label_smoothing}, rpo alpha {a.rpo_alpha}")
+    settings = ", ".join(f"{flag} {value}" for flag, value in given) or "tprt finetune's defaults"
+    print(f"DPO bench: SmolLM2-135M-Instruct, TP {a.tp}, {a.steps} steps of {a.batch} pairs, {settings}")
     for step, acc, margin in evals:
         print(f"  step {step:3d}: held-out reward accuracy {acc:.3f}, margin {margin:.3f}")
     print(f"  train loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; fine-tune wall time {seconds:.0f} s")

@@ -37,7 +37,7 @@ def fuzz_grpc(srv: object, examples: int, end: float, codes: dict[str, int]) -> 
     from hypothesis import HealthCheck, given, settings
 
     from fuzz_requests import Call, calls, send
-    from test_server import TOKEN
+    from servers import TOKEN
 
     made: list[str] = []
     with grpc.insecure_channel(srv.target) as channel:  # type: ignore[attr-defined]
@@ -60,7 +60,7 @@ def fuzz_http(base_url: str, examples: int, end: float, codes: dict[str, int]) -
     from hypothesis import HealthCheck, given, settings
 
     from fuzz_http import HttpCall, assert_acceptable, cancel_jobs, http_calls, send_http
-    from test_server import TOKEN
+    from servers import TOKEN
 
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=base_url) as http:
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--only", choices=["grpc", "http"], help="fuzz one protocol only")
     a = ap.parse_args()
 
-    from test_server import ServerProcess, prepare_root, server_args
+    from servers import ServerProcess, prepare_root, server_args
 
     root = prepare_root(Path(tempfile.mkdtemp(prefix="tprt-fuzz-")), context=256)
     srv = ServerProcess(server_args(root) + ["--max-seq-len", "256", "--http-port", "0",

@@ -82,7 +82,7 @@ def main() -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from serve.client import Client
-    from test_server import TOKEN, ServerProcess, prepare_root, server_args
+    from servers import TOKEN, ServerProcess, prepare_root, server_args
 
     root = prepare_root(Path(tempfile.mkdtemp(prefix="tprt-soak-")), context=256)
     srv = ServerProcess(server_args(root) + ["--max-seq-len", "256", "--http-port", "0"], root / "server.log")

@@ -1,3 +1,3 @@
-"""tprt's gRPC server. Importing tprt first applies its process settings (tprt/__init__.py)."""
+"""tprt's server: gRPC and the OpenAI-compatible HTTP API, generation and fine-tuning jobs. Importing tprt first applies its process settings (tprt/__init__.py)."""
 
 import tprt  # noqa: F401

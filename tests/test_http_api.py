@@ -31,7 +31,7 @@ import httpx
 import openai
 import pytest
 
-from test_server import CONTEXT, TOKEN, ServerProcess, _self_signed_cert, data_dir, metric, wait_for, wait_idle
+from servers import CONTEXT, TOKEN, ServerProcess, data_dir, metric, self_signed_cert, wait_for, wait_idle
 from tiny_chat import make_tiny_chat_model
 
 MAX_BATCH = 2
@@ -79,7 +79,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     root = tmp_path_factory.mktemp("http")
     make_tiny_chat_model(root / "model", (2,), max_positions=CONTEXT)
     (root / "token").write_text(TOKEN + "\n")
-    tls = _self_signed_cert(root)
+    tls = self_signed_cert(root)
     args = ["--model", str(root / "model" / "tp2"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
             "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
             "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
@@ -302,7 +302,7 @@ def test_grpc_and_http_share_one_generation_path(api: Api) -> None:
     same refusals of the same mistakes (the status mapped per protocol, the message the same
     but for the field's spelling), and the same counters moved by the same amounts."""
     from serve.grpc.pb import generation_pb2 as gen_pb
-    from test_server import rpc_error
+    from servers import rpc_error
     from tiny_chat import VOCAB
     from tprt.model.config import ModelConfig
     from train_fixtures import write_random_adapter

@@ -27,7 +27,7 @@ import jsonschema
 import openai
 
 from fuzz_http import HttpCall, assert_acceptable, cancel_jobs, http_calls, send_http
-from test_server import TOKEN, ServerProcess, data_dir, metric
+from servers import TOKEN, ServerProcess, data_dir, metric
 from tiny_chat import make_tiny_chat_model
 
 CONTEXT = 1536  # room for a tools system prompt in the byte-level tokenizer (one token a byte)

@@ -222,11 +222,16 @@ def test_closing_stops_a_running_download(hub: FakeHub, model: Path, monkeypatch
     hub.chunk_delay = 0.05  # the ~80 KB shard takes about a second
     source = HubSource(HubRepo(REPO).resolve(), stream=True)
     source.byte_ranges(source.order()[0], 0, 1)  # opens shard 1 (downloaded), starts shard 2
-    time.sleep(0.2)
-    t0 = time.perf_counter()
-    source.close()
-    assert time.perf_counter() - t0 < 0.5
     blobs = hub.watch_cache / "blobs"  # type: ignore[operator]
+
+    def downloading() -> bool:  # shard 2's partial file is there: its download is under way
+        return blobs.is_dir() and any(p.name.endswith(".incomplete") for p in blobs.iterdir())
+
+    deadline = time.monotonic() + 30
+    while not downloading():
+        assert time.monotonic() < deadline, "shard 2's download never started"
+        time.sleep(0.01)
+    source.close()  # returns once the download has stopped
     assert not [p.name for p in blobs.iterdir() if p.name.endswith(".incomplete")]
     assert len([p for p in blobs.iterdir() if p.stat().st_size > 10_000]) == 1  # shard 2 never completed
 

@@ -41,135 +41,17 @@ from serve.client import Client, field_of  # noqa: E402
 from serve.jobs.store import RUNNING, JobRecord, JobStore  # noqa: E402
 from serve.grpc.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.grpc.pb import generation_pb2 as gen_pb  # noqa: E402
-from tiny_chat import make_tiny_chat_model  # noqa: E402
-from train_fixtures import write_random_adapter  # noqa: E402
+from servers import (CONTEXT, MAX_BATCH, MAX_MESSAGE, MAX_QUEUE, TOKEN, ServerProcess, data_dir, metric,  # noqa: E402
+                     prepare_root, rpc_error, self_signed_cert, server_args, wait_for, wait_idle, write_model_adapter)
 
-TOKEN = "s3cret-token"
-MAX_BATCH = 16
-MAX_QUEUE = 2
-MAX_MESSAGE = 1 << 20
-CONTEXT = 4096
 LONG = CONTEXT - 16  # max_new_tokens of a request that must outlast what a test does meanwhile
 DEADLINE_S = 2.0  # shorter than LONG tokens take, longer than a first token does
 DRAIN_TOKENS = 400  # the in-flight stream at SIGTERM: running when the drain starts, done within it
-START_TIMEOUT_S = 120.0
-
-
-class ServerProcess:
-    """`tprt serve` in a subprocess: waits for its "listening on" line, stops it, keeps its log."""
-
-    def __init__(self, args: list[str], log: Path, tls_ca: Path | None = None,
-                 launcher: tuple[str, ...] = (sys.executable, "-m", "tprt.cli")) -> None:
-        self.log = log
-        self.tls_ca = tls_ca
-        self.proc = subprocess.Popen(
-            [*launcher, "serve", *args], stdout=subprocess.PIPE,
-            stderr=log.open("w"), text=True, env={**_env(), "PYTHONUNBUFFERED": "1"})
-        self.ready = threading.Event()
-        self.line = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(START_TIMEOUT_S) or not self.line:
-            self.kill()
-            raise AssertionError(f"server did not start: {self.tail()}")
-        m = re.search(r"listening on ([\d.]+:\d+) .*metrics http://([\d.]+:\d+)/metrics; rank pids \[([\d, ]+)\]",
-                      self.line)
-        assert m, self.line
-        self.target, self.metrics_addr = m.group(1), m.group(2)
-        self.pids = [int(p) for p in m.group(3).split(",")]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "listening on" in line:
-                self.line = line
-                self.ready.set()
-        self.ready.set()  # exited before becoming ready
-
-    def tail(self) -> str:
-        return self.log.read_text()[-3000:] if self.log.exists() else ""
-
-    def client(self, token: str | None = TOKEN, timeout: float | None = 60.0) -> Client:
-        return Client(self.target, token=token, timeout=timeout, tls_ca=self.tls_ca)
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://{self.metrics_addr}/metrics", timeout=10) as r:
-            return str(r.read().decode())
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"server did not exit within {timeout}s: {self.tail()}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` that have `labels` (and any others), in Prometheus text
-    format (0 when absent)."""
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        sample, _, lab = key.partition("{")
-        got = set(lab.rstrip("}").split(",")) if lab else set()
-        if sample == name and want <= got:
-            total += float(value)
-    return total
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-def prepare_root(root: Path, context: int = CONTEXT) -> Path:
-    """`root` with the tiny chat model at TP 2 (model/tp2), a token file and a data dir: what
-    `server_args(root)` names. Also used by bench/serve_soak.py and bench/serve_fuzz.py."""
-    make_tiny_chat_model(root / "model", (2,), max_positions=context)
-    (root / "token").write_text(TOKEN + "\n")
-    data_dir(root, "data")
-    return root
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return prepare_root(tmp_path_factory.mktemp("serve"))
-
-
-def data_dir(root: Path, name: str) -> Path:
-    """A --data-dir holding train.jsonl (each server needs its own: a server locks its --data-dir)."""
-    d = root / name
-    d.mkdir(exist_ok=True)
-    (d / "train.jsonl").write_text("".join(
-        json.dumps({"prompt": f"Q{i}: say hi", "completion": " hi there"}) + "\n" for i in range(8)))
-    return d
-
-
-def server_args(root: Path, data: Path | None = None) -> list[str]:
-    return ["--model", str(root / "model" / "tp2"), "--port", "0", "--metrics-port", "0",
-            "--data-dir", str(data or root / "data"), "--auth-token-file", str(root / "token"),
-            "--max-batch-size", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), "--max-seq-len", str(CONTEXT),
-            "--drain-timeout", "20", "--threads", "1", "--collective-timeout", "30",
-            "--max-message-bytes", str(MAX_MESSAGE), "--max-loras", "2", "--max-cpu-loras", "1",
-            "--max-lora-rank", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -185,24 +67,6 @@ def server(workdir: Path) -> Iterator[ServerProcess]:
 def client(server: ServerProcess) -> Iterator[Client]:
     with server.client() as c:
         yield c
-
-
-def rpc_error(fn: Callable[[], Any]) -> Any:
-    with pytest.raises(grpc.RpcError) as info:
-        result = fn()
-        if hasattr(result, "__next__"):
-            list(result)
-    return info.value
-
-
-def wait_idle(server: ServerProcess) -> None:
-    """Until no request runs or waits and every KV slot is free."""
-    def idle() -> bool:
-        m = server.metrics()
-        return all(metric(m, name) == 0 for name in
-                   ("tprt_running_requests", "tprt_waiting_requests", "tprt_kv_cache_usage_ratio"))
-
-    wait_for(idle, 20, "the server to be idle")
 
 
 # ----------------------------------------------------------------- generation
@@ -701,24 +565,12 @@ def test_sigterm_drains_checkpoints_and_exits_0(drained: Drained) -> None:
     assert "checkpointed at step" in rec.error
 
 
-def _self_signed_cert(workdir: Path) -> tuple[Path, Path] | None:
-    import shutil
-
-    if shutil.which("openssl") is None:
-        return None
-    cert, key = workdir / "cert.pem", workdir / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
-
-
 def test_restart_recovers_jobs_then_rank_death(workdir: Path, drained: Drained) -> None:
     store = JobStore(drained.data)
     store.create(JobRecord(id="job-crashed", method="lora", dataset="train.jsonl", adapter_id="crashed",
                            hyperparameters={"steps": 10}, state=RUNNING, step=3, total_steps=10))
     store.close()
-    tls = _self_signed_cert(workdir)  # this server speaks TLS (when openssl is available)
+    tls = self_signed_cert(workdir)  # this server speaks TLS (when openssl is available)
     extra = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
     args = server_args(workdir, drained.data)
     srv = ServerProcess(args + extra, workdir / "server-restarted.log", tls[0] if tls else None)
@@ -780,16 +632,6 @@ POOL_ADAPTERS = {"pool-a": (("q", "v"), 2), "pool-b": (("k", "o", "down"), 8), "
                  "pool-d": (("q", "k", "v", "o", "gate", "up", "down"), 3)}  # name -> (targets, rank)
 
 
-def _write_random_adapter(workdir: Path, path: Path, targets: tuple[str, ...], rank: int, seed: int,
-                          hidden: int | None = None) -> None:
-    """A PEFT adapter directory for the test model (random A and B: it changes the outputs);
-    `hidden` other than the model's: an adapter built for another base model."""
-    from tprt.model.config import ModelConfig
-
-    c = ModelConfig.from_dict(json.loads((workdir / "model" / "hf" / "config.json").read_text()))
-    write_random_adapter(path, c if hidden is None else replace(c, hidden_size=hidden), targets, rank, seed, 0.5)
-
-
 def _answer(client: Client, ids: list[int], adapter_id: str = "", n: int = 6) -> tuple[list[int], list[float], Any]:
     out = client.complete(prompt_ids=ids, adapter_id=adapter_id, max_new_tokens=n, temperature=0, ignore_eos=True,
                           logprobs=True)
@@ -808,7 +650,7 @@ def test_many_adapters_share_batches_through_the_pool(workdir: Path, server: Ser
     pinned adapter stays on the device; errors name their field; the adapter metrics move."""
     data = workdir / "data"
     for seed, (name, (targets, rank)) in enumerate(POOL_ADAPTERS.items()):
-        _write_random_adapter(workdir, data / "adapters" / name, targets, rank, seed)
+        write_model_adapter(workdir, data / "adapters" / name, targets, rank, seed)
     ids = list(client.tokenize("Q3: say hi").ids)
     names = ["", *POOL_ADAPTERS]
     alone = {name: _answer(client, ids, name) for name in names}  # each loaded on demand; two evicted meanwhile
@@ -845,8 +687,8 @@ def test_many_adapters_share_batches_through_the_pool(workdir: Path, server: Ser
     _same(_answer(client, ids, "pool-a"), alone["pool-a"], "pool-a reloaded pinned")
 
     # Errors name their field.
-    _write_random_adapter(workdir, data / "adapters" / "other-base", ("q",), 2, 9, hidden=48)
-    _write_random_adapter(workdir, data / "big-rank", ("q",), 32, 9)
+    write_model_adapter(workdir, data / "adapters" / "other-base", ("q",), 2, 9, hidden=48)
+    write_model_adapter(workdir, data / "big-rank", ("q",), 32, 9)
     for call, code, field in (
         (lambda: client.load_adapter("x", path="../elsewhere"), grpc.StatusCode.INVALID_ARGUMENT, "path"),
         (lambda: client.load_adapter("x", path="big-rank"), grpc.StatusCode.INVALID_ARGUMENT, "path"),
@@ -873,7 +715,7 @@ def test_unloading_lets_requests_in_flight_finish(workdir: Path, client: Client)
     are refused; reloaded (on demand, from its directory), it answers as before, and no keys or
     values cached under the earlier load are reused."""
     path = workdir / "data" / "adapters" / "pool-e"
-    _write_random_adapter(workdir, path, ("q", "down"), 4, 11)
+    write_model_adapter(workdir, path, ("q", "down"), 4, 11)
     ids = list(client.tokenize("Q5: " + "say hi, " * 12).ids)  # full KV blocks, which alone are shared
     first = _answer(client, ids, "pool-e")
     assert _answer(client, ids, "pool-e")[2].cached_prompt_tokens > 0  # its prefix is reused while loaded

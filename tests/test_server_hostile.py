@@ -26,8 +26,8 @@ grpc = pytest.importorskip("grpc")
 from serve.client import Client, field_of  # noqa: E402
 from serve.grpc.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.grpc.pb import generation_pb2 as gen_pb  # noqa: E402
-from test_server import (TOKEN, ServerProcess, _write_random_adapter, data_dir, metric, prepare_root, rpc_error,  # noqa: E402
-                         server_args, wait_for)
+from servers import (TOKEN, ServerProcess, data_dir, metric, prepare_root, rpc_error, server_args,  # noqa: E402
+                     wait_for, write_model_adapter)
 
 CONTEXT = 256
 MAX_DATASET_BYTES = 4096
@@ -311,7 +311,7 @@ def _corrupt_adapters(root: Path) -> list[str]:
     from safetensors.torch import load_file, save_file
 
     adapters = root / "data" / "adapters"
-    _write_random_adapter(root, adapters / "bad-sound", ("q",), 2, 1)  # the template, and proof the rest is sound
+    write_model_adapter(root, adapters / "bad-sound", ("q",), 2, 1)  # the template, and proof the rest is sound
     sound = adapters / "bad-sound"
     made: list[str] = []
 
@@ -351,7 +351,7 @@ def _corrupt_adapters(root: Path) -> list[str]:
 def test_adapter_mistakes_are_invalid_argument_naming_the_field_without_a_traceback(
         root: Path, server: ServerProcess, client: Client) -> None:
     outside = root / "outside"
-    _write_random_adapter(root, outside / "escape", ("q",), 2, 3)
+    write_model_adapter(root, outside / "escape", ("q",), 2, 3)
     (root / "data" / "adapters").mkdir(parents=True, exist_ok=True)
     (root / "data" / "adapters" / "escape").symlink_to(outside / "escape")  # on demand, it led out of --data-dir
     ids = list(client.tokenize("hi").ids)
@@ -385,7 +385,7 @@ def test_jobs_cannot_take_what_the_adapter_pool_refuses(root: Path, client: Clie
     assert job_dirs(root) == before
     sound = root / "data" / "adapters" / "a-directory" / "sound"
     if not sound.exists():
-        _write_random_adapter(root, sound, ("q",), 2, 4)
+        write_model_adapter(root, sound, ("q",), 2, 4)
     err = rpc_error(lambda: client.load_adapter(base, path="adapters/a-directory/sound"))
     assert (err.code(), field_of(err)) == (grpc.StatusCode.ALREADY_EXISTS, "id")
 
@@ -396,7 +396,7 @@ def test_a_job_finishing_while_every_slot_is_pinned_succeeds_and_serving_goes_on
     for it is refused at once (RESOURCE_EXHAUSTED: no slot would ever free), and served once a pin goes."""
     pins = ["pin-1", "pin-2"]
     for seed, name in enumerate(pins):
-        _write_random_adapter(root, root / "data" / "adapters" / name, ("q",), 2, 20 + seed)
+        write_model_adapter(root, root / "data" / "adapters" / name, ("q",), 2, 20 + seed)
     try:
         for name in pins:
             client.load_adapter(name, path=f"adapters/{name}", pin=True)

@@ -195,7 +195,7 @@ def test_a_fine_tuning_job_as_openai_users_run_it_teaches_the_answer(workdir: Pa
     import httpx
     import openai
 
-    from test_server import ServerProcess, wait_for
+    from servers import ServerProcess, wait_for
     from tprt.train.data import load_documents
 
     data = workdir / "job-data"

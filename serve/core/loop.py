@@ -3,7 +3,7 @@
 Front ends (through serve/core/generation.py) `submit()` tickets and `cancel()` them; the loop's
 thread, in turn:
 
-1. applies cancellations (client gone, deadline passed) - the engine frees the KV slot and the
+1. applies cancellations (client gone, deadline passed) - the engine frees its KV blocks and the
    sequence leaves the batch at the next step;
 2. hands queued tickets to the engine while it has room (`engine.max_batch`, which the engine's
    scheduler enforces; the loop only meters tickets to it, because a ticket's adapter must be

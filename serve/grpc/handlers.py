@@ -4,7 +4,7 @@ Generate and Complete read the request (serve/grpc/validation.py) into the core'
 the core checks and queues (serve/core/generation.py), and turn its events into responses; the
 core's errors are renamed to the proto's field paths. The RPC's end, whatever the reason (done,
 client cancel, disconnect, deadline), cancels its ticket through a gRPC callback: the sequence
-leaves the batch at the next step and its KV slot is freed. A handler waits on its events with a
+leaves the batch at the next step and its KV blocks are freed. A handler waits on its events with a
 timeout and rechecks that the call is alive, so it never blocks forever; the engine loop (or the
 rank watcher) ends every ticket with an event or an error.
 """

@@ -15,9 +15,10 @@ too large and the limit.
 A LoRA job's rank is also held to --max-lora-rank (INVALID_ARGUMENT naming
 `hyperparameters.lora_rank`): the adapter pool would refuse to serve a higher-rank adapter.
 
-Generation requests need no such check: the KV cache is allocated whole at start-up (every slot
-at --max-seq-len tokens) and a step's prefill is bounded by --token-budget, so a request that
-passes the context and queue checks fits by construction.
+Generation requests need no such check: the paged KV pool is allocated whole at start-up (its
+blocks hold --kv-cache-tokens, by default --max-batch-size x --max-seq-len) and a step's prefill is
+bounded by --token-budget, so a request that passes the context and queue checks fits by
+construction (when the pool runs short, the engine preempts, it does not allocate).
 """
 
 from __future__ import annotations
