@@ -13,6 +13,11 @@
   streams, half of them constrained, over 16 unconstrained. Targets: >= 0.97 and >= 0.90.
 - compile: every schema of the suite compiled once on a fresh compiler (no cache): p50, p95, max.
   Target p95 < 10 ms.
+- hostile (issue 38): a plain 16-token request's latency alone, then beside 16 rows of each
+  hostile constraint the hostile round found (R2: the 35-byte ambiguous grammar whose masks grow
+  with the output; R3: the 23-byte regex whose lexer costs 0.8 s), started --hostile-head steps
+  before it: the ratio to alone (goal <= 2x), how the hostile rows ended (the mask budget's
+  constraint error), and the slowest step. Alternated --repeats times.
 - peer: llama.cpp's own JSON-schema mode (llama-cpp-python's `response_format`) on the same
   weights and threads, its constrained/unconstrained ratio, when llama-cpp-python is installed
   (skipped with a message otherwise; never in CI).
@@ -153,6 +158,64 @@ def llama_cpp_peer(workdir: Path, dtype: str, threads: int, n: int) -> dict[str,
     return {"free": free, "constrained": constrained, "ratio": constrained / free}
 
 
+R2_GRAMMAR = 'start: s\ns: s s | s s s | "a" | "b"'
+R3_REGEX = "((a{1000}){1000}){1000}"
+
+
+def hostile(engine: Any, tok: Any, repeats: int, head: int) -> dict[str, Any]:
+    """The plain request's latency alone and beside 16 hostile rows (see the module docstring)."""
+    from tprt.engine.constraints import ConstraintSpec
+    from tprt.engine.sampling import SamplingParams
+
+    plain = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ask = tok.encode_chat([{"role": "user", "content": "Write a very long string of the letters a and b."}])
+    specs = {"R2": ConstraintSpec.grammar(R2_GRAMMAR, "grammar"), "R3": ConstraintSpec.regex(R3_REGEX, "regex")}
+
+    def latency(kind: str | None, r: int) -> dict[str, Any]:
+        ended: dict[str, str] = {}
+
+        def note(ev: Any) -> None:
+            ended[ev.request_id] = ev.stop_reason if isinstance(ev.stop_reason, str) else ev.finish_reason
+
+        if kind is not None:
+            for i in range(16):
+                engine.add(ask, SamplingParams(max_new_tokens=600, temperature=1.0, seed=1000 * r + i,
+                                               constraint=specs[kind]), f"{kind}-{i}")
+            for _ in range(head):
+                for ev in engine.step():
+                    if ev.finish_reason is not None:
+                        note(ev)
+        engine.add(plain, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True), "plain")
+        start, slowest, done = time.perf_counter(), 0.0, False
+        while not done:
+            t = time.perf_counter()
+            events = engine.step()
+            slowest = max(slowest, time.perf_counter() - t)
+            for ev in events:
+                if ev.request_id == "plain" and ev.finish_reason is not None:
+                    done = True
+                elif ev.finish_reason is not None:
+                    note(ev)
+        seconds = time.perf_counter() - start
+        for i in range(16):  # the hostile rows still running
+            engine.cancel(f"{kind}-{i}")
+        while engine.has_work:
+            engine.step()
+        reasons: dict[str, int] = {}
+        for reason in ended.values():
+            reasons[str(reason)] = reasons.get(str(reason), 0) + 1
+        return {"seconds": seconds, "slowest_step": slowest, "hostile_ended": reasons}
+
+    out: dict[str, Any] = {}
+    for r in range(repeats):
+        for kind in (None, "R2", "R3"):
+            out.setdefault(kind or "alone", []).append(latency(kind, r))
+    alone = statistics.median(x["seconds"] for x in out["alone"])
+    for kind in ("R2", "R3"):
+        out[f"{kind}_over_alone"] = statistics.median(x["seconds"] for x in out[kind]) / alone
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-bench"), help="SmolLM2 conversions (kept)")
@@ -161,7 +224,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens of the longer run (the shorter: a quarter)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per validity request")
-    ap.add_argument("--only", choices=["validity", "overhead", "compile"])
+    ap.add_argument("--only", choices=["validity", "overhead", "compile", "hostile"])
+    ap.add_argument("--hostile-head", type=int, default=40, help="steps the hostile rows run before the plain one")
     a = ap.parse_args()
 
     import torch
@@ -188,6 +252,8 @@ def main() -> int:
         peer = llama_cpp_peer(a.workdir, a.dtype, a.threads, a.tokens)
         if peer is not None:
             result["llama_cpp"] = peer
+    if a.only in (None, "hostile"):
+        result["hostile"] = hostile(engine, tok, a.repeats, a.hostile_head)
     if a.only in (None, "validity"):
         result["validity"] = validity(engine, tok, a.max_new_tokens)
     print(json.dumps(result))

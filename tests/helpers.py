@@ -76,3 +76,21 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     if stack and (native_stack := install_native_stack(model)) is not None:
         native_stack.kernel = counted(native_stack.kernel, 1)
     return calls
+
+
+def rule_chain(limit: int) -> tuple[str, int]:
+    """The longest chain of rules (`a: b`, `b: c`, ...) whose Lark text fits in `limit` bytes."""
+    import itertools
+    import string
+
+    names = ("".join(t) for n in itertools.count(1) for t in itertools.product(string.ascii_lowercase, repeat=n))
+    lines, prev = ["start: a"], next(names)
+    size = len(lines[0]) + 1
+    while True:
+        line = f"{prev}: {(name := next(names))}"
+        if size + len(line) + 1 + len(f'{name}: "x"\n') > limit:
+            break
+        lines.append(line)
+        size, prev = size + len(line) + 1, name
+    lines.append(f'{prev}: "x"')
+    return "\n".join(lines) + "\n", len(lines)

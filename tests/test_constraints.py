@@ -23,6 +23,7 @@ import jsonschema
 import pytest
 import torch
 
+from helpers import rule_chain
 from json_schemas import SCHEMAS, UNSUPPORTED
 from tiny_chat import write_byte_tokenizer
 from tprt.engine.constraints import MAX_SPEC_BYTES, ConstraintSpec, StructuredOutputs, apply_bitmask, bits_to_bool
@@ -234,30 +235,12 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
 
 
-def _rule_chain(limit: int = MAX_SPEC_BYTES) -> tuple[str, int]:
-    """The longest chain of rules (`a: b`, `b: c`, ...) whose Lark text fits in `limit` bytes."""
-    import itertools
-    import string
-
-    names = ("".join(t) for n in itertools.count(1) for t in itertools.product(string.ascii_lowercase, repeat=n))
-    lines, prev = ["start: a"], next(names)
-    size = len(lines[0]) + 1
-    while True:
-        line = f"{prev}: {(name := next(names))}"
-        if size + len(line) + 1 + len(f'{name}: "x"\n') > limit:
-            break
-        lines.append(line)
-        size, prev = size + len(line) + 1, name
-    lines.append(f'{prev}: "x"')
-    return "\n".join(lines) + "\n", len(lines)
-
-
 def test_a_chain_of_rules_as_long_as_the_size_limit_allows_compiles_without_killing_the_process(
         byte_tok: Tokenizer) -> None:
     """The hostile round's R1: 3,000 chained rules overflowed the compiling thread's stack
     (SIGSEGV, the whole server). Compiling runs on deep-stack threads now: the longest chain a
     request may send compiles, on this thread and on a thread with Python's default stack."""
-    text, rules = _rule_chain()
+    text, rules = rule_chain(MAX_SPEC_BYTES)
     assert rules > 7000 and len(text.encode()) <= MAX_SPEC_BYTES
     so = StructuredOutputs(byte_tok)
     m = so.matcher(so.compile(ConstraintSpec.grammar(text, "structured_outputs.grammar")))

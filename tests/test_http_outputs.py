@@ -29,6 +29,7 @@ import openai
 from fuzz_http import HttpCall, assert_acceptable, cancel_jobs, http_calls, send_http
 from servers import TOKEN, ServerProcess, data_dir, metric
 from tiny_chat import make_tiny_chat_model
+from tprt.engine.constraints import MAX_SPEC_BYTES
 
 CONTEXT = 1536  # room for a tools system prompt in the byte-level tokenizer (one token a byte)
 FUZZ_EXAMPLES = 80  # bounded for CI (each call has a deadline); bench/serve_fuzz.py --http runs many more
@@ -115,6 +116,28 @@ def test_json_schema_json_object_regex_and_choice(server: ServerProcess, client:
     assert metric(text, "tprt_structured_requests_total", kind="regex") >= 1
     assert metric(text, "tprt_structured_compile_seconds_count") >= 4
     assert metric(text, "tprt_structured_mask_seconds_count") > 0
+
+
+def test_hostile_constraints_neither_kill_the_server_nor_get_a_5xx(client: openai.OpenAI) -> None:
+    """Issue 38: the longest rule chain a request may send (it overflowed the compiling thread's
+    stack and killed rank 0 at 3,000 rules), the ambiguous grammar whose masks grow with the
+    output, and the regex whose lexer is costly, over HTTP, old vLLM spellings included: each
+    answered (200, a bounded finish), and a plain request keeps its exact output after them."""
+    from helpers import rule_chain
+
+    control = client.completions.create(**CONTROL)
+    chain, _ = rule_chain(MAX_SPEC_BYTES)
+    r = client.completions.create(model="tp2", prompt="x", max_tokens=4, extra_body={"guided_grammar": chain})
+    assert r.choices[0].text == "x" and r.choices[0].finish_reason == "stop"
+    for extra in ({"structured_outputs": {"grammar": 'start: s\ns: s s | s s s | "a" | "b"'}},
+                  {"guided_regex": "((a{1000}){1000}){1000}"}):
+        r = client.completions.create(model="tp2", prompt="ab", max_tokens=24, temperature=1.0, seed=3, n=2,
+                                      extra_body=extra)
+        for choice in r.choices:
+            assert choice.finish_reason in ("stop", "length", "error"), choice
+            assert set(choice.text) <= set("ab"), choice.text
+    again = client.completions.create(**CONTROL)
+    assert again.choices[0].text == control.choices[0].text
 
 
 def test_tool_calls_required_named_streamed_and_fed_back(client: openai.OpenAI) -> None:

