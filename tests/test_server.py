@@ -617,6 +617,10 @@ def test_serve_demo_walkthrough(workdir: Path, capsys: pytest.CaptureFixture[str
     assert "listening on 127.0.0.1:" in text and "(TP 2," in text, text
     assert "succeeded, step 2/2" in text, text
     assert text.count("client.generate(") == 2 and "adapter_id='tippy'" in text, text
+    assert "a JSON-schema answer (response_format json_schema)" in text, text  # through the OpenAI client
+    # the tiny random model may run out of tokens mid-call; the demo says which
+    assert re.search(r"get_weather\(\{.*\}\)  finish_reason 'tool_calls'|no complete call within max_tokens "
+                     r"\(finish_reason 'length'\)", text), text
     assert 'tprt_finetune_jobs{state="succeeded"} 1.0' in text, text
     shown = [line for line in lines if line.strip().startswith(METRICS_SHOWN)]
     assert any(line.strip().startswith("tprt_generated_tokens_total") and not line.endswith(" 0.0") for line in shown)

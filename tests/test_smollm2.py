@@ -230,3 +230,24 @@ def test_a_fine_tuning_job_as_openai_users_run_it_teaches_the_answer(workdir: Pa
         assert "Tippy" in _ask(client, done.fine_tuned_model)
     finally:
         srv.kill()
+
+
+def test_the_demo_shows_speculative_decoding_and_an_int8_model(workdir: Path) -> None:
+    """`tprt demo`'s additions (issue 38) at TP 3: speculative decoding on a grounded prompt reports
+    its acceptance, and the int8 conversion answers and scores within 5% of the original's
+    perplexity. In a subprocess, as a user runs the demo (the ranks print to its stdout)."""
+    import re
+    import subprocess
+    import sys
+
+    code = ("from pathlib import Path; from tprt.cli.demo import DemoArgs, _int8, _speculative; "
+            f"a = DemoArgs(out=Path({str(workdir / 'demo')!r}), tp=3, max_new_tokens=24); a.out.mkdir(exist_ok=True); "
+            f"_speculative(Path({str(workdir / 'tp3')!r}), a); "
+            f"_int8(Path({str(workdir / 'hf')!r}), Path({str(workdir / 'tp3')!r}), a)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert re.search(r"speculative: \d+ tokens drafted, \d+ accepted", proc.stderr), proc.stderr[-2000:]
+    assert "Merrow Point" in proc.stdout and "Paris" in proc.stdout, proc.stdout
+    ppl = [float(x) for x in re.findall(r"overall: .* perplexity ([0-9.]+)", proc.stdout)]
+    assert len(ppl) == 2 and abs(ppl[1] / ppl[0] - 1) < 0.05, proc.stdout
+    assert (workdir / "demo" / "smollm2-int8-tp3" / "tprt_manifest.json").is_file()

@@ -84,16 +84,21 @@ def _openai_calls(base_url: str, say: Callable[[str], None]) -> None:
         model=model, messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
         response_format={"type": "json_schema", "json_schema": {"name": "city", "strict": True, "schema": CITY}},
         max_tokens=40, temperature=0)
-    content = answer.choices[0].message.content or ""
-    say(f"    {content}  (parses: {sorted(json.loads(content))})")
+    content, finish = answer.choices[0].message.content or "", answer.choices[0].finish_reason
+    try:
+        parsed = f"a JSON object with keys {sorted(json.loads(content))}"
+    except ValueError:
+        parsed = "not complete JSON"
+    say(f"    {content}  ({parsed}; finish_reason {finish!r})")
     say("  a tool call (tools=[get_weather], tool_choice required):")
     call = api.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
         tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)  # type: ignore[list-item]
-    for c in call.choices[0].message.tool_calls or []:
-        fn = getattr(c, "function", None)
-        if fn is not None:
-            say(f"    {fn.name}({fn.arguments})  finish_reason {call.choices[0].finish_reason!r}")
+    calls = [fn for c in call.choices[0].message.tool_calls or [] if (fn := getattr(c, "function", None))]
+    for fn in calls:
+        say(f"    {fn.name}({fn.arguments})  finish_reason {call.choices[0].finish_reason!r}")
+    if not calls:
+        say(f"    no complete call within max_tokens (finish_reason {call.choices[0].finish_reason!r})")
     api.close()
 
 

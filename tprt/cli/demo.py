@@ -83,7 +83,8 @@ def _chat(tp_dir: Path, args: DemoArgs, question: str, adapter: Path | None = No
     """Answers a chat prompt with the TP checkpoint on args.tp local ranks, streaming the text."""
     from tprt.cli.generate import GenerateArgs, run_generate
 
-    shown = question if len(question) < 90 else question[:60] + "..."
+    shown = " ".join(question.split())
+    shown = shown if len(shown) < 90 else shown[:60] + "..."
     cmd = f'tprt generate --model {tp_dir} --chat --prompt "{shown}" --max-new-tokens {args.max_new_tokens}'
     cmd += f" --adapter {adapter}" if adapter else ""
     cmd += f" --speculative {speculative}" if speculative else ""
