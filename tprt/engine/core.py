@@ -625,7 +625,8 @@ class MaskWorker:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tprt-masks")
         # Rows' masks in parallel (llguidance releases the GIL): one slow grammar's row does not
         # hold up the others' behind it.
-        self._rows_pool = ThreadPoolExecutor(MAX_MASK_THREADS, thread_name_prefix="tprt-mask-rows")
+        self._rows_pool = ThreadPoolExecutor(min(MAX_MASK_THREADS, os.cpu_count() or 1),
+                                             thread_name_prefix="tprt-mask-rows")
 
     def start(self, rows: list[tuple[Sequence, list[int]]], overlap: bool = True,
               threads: int = 1) -> Future[dict[str, RowMasks]]:
@@ -658,14 +659,19 @@ class MaskWorker:
         (never a token past the tokenizer's vocabulary); free rows everything."""
         constrained = [(i, masks[s.request_id]) for i, s in enumerate(seqs)
                        if s.request_id in masks and position < masks[s.request_id].positions]
-        needed = []
+        pending = []
         for i, row in constrained:
             p = seqs[i].params
             if p.greedy and p.repetition_penalty == 1.0 and best[i] < self._known and row.allows(position, best[i]):
                 continue
-            needed.append((i, row.words(position)))
-        if not needed:
+            pending.append((i, row))
+        if not pending:
             return None
+        # After the pass the cores are free: several rows' masks are computed at once.
+        rows = [row for _, row in pending]
+        words = list(self._rows_pool.map(lambda row: row.words(position), rows)) if len(rows) > 1 \
+            else [rows[0].words(position)]
+        needed = [(i, w) for (i, _), w in zip(pending, words)]
         mask = torch.ones(len(seqs), self._vocab, dtype=torch.bool)
         bools = bits_to_bool(torch.stack([row for _, row in needed]), self._known)
         for k, (i, _) in enumerate(needed):
