@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from serve.client import Client, state_name
 from serve.client.local import LocalServer
@@ -77,7 +78,8 @@ def _openai_calls(base_url: str, say: Callable[[str], None]) -> None:
     except ImportError:
         say("  (pip install openai to see a JSON-schema answer and a tool call through the OpenAI client)")
         return
-    api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)  # no --auth-token-file
+    # Any: the SDK's overloads want its TypedDicts where a user's program passes plain dicts
+    api: Any = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)  # no --auth-token-file
     model = api.models.list().data[0].id
     say(f"  OpenAI client at {base_url}: a JSON-schema answer (response_format json_schema):")
     answer = api.chat.completions.create(
@@ -93,7 +95,7 @@ def _openai_calls(base_url: str, say: Callable[[str], None]) -> None:
     say("  a tool call (tools=[get_weather], tool_choice required):")
     call = api.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "What is the weather like in Paris today?"}],
-        tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)  # type: ignore[list-item]
+        tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0)
     calls = [fn for c in call.choices[0].message.tool_calls or [] if (fn := getattr(c, "function", None))]
     for fn in calls:
         say(f"    {fn.name}({fn.arguments})  finish_reason {call.choices[0].finish_reason!r}")
