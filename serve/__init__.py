@@ -1,3 +1,4 @@
-"""tprt's server: gRPC and the OpenAI-compatible HTTP API, generation and fine-tuning jobs. Importing tprt first applies its process settings (tprt/__init__.py)."""
+"""tprt's server: generation and fine-tuning jobs over gRPC and the OpenAI-compatible HTTP API.
+Importing tprt first applies its process settings (tprt/__init__.py)."""
 
 import tprt  # noqa: F401

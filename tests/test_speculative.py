@@ -193,3 +193,25 @@ def test_drafting_stops_where_the_batch_is_wide() -> None:
     assert SpeculativeConfig(max_step_tokens=64).step_tokens("cpu") == 64
     with pytest.raises(ConfigError):
         SpeculativeConfig(max_step_tokens=1).validate()
+
+
+def test_a_full_suffix_cache_stays_within_the_bytes_the_plan_counts() -> None:
+    """R9: the plan reports suffix_cache_tokens x SUFFIX_BYTES_PER_TOKEN of host memory; a cache
+    filled to its default bound with the default n-grams must not hold more."""
+    import random
+    import tracemalloc
+
+    from tprt.engine.speculative import DEFAULT_SUFFIX_CACHE_TOKENS, SUFFIX_BYTES_PER_TOKEN
+
+    config = SpeculativeConfig("suffix")
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        cache = SuffixCache(config.min_n, config.max_n, DEFAULT_SUFFIX_CACHE_TOKENS)
+        for _ in range(DEFAULT_SUFFIX_CACHE_TOKENS // 256 + 4):  # past the bound: eviction runs too
+            cache.add([rng.randrange(49152) for _ in range(256)])
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert DEFAULT_SUFFIX_CACHE_TOKENS - 256 < cache.tokens <= DEFAULT_SUFFIX_CACHE_TOKENS
+    assert held <= DEFAULT_SUFFIX_CACHE_TOKENS * SUFFIX_BYTES_PER_TOKEN, held / cache.tokens

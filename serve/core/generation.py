@@ -37,8 +37,7 @@ from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
 from tprt.errors import ConfigError, ValidationError
-from tprt.text.chat import CHAT_ROLES
-from tprt.text.chat import NoChatTemplateError
+from tprt.text.chat import CHAT_ROLES, NoChatTemplateError
 from tprt.text.tokenizer import Tokenizer
 
 STOP_LIMITS = StopLimits()  # requests come from the network: cap their stop conditions

@@ -13,8 +13,8 @@ from typing import Any
 
 from serve.errors import FailedPrecondition, InvalidArgument, NotFound, echo
 from serve.jobs.request import JobRequest
-from serve.paths import check_files_inside
 from serve.jobs.store import SUCCEEDED, JobStore
+from serve.paths import check_files_inside
 from tprt.errors import ConfigError, TprtError
 from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_RPO_ALPHA
 

@@ -121,7 +121,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="DPO sigmoid loss: the share of pairs taken to be mislabelled (0)")
     d.add_argument("--rpo-alpha", type=float, metavar="A",
                    help="DPO: add A x the preferred answer's per-token NLL (RPO), which keeps it likely while "
-                        f"the margin grows; 0 is pure DPO, which on small sets often leaves greedy answers "
+                        "the margin grows; 0 is pure DPO, which on small sets often leaves greedy answers "
                         f"unchanged ({DEFAULT_RPO_ALPHA})")
     f.add_argument("--init-adapter", type=Path, metavar="DIR",
                    help="LoRA: start from this adapter (e.g. an SFT run's out/adapter); its rank, alpha and targets "

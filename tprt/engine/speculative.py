@@ -48,7 +48,8 @@ from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM
 from tprt.errors import ConfigError
 
 # The suffix caches' bound, all adapters together, and what a token costs there with its n-gram
-# index (measured: tests/test_speculative.py's memory check).
+# index: about 550 bytes at the default n-grams of 2-4 (tracemalloc; tests/test_speculative.py
+# holds the default under this bound), which tprt plan counts.
 DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 16
 SUFFIX_BYTES_PER_TOKEN = 800
 
