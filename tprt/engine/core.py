@@ -385,8 +385,10 @@ class Engine:
         if plan.decode is not None:
             constrained += [(s, list(t[1:])) for s, t in zip(schedule.decode, plan.decode.tokens)
                             if s.matcher is not None]
-        spare = self._spare_cores()
-        masks = self._mask_worker().start(constrained, spare > 0, spare) if constrained else None
+        masks = None
+        if constrained:
+            spare = self._spare_cores()
+            masks = self._mask_worker().start(constrained, spare > 0, spare)
         # A one-row step samples on the runner's thread count too: its torch ops are small, and
         # more OpenMP threads would only contend with the native kernels' spinning pool.
         with self.runner.threads_for(plan):
@@ -411,7 +413,7 @@ class Engine:
         if self.config.overlap_masks is False:
             return 0
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        if self.runner.device.type != "cpu":
+        if self.tp.device.type != "cpu":
             spare = cores
         else:
             from tprt.cpu import native
