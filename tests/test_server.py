@@ -24,12 +24,9 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,7 @@ from serve.client import Client, field_of  # noqa: E402
 from serve.jobs.store import RUNNING, JobRecord, JobStore  # noqa: E402
 from serve.grpc.pb import finetuning_pb2 as ft_pb  # noqa: E402
 from serve.grpc.pb import generation_pb2 as gen_pb  # noqa: E402
-from servers import (CONTEXT, MAX_BATCH, MAX_MESSAGE, MAX_QUEUE, TOKEN, ServerProcess, data_dir, metric,  # noqa: E402
+from servers import (CONTEXT, MAX_BATCH, MAX_MESSAGE, MAX_QUEUE, ServerProcess, data_dir, metric,  # noqa: E402
                      prepare_root, rpc_error, self_signed_cert, server_args, wait_for, wait_idle, write_model_adapter)
 
 LONG = CONTEXT - 16  # max_new_tokens of a request that must outlast what a test does meanwhile
