@@ -13,8 +13,9 @@
   streams, half of them constrained, over 16 unconstrained. Targets: >= 0.97 and >= 0.90.
 - compile: every schema of the suite compiled once on a fresh compiler (no cache): p50, p95, max.
   Target p95 < 10 ms.
-- hostile (issue 38): a plain 16-token request's latency alone, then beside 16 rows of each
-  hostile constraint the hostile round found (R2: the 35-byte ambiguous grammar whose masks grow
+- hostile (issue 38): a plain 16-token request's latency alone, beside 16 unconstrained rows
+  (what batching alone costs it), then beside 16 rows of each hostile constraint the hostile
+  round found (R2: the 35-byte ambiguous grammar whose masks grow
   with the output; R3: the 23-byte regex whose lexer costs 0.8 s), started --hostile-head steps
   before it: the ratio to alone (goal <= 2x), how the hostile rows ended (the mask budget's
   constraint error), and the slowest step. Alternated --repeats times.
@@ -169,7 +170,8 @@ def hostile(engine: Any, tok: Any, repeats: int, head: int) -> dict[str, Any]:
 
     plain = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     ask = tok.encode_chat([{"role": "user", "content": "Write a very long string of the letters a and b."}])
-    specs = {"R2": ConstraintSpec.grammar(R2_GRAMMAR, "grammar"), "R3": ConstraintSpec.regex(R3_REGEX, "regex")}
+    specs = {"R2": ConstraintSpec.grammar(R2_GRAMMAR, "grammar"), "R3": ConstraintSpec.regex(R3_REGEX, "regex"),
+             "free": None}  # free: 16 unconstrained rows, what batching alone costs the plain request
 
     def latency(kind: str | None, r: int) -> dict[str, Any]:
         ended: dict[str, str] = {}
@@ -180,7 +182,8 @@ def hostile(engine: Any, tok: Any, repeats: int, head: int) -> dict[str, Any]:
         if kind is not None:
             for i in range(16):
                 engine.add(ask, SamplingParams(max_new_tokens=600, temperature=1.0, seed=1000 * r + i,
-                                               constraint=specs[kind]), f"{kind}-{i}")
+                                               constraint=specs[kind], ignore_eos=specs[kind] is None),
+                           f"{kind}-{i}")
             for _ in range(head):
                 for ev in engine.step():
                     if ev.finish_reason is not None:
@@ -208,11 +211,14 @@ def hostile(engine: Any, tok: Any, repeats: int, head: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for r in range(repeats):
-        for kind in (None, "R2", "R3"):
+        for kind in (None, "free", "R2", "R3"):
             out.setdefault(kind or "alone", []).append(latency(kind, r))
     alone = statistics.median(x["seconds"] for x in out["alone"])
-    for kind in ("R2", "R3"):
+    free = statistics.median(x["seconds"] for x in out["free"])
+    for kind in ("free", "R2", "R3"):
         out[f"{kind}_over_alone"] = statistics.median(x["seconds"] for x in out[kind]) / alone
+    for kind in ("R2", "R3"):
+        out[f"{kind}_over_free"] = statistics.median(x["seconds"] for x in out[kind]) / free
     return out
 
 

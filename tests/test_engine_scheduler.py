@@ -34,6 +34,7 @@ class Seq:
     cached_prompt_tokens: int = 0
     output: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
+    held: bool = False
 
     def __post_init__(self) -> None:
         self.prefill_target = len(self.prompt)

@@ -313,6 +313,7 @@ class Matcher:
         self._budget_s = budget_s
         self._strikes = 0  # masks over the budget in a row
         self._over_budget = ""  # the error once the budget is spent
+        self.last_mask_s = 0.0  # how long its last mask took (the engine's throttle reads it)
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Writes the tokens allowed next into `row` (int32, contiguous, ceil(vocab / 32) words):
@@ -326,6 +327,7 @@ class Matcher:
         start = time.perf_counter()
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         elapsed = time.perf_counter() - start
+        self.last_mask_s = elapsed
         if self._on_mask is not None:
             self._on_mask(elapsed)
         if self._budget_s is not None:

@@ -79,6 +79,7 @@ from tprt.text.tokenizer import Tokenizer
 DEFAULT_MAX_SEQ_LEN = 2048
 DEFAULT_BLOCK_SIZE = 16
 MAX_MASK_THREADS = 8  # constrained rows' masks computed at once, at most
+MIN_MASK_SHARE_S = 0.002  # what constrained rows' masks may add to a step in all, at least (Engine._throttle_masks)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class Engine:
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
         self._masker: MaskWorker | None = None
+        self._forward_s = 0.0  # decayed average of a step's forward pass (the mask throttle's yardstick)
         self._speculator: Speculator | None = None
         if config.speculative is not None and self.is_driver:
             self._speculator = build_speculator(config.speculative, self.vocab_size, config.max_batch,
@@ -373,6 +375,7 @@ class Engine:
         self._require_driver()
         events, self._pending = self._pending, []
         self._speculate()
+        self._throttle_masks()
         schedule = self.scheduler.schedule()
         plan = schedule.plan
         if plan.empty:
@@ -394,7 +397,9 @@ class Engine:
         with self.runner.threads_for(plan):
             started = time.perf_counter()
             result = self.runner.execute(plan)
-            self._step_cost(plan, time.perf_counter() - started)
+            forward_s = time.perf_counter() - started
+            self._step_cost(plan, forward_s)
+            self._forward_s = forward_s if not self._forward_s else 0.8 * self._forward_s + 0.2 * forward_s
             allowed = masks.result() if masks is not None else {}
             if plan.prefill is not None and result.prefill is not None:
                 done = [(i, seq) for i, (seq, n) in enumerate(schedule.prefill) if self.scheduler.prefilled(seq, n)]
@@ -404,6 +409,33 @@ class Engine:
             if plan.decode is not None and result.decode is not None:
                 events += self._verify(schedule.decode, plan.decode, result.decode, allowed)
         return events
+
+    def _throttle_masks(self) -> None:
+        """Constrained decoding rows whose masks cost more than their share of a step sit steps
+        out (`Sequence.held`), so that costly grammars slow themselves, not the batch: together
+        the masks may add about one forward pass to a step. Each row earns its share (the average
+        forward pass over the constrained rows, at least MIN_MASK_SHARE_S in all) every step, and
+        decodes when its savings cover what its last mask took. A row whose masks stay under its
+        share is never held."""
+        running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
+        for seq in running:
+            seq.held = False
+        rows = [s for s in running if s.matcher is not None]
+        if not rows:
+            return
+        share = max(MIN_MASK_SHARE_S, self._forward_s) / len(rows)
+        for seq in rows:
+            assert seq.matcher is not None
+            cost = seq.matcher.last_mask_s
+            seq.mask_credit = min(seq.mask_credit + share, max(cost, share))
+            if cost > seq.mask_credit:
+                seq.held = True
+            else:
+                seq.mask_credit -= cost
+        if all(s.held for s in running):  # someone decodes every step: the row closest to its turn
+            first = max(rows, key=lambda s: s.mask_credit / max(s.matcher.last_mask_s, 1e-9) if s.matcher else 0.0)
+            first.held = False
+            first.mask_credit = 0.0
 
     def _spare_cores(self) -> int:
         """How many threads beside the forward pass have a core of their own (for constrained

@@ -53,6 +53,7 @@ class Scheduled(Protocol):
     cached_prompt_tokens: int
     output: list[int]
     draft: list[int]  # tokens proposed after its last one, verified in its next decode row
+    held: bool  # sits out the coming decode step (the engine's throttle on costly output constraints)
 
     @property
     def cache_key(self) -> Hashable: ...  # what its keys and values are computed with (prefix sharing)
@@ -131,7 +132,7 @@ class Scheduler(Generic[S]):
         decode_rows: list[S] = []
         decode_tokens: list[tuple[int, ...]] = []
         prefill_rows: list[tuple[S, int]] = []
-        decoding = [s for s in self.running if s.status is Status.RUNNING]
+        decoding = [s for s in self.running if s.status is Status.RUNNING and not s.held]
         spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
         extras: dict[str, int] = {}
         for seq in decoding:
@@ -147,7 +148,9 @@ class Scheduler(Generic[S]):
         i = 0
         while i < len(self.running):  # preemption removes from the end, never an earlier row
             seq = self.running[i]
-            if seq.status is Status.RUNNING:
+            if seq.status is Status.RUNNING and seq.held:
+                pass  # keeps its blocks and its place; decodes in a later step
+            elif seq.status is Status.RUNNING:
                 extra = extras[seq.request_id]
                 # The row's tokens go at positions length - 1 .. length - 1 + extra.
                 if self._grow(seq, seq.length + extra):

@@ -72,6 +72,10 @@ class Sequence:
         # Its output constraint's state (tprt.engine.constraints.Matcher; set by the engine), which
         # follows the output ids and so survives preemption.
         self.matcher: Matcher | None = None
+        # Sits out the coming decode step: the engine throttles rows whose constraint's masks cost
+        # more than their share of a step (Engine._throttle_masks); mask_credit is that share, saved.
+        self.held = False
+        self.mask_credit = 0.0
         self.generator = make_generator(seed, device) if seed is not None else None
         detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
         self.stop = StopChecker(params, eos_token_ids, detok)
