@@ -1299,3 +1299,40 @@ def test_a_one_row_draft_step_runs_on_one_thread(workdir: Path) -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_row_whose_masks_cost_more_than_its_share_sits_steps_out(workdir: Path) -> None:
+    """Issue 38 (hostile constraints must not starve others): a constrained row whose masks cost
+    far more than its share of a step is held while another row decodes every step; alone, it
+    decodes every step; and holding changes none of its (seeded) tokens."""
+    from tprt.engine.constraints import ConstraintSpec
+
+    tok = Tokenizer.from_dir(workdir / "hf")
+    prompt = tok.encode("Write some words:")
+    costly = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5,
+                            constraint=ConstraintSpec.regex("[a-z]+( [a-z]+)*", "regex"))
+
+    def run(with_free_row: bool) -> tuple[list[int], list[str]]:
+        engine = Engine(_model(TPContext.single(), workdir), tok, EngineConfig(max_batch=4, max_seq_len=64))
+        engine.add(prompt, costly, "costly")
+        if with_free_row:
+            engine.add(prompt, _greedy(8), "free")
+        order: list[str] = []  # which request emitted, step by step
+        tokens: list[int] = []
+        while engine.has_work:
+            for seq in engine.scheduler.running:  # every mask of the costly row "took" a second
+                if seq.request_id == "costly" and seq.matcher is not None:
+                    seq.matcher.last_mask_s = 1.0
+            for ev in engine.step():
+                order.append(ev.request_id)
+                if ev.request_id == "costly" and ev.token_id is not None:
+                    tokens.append(ev.token_id)
+        return tokens, order
+
+    alone, _ = run(False)
+    beside, order = run(True)
+    assert beside == alone  # held steps change no token
+    frees = [i for i, rid in enumerate(order) if rid == "free"]
+    costly_while_free = [i for i, rid in enumerate(order) if rid == "costly" and frees[0] < i < frees[-1]]
+    assert len(frees) == 8 and costly_while_free == [], order  # held while the free row decoded
+    assert order.count("costly") == len(alone)  # then decoded alone, every step
