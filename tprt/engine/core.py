@@ -418,22 +418,17 @@ class Engine:
         decodes when its savings cover what its last mask took. A row whose masks stay under its
         share is never held."""
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
-        for seq in running:
-            seq.held = False
-        rows = [s for s in running if s.matcher is not None]
+        rows = [(s, s.matcher.last_mask_s) for s in running if s.matcher is not None]  # only these are held
         if not rows:
             return
         share = max(MIN_MASK_SHARE_S, self._forward_s) / len(rows)
-        for seq in rows:
-            assert seq.matcher is not None
-            cost = seq.matcher.last_mask_s
+        for seq, cost in rows:
             seq.mask_credit = min(seq.mask_credit + share, max(cost, share))
-            if cost > seq.mask_credit:
-                seq.held = True
-            else:
+            seq.held = cost > seq.mask_credit
+            if not seq.held:
                 seq.mask_credit -= cost
-        if all(s.held for s in running):  # someone decodes every step: the row closest to its turn
-            first = max(rows, key=lambda s: s.mask_credit / max(s.matcher.last_mask_s, 1e-9) if s.matcher else 0.0)
+        if len(rows) == len(running) and all(s.held for s, _ in rows):  # someone decodes every step:
+            first, _ = max(rows, key=lambda r: r[0].mask_credit / max(r[1], 1e-9))  # the row closest to its turn
             first.held = False
             first.mask_credit = 0.0
 
