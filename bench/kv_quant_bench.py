@@ -45,6 +45,8 @@ from tprt.cpu import native  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402
+from tprt.model.attention import TorchAttention  # noqa: E402
+from tprt.model.batch import BatchRow, TokenBatch  # noqa: E402
 from tprt.model.kv_cache import blocks_for, kv_cache_dtype, quantize  # noqa: E402
 from tprt.model.kv_scales import calibrate, scales_from_amax  # noqa: E402
 from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
@@ -72,15 +74,15 @@ def perplexity(model: TPLlamaForCausalLM, ids: list[int], kv: str, chunk: int,
             return update(layer, kv_, step, **kw)
 
         cache.update = recording  # type: ignore[method-assign]
-    table = torch.arange(1, n_blocks + 1)[None]
+    table = tuple(range(1, n_blocks + 1))
     nll, count = 0.0, 0
     with torch.inference_mode():
         for a in range(0, len(ids) - 1, chunk):
             x = ids[a : a + chunk]
             targets = torch.tensor(ids[a + 1 : a + 1 + len(x)])
-            positions = torch.arange(a, a + len(x))[None]
-            logits = model.gather_logits(model(torch.tensor([x]), positions, cache, table, kv_len=a + len(x)))
-            lp = torch.log_softmax(logits[0, : len(targets)].float(), dim=-1)
+            step = TorchAttention().prepare(TokenBatch.of([BatchRow(table, a, tuple(x), len(x))]), cache)
+            logits = model.gather_logits(model(torch.tensor(x), attention=step))  # [chunk, vocab]
+            lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
             nll -= float(lp.gather(1, targets[:, None]).sum())
             count += len(targets)
     return math.exp(nll / count)

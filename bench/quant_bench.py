@@ -46,6 +46,8 @@ from tprt.cpu import native  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig, run_to_completion  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402
+from tprt.model.attention import backend as attention_backend  # noqa: E402
+from tprt.model.batch import BatchRow, TokenBatch  # noqa: E402
 from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
 from tprt.text.tokenizer import Tokenizer  # noqa: E402
 
@@ -94,12 +96,13 @@ def decode_perplexity(model: TPLlamaForCausalLM, ids: list[int]) -> float:
     install_native_layers(model)
     block = 16
     cache = model.new_cache(len(ids) // block + 2, block)
-    table = torch.arange(1, len(ids) // block + 2)[None]  # [1, blocks]; block 0 is scratch
+    table = tuple(range(1, len(ids) // block + 2))  # block 0 is scratch
+    backend = attention_backend("auto", model.tp.device, cache)
     nll = 0.0
     with torch.inference_mode():
         for t in range(len(ids) - 1):
-            local = model(torch.tensor([[ids[t]]]), torch.tensor([[t]]), cache, table, kv_len=t + 1,
-                          logits_index=torch.tensor([0]))  # [1, local_vocab]
+            step = backend.prepare(TokenBatch.of([BatchRow(table, t, (ids[t],), 1)]), cache)
+            local = model(torch.tensor([ids[t]]), attention=step)  # [1, local_vocab]
             logits = model.gather_logits(local)[0].float()  # [vocab]
             nll -= float(torch.log_softmax(logits, -1)[ids[t + 1]])
     return math.exp(nll / (len(ids) - 1))

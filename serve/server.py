@@ -64,7 +64,7 @@ from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.kv_cache import kv_cache_dtype
 from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.cpu.threads import run_on_exiting_thread
+from tprt.cpu.threads import run_on_exiting_thread, spare_cores
 from tprt.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tprt.serve")
@@ -171,14 +171,15 @@ DEFAULT_MAX_BATCH = {"cuda": 256, "cpu": 16}
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 
 
-def engine_config(cfg: ServeConfig) -> EngineConfig:
+def engine_config(cfg: ServeConfig, device: torch.device | None = None) -> EngineConfig:
+    """The engine's settings; `device` (this rank's) lets masks use the cores it leaves free."""
     fraction = cfg.gpu_memory_fraction if cfg.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
     kv_scales = None if cfg.kv_scales is None else load_kv_scales(cfg.kv_scales, TPCheckpoint(cfg.model).config)
     return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
                         prefix_cache=cfg.prefix_cache, kv_cache_tokens=cfg.kv_cache_tokens,
                         kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction, speculative=cfg.speculative,
                         cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cfg.kv_cache_dtype),
-                        kv_scales=kv_scales)
+                        kv_scales=kv_scales, mask_threads=0 if device is None else spare_cores(device))
 
 
 def max_batch_size(cfg: ServeConfig) -> int:
@@ -222,7 +223,7 @@ def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
     ctx = init_distributed(timeout_s=cfg.collective_timeout)
     try:
         model = load_model(cfg.model, ctx, cfg.dtype)
-        engine = Engine(model, None, engine_config(cfg))
+        engine = Engine(model, None, engine_config(cfg))  # a follower: no masks to compute
         follower_loop(engine.follow, ctx, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)))
     finally:
         shutdown()
@@ -303,7 +304,7 @@ class App:
     def _load(self, ctx: TPContext) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
         model = load_model(self.cfg.model, ctx, self.cfg.dtype)
         tokenizer = _tokenizer(Path(self.cfg.model))
-        engine = Engine(model, tokenizer, engine_config(self.cfg))
+        engine = Engine(model, tokenizer, engine_config(self.cfg, ctx.device))
         return model, engine, tokenizer
 
     def _services(self, ctx: TPContext, model: TPLlamaForCausalLM, engine: Engine, tokenizer: Tokenizer | None) -> None:

@@ -94,3 +94,31 @@ def rule_chain(limit: int) -> tuple[str, int]:
         size, prev = size + len(line) + 1, name
     lines.append(f'{prev}: "x"')
     return "\n".join(lines) + "\n", len(lines)
+
+
+def forward_rows(model: Any, cache: Any, rows: list[list[int]], starts: list[int], tables: Any,
+                 backend: Any = None) -> list[torch.Tensor]:
+    """One forward call over a TokenBatch of `rows` (row r's tokens at starts[r], starts[r] + 1,
+    ..., through its block table `tables[r]`, a list or an int tensor row): each row's
+    full-vocabulary logits [tokens, vocab], float32 (`backend`: an attention backend, the torch
+    reference by default)."""
+    from tprt.model.attention import TorchAttention
+    from tprt.model.batch import BatchRow, TokenBatch
+
+    table_rows = [tuple(int(b) for b in t) for t in tables]
+    batch = TokenBatch.of([BatchRow(t, s, tuple(r), len(r)) for t, s, r in zip(table_rows, starts, rows)])
+    step = (backend or TorchAttention()).prepare(batch, cache)
+    local = model(torch.tensor(batch.tokens), attention=step)  # [tokens, local_vocab]
+    full = model.gather_logits(local)[..., : model.config.vocab_size].float()
+    return list(full.split([len(r) for r in rows]))
+
+
+def chunk_rows(batch: Any) -> list[int]:
+    """The rows of a TokenBatch that are prompt chunks of several tokens (fewer logits than tokens)."""
+    return [r for r in range(batch.num_rows) if batch.logits[r] < batch.lens[r]]
+
+
+def decode_rows(batch: Any) -> list[int]:
+    """The rows of a TokenBatch that decode (logits for every token: a last token and any draft).
+    A one-token chunk that ends its prompt looks the same; tests that use this avoid them."""
+    return [r for r in range(batch.num_rows) if batch.logits[r] == batch.lens[r]]

@@ -201,9 +201,9 @@ def test_sentencepiece_tokenizer(tmp_path: Path) -> None:
 def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tokenizer) -> None:
     """A matcher that fails mid-sequence (as over one of llguidance's limits): its row may only
     take EOS, and a token it refuses ends the sequence with stop_reason "constraint_error"."""
-    from tprt.engine.core import MaskWorker
     from tprt.engine.sampling import SamplingParams
     from tprt.engine.sequence import Sequence
+    from tprt.engine.structured import StructuredOutputManager
 
     so = StructuredOutputs(byte_tok)
     spec = ConstraintSpec.choice(["ab"], "c")
@@ -217,20 +217,25 @@ def test_a_failing_matcher_ends_its_sequence_instead_of_the_engine(byte_tok: Tok
     broken, fine = sequence("broken"), sequence("fine")
     z = byte_tok.encode("z", add_special_tokens=False)[0]
     assert broken.matcher is not None and not broken.matcher.accept(z)  # the matcher is now in error
-    worker = MaskWorker(so, so.vocab_size + 3, byte_tok.eos_token_ids)
-    words = worker.start([(broken, []), (fine, [])], overlap=False).result()  # one position each
+    after = StructuredOutputManager(byte_tok, so.vocab_size + 3, byte_tok.eos_token_ids, mask_threads=0)
+    after.outputs = so
+    words = after.start([(broken, []), (fine, [])]).result()  # one position each, computed when asked
     a = byte_tok.encode("a", add_special_tokens=False)[0]
     logits = torch.zeros(2, so.vocab_size + 3)
     logits[:, z] = 1.0  # both rows' most likely token is one their constraints refuse
-    mask = worker.rows([broken, fine], words, logits.argmax(-1).tolist())
+    best = logits.argmax(-1).tolist()
+    mask = after.allowed([(words["broken"], best[:1], True), (words["fine"], best[1:], True)])
     assert mask is not None and mask.shape == (2, so.vocab_size + 3)
     assert mask[0].nonzero().flatten().tolist() == [byte_tok.eos_token_ids[0]]
     assert mask[1].nonzero().flatten().tolist() == [a]
     logits[:, a] = 2.0  # a greedy row whose best token is allowed needs no mask
-    assert worker.rows([fine], {"fine": words["fine"]}, logits[1:].argmax(-1).tolist()) is None
-    ahead = worker.start([(fine, [])], overlap=True).result()["fine"]  # filled on the worker's thread
-    assert ahead.allows(0, a) and not ahead.allows(0, z)
-    assert bits_to_bool(ahead.words(0)[None], so.vocab_size)[0].nonzero().flatten().tolist() == [a]
+    assert after.allowed([(words["fine"], logits[1:].argmax(-1).tolist(), True)]) is None
+    beside = StructuredOutputManager(byte_tok, so.vocab_size + 3, byte_tok.eos_token_ids, mask_threads=1)
+    beside.outputs = so
+    ahead = beside.start([(fine, [])]).result()["fine"]  # filled on the mask thread
+    (row,) = ahead.needed([z], greedy=False, known=so.vocab_size)
+    assert row is not None and bits_to_bool(row[None], so.vocab_size)[0].nonzero().flatten().tolist() == [a]
+    assert ahead.needed([a], greedy=True, known=so.vocab_size) == [None]
     out = fine.append(z)  # a token its matcher refuses ends the sequence
     assert out.finish_reason == "stop" and out.stop_reason == "constraint_error"
 

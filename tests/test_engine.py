@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import force_native_decode
+from helpers import chunk_rows, decode_rows, force_native_decode, forward_rows
 from mp import Checks, WorldResults, names, run_single, run_world
 from tiny_chat import make_tiny_chat_model
 from tprt.distributed.context import TPContext
@@ -34,7 +34,7 @@ from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.engine.sampling import SamplingParams
 from tprt.model.kv_cache import kv_cache_dtype
 from tprt.text.tokenizer import Tokenizer
@@ -109,10 +109,10 @@ def _share(ctx: TPContext, value: Any) -> Any:
 
 
 def _drive(ctx: TPContext, wd: Path, config: EngineConfig, fn: Callable[[Engine], T],
-           plans: list[StepPlan] | None = None, model: TPLlamaForCausalLM | None = None,
+           plans: list[TokenBatch] | None = None, model: TPLlamaForCausalLM | None = None,
            setup: Callable[[Engine], None] | None = None, **kw: Any) -> T:
     """Runs fn(engine) on rank 0 while the other ranks follow; returns rank 0's result everywhere.
-    `plans` collects every plan this rank executed; `setup(engine)` runs on every rank first. A
+    `plans` collects every batch this rank executed; `setup(engine)` runs on every rank first. A
     failure on rank 0 fails every rank."""
     engine = Engine(model or _model(ctx, wd), Tokenizer.from_dir(wd / "hf"), config, **kw)
     if setup is not None:
@@ -177,10 +177,9 @@ def check_small_budget(ctx: TPContext, wd: Path) -> None:
     out = _drive(ctx, wd, cfg, fn, plans)
     for i, want in enumerate(ref["greedy"]):
         assert out[str(i)] == want[: N_NEW - i], f"prompt {i}: {out[str(i)]} != {want[: N_NEW - i]}"
-    assert any(p.prefill and max(map(len, p.prefill.tokens)) < 5 and p.decode for p in plans), "no mixed step"
-    assert all(p.prefill is None or sum(map(len, p.prefill.tokens)) + (p.decode.rows if p.decode else 0) <= 5
-               for p in plans), "token budget exceeded"
-    tables = [t for p in plans for b in (p.prefill, p.decode) if b is not None for t in b.tables]
+    assert any(chunk_rows(p) and decode_rows(p) for p in plans), "no step mixing a prompt chunk and decoding"
+    assert all(p.num_tokens <= 5 for p in plans), "token budget exceeded"
+    tables = [t for p in plans for t in p.tables]
     assert all(len(t) == len(set(t)) and 0 not in t for t in tables), "a block twice in a table, or scratch"
     firsts = {t[0] for t in tables}
     assert len(firsts) < len(ref["prompts"]), f"no block was reused by a later sequence: {firsts}"
@@ -229,8 +228,8 @@ def check_preemption(ctx: TPContext, wd: Path, kv: str = "auto") -> None:
         for i, p in enumerate(ref["prompts"]):
             engine.add(p, _greedy(), str(i))
         done = _ids(run_to_completion(engine))
-        preempted.append(engine.preemptions)
-        assert engine.kv_blocks[0] == 0, "blocks still held"
+        preempted.append(engine.kv_stats.preemptions)
+        assert engine.kv_stats.blocks_used == 0, "blocks still held"
         return done
 
     dtype = kv_cache_dtype(kv)
@@ -266,7 +265,7 @@ def check_cancel(ctx: TPContext, wd: Path) -> None:
         return {"cancelled": cancelled, "b": [e.token_id for e in first if e.request_id == "b"],
                 "a": [e.token_id for e in first + events if e.request_id == "a"] + done["a"].token_ids,
                 "c": [e.token_id for e in events if e.request_id == "c"] + done["c"].token_ids,
-                "free": engine.kv_blocks[0] == 0}
+                "free": engine.kv_stats.blocks_used == 0}
 
     out = _drive(ctx, wd, EngineConfig(max_batch=2, max_seq_len=64), fn)
     assert out["cancelled"] == ["b", "d"]
@@ -348,7 +347,7 @@ def check_seeded(ctx: TPContext, wd: Path) -> None:
 
     cfg = EngineConfig(max_batch=4, max_seq_len=64, seed=3)
     x = _drive(ctx, wd, cfg, alone, plans)
-    fed = [p.decode.tokens[0][0] for p in plans if p.decode is not None]
+    fed = [p.tokens[0] for p in plans if decode_rows(p) == [0] and p.num_tokens == 1 and p.starts[0] > 0]
     assert fed == x[:-1], f"rank {ctx.rank} fed {fed}, rank 0 sampled {x}"
     assert _drive(ctx, wd, cfg, alone) == x, "not reproducible"
     b1, b2 = _drive(ctx, wd, cfg, batched), _drive(ctx, wd, cfg, batched)
@@ -428,17 +427,17 @@ def check_prefix_reuse(ctx: TPContext, wd: Path, kv: str = "auto") -> None:
         done["a"] = first
         return {k: (c.token_ids, c.usage.cached_prompt_tokens if c.usage else -1) for k, c in done.items()}
 
-    plans: list[StepPlan] = []
+    plans: list[TokenBatch] = []
     out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=64, kv_block_size=1, cache_dtype=dtype), fn, plans)
     shared = next(i for i, (x, y) in enumerate(zip(p0, p1)) if x != y)
     assert out["a"] == (want0, 0), out["a"]
     assert out["turn"] == (want0[3:], len(turn) - 1), out["turn"]
     assert out["again"] == (want0, len(p0) - 1), out["again"]
     assert out["other"] == (ref["greedy"][2], shared), out["other"]
-    joint = [p for p in plans if p.prefill and p.prefill.rows == 3]
-    assert len(joint) == 1 and joint[0].prefill, f"the three should be prefilled together: {plans}"
-    assert joint[0].prefill.starts == (len(turn) - 1, len(p0) - 1, shared), joint[0]
-    turn_table, again_table, other_table = joint[0].prefill.tables
+    joint = [p for p in plans if p.num_rows == 3]  # the first: their prompts' uncached tails
+    assert joint, f"the three should be prefilled together: {plans}"
+    assert joint[0].starts == (len(turn) - 1, len(p0) - 1, shared), joint[0]
+    turn_table, again_table, other_table = joint[0].tables
     assert again_table[: len(p0) - 1] == turn_table[: len(p0) - 1], "the same prompt's blocks are not shared"
     assert other_table[:shared] == turn_table[:shared], "the shared first tokens' blocks are not shared"
 
@@ -504,12 +503,12 @@ def check_drafts(ctx: TPContext, wd: Path, kv: str = "auto") -> None:
     plain_steps, drafted_steps = out["steps"]
     assert drafted_steps["0"] < plain_steps["0"], out["steps"]
     assert drafted_steps["2"] == plain_steps["2"], out["steps"]
-    widths = {len(t) for p in plans if p.decode is not None for t in p.decode.tokens}
+    widths = {p.lens[r] for p in plans for r in decode_rows(p)}
     assert widths >= {1, 2, 4}, widths
 
 
 def check_k_token_rows(ctx: TPContext, wd: Path, kv: str = "auto") -> None:
-    """A decode batch whose rows carry several tokens (one row of 3, one of 2 padded beside it)
+    """A batch whose decode rows carry several tokens (one row of 3, one of 2 beside it)
     gives, for every token, the logits of decoding the tokens one at a time (float32), through the
     module path and through the native decode stack (one-token sub-rows sharing their row's
     block table); a row whose drafted tokens are then given back and decoded again gives the
@@ -525,31 +524,25 @@ def check_k_token_rows(ctx: TPContext, wd: Path, kv: str = "auto") -> None:
     for stack in (False, True):
         model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the fused kernels are set on it
         calls = force_native_decode(model, stack=True) if stack else [0, 0]
-        vocab = model.config.vocab_size
 
-        def forward(cache: Any, rows: list[list[int]], starts: list[int], table: torch.Tensor,
-                    decode: bool = True) -> list[torch.Tensor]:
+        def forward(cache: Any, rows: list[list[int]], starts: list[int], table: torch.Tensor) -> list[torch.Tensor]:
             """Each row's logits [tokens, vocab] for rows of tokens at starts[r], starts[r] + 1, ..."""
-            width = max(map(len, rows))
-            ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-            positions = torch.tensor(starts)[:, None] + torch.arange(width)
-            local = model(ids, positions, cache, table, kv_len=max(starts) + width, starts=tuple(starts))
-            full = model.gather_logits(local)[..., :vocab].float()
-            return [full[i, : len(r)] for i, r in enumerate(rows)]
+            return forward_rows(model, cache, rows, starts, table)
 
         with torch.inference_mode():
             one, many = model.new_cache(16, 4, kv_cache_dtype(kv)), model.new_cache(16, 4, kv_cache_dtype(kv))
             for cache in (one, many):
-                forward(cache, [pa], [0], tables[:1], decode=False)  # prompts: the module path
-                forward(cache, [pb], [0], tables[1:], decode=False)
+                forward(cache, [pa], [0], tables[:1])  # the prompts
+                forward(cache, [pb], [0], tables[1:])
             want_a = [forward(one, [[t]], [len(pa) + j], tables[:1])[0][0] for j, t in enumerate(ga[:3])]
             want_b = [forward(one, [[t]], [len(pb) + j], tables[1:])[0][0] for j, t in enumerate(gb[:2])]
             stack_before = calls[1]
-            got_a, got_b = forward(many, [ga[:3], [gb[0], 5]], [len(pa), len(pb)], tables)  # b padded
+            got_a, got_b = forward(many, [ga[:3], [gb[0], 5]], [len(pa), len(pb)], tables)  # rows of 3 and 2
+            stack_calls = calls[1] - stack_before
             # b kept its first token only: positions past it are given back and decoded again.
             again_b = forward(many, [[gb[1]]], [len(pb) + 1], tables[1:])[0][0]
         took = stack and native_runs and kv in ("auto", "int8")
-        assert calls[1] - stack_before == int(took), "the native stack did not take the rows"
+        assert stack_calls == int(took), "the native stack did not take the rows"
         for got, want in ((got_a, torch.stack(want_a)), (got_b[:1], want_b[0][None]), (again_b, want_b[1])):
             torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
         assert got_a.argmax(-1).tolist() == ga[1:4], ("the row's greedy tokens", stack)
@@ -651,11 +644,13 @@ def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
         mixed = run(list(range(len(requests))))
         return {k: (alone[k].token_ids, alone[k].logprobs, mixed[k].token_ids, mixed[k].logprobs) for k in alone}
 
-    plans: list[StepPlan] = []
+    plans: list[TokenBatch] = []
     model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
     out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn, plans, model=model, setup=_install_adapters)
-    assert any(p.decode and len(set(p.decode.adapters)) == 5 for p in plans), "no decode step mixed all five"
-    assert any(p.prefill and len(set(p.prefill.adapters)) == 5 for p in plans), "no prefill mixed all five"
+    assert any(len({p.adapters[r] for r in decode_rows(p) if p.adapters}) == 5 for p in plans), \
+        "no decode step mixed all five"
+    assert any(len({p.adapters[r] for r in chunk_rows(p) if p.adapters}) == 5 for p in plans), \
+        "no prefill mixed all five"
     for k, (ids, lps, mixed_ids, mixed_lps) in out.items():
         assert mixed_ids == ids, f"request {k}"
         assert max(abs(a - b) for a, b in zip(mixed_lps, lps)) < 1e-4, f"request {k}"
@@ -704,7 +699,7 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
             rounds.append({k: (c.token_ids, c.logprobs, [[i for i, _ in t] for t in c.top_logprobs], c.text,
                                c.finish_reason) for k, c in done.items()})
         stats = engine.spec_stats
-        return {"rounds": rounds, "preemptions": engine.preemptions,
+        return {"rounds": rounds, "preemptions": engine.kv_stats.preemptions,
                 "stats": None if stats is None else (stats.drafted, stats.accepted, stats.emitted, stats.rows)}
 
     def run(config: EngineConfig) -> dict[str, Any]:
@@ -720,8 +715,8 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
         "draft": SpeculativeConfig("draft", num_tokens=3, draft_model=str(wd / "tp1"), max_step_tokens=wide),
     }
     runs = {name: run(replace(base, speculative=spec)) for name, spec in specs.items()}
-    # masks computed after each step, only where needed (the CPU's default when no core is spare)
-    runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64, overlap_masks=False))
+    # masks computed after each step, only where needed (when no core is spare)
+    runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64, mask_threads=0))
     assert runs["preempted"]["preemptions"] > 0, "the small pool preempted nothing"
     want = plain["rounds"][0]
     assert plain["stats"] is None
@@ -826,16 +821,16 @@ def check_constrained(ctx: TPContext, wd: Path) -> None:
 
     def mixed_only(engine: Engine) -> dict[str, Completion]:
         done = run(engine, requests)
-        preemptions.append(engine.preemptions)
+        preemptions.append(engine.kv_stats.preemptions)
         return done
 
     model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
-    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, overlap_masks=True), alone_and_mixed,
+    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, mask_threads=1), alone_and_mixed,
                  model=model,
                  setup=_install_adapters)
     # ... and with masks computed after each step, where needed (alone and mixed: on a thread)
     small = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=96, kv_cache_tokens=96, kv_block_size=4,
-                                         overlap_masks=False),
+                                         mask_threads=0),
                    mixed_only, model=load_model(wd / f"tp{ctx.world_size}", ctx), setup=_install_adapters)
     if ctx.rank == 0:
         assert preemptions[0] > 0, "the small pool preempted nothing"
@@ -935,27 +930,36 @@ def test_kv_token_count(workdir: Path) -> None:
     gauge reads it); a finished sequence's full blocks stay cached for prefix reuse."""
     engine = Engine(_model(TPContext.single(), workdir), None,
                     EngineConfig(max_batch=2, max_seq_len=32, kv_block_size=4))
-    assert (engine.kv_tokens, engine.kv_capacity, engine.kv_blocks) == (0, 64, (0, 0, 16))
+
+    def tokens() -> int:
+        return engine.kv_stats.blocks_used * engine.kv_stats.block_size
+
+    def blocks() -> tuple[int, int, int]:
+        kv = engine.kv_stats
+        return kv.blocks_used, kv.blocks_cached, kv.blocks_total
+
+    assert (tokens(), engine.kv_stats.blocks_total * 4, blocks()) == (0, 64, (0, 0, 16))
     engine.add([5] * 7, _greedy(3), "a")
     engine.add([6] * 4, _greedy(2), "b")
-    assert engine.kv_tokens == 0  # waiting: no blocks yet
+    assert tokens() == 0  # waiting: no blocks yet
     engine.step()  # both prompts prefilled (blocks of 4: 2 + 1), a first token sampled for each
-    assert engine.kv_tokens == 4 * (2 + 1)
+    assert tokens() == 4 * (2 + 1)
     engine.step()  # each first token computed (b needs a 2nd block); b has its two tokens and ends
-    assert engine.kv_blocks == (2, 1, 16)  # b's full block of [6] * 4 is cached, its partial one freed
+    assert blocks() == (2, 1, 16)  # b's full block of [6] * 4 is cached, its partial one freed
     run_to_completion(engine)
-    assert engine.kv_tokens == 0
+    assert tokens() == 0
 
 
-def test_plan_roundtrip() -> None:
-    """A plan survives its wire encoding."""
-    plan = StepPlan(
-        prefill=BatchPlan(((1,), (4, 2, 9)), (0, 16), ((5, 6, 7), (8,)), full_logits=True),
-        decode=BatchPlan(((3, 5), (6,)), (9, 30), ((3,), (4,)), full_logits=False, adapters=(0, 2)),
-    )
-    assert StepPlan.decode_from(plan.encode()) == plan
-    assert StepPlan.decode_from(StepPlan().encode()) == StepPlan()
-    assert StepPlan.decode_from(StepPlan(decode=plan.decode).encode()).prefill is None
+def test_batch_roundtrip() -> None:
+    """A step's batch survives its wire encoding: prompt chunks, decode rows, a verifying row,
+    adapters or none."""
+    batch = TokenBatch.of([BatchRow((1,), 0, (5, 6, 7), 1), BatchRow((4, 2, 9), 16, (8,), 0, adapter=2),
+                           BatchRow((3, 5), 9, (3, 11, 12), 3), BatchRow((6,), 2, (4,), 1)], full_logits=True)
+    assert TokenBatch.decode_from(batch.encode()) == batch
+    assert batch.adapters == (0, 2, 0, 0) and batch.logits_indices == (2, 4, 5, 6, 7)
+    base = TokenBatch.of([BatchRow((1, 2), 3, (7, 8), 2)])
+    assert TokenBatch.decode_from(base.encode()) == base and base.adapters == ()
+    assert base.positions == (3, 4) and base.kv_len == 5
 
 
 @pytest.mark.parametrize("dtype, tol", [("bf16", 2e-2), ("fp32", 1e-5)])
@@ -1024,6 +1028,7 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
     from tprt.cpu.fast_linear import prepack, supported
     from tprt.cpu.native_layers import (NativeAttention, NativeDecoderLayer, NativeRMSNorm, install_native_layers,
                                         install_native_stack, use_native_halves)
+    from tprt.model.attention import TorchAttention, backend as attention_backend
     from tprt.model.llama import DecoderLayer, LayerStack
 
     ctx = TPContext.single()
@@ -1054,34 +1059,40 @@ def test_native_decode_step_matches_torch(workdir: Path, dtype: str, tol: float)
         assert (attention_half is not None) == (mlp_half is not None) == expect_native
         if expect_native:
             assert use_native_halves(fast, i, attention_half, mlp_half).self_attn is attn
-    vocab = plain.config.vocab_size
     prompts = _ref(workdir)["prompts"][:3]
     caches = [m.new_cache(40, 4) for m in (plain, fast)]  # blocks of 4 positions, block 0 scratch
     assert caches[0].dtype == caches[1].dtype == torch.float32
     order = torch.randperm(39, generator=torch.Generator().manual_seed(0)) + 1
     tables = [order[8 * i : 8 * i + 8] for i in range(3)]  # scattered blocks, 32 positions per row
+    reference, compiled = TorchAttention(), attention_backend("auto", ctx.device, caches[1])
+    assert compiled.name == ("native" if expect_native else "torch")
+
+    def run(model: TPLlamaForCausalLM, cache: Any, rows: list[list[int]], starts: list[int], tables: Any,
+            ) -> torch.Tensor:
+        backend = reference if model is plain else compiled
+        return torch.cat(forward_rows(model, cache, rows, starts, tables, backend))  # [tokens, vocab]
+
     with torch.inference_mode():
         for model, cache in zip((plain, fast), caches):  # prefill each prompt into its blocks
             for table, p in zip(tables, prompts):
-                model(torch.tensor([p]), torch.arange(len(p))[None], cache, table[None])
-        positions = torch.tensor([[len(p)] for p in prompts])
-        rows = torch.stack(tables)
+                run(model, cache, [p], [0], [table])
+        positions = [len(p) for p in prompts]
         for _ in range(2):  # uneven positions, crossing block edges
-            ids = torch.tensor([[11], [12], [13]])
-            want = plain(ids, positions, caches[0], rows)[..., :vocab].float()
-            got = fast(ids, positions, caches[1], rows)[..., :vocab].float()
+            ids = [[11], [12], [13]]
+            want = run(plain, caches[0], ids, positions, tables)
+            got = run(fast, caches[1], ids, positions, tables)
             assert (got - want).abs().max() <= tol * want.abs().max(), positions
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max()
-            positions = positions + 1
+            positions = [p + 1 for p in positions]
         stack = install_native_stack(fast)  # every layer of a one-row step in one call
         assert (stack is not None) == expect_native
         for step in range(2):  # one row: each half of a layer in one call, then all layers in one
-            ids, pos, table = torch.tensor([[14 + step]]), positions[2:3] + step, rows[2:3]
-            want = plain(ids, pos, caches[0], table)[..., :vocab].float()
+            ids, pos, table = [[14 + step]], [positions[2] + step], tables[2:3]
+            want = run(plain, caches[0], ids, pos, table)
             fast.stack = LayerStack()
-            halves = fast(ids, pos, caches[1], table)[..., :vocab].float()
+            halves = run(fast, caches[1], ids, pos, table)
             fast.stack = stack
-            got = fast(ids, pos, caches[1], table)[..., :vocab].float()  # writes the same k/v again
+            got = run(fast, caches[1], ids, pos, table)  # writes the same k/v again
             assert torch.equal(got, halves), "one row: the stack's bits differ from the halves'"
             assert (got - want).abs().max() <= tol * want.abs().max(), "one row"
             assert (caches[1].kv - caches[0].kv).abs().max() <= tol * caches[0].kv.abs().max(), "one row"
@@ -1187,8 +1198,9 @@ def test_rows_routed_to_different_adapters_match_each_alone(workdir: Path) -> No
 
 
 def test_one_row_steps_run_on_one_thread_and_restore_the_count(workdir: Path) -> None:
-    """CPU: a step decoding a single row runs on `one_row_threads`; prefills and batches on the
-    caller's thread count, which every step leaves as it found it. None leaves it alone."""
+    """CPU: a step of a single row of a few tokens (its decode steps, a short prompt) runs on
+    `one_row_threads`; steps of several rows on the caller's thread count, which every step
+    leaves as it found it. None leaves it alone."""
     seen: list[tuple[int, int]] = []  # (rows, threads) of each forward call
     before = torch.get_num_threads()
     try:
@@ -1198,7 +1210,8 @@ def test_one_row_steps_run_on_one_thread_and_restore_the_count(workdir: Path) ->
             forward = model.forward
 
             def spy(ids: torch.Tensor, *a: Any, **kw: Any) -> torch.Tensor:
-                seen.append((ids.shape[0] if ids.shape[1] == 1 else -1, torch.get_num_threads()))
+                batch = kw["attention"].batch  # -1: a step with a prompt of several tokens
+                seen.append((batch.num_rows if batch.max_query_len == 1 else -1, torch.get_num_threads()))
                 return forward(ids, *a, **kw)
 
             model.forward = spy  # type: ignore[method-assign]
@@ -1210,7 +1223,7 @@ def test_one_row_steps_run_on_one_thread_and_restore_the_count(workdir: Path) ->
             engine.add([5, 6], _greedy(4), "b")
             engine.add([8, 9], _greedy(4), "c")
             run_to_completion(engine)  # a two-row prefill, then two-row decode steps
-            assert seen[0] == (-1, 2) and seen[1:4] == [(1, want_one_row)] * 3, seen
+            assert seen[0] == (-1, want_one_row) and seen[1:4] == [(1, want_one_row)] * 3, seen
             assert seen[4] == (-1, 2) and set(seen[5:]) == {(2, 2)}, seen
             assert torch.get_num_threads() == 2
     finally:
@@ -1284,18 +1297,18 @@ def test_a_one_row_draft_step_runs_on_one_thread(workdir: Path) -> None:
     engine = Engine(_model(TPContext.single(), workdir), None, EngineConfig(max_batch=2, max_seq_len=32))
     before = torch.get_num_threads()
 
-    def threads(plan: StepPlan) -> int:
-        with engine.runner.threads_for(plan):
+    def threads(batch: TokenBatch) -> int:
+        with engine.runner.threads_for(batch):
             return torch.get_num_threads()
 
-    def rows(*widths: int) -> BatchPlan:
-        return BatchPlan(tuple((1,) for _ in widths), (3,) * len(widths), tuple((5,) * w for w in widths), False)
+    def rows(*widths: int) -> TokenBatch:
+        return TokenBatch.of([BatchRow((1,), 3, (5,) * w, w) for w in widths])
 
     try:
         torch.set_num_threads(2)
-        assert threads(StepPlan(decode=rows(1))) == threads(StepPlan(decode=rows(5))) == 1
-        assert threads(StepPlan(decode=rows(STACK_MAX_ROWS + 1))) == 2
-        assert threads(StepPlan(decode=rows(2, 2))) == threads(StepPlan(prefill=rows(5))) == 2
+        assert threads(rows(1)) == threads(rows(5)) == 1  # one row of a few tokens: the native kernels
+        assert threads(rows(STACK_MAX_ROWS + 1)) == 2
+        assert threads(rows(2, 2)) == threads(rows(1, 1)) == 2
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -1,6 +1,6 @@
-"""tprt.engine.scheduler.Scheduler alone: plain sequences in, plans out, no ranks and no model.
+"""tprt.engine.scheduler.Scheduler alone: plain sequences in, token batches out, no ranks and no model.
 
-Covered: admission in arrival order under the token budget (chunked prefill, padded width),
+Covered: admission in arrival order under the token budget (chunked prefill, no padding),
 max_batch, KV block allocation and preemption when the pool runs out (admitted work always
 finishes, every block comes back), prefix sharing (shared blocks, reference counts, cached after
 the end, reused by a later prompt), decode rows of k tokens (a last token and a draft, trimmed to
@@ -56,8 +56,20 @@ def make(max_batch: int = 8, token_budget: int = 64, n_blocks: int = 64, block_s
     return Scheduler(SchedulerConfig(max_batch, token_budget, n_blocks, block_size, prefix_cache))
 
 
+def decode_part(step: Schedule) -> list[tuple[int, tuple[int, ...]]]:
+    """The batch's decode rows (first in a batch) as (start, tokens)."""
+    b = step.batch
+    return [] if b is None else [(b.starts[r], b.row_tokens(r)) for r in range(len(step.decode))]
+
+
+def prefill_part(step: Schedule) -> list[tuple[int, tuple[int, ...]]]:
+    """The batch's prompt chunks (after its decode rows) as (start, tokens)."""
+    b = step.batch
+    return [] if b is None else [(b.starts[r], b.row_tokens(r)) for r in range(len(step.decode), b.num_rows)]
+
+
 def finish_step(s: Scheduler, step: Schedule, next_token: int = 100) -> list[Seq]:
-    """What the driver does after running a plan, with `next_token + len(output)` as every
+    """What the driver does after running a batch, with `next_token + len(output)` as every
     sampled token and no draft token kept: returns the sequences that finished (removed)."""
     ended = []
     for seq, n in step.prefill:
@@ -88,23 +100,22 @@ def test_admission_in_order_under_the_token_budget() -> None:
     for q in (a, b, c):
         s.add(q)
     first = s.schedule()
-    assert first.plan.decode is None and first.plan.prefill is not None
-    assert [q for q, _ in first.prefill] == [a] and first.plan.prefill.tokens == (tuple(range(1, 11)),)
-    assert first.plan.prefill.starts == (0,) and b.status is c.status is Status.WAITING
+    assert not first.decode and first.batch is not None
+    assert [q for q, _ in first.prefill] == [a] and prefill_part(first) == [(0, tuple(range(1, 11)))]
+    assert b.status is c.status is Status.WAITING
+    assert first.batch.logits == (0,)  # a chunk that does not end its prompt returns no logits
     finish_step(s, first)
-    second = s.schedule()  # a's second chunk; b and c would pad the batch past the budget
+    second = s.schedule()  # a's second chunk takes the whole budget
     assert [(q.request_id, n) for q, n in second.prefill] == [("a", 10)]
-    assert second.plan.prefill is not None and second.plan.prefill.starts == (10,)
+    assert [start for start, _ in prefill_part(second)] == [10]
     finish_step(s, second)
-    third = s.schedule()  # a's last 5 tokens and b's 3; c's would pad the batch to 3 x 5 > 10
-    assert [(q.request_id, n) for q, n in third.prefill] == [("a", 5), ("b", 3)]
-    assert third.plan.prefill is not None
-    assert third.plan.prefill.rows * third.plan.prefill.width <= 10
+    third = s.schedule()  # a's last 5 tokens, b's 3 and c's 2: nothing padded, 10 tokens
+    assert [(q.request_id, n) for q, n in third.prefill] == [("a", 5), ("b", 3), ("c", 2)]
+    assert third.batch is not None and third.batch.num_tokens == 10 and third.batch.logits == (1, 1, 1)
     finish_step(s, third)
-    fourth = s.schedule()  # a and b decode (one token each, at position length - 1); c joins
-    assert fourth.decode == [a, b] and [(q.request_id, n) for q, n in fourth.prefill] == [("c", 2)]
-    assert fourth.plan.decode is not None and fourth.plan.decode.starts == (25, 3)
-    assert fourth.plan.decode.tokens == ((100,), (100,))
+    fourth = s.schedule()  # all three decode (one token each, at position length - 1)
+    assert fourth.decode == [a, b, c] and not fourth.prefill
+    assert decode_part(fourth) == [(25, (100,)), (3, (100,)), (2, (100,))]
 
 
 def test_max_batch_admits_no_more_until_one_ends() -> None:
@@ -165,7 +176,7 @@ def test_prefix_sharing_refcounts_and_cache_after_the_end() -> None:
     s.add(b)
     step = s.schedule()
     assert [(q, n) for q, n in step.prefill] == [(b, 2)]  # only the unshared tail is prefilled
-    assert step.plan.prefill is not None and step.plan.prefill.starts == (4,)
+    assert [start for start, _ in prefill_part(step)] == [4]
     assert b.blocks[:2] == a.blocks[:2] and b.cached_prompt_tokens == 4
     assert [s.pool.refs(blk) for blk in a.blocks[:2]] == [2, 2]
     assert s.prefix_hit_tokens == 4 and s.prefix_queried_tokens == 5 + 6
@@ -193,9 +204,7 @@ def test_rows_of_k_tokens_and_the_budget() -> None:
     finish_step(s, s.schedule())
     a.draft, b.draft = [7, 8, 9], [10, 11, 12]
     step = s.schedule()  # 2 tokens for the rows themselves, 4 left: a's whole draft, one of b's
-    assert step.plan.decode is not None
-    assert step.plan.decode.tokens == ((100, 7, 8, 9), (100, 10))
-    assert step.plan.decode.starts == (3, 3)
+    assert decode_part(step) == [(3, (100, 7, 8, 9)), (3, (100, 10))]
     assert len(a.blocks) * 2 >= 3 + 4 and len(b.blocks) * 2 >= 3 + 2  # blocks for every position written
 
 
@@ -207,7 +216,7 @@ def test_giving_positions_back() -> None:
     assert (a.num_computed, len(a.blocks), len(a.digests)) == (3, 2, 1)
     a.draft = [7, 8, 9, 10]
     step = s.schedule()  # positions 3..7: block 1 fills, blocks 2 and 3 hold draft tokens only
-    assert step.plan.decode is not None and step.plan.decode.tokens == ((100, 7, 8, 9, 10),)
+    assert decode_part(step) == [(3, (100, 7, 8, 9, 10))]
     assert len(a.blocks) == 4
     used = s.pool.used
     a.output += [7, 50]  # the driver kept the input token and one drafted token, then chose 50
@@ -217,7 +226,7 @@ def test_giving_positions_back() -> None:
     assert (a.num_computed, len(a.blocks), len(a.digests), a.draft) == (5, 3, 2, [])
     assert s.pool.used == used - 1
     nxt = s.schedule()  # the next row starts at the first position given back
-    assert nxt.plan.decode is not None and nxt.plan.decode.starts == (5,) and nxt.plan.decode.tokens == ((50,),)
+    assert decode_part(nxt) == [(5, (50,))]
     with pytest.raises(ValueError, match="named blocks"):
         s.truncate(a, 3)  # into block 1, named (and shareable): refused
     s.truncate(a, 4)

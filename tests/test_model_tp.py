@@ -18,12 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import force_native_decode, make_hf_llama
+from helpers import force_native_decode, forward_rows, make_hf_llama
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.model.config import ModelConfig
 from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
+from tprt.model.attention import TorchAttention
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.kv_cache import KVCache, kv_cache_dtype, quantize
 from tprt.model.kv_scales import calibrate, scales_from_amax
 from tprt.checkpoint.loading import load_model
@@ -146,16 +148,12 @@ class _Seq:
 
 def _step(model: TPLlamaForCausalLM, cache: KVCache, seqs: list[_Seq]) -> None:
     """One engine-like step: new sequences feed their prompt (prefill), running ones their last
-    token (decode), all in one right-padded batch; each gets one greedy token."""
+    token (decode), all in one batch of tokens; each gets one greedy token."""
     chunks = [[s.out[-1]] if s.out else s.prompt for s in seqs]
     starts = [len(s.prompt) + len(s.out) - 1 if s.out else 0 for s in seqs]
-    ids, lens = _pad(chunks)  # [batch, seq]
-    positions = torch.tensor(starts)[:, None] + torch.arange(ids.shape[1])  # [batch, seq]; padding continues
+    batch = TokenBatch.of([BatchRow(tuple(s.table), a, tuple(c), 1) for s, a, c in zip(seqs, starts, chunks)])
     with torch.inference_mode():
-        local = model(
-            ids, positions, cache, torch.tensor([s.table for s in seqs]),
-            kv_len=int(positions.max()) + 1, logits_index=torch.tensor(lens) - 1,
-        )  # [batch, local_vocab]
+        local = model(torch.tensor(batch.tokens), attention=TorchAttention().prepare(batch, cache))  # [batch, local_vocab]
         full = model.gather_logits(local)  # [batch, vocab]
     for s, t, row in zip(seqs, full.argmax(-1).tolist(), full):
         s.out.append(t)
@@ -231,7 +229,7 @@ def check_int8_logits(ctx: TPContext, workdir: Path, name: str) -> None:
     assert stack.max_rows == native.STACK_MAX_Q8_ROWS
     cache, free = _garbage_cache(packed, 12)
     seqs = [_Seq(p, _take(free)) for p in ref["prompts"] * 4]
-    _step(packed, cache, seqs)  # one padded prefill: the module path
+    _step(packed, cache, seqs)  # one prefill of every prompt
     for _ in range(4):
         packed.stack = LayerStack()
         modules = [_Seq(s.prompt, s.table, list(s.out)) for s in seqs]
@@ -246,12 +244,11 @@ def check_cached_prefill(ctx: TPContext, workdir: Path, name: str) -> None:
     """Prefill into a paged cache (rows in scattered blocks) with last-position logits only; the
     vocab-parallel greedy pick equals the argmax of the gathered logits."""
     ref, model = _ref(workdir, name), _model(ctx, workdir, name)
-    ids, lens = _pad(ref["prompts"])
-    positions = torch.arange(ids.shape[1]).expand_as(ids)  # [batch, seq]
+    lens = [len(p) for p in ref["prompts"]]
     cache, free = _garbage_cache(model, len(lens))
-    tables = torch.tensor([_take(free) for _ in lens])
+    batch = TokenBatch.of([BatchRow(tuple(_take(free)), 0, tuple(p), 1) for p in ref["prompts"]])
     with torch.inference_mode():
-        local = model(ids, positions, cache, tables, logits_index=torch.tensor(lens) - 1)  # [batch, local_vocab]
+        local = model(torch.tensor(batch.tokens), attention=TorchAttention().prepare(batch, cache))  # [batch, local_vocab]
         full = model.gather_logits(local)
     assert full.shape == (len(lens), model.config.vocab_size)
     with torch.inference_mode():
@@ -294,9 +291,12 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
     stack = model.stack
     assert isinstance(stack, NativeDecodeStack) == (native.available() and ctx.device.type == "cpu")
     cache, free = _garbage_cache(model, 6)
+    prefill_calls = 0  # the stack takes prompts of a few tokens too; counted apart
     for b, prompt in enumerate(ref["prompts"]):
         seq = _Seq(prompt, _take(free))
+        before = calls[1]
         _step(model, cache, [seq])  # prefill
+        prefill_calls += calls[1] - before
         for _ in range(N_NEW - 1):
             model.stack = LayerStack()  # the halves first: the stack then rewrites the same k/v
             halves = _Seq(prompt, seq.table, list(seq.out))
@@ -306,10 +306,13 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
             assert torch.equal(seq.logits[-1], halves.logits[-1]), f"prompt {b}: stack and halves differ"
         if dtype == "fp32":
             assert seq.out == ref["generated"][b], f"prompt {b}: greedy tokens differ from transformers' generate"
-    assert (calls[1] == len(ref["prompts"]) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
+    decode_calls = calls[1] - prefill_calls
+    assert (decode_calls == len(ref["prompts"]) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
     # Every prompt in one batch: decode steps of 3 rows in one call each, against the layers one by one.
     seqs = [_Seq(p, _take(free)) for p in ref["prompts"]]
-    _step(model, cache, seqs)  # one padded prefill: the module path
+    before = calls[1]
+    _step(model, cache, seqs)  # one prefill of every prompt
+    prefill_calls += calls[1] - before
     for _ in range(N_NEW - 1):
         model.stack = LayerStack()
         modules = [_Seq(s.prompt, s.table, list(s.out)) for s in seqs]
@@ -320,7 +323,8 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
             _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else 2e-2)
     if dtype == "fp32":
         assert [s.out for s in seqs] == ref["generated"], "3 rows: greedy tokens differ from transformers' generate"
-    assert (calls[1] == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
+    decode_calls = calls[1] - prefill_calls
+    assert (decode_calls == (len(ref["prompts"]) + 1) * (N_NEW - 1)) == (native.available() and ctx.device.type == "cpu"), calls
 
 
 # Quantized KV caches (tprt.model.kv_cache): max |logit error| over the logit scale against the
@@ -435,11 +439,11 @@ def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
     # Cached decode: on CPU the cache (and so attention) is float32 under bf16 weights.
     cache = model.new_cache(TABLE + 1, BLOCK)
     assert cache.dtype == (torch.float32 if ctx.device.type == "cpu" else torch.bfloat16)
-    prompt, table = torch.tensor([ref["prompts"][0]]), torch.arange(1, TABLE + 1)[None]
-    n = prompt.shape[1]
+    prompt, table = ref["prompts"][0], [tuple(range(1, TABLE + 1))]
+    n = len(prompt)
     with torch.inference_mode():
-        model(prompt[:, :-1], torch.arange(n - 1)[None], cache, table)
-        last = model.gather_logits(model(prompt[:, -1:], torch.tensor([[n - 1]]), cache, table))[0, 0]
+        forward_rows(model, cache, [prompt[:-1]], [0], table)
+        last = forward_rows(model, cache, [prompt[-1:]], [n - 1], table)[0][0]
     _assert_close(last[None], ref["logits"][0][n - 1 : n], "bf16 cached decode", 5e-2)
 
 

@@ -19,7 +19,7 @@ from tprt.distributed.protocol import Command, Header, Tag, send_command, send_s
 from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, RankCommand, TrainAbort, TrainFinish,
                                   TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed, RankGroup
-from tprt.engine.plan import StepPlan
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.train.data import Dataset, PackedRows
 from tprt.train.trainer import FinetuneConfig
 
@@ -65,12 +65,12 @@ def test_commands_roundtrip() -> None:
 def test_one_rank_sends_nothing() -> None:
     """With one rank there is no process group: sending anything is a no-op."""
     ctx = TPContext.single()
-    send_step(StepPlan(), ctx)
+    send_step(TokenBatch.of([BatchRow((1,), 0, (5,), 1)]), ctx)
     send_command(TrainStep(), ctx)
     send_signal(Tag.KEEPALIVE, ctx)
     send_signal(Tag.EXIT, ctx)
     with pytest.raises(ValueError):
-        send_signal(Tag.STEP, ctx)  # a step carries a plan
+        send_signal(Tag.STEP, ctx)  # a step carries a batch
 
 
 class _Unknown(Command[None]):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import forward_rows
 from tprt.cpu import native
 from tprt.quant.formats import QuantSpec, dequantize, quantize
 
@@ -273,13 +274,12 @@ def test_int8_model_decodes_in_the_whole_stack_kernel(tmp_path: Path, dtype: str
     def decode(with_stack: bool) -> torch.Tensor:
         model.stack = stack if with_stack else LayerStack()
         cache = model.new_cache(batch * 2 + 1, 4)
-        tables = torch.arange(1, 2 * batch + 1).view(batch, 2)  # [batch, blocks]
+        tables = torch.arange(1, 2 * batch + 1).view(batch, 2).tolist()  # [batch, blocks]
         out = []
         with torch.inference_mode():
             for t in range(ids.shape[1]):
-                local = model(ids[:, t : t + 1], torch.full((batch, 1), t), cache, tables, kv_len=t + 1,
-                              logits_index=torch.zeros(batch, dtype=torch.long))  # [batch, local_vocab]
-                out.append(model.gather_logits(local))
+                out.append(torch.stack([row[0] for row in forward_rows(model, cache, ids[:, t : t + 1].tolist(),
+                                                                       [t] * batch, tables)]))
         return torch.stack(out)
 
     got, want = decode(True), decode(False)

@@ -32,12 +32,12 @@ from convert.plan import plan_tp
 from fake_world import CONFIGS, Collective, CollectiveLog, build_rank, fake_world, real_config
 from tprt.distributed.context import TPContext
 from tprt.engine.core import Engine, EngineConfig, kv_pool_blocks, run_to_completion
-from tprt.engine.plan import BatchPlan, StepPlan
-from tprt.engine.runner import BatchResult, ModelRunner, StepResult
+from tprt.engine.runner import ModelRunner, RunnerConfig, StepResult
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.static_decode import StaticDecode, buckets, kv_buckets
 from tprt.lora.attach import apply_lora
 from tprt.lora.config import TARGETS
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.model.kv_cache import MASK_ELEMENTS, CacheStep
 from tprt.model.llama import TPLlamaForCausalLM
@@ -184,30 +184,31 @@ def inference_collectives(cfg: ModelConfig, layout: TPLayout, rows: int, width: 
     """Megatron's inference forward: the embedding's all-reduce, two per layer (after attention
     and after the MLP), each [rows, width, hidden] in the model dtype; then the LM head's: the
     local logits [rows, local_vocab] gathered to rank 0 alone for sampling (no other rank holds
-    the vocabulary), or one (value, id) pair per row all-gathered for greedy."""
+    the vocabulary), or one (value, id) pair per row all-gathered for greedy; none when no row
+    returns logits (`gathered_rows` 0)."""
     h = cfg.hidden_size
     out = [Collective("all_reduce", (rows, width, h), BF16, "SUM")] * (1 + 2 * cfg.num_hidden_layers)
     n = rows if gathered_rows is None else gathered_rows
+    if n == 0:
+        return out
     gather = Collective("gather", (n, layout.local_vocab), BF16) if full_logits \
         else Collective("all_gather", (n, 2), torch.float64)
     return out + [gather]
 
 
-def step_collectives(cfg: ModelConfig, layout: TPLayout, plan: StepPlan, max_batch: int) -> list[Collective]:
-    """What one `ModelRunner.execute(plan)` must issue on every rank, with static decode over
-    `max_batch` slots (packed decode rows padded to a batch bucket)."""
-    out = []
-    if plan.prefill is not None:
-        out += inference_collectives(cfg, layout, plan.prefill.rows, plan.prefill.width, plan.prefill.full_logits)
-    if plan.decode is not None:
-        n = plan.decode.rows
-        rows = next(b for b in buckets(max_batch) if b >= n)  # static decode: padded to a bucket
-        out += inference_collectives(cfg, layout, rows, 1, plan.decode.full_logits, gathered_rows=n)
-    return out
+def step_collectives(cfg: ModelConfig, layout: TPLayout, batch: TokenBatch, max_batch: int) -> list[Collective]:
+    """What one `ModelRunner.execute(batch)` must issue on every rank: one forward call over the
+    batch's tokens ([tokens, 1, hidden]), with static decode over `max_batch` slots (a batch of
+    one-token rows padded to a batch bucket)."""
+    if batch.max_query_len == 1:
+        rows = next(b for b in buckets(max_batch) if b >= batch.num_rows)  # static decode: padded to a bucket
+        return inference_collectives(cfg, layout, rows, 1, batch.full_logits, gathered_rows=batch.num_logits)
+    return inference_collectives(cfg, layout, batch.num_tokens, 1, batch.full_logits, gathered_rows=batch.num_logits)
 
 
 def record_steps(runner: ModelRunner) -> list[CacheStep]:
-    """What every forward call of `runner` attends with (keys, mask), in order (from now on)."""
+    """What every attention group of `runner`'s forward calls attends with (keys, mask), in order
+    (from now on)."""
     seen: list[CacheStep] = []
     prepare = runner.cache.prepare
 
@@ -221,43 +222,48 @@ def record_steps(runner: ModelRunner) -> list[CacheStep]:
     return seen
 
 
-
-def step_kv_lens(plan: StepPlan, max_seq_len: int) -> list[int]:
-    """The keys each forward call of the plan must read: the prefill's up to its last position;
-    a static decode step's the smallest key bucket holding its rows, not max_seq_len."""
-    out = [plan.prefill.kv_len] if plan.prefill is not None else []
-    if plan.decode is not None:
-        need = plan.decode.kv_len
-        out.append(next(k for k in kv_buckets(max_seq_len) if k >= need))
-    return out
+def step_kv_lens(batch: TokenBatch, max_seq_len: int) -> list[int]:
+    """The keys each attention group of the batch must read (tprt.model.attention): a static
+    decode step's the smallest key bucket holding its rows, not max_seq_len; otherwise the
+    one-token rows' up to their last position, then each run of prompt chunks' up to its end."""
+    if batch.max_query_len == 1:
+        return [next(k for k in kv_buckets(max_seq_len) if k >= batch.kv_len)]
+    singles = [s + 1 for s, n in zip(batch.starts, batch.lens) if n == 1]
+    runs, r = [], 0
+    while r < batch.num_rows:
+        end = r
+        while end < batch.num_rows and (batch.starts[end], batch.lens[end]) == (batch.starts[r], batch.lens[r]):
+            end += 1
+        if batch.lens[r] > 1:
+            runs.append(batch.starts[r] + batch.lens[r])
+        r = end
+    return ([max(singles)] if singles else []) + runs
 
 
 class RecordingRunner:
-    """Wraps rank 0's runner: records each plan, runs it on meta, checks the result's shapes and
+    """Wraps rank 0's runner: records each batch, runs it on meta, checks the result's shapes and
     hands the engine values it can sample from (a meta tensor has none): zeros of those shapes."""
 
     def __init__(self, runner: ModelRunner, vocab: int) -> None:
         self.runner, self.vocab = runner, vocab
-        self.plans: list[StepPlan] = []
+        self.plans: list[TokenBatch] = []
 
-    def threads_for(self, plan: StepPlan) -> Any:
-        return self.runner.threads_for(plan)
+    def threads_for(self, batch: TokenBatch) -> Any:
+        return self.runner.threads_for(batch)
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        self.plans.append(plan)
-        result = self.runner.execute(plan)
-        return StepResult(self._values(plan.prefill, result.prefill), self._values(plan.decode, result.decode))
-
-    def _values(self, batch: BatchPlan | None, result: BatchResult | None) -> BatchResult | None:
-        if batch is None or result is None:
-            return None
-        rows = batch.rows
+    def execute(self, batch: TokenBatch) -> StepResult:
+        self.plans.append(batch)
+        result = self.runner.execute(batch)
+        n = batch.num_logits
+        if n == 0:
+            assert result.ids is None and result.logits is None
+            return result
         if batch.full_logits:
             assert result.ids is None and result.logits is not None
-            assert result.logits.shape == (rows, self.vocab) and result.logits.dtype == torch.float32
-            return BatchResult(None, torch.zeros(rows, self.vocab))
-        assert result.logits is None and result.ids is not None and result.ids.shape == (rows,)
-        return BatchResult(torch.zeros(rows, dtype=torch.long), None)
+            assert result.logits.shape == (n, self.vocab) and result.logits.dtype == torch.float32
+            return StepResult(None, torch.zeros(n, self.vocab))
+        assert result.logits is None and result.ids is not None and result.ids.shape == (n,)
+        return StepResult(torch.zeros(n, dtype=torch.long), None)
 
 
 def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
@@ -284,10 +290,10 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         assert {r: len(c.token_ids) for r, c in done.items()} == new_tokens
         rank0 = log.take()
         plans = recorder.plans
-        assert any(p.prefill is not None and any(len(t) < prompts["long"] for t in p.prefill.tokens) and
-                   p.prefill.starts != (0,) * len(p.prefill.starts) for p in plans), "no chunked prefill"
-        assert any(p.prefill is not None and p.decode is not None for p in plans), "no mixed step"
-        assert max(p.decode.rows for p in plans if p.decode is not None) == 3
+        chunks = [(p.starts[r], p.lens[r]) for p in plans for r in range(p.num_rows) if p.logits[r] < p.lens[r]]
+        assert any(n < prompts["long"] and start > 0 for start, n in chunks), "no chunked prefill"
+        assert any(p.max_query_len > 1 and 1 in p.lens for p in plans), "no mixed step"
+        assert max(p.num_rows for p in plans if p.max_query_len == 1) == 3
         expected = [c for p in plans for c in step_collectives(cfg, layout, p, slots)]
         assert [c for c in rank0 if c.op != "broadcast"] == expected
         kv_lens = [step.kv_len for step in steps]
@@ -299,17 +305,16 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         for rank in range(1, tp):
             model = build_rank(cfg, tp, rank)
             runner = ModelRunner(model, kv_pool_blocks(config, max_seq), config.kv_block_size, slots, max_seq,
-                                 static_decode=True)
+                                 RunnerConfig(static_decode=True))
             steps = record_steps(runner)
             n_blocks = slots * max_seq // config.kv_block_size + 1  # the same pool as rank 0's, and scratch
             assert runner.cache.kv.shape == (cfg.num_hidden_layers, n_blocks, 2, 1, config.kv_block_size,
                                              cfg.head_dim)
             assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * n_blocks * config.kv_block_size
             for plan in plans:
-                result = runner.execute(plan)
-                for batch, out in ((plan.prefill, result.prefill), (plan.decode, result.decode)):
-                    if batch is not None and out is not None and batch.full_logits:
-                        assert out.logits is None and out.ids is None, "a follower holds the vocabulary's logits"
+                out = runner.execute(plan)
+                if plan.full_logits:
+                    assert out.logits is None and out.ids is None, "a follower holds the vocabulary's logits"
             assert log.take() == expected, f"rank {rank}"
             assert [step.kv_len for step in steps] == [k for p in plans for k in step_kv_lens(p, max_seq)]
 
@@ -355,42 +360,42 @@ def test_long_context_decode_70b_tp8() -> None:
     log = CollectiveLog()
     with fake_world(tp), log.recording():
         runner = ModelRunner(build_rank(cfg, tp, tp - 1), slots * per_seq + 1, size, slots, max_seq,
-                             static_decode=True)
+                             RunnerConfig(static_decode=True))
         assert runner.cache.kv.numel() > 2**31
         assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * (slots * per_seq + 1) * size
         starts = tuple(max_seq - 1 - s for s in range(slots))
         for order in (tuple(range(slots)), tuple(reversed(range(slots)))):
             tables = tuple(tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in order)
-            plan = StepPlan(decode=BatchPlan(tables, starts, ((1,),) * slots, False))
+            plan = TokenBatch.of([BatchRow(t, s, (1,), 1) for t, s in zip(tables, starts)])
             result = runner.execute(plan)
-            assert result.decode is not None and result.decode.ids is not None
-            assert result.decode.ids.shape == (slots,)
+            assert result.ids is not None and result.ids.shape == (slots,)
             assert log.take() == step_collectives(cfg, layout, plan, slots)
 
 
 def test_long_context_prefill_mask_70b_tp8() -> None:
     """A 2048-token chunk at the end of the 128K context, beside a second row at another start:
-    the attention mask is one staircase of at most MASK_ELEMENTS (bf16: 32 MiB), not a mask per
-    row of chunk x context (2 x 2048 x 128K x 2 bytes: 1 GiB), and the queries go in blocks."""
+    each row's attention mask is a staircase of at most MASK_ELEMENTS (bf16: 32 MiB), not a mask
+    of chunk x context per row (2 x 2048 x 128K x 2 bytes: 1 GiB), and the queries go in blocks."""
     cfg = real_config("llama-3.1-70b")
     tp, slots, max_seq, chunk = 8, 2, cfg.max_position_embeddings, 2048
     layout = TPLayout.for_model(cfg, tp)
     log = CollectiveLog()
     with fake_world(tp), log.recording():
         per_seq = max_seq // 16
-        runner = ModelRunner(build_rank(cfg, tp, 0), slots * per_seq + 1, 16, slots, max_seq, static_decode=True)
+        runner = ModelRunner(build_rank(cfg, tp, 0), slots * per_seq + 1, 16, slots, max_seq,
+                             RunnerConfig(static_decode=True))
         steps = record_steps(runner)
         starts = (max_seq - chunk, max_seq - 3 * chunk)
         tables = tuple(tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots))
-        plan = StepPlan(prefill=BatchPlan(tables, starts, ((1,) * chunk,) * 2, True))
+        plan = TokenBatch.of([BatchRow(t, s, (1,) * chunk, 1) for t, s in zip(tables, starts)], full_logits=True)
         result = runner.execute(plan)
-        assert result.prefill is not None and result.prefill.logits is not None
-        assert result.prefill.logits.shape == (2, cfg.vocab_size)
+        assert result.logits is not None and result.logits.shape == (2, cfg.vocab_size)
         assert log.take() == step_collectives(cfg, layout, plan, slots)
-    (step,) = steps
-    assert step.kv_len == max_seq and step.starts == starts
-    assert step.mask.numel() <= MASK_ELEMENTS and step.mask.shape == (MASK_ELEMENTS // max_seq, max_seq)
-    assert step.mask.numel() * step.mask.element_size() == 32 << 20
+    # One attention group per row (their starts differ), each with its staircase in query blocks.
+    assert [(step.kv_len, step.starts) for step in steps] == [(s + chunk, (s,)) for s in starts]
+    for step in steps:
+        assert step.mask.numel() <= MASK_ELEMENTS and step.mask.shape == (MASK_ELEMENTS // step.kv_len, step.kv_len)
+    assert steps[0].mask.numel() * steps[0].mask.element_size() == 32 << 20
 
 
 # ---------------------------------------------------------------- a LoRA step at scale

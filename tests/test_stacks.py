@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import force_native_decode
+from helpers import force_native_decode, forward_rows
 from tprt.distributed.context import TPContext
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.model.llama import CheckpointedStack, LayerStack, Step, TPLlamaForCausalLM
@@ -45,7 +45,7 @@ def test_the_reference_stack_is_the_default_and_owns_no_parameters() -> None:
         h = model.embed_tokens(ids)
         cos, sin = rope_angles(torch.arange(4).expand(2, 4), model.inv_freq, h.dtype)
         for layer in model.layers:
-            h = layer(h, Step(cos, sin, None, None))
+            h = layer(h, Step(cos, sin))
         assert torch.equal(model.forward_hidden(ids), h)
 
 
@@ -77,8 +77,7 @@ def test_checkpointed_stack_gives_the_reference_loss_and_gradients() -> None:
 @pytest.mark.parametrize("rows", [1, 3])
 def test_native_stack_gives_the_reference_logits(rows: int) -> None:
     """Decode steps of 1 and 3 rows over a float32 cache: the native stack (every layer in one
-    compiled call) against the reference stack on the same model, same logits and KV cache; a
-    prefill (several tokens per row) goes through the layers."""
+    compiled call) against the reference stack on the same model, same logits and KV cache."""
     from tprt.cpu import native
     from tprt.cpu.fast_linear import prepack, supported
     from tprt.cpu.native_layers import NativeDecodeStack, install_native_layers, install_native_stack
@@ -97,19 +96,20 @@ def test_native_stack_gives_the_reference_logits(rows: int) -> None:
     tables = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]])[:rows]
     with torch.inference_mode():
         for m, cache in zip((reference, model), caches):
-            for i, p in enumerate(prompts):  # prefill: several tokens, the layers one by one
-                m(torch.tensor([p]), torch.arange(len(p))[None], cache, tables[i : i + 1])
-        positions = torch.tensor([[len(p)] for p in prompts])
+            for i, p in enumerate(prompts):  # prefill: a prompt of a few tokens (the stack takes it)
+                forward_rows(m, cache, [p], [0], tables[i : i + 1])
+        prefill_calls = calls[1]
+        positions = [len(p) for p in prompts]
         for step in range(3):
-            ids = torch.tensor([[20 + step + r] for r in range(rows)])
-            want = reference(ids, positions, caches[0], tables)[..., : CFG.vocab_size]  # padding: -inf
-            got = model(ids, positions, caches[1], tables)[..., : CFG.vocab_size]
+            ids = [[20 + step + r] for r in range(rows)]
+            want = torch.cat(forward_rows(reference, caches[0], ids, positions, tables))
+            got = torch.cat(forward_rows(model, caches[1], ids, positions, tables))
             assert (got - want).abs().max() <= 1e-4 * want.abs().max(), step
             assert (caches[1].kv - caches[0].kv).abs().max() <= 1e-5 * caches[0].kv.abs().max(), step
-            positions = positions + 1
-    assert calls[1] == 3, calls  # every decode step ran in the stack's one call
+            positions = [p + 1 for p in positions]
+    assert calls[1] - prefill_calls == 3, calls  # every decode step ran in the stack's one call
     assert install_native_stack(model) is not None and isinstance(model.stack, NativeDecodeStack)
     model.stack = LayerStack()  # swapped back: the layers one by one again
     with torch.inference_mode():
-        again = model(ids, positions - 1, caches[1], tables)[..., : CFG.vocab_size]
+        again = torch.cat(forward_rows(model, caches[1], ids, [p - 1 for p in positions], tables))
     assert (again - want).abs().max() <= 1e-4 * want.abs().max()

@@ -21,6 +21,7 @@ from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import init_distributed
 from tprt.distributed.launcher import run_on_ranks
 from tprt.engine.constraints import ConstraintSpec, StructuredOutputs
+from tprt.cpu.threads import spare_cores
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
@@ -231,7 +232,8 @@ def generate_rank(job: GenerateJob) -> None:
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
                           token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
                           cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
-                          kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config))
+                          kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config),
+                          mask_threads=spare_cores(ctx.device))
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()

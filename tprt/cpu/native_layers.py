@@ -7,19 +7,20 @@ Each runs its kernel only for the inference step it was written for and otherwis
 the reference math:
 
 - `NativeRMSNorm`: any call with autograd off, in one compiled call;
-- `NativeAttention`: a one-token step (any batch) with autograd off over a float32 or int8 KV
-  cache (`tprt.cpu.native.supports_cache`; int8 is quantized on write, read as int8 in the loop):
-  RoPE, the cache write and q in float32 in one call, attention over the cache in another;
-- `NativeDecoderLayer`: one row with autograd off and no adapter acting on the half: each half
+- `NativeAttention`: a step whose rows hold one token each, with autograd off over a float32 or
+  int8 KV cache (`tprt.cpu.native.supports_cache`; int8 is quantized on write, read as int8 in
+  the loop): RoPE, the cache write and q in float32 in one call, attention over the cache in
+  another (the step's, tprt.cpu.native_attention under the native backend);
+- `NativeDecoderLayer`: a step of one token with autograd off and no adapter acting on the half: each half
   (its norm included) in one call giving this rank's partial product, which the row-parallel
   layer all-reduces; the attention half also needs a float32 or int8 cache. A half gets its kernel only
   where `tprt.cpu.fast_linear.prepack` chose the native GEMV for both of its linears, so call
   this after `prepack`.
 - `NativeDecodeStack` (the model's `stack`): where every layer has both halves' kernels,
-  a decode step of 1 to 8 tokens (rows of one token, or fewer decode rows of several) with
-  autograd off, a float32 or int8 cache and no adapter acting runs every layer in one compiled call,
+  a step of 1 to 8 tokens over the paged cache (any rows: decode, verifying, short prompt
+  chunks) with autograd off, a float32 or int8 cache and no adapter acting runs every layer in one compiled call,
   with the all-reduces between halves in C through the TP group's shared-memory all-reduce where
-  TP > 1 (so not where the group has none: ranks on several hosts). One row gets the halves' bits.
+  TP > 1 (so not where the group has none: ranks on several hosts). One token gets the halves' bits.
   Other steps run the layers one by one.
 
 Nothing is installed unless `tprt.cpu.fast_linear.supported(model)`, nor where the kernels are
@@ -31,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tprt.cpu import native
@@ -58,31 +58,28 @@ class NativeRMSNorm(RMSNorm):
 
 
 class NativeAttention(Attention):
-    """Attention whose one-token steps over a float32 or int8 cache run `rope_cache` and, when available,
-    `decode_attention` (tprt.cpu.native) instead of the torch ops."""
+    """Attention whose plain decode steps (every row one token) over a float32 or int8 cache run
+    `rope_cache` (RoPE, the cache write and q in float32 in one call) and then attend through the
+    step (`AttentionStep.attend_cached`: tprt's decode kernel under the native backend)."""
 
-    def __init__(self, model: TPLlamaForCausalLM, layer: int, rope_cache: Kernel,
-                 decode_attention: Kernel | None) -> None:
+    def __init__(self, model: TPLlamaForCausalLM, layer: int, rope_cache: Kernel) -> None:
         super().__init__(model.config, model.layout, model.tp, layer, model.dtype)
         self.rope_cache = rope_cache
-        self.decode_attention = decode_attention
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        cache, cache_step = step.cache, step.cache_step
-        if seq != 1 or torch.is_grad_enabled() or cache is None or cache_step is None or not native.supports_cache(cache):
+        attention = step.attention
+        if (torch.is_grad_enabled() or attention is None or not attention.single_tokens
+                or not native.supports_cache(attention.cache)):
             return super().forward(x, step)
-        qkv = self.qkv_proj(x).view(batch, seq, self.n_heads + 2 * self.n_kv, self.head_dim)
-        q32 = self.rope_cache(qkv, step.cos, step.sin, cache, cache_step, self.layer)
-        if self.decode_attention is not None:  # [batch, 1, nh * head_dim] in x's dtype
-            return self.o_proj(self.decode_attention(q32, cache, cache_step, self.layer))
-        k, v = cache.read(self.layer, cache_step)  # [batch, nkv, kv_len, head_dim]
-        out = F.scaled_dot_product_attention(q32, k, v, attn_mask=cache_step.mask, enable_gqa=self.gqa)
-        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, seq, self.n_heads * self.head_dim))
+        tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(tokens, 1, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q32 = self.rope_cache(qkv, step.cos, step.sin, attention.cache, attention.token_rows, self.layer)
+        out = attention.attend_cached(self.layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
+        return self.o_proj(out.reshape(tokens, 1, self.n_heads * self.head_dim))
 
 
 class NativeDecoderLayer(DecoderLayer):
-    """A decoder layer whose one-row steps run each half it has a kernel for in one call
+    """A decoder layer whose one-token steps run each half it has a kernel for in one call
     (tprt.cpu.native.attention_decode_kernel / mlp_decode_kernel), unless an adapter acts on it."""
 
     def __init__(self, model: TPLlamaForCausalLM, layer: int, attention_half: Kernel | None,
@@ -92,11 +89,11 @@ class NativeDecoderLayer(DecoderLayer):
         self.mlp_half = mlp_half
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        attn, mlp = self.self_attn, self.mlp
-        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # decoding one row
-        if (one_row and self.attention_half is not None and step.cache is not None and step.cache_step is not None
-                and native.supports_cache(step.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
-            partial = self.attention_half(x, step.cos, step.sin, step.cache, step.cache_step, attn.layer)
+        attn, mlp, attention = self.self_attn, self.mlp, step.attention
+        one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # one token
+        if (one_row and self.attention_half is not None and attention is not None
+                and native.supports_cache(attention.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
+            partial = self.attention_half(x, step.cos, step.sin, attention.cache, attention.token_rows, attn.layer)
             h = x + attn.o_proj.reduce(partial)
         else:
             h = x + attn(self.input_layernorm(x), step)
@@ -106,15 +103,14 @@ class NativeDecoderLayer(DecoderLayer):
 
 
 class NativeDecodeStack(LayerStack):
-    """A decoder stack running `kernel` (tprt.cpu.native.decode_stack_kernel) for decode steps of
-    up to `max_rows` tokens (STACK_MAX_ROWS; STACK_MAX_Q8_ROWS for an int8 model, whose batched
-    products take any count; one row of one token: those `NativeDecoderLayer` would run half
-    by half in every layer) and the layers one by one for the others. Decode rows of several
-    tokens (a last token and a draft, `Step.decode`; prompt chunks keep the module path) go in as
-    one-token rows sharing their row's block table at consecutive positions
-    (`CacheStep.token_rows`): the kernel writes every row's keys and values in a layer (its heads
-    section) before any row attends (the next section), so each token sees its own row's earlier
-    tokens of this step, and attends to positions up to its own only."""
+    """A decoder stack running `kernel` (tprt.cpu.native.decode_stack_kernel) for steps over the
+    paged cache of up to `max_rows` tokens (STACK_MAX_ROWS; STACK_MAX_Q8_ROWS for an int8 model,
+    whose batched products take any count) and the layers one by one for the others. Every token
+    goes in as a one-token row with its row's block table at its own position
+    (`AttentionStep.token_rows`): the kernel writes every token's keys and values in a layer (its
+    heads section) before any token attends (the next section), so a row of several tokens (a
+    prompt chunk, a last token and a draft) sees its own earlier tokens of this step, and each
+    token attends to positions up to its own only."""
 
     def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel, max_rows: int = native.STACK_MAX_ROWS) -> None:
         self.kernel = kernel
@@ -122,19 +118,11 @@ class NativeDecodeStack(LayerStack):
         self.linears = model.linears()
 
     def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
-        if (h.dim() != 3 or h.shape[0] * h.shape[1] > self.max_rows or torch.is_grad_enabled()
-                or step.cache is None or step.cache_step is None
-                or not native.supports_cache(step.cache) or adapted(*self.linears)):
+        attention = step.attention
+        if (attention is None or h.shape[0] > self.max_rows or torch.is_grad_enabled()
+                or not native.supports_cache(attention.cache) or adapted(*self.linears)):
             return super().__call__(layers, h, step)
-        rows, width, hidden = h.shape
-        if width == 1:
-            return self.kernel(h, step.cos, step.sin, step.cache, step.cache_step)
-        if not step.decode:  # prompt chunks keep the module path
-            return super().__call__(layers, h, step)
-        n, d = rows * width, step.cos.shape[-1]
-        out = self.kernel(h.reshape(n, 1, hidden), step.cos.reshape(n, 1, 1, d), step.sin.reshape(n, 1, 1, d),
-                          step.cache, step.cache_step.token_rows())
-        return out.view(rows, width, hidden)
+        return self.kernel(h, step.cos, step.sin, attention.cache, attention.token_rows)
 
 
 def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
@@ -205,7 +193,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
     module docstring); a no-op unless `supported(model)`. For inference: call after `prepack`."""
     if not supported(model):
         return
-    rope_cache, decode_attention = native.rope_cache_kernel(model.dtype), native.decode_attention_kernel(model.dtype)
+    rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
@@ -213,7 +201,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
         layer.post_attention_layernorm = _norm(layer.post_attention_layernorm)
         if rope_cache is not None:
             with torch.device("meta"):
-                new_attn = NativeAttention(model, attn.layer, rope_cache, decode_attention)
+                new_attn = NativeAttention(model, attn.layer, rope_cache)
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None

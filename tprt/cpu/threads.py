@@ -1,5 +1,8 @@
 """Thread set-up for CPU inference.
 
+`spare_cores(device)`: how many threads beside the forward pass have a core of their own (what a
+launcher tells the engine for constrained rows' masks, `EngineConfig.mask_threads`).
+
 `decode_threads()`: how many threads tprt's compiled decode kernels (`tprt.cpu.native`) share
 their work among: the torch threads this process was given (tprt's launcher gives each rank
 cores / TP, `--threads` overrides it; torch's default is every core).
@@ -20,9 +23,28 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import os
+
 import torch
 
 T = TypeVar("T")
+MAX_SPARE_THREADS = 8  # threads given to work beside the forward pass, at most
+
+
+def spare_cores(device: torch.device) -> int:
+    """Threads beside the forward pass with a core of their own: on a GPU the host's cores (up
+    to MAX_SPARE_THREADS); on the CPU those the kernels of all this host's ranks
+    (LOCAL_WORLD_SIZE, as torchrun and tprt's launcher set it) leave. Call after the thread
+    counts are set (the kernels' pool: tprt.cpu.native.threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if device.type != "cpu":
+        return min(cores, MAX_SPARE_THREADS)
+    from tprt.cpu import native
+
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local_ranks = max(1, int(local)) if local.isdigit() else 1
+    spare = cores - max(torch.get_num_threads(), native.threads()) * local_ranks
+    return min(max(spare, 0), MAX_SPARE_THREADS)
 
 
 def decode_threads() -> int:

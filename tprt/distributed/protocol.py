@@ -3,7 +3,7 @@
 Rank 0 decides, every rank executes. Every message from rank 0 opens with a header, one
 broadcast of three int64s [magic, tag, size], whose tag says what follows:
 
-- STEP: a generation step's plan (`tprt.engine.plan.StepPlan.encode()`), `size` int64s in one
+- STEP: a generation step's batch (`tprt.model.batch.TokenBatch.encode()`), `size` int64s in one
   more broadcast. The per-step fast path: two broadcasts a step, nothing pickled.
 - COMMAND: one `Command`, pickled by `broadcast_object_list`. Every rank executes it together
   (`tprt.distributed.ranks`); its type says what rank 0 gets back: a `Command[R]` returns an R.
@@ -47,7 +47,7 @@ _TAGS = frozenset(int(t) for t in Tag)
 @dataclass(frozen=True)
 class Header:
     tag: Tag
-    size: int = 0  # STEP: the plan's length in int64s; 0 otherwise
+    size: int = 0  # STEP: the batch's length in int64s; 0 otherwise
 
     def encode(self) -> list[int]:
         return [_MAGIC, int(self.tag), self.size]
@@ -79,7 +79,7 @@ def _send_header(header: Header, ctx: TPContext) -> None:
 
 
 class IntEncodable(Protocol):
-    """A step plan, as far as the transport is concerned (tprt.engine.plan.StepPlan)."""
+    """A step's batch, as far as the transport is concerned (tprt.model.batch.TokenBatch)."""
 
     def encode(self) -> list[int]: ...
 

@@ -2,8 +2,10 @@
 
 Plain data in, a plan out: no process group, no tensors, no model. It keeps the queue of waiting
 sequences, the admitted ones and the KV block pool (tprt.engine.prefix_cache.BlockPool), and
-each `schedule()` writes one `tprt.engine.plan.StepPlan`; the driver (tprt.engine.core.Engine)
-runs it on the ranks, samples, and reports back what was computed (`prefilled`, `decoded`).
+each `schedule()` writes one `tprt.model.batch.TokenBatch`: decode rows first (each running
+sequence's last token and its draft), then prompt chunks, all in one flat batch of tokens. The
+driver (tprt.engine.core.Engine) runs it on the ranks, samples, and reports back what was
+computed (`prefilled`, `decoded`).
 
 Admission: waiting sequences join in arrival order while the per-step token budget, `max_batch`
 admitted sequences (checked here only) and free blocks last; a prompt longer than what is left
@@ -25,11 +27,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Hashable, Sequence as Seq
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from tprt.engine.plan import BatchPlan, StepPlan
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.engine.prefix_cache import BlockPool
 
 
@@ -79,13 +81,31 @@ class SchedulerConfig:
     prefix_cache: bool = True  # name full blocks and share common prefixes
 
 
+@dataclass(frozen=True)
+class KVStats:
+    """The KV block pool and the prefix cache, for metrics: blocks now, and counts since start."""
+
+    block_size: int
+    blocks_used: int  # held by live sequences (a shared block once)
+    blocks_cached: int  # held by no one, kept for prefix reuse (evicted when the pool needs room)
+    blocks_total: int
+    prefix_queried_tokens: int  # tokens looked up in the prefix cache at admission
+    prefix_hit_tokens: int  # of those, found in shared blocks
+    preemptions: int  # sequences preempted (blocks freed, recomputed later)
+
+
 @dataclass
 class Schedule(Generic[S]):
-    """One step: the plan every rank runs, and the sequences behind its rows, in row order."""
+    """One step: the batch every rank runs (None: nothing to run), and the sequences behind its
+    rows, in row order: `decode` first, then `prefill`."""
 
-    plan: StepPlan
+    batch: TokenBatch | None
+    decode: list[S] = field(default_factory=list)  # row i: the sequence's last token and its draft
     prefill: list[tuple[S, int]] = field(default_factory=list)  # (sequence, chunk length)
-    decode: list[S] = field(default_factory=list)  # row i feeds plan.decode.tokens[i]
+
+    def ends_prompt(self, seq: S, n: int) -> bool:
+        """Whether a chunk of n tokens finishes seq's prefill (its last token's logits choose the next)."""
+        return seq.num_computed + n == seq.prefill_target
 
 
 class Scheduler(Generic[S]):
@@ -119,75 +139,57 @@ class Scheduler(Generic[S]):
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> Schedule[S]:
-        """The next step's plan and the sequences behind its rows.
+        """The next step's batch and the sequences behind its rows.
 
         Admitted sequences, oldest first, each get the blocks for this step's tokens: a row of
         1 + len(draft) tokens per decoding sequence (drafts trimmed to what the budget leaves
         after one token per decoding sequence), then prefill chunks from what is left of the
         token budget. When the pool runs dry, the most recently admitted sequences are preempted,
         so the oldest always progress. Then waiting sequences are admitted in order while the
-        budget, `max_batch` and free blocks last (admission never preempts). The prefill batch is
-        right-padded to its longest chunk, so the budget bounds its padded size (rows x width):
-        many short rows beside a long one would otherwise compute mostly padding."""
+        budget, `max_batch` and free blocks last (admission never preempts). Nothing is padded:
+        the budget counts the batch's tokens."""
         decode_rows: list[S] = []
-        decode_tokens: list[tuple[int, ...]] = []
+        extras: dict[str, int] = {}
         prefill_rows: list[tuple[S, int]] = []
         decoding = [s for s in self.running if s.status is Status.RUNNING and not s.held]
         spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
-        extras: dict[str, int] = {}
         for seq in decoding:
             extras[seq.request_id] = extra = min(len(seq.draft), max(spare, 0))
             spare -= extra
-        total = self.config.token_budget - len(decoding) - sum(extras.values())
-        budget, width = total, 0
-
-        def widest() -> int:  # the longest chunk another prefill row may have (0: no row fits)
-            cap = min(budget, total // (len(prefill_rows) + 1))
-            return cap if cap >= width else 0
-
+        budget = self.config.token_budget - len(decoding) - sum(extras.values())
         i = 0
         while i < len(self.running):  # preemption removes from the end, never an earlier row
             seq = self.running[i]
             if seq.status is Status.RUNNING and seq.held:
                 pass  # keeps its blocks and its place; decodes in a later step
             elif seq.status is Status.RUNNING:
-                extra = extras[seq.request_id]
                 # The row's tokens go at positions length - 1 .. length - 1 + extra.
-                if self._grow(seq, seq.length + extra):
+                if self._grow(seq, seq.length + extras[seq.request_id]):
                     decode_rows.append(seq)
-                    decode_tokens.append((seq.output[-1], *seq.draft[:extra]))
-            elif widest() > 0:
+            elif budget > 0:
                 room = (len(seq.blocks) + self.pool.available) * self.pool.block_size - seq.num_computed
-                n = min(seq.prefill_target - seq.num_computed, widest(), max(room, 1))
+                n = min(seq.prefill_target - seq.num_computed, budget, max(room, 1))
                 if self._grow(seq, seq.num_computed + n):
                     prefill_rows.append((seq, n))
-                    budget, width = budget - n, max(width, n)
+                    budget -= n
             i += 1
-        while self.waiting and widest() > 0 and len(self.running) < self.config.max_batch:
-            n = self._admit(self.waiting[0], widest())
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
+            n = self._admit(self.waiting[0], budget)
             if not n:
                 break
             prefill_rows.append((self.running[-1], n))
-            budget, width = budget - n, max(width, n)
-        prefill = None
-        if prefill_rows:
-            prefill = BatchPlan(
-                tables=tuple(tuple(s.blocks) for s, _ in prefill_rows),
-                starts=tuple(s.num_computed for s, _ in prefill_rows),
-                tokens=tuple(tuple(s.tokens(s.num_computed + n)[s.num_computed :]) for s, n in prefill_rows),
-                full_logits=any(s.needs_logits for s, n in prefill_rows if s.num_computed + n == s.prefill_target),
-                adapters=_adapters([s for s, _ in prefill_rows]),
-            )
-        decode = None
-        if decode_rows:
-            decode = BatchPlan(
-                tables=tuple(tuple(s.blocks) for s in decode_rows),
-                starts=tuple(s.length - 1 for s in decode_rows),
-                tokens=tuple(decode_tokens),
-                full_logits=any(s.needs_logits for s in decode_rows),
-                adapters=_adapters(decode_rows),
-            )
-        return Schedule(StepPlan(prefill, decode), prefill_rows, decode_rows)
+            budget -= n
+        schedule: Schedule[S] = Schedule(None, decode_rows, prefill_rows)
+        rows = [BatchRow(tuple(s.blocks), s.length - 1, (s.output[-1], *s.draft[: extras[s.request_id]]),
+                         1 + extras[s.request_id], s.adapter) for s in decode_rows]
+        ends = [schedule.ends_prompt(s, n) for s, n in prefill_rows]
+        rows += [BatchRow(tuple(s.blocks), s.num_computed, tuple(s.tokens(s.num_computed + n)[s.num_computed :]),
+                          int(end), s.adapter) for (s, n), end in zip(prefill_rows, ends)]
+        if rows:
+            full = (any(s.needs_logits for s in decode_rows)
+                    or any(s.needs_logits for (s, _), end in zip(prefill_rows, ends) if end))
+            schedule.batch = TokenBatch.of(rows, full)
+        return schedule
 
     # ------------------------------------------------------------------ after the step
 
@@ -227,6 +229,11 @@ class Scheduler(Generic[S]):
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def kv_stats(self) -> KVStats:
+        p = self.pool
+        return KVStats(p.block_size, p.used, p.cached, p.capacity, self.prefix_queried_tokens,
+                       self.prefix_hit_tokens, self.preemptions)
 
     # ------------------------------------------------------------------ internals
 
@@ -283,9 +290,3 @@ class Scheduler(Generic[S]):
         self.waiting.popleft()
         self.running.append(seq)
         return n
-
-
-def _adapters(rows: Seq[Scheduled]) -> tuple[int, ...]:
-    """Each row's adapter index for a BatchPlan; () when every row is the base model."""
-    adapters = tuple(s.adapter for s in rows)
-    return adapters if any(adapters) else ()

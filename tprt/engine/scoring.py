@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tprt.model.attention import TorchAttention
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.kv_cache import blocks_for
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import vocab_parallel_logprobs
@@ -54,13 +56,14 @@ def _prefill_through_cache(model: TPLlamaForCausalLM, x: torch.Tensor, cache_dty
     """x [1, T] -> hidden states [1, T, hidden], CACHE_CHUNK positions per forward through a fresh cache."""
     n_blocks = blocks_for(x.shape[1], CACHE_BLOCK) + 1  # block 0 is scratch
     cache = model.new_cache(n_blocks, CACHE_BLOCK, cache_dtype, kv_scales)
-    table = torch.arange(1, n_blocks, device=x.device)[None]
+    table = tuple(range(1, n_blocks))
+    ids = x[0].tolist()
     parts = []
-    for a in range(0, x.shape[1], CACHE_CHUNK):
-        part = x[:, a : a + CACHE_CHUNK]
-        positions = torch.arange(a, a + part.shape[1], device=x.device)[None]
-        parts.append(model.forward_hidden(part, positions, cache, table, kv_len=a + part.shape[1], starts=(a,)))
-    return torch.cat(parts, dim=1)
+    for a in range(0, len(ids), CACHE_CHUNK):
+        chunk = tuple(ids[a : a + CACHE_CHUNK])
+        step = TorchAttention().prepare(TokenBatch.of([BatchRow(table, a, chunk, 0)]), cache)
+        parts.append(model.forward_hidden(x[0, a : a + len(chunk)], attention=step))  # [chunk, hidden]
+    return torch.cat(parts)[None]
 
 
 @dataclass(frozen=True)

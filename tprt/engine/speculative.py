@@ -26,7 +26,7 @@ Proposers (`SpeculativeConfig.method`):
 Adaptive k (`AdaptiveK`): each request estimates its per-token acceptance a from what it kept
 (decayed counts) and drafts the k in [0, num_tokens] that maximises the expected tokens per step,
 (1 - a^(k+1)) / (1 - a), per unit of the step's cost. That cost is measured (`StepCosts`): the
-engine reports each decode step's time by its tokens (rows x width), and a step of n tokens is
+engine reports each decode step's time by its tokens (rows plus drafted tokens), and a step of n tokens is
 priced at its own average once seen, else by a line fitted through those seen (before any, a
 k-token row costs 1 + draft_cost * k one-token rows). So k follows the device and dtype: where
 wider rows cost little (a GPU step bound by reading the weights) requests draft all they may,
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS, SPECULATIVE_FLAGS
+from tprt.engine.scheduler import Status
 from tprt.errors import ConfigError
 
 # The suffix caches' bound, all adapters together, and what a token costs there with its n-gram
@@ -54,6 +55,7 @@ DEFAULT_SUFFIX_CACHE_TOKENS = 1 << 16
 SUFFIX_BYTES_PER_TOKEN = 800
 
 if TYPE_CHECKING:
+    from tprt.engine.sequence import Sequence
     from tprt.model.llama import TPLlamaForCausalLM
 
 Method = Literal["ngram", "suffix", "draft"]
@@ -72,9 +74,9 @@ class SpeculativeConfig:
     draft_cost: float = 0.15  # cost of one more position in a row, relative to a one-token row
     probe_every: int = 8  # steps without drafting before a one-token probe (adaptive)
     suffix_cache_tokens: int = DEFAULT_SUFFIX_CACHE_TOKENS  # "suffix": output tokens kept, all adapters together
-    # Drafting only while the decode batch stays this small: rows x (1 + k) tokens, padding
-    # included (rows of a batch are padded to the widest). None: 8 on CPU (the native decode
-    # stack's rows: a wider step takes the much slower module path), 1024 on a GPU.
+    # Drafting only while a step of decode rows stays this small: its rows plus their drafted
+    # tokens. None: 8 on CPU (the native decode stack's tokens: a wider step takes the much
+    # slower module path), 1024 on a GPU.
     max_step_tokens: int | None = None
 
     def step_tokens(self, device_type: str) -> int:
@@ -196,7 +198,7 @@ class SuffixCache:
 
 
 class StepCosts:
-    """Decode step times by the step's tokens (rows x width, padding included): a decayed average
+    """Decode step times by the step's tokens (rows plus their drafted tokens): a decayed average
     per token count seen, and the relative cost of drafting (see the module docstring)."""
 
     DECAY = 0.9
@@ -286,12 +288,12 @@ class DraftModel:
     others get no draft)."""
 
     def __init__(self, model: TPLlamaForCausalLM, max_batch: int, max_seq_len: int, block_size: int = 16) -> None:
-        from tprt.engine.runner import ModelRunner
+        from tprt.engine.runner import ModelRunner, RunnerConfig
 
         self.block_size = block_size
         self.per_slot = -(-(max_seq_len + 1) // block_size)
         self.runner = ModelRunner(model, 1 + max_batch * self.per_slot, block_size, max_batch, max_seq_len + 1,
-                                  static_decode=False)
+                                  RunnerConfig(static_decode=False))
         self.max_seq_len = max_seq_len
         self._free = list(range(max_batch))
         self._slots: dict[str, int] = {}
@@ -309,7 +311,7 @@ class DraftModel:
 
     def propose(self, rows: list[tuple[str, list[int], int]]) -> dict[str, list[int]]:
         """rows: (request id, its tokens so far, k): up to k greedy tokens each, in k forward calls."""
-        from tprt.engine.plan import BatchPlan, StepPlan
+        from tprt.model.batch import BatchRow, TokenBatch
 
         live = []
         for rid, tokens, k in rows:
@@ -331,20 +333,18 @@ class DraftModel:
             live.append((rid, tokens, k, start))
         if not live:
             return {}
-        tables = tuple(self._table(self._slots[rid]) for rid, *_ in live)
-        prefill = BatchPlan(tables=tables, starts=tuple(s for *_, s in live),
-                            tokens=tuple(tuple(t[s:]) for _, t, _, s in live), full_logits=False)
-        ids = self.runner.execute(StepPlan(prefill=prefill)).prefill
-        assert ids is not None and ids.ids is not None
-        drafts = {rid: [int(i)] for (rid, *_), i in zip(live, ids.ids.tolist())}
+        tables = [self._table(self._slots[rid]) for rid, *_ in live]
+        first = TokenBatch.of([BatchRow(table, s, tuple(t[s:]), 1) for table, (_, t, _, s) in zip(tables, live)])
+        ids = self.runner.execute(first).ids
+        assert ids is not None
+        drafts = {rid: [int(i)] for (rid, *_), i in zip(live, ids.tolist())}
         for step in range(1, max(k for _, _, k, _ in live)):
             going = [(j, r) for j, r in enumerate(live) if r[2] > step]
-            decode = BatchPlan(tables=tuple(tables[j] for j, _ in going),
-                               starts=tuple(len(r[1]) + step - 1 for _, r in going),
-                               tokens=tuple((drafts[r[0]][-1],) for _, r in going), full_logits=False)
-            out = self.runner.execute(StepPlan(decode=decode)).decode
-            assert out is not None and out.ids is not None
-            for (_, r), i in zip(going, out.ids.tolist()):
+            batch = TokenBatch.of([BatchRow(tables[j], len(r[1]) + step - 1, (drafts[r[0]][-1],), 1)
+                                   for j, r in going])
+            ids = self.runner.execute(batch).ids
+            assert ids is not None
+            for (_, r), i in zip(going, ids.tolist()):
                 drafts[r[0]].append(int(i))
         for rid, tokens, _, _ in live:
             self._written[rid] = tokens + drafts[rid][:-1]
@@ -495,6 +495,51 @@ class Speculator:
         """Adapter index `adapter` was reloaded or left the pool: its outputs no longer say what
         the next adapter under that index writes."""
         self._caches.pop(adapter, None)
+
+
+class SpeculativeDecoder:
+    """The engine's speculative decoding (rank 0): before a step is scheduled it drafts for the
+    decoding sequences that have no draft (their constraint's grammar cutting each draft to what
+    it accepts); after it, it learns what was kept (`observe`) and what a step of decode rows
+    costs (`observe_step`, the speculator's pricing of drafts)."""
+
+    def __init__(self, speculator: Speculator, device_type: str,
+                 grammar_prefix: Callable[[Sequence, list[int]], list[int]]) -> None:
+        self.speculator = speculator
+        self.step_tokens = speculator.config.step_tokens(device_type)
+        self._grammar_prefix = grammar_prefix
+
+    def propose(self, running: Seq[Sequence]) -> None:
+        """Drafts for the decoding sequences that have none. A step's tokens stay within
+        `step_tokens` (SpeculativeConfig.max_step_tokens): each decoding row may draft an even
+        share of what one token per row leaves."""
+        decoding = [s for s in running if s.status is Status.RUNNING]
+        widest = (self.step_tokens - len(decoding)) // max(len(decoding), 1)
+        seqs = [s for s in decoding if not s.draft and s.params.speculate is not False]
+        if not seqs or widest < 1:
+            return
+        room = [min(widest, s.params.max_new_tokens - len(s.output) - 1) for s in seqs]
+        for seq, draft in zip(seqs, self.speculator.propose(seqs, room, rows=len(decoding))):
+            seq.draft = self._grammar_prefix(seq, draft)
+
+    def observe_step(self, tokens: int, decode_only: bool, seconds: float) -> None:
+        """A step's time, for pricing drafts: steps of decode rows only, as wide as drafting may
+        make them (wider ones take other kernels, whose cost says nothing about drafting)."""
+        if decode_only and tokens <= self.step_tokens:
+            self.speculator.costs.observe(tokens, seconds)
+
+    def observe(self, seq: Sequence, drafted: int, accepted: int, emitted: int) -> None:
+        self.speculator.observe(seq, drafted, accepted, emitted)
+
+    def finish(self, seq: Sequence, completed: bool) -> None:
+        self.speculator.finish(seq, completed)
+
+    def forget(self, adapter: int) -> None:
+        self.speculator.forget(adapter)
+
+    @property
+    def stats(self) -> SpecStats:
+        return self.speculator.stats.copy()
 
 
 def build_speculator(config: SpeculativeConfig, vocab_size: int, max_batch: int, max_seq_len: int) -> Speculator:

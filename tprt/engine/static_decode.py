@@ -5,7 +5,7 @@ A decode step's Python and kernel-launch overhead is what separates a small mode
 the memory-bandwidth floor on a GPU. With static shapes the whole forward (every layer, its
 all-reduces over NCCL, the LM head) is captured once per pair of buckets and replayed with one launch:
 
-- inputs live in fixed buffers: ids [max_batch, 1], positions [max_batch, 1] and the block
+- inputs live in fixed buffers: ids [max_batch], positions [max_batch] and the block
   tables [max_batch, blocks of max_seq_len] (tprt.model.kv_cache), static inputs of the graph;
 - the batch is padded to a bucket (1, 2, 4, 8, ...); a padding row's table is all scratch block
   and its position 0, so it writes only into the scratch block, which no sequence reads;
@@ -26,6 +26,7 @@ import logging
 
 import torch
 
+from tprt.model.attention import AttentionBackend, TorchAttention
 from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache, blocks_for
 from tprt.model.llama import TPLlamaForCausalLM
 
@@ -54,14 +55,15 @@ class StaticDecode:
     """Decode steps on static buffers; graphs when on CUDA."""
 
     def __init__(self, model: TPLlamaForCausalLM, cache: KVCache, max_batch: int, max_seq_len: int,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, attention: AttentionBackend | None = None):
         self.model, self.cache = model, cache
+        self.attention = attention or TorchAttention()
         device = model.tp.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.buckets = buckets(max_batch)
         self.kv_buckets = kv_buckets(max_seq_len)  # key lengths attended over
-        self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
-        self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)  # [max_batch, 1]
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)  # [max_batch]
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)  # [max_batch]
         width = blocks_for(max_seq_len, cache.block_size)
         self.tables = torch.full((max_batch, width), SCRATCH_BLOCK, dtype=torch.long, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, kv_len)
@@ -76,9 +78,8 @@ class StaticDecode:
     def _forward(self, batch: int, kv_len: int) -> torch.Tensor:
         """The static forward over the first `batch` buffer rows, attending over `kv_len` keys
         -> [batch, local_vocab]."""
-        local = self.model(self.ids[:batch], self.positions[:batch], self.cache, tables=self.tables[:batch],
-                           kv_len=kv_len)  # [batch, 1, local_vocab]
-        return local[:, 0]
+        step = self.attention.decode(self.cache, self.positions[:batch], self.tables[:batch], kv_len)
+        return self.model(self.ids[:batch], attention=step)  # [batch, local_vocab]
 
     @torch.inference_mode()
     def run(self, tokens: list[int], starts: list[int], tables: tuple[tuple[int, ...], ...]) -> torch.Tensor:
@@ -90,8 +91,8 @@ class StaticDecode:
         cuda = device.type == "cuda"
         width = self.tables.shape[1]
         padded = [list(t) + [SCRATCH_BLOCK] * (width - len(t)) for t in tables]
-        self.ids[:n, 0].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=cuda)
-        self.positions[:n, 0].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=cuda)
+        self.ids[:n].copy_(torch.tensor(tokens, dtype=torch.long), non_blocking=cuda)
+        self.positions[:n].copy_(torch.tensor(starts, dtype=torch.long), non_blocking=cuda)
         self.tables[:n].copy_(torch.tensor(padded, dtype=torch.long), non_blocking=cuda)
         self.ids[n:batch] = 0
         self.positions[n:batch] = 0

@@ -270,9 +270,14 @@ class KVCache:
 
     def update(self, layer: int, kv: torch.Tensor, step: CacheStep,
                rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write`, then `read(layer, step, rotated_keys)`."""
+        self.write(layer, kv, step)
+        return self.read(layer, step, rotated_keys)
+
+    def write(self, layer: int, kv: torch.Tensor, step: CacheStep) -> None:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
-        (block, offset) and returns `read(layer, step, rotated_keys)`; quantized with a scale per
-        head vector when the storage is (`quantize`), or with the static ones (`quantize_fixed`)."""
+        (block, offset); quantized with a scale per head vector when the storage is
+        (`quantize`), or with the static ones (`quantize_fixed`)."""
         if self.fixed_scales is not None:
             values = quantize_fixed(kv, self.fixed_scales[layer])
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
@@ -284,7 +289,6 @@ class KVCache:
             values, scales = quantize(kv, self.kv.dtype)
             self.kv[layer][step.write_blocks, :, :, step.write_offsets] = values
             self.scales[layer][step.write_blocks, :, :, step.write_offsets] = scales  # [block, k/v, kv_head, offset]
-        return self.read(layer, step, rotated_keys)
 
     def read(self, layer: int, step: CacheStep, rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's keys and values up to kv_len, gathered from its blocks in order, each

@@ -28,6 +28,8 @@ from safetensors.torch import load_file, save
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig
+from tprt.model.attention import TorchAttention
+from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.kv_cache import CacheStep, KVCache, blocks_for, kv_cache_dtype
 
 FORMAT = "tprt-kv-scales"
@@ -47,11 +49,10 @@ class _AmaxCache(KVCache):
         super().__init__(*args, **kw)
         self.amax = torch.zeros(self.kv.shape[0], 2, self.kv.shape[3], dtype=torch.float32, device=self.kv.device)
 
-    def update(self, layer: int, kv: torch.Tensor, step: CacheStep,
-               rotated_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv [batch, seq, 2, n_kv_heads, head_dim]: one row, no padding (`calibrate`)
+    def write(self, layer: int, kv: torch.Tensor, step: CacheStep) -> None:
+        # kv [rows, width, 2, n_kv_heads, head_dim]: one row, no padding (`calibrate`)
         torch.maximum(self.amax[layer], kv.detach().abs().amax(dim=(0, 1, 4)).float(), out=self.amax[layer])
-        return super().update(layer, kv, step, rotated_keys)
+        super().write(layer, kv, step)
 
 
 @torch.inference_mode()
@@ -68,14 +69,14 @@ def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK
     dtype = model.default_cache_dtype()
     cache = _AmaxCache(cfg.num_hidden_layers, n_blocks, layout.local_kv_heads, BLOCK, cfg.head_dim, dtype,
                        tp.device, dtype)
-    table = torch.arange(1, n_blocks, device=tp.device)[None]
-    for ids in documents:
-        for a in range(0, len(ids), chunk):
-            x = torch.tensor([list(ids[a : a + chunk])], device=tp.device)
-            positions = torch.arange(a, a + x.shape[1], device=tp.device)[None]
-            model.forward_hidden(x, positions, cache, table, kv_len=a + x.shape[1], starts=(a,))
+    blocks = tuple(range(1, n_blocks))
+    for document in documents:
+        for a in range(0, len(document), chunk):
+            tokens = tuple(document[a : a + chunk])
+            step = TorchAttention().prepare(TokenBatch.of([BatchRow(blocks, a, tokens, 0)]), cache)
+            model.forward_hidden(torch.tensor(tokens), attention=step)
             if progress is not None:
-                progress(x.shape[1])
+                progress(len(tokens))
     local = cache.amax
     if tp.world_size == 1:
         return local.cpu()

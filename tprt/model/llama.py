@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
-from tprt.model.kv_cache import CacheStep, KVCache
+from tprt.model.attention import AttentionStep
+from tprt.model.kv_cache import KVCache
 from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, adapted)
 from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
@@ -48,17 +49,13 @@ class RMSNorm(nn.Module):
 
 
 class Step:
-    """What every layer needs for one forward call, computed once: RoPE angles and the cache view."""
+    """What every layer needs for one forward call, computed once: RoPE angles and, in inference
+    over the paged cache, the step's attention (tprt.model.attention.AttentionStep)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None, cache_step: CacheStep | None,
-                 decode: bool = False):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionStep | None = None):
         self.cos = cos  # [batch, seq, 1, head_dim]
         self.sin = sin  # [batch, seq, 1, head_dim], first half negated (see rope_angles)
-        self.cache = cache
-        self.cache_step = cache_step
-        # Decode rows (a last token and a draft), not prompt chunks: a fused decode stack may take
-        # rows of several tokens then (tprt.cpu.native_layers.NativeDecodeStack).
-        self.decode = decode
+        self.attention = attention
 
 
 class Attention(nn.Module):
@@ -77,32 +74,24 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
+        """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group. Over
+        the paged cache a step's tokens come as x [tokens, 1, hidden]."""
         batch, seq, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
-        autograd = torch.is_grad_enabled()
-        if autograd:  # out of place, so the backward has no slice copies
+        if torch.is_grad_enabled():  # out of place, so the backward has no slice copies
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         else:  # inference: q and k rotated in place, k/v stay views of the projection
             apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
-        q = q.transpose(1, 2)  # [batch, nh, seq, head_dim]
-        if step.cache is None or step.cache_step is None:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, nkv, seq, head_dim]
+        if step.attention is None:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
-        else:
-            # [batch, seq, k/v, nkv, head_dim]; in inference a view of the projection
-            kv = torch.stack((k, v), dim=2) if autograd else qkv[:, :, nh:].unflatten(2, (2, nkv))
-            # The cache may hold a wider dtype than the model (float32 for bf16 on CPU: see default_cache_dtype).
-            cache_dtype = step.cache.dtype
-            # [batch, nkv, kv_len, head_dim]; FP8 keys as stored, rotated, for queries rotated alike
-            k, v = step.cache.update(self.layer, kv.to(cache_dtype), step.cache_step, rotated_keys=True)
-            q = step.cache.rotate_queries(q.to(cache_dtype))
-            out = step.cache_step.attend(q, k, v, self.gqa).to(x.dtype)
-        out = out.transpose(1, 2).reshape(batch, seq, nh * self.head_dim)  # [batch, seq, nh * head_dim]
-        return self.o_proj(out)
+            out = out.transpose(1, 2)
+        else:  # the step's tokens: [tokens, heads, head_dim] each
+            out = step.attention.attend(self.layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
+        return self.o_proj(out.reshape(batch, seq, nh * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -229,63 +218,43 @@ class TPLlamaForCausalLM(nn.Module):
             fixed,
         )
 
-    def forward_hidden(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        tables: torch.Tensor | None = None,
-        kv_len: int | None = None,
-        starts: tuple[int, ...] | None = None,
-        decode: bool = False,
-    ) -> torch.Tensor:
-        """input_ids [batch, seq] -> hidden states [batch, seq, hidden] before the final norm.
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                       attention: AttentionStep | None = None) -> torch.Tensor:
+        """Hidden states before the final norm.
 
-        Without `cache`: causal attention over the given tokens (positions default to 0..seq-1).
-        With `cache`: `positions` and `tables` (each row's blocks) are required; see
-        `KVCache.prepare` for `tables`, `kv_len` and `starts`. `decode`: the rows are decode rows
-        of several tokens each (a last token and a draft; see `Step.decode`).
+        Without `attention`: input_ids [batch, seq] -> [batch, seq, hidden], causal attention
+        over the given tokens (positions [batch, seq] default to 0..seq-1). With it: a step over
+        the paged KV cache (tprt.model.attention), input_ids [tokens] the step's flat tokens ->
+        [tokens, hidden], each token attending to its row's positions up to its own.
         """
-        batch, seq = input_ids.shape
         # Index tensors built on the host (a caller's token ids, a test's) go where the weights
         # are; a no-op when they are there already.
         device = self.tp.device
         input_ids = input_ids.to(device, non_blocking=True)
-        positions = None if positions is None else positions.to(device, non_blocking=True)
-        tables = None if tables is None else tables.to(device, non_blocking=True)
-        if positions is None:
-            if cache is not None:
-                raise ValueError("positions are required with a KV cache")
-            positions = torch.arange(seq, device=input_ids.device).expand(batch, seq)  # [batch, seq]
+        if attention is not None:
+            if positions is not None:
+                raise ValueError("positions come from the attention step")
+            input_ids, positions = input_ids.reshape(-1, 1), attention.positions[:, None]  # [tokens, 1]
+        elif positions is None:
+            batch, seq = input_ids.shape
+            positions = torch.arange(seq, device=device).expand(batch, seq)  # [batch, seq]
+        else:
+            positions = positions.to(device, non_blocking=True)
         h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        cache_step = None
-        if cache is not None:
-            if tables is None:
-                raise ValueError("block tables are required with a KV cache")
-            cache_step = cache.prepare(positions, tables, kv_len, starts)
-        return self.stack(self.layers, h, Step(cos, sin, cache, cache_step, decode))
+        h = self.stack(self.layers, h, Step(cos, sin, attention))
+        return h if attention is None else h[:, 0]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        tables: torch.Tensor | None = None,
-        kv_len: int | None = None,
-        logits_index: torch.Tensor | None = None,
-        starts: tuple[int, ...] | None = None,
-        decode: bool = False,
-    ) -> torch.Tensor:
-        """This rank's logits over its vocabulary rows (padding rows -inf).
-
-        Returns [batch, seq, local_vocab], or [batch, local_vocab] for the tokens at
-        `logits_index` [batch] (e.g. each row's last real token) when given, so a prefill does
-        not build logits it does not need. `gather_logits` turns them into full-vocab logits.
-        """
-        h = self.forward_hidden(input_ids, positions, cache, tables, kv_len, starts, decode)  # [batch, seq, hidden]
-        if logits_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), logits_index.to(h.device)]  # [batch, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attention: AttentionStep | None = None) -> torch.Tensor:
+        """This rank's logits over its vocabulary rows (padding rows -inf): [batch, seq,
+        local_vocab] without `attention`; with it [n, local_vocab] for the step's tokens that
+        return logits (`AttentionStep.logits_index`: a prompt chunk's last token, every token of
+        a decode row), so a prefill builds no logits it does not need. `gather_logits` turns
+        them into full-vocab logits."""
+        h = self.forward_hidden(input_ids, positions, attention)
+        if attention is not None and attention.logits_index is not None:
+            h = h.index_select(0, attention.logits_index)  # [n, hidden]
         return self.lm_head(self.norm(h))
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
