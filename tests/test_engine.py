@@ -1349,3 +1349,31 @@ def test_a_row_whose_masks_cost_more_than_its_share_sits_steps_out(workdir: Path
     costly_while_free = [i for i, rid in enumerate(order) if rid == "costly" and frees[0] < i < frees[-1]]
     assert len(frees) == 8 and costly_while_free == [], order  # held while the free row decoded
     assert order.count("costly") == len(alone)  # then decoded alone, every step
+
+
+def test_a_mixed_step_gives_the_tokens_and_logprobs_of_its_rows_run_apart(workdir: Path) -> None:
+    """One TokenBatch holding a prompt chunk, plain decode rows and verifying rows (a last token
+    and a draft) gives every row the logits, so the greedy tokens and the logprobs, of running
+    each row in a step of its own, on caches holding the same history."""
+    from tprt.engine.runner import ModelRunner, RunnerConfig
+
+    model = load_model(workdir / "tp1", TPContext.single())
+    prompts = _ref(workdir)["prompts"]
+    runners = [ModelRunner(model, 64, 4, 4, 64, RunnerConfig(static_decode=False)) for _ in range(2)]
+    tables = [tuple(range(1 + 12 * i, 13 + 12 * i)) for i in range(4)]
+    first = [BatchRow(tables[i], 0, tuple(prompts[i]), 1) for i in range(3)]  # three prompts in the cache
+    for runner in runners:
+        runner.execute(TokenBatch.of(first, full_logits=True))
+    n = [len(p) for p in prompts]
+    rows = [BatchRow(tables[0], n[0], (7,), 1),  # plain decode
+            BatchRow(tables[1], n[1], (8, 9, 10), 3),  # verifying: a last token and a draft of two
+            BatchRow(tables[3], 0, tuple(prompts[3]), 1),  # a whole prompt
+            BatchRow(tables[2], n[2], (11, 12), 2),  # verifying: a draft of one
+            BatchRow(tuple(range(49, 53)), 0, (5, 6, 7), 0)]  # a prompt chunk that does not end: no logits
+    mixed = runners[0].execute(TokenBatch.of(rows, full_logits=True)).logits
+    apart = [runners[1].execute(TokenBatch.of([row], full_logits=True)).logits for row in rows]
+    assert mixed is not None and all(a is not None or row.logits == 0 for a, row in zip(apart, rows))
+    want = torch.cat([a for a in apart if a is not None])
+    assert mixed.shape == want.shape == (1 + 3 + 1 + 2, model.config.vocab_size)
+    torch.testing.assert_close(mixed.log_softmax(-1), want.log_softmax(-1), atol=1e-5, rtol=0)
+    assert mixed.argmax(-1).tolist() == want.argmax(-1).tolist()
