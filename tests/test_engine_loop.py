@@ -36,7 +36,7 @@ FOREVER = 10**9  # max_new_tokens of a request that only ends when cancelled
 
 
 class FakeEngine:
-    """tprt.engine.core.EngineLike: has_work, max_batch, num_unfinished, max_seq_len, kv_stats, add,
+    """serve.core.loop.EngineLike: has_work, max_batch, num_unfinished, max_seq_len, kv_stats, add,
     cancel, step. A running request gets one token per step (ids 1, 2, ...)
     until max_new_tokens; a cancellation frees its KV at once and is reported by the next step,
     as the real engine does. step() blocks until `run_steps` (or `run_freely`) lets it go."""

@@ -41,7 +41,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,12 +49,39 @@ from serve.adapters.pool import AdapterPool
 from serve.errors import QueueFull, ServeError, Unavailable
 from serve.metrics import Metrics
 from tprt.distributed.ranks import RankGroup
-from tprt.engine.core import EngineLike
+from tprt.engine.scheduler import KVStats
 from tprt.errors import ValidationError
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
 
 log = logging.getLogger("tprt.serve")
+
+
+class EngineLike(Protocol):
+    """What the engine loop uses of a `tprt.engine.core.Engine`: a fake one can drive it."""
+
+    @property
+    def has_work(self) -> bool: ...
+
+    @property
+    def max_batch(self) -> int:
+        """Sequences the engine's scheduler runs at once (EngineConfig.max_batch)."""
+        ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def kv_stats(self) -> KVStats: ...
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[TokenEvent]: ...
 
 
 class SideWork(Protocol):

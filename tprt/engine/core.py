@@ -43,58 +43,27 @@ per token instead of gathering the full-vocabulary logits.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from tprt.distributed.protocol import Tag, receive_header, receive_step, send_signal, send_step
+from tprt.distributed.protocol import Tag, send_signal, send_step
 from tprt.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SEQ_LEN, EngineConfig, context_length, kv_pool_blocks
 from tprt.engine.constraints import StructuredOutputs
 from tprt.engine.outputs import OutputProcessor
-from tprt.engine.request import check_request
+from tprt.engine.registry import RequestRegistry
 from tprt.engine.runner import ModelRunner, free_memory_tokens
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.scheduler import KVStats, Scheduler, SchedulerConfig, Status
 from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.engine.speculative import SpecStats, SpeculativeDecoder, build_speculator
 from tprt.engine.structured import StructuredOutputManager
-from tprt.errors import ValidationError
-from tprt.model.batch import TokenBatch
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.text.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_SEQ_LEN", "Completion", "Engine", "EngineConfig", "EngineLike",
-           "KVStats", "kv_pool_blocks", "run_to_completion"]
-
-
-class EngineLike(Protocol):
-    """What rank 0's engine loop (serve/core/loop.py) uses of an `Engine`: a fake one can drive it."""
-
-    @property
-    def has_work(self) -> bool: ...
-
-    @property
-    def max_batch(self) -> int:
-        """Sequences the engine's scheduler runs at once (EngineConfig.max_batch)."""
-        ...
-
-    @property
-    def num_unfinished(self) -> int: ...
-
-    @property
-    def max_seq_len(self) -> int: ...
-
-    @property
-    def kv_stats(self) -> KVStats: ...
-
-    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
-
-    def cancel(self, request_id: str) -> bool: ...
-
-    def step(self) -> list[TokenEvent]: ...
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_SEQ_LEN", "Completion", "Engine", "EngineConfig", "KVStats",
+           "kv_pool_blocks", "run_to_completion"]
 
 
 class Engine:
@@ -106,27 +75,19 @@ class Engine:
         self.config, self.tp, self.tokenizer = config, model.tp, tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = context_length(config, model.config.max_position_embeddings)
-        free = None if config.kv_cache_tokens is not None else free_memory_tokens(
-            model, config.gpu_memory_fraction, config.cache_dtype, config.kv_scales is not None)
-        n_blocks = kv_pool_blocks(config, self.max_seq_len, free)
+        n_blocks = kv_pool_blocks(config, self.max_seq_len, free_memory_tokens(model, config))
         self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
             config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.runner())
-        if eos_token_ids is None:
-            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.config.eos_token_ids
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = tuple((tokenizer or model.config).eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size, self.eos_token_ids, config.mask_threads)
-        self.speculative = None
-        if config.speculative is not None and self.is_driver:
-            self.speculative = SpeculativeDecoder(
-                build_speculator(config.speculative, self.vocab_size, config.max_batch, self.max_seq_len),
-                self.tp.device.type, self.structured.grammar_prefix)
+        self.speculative = None if config.speculative is None or not self.is_driver else SpeculativeDecoder(
+            build_speculator(config.speculative, self.vocab_size, config.max_batch, self.max_seq_len),
+            self.tp.device.type, self.structured.grammar_prefix)
         self.outputs = OutputProcessor(self.scheduler, self.structured, self.speculative, self._end)
-        self._seeds = random.Random(config.seed)
-        self._by_id: dict[str, Sequence] = {}
-        self._adapter_versions: dict[int, int] = {}
-        self._pending: list[TokenEvent] = []  # cancellations, reported by the next step
+        self.requests = RequestRegistry(tokenizer, self.eos_token_ids, self.vocab_size, self.max_seq_len,
+                                        self.tp.device, config.seed, self.structured)
         self._closed = False
         self._forward_s = 0.0  # decayed average of a step's forward pass (the mask throttle's yardstick)
 
@@ -137,7 +98,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._by_id or self._pending)
+        return bool(len(self.requests) or self.requests.pending)
 
     @property
     def max_batch(self) -> int:
@@ -145,7 +106,7 @@ class Engine:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self._by_id)
+        return len(self.requests)
 
     @property
     def kv_stats(self) -> KVStats:
@@ -170,41 +131,19 @@ class Engine:
         routed to (tprt.lora.routing.AdapterSlots; 0 = the base model). Raises ValidationError
         naming the field, through the front ends' checks (tprt.engine.request)."""
         self._require_driver()
-        if request_id in self._by_id:
-            raise ValidationError("request_id", f"request_id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_ids]
-        check_request(params, len(prompt), self.max_seq_len, self.vocab_size, what="max_seq_len",
-                      has_tokenizer=self.tokenizer is not None)
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValidationError("prompt", f"prompt token ids must be in [0, {self.vocab_size - 1}]")
-        seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
-        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.tp.device, adapter)
-        seq.cache_key = (adapter, self._adapter_versions.get(adapter, 0))
-        if params.constraint is not None:
-            seq.matcher = self.structured.matcher(params.constraint)
-        self._by_id[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(self.requests.new(prompt_ids, params, request_id, adapter))
 
     def propose(self, request_id: str, draft: Seq[int]) -> int:
         """Drafted tokens for the positions after a running request's last token, verified in its
         next row (replacing an unverified one), trimmed to what it may still generate and what its
         grammar accepts. Returns how many were taken (none unless it is decoding)."""
         self._require_driver()
-        seq = self._by_id.get(request_id)
-        if seq is None:
-            raise ValidationError("request_id", f"request_id {request_id!r} is not a running request")
-        ids = [int(t) for t in draft]
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValidationError("draft", f"draft token ids must be in [0, {self.vocab_size - 1}]")
-        room = seq.params.max_new_tokens - len(seq.output) - 1
-        running = seq.status is Status.RUNNING
-        seq.draft = self.structured.grammar_prefix(seq, ids[: max(0, room)]) if running else []
-        return len(seq.draft)
+        return self.requests.propose(request_id, draft)
 
     def forget_prefixes(self, adapter: int) -> None:
         """Adapter index `adapter` has new weights (reloaded, or dropped from the pool): keys and
         values computed with the old ones are never reused, nor its outputs for suffix drafting."""
-        self._adapter_versions[adapter] = self._adapter_versions.get(adapter, 0) + 1
+        self.requests.new_version(adapter)
         if self.speculative is not None:
             self.speculative.forget(adapter)
 
@@ -212,18 +151,18 @@ class Engine:
         """Ends a request now and frees its blocks; the next step reports it as "cancelled".
         False when the request is unknown or already finished."""
         self._require_driver()
-        seq = self._by_id.get(request_id)
+        seq = self.requests.get(request_id)
         if seq is None:
             return False
         self._end(seq, False)
-        self._pending.append(TokenEvent(request_id, None, "", finish_reason="cancelled", usage=seq.usage()))
+        self.requests.pending.append(TokenEvent(request_id, None, "", finish_reason="cancelled", usage=seq.usage()))
         return True
 
     def step(self) -> list[TokenEvent]:
         """Schedules one step, has every rank execute it, chooses its tokens; returns its events.
         Collective over the TP group when there is model work (every follower in `follow()`)."""
         self._require_driver()
-        events, self._pending = self._pending, []
+        events, self.requests.pending = self.requests.pending, []
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if self.speculative is not None:
             self.speculative.propose(running)
@@ -239,13 +178,11 @@ class Engine:
         with self.runner.threads_for(schedule.batch):  # the one-row steps' thread count, for sampling too
             started = time.perf_counter()
             result = self.runner.execute(schedule.batch)
-            self._observe(schedule.batch, not schedule.prefill, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._forward_s = seconds if not self._forward_s else 0.8 * self._forward_s + 0.2 * seconds
+            if self.speculative is not None:
+                self.speculative.observe_step(schedule.batch.num_tokens, not schedule.prefill, seconds)
             return events + self.outputs.process(schedule, result, masks.result() if masks is not None else {})
-
-    def _observe(self, batch: TokenBatch, decode_only: bool, seconds: float) -> None:
-        self._forward_s = seconds if not self._forward_s else 0.8 * self._forward_s + 0.2 * seconds
-        if self.speculative is not None:
-            self.speculative.observe_step(batch.num_tokens, decode_only, seconds)
 
     def follow(self) -> Tag:
         """On ranks other than 0: executes rank 0's batches (and waits through its keepalives)
@@ -253,12 +190,7 @@ class Engine:
         COMMAND (tprt.distributed.ranks.follower_loop receives and runs the command)."""
         if self.is_driver:
             raise RuntimeError("Engine.follow() is for TP ranks other than 0")
-        while True:
-            header = receive_header(self.tp)
-            if header.tag is Tag.STEP:
-                self.runner.execute(TokenBatch.decode_from(receive_step(header, self.tp)))
-            elif header.tag is not Tag.KEEPALIVE:
-                return header.tag
+        return self.runner.follow(self.tp)
 
     def close(self) -> None:
         """Rank 0: releases the followers, whose `follow()` returns EXIT (collective; once, idempotent)."""
@@ -280,7 +212,7 @@ class Engine:
 
     def _end(self, seq: Sequence, completed: bool) -> None:
         self.scheduler.remove(seq)
-        self._by_id.pop(seq.request_id, None)
+        self.requests.remove(seq)
         if self.speculative is not None:
             self.speculative.finish(seq, completed)
 

@@ -27,12 +27,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tprt.cpu.fast_linear import prepack
 from tprt.cpu.native import STACK_MAX_ROWS
 from tprt.cpu.native_layers import install_native_layers
+from tprt.distributed.context import TPContext
+from tprt.distributed.protocol import Tag, receive_header, receive_step
 from tprt.errors import ConfigError
 from tprt.lora.routing import AdapterSlots
 from tprt.model.attention import backend as attention_backend
@@ -40,6 +43,9 @@ from tprt.model.batch import TokenBatch
 from tprt.model.kv_cache import KVCache, kv_bytes_per_position
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.engine.static_decode import StaticDecode
+
+if TYPE_CHECKING:
+    from tprt.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,17 @@ class ModelRunner:
                 return StepResult(None, None)
             return self._finish(self.model(ids, attention=step), batch.full_logits)  # [logits, local_vocab]
 
+    def follow(self, tp: TPContext) -> Tag:
+        """On TP ranks other than 0: executes rank 0's batches (and waits through its keepalives)
+        until it sends anything else; returns that message's tag: EXIT after the engine's
+        `close()`, or COMMAND (tprt.distributed.ranks.follower_loop receives and runs it)."""
+        while True:
+            header = receive_header(tp)
+            if header.tag is Tag.STEP:
+                self.execute(TokenBatch.decode_from(receive_step(header, tp)))
+            elif header.tag is not Tag.KEEPALIVE:
+                return header.tag
+
     @contextmanager
     def threads_for(self, batch: TokenBatch) -> Iterator[None]:
         """One-row steps of a few tokens on `one_row_threads`; the caller's thread count is
@@ -132,21 +149,22 @@ class ModelRunner:
         return StepResult(self.model.greedy(local), None)
 
 
-def free_memory_tokens(model: TPLlamaForCausalLM, fraction: float | None,
-                       cache_dtype: torch.dtype | None = None, static_scales: bool = False) -> int | None:
-    """With a gpu_memory_fraction on CUDA: the KV positions that fit in that share of the device
-    memory free now (after the weights), the smallest over the TP ranks so every rank's pool is
-    the same (collective: every rank sizes its pool with it). None otherwise."""
-    tp = model.tp
-    if fraction is None or tp.device.type != "cuda":
+def free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig) -> int | None:
+    """With a gpu_memory_fraction on CUDA and no kv_cache_tokens: the KV positions that fit in
+    that share of the device memory free now (after the weights), the smallest over the TP ranks
+    so every rank's pool is the same (collective: every rank sizes its pool with it). None
+    otherwise."""
+    tp, fraction = model.tp, config.gpu_memory_fraction
+    if config.kv_cache_tokens is not None or fraction is None or tp.device.type != "cuda":
         return None
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
-    cfg, dtype = model.config, cache_dtype or model.default_cache_dtype()
-    per_head = kv_bytes_per_position(dtype, cfg.head_dim, static_scales)
+    cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
+    per_head = kv_bytes_per_position(dtype, cfg.head_dim, config.kv_scales is not None)
     per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * per_head
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:
         torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MIN, group=tp.group)
     return int(tokens)
+
