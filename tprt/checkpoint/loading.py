@@ -81,8 +81,8 @@ def load_model(
     check_tp(ckpt, ctx)
     target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
     method = weight_format(ckpt)
-    if requires_grad and isinstance(method, QuantLinear):
-        raise ConfigError(f"{ckpt.path}: its weights are {method.spec.name} (frozen); full fine-tuning needs a "
+    if requires_grad and method.frozen:
+        raise ConfigError(f"{ckpt.path}: its weights are {method.name} (frozen); full fine-tuning needs a "
                           "float checkpoint, or train a LoRA adapter on this one")
     with torch.device("meta"):
         model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target,

@@ -44,9 +44,7 @@ import torch.nn.functional as F
 from tprt.cpu import native
 from tprt.cpu.threads import decode_threads
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.cpu.quant_linear import Int8Head, NativeInt8Linear
-from tprt.parallel.layers import DenseLinear, ParallelLinear, set_base_method
-from tprt.quant.methods import QuantLinear
+from tprt.parallel.layers import DenseLinear, LinearMethod, ParallelLinear, set_base_method
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VARIANTS = ("native", "packed", "transposed", "dense")
@@ -108,6 +106,15 @@ class FastLinear(DenseLinear):
         """(Re)makes the packed copy from the layer's weight; every row count uses it."""
         self.many = self.one = _packed(layer.weight_matrix())
         self.one_variant, self.few, self.few_rows = "packed", None, frozenset()
+
+    tunable = True
+
+    def cpu_method(self) -> LinearMethod | None:
+        return None  # already
+
+    @property
+    def one_row_native(self) -> bool:
+        return self.one_variant == "native"
 
     def choose(self, one: Kernel, one_variant: str, few: Kernel | None, few_rows: frozenset[int]) -> None:
         """The kernels `prepack`'s timing picked for one row and for `few_rows` rows."""
@@ -232,21 +239,15 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
     groups: dict[tuple[int, ...], list[tuple[ParallelLinear, FastLinear]]] = {}
     with torch.inference_mode():
         for layer in model.modules():
-            if isinstance(layer, ParallelLinear) and isinstance(layer.method.base, QuantLinear):
-                if layer.method.base.spec.name == "int8" and native.available():  # the compiled int8 products
-                    quant = NativeInt8Linear(layer.method.base.spec)
-                    quant.process_after_loading(layer)
-                    set_base_method(layer, quant)
+            if not isinstance(layer, ParallelLinear):
                 continue
-            if layer is model.lm_head and head_method is not None:
-                head_method.process_after_loading(layer)
-                set_base_method(layer, head_method)
+            method = head_method if layer is model.lm_head and head_method is not None else layer.method.base.cpu_method()
+            if method is None:
                 continue
-            if isinstance(layer, ParallelLinear):
-                method = FastLinear()
-                method.process_after_loading(layer)  # the packed copy
-                set_base_method(layer, method)
-                groups.setdefault(tuple(layer.weight_matrix().shape), []).append((layer, method))
+            method.process_after_loading(layer)  # the packed copy, the compiled products
+            set_base_method(layer, method)
+            if method.tunable:
+                groups.setdefault(tuple(layer.weight_matrix().shape), []).append((layer, cast(FastLinear, method)))
         chosen: dict[str, str] = {}
         for shape, group in groups.items():
             if tune:
@@ -263,13 +264,10 @@ def prepack(model: TPLlamaForCausalLM, tune: bool = True, one_row_threads: int |
     return chosen
 
 
-def int8_head(model: TPLlamaForCausalLM) -> Int8Head | None:
-    """The LM head's method at inference when the decoder's weights are int8 and the compiled
-    kernels are there: the head quantized in the same format (tprt.cpu.quant_linear.Int8Head)."""
-    method = model.weight_method
-    if isinstance(method, QuantLinear) and method.spec.name == "int8" and native.available():
-        return Int8Head(method.spec)
-    return None
+def int8_head(model: TPLlamaForCausalLM) -> LinearMethod | None:
+    """The LM head's method at inference on the compiled kernels, as the decoder's format says
+    (int8: the head quantized in the same format, tprt.cpu.quant_linear.Int8Head); None: dense."""
+    return model.weight_method.cpu_head_method()
 
 
 @contextmanager
@@ -288,4 +286,4 @@ def torch_thread_count(threads: int | None) -> Iterator[None]:
 
 def one_row_native(*linears: ParallelLinear) -> bool:
     """Whether `prepack` chose the native GEMV for one-row inputs of each of these layers."""
-    return all(isinstance(m := linear.method.base, FastLinear) and m.one_variant == "native" for linear in linears)
+    return all(linear.method.base.one_row_native for linear in linears)

@@ -36,10 +36,8 @@ from torch import nn
 
 from tprt.cpu import native
 from tprt.cpu.fast_linear import one_row_native, supported
-from tprt.cpu.quant_linear import NativeInt8Linear
 from tprt.model.llama import Attention, DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
 from tprt.parallel.layers import adapted
-from tprt.quant.methods import quantized
 
 Kernel = Callable[..., torch.Tensor]
 
@@ -144,7 +142,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         weights.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
                         layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
-        s = [quantized(x)[1] if isinstance(x.method.base, NativeInt8Linear) else None for x in linears]
+        s = [x.method.base.stack_scales(x) for x in linears]
         scales.append((None, s[0], s[1], None, s[2], s[3]))
     first = layers[0]
     assert isinstance(first, DecoderLayer)
@@ -165,7 +163,7 @@ def _int8_native(layer: nn.Module) -> bool:
     """A decoder layer whose four projections all hold compiled int8 products (tprt.cpu.quant_linear):
     the whole-stack kernel takes it without per-half kernels (it reads the int8 weights itself)."""
     return isinstance(layer, DecoderLayer) and all(
-        isinstance(x.method.base, NativeInt8Linear)
+        x.method.base.stack_scales(x) is not None
         for x in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
 

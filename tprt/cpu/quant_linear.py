@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tprt.cpu import native
-from tprt.parallel.layers import DenseLinear, ParallelLinear
+from tprt.parallel.layers import DenseLinear, LinearMethod, ParallelLinear
 from tprt.quant.formats import QuantSpec, dequantize, quantize
 from tprt.quant.methods import QuantLinear, quantized
 
@@ -24,6 +24,12 @@ class NativeInt8Linear(QuantLinear):
 
     def process_after_loading(self, layer: ParallelLinear) -> None:
         self.kernel = native.q8_kernel(*quantized(layer))
+
+    def cpu_method(self) -> LinearMethod | None:
+        return None  # already
+
+    def stack_scales(self, layer: ParallelLinear) -> torch.Tensor | None:
+        return quantized(layer)[1]
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 
 from tprt.errors import ConfigError
 from tprt.lora.attach import detach
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.layers import DENSE, set_base_method
-from tprt.quant.methods import QuantLinear
 
 
 @torch.no_grad()
@@ -20,9 +17,9 @@ def merge_lora(model: TPLlamaForCausalLM) -> int:
     without it. Returns the number of base layers changed; they go back to the dense method
     (packed copies would be stale: `tprt.cpu.fast_linear.prepack` again to speed them up). No
     communication. A quantized base (tprt.quant) is refused: folding would requantize it."""
-    quantized = [linear for linear in model.linears() if isinstance(linear.method.base, QuantLinear)]
-    if quantized:
-        fmt = cast(QuantLinear, quantized[0].method.base).spec.name
+    frozen = [linear for linear in model.linears() if linear.method.base.frozen]
+    if frozen:
+        fmt = frozen[0].method.base.name
         raise ConfigError(f"merge-lora: the base model's weights are {fmt}; merging an adapter into them would "
                           "quantize it away: serve the adapter unmerged (--adapter), or merge into the float model")
     adapter = detach(model)

@@ -48,9 +48,38 @@ class LinearMethod:
 
     A method that wraps another (LoRA: `tprt.lora.method`) sets `inner`; `base` is the innermost
     one, which owns the layer's weight.
+
+    What a format can do is asked of its method, never found out with `isinstance` outside
+    tprt/parallel and tprt/quant: `frozen`, `cpu_method` / `cpu_head_method` (its products on
+    tprt's compiled CPU kernels), `one_row_native` and `stack_scales` (what a fused decode stack
+    reads of it), `tunable`. A new format (int4, GPU kernels) answers them in its own class.
     """
 
     inner: LinearMethod | None = None
+    name = "dense"  # the format's name, for messages
+    frozen = False  # its weights are not trained (a quantized format): full fine-tuning and LoRA merges refuse
+    tunable = False  # tprt.cpu.fast_linear times its one-row kernels per weight shape
+
+    def cpu_method(self) -> LinearMethod | None:
+        """This format's products on tprt's compiled CPU kernels (tprt.cpu.fast_linear.prepack
+        gives a layer this method, then `process_after_loading`); None: the layer keeps this one."""
+        return None
+
+    def cpu_head_method(self) -> LinearMethod | None:
+        """The LM head's method on the CPU kernels when the decoder's layers are in this format
+        (None: the head keeps its dense weight and gets the dense format's `cpu_method`)."""
+        return None
+
+    @property
+    def one_row_native(self) -> bool:
+        """Whether one-row products run tprt's own GEMV on the layer's dense weight (what the
+        fused one-row layer halves read, tprt.cpu.native_layers)."""
+        return False
+
+    def stack_scales(self, layer: ParallelLinear) -> torch.Tensor | None:
+        """The per-group scales of int8 weights that the fused decode stack reads as stored
+        (tprt.cpu.native.decode_stack_kernel); None: it does not read this format as stored."""
+        return None
 
     def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
                        dtype: torch.dtype | None) -> None:
@@ -88,6 +117,11 @@ class DenseLinear(LinearMethod):
 
     def apply(self, layer: ParallelLinear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight_matrix())
+
+    def cpu_method(self) -> LinearMethod | None:
+        from tprt.cpu.fast_linear import FastLinear  # packed copies and tprt's GEMVs, timed per shape
+
+        return FastLinear()
 
 
 DENSE = DenseLinear()  # stateless: one instance serves every layer

@@ -30,8 +30,26 @@ class QuantLinear(LinearMethod):
     """Weights stored quantized as `spec` says; products in float32 on the dequantized weight
     (FP8 on a GPU: torch._scaled_mm). Stateless: one instance serves every layer."""
 
+    frozen = True
+
     def __init__(self, spec: QuantSpec) -> None:
         self.spec = spec
+        self.name = spec.name
+
+    def cpu_method(self) -> LinearMethod | None:
+        """int8: tprt's compiled int8 products where they built (tprt.cpu.quant_linear); FP8 keeps
+        its torch path on CPU (no FP8 arithmetic there to gain from)."""
+        from tprt.cpu import native
+        from tprt.cpu.quant_linear import NativeInt8Linear
+
+        return NativeInt8Linear(self.spec) if self.spec.name == "int8" and native.available() else None
+
+    def cpu_head_method(self) -> LinearMethod | None:
+        """int8: the head quantized in the decoder's format (tprt.cpu.quant_linear.Int8Head)."""
+        from tprt.cpu import native
+        from tprt.cpu.quant_linear import Int8Head
+
+        return Int8Head(self.spec) if self.spec.name == "int8" and native.available() else None
 
     def create_weights(self, layer: ParallelLinear, out_features: int, in_features: int,
                        dtype: torch.dtype | None) -> None:
