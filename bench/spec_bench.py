@@ -43,7 +43,7 @@ import torch  # noqa: E402
 
 from generate_bench import prepare, smollm2_gguf_copy  # noqa: E402
 from tprt.checkpoint.loading import load_model  # noqa: E402
-from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N  # noqa: E402
+from tprt.engine.spec_defaults import DEFAULT_MAX_N, DEFAULT_MIN_N  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402

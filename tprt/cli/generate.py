@@ -30,7 +30,8 @@ from tprt.model.kv_cache import kv_cache_dtype
 from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent
-from tprt.engine.speculative import SPECULATIVE_FLAGS, SpeculativeConfig, speculative_from_flags
+from tprt.cli.speculative_flags import SPECULATIVE_FLAGS
+from tprt.engine.speculative import SpeculativeConfig, speculative_from_flags
 from tprt.text.tokenizer import Tokenizer
 
 MAX_BATCH = 32  # sequences in flight at once; more prompts wait for a free slot

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-METHODS = ("ngram", "suffix", "draft")
-DEFAULT_NUM_TOKENS = 4
-DEFAULT_MIN_N = 2
-DEFAULT_MAX_N = 4
+from tprt.engine.spec_defaults import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS
+
 # The parsed flags' names, which tprt.engine.speculative.speculative_from_flags reads.
 SPECULATIVE_FLAGS = ("speculative", "num_speculative_tokens", "spec_min_n", "spec_max_n", "draft_model")
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from tprt.cli.speculative_flags import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS, SPECULATIVE_FLAGS
+from tprt.engine.spec_defaults import DEFAULT_MAX_N, DEFAULT_MIN_N, DEFAULT_NUM_TOKENS, METHODS
 from tprt.engine.scheduler import Status
 from tprt.errors import ConfigError
 
