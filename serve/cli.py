@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tprt.cli.common_flags import add_kv_cache_flags
 from tprt.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_flags
 
 COMMANDS = ("serve", "client")
@@ -61,12 +62,7 @@ def _serve_parser(sub: Any) -> None:
                    help="KV cache positions per rank, shared by all sequences in blocks (default: on CUDA "
                         "--gpu-memory-fraction of the free memory, else max batch size x max seq len)")
     s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
-    s.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,fp32,int8,fp8}",
-                   help="KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
-                        "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
-    s.add_argument("--kv-scales", type=Path, metavar="FILE",
-                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
-                        "stored per token, exactly 2x the tokens of bf16")
+    add_kv_cache_flags(s)
     s.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                    help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
     s.add_argument("--max-queue", type=int, default=256, metavar="N",

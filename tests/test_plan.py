@@ -188,7 +188,7 @@ def test_bad_workload() -> None:
 
 @pytest.mark.parametrize("fmt, group", [("int8", None), ("int8", 16), ("fp8", None)])
 def test_quantized_weights_are_what_the_loader_allocates(tmp_path: Path, fmt: str, group: int | None) -> None:
-    """`--weight-dtype`: the planned weight bytes equal a loaded quantized checkpoint's parameter
+    """`--quantize` (once `--weight-dtype`): the planned weight bytes equal a loaded quantized checkpoint's parameter
     bytes (one byte per linear weight, float32 scales, the rest in the compute dtype)."""
     from convert.api import hf_to_tp
     from tprt.checkpoint.loading import load_model
@@ -210,7 +210,7 @@ def test_llama70b_tp8_quantized_weights_and_tokens_gained(capsys: pytest.Capture
     """The issue's figure: Llama-3.1-70B at TP 8 on H100 in int8/FP8 holds about 8.8 GB of weights
     per rank (17.6 in bf16: linear weights halve, embeddings and LM head stay bf16)."""
     argv = ["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "--json",
-            "serve", "--weight-dtype", "fp8"]
+            "serve", "--quantize", "fp8"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert 8.5e9 < out["weights_bytes_per_rank"] < 9.2e9
@@ -219,7 +219,7 @@ def test_llama70b_tp8_quantized_weights_and_tokens_gained(capsys: pytest.Capture
     assert main(argv[:-3] + ["serve", "--weight-dtype", "int8"]) == 0
     assert main([a for a in argv if a != "--json"]) == 0
     assert "fp8 weights: 9.09 GB per rank instead of 17.64 GB" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="--weight-group-size 32: expected a positive group size, with --weight-dtype int8"):
+    with pytest.raises(ConfigError, match="--weight-group-size 32: expected a positive group size, with --quantize int8"):
         plan_memory(_config("gqa"), 1, ServeWorkload(weight_dtype="fp8", weight_group_size=32), device("cpu"))
 
 
@@ -251,7 +251,7 @@ def test_serve_plan_counts_speculation(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
 def test_quantized_kv_cache(kv: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """--kv-dtype int8/fp8: one byte per value and a bfloat16 scale per head vector, as the runtime's
+    """--kv-cache-dtype int8/fp8: one byte per value and a bfloat16 scale per head vector, as the runtime's
     cache holds them, and the KV tokens gained against bf16 in the same memory (x1.97 at head_dim 128)."""
     from tprt.model.kv_cache import KVCache, kv_cache_dtype
 
@@ -266,13 +266,15 @@ def test_quantized_kv_cache(kv: str, capsys: pytest.CaptureFixture[str]) -> None
     planned = plan_memory(small, 1, ServeWorkload(kv_dtype=kv), device("cpu"))
     assert runtime.nbytes() == 5 * 16 * planned.kv_bytes_per_token_per_rank
     assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "serve",
-                 "--kv-dtype", kv, "--max-seq-len", "8192"]) == 0
+                 "--kv-cache-dtype", kv, "--max-seq-len", "8192"]) == 0
     out = capsys.readouterr().out
     assert f"KV cache: 20.3 KiB per token per rank ({kv})" in out
     assert f"vs a bf16 KV cache (40.0 KiB per token per rank): +{plan.max_kv_tokens - bf16.max_kv_tokens} KV tokens (x1.97)" in out
     assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb", "serve",
-                 "--kv-dtype", "int4"]) == 2
-    assert "--kv-dtype 'int4' is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static" in capsys.readouterr().err
+                 "--kv-dtype", "int4"]) == 2  # the old spelling still works, and says so
+    err = capsys.readouterr().err
+    assert "--kv-dtype is the old spelling of --kv-cache-dtype; it still works" in err
+    assert "--kv-cache-dtype 'int4' is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static" in err
 
 
 def test_static_scale_kv_cache_doubles_bf16s_tokens(capsys: pytest.CaptureFixture[str]) -> None:

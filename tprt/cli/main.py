@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from tprt.cli.common_flags import add_kv_cache_flags
 from tprt.errors import TprtError
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -86,12 +87,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--logprobs", action="store_true", help="report each token's log-probability (with --json)")
     g.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="also the N most likely tokens (0-20)")
     g.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
-    g.add_argument("--kv-cache-dtype", default="auto", metavar="{auto,bf16,fp32,int8,fp8}",
-                   help="KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
-                        "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
-    g.add_argument("--kv-scales", type=Path, metavar="FILE",
-                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
-                        "stored per token, exactly 2x the tokens of bf16")
+    add_kv_cache_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
@@ -128,11 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--file", type=Path, required=True, metavar="TEXT_OR_JSONL", help=".txt (one document) or .jsonl")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--json", action="store_true", help="print per-token results as JSON")
-    s.add_argument("--kv-cache-dtype", default=None, metavar="{bf16,fp32,int8,fp8}",
-                   help="score through a KV cache of this dtype, 512 tokens at a time, each part attending to the "
-                        "earlier ones as stored (default: no cache, one pass in the compute dtype)")
-    s.add_argument("--kv-scales", type=Path, metavar="FILE",
-                   help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8)")
+    add_kv_cache_flags(s, None, "score through a KV cache of this dtype, 512 tokens at a time, each part attending to "
+                                "the earlier ones as stored (default: no cache, one pass in the compute dtype)")
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
     from tprt.cli.finetune import add_parsers as add_train_parsers  # finetune, merge-lora
 

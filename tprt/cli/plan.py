@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tprt.cli.common_flags import Spelling
 from tprt.errors import ConfigError
 
 PLAN_EPILOG = """examples:
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --max-seq-len 8192
-  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --weight-dtype fp8
+  tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --quantize fp8
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --lora-rank 16 --seq-len 4096 --batch-size 1
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --full --dtype bf16
   tprt plan --model ./smollm2-tp3 --tp 3 --device cpu finetune --method dpo --batch-size 2 --seq-len 256
@@ -49,12 +50,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s = work.add_parser("serve", help="the engine of `tprt serve`")
     _common(s, suppress=True)
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="weights and compute (default: the checkpoint's)")
-    s.add_argument("--kv-dtype", metavar="{fp32,bf16,fp16,int8,fp8,int8-static}",
-                   help="KV cache (default: the model's; fp32 for bf16/fp16 on CPU, as the engine); int8/fp8 "
-                        "(--kv-cache-dtype of tprt serve) also state the KV tokens gained against bf16; "
-                        "int8-static: int8 with the static scales of tprt calibrate-kv (serve's --kv-scales)")
-    s.add_argument("--weight-dtype", choices=("int8", "fp8"),
-                   help="the decoder's linear weights quantized (tprt-convert --quantize); states the KV tokens freed")
+    s.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", action=Spelling,
+                   metavar="{fp32,bf16,fp16,int8,fp8,int8-static}",
+                   help="KV cache, as tprt serve's flag (default: the model's; fp32 for bf16/fp16 on CPU, as the "
+                        "engine); int8/fp8 also state the KV tokens gained against bf16; int8-static: int8 with the "
+                        "static scales of tprt calibrate-kv (serve's --kv-scales)")
+    s.add_argument("--quantize", "--weight-dtype", dest="weight_dtype", action=Spelling, choices=("int8", "fp8"),
+                   help="the decoder's linear weights quantized, as tprt-convert's flag; states the KV tokens freed")
     s.add_argument("--weight-group-size", type=int, metavar="G",
                    help="int8: one scale per G input columns (default: per output channel)")
     s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per sequence (default: min(model's, 2048))")

@@ -50,7 +50,7 @@ def _serve(plan: MemoryPlan, w: ServeWorkload) -> list[str]:
         out.append(f"a shorter context: --max-seq-len {tokens // w.max_batch_size} at --max-batch-size {w.max_batch_size} fits")
     if plan.kv_dtype == "fp32":
         half = _replan(plan, replace(w, kv_dtype="bf16"))
-        out.append(f"--kv-dtype bf16: the cache halves, {gib(half.peak_bytes_per_rank)} per rank"
+        out.append(f"--kv-cache-dtype bf16: the cache halves, {gib(half.peak_bytes_per_rank)} per rank"
                    + ("" if half.fits else " (still too much)"))
     if plan.dtype == "fp32":
         bf16 = _replan(plan, replace(w, dtype="bf16"))

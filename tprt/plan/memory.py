@@ -13,7 +13,7 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
 - kv_cache: the paged `KVCache` [layers, blocks, 2, local kv heads, block size, head_dim]:
   kv_cache_tokens positions (default max_batch_size x max_seq_len) in blocks, plus one scratch
   block, allocated whole when the engine starts; its dtype is the model's except float32 for
-  bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`), or `--kv-dtype`: int8 and fp8
+  bf16/fp16 on CPU (`TPLlamaForCausalLM.default_cache_dtype`), or `--kv-cache-dtype`: int8 and fp8
   store one byte per value and a bfloat16 scale per head vector (`tprt.model.kv_cache.QUANTIZED`)
   and read back in the compute dtype (float32 on CPU).
 - activations: serving, the largest transient of one forward step of `token_budget` tokens
@@ -54,7 +54,7 @@ from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, n
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-# KV cache dtypes (--kv-dtype): the float ones, and the quantized ones with a bfloat16 scale per
+# KV cache dtypes (--kv-cache-dtype): the float ones, and the quantized ones with a bfloat16 scale per
 # head vector of each token (tprt.model.kv_cache.kv_bytes_per_position).
 # int8-static: int8 with static scales per layer, k/v and head (serve's --kv-scales FILE), none per token.
 KV_DTYPE_BYTES = {**DTYPE_BYTES, "int8": 1, "fp8": 1, "int8-static": 1}
@@ -87,7 +87,7 @@ def kv_dtype_name(dtype: str) -> str:
     """A KV cache dtype: dtype_name's, or int8 / fp8 (e4m3) / int8-static; anything else is a one-line error."""
     name = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if name not in KV_DTYPE_BYTES:
-        raise ConfigError(f"--kv-dtype {dtype!r} is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static")
+        raise ConfigError(f"--kv-cache-dtype {dtype!r} is not supported; expected fp32, bf16, fp16, int8, fp8 or int8-static")
     return name
 
 
@@ -300,10 +300,10 @@ def _quantized_weights(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], b: 
     their float32 scales (per row, or per row and group); everything else stays in the compute
     dtype. On CPU only the LM head is packed (int8 layers use the compiled kernels in place)."""
     if w.weight_dtype not in ("int8", "fp8"):
-        raise ConfigError(f"--weight-dtype {w.weight_dtype!r} is not supported; expected int8 or fp8")
+        raise ConfigError(f"--quantize {w.weight_dtype!r} is not supported; expected int8 or fp8")
     g = w.weight_group_size
     if g is not None and (w.weight_dtype != "int8" or g < 1):
-        raise ConfigError(f"--weight-group-size {g}: expected a positive group size, with --weight-dtype int8")
+        raise ConfigError(f"--weight-group-size {g}: expected a positive group size, with --quantize int8")
     total = 0
     for name, shape in shapes.items():
         if name.endswith("_proj.weight"):
