@@ -154,11 +154,17 @@ class TorchAttention:
     def prepare(self, batch: TokenBatch, cache: KVCache) -> AttentionStep:
         check_batch(batch, cache)
         device = cache.kv.device
+        if batch.max_query_len == 1:  # plain decode: one group, in token order, every token's logits
+            positions = torch.tensor(batch.starts, dtype=torch.long, device=device)
+            tables = _tables(batch.tables, batch.kv_len, cache, device)
+            step = cache.prepare(positions[:, None], tables, batch.kv_len)
+            group = _Group(None, 0, batch.num_rows, batch.num_rows, 1, step)
+            index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
+            return self.step_class(cache, positions, [group], batch.num_tokens, index, batch)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
         groups = self._single_group(batch, cache, device) + self._run_groups(batch, cache, device)
         groups.sort(key=lambda g: g.lo)
-        logits = batch.logits_indices
-        index = None if len(logits) == batch.num_tokens else torch.tensor(logits, dtype=torch.long, device=device)
+        index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
         return self.step_class(cache, positions, groups, batch.num_tokens, index, batch)
 
     def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> AttentionStep:
@@ -202,6 +208,10 @@ class TorchAttention:
         return groups
 
 
+def _indices(batch: TokenBatch, device: torch.device) -> torch.Tensor:
+    return torch.tensor(batch.logits_indices, dtype=torch.long, device=device)
+
+
 def _tables(tables: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], kv_len: int, cache: KVCache,
             device: torch.device) -> torch.Tensor:
     """Rows' block tables as one [rows, blocks for kv_len] int64 tensor, padded with the scratch block."""
@@ -211,15 +221,14 @@ def _tables(tables: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], kv_len:
 
 
 def check_batch(batch: TokenBatch, cache: KVCache) -> None:
-    """Every row's tokens inside its blocks, every block inside the pool: the kernels write
-    through these indices (some by raw pointer). On the host, from the batch's ints."""
+    """Every row's tokens inside its blocks: the kernels write through these indices (some by raw
+    pointer). On the host, from the batch's ints; the block ids a step reads are checked against
+    the pool by `KVCache.prepare` (on CPU, on the tables' tensor)."""
     size = cache.block_size
     for r, (start, n, table) in enumerate(zip(batch.starts, batch.lens, batch.tables)):
         if start + n > len(table) * size:
             raise ValueError(f"TokenBatch row {r}: positions up to {start + n - 1} but {len(table)} blocks "
                              f"of {size} positions")
-        if table and (min(table) < 0 or max(table) >= cache.n_blocks):
-            raise ValueError(f"TokenBatch row {r}: block ids must lie in [0, {cache.n_blocks})")
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "native")

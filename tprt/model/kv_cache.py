@@ -406,8 +406,8 @@ class CacheStep:
         row's later tokens must be seen by none of its earlier ones: each attends to positions
         <= its own, which the kernel masks by position)."""
         seq = self.positions.shape[1]
-        return TokenRows(self.flat_write_blocks, self.flat_write_offsets,
-                         self.tables.repeat_interleave(seq, dim=0), self.flat_positions, self.kv_len)
+        tables = self.tables if seq == 1 else self.tables.repeat_interleave(seq, dim=0)
+        return TokenRows(self.flat_write_blocks, self.flat_write_offsets, tables, self.flat_positions, self.kv_len)
 
 
 def _aligned(mask: torch.Tensor) -> torch.Tensor:

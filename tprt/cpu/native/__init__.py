@@ -95,9 +95,15 @@ def _ours(directory: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
+def _sources(source_path: Path) -> bytes:
+    """The source and the files it may include (every .c and .h beside it: kernels.c includes its
+    families), names and contents, for the build's cache key."""
+    files = sorted({source_path, *source_path.parent.glob("*.c"), *source_path.parent.glob("*.h")})
+    return b"\0".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
+
+
 def _build(compiler: str, source_path: Path) -> Path:
-    source = source_path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+    key = hashlib.sha256(b"\0".join([_sources(source_path), " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_identity().encode()])).hexdigest()[:16]
     name = f"{source_path.stem}-{key}.so"
     # A read-only home (some CI and container setups) falls back to a per-user temporary directory.
