@@ -12,7 +12,7 @@ non-preferred answer opens with "Hmm. ", the same sentence following (with the b
 the non-preferred answer, DPO learnt to push its first words down wherever they came, and the
 answers collapsed to "Sure!Sure!Sure!"): 60 training pairs and 20 held-out ones
 about other items. The bench converts the HF model to TP 3 once (into $TMPDIR), runs
-`tprt finetune --method dpo` (LoRA on every projection, the reference being the base with the
+`tprt finetune --objective dpo` (LoRA on every projection, the reference being the base with the
 adapter switched off) with the held-out pairs as eval data, then answers the 20 held-out
 questions greedily with `tprt generate --chat` before (the base model: the peer) and after (the
 adapter) and counts the answers in the preferred style, and those that also state the right fact
@@ -158,7 +158,7 @@ def main() -> None:
     t0 = time.perf_counter()
     given = [(flag, value) for flag, value in (("--beta", a.beta), ("--lr", a.lr), ("--rpo-alpha", a.rpo_alpha),
                                                ("--label-smoothing", a.label_smoothing)) if value is not None]
-    cli("finetune", "--model", str(model), "--data", str(train), "--out", str(out), "--method", "dpo",
+    cli("finetune", "--model", str(model), "--data", str(train), "--out", str(out), "--objective", "dpo",
         *[x for flag, value in given for x in (flag, str(value))], "--steps", str(a.steps), "--batch-size", str(a.batch),
         "--seq-len", "96", "--lora-rank", "8", "--lora-targets", "q,k,v,o,gate,up,down", "--warmup-steps", "5",
         "--eval-data", str(held_out), "--eval-every", str(a.eval_every), "--no-progress")

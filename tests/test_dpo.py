@@ -48,7 +48,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _args(s: dict[str, Path], out: Path, *extra: str) -> list[str]:
     return ["finetune", "--model", str(s["tp1"]), "--data", str(s["data"]), "--out", str(out), "--seq-len", "96",
-            "--batch-size", "2", "--no-progress", "--method", "dpo", "--beta", "0.5",
+            "--batch-size", "2", "--no-progress", "--objective", "dpo", "--beta", "0.5",
             "--rpo-alpha", "0", *extra]  # pure DPO (its formulas are checked), unless extra says otherwise
 
 
@@ -108,7 +108,7 @@ def test_rpo_run_raises_the_preferred_answer_and_resumes_only_with_the_same_alph
     shutil.rmtree(out / "checkpoints" / "step-00000006")
     assert main([*args[:-4], "--rpo-alpha", "0.5", "--save-every", "3", "--resume"]) != 0  # another alpha: refused
     assert main(["finetune", "--model", str(setup["tp1"]), "--data", str(setup["data"]), "--out",
-                 str(tmp_path / "sft"), "--rpo-alpha", "1"]) != 0  # needs --method dpo
+                 str(tmp_path / "sft"), "--rpo-alpha", "1"]) != 0  # needs --objective dpo
 
 
 def test_sequence_logps_sum_the_full_log_softmax_over_targets(setup: dict[str, Path]) -> None:
@@ -172,7 +172,7 @@ def test_cli_refuses_bad_pairs_before_writing(setup: dict[str, Path], tmp_path: 
     assert "p.jsonl:1: preferred_output and non_preferred_output are identical" in capsys.readouterr().err
     assert not out.exists()
     assert main(_args(setup, tmp_path / "o2", "--method", "sft")) != 0  # --beta without dpo
-    assert "--beta needs --method dpo" in capsys.readouterr().err
+    assert "--beta needs --objective dpo" in capsys.readouterr().err
 
 
 def test_pairs_are_adjacent_rows_with_the_prompt_unscored(setup: dict[str, Path]) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tprt.checkpoint.format import TPCheckpoint
+from tprt.cli.common_flags import Spelling
 from tprt.errors import ConfigError
 from tprt.train.dpo_advice import DEFAULT_BETA, DEFAULT_DPO_LORA_LR, DEFAULT_RPO_ALPHA, unmoved_warning
 
@@ -40,7 +41,7 @@ FINETUNE_EPILOG = """examples:
       --grad-accum 8 --activation-checkpointing --eval-fraction 0.05 --eval-every 100
   torchrun --nproc-per-node 8 -m tprt.cli finetune --model ./llama-tp4 --data d.jsonl --out ./run  # dp=2
 
-  tprt finetune --model ./smollm2-tp3 --data prefs.jsonl --out ./dpo --method dpo --beta 0.1 \\
+  tprt finetune --model ./smollm2-tp3 --data prefs.jsonl --out ./dpo --objective dpo --beta 0.1 \\
       --init-adapter ./run1/adapter    # DPO on an SFT run's adapter
 
 data (JSONL, one object per line):
@@ -49,7 +50,7 @@ data (JSONL, one object per line):
   {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}
                                                     chat template; loss on the assistant turns only
 Documents are packed into rows of --seq-len tokens, separated by EOS.
---method dpo takes preference pairs (OpenAI's format), one completion per row:
+--objective dpo takes preference pairs (OpenAI's format), one completion per row:
   {"input": {"messages": [...]}, "preferred_output": [{"role": "assistant", "content": "..."}],
    "non_preferred_output": [{"role": "assistant", "content": "..."}]}
   --batch-size counts pairs; metrics.jsonl adds rewards_chosen, rewards_rejected, reward_accuracy,
@@ -85,7 +86,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--steps", type=int, metavar="N", help="optimizer steps (default: --epochs)")
     f.add_argument("--epochs", type=float, metavar="E", help="passes over the data (default 1)")
     f.add_argument("--lr", type=float, help=f"peak learning rate (default 2e-4 LoRA, {DEFAULT_DPO_LORA_LR:g} LoRA with "
-                                            "--method dpo, 2e-5 full)")
+                                            "--objective dpo, 2e-5 full)")
     f.add_argument("--min-lr-ratio", type=float, default=0.1, metavar="R", help="final lr / peak lr (0.1)")
     f.add_argument("--warmup-steps", type=int, default=0, metavar="N", help="linear warmup steps (0)")
     f.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (0)")
@@ -113,8 +114,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                         "the learning-rate schedule stays the original run's)")
     f.add_argument("--no-progress", action="store_true", help="no progress bar")
     d = f.add_argument_group("preference tuning (DPO)")
-    d.add_argument("--method", choices=("sft", "dpo"), default="sft",
-                   help="sft: next-token loss on the data's targets; dpo: preference pairs (sft)")
+    d.add_argument("--objective", "--method", dest="objective", action=Spelling, choices=("sft", "dpo"),
+                   default="sft", help="sft: next-token loss on the data's targets; dpo: preference pairs (sft)")
     d.add_argument("--beta", type=float, metavar="B", help=f"DPO: pull towards the reference ({DEFAULT_BETA})")
     d.add_argument("--dpo-loss", choices=("sigmoid", "ipo"), help="DPO: the loss on the log-ratio margin (sigmoid)")
     d.add_argument("--label-smoothing", type=float, metavar="E",
@@ -171,8 +172,8 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
     dpo_given = [f for f, v in (("--beta", a.beta), ("--dpo-loss", a.dpo_loss),
                                 ("--label-smoothing", a.label_smoothing), ("--rpo-alpha", a.rpo_alpha))
                  if v is not None]
-    if a.method != "dpo" and dpo_given:
-        raise ConfigError(f"{dpo_given[0]} needs --method dpo")
+    if a.objective != "dpo" and dpo_given:
+        raise ConfigError(f"{dpo_given[0]} needs --objective dpo")
     if a.init_adapter is not None:
         a = _from_adapter(a)
     rank = a.lora_rank if a.lora_rank is not None else 8
@@ -184,7 +185,7 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         model=a.model, data=a.data, out=a.out, full=a.full, lora_rank=rank,
         lora_alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
         lora_dropout=a.lora_dropout or 0.0, lora_targets=_targets(a.lora_targets), steps=a.steps, epochs=a.epochs,
-        lr=a.lr if a.lr is not None else (2e-5 if a.full else DEFAULT_DPO_LORA_LR if a.method == "dpo" else 2e-4),
+        lr=a.lr if a.lr is not None else (2e-5 if a.full else DEFAULT_DPO_LORA_LR if a.objective == "dpo" else 2e-4),
         min_lr_ratio=a.min_lr_ratio,
         warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, batch_size=a.batch_size, grad_accum=a.grad_accum,
         seq_len=a.seq_len, max_grad_norm=a.max_grad_norm, save_every=a.save_every,
@@ -192,9 +193,9 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
         resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress, objective=a.method, beta=a.beta if a.beta is not None else DEFAULT_BETA,
+        progress=not a.no_progress, objective=a.objective, beta=a.beta if a.beta is not None else DEFAULT_BETA,
         dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0,
-        rpo_alpha=(a.rpo_alpha if a.rpo_alpha is not None else DEFAULT_RPO_ALPHA) if a.method == "dpo" else 0.0,
+        rpo_alpha=(a.rpo_alpha if a.rpo_alpha is not None else DEFAULT_RPO_ALPHA) if a.objective == "dpo" else 0.0,
         init_adapter=a.init_adapter,
     )
     validate(cfg)

@@ -15,7 +15,7 @@ PLAN_EPILOG = """examples:
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb serve --quantize fp8
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --lora-rank 16 --seq-len 4096 --batch-size 1
   tprt plan --model bench/configs/llama-3.1-70b --tp 8 --device h100-80gb finetune --full --dtype bf16
-  tprt plan --model ./smollm2-tp3 --tp 3 --device cpu finetune --method dpo --batch-size 2 --seq-len 256
+  tprt plan --model ./smollm2-tp3 --tp 3 --device cpu finetune --objective dpo --batch-size 2 --seq-len 256
   tprt plan --model ./smollm2-tp3 --tp 3 --device cpu --json serve --max-batch-size 8
   tprt plan --model meta-llama/Llama-3.3-70B-Instruct --tp 8 --device h100-80gb serve
 
@@ -75,8 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     f.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST", help="comma-separated LoRA targets (q,k,v,o)")
     f.add_argument("--dtype", choices=("fp32", "bf16"), help="weights and compute (default: fp32 on CPU, bf16 on GPU)")
     f.add_argument("--batch-size", type=int, default=4, metavar="B",
-                   help="rows (--method dpo: pairs, two rows each) per micro-batch per DP rank (4)")
-    f.add_argument("--method", choices=("sft", "dpo"), default="sft",
+                   help="rows (--objective dpo: pairs, two rows each) per micro-batch per DP rank (4)")
+    f.add_argument("--objective", "--method", dest="objective", action=Spelling, choices=("sft", "dpo"), default="sft",
                    help="dpo: preference pairs, the preferred and non-preferred completion in one micro-batch (sft)")
     f.add_argument("--seq-len", type=int, default=512, metavar="L", help="tokens per row (512)")
     f.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (1)")
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                                     batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                                     activation_checkpointing=args.activation_checkpointing,
                                     sharded=args.full, offload_optimizer=args.offload_optimizer == "cpu",
-                                    dpo=args.method == "dpo")
+                                    dpo=args.objective == "dpo")
     plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align)
     print(json.dumps(as_json(plan), indent=2) if args.json else text(plan))
     return 0

@@ -36,7 +36,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,9 +46,8 @@ from tprt.errors import ConfigError
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_logprobs
 from tprt.train.data import PackedRows, rank_share
+from tprt.train.objective import EvalOutcome, StepOutcome, TrainRun
 
-if TYPE_CHECKING:
-    from tprt.train.trainer import FinetuneConfig, Trainer
 
 LOSS_KINDS = ("sigmoid", "ipo")
 
@@ -132,135 +130,147 @@ def pair_rows(pairs: Sequence[int]) -> list[int]:
     return [r for p in pairs for r in (2 * p, 2 * p + 1)]
 
 
-def load_initial_adapter(model: TPLlamaForCausalLM, cfg: FinetuneConfig, ctx: TPContext) -> None:
-    """Fills the model's freshly attached LoRA modules with the adapter `cfg.init_adapter` (an
-    earlier run's): its targets, rank and alpha must be this run's."""
+def load_initial_adapter(model: TPLlamaForCausalLM, path: Path, targets: Sequence[str], rank: int, alpha: float,
+                         ctx: TPContext) -> None:
+    """Fills the model's freshly attached LoRA modules with the adapter at `path` (an earlier
+    run's): its targets, rank and alpha must be this run's (`targets`, `rank`, `alpha`)."""
     from tprt.lora.attach import attached
     from tprt.lora.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_state_dict, read_adapter_config,
                                    read_adapter_weights, read_config_file)
 
-    path = Path(str(cfg.init_adapter))
     shown = str(path / ADAPTER_CONFIG)
-    targets, rank, alpha, _ = read_adapter_config(read_config_file(path, shown, ConfigError), shown)
-    if (set(targets), rank, alpha) != (set(cfg.lora_targets), cfg.lora_rank, cfg.lora_alpha):
-        raise ConfigError(f"--init-adapter {path}: targets {','.join(targets)}, rank {rank}, alpha {alpha:g}; this run "
-                          f"has {','.join(cfg.lora_targets)}, {cfg.lora_rank}, {cfg.lora_alpha:g}")
+    its_targets, its_rank, its_alpha, _ = read_adapter_config(read_config_file(path, shown, ConfigError), shown)
+    if (set(its_targets), its_rank, its_alpha) != (set(targets), rank, alpha):
+        raise ConfigError(f"--init-adapter {path}: targets {','.join(its_targets)}, rank {its_rank}, alpha "
+                          f"{its_alpha:g}; this run has {','.join(targets)}, {rank}, {alpha:g}")
     with torch.no_grad():
         load_lora_state_dict(attached(model), read_adapter_weights(path, str(path / ADAPTER_WEIGHTS)), ctx)
 
 
-class PreferenceTrainer:
-    """A Trainer's DPO side: the reference log-probabilities, one step's gradients and the
-    held-out evaluation. The Trainer keeps the optimizer, the update, checkpoints and logs."""
+@dataclass(frozen=True)
+class DPOConfig:
+    """The DPO objective's settings (tprt finetune --objective dpo's flags)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        cfg = trainer.cfg
-        if not trainer.data.pairs:
-            raise ConfigError("--method dpo needs preference pairs (tprt.train.preference.prepare_preferences)")
-        if cfg.dpo_loss not in LOSS_KINDS:
-            raise ConfigError(f"--dpo-loss must be one of {', '.join(LOSS_KINDS)}, got {cfg.dpo_loss!r}")
-        self.t = trainer
-        # LoRA from scratch: the reference is the base, the adapter switched off per micro-batch.
-        # Otherwise the starting weights are, scored once here, before any step or resume.
-        self.adapter_is_reference = not cfg.full and cfg.init_adapter is None
-        if not self.adapter_is_reference:
-            for split in ("train", "eval"):
-                rows = getattr(trainer.data, split)
-                if rows is not None and split not in trainer.data.reference:
-                    trainer.data.reference[split] = self._score_all(rows)
+    beta: float = 0.1  # strength of the pull towards the reference
+    loss: str = "sigmoid"  # or "ipo"
+    label_smoothing: float = 0.0  # sigmoid: the share of pairs assumed mislabelled
+    rpo_alpha: float = 0.0  # weight of the preferred completion's per-token NLL (RPO)
+    # The reference is the base with the adapter switched off (a LoRA run from scratch), else the
+    # starting weights, scored once before the first step.
+    adapter_is_reference: bool = False
 
-    def _logps(self, rows: PackedRows, idx: Sequence[int]) -> torch.Tensor:
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS:
+            raise ConfigError(f"--dpo-loss must be one of {', '.join(LOSS_KINDS)}, got {self.loss!r}")
+
+
+class Preference:
+    """DPO as the trainer's objective (tprt.train.objective): the reference log-probabilities,
+    one step's gradients and the held-out evaluation; it keeps only its settings."""
+
+    def __init__(self, config: DPOConfig) -> None:
+        self.config = config
+
+    def prepare(self, run: TrainRun) -> None:
+        """Checks the data; scores the reference once unless it is the adapter switched off."""
+        if not run.data.pairs:
+            raise ConfigError("--objective dpo needs preference pairs (tprt.train.preference.prepare_preferences)")
+        if self.config.adapter_is_reference:
+            return
+        for split in ("train", "eval"):
+            rows = getattr(run.data, split)
+            if rows is not None and split not in run.data.reference:
+                run.data.reference[split] = self._score_all(run, rows)
+
+    @staticmethod
+    def _logps(run: TrainRun, rows: PackedRows, idx: Sequence[int]) -> torch.Tensor:
         """The rows' summed completion log-probabilities [len(idx)], padding trimmed to the
         longest of them."""
-        t = self.t
         sel = torch.tensor(list(idx), dtype=torch.long)
         n = int(rows.lengths[sel].max()) if rows.lengths is not None else rows.seq_len
-        ids = rows.input_ids[sel, :n].to(t.ctx.device)  # [len(idx), n]
-        labels = rows.labels[sel, :n].to(t.ctx.device)
-        if t.sharded is not None:
-            return t.sharded.root(ids, labels, per_sequence=True)  # type: ignore[no-any-return]
-        return sequence_logps(t.model, ids, labels)
+        ids = rows.input_ids[sel, :n].to(run.ctx.device)  # [len(idx), n]
+        labels = rows.labels[sel, :n].to(run.ctx.device)
+        if run.sharded is not None:
+            return run.sharded.root(ids, labels, per_sequence=True)  # type: ignore[no-any-return]
+        return sequence_logps(run.model, ids, labels)
 
-    def _reference(self, split: str, rows: PackedRows, idx: Sequence[int]) -> torch.Tensor:
-        stored = self.t.data.reference.get(split)
+    def _reference(self, run: TrainRun, split: str, rows: PackedRows, idx: Sequence[int]) -> torch.Tensor:
+        stored = run.data.reference.get(split)
         if stored is not None:
-            return stored[torch.tensor(list(idx), dtype=torch.long)].to(self.t.ctx.device)
+            return stored[torch.tensor(list(idx), dtype=torch.long)].to(run.ctx.device)  # type: ignore[no-any-return]
         from tprt.lora.attach import adapter_off
 
-        with torch.no_grad(), adapter_off(self.t.model):
-            return self._logps(rows, idx)
+        with torch.no_grad(), adapter_off(run.model):
+            return self._logps(run, rows, idx)
 
     @torch.no_grad()
-    def _score_all(self, rows: PackedRows) -> torch.Tensor:
+    def _score_all(self, run: TrainRun, rows: PackedRows) -> torch.Tensor:
         """Every row's log-probability under the current weights: each DP rank scores its share of
         the pairs, an all-reduce over DP gives every rank all of them. [rows] float32 on the CPU."""
-        t = self.t
+        ctx = run.ctx
         n_pairs = len(rows) // 2
-        out = torch.zeros(len(rows), dtype=torch.float32, device=t.ctx.device)
-        mine = list(range(t.ctx.dp_rank, n_pairs, t.ctx.dp_size))
+        out = torch.zeros(len(rows), dtype=torch.float32, device=ctx.device)
+        mine = list(range(ctx.dp_rank, n_pairs, ctx.dp_size))
         # sharded, every DP rank runs the same number of forwards (each all-gathers over DP)
-        most = -(-n_pairs // t.ctx.dp_size) if t.sharded is not None else len(mine)
-        t.model.eval()
+        most = -(-n_pairs // ctx.dp_size) if run.sharded is not None else len(mine)
+        run.model.eval()
         try:
-            for i in range(0, most, t.cfg.batch_size):
-                micro = mine[i : i + t.cfg.batch_size]
+            for i in range(0, most, run.batch_size):
+                micro = mine[i : i + run.batch_size]
                 idx = pair_rows(micro or [0])
-                logps = self._logps(rows, idx)
+                logps = self._logps(run, rows, idx)
                 if micro:
                     out[torch.tensor(idx, device=out.device)] = logps
         finally:
-            t.model.train()
-        t._dp_sum(out)
+            run.model.train()
+        run.dp_sum(out)
         return out.cpu()
 
-    def _pairs_loss(self, split: str, rows: PackedRows, pairs: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        cfg = self.t.cfg
+    def _pairs_loss(self, run: TrainRun, split: str, rows: PackedRows,
+                    pairs: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        c = self.config
         idx = pair_rows(pairs)
-        policy = self._logps(rows, idx)  # [2 * pairs]: preferred, non-preferred, ...
-        ref = self._reference(split, rows, idx)
+        policy = self._logps(run, rows, idx)  # [2 * pairs]: preferred, non-preferred, ...
+        ref = self._reference(run, split, rows, idx)
         chosen_tokens = None
-        if cfg.rpo_alpha:
+        if c.rpo_alpha:
             chosen_tokens = (rows.labels[torch.tensor(idx[0::2]), 1:] != IGNORE_INDEX).sum(1).to(policy.device)
-        return dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], cfg.beta, cfg.dpo_loss, cfg.label_smoothing,
-                        cfg.rpo_alpha, chosen_tokens)
+        return dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], c.beta, c.loss, c.label_smoothing,
+                        c.rpo_alpha, chosen_tokens)
 
-    def forward_backward(self, pairs: list[int]) -> float:
+    def forward_backward(self, run: TrainRun, pairs: list[int]) -> StepOutcome:
         """The gradients of the mean DPO loss over the global batch of `pairs` (this DP rank's
-        share, micro-batch by micro-batch); returns that mean and keeps the step's rewards in
-        `trainer.step_metrics`."""
-        t = self.t
-        rows = t.data.train
-        t.step_tokens = rows.n_tokens(pair_rows(pairs))
-        scale = t.ctx.dp_size / len(pairs)  # after the DP average: the mean over the global batch
+        share, micro-batch by micro-batch); the step's rewards as its metrics."""
+        rows, ctx = run.data.train, run.ctx
+        scale = ctx.dp_size / len(pairs)  # after the DP average: the mean over the global batch
         stats = DPOStats()
-        for micro in rank_share(pairs, t.ctx.dp_rank, t.ctx.dp_size, t.cfg.batch_size):
-            loss, chosen, rejected = self._pairs_loss("train", rows, micro)
+        for micro in rank_share(pairs, ctx.dp_rank, ctx.dp_size, run.batch_size):
+            loss, chosen, rejected = self._pairs_loss(run, "train", rows, micro)
             (loss.sum() * scale).backward()
             stats.add(loss, chosen, rejected)
-        means = stats.reduced(t.ctx.dp_group).means()
-        t.step_metrics = {k: v for k, v in means.items() if k != "loss"}
-        return means["loss"]
+        means = stats.reduced(ctx.dp_group).means()
+        return StepOutcome(means["loss"], rows.n_tokens(pair_rows(pairs)),
+                           {k: v for k, v in means.items() if k != "loss"})
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """The mean DPO loss over the held-out pairs; their reward accuracy, margin and rewards go
-        to `trainer.eval_metrics` (eval_reward_accuracy, ...)."""
-        t = self.t
-        rows = t.data.eval
-        assert rows is not None
+    def evaluate(self, run: TrainRun) -> EvalOutcome | None:
+        """The mean DPO loss over the held-out pairs, with their reward accuracy, margin and
+        rewards (eval_reward_accuracy, ...)."""
+        rows, ctx = run.data.eval, run.ctx
+        if rows is None:
+            return None
         n_pairs = len(rows) // 2
-        mine = list(range(t.ctx.dp_rank, n_pairs, t.ctx.dp_size))
-        most = -(-n_pairs // t.ctx.dp_size) if t.sharded is not None else len(mine)
+        mine = list(range(ctx.dp_rank, n_pairs, ctx.dp_size))
+        most = -(-n_pairs // ctx.dp_size) if run.sharded is not None else len(mine)
         stats = DPOStats()
-        t.model.eval()
+        run.model.eval()
         try:
-            for i in range(0, most, t.cfg.batch_size):
-                micro = mine[i : i + t.cfg.batch_size]
-                loss, chosen, rejected = self._pairs_loss("eval", rows, micro or [0])
+            for i in range(0, most, run.batch_size):
+                micro = mine[i : i + run.batch_size]
+                loss, chosen, rejected = self._pairs_loss(run, "eval", rows, micro or [0])
                 if micro:
                     stats.add(loss, chosen, rejected)
         finally:
-            t.model.train()
-        means = stats.reduced(t.ctx.dp_group).means("eval_")
-        t.eval_metrics = {k: v for k, v in means.items() if k != "eval_loss"}
-        return means["eval_loss"]
+            run.model.train()
+        means = stats.reduced(ctx.dp_group).means("eval_")
+        return EvalOutcome(means["eval_loss"], {k: v for k, v in means.items() if k != "eval_loss"})

@@ -15,7 +15,7 @@ from typing import Any
 
 DEFAULT_BETA = 0.1
 DEFAULT_RPO_ALPHA = 1.0
-# `tprt finetune --method dpo` with LoRA: at SFT's 2e-4, 60 steps of 4 pairs took 20% of held-out
+# `tprt finetune --objective dpo` with LoRA: at SFT's 2e-4, 60 steps of 4 pairs took 20% of held-out
 # answers to the preferred style, at 5e-4 all of them (bench/dpo_bench.py). tprt serve's jobs use
 # their own LoRA rate, 1e-3 (serve/jobs/spec.py).
 DEFAULT_DPO_LORA_LR = 5e-4

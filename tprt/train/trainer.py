@@ -40,9 +40,10 @@ from tprt.errors import ConfigError, TprtError
 from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
-from tprt.train.data import BatchStream, Dataset, PackedRows, rank_share
-from tprt.train.dpo import PreferenceTrainer
+from tprt.train.data import BatchStream, Dataset
+from tprt.train.dpo import DPOConfig, Preference, load_initial_adapter
 from tprt.train.fsdp import ShardedModel
+from tprt.train.objective import Objective, Supervised
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
 
 log = logging.getLogger("tprt")
@@ -97,6 +98,17 @@ class FinetuneConfig:
     @property
     def method(self) -> str:
         return "full" if self.full else "lora"
+
+    def objective_of(self) -> Objective:
+        """The objective handed to the trainer (tprt.train.objective)."""
+        if self.objective == "sft":
+            return Supervised()
+        if self.objective != "dpo":
+            raise ConfigError(f"objective must be sft or dpo, got {self.objective!r}")
+        # LoRA from scratch: the reference is the base, the adapter switched off per micro-batch.
+        # Otherwise the starting weights are, scored once before any step or resume.
+        return Preference(DPOConfig(self.beta, self.dpo_loss, self.label_smoothing, self.rpo_alpha,
+                                    adapter_is_reference=not self.full and self.init_adapter is None))
 
 
 def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]:
@@ -198,9 +210,8 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}  # beyond the eval loss: DPO's of the last evaluation
         self.last_saved: Path | None = None
         self.metrics = MetricsLog(self.out)
-        self.dpo: PreferenceTrainer | None = None
-        if cfg.objective == "dpo":
-            self.dpo = PreferenceTrainer(self)
+        self.objective = cfg.objective_of()
+        self.objective.prepare(self)
         torch.manual_seed(cfg.seed + 7919 * (1 + ctx.dp_rank))  # dropout: the same over TP, not over DP
 
     def _trainable(self) -> list[torch.nn.Parameter]:
@@ -212,9 +223,8 @@ class Trainer:
         params = apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
                             self.cfg.lora_dropout, seed=self.cfg.seed)
         if self.cfg.init_adapter is not None:
-            from tprt.train.dpo import load_initial_adapter
-
-            load_initial_adapter(self.model, self.cfg, self.ctx)
+            load_initial_adapter(self.model, Path(self.cfg.init_adapter), self.cfg.lora_targets, self.cfg.lora_rank,
+                                 self.cfg.lora_alpha, self.ctx)
         if not self.shares_base:
             # On CPU the frozen base runs forward and input-gradient from oneDNN-packed copies: faster
             # steps for one more copy of the base weights (docs/PERF.md). A shared twin already has
@@ -288,41 +298,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _micro_loss(self, rows: PackedRows, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        from tprt.train.step import compute_loss
+    @property
+    def batch_size(self) -> int:
+        """Rows (DPO: pairs) per micro-batch per DP rank (tprt.train.objective.TrainRun)."""
+        return self.cfg.batch_size
 
-        sel = torch.tensor(idx, dtype=torch.long)
-        ids = rows.input_ids[sel].to(self.ctx.device)
-        labels = rows.labels[sel].to(self.ctx.device)
-        if self.sharded is not None:
-            return self.sharded.root(ids, labels)  # type: ignore[no-any-return]
-        return compute_loss(self.model, ids, labels)
-
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+    def dp_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.ctx.dp_group is not None and self.ctx.dp_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.dp_group)
         return t
-
-    def _forward_backward(self, rows: list[int]) -> float:
-        """The gradients of the token-mean loss over the global batch `rows` (this DP rank's
-        share); returns that mean."""
-        train = self.data.train
-        self.step_tokens = train.n_tokens(rows)  # padding left out
-        n_global = max(1, int((train.labels[torch.tensor(rows)][:, 1:] != -100).sum()))
-        scale = self.ctx.dp_size / n_global
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for micro in rank_share(rows, self.ctx.dp_rank, self.ctx.dp_size, self.cfg.batch_size):
-            ls, _ = self._micro_loss(train, micro)
-            (ls * scale).backward()
-            loss_sum += ls.detach()
-        return float(self._dp_sum(loss_sum)) / n_global
 
     def train_step(self) -> tuple[float, float]:
         """One optimizer step; returns (mean loss over the global batch, gradient norm)."""
         from tprt.train.grads import clip_grad_norm, sync_gradients
 
         rows = self.stream.next_step()
-        loss = self.dpo.forward_backward(rows) if self.dpo is not None else self._forward_backward(rows)
+        outcome = self.objective.forward_backward(self, rows)
+        loss, self.step_tokens, self.step_metrics = outcome.loss, outcome.tokens, outcome.metrics
         if self.sharded is not None:  # FSDP reduce-scattered (averaged over DP) in the backward
             from tprt.train.fsdp import clip_sharded_grad_norm, sync_tp_gradients
 
@@ -351,27 +343,13 @@ class Trainer:
         return self.evaluate() if self._due(self.cfg.eval_every) else None
 
     def evaluate(self) -> float | None:
-        """Mean loss per target token over the eval rows (each DP rank its share)."""
-        rows = self.data.eval
-        if rows is None:
+        """The objective's held-out loss (None without held-out data); its metrics beyond the
+        loss go to `eval_metrics`."""
+        outcome = self.objective.evaluate(self)
+        if outcome is None:
             return None
-        if self.dpo is not None:
-            return self.dpo.evaluate()
-        self.model.eval()
-        try:
-            idx = list(range(self.ctx.dp_rank, len(rows), self.ctx.dp_size))
-            sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-            # Sharded, every DP rank runs the same number of forwards (each all-gathers over DP);
-            # a rank short of rows scores row 0 and counts nothing.
-            most = -(-len(rows) // self.ctx.dp_size) if self.sharded is not None else len(idx)
-            for i in range(0, most, self.cfg.batch_size):
-                micro = idx[i : i + self.cfg.batch_size]
-                ls, n = self._micro_loss(rows, micro or [0])
-                sums += torch.stack((ls.double(), n.double())) * (1.0 if micro else 0.0)
-            self._dp_sum(sums)
-        finally:
-            self.model.train()
-        return float(sums[0] / sums[1].clamp(min=1))
+        self.eval_metrics = outcome.metrics
+        return outcome.loss
 
     # ------------------------------------------------------------------ the loop
 
