@@ -62,7 +62,8 @@ def test_dense_method_lifecycle_equals_the_slice_product() -> None:
     assert torch.equal(layer.weight, want_w)
     x = _x(torch.float32, 2)
     assert torch.equal(layer.method.apply(layer, x), F.linear(x, want_w))
-    assert WEIGHT_FORMATS["dense"] is DENSE
+    assert WEIGHT_FORMATS["dense"]({}, "manifest") is DENSE
+    assert {"dense", "int8", "fp8"} <= set(WEIGHT_FORMATS)  # one registry: tprt.quant registers its formats
 
 
 def _packed_or_skip(dtype: torch.dtype) -> None:

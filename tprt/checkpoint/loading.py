@@ -23,8 +23,7 @@ from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.parallel.layers import WEIGHT_FORMATS, LinearMethod, ParallelLinear, copy_rows
 from tprt.checkpoint.safetensors_io import DTYPES
-from tprt.quant.formats import QUANT_FORMATS, spec_from_extra
-from tprt.quant.methods import QuantLinear
+from tprt.quant import methods as _quantized  # noqa: F401 - registers the quantized weight formats
 from tprt.parallel.sharding import hf_sources
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -106,17 +105,14 @@ def weight_format(ckpt: TPCheckpoint) -> LinearMethod:
     """The linear method of the checkpoint's weight format (manifest `extra.weight_format`,
     "dense" when absent)."""
     name = ckpt.manifest.extra.get("weight_format", "dense")
-    if name in WEIGHT_FORMATS:
-        return WEIGHT_FORMATS[name]
-    if name not in QUANT_FORMATS:
+    make = WEIGHT_FORMATS.get(name)
+    if make is None:
         raise CheckpointError(f"{ckpt.path / MANIFEST_NAME}: weight_format {name!r} is not supported "
-                              f"(expected one of {sorted([*WEIGHT_FORMATS, *QUANT_FORMATS])})")
+                              f"(expected one of {sorted(WEIGHT_FORMATS)})")
     try:
-        spec = spec_from_extra(ckpt.manifest.extra, str(ckpt.path / MANIFEST_NAME))
+        return make(ckpt.manifest.extra, str(ckpt.path / MANIFEST_NAME))
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    assert spec is not None
-    return QuantLinear(spec)
 
 
 def shared_twin(model: TPLlamaForCausalLM) -> TPLlamaForCausalLM:

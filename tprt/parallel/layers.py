@@ -16,8 +16,8 @@ wraps another method) replace it in the open, never through a slot the forward c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -126,12 +126,14 @@ class DenseLinear(LinearMethod):
 
 DENSE = DenseLinear()  # stateless: one instance serves every layer
 
-# Weight formats by the name a checkpoint's manifest gives them (`extra["weight_format"]`; absent:
-# "dense"): the method the loader builds the decoder's linear layers with. A new format is a
-# LinearMethod subclass registered here plus one converter rule that writes its tensors
-# (docs/DESIGN.md, "Adding a weight format"). Formats with options (int8/fp8 and their group
-# size, tprt.quant) are built from the manifest by tprt.checkpoint.loading.weight_format.
-WEIGHT_FORMATS: dict[str, LinearMethod] = {"dense": DENSE}
+# The one registry of weight formats, by the name a checkpoint's manifest gives them
+# (`extra["weight_format"]`; absent: "dense"): each builds the method the loader makes the
+# decoder's linear layers with from the manifest's `extra` (a format's options, e.g. int8's group
+# size), naming `where` (the manifest) in a ConfigError. A new format is a LinearMethod subclass
+# registered here (tprt.quant registers int8 and fp8) plus one converter rule that writes its
+# tensors (docs/DESIGN.md, "Adding a weight format").
+WeightFormat = Callable[[Mapping[str, Any], str], LinearMethod]
+WEIGHT_FORMATS: dict[str, WeightFormat] = {"dense": lambda extra, where: DENSE}
 
 
 def set_base_method(layer: ParallelLinear, method: LinearMethod) -> None:

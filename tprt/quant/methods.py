@@ -14,7 +14,8 @@ layers a `NativeInt8Linear`).
 
 from __future__ import annotations
 
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,8 @@ from torch import nn
 
 from tprt.errors import ConfigError
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.parallel.layers import LinearMethod, ParallelLinear, set_base_method
-from tprt.quant.formats import FP8_MAX, QuantSpec, dequantize, quantize
+from tprt.parallel.layers import WEIGHT_FORMATS, LinearMethod, ParallelLinear, set_base_method
+from tprt.quant.formats import FP8_MAX, QUANT_FORMATS, QuantSpec, dequantize, quantize, spec_from_extra
 
 
 class QuantLinear(LinearMethod):
@@ -114,3 +115,14 @@ def quantize_linears(model: TPLlamaForCausalLM, spec: QuantSpec) -> None:
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         set_base_method(layer, method)
     model.weight_method = method
+
+
+def _quantized_format(extra: Mapping[str, Any], where: str) -> LinearMethod:
+    """A quantized format's method from a manifest's `extra` (its group size and storage)."""
+    spec = spec_from_extra(dict(extra), where)
+    assert spec is not None
+    return QuantLinear(spec)
+
+
+for _name in QUANT_FORMATS:  # the one registry of weight formats (tprt.parallel.layers)
+    WEIGHT_FORMATS[_name] = _quantized_format
