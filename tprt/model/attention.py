@@ -66,12 +66,8 @@ class AttentionStep:
         self.tokens = tokens
         self.logits_index = logits_index  # [logits] the tokens whose logits are returned; None: all
         self.batch = batch  # the host description, where there is one (not for static decode)
-        self.kv_len = max(g.cache_step.kv_len for g in groups)
-
-    @property
-    def single_tokens(self) -> bool:
-        """Every row holds one token (a plain decode step): one group, in token order."""
-        return len(self.groups) == 1 and self.groups[0].width == 1 and self.groups[0].index is None
+        # Every row holds one token (a plain decode step): one group, in token order.
+        self.single_tokens = len(groups) == 1 and groups[0].width == 1 and groups[0].index is None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Writes k, v [tokens, kv_heads, head_dim] at their positions and attends q [tokens,
@@ -112,12 +108,13 @@ class AttentionStep:
         return out
 
     @cached_property
-    def token_rows(self) -> TokenRows:
+    def token_rows(self) -> TokenRows | CacheStep:
         """Every token as a row of its own (its row's block table, its position, its write slot),
         for the compiled kernels that take one token per row and write every token's keys and
-        values before any token attends (tprt.cpu.native)."""
+        values before any token attends (tprt.cpu.native). A plain decode step's cache view is
+        that already (the same attributes)."""
         if self.single_tokens:
-            return self.groups[0].cache_step.token_rows()
+            return self.groups[0].cache_step
         assert self.batch is not None, "token rows of a step built without its batch"
         return token_rows(self.batch, self.cache, self.positions.device)
 

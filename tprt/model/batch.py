@@ -71,16 +71,16 @@ class TokenBatch:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    @property
+    @cached_property
     def num_logits(self) -> int:
         """Tokens that return logits (the result's rows)."""
         return sum(self.logits)
 
-    @property
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.lens)
 
-    @property
+    @cached_property
     def kv_len(self) -> int:
         """1 + the largest position the batch writes."""
         return max(s + n for s, n in zip(self.starts, self.lens))
