@@ -9,7 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tprt.cli.common_flags import add_kv_cache_flags
+from tprt.engine.settings import CacheSettings, SchedulerSettings
+
+# --http-* limits, in serve.openai.http_guard.HttpLimits' order
+HTTP_LIMIT_FLAGS = ("http_header_timeout", "http_body_timeout", "http_max_connections", "http_max_unauthenticated")
 from tprt.cli.speculative_flags import SPECULATIVE_FLAGS, add_speculative_flags
 
 COMMANDS = ("serve", "client")
@@ -56,15 +59,8 @@ def _serve_parser(sub: Any) -> None:
                    help="HTTP connections that have not yet sent a request with a valid token (without "
                         "--auth-token-file: a complete request); past N the oldest is closed (64)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (9400; 0 = any; -1 = off)")
-    s.add_argument("--max-batch-size", type=int, metavar="N",
-                   help="running sequences at once (default: 256 on a GPU, 16 on CPU)")
-    s.add_argument("--kv-cache-tokens", type=int, metavar="N",
-                   help="KV cache positions per rank, shared by all sequences in blocks (default: on CUDA "
-                        "--gpu-memory-fraction of the free memory, else max batch size x max seq len)")
-    s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
-    add_kv_cache_flags(s)
-    s.add_argument("--gpu-memory-fraction", type=float, metavar="F",
-                   help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
+    SchedulerSettings.add_flags(s)
+    CacheSettings.add_flags(s)
     s.add_argument("--max-queue", type=int, default=256, metavar="N",
                    help="requests waiting for the batch; more are refused with RESOURCE_EXHAUSTED (256)")
     s.add_argument("--auth-token-file", type=Path, metavar="FILE", help="require 'authorization: Bearer <token>'")
@@ -74,11 +70,6 @@ def _serve_parser(sub: Any) -> None:
                    help="job store, fine-tuning datasets and outputs (./tprt-data)")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="seconds to drain on SIGTERM (30)")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
-    s.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
-    s.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
-    s.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="prefill every prompt in full (default: a prompt starting with whole KV blocks another "
-                        "sequence holds or left cached, e.g. a shared system prompt or an earlier turn, shares them)")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")
@@ -195,8 +186,13 @@ def _run_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s tprt serve [%(process)d] %(levelname)s %(message)s")
     from tprt.engine.speculative import speculative_from_flags
 
-    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", *SPECULATIVE_FLAGS)}
+    from serve.openai.http_guard import HttpLimits
+
+    nested = (*SPECULATIVE_FLAGS, *CacheSettings.FLAGS, *SchedulerSettings.FLAGS, *HTTP_LIMIT_FLAGS)
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level", *nested)}
     fields["speculative"] = speculative_from_flags(vars(args))
+    fields["cache"], fields["scheduler"] = CacheSettings.from_args(args), SchedulerSettings.from_args(args)
+    fields["http_limits"] = HttpLimits(*(getattr(args, f) for f in HTTP_LIMIT_FLAGS))
     return run_serve(ServeConfig(**fields))
 
 

@@ -58,7 +58,8 @@ from tprt.distributed.context import TPContext, in_distributed_env, init_distrib
 from tprt.distributed.launcher import start_followers, stop_followers, watch
 from tprt.distributed.ranks import RankGroup, follower_loop
 from tprt.engine.constraints import StructuredOutputs
-from tprt.engine.core import DEFAULT_BLOCK_SIZE, Engine, EngineConfig
+from tprt.engine.core import Engine, EngineConfig
+from tprt.engine.settings import CacheSettings, SchedulerSettings
 from tprt.errors import ConfigError
 from tprt.checkpoint.loading import load_model, parse_dtype
 from tprt.model.kv_cache import kv_cache_dtype
@@ -84,11 +85,9 @@ class ServeConfig:
     port: int = 50051  # 0: any free port (printed)
     metrics_port: int = 9400  # 0: any free port (printed); -1: no /metrics endpoint
     http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai/app.py); None: off; 0: any
-    http_header_timeout: float = HttpLimits.header_timeout  # serve/openai/http_guard.py
-    http_body_timeout: float = HttpLimits.body_timeout
-    http_max_connections: int = HttpLimits.max_connections
-    http_max_unauthenticated: int = HttpLimits.max_unauthenticated
-    max_batch_size: int | None = None  # running sequences; None: DEFAULT_MAX_BATCH for the device
+    http_limits: HttpLimits = HttpLimits()  # serve/openai/http_guard.py
+    scheduler: SchedulerSettings = SchedulerSettings()  # tprt.engine.settings
+    cache: CacheSettings = CacheSettings()  # the KV cache (tprt.engine.settings)
     max_queue: int = 256
     auth_token_file: Path | None = None
     tls_cert: Path | None = None
@@ -96,14 +95,6 @@ class ServeConfig:
     data_dir: Path = Path("tprt-data")
     drain_timeout: float = 30.0
     dtype: str | None = None
-    max_seq_len: int | None = None
-    token_budget: int = 2048
-    prefix_cache: bool = True  # tprt.engine.prefix_cache
-    kv_cache_tokens: int | None = None  # KV pool positions per rank; None: see EngineConfig
-    kv_block_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
-    kv_scales: Path | None = None  # static int8 KV scales (tprt.model.kv_scales); implies an int8 cache
-    gpu_memory_fraction: float | None = None  # CUDA: the KV pool's share of free memory (default 0.9)
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
@@ -127,7 +118,7 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     draft = cfg.speculative.validate().draft_model if cfg.speculative is not None else None
     if draft is not None:
         check_draft_model(draft, ckpt.config.vocab_size)
-    kv_cache_flags(cfg.kv_cache_dtype, cfg.kv_scales, ckpt.config)
+    kv_cache_flags(cfg.cache.dtype, cfg.cache.scales, ckpt.config)
     for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
                  "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
                  "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",
@@ -142,8 +133,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
     if cfg.max_cpu_loras < 0:
         raise ConfigError(f"--max-cpu-loras must be at least 0, got {cfg.max_cpu_loras}")
-    if cfg.gpu_memory_fraction is not None and not 0 < cfg.gpu_memory_fraction <= 1:
-        raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {cfg.gpu_memory_fraction}")
+    if cfg.cache.gpu_memory_fraction is not None and not 0 < cfg.cache.gpu_memory_fraction <= 1:
+        raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {cfg.cache.gpu_memory_fraction}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     for name in ("http_header_timeout", "http_body_timeout"):
@@ -173,19 +164,21 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 
 def engine_config(cfg: ServeConfig, device: torch.device | None = None) -> EngineConfig:
     """The engine's settings; `device` (this rank's) lets masks use the cores it leaves free."""
-    fraction = cfg.gpu_memory_fraction if cfg.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
-    kv_scales = None if cfg.kv_scales is None else load_kv_scales(cfg.kv_scales, TPCheckpoint(cfg.model).config)
-    return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=cfg.max_seq_len, token_budget=cfg.token_budget,
-                        prefix_cache=cfg.prefix_cache, kv_cache_tokens=cfg.kv_cache_tokens,
-                        kv_block_size=cfg.kv_block_size, gpu_memory_fraction=fraction, speculative=cfg.speculative,
-                        cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cfg.kv_cache_dtype),
+    cache, scheduler = cfg.cache, cfg.scheduler
+    fraction = cache.gpu_memory_fraction if cache.gpu_memory_fraction is not None else DEFAULT_GPU_MEMORY_FRACTION
+    kv_scales = None if cache.scales is None else load_kv_scales(cache.scales, TPCheckpoint(cfg.model).config)
+    return EngineConfig(max_batch=max_batch_size(cfg), max_seq_len=scheduler.max_seq_len,
+                        token_budget=scheduler.token_budget, prefix_cache=cache.prefix_cache,
+                        kv_cache_tokens=cache.tokens, kv_block_size=cache.block_size, gpu_memory_fraction=fraction,
+                        speculative=cfg.speculative,
+                        cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cache.dtype),
                         kv_scales=kv_scales, mask_threads=0 if device is None else spare_cores(device))
 
 
 def max_batch_size(cfg: ServeConfig) -> int:
     """--max-batch-size, or the default for this machine's device (CUDA when it has one)."""
-    if cfg.max_batch_size is not None:
-        return cfg.max_batch_size
+    if cfg.scheduler.max_batch_size is not None:
+        return cfg.scheduler.max_batch_size
     return DEFAULT_MAX_BATCH["cuda" if torch.cuda.is_available() else "cpu"]
 
 
@@ -245,9 +238,7 @@ class App:
         self._set_health(False)
         self.server = self._grpc_server()
         self.port = self._bind()
-        limits = HttpLimits(cfg.http_header_timeout, cfg.http_body_timeout, cfg.http_max_connections,
-                            cfg.http_max_unauthenticated)
-        self.http = (HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key, limits)
+        self.http = (HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key, cfg.http_limits)
                      if cfg.http_port is not None else None)
         self.http_app: Any = None
         self.datasets = DatasetWork()  # HTTP uploads' and job creations' file work (the drain waits for it)

@@ -385,24 +385,25 @@ def test_serve_flag_is_checked_and_reaches_the_engine(tmp_path: Path) -> None:
     from convert.api import hf_to_tp
     from helpers import make_hf_llama
     from serve.server import ServeConfig, check_config, engine_config
+    from tprt.engine.settings import CacheSettings
 
     hf_to_tp(make_hf_llama(tmp_path / "hf"), tmp_path / "tp1", 1)
-    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="int8")
+    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", cache=CacheSettings(dtype="int8"))
     check_config(cfg)
     assert engine_config(cfg).cache_dtype == torch.int8
     assert engine_config(ServeConfig(model=tmp_path / "tp1")).cache_dtype is None  # auto
     with pytest.raises(ConfigError, match=r"^--kv-cache-dtype must be one of .* got 'fp4'$"):
-        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_cache_dtype="fp4"))
+        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", cache=CacheSettings(dtype="fp4")))
     # --kv-scales: an int8 cache with the file's static scales (auto becomes int8); another dtype refused
     scales = scales_from_amax(torch.rand(2, 2, 4) + 0.1)
     save_kv_scales(tmp_path / "kv.st", scales, 1.25, 10)
-    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_scales=tmp_path / "kv.st")
+    cfg = ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", cache=CacheSettings(scales=tmp_path / "kv.st"))
     check_config(cfg)
     engine = engine_config(cfg)
     assert engine.cache_dtype == torch.int8 and engine.kv_scales is not None and torch.equal(engine.kv_scales, scales)
     with pytest.raises(ConfigError, match=r"^--kv-scales holds static int8 scales: .* not fp8$"):
-        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data", kv_scales=tmp_path / "kv.st",
-                                 kv_cache_dtype="fp8"))
+        check_config(ServeConfig(model=tmp_path / "tp1", data_dir=tmp_path / "data",
+                                 cache=CacheSettings(dtype="fp8", scales=tmp_path / "kv.st")))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["per_vector", "static"])

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from tprt.engine.runner import RunnerConfig
+from tprt.engine.settings import DEFAULT_BLOCK_SIZE
 from tprt.engine.speculative import SpeculativeConfig
 from tprt.errors import ConfigError
 
 DEFAULT_MAX_SEQ_LEN = 2048
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""Settings the commands share, each defining its own flags once: the KV cache and the
+scheduler as `tprt serve` takes them (its ServeConfig nests them; `EngineConfig` is what the
+engine is built with). Torch-free, so building a parser imports no torch."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_BLOCK_SIZE = 16  # positions per KV block
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The paged KV cache: its storage, its pool and prefix sharing."""
+
+    dtype: str = "auto"  # --kv-cache-dtype (tprt.model.kv_cache.KV_CACHE_DTYPES)
+    scales: Path | None = None  # --kv-scales: static int8 scales (tprt.model.kv_scales); implies int8
+    tokens: int | None = None  # --kv-cache-tokens: positions per rank; None: see gpu_memory_fraction
+    block_size: int = DEFAULT_BLOCK_SIZE  # --kv-block-size
+    gpu_memory_fraction: float | None = None  # --gpu-memory-fraction (CUDA): the pool's share of free memory
+    prefix_cache: bool = True  # --no-prefix-cache turns sharing of prompt prefixes off
+
+    FLAGS = ("kv_cache_dtype", "kv_scales", "kv_cache_tokens", "kv_block_size", "gpu_memory_fraction", "prefix_cache")
+
+    @staticmethod
+    def add_flags(group: Any) -> None:
+        from tprt.cli.common_flags import add_kv_cache_flags
+
+        group.add_argument("--kv-cache-tokens", type=int, metavar="N",
+                           help="KV cache positions per rank, shared by all sequences in blocks (default: on CUDA "
+                                "--gpu-memory-fraction of the free memory, else max batch size x max seq len)")
+        group.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                           help=f"positions per KV cache block ({DEFAULT_BLOCK_SIZE})")
+        add_kv_cache_flags(group)
+        group.add_argument("--gpu-memory-fraction", type=float, metavar="F",
+                           help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
+        group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                           help="prefill every prompt in full (default: a prompt starting with whole KV blocks another "
+                                "sequence holds or left cached, e.g. a shared system prompt or an earlier turn, "
+                                "shares them)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> CacheSettings:
+        return cls(args.kv_cache_dtype, args.kv_scales, args.kv_cache_tokens, args.kv_block_size,
+                   args.gpu_memory_fraction, args.prefix_cache)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """How many sequences run at once, how long each may be, and how many tokens a step takes."""
+
+    max_batch_size: int | None = None  # --max-batch-size; None: the device's default
+    max_seq_len: int | None = None  # --max-seq-len; None: min(the model's, 2048)
+    token_budget: int = 2048  # --token-budget
+
+    FLAGS = ("max_batch_size", "max_seq_len", "token_budget")
+
+    @staticmethod
+    def add_flags(group: Any) -> None:
+        group.add_argument("--max-batch-size", type=int, metavar="N",
+                           help="running sequences at once (default: 256 on a GPU, 16 on CPU)")
+        group.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
+        group.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SchedulerSettings:
+        return cls(args.max_batch_size, args.max_seq_len, args.token_budget)
