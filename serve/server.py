@@ -119,11 +119,16 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     if draft is not None:
         check_draft_model(draft, ckpt.config.vocab_size)
     kv_cache_flags(cfg.cache.dtype, cfg.cache.scales, ckpt.config)
-    for name in ("max_batch_size", "max_queue", "token_budget", "max_message_bytes", "max_dataset_bytes",
-                 "max_queued_jobs", "max_stored_jobs", "max_stored_bytes", "max_open_calls", "job_memory_limit",
-                 "max_loras", "max_lora_rank", "kv_cache_tokens", "kv_block_size", "http_max_connections",
-                 "http_max_unauthenticated"):
-        value = getattr(cfg, name)
+    cfg.cache.check()
+    cfg.scheduler.check()
+    limits = cfg.http_limits
+    counts = {"max_queue": cfg.max_queue, "max_message_bytes": cfg.max_message_bytes,
+              "max_dataset_bytes": cfg.max_dataset_bytes, "max_queued_jobs": cfg.max_queued_jobs,
+              "max_stored_jobs": cfg.max_stored_jobs, "max_stored_bytes": cfg.max_stored_bytes,
+              "max_open_calls": cfg.max_open_calls, "job_memory_limit": cfg.job_memory_limit,
+              "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
+              "http_max_connections": limits.max_connections, "http_max_unauthenticated": limits.max_unauthenticated}
+    for name, value in counts.items():
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for name in ("port", "metrics_port"):
@@ -133,13 +138,11 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
     if cfg.max_cpu_loras < 0:
         raise ConfigError(f"--max-cpu-loras must be at least 0, got {cfg.max_cpu_loras}")
-    if cfg.cache.gpu_memory_fraction is not None and not 0 < cfg.cache.gpu_memory_fraction <= 1:
-        raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {cfg.cache.gpu_memory_fraction}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
-    for name in ("http_header_timeout", "http_body_timeout"):
-        if not getattr(cfg, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(cfg, name)}")
+    for flag, seconds in (("--http-header-timeout", limits.header_timeout), ("--http-body-timeout", limits.body_timeout)):
+        if not seconds > 0:
+            raise ConfigError(f"{flag} must be > 0 seconds, got {seconds}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key)):

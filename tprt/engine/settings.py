@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tprt.errors import ConfigError
+
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block
 
 
@@ -42,6 +44,12 @@ class CacheSettings:
                                 "sequence holds or left cached, e.g. a shared system prompt or an earlier turn, "
                                 "shares them)")
 
+    def check(self) -> None:
+        """One-line ConfigErrors naming the flag (the dtype and scales: tprt.model.kv_scales.kv_cache_flags)."""
+        _at_least_one(("--kv-cache-tokens", self.tokens), ("--kv-block-size", self.block_size))
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ConfigError(f"--gpu-memory-fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheSettings:
         return cls(args.kv_cache_dtype, args.kv_scales, args.kv_cache_tokens, args.kv_block_size,
@@ -65,6 +73,16 @@ class SchedulerSettings:
         group.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
         group.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
 
+    def check(self) -> None:
+        """One-line ConfigErrors naming the flag (max_seq_len against the model: the engine)."""
+        _at_least_one(("--max-batch-size", self.max_batch_size), ("--token-budget", self.token_budget))
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulerSettings:
         return cls(args.max_batch_size, args.max_seq_len, args.token_budget)
+
+
+def _at_least_one(*flags: tuple[str, int | None]) -> None:
+    for flag, value in flags:
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}")
