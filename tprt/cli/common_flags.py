@@ -1,16 +1,14 @@
-"""Flags that several commands share, defined once so that one thing has one name everywhere
-(`tprt generate`, `tprt serve`, `tprt plan`, `tprt-convert`); light, so that building a parser
-imports no torch. A renamed flag keeps its old spelling as an alias that says so when used."""
+"""One name for one thing in every command: a renamed flag keeps its old spelling as an alias
+that says so when used (`Spelling`). The flags several commands share are defined once beside
+their settings (tprt.engine.settings: the KV cache's, the scheduler's; tprt.cli.speculative_flags).
+Light, so that building a parser imports no torch."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
-KV_CACHE_DTYPE_HELP = ("KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
-                       "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
 
 
 class Spelling(argparse.Action):
@@ -23,12 +21,3 @@ class Spelling(argparse.Action):
             print(f"{parser.prog}: {option_string} is the old spelling of {self.option_strings[0]}; it still works",
                   file=sys.stderr)
         setattr(namespace, self.dest, values)
-
-
-def add_kv_cache_flags(group: Any, default: str | None = "auto", help_dtype: str = KV_CACHE_DTYPE_HELP) -> None:
-    """--kv-cache-dtype and --kv-scales (tprt generate, tprt serve, tprt score)."""
-    group.add_argument("--kv-cache-dtype", default=default, metavar="{auto,bf16,fp32,int8,fp8}", help=help_dtype)
-    group.add_argument("--kv-scales", type=Path, metavar="FILE",
-                       help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
-                            "stored per token, exactly 2x the tokens of bf16")
-

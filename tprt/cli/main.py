@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tprt.cli.common_flags import add_kv_cache_flags
+from tprt.engine.settings import add_kv_cache_flags
 from tprt.errors import TprtError
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."

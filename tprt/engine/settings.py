@@ -12,6 +12,16 @@ from typing import Any
 from tprt.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block
+KV_CACHE_DTYPE_HELP = ("KV cache storage: auto (the model dtype; float32 for bf16 on CPU), bf16, fp32, int8 or fp8 "
+                       "(e4m3); int8/fp8 keep a scale per head and token and hold about 2x the tokens of bf16")
+
+
+def add_kv_cache_flags(group: Any, default: str | None = "auto", help_dtype: str = KV_CACHE_DTYPE_HELP) -> None:
+    """--kv-cache-dtype and --kv-scales (tprt generate, tprt serve, tprt score)."""
+    group.add_argument("--kv-cache-dtype", default=default, metavar="{auto,bf16,fp32,int8,fp8}", help=help_dtype)
+    group.add_argument("--kv-scales", type=Path, metavar="FILE",
+                       help="static int8 KV scales from `tprt calibrate-kv` (implies --kv-cache-dtype int8): nothing "
+                            "stored per token, exactly 2x the tokens of bf16")
 
 
 @dataclass(frozen=True)
@@ -29,8 +39,6 @@ class CacheSettings:
 
     @staticmethod
     def add_flags(group: Any) -> None:
-        from tprt.cli.common_flags import add_kv_cache_flags
-
         group.add_argument("--kv-cache-tokens", type=int, metavar="N",
                            help="KV cache positions per rank, shared by all sequences in blocks (default: on CUDA "
                                 "--gpu-memory-fraction of the free memory, else max batch size x max seq len)")
