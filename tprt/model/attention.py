@@ -123,10 +123,8 @@ def token_rows(batch: TokenBatch, cache: KVCache, device: torch.device) -> Token
     """`AttentionStep.token_rows` of any batch, built on the host (checked in range: the kernels
     index by raw pointer)."""
     kv_len, size = batch.kv_len, cache.block_size
-    need = blocks_for(kv_len, size)
-    rows = [list(t[:need]) + [SCRATCH_BLOCK] * (need - len(t[:need])) for t in batch.tables]
     row_of = torch.tensor([r for r, n in enumerate(batch.lens) for _ in range(n)])
-    tables = torch.tensor(rows, dtype=torch.long)[row_of]  # [tokens, need]
+    tables = _tables(batch.tables, kv_len, cache, torch.device("cpu"))[row_of]  # [tokens, blocks]
     positions = torch.tensor(batch.positions, dtype=torch.long)
     blocks = tables.gather(1, torch.div(positions, size, rounding_mode="floor")[:, None]).reshape(-1)
     return TokenRows(blocks.to(device), (positions % size).to(device), tables.to(device), positions.to(device), kv_len)
@@ -151,16 +149,13 @@ class TorchAttention:
     def prepare(self, batch: TokenBatch, cache: KVCache) -> AttentionStep:
         check_batch(batch, cache)
         device = cache.kv.device
-        if batch.max_query_len == 1:  # plain decode: one group, in token order, every token's logits
+        if batch.max_query_len == 1:  # plain decode: one group, in token order
             positions = torch.tensor(batch.starts, dtype=torch.long, device=device)
-            tables = _tables(batch.tables, batch.kv_len, cache, device)
-            step = cache.prepare(positions[:, None], tables, batch.kv_len)
-            group = _Group(None, 0, batch.num_rows, batch.num_rows, 1, step)
-            index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
-            return self.step_class(cache, positions, [group], batch.num_tokens, index, batch)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
-        groups = self._single_group(batch, cache, device) + self._run_groups(batch, cache, device)
-        groups.sort(key=lambda g: g.lo)
+            groups = [_decode_group(cache, positions, _tables(batch.tables, batch.kv_len, cache, device), batch.kv_len)]
+        else:
+            positions = torch.tensor(batch.positions, dtype=torch.long, device=device)
+            groups = self._single_group(batch, cache, device) + self._run_groups(batch, cache, device)
+            groups.sort(key=lambda g: g.lo)
         index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
         return self.step_class(cache, positions, groups, batch.num_tokens, index, batch)
 
@@ -169,8 +164,7 @@ class TorchAttention:
         blocks]) over `kv_len` keys, with no host synchronisation: what a CUDA graph captures
         (tprt.engine.static_decode)."""
         rows = positions.shape[0]
-        step = cache.prepare(positions[:, None], tables, kv_len)
-        return self.step_class(cache, positions, [_Group(None, 0, rows, rows, 1, step)], rows, None)
+        return self.step_class(cache, positions, [_decode_group(cache, positions, tables, kv_len)], rows, None)
 
     @staticmethod
     def _single_group(batch: TokenBatch, cache: KVCache, device: torch.device) -> list[_Group]:
@@ -203,6 +197,12 @@ class TorchAttention:
                 groups.append(_Group(None, lo, hi, end - r, width, step))
             r = end
         return groups
+
+
+def _decode_group(cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> _Group:
+    """Rows of one token each (positions [rows], tables [rows, blocks]), in token order."""
+    rows = positions.shape[0]
+    return _Group(None, 0, rows, rows, 1, cache.prepare(positions[:, None], tables, kv_len))
 
 
 def _indices(batch: TokenBatch, device: torch.device) -> torch.Tensor:

@@ -399,16 +399,6 @@ class CacheStep:
         """[batch * seq] int64, contiguous: each token's position."""
         return self.positions.reshape(-1).to(torch.int64).contiguous()
 
-    def token_rows(self) -> TokenRows:
-        """This step with every token as a row of its own (its row's block table, its own
-        position), for kernels that take one token per row. Equal to the step only where the
-        kernel writes every token's keys and values before any token attends (the writes of a
-        row's later tokens must be seen by none of its earlier ones: each attends to positions
-        <= its own, which the kernel masks by position)."""
-        seq = self.positions.shape[1]
-        tables = self.tables if seq == 1 else self.tables.repeat_interleave(seq, dim=0)
-        return TokenRows(self.flat_write_blocks, self.flat_write_offsets, tables, self.flat_positions, self.kv_len)
-
 
 def _aligned(mask: torch.Tensor) -> torch.Tensor:
     """`mask`, or on CUDA a copy of it when its data does not start on 16 bytes: torch's
@@ -422,8 +412,9 @@ def _aligned(mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenRows:
-    """A step's tokens as one-token rows (`CacheStep.token_rows`): what the native decode kernels
-    (tprt.cpu.native) read of a cache step, for a batch of rows x tokens."""
+    """A step's tokens as one-token rows (tprt.model.attention.token_rows): what the native
+    decode kernels (tprt.cpu.native) read of a cache step (a plain decode step's `CacheStep`
+    has the same attributes)."""
 
     flat_write_blocks: torch.Tensor  # [tokens] int64: each token's block
     flat_write_offsets: torch.Tensor  # [tokens] int64: its offset in that block
