@@ -206,7 +206,7 @@ static void run_job(const section *s, int64_t n, int parallel) {
 /* Software prefetch PREFETCH_BYTES ahead of a weight stream, two cache lines at a time (the 128
    bytes a GEMV loop step reads). The hardware prefetcher alone keeps too few lines in flight: a
    plain read of a large buffer measured 15 GB/s on one thread and 30 on two, and 19 and 37 with
-   this (a C harness, docs/PERF.md session 8; bench/kernel_bench.py shows it in the GEMVs).
+   this (a C harness, docs/perf/generation.md, 2026-11-23; bench/kernel_bench.py shows it in the GEMVs).
    Prefetches never fault, so running past a matrix's end is harmless. */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
