@@ -13,6 +13,7 @@ ask for tp < world size.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -213,9 +214,17 @@ def barrier(ctx: TPContext) -> None:
 
 
 def shutdown() -> None:
-    """Leaves the world, if joined."""
+    """Leaves the world, if joined, and frees its process groups before the interpreter exits.
+
+    gloo's `shutdown()` is a no-op: its worker threads live until the C++ group is freed, and the
+    groups sit in reference cycles (the collect frees them). Left to interpreter exit, a worker
+    that drops a finished collective's tensor there needs the GIL, which a finalizing interpreter
+    answers with pthread_exit through a noexcept destructor: std::terminate, SIGABRT, and torchrun's
+    other agents wait at their exit barrier (seen about once in ten loaded two-node runs).
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def log0(ctx: TPContext, msg: str, *args: object, level: int = logging.INFO) -> None:

@@ -106,13 +106,10 @@ def _rank_main(
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         results.put(("error", rank, one_line(e), traceback.format_exc()))
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - peers may be gone already
-                pass
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - peers may be gone already
+            pass
 
 
 def _stop_all(procs: Sequence[Any]) -> None:
