@@ -13,9 +13,9 @@ from tprt.distributed.context import TPContext
 from tprt.train.data import Dataset, Document, pack
 
 STEPS = 5
-RUNS = {  # name -> the settings that differ
-    "lora-sigmoid": {"full": False, "dpo_loss": "sigmoid", "label_smoothing": 0.1, "lr": 2e-2},
-    "full-ipo": {"full": True, "dpo_loss": "ipo", "label_smoothing": 0.0, "lr": 1e-3},
+RUNS = {  # name -> the settings that differ: (full, DPO loss, label smoothing, lr)
+    "lora-sigmoid": (False, "sigmoid", 0.1, 2e-2),
+    "full-ipo": (True, "ipo", 0.0, 1e-3),
 }
 
 
@@ -40,16 +40,19 @@ def pair_dataset(vocab: int) -> Dataset:
 def check_dpo_steps(ctx: TPContext, workdir: Path) -> None:
     """STEPS steps (two micro-batches of one pair each, accumulated) and a held-out evaluation."""
     from tprt.checkpoint.format import TPCheckpoint
-    from tprt.train.trainer import FinetuneConfig, Trainer
+    from tprt.lora.config import LoRASettings
+    from tprt.train.dpo import DPOConfig
+    from tprt.train.trainer import FinetuneConfig, OptimSettings, Trainer
 
     model = workdir / f"gqa-tp{ctx.world_size}"
     vocab = TPCheckpoint(model).config.vocab_size
     out: dict[str, list[dict[str, float]]] = {}
-    for name, settings in RUNS.items():
+    for name, (full, loss, smoothing, lr) in RUNS.items():
         cfg = FinetuneConfig(model=model, data=model / "manifest.json", out=workdir / f"dpo-{name}-tp{ctx.world_size}",
-                             lora_rank=4, lora_alpha=8.0, lora_targets=("q", "k", "v", "o", "gate", "up", "down"),
-                             steps=STEPS, batch_size=1, grad_accum=2, seq_len=32, max_grad_norm=1.0,
-                             objective="dpo", beta=0.5, progress=False, **settings)  # type: ignore[arg-type]
+                             full=full, lora=LoRASettings(4, 8.0, targets=("q", "k", "v", "o", "gate", "up", "down")),
+                             dpo=DPOConfig(beta=0.5, loss=loss, label_smoothing=smoothing),
+                             optim=OptimSettings(lr=lr, max_grad_norm=1.0), steps=STEPS, batch_size=1, grad_accum=2,
+                             seq_len=32, progress=False)
         trainer = Trainer(cfg, ctx, pair_dataset(vocab))
         records = []
         for _ in range(STEPS):

@@ -294,9 +294,11 @@ def test_dpo_defaults_move_the_model_and_a_hollow_success_is_warned_of(setup: di
 
     parser = build_parser()
     base = ["finetune", "--model", str(setup["tp1"]), "--data", str(setup["data"]), "--out", "o"]
-    assert config_from_args(parser.parse_args([*base, "--method", "dpo"])).rpo_alpha == DEFAULT_RPO_ALPHA == 1.0
-    assert config_from_args(parser.parse_args([*base, "--method", "dpo", "--rpo-alpha", "0"])).rpo_alpha == 0.0
-    assert config_from_args(parser.parse_args(base)).rpo_alpha == 0.0
+    dpo = config_from_args(parser.parse_args([*base, "--method", "dpo"])).dpo
+    assert dpo is not None and dpo.rpo_alpha == DEFAULT_RPO_ALPHA == 1.0
+    dpo = config_from_args(parser.parse_args([*base, "--method", "dpo", "--rpo-alpha", "0"])).dpo
+    assert dpo is not None and dpo.rpo_alpha == 0.0
+    assert config_from_args(parser.parse_args(base)).dpo is None  # SFT: no DPO settings at all
     assert dpo_hyperparameters({}, "dpo")["rpo_alpha"] == 1.0 and dpo_hyperparameters({}, "supervised") == {}
     hollow = {"reward_accuracy": 1.0, "rewards_chosen": -2.8, "rewards_rejected": -9.2}
     warning = unmoved_warning(hollow)

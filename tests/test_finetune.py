@@ -345,7 +345,8 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     from tprt.cpu.native_layers import install_native_layers
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
-    from tprt.train.trainer import FinetuneConfig, Trainer
+    from tprt.lora.config import LoRASettings
+    from tprt.train.trainer import FinetuneConfig, OptimSettings, Trainer
 
     ctx = TPContext.single()
     served = load_model(setup["tp1"], ctx, "fp32")
@@ -356,8 +357,8 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     data = prepare_data(setup["data"], Tokenizer.from_dir(setup["tp1"]), 64, 0)
 
     def trainer(out: str, base: object) -> Trainer:
-        cfg = FinetuneConfig(model=setup["tp1"], data=setup["data"], out=tmp_path / out, lora_rank=4, lr=3e-2,
-                             steps=3, batch_size=2, seq_len=64, dtype="fp32", progress=False)
+        cfg = FinetuneConfig(model=setup["tp1"], data=setup["data"], out=tmp_path / out, lora=LoRASettings(rank=4),
+                             optim=OptimSettings(lr=3e-2), steps=3, batch_size=2, seq_len=64, dtype="fp32", progress=False)
         return Trainer(cfg, ctx, data, base=base)  # type: ignore[arg-type]
 
     shared, own = trainer("shared", served), trainer("own", None)
@@ -374,3 +375,32 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
     with pytest.raises(Exception, match="LoRA job in the base model's dtype"):
         Trainer(FinetuneConfig(model=setup["tp1"], data=setup["data"], out=tmp_path / "bf", dtype="bf16",
                                progress=False), ctx, data, base=served)
+
+
+def test_the_stored_run_config_keeps_its_flat_format(setup: dict[str, Path]) -> None:
+    """Checkpoints store the run under the flags' flat names (and resumes compare them); the nested
+    FinetuneConfig (LoRA, DPO and optimizer settings) writes exactly the keys and values the flat
+    one of 2026-11 did, so runs checkpointed by earlier versions resume."""
+    from tprt.lora.config import LoRASettings
+    from tprt.train.dpo import DPOConfig
+    from tprt.train.trainer import FinetuneConfig, OptimSettings, run_config
+
+    flat_keys = {"model", "data", "out", "full", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "steps",
+                 "epochs", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "batch_size", "grad_accum", "seq_len",
+                 "max_grad_norm", "save_every", "keep_checkpoints", "eval_every", "eval_fraction", "eval_data", "seed",
+                 "dtype", "activation_checkpointing", "offload_optimizer", "dp", "resume", "truncate", "progress",
+                 "objective", "beta", "dpo_loss", "label_smoothing", "rpo_alpha", "init_adapter",
+                 "tp", "method", "data_digest", "model_fingerprint"}
+    base = dict(model=setup["tp1"], data=setup["data"], out=Path("o"))
+    sft = run_config(FinetuneConfig(**base, lora=LoRASettings(4, 8.0, targets=("q", "v"), init=Path("a")),
+                                    optim=OptimSettings(lr=1e-3, warmup_steps=2)), 1, "d")
+    assert set(sft) == flat_keys
+    assert (sft["lora_rank"], sft["lora_alpha"], sft["lora_targets"], sft["init_adapter"]) == (4, 8.0, ["q", "v"], "a")
+    assert (sft["lr"], sft["warmup_steps"], sft["method"], sft["model"]) == (1e-3, 2, "lora", str(setup["tp1"]))
+    assert [sft[k] for k in ("objective", "beta", "dpo_loss", "label_smoothing", "rpo_alpha")] == [None] * 5
+    full_dpo = run_config(FinetuneConfig(**base, full=True, dpo=DPOConfig(0.5, "ipo", 0.0, 1.0)), 2, "d")
+    assert set(full_dpo) == flat_keys and full_dpo["method"] == "full" and full_dpo["tp"] == 2
+    assert [full_dpo[k] for k in ("lora_rank", "lora_alpha", "lora_targets")] == [None] * 3
+    assert [full_dpo[k] for k in ("objective", "beta", "dpo_loss", "label_smoothing", "rpo_alpha")] == \
+        ["dpo", 0.5, "ipo", 0.0, 1.0]
+    json.dumps(sft), json.dumps(full_dpo)  # what train_state.json holds

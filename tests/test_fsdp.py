@@ -59,10 +59,10 @@ def _reference(s: dict[str, Path], rows_per_micro: int, accum: int) -> tuple[lis
     """The single-process run: one rank, no process group, the replicated path."""
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
-    from tprt.train.trainer import FinetuneConfig, Trainer
+    from tprt.train.trainer import FinetuneConfig, OptimSettings, Trainer
 
     cfg = FinetuneConfig(model=s["tp1"], data=s["data"], out=s["root"] / f"ref-{rows_per_micro}-{accum}", full=True,
-                         steps=STEPS, lr=2e-3, max_grad_norm=0.5, batch_size=rows_per_micro, grad_accum=accum,
+                         steps=STEPS, optim=OptimSettings(lr=2e-3, max_grad_norm=0.5), batch_size=rows_per_micro, grad_accum=accum,
                          seq_len=32, dtype="fp32", progress=False)
     data = prepare_data(s["data"], Tokenizer.from_dir(s["tp1"]), 32, 0)
     trainer = Trainer(cfg, TPContext.single(), data)

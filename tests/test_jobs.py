@@ -698,9 +698,9 @@ def test_a_dpo_job_starts_from_an_earlier_jobs_adapter(server: Callable[[], Serv
     s.run(1)
     started = s.ranks.started[-1]
     config, dataset = started["config"], started["dataset"]
-    assert (config.objective, config.beta, config.lora_rank, config.lora_targets) == ("dpo", 0.25, 4, ("q",))
-    assert config.rpo_alpha == 2.5
-    assert config.init_adapter == s.data_dir / "jobs" / sft / "adapter"
+    assert (config.objective, config.dpo.beta, config.lora.rank, config.lora.targets) == ("dpo", 0.25, 4, ("q",))
+    assert config.dpo.rpo_alpha == 2.5
+    assert config.lora.init == s.data_dir / "jobs" / sft / "adapter"
     assert dataset.pairs and dataset.n_examples == 2 and len(dataset.train) == 4
     (s.data_dir / "bad.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "preferred_output": []}))
     # R8: an adapter under --data-dir/adapters/ whose files lead out of --data-dir is not followed

@@ -355,7 +355,8 @@ def test_lora_trains_on_a_quantized_base_and_serves(tmp_path: Path, fmt: str) ->
     from tprt.lora.peft_io import read_adapter
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
-    from tprt.train.trainer import FinetuneConfig, Trainer
+    from tprt.lora.config import LoRASettings
+    from tprt.train.trainer import FinetuneConfig, OptimSettings, Trainer
 
     hf, _ = make_tiny_model(tmp_path, tp=1)
     base = tmp_path / fmt
@@ -367,9 +368,9 @@ def test_lora_trains_on_a_quantized_base_and_serves(tmp_path: Path, fmt: str) ->
     data_path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     ctx = TPContext.single()
     data = prepare_data(data_path, Tokenizer.from_dir(base), 64, 0)
-    cfg = FinetuneConfig(model=base, data=data_path, out=tmp_path / "run", lora_rank=4, lr=3e-2, steps=10,
-                         batch_size=2, seq_len=64, dtype="fp32", progress=False,
-                         lora_targets=("q", "k", "v", "o", "gate", "up", "down"))
+    cfg = FinetuneConfig(model=base, data=data_path, out=tmp_path / "run",
+                         lora=LoRASettings(4, targets=("q", "k", "v", "o", "gate", "up", "down")),
+                         optim=OptimSettings(lr=3e-2), steps=10, batch_size=2, seq_len=64, dtype="fp32", progress=False)
     trainer = Trainer(cfg, ctx, data)
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     assert any(p.dtype == QuantSpec(fmt).storage for p in frozen.values())

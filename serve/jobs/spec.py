@@ -249,7 +249,9 @@ JOB_LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
     """The trainer's configuration for a stored job (outputs in --data-dir/jobs/<id>/)."""
-    from tprt.train.trainer import FinetuneConfig
+    from tprt.lora.config import LoRASettings
+    from tprt.train.dpo import DPOConfig
+    from tprt.train.trainer import FinetuneConfig, OptimSettings
 
     hp = rec.hyperparameters
     lora = rec.method == "lora"
@@ -260,15 +262,17 @@ def finetune_config(rec: JobRecord, model_dir: Path, data_dir: Path) -> Any:
         from tprt.lora.peft_io import read_adapter_config, read_config_file
 
         targets = read_adapter_config(read_config_file(start, "adapter_config.json", ConfigError))[0]
+    dpo = None if rec.objective != "dpo" else DPOConfig(
+        beta=float(hp.get("beta", 0.1)), loss=str(hp.get("dpo_loss", "sigmoid")),
+        label_smoothing=float(hp.get("label_smoothing", 0.0)),
+        rpo_alpha=float(hp.get("rpo_alpha", 0.0)))  # 0 too for a DPO job stored before RPO existed
     return FinetuneConfig(
         model=Path(model_dir), data=data_dir / rec.dataset, out=data_dir / "jobs" / rec.id, full=not lora,
-        lora_rank=int(hp.get("lora_rank", 8)), lora_alpha=float(hp.get("lora_alpha", 16.0)),
-        steps=int(hp["steps"]), lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
-        weight_decay=float(hp["weight_decay"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
+        lora=LoRASettings(rank=int(hp.get("lora_rank", 8)), alpha=float(hp.get("lora_alpha", 16.0)),
+                          targets=targets, init=start),
+        dpo=dpo, optim=OptimSettings(lr=float(hp["learning_rate"]), warmup_steps=int(hp["warmup_steps"]),
+                                     weight_decay=float(hp["weight_decay"])),
+        steps=int(hp["steps"]), batch_size=int(hp["batch_size"]), seq_len=int(hp["max_seq_len"]),
         save_every=0, seed=int(hp["seed"]), dtype="fp32", progress=False,  # LoRA: the served dtype (executor)
         eval_data=data_dir / rec.validation_dataset if rec.validation_dataset else None,
-        objective="dpo" if rec.objective == "dpo" else "sft", beta=float(hp.get("beta", 0.1)),
-        dpo_loss=str(hp.get("dpo_loss", "sigmoid")), label_smoothing=float(hp.get("label_smoothing", 0.0)),
-        rpo_alpha=float(hp.get("rpo_alpha", 0.0)),  # 0 too for a DPO job stored before RPO existed
-        init_adapter=start, lora_targets=targets,
     )

@@ -181,22 +181,27 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
 
     from tprt.train.trainer import FinetuneConfig
 
+    from tprt.lora.config import LoRASettings
+    from tprt.train.dpo import DPOConfig
+    from tprt.train.trainer import OptimSettings
+
+    lora = LoRASettings(rank=rank, alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
+                        dropout=a.lora_dropout or 0.0, targets=_targets(a.lora_targets), init=a.init_adapter)
+    dpo = None if a.objective != "dpo" else DPOConfig(
+        beta=a.beta if a.beta is not None else DEFAULT_BETA, loss=a.dpo_loss or "sigmoid",
+        label_smoothing=a.label_smoothing or 0.0, rpo_alpha=a.rpo_alpha if a.rpo_alpha is not None else DEFAULT_RPO_ALPHA)
+    optim = OptimSettings(
+        lr=a.lr if a.lr is not None else (2e-5 if a.full else DEFAULT_DPO_LORA_LR if dpo else 2e-4),
+        min_lr_ratio=a.min_lr_ratio, warmup_steps=a.warmup_steps, weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm)
     cfg = FinetuneConfig(
-        model=a.model, data=a.data, out=a.out, full=a.full, lora_rank=rank,
-        lora_alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
-        lora_dropout=a.lora_dropout or 0.0, lora_targets=_targets(a.lora_targets), steps=a.steps, epochs=a.epochs,
-        lr=a.lr if a.lr is not None else (2e-5 if a.full else DEFAULT_DPO_LORA_LR if a.objective == "dpo" else 2e-4),
-        min_lr_ratio=a.min_lr_ratio,
-        warmup_steps=a.warmup_steps, weight_decay=a.weight_decay, batch_size=a.batch_size, grad_accum=a.grad_accum,
-        seq_len=a.seq_len, max_grad_norm=a.max_grad_norm, save_every=a.save_every,
-        keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every, eval_fraction=a.eval_fraction,
-        eval_data=a.eval_data, seed=a.seed, dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
+        model=a.model, data=a.data, out=a.out, full=a.full, lora=lora, dpo=dpo, optim=optim, steps=a.steps,
+        epochs=a.epochs, batch_size=a.batch_size, grad_accum=a.grad_accum, seq_len=a.seq_len,
+        save_every=a.save_every, keep_checkpoints=a.keep_checkpoints, eval_every=a.eval_every,
+        eval_fraction=a.eval_fraction, eval_data=a.eval_data, seed=a.seed,
+        dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, offload_optimizer=a.offload_optimizer, dp=a.dp,
-        resume=a.resume, truncate=not a.no_truncate,
-        progress=not a.no_progress, objective=a.objective, beta=a.beta if a.beta is not None else DEFAULT_BETA,
-        dpo_loss=a.dpo_loss or "sigmoid", label_smoothing=a.label_smoothing or 0.0,
-        rpo_alpha=(a.rpo_alpha if a.rpo_alpha is not None else DEFAULT_RPO_ALPHA) if a.objective == "dpo" else 0.0,
-        init_adapter=a.init_adapter,
+        resume=a.resume, truncate=not a.no_truncate, progress=not a.no_progress,
     )
     validate(cfg)
     return cfg
@@ -221,30 +226,34 @@ def _from_adapter(a: argparse.Namespace) -> argparse.Namespace:
 
 def validate(c: FinetuneConfig) -> None:
     """Range checks of every numeric flag (one line, naming the flag)."""
-    _check(c.lora_rank >= 1, "--lora-rank", f"must be at least 1, got {c.lora_rank}")
-    _check(c.lora_alpha > 0, "--lora-alpha", f"must be positive, got {c.lora_alpha}")
-    _check(0 <= c.lora_dropout < 1, "--lora-dropout", f"must be in [0, 1), got {c.lora_dropout}")
+    lora, optim, dpo = c.lora, c.optim, c.dpo
+    _check(lora.rank >= 1, "--lora-rank", f"must be at least 1, got {lora.rank}")
+    _check(lora.alpha > 0, "--lora-alpha", f"must be positive, got {lora.alpha}")
+    _check(0 <= lora.dropout < 1, "--lora-dropout", f"must be in [0, 1), got {lora.dropout}")
     _check(c.steps is None or c.steps >= 1, "--steps", f"must be at least 1, got {c.steps}")
     _check(c.steps is None or c.epochs is None, "--steps", "and --epochs cannot be used together")
     _check(c.epochs is None or c.epochs > 0, "--epochs", f"must be positive, got {c.epochs}")
-    _check(math.isfinite(c.lr) and c.lr > 0, "--lr", f"must be a positive number, got {c.lr}")
-    _check(0 <= c.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {c.min_lr_ratio}")
-    _check(c.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {c.warmup_steps}")
-    _check(c.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {c.weight_decay}")
+    _check(math.isfinite(optim.lr) and optim.lr > 0, "--lr", f"must be a positive number, got {optim.lr}")
+    _check(0 <= optim.min_lr_ratio <= 1, "--min-lr-ratio", f"must be in [0, 1], got {optim.min_lr_ratio}")
+    _check(optim.warmup_steps >= 0, "--warmup-steps", f"must be >= 0, got {optim.warmup_steps}")
+    _check(optim.weight_decay >= 0, "--weight-decay", f"must be >= 0, got {optim.weight_decay}")
     _check(c.batch_size >= 1, "--batch-size", f"must be at least 1, got {c.batch_size}")
     _check(c.grad_accum >= 1, "--grad-accum", f"must be at least 1, got {c.grad_accum}")
     _check(c.seq_len >= 2, "--seq-len", f"must be at least 2, got {c.seq_len}")
-    _check(c.max_grad_norm > 0, "--max-grad-norm", f"must be positive, got {c.max_grad_norm}")
+    _check(optim.max_grad_norm > 0, "--max-grad-norm", f"must be positive, got {optim.max_grad_norm}")
     _check(c.save_every >= 0, "--save-every", f"must be >= 0, got {c.save_every}")
     _check(c.keep_checkpoints >= 1, "--keep-checkpoints", f"must be at least 1, got {c.keep_checkpoints}")
     _check(c.eval_every >= 0, "--eval-every", f"must be >= 0, got {c.eval_every}")
     _check(c.dp >= 1, "--dp", f"must be at least 1, got {c.dp}")
     _check(c.offload_optimizer == "none" or c.full, "--offload-optimizer", "needs --full (LoRA keeps no large state)")
-    _check(math.isfinite(c.beta) and c.beta > 0, "--beta", f"must be a positive number, got {c.beta}")
-    _check(0 <= c.label_smoothing < 0.5, "--label-smoothing", f"must be in [0, 0.5), got {c.label_smoothing}")
-    _check(c.label_smoothing == 0 or c.dpo_loss == "sigmoid", "--label-smoothing", "applies to --dpo-loss sigmoid only")
-    _check(0 <= c.rpo_alpha <= 100 and math.isfinite(c.rpo_alpha), "--rpo-alpha",
-           f"must be in [0, 100], got {c.rpo_alpha}")
+    if dpo is not None:
+        _check(math.isfinite(dpo.beta) and dpo.beta > 0, "--beta", f"must be a positive number, got {dpo.beta}")
+        _check(0 <= dpo.label_smoothing < 0.5, "--label-smoothing",
+               f"must be in [0, 0.5), got {dpo.label_smoothing}")
+        _check(dpo.label_smoothing == 0 or dpo.loss == "sigmoid", "--label-smoothing",
+               "applies to --dpo-loss sigmoid only")
+        _check(0 <= dpo.rpo_alpha <= 100 and math.isfinite(dpo.rpo_alpha), "--rpo-alpha",
+               f"must be in [0, 100], got {dpo.rpo_alpha}")
     _check(c.data.is_file(), "--data", f"{c.data}: no such file")
     _check(c.eval_data is None or c.eval_data.is_file(), "--eval-data", f"{c.eval_data}: no such file")
 
@@ -291,7 +300,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     dims = ParallelDims(tp=ckpt.tp_size, dp=world_dp if in_distributed_env() else cfg.dp)
     _check(cfg.dp in (1, dims.dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dims.dp}")
     steps = total_steps(cfg, dataset.n_examples, dims.dp)
-    _check(cfg.warmup_steps <= steps, "--warmup-steps", f"{cfg.warmup_steps} exceeds the run's {steps} steps")
+    _check(cfg.optim.warmup_steps <= steps, "--warmup-steps",
+           f"{cfg.optim.warmup_steps} exceeds the run's {steps} steps")
     r = dataset.report
     log.info("data: %d examples (%d truncated), %d training rows and %d eval rows of %d tokens; %d steps",
              r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
@@ -378,14 +388,15 @@ def write_demo_data(path: Path) -> Path:
 def run_finetune_demo(tp_dir: Path, out_dir: Path, steps: int = 10) -> Path:
     """A short LoRA fine-tune of the demo model on `write_demo_data`; returns the adapter directory
     (use it with `tprt.lora.peft_io.read_adapter` / `tprt generate --adapter`, or `tprt merge-lora`)."""
-    from tprt.train.trainer import FinetuneConfig
+    from tprt.lora.config import LoRASettings
+    from tprt.train.trainer import FinetuneConfig, OptimSettings
 
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out_dir / "run", ignore_errors=True)  # the demo's own run directory, redone each time
     data = write_demo_data(out_dir / "demo-chats.jsonl")
-    cfg = FinetuneConfig(model=tp_dir, data=data, out=out_dir / "run", lora_rank=8, lora_alpha=16.0,
-                         lora_targets=ALL_TARGETS, steps=steps, lr=2e-3, warmup_steps=2, batch_size=2,
-                         seq_len=128, dtype="fp32", progress=sys.stderr.isatty())
+    cfg = FinetuneConfig(model=tp_dir, data=data, out=out_dir / "run", lora=LoRASettings(8, 16.0, targets=ALL_TARGETS),
+                         optim=OptimSettings(lr=2e-3, warmup_steps=2), steps=steps, batch_size=2, seq_len=128,
+                         dtype="fp32", progress=sys.stderr.isatty())
     validate(cfg)
     summary = run_finetune(cfg)
     return Path(summary["output"])

@@ -7,6 +7,8 @@ Face's module names (q_proj, ...) are accepted wherever targets are given.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from tprt.errors import ValidationError
 from tprt.parallel.sharding import LAYER_LINEARS
@@ -56,3 +58,15 @@ def check_hparams(rank: int, alpha: float, dropout: float) -> None:
         raise ValidationError("lora_alpha", f"LoRA alpha must be a number in (0, {MAX_ALPHA:g}], got {alpha!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise ValidationError("lora_dropout", f"LoRA dropout must be in [0, 1), got {dropout!r}")
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """A LoRA fine-tune's adapter (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets) and
+    the adapter it starts from (--init-adapter; None: B = 0, the base model's function)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+    init: Path | None = None

@@ -155,9 +155,6 @@ class DPOConfig:
     loss: str = "sigmoid"  # or "ipo"
     label_smoothing: float = 0.0  # sigmoid: the share of pairs assumed mislabelled
     rpo_alpha: float = 0.0  # weight of the preferred completion's per-token NLL (RPO)
-    # The reference is the base with the adapter switched off (a LoRA run from scratch), else the
-    # starting weights, scored once before the first step.
-    adapter_is_reference: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS:
@@ -168,14 +165,17 @@ class Preference:
     """DPO as the trainer's objective (tprt.train.objective): the reference log-probabilities,
     one step's gradients and the held-out evaluation; it keeps only its settings."""
 
-    def __init__(self, config: DPOConfig) -> None:
+    def __init__(self, config: DPOConfig, adapter_is_reference: bool) -> None:
+        """`adapter_is_reference`: the reference is the base with the adapter switched off (a LoRA
+        run from scratch), else the starting weights, scored once before the first step."""
         self.config = config
+        self.adapter_is_reference = adapter_is_reference
 
     def prepare(self, run: TrainRun) -> None:
         """Checks the data; scores the reference once unless it is the adapter switched off."""
         if not run.data.pairs:
             raise ConfigError("--objective dpo needs preference pairs (tprt.train.preference.prepare_preferences)")
-        if self.config.adapter_is_reference:
+        if self.adapter_is_reference:
             return
         for split in ("train", "eval"):
             rows = getattr(run.data, split)

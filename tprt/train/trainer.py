@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from tprt.distributed.context import TPContext, init_distributed
 from tprt.distributed.together import run_together
 from tprt.errors import ConfigError, TprtError
 from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
+from tprt.lora.config import LoRASettings
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
 from tprt.train.data import BatchStream, Dataset
@@ -54,27 +55,33 @@ class TrainingDiverged(TprtError):
 
 
 @dataclass(frozen=True)
+class OptimSettings:
+    """AdamW and its schedule (--lr, --min-lr-ratio, --warmup-steps, --weight-decay, --max-grad-norm)."""
+
+    lr: float = 2e-4
+    min_lr_ratio: float = 0.1  # the cosine's floor, as a share of lr
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+@dataclass(frozen=True)
 class FinetuneConfig:
-    """Everything `tprt finetune` was asked to do (one field per flag)."""
+    """Everything `tprt finetune` was asked to do: the run's own flags, and the LoRA, objective and
+    optimizer settings as their own configs."""
 
     model: Path
     data: Path
     out: Path
     full: bool = False
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_targets: tuple[str, ...] = ("q", "k", "v", "o")
+    lora: LoRASettings = LoRASettings()  # unused by a full fine-tune
+    dpo: DPOConfig | None = None  # None: supervised (SFT); else preference pairs (tprt.train.dpo)
+    optim: OptimSettings = OptimSettings()
     steps: int | None = None
     epochs: float | None = None
-    lr: float = 2e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
     batch_size: int = 4  # rows per micro-batch per DP rank
     grad_accum: int = 1
     seq_len: int = 512
-    max_grad_norm: float = 1.0
     save_every: int = 0  # 0: no intermediate checkpoints
     keep_checkpoints: int = 2
     eval_every: int = 0  # 0: evaluate at the end only (when there is eval data)
@@ -88,37 +95,41 @@ class FinetuneConfig:
     resume: bool = False
     truncate: bool = True
     progress: bool = True
-    objective: str = "sft"  # "dpo": preference pairs (tprt.train.dpo, tprt.train.preference)
-    beta: float = 0.1  # DPO: strength of the pull towards the reference
-    dpo_loss: str = "sigmoid"  # or "ipo"
-    label_smoothing: float = 0.0  # DPO (sigmoid): the share of pairs assumed mislabelled
-    rpo_alpha: float = 0.0  # DPO: weight of the preferred completion's per-token NLL (RPO)
-    init_adapter: Path | None = None  # LoRA: start from this adapter's weights (SFT then DPO)
 
     @property
     def method(self) -> str:
         return "full" if self.full else "lora"
 
+    @property
+    def objective(self) -> str:
+        return "sft" if self.dpo is None else "dpo"
+
     def objective_of(self) -> Objective:
         """The objective handed to the trainer (tprt.train.objective)."""
-        if self.objective == "sft":
+        if self.dpo is None:
             return Supervised()
-        if self.objective != "dpo":
-            raise ConfigError(f"objective must be sft or dpo, got {self.objective!r}")
         # LoRA from scratch: the reference is the base, the adapter switched off per micro-batch.
         # Otherwise the starting weights are, scored once before any step or resume.
-        return Preference(DPOConfig(self.beta, self.dpo_loss, self.label_smoothing, self.rpo_alpha,
-                                    adapter_is_reference=not self.full and self.init_adapter is None))
+        return Preference(self.dpo, adapter_is_reference=not self.full and self.lora.init is None)
 
 
 def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]:
-    """The JSON-able run description stored in checkpoints (and compared on resume)."""
-    d = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    d["lora_targets"] = list(cfg.lora_targets)
+    """The JSON-able run description stored in checkpoints (and compared on resume): one flat
+    object under the flags' names, as runs have always recorded it."""
+    d: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in ("lora", "dpo", "optim")}
+    d.update(asdict(cfg.optim))
+    lora = cfg.lora
+    d.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, lora_targets=list(lora.targets),
+             init_adapter=lora.init)
     if cfg.full:
         d.update(lora_rank=None, lora_alpha=None, lora_targets=None)
-    if cfg.objective == "sft":  # as runs before DPO existed recorded them
+    dpo = cfg.dpo
+    if dpo is None:  # as runs before DPO existed recorded them
         d.update(objective=None, beta=None, dpo_loss=None, label_smoothing=None, rpo_alpha=None)
+    else:
+        d.update(objective="dpo", beta=dpo.beta, dpo_loss=dpo.loss, label_smoothing=dpo.label_smoothing,
+                 rpo_alpha=dpo.rpo_alpha)
+    d = {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
     d.update(tp=tp, method=cfg.method, data_digest=data_digest,
              model_fingerprint=ckpt.model_fingerprint(Path(cfg.model)))
     return d
@@ -201,8 +212,9 @@ class Trainer:
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         self.steps = total_steps(cfg, dataset.n_examples, ctx.dp_size)
-        self.optimizer = AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.scheduler = warmup_cosine(self.optimizer, cfg.warmup_steps, self.steps, cfg.min_lr_ratio)
+        optim = cfg.optim
+        self.optimizer = AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, optim.warmup_steps, self.steps, optim.min_lr_ratio)
         self.stream = BatchStream(dataset.n_examples, cfg.seed, cfg.batch_size * cfg.grad_accum * ctx.dp_size)
         self.step = 0
         self.step_tokens = 0  # tokens of the last step's rows
@@ -220,11 +232,10 @@ class Trainer:
         from tprt.cpu.fast_linear import prepack
         from tprt.lora.attach import apply_lora
 
-        params = apply_lora(self.model, list(self.cfg.lora_targets), self.cfg.lora_rank, self.cfg.lora_alpha,
-                            self.cfg.lora_dropout, seed=self.cfg.seed)
-        if self.cfg.init_adapter is not None:
-            load_initial_adapter(self.model, Path(self.cfg.init_adapter), self.cfg.lora_targets, self.cfg.lora_rank,
-                                 self.cfg.lora_alpha, self.ctx)
+        lora = self.cfg.lora
+        params = apply_lora(self.model, list(lora.targets), lora.rank, lora.alpha, lora.dropout, seed=self.cfg.seed)
+        if lora.init is not None:
+            load_initial_adapter(self.model, Path(lora.init), lora.targets, lora.rank, lora.alpha, self.ctx)
         if not self.shares_base:
             # On CPU the frozen base runs forward and input-gradient from oneDNN-packed copies: faster
             # steps for one more copy of the base weights (docs/PERF.md). A shared twin already has
@@ -319,10 +330,10 @@ class Trainer:
             from tprt.train.fsdp import clip_sharded_grad_norm, sync_tp_gradients
 
             sync_tp_gradients(self.sharded)
-            grad_norm = clip_sharded_grad_norm(self.sharded, self.cfg.max_grad_norm)
+            grad_norm = clip_sharded_grad_norm(self.sharded, self.cfg.optim.max_grad_norm)
         else:
             sync_gradients(self.model, self.ctx)
-            grad_norm = clip_grad_norm(self.params, self.cfg.max_grad_norm, self.ctx)
+            grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm, self.ctx)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
@@ -408,7 +419,7 @@ class Trainer:
 
             tensors = full_state(self.sharded) if self.sharded is not None else None  # all-gathered over DP
             output = write_tp_checkpoint(self.model, self.ctx, Path(self.cfg.model), self.out / "model",
-                                         {"finetune": {"steps": self.step, "lr": self.cfg.lr}}, tensors)
+                                         {"finetune": {"steps": self.step, "lr": self.cfg.optim.lr}}, tensors)
         else:
             output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
         summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
@@ -420,5 +431,5 @@ class Trainer:
     def adapter_config(self) -> dict[str, Any]:
         from tprt.lora.peft_io import adapter_config
 
-        return dict(adapter_config(self.cfg.lora_targets, self.cfg.lora_rank, self.cfg.lora_alpha,
-                                   self.cfg.lora_dropout, str(self.cfg.model)))
+        lora = self.cfg.lora
+        return dict(adapter_config(lora.targets, lora.rank, lora.alpha, lora.dropout, str(self.cfg.model)))
