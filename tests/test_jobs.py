@@ -454,6 +454,20 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
     assert [(a.id, a.source_job_id, a.tier) for a in s.adapters.list()] == [("one", ids[0], DISK), ("two", ids[1], DISK)]
 
 
+def test_jobs_created_in_one_millisecond_start_in_creation_order(tmp_path: Path) -> None:
+    """Ids are random, so within one created_ms the queue's order is the order of insertion."""
+    store = JobStore(tmp_path)
+    ids = ["job-f00", "job-a00", "job-c00", "job-b00"]
+    for job_id in ids:
+        store.create(JobRecord(id=job_id, method="full", dataset="d.jsonl", adapter_id="", created_ms=1_000))
+    started = []
+    while (rec := store.next_queued()) is not None:
+        started.append(rec.id)
+        store.update(rec.id, state=RUNNING)
+    assert started == ids
+    store.close()
+
+
 def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
     """Two stores on one database (two server processes, or one before and after a restart)."""
     first, second = JobStore(tmp_path), JobStore(tmp_path)

@@ -249,10 +249,11 @@ class JobStore:
         return rec
 
     def next_queued(self) -> JobRecord | None:
-        """The oldest queued job."""
+        """The oldest queued job: first created, and of jobs created in one millisecond the first
+        inserted (rowid; the ids are random)."""
         with self._lock:
             row = self._db.execute(
-                "SELECT * FROM jobs WHERE state = ? ORDER BY created_ms, id LIMIT 1", (QUEUED,)
+                "SELECT * FROM jobs WHERE state = ? ORDER BY created_ms, rowid LIMIT 1", (QUEUED,)
             ).fetchone()
         return _from_row(row) if row is not None else None
 
