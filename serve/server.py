@@ -175,7 +175,8 @@ def engine_config(cfg: ServeConfig, device: torch.device | None = None) -> Engin
                         kv_cache_tokens=cache.tokens, kv_block_size=cache.block_size, gpu_memory_fraction=fraction,
                         speculative=cfg.speculative,
                         cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cache.dtype),
-                        kv_scales=kv_scales, mask_threads=0 if device is None else spare_cores(device))
+                        kv_scales=kv_scales, mask_threads=0 if device is None else spare_cores(device),
+                        attention_backend=cache.attention)
 
 
 def max_batch_size(cfg: ServeConfig) -> int:

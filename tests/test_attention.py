@@ -7,12 +7,16 @@ edges, two sequences sharing a prefix block, and float32, int8 and FP8 caches.""
 from __future__ import annotations
 
 import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels on the CPU (set before they are defined)
 
 import pytest
 import torch
 
 from tprt.cpu.native_attention import NativeCPUAttention
 from tprt.errors import ConfigError
+from tprt.gpu.attention import TritonAttentionStep
 from tprt.model.attention import AttentionStep, TorchAttention, backend
 from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.kv_cache import KVCache, kv_cache_dtype
@@ -50,8 +54,8 @@ def _step(attention: AttentionStep, naive: Naive, rows: list[tuple[str, int, int
     tokens = attention.tokens
     q, k, v = (torch.randn(tokens, n, D, generator=gen) for n in (NH, NKV, NKV))
     if cached:  # a fused kernel wrote them (a plain decode step: one group): written, then attended
-        (group,) = attention.groups
-        attention.cache.write(0, torch.stack((k, v), dim=1)[:, None], group.cache_step)
+        slots = attention.rows.slots if isinstance(attention, TritonAttentionStep) else attention.groups[0].cache_step
+        attention.cache.write(0, torch.stack((k, v), dim=1)[:, None], slots)
         got = attention.attend_cached(0, q)
     else:
         got = attention.attend(0, q, k, v)
@@ -67,7 +71,7 @@ def _step(attention: AttentionStep, naive: Naive, rows: list[tuple[str, int, int
     return got.float(), torch.stack(want)
 
 
-BACKENDS = ["torch", "native"]
+BACKENDS = ["torch", "native", "triton"]
 
 
 @pytest.mark.parametrize("kv", ["fp32", "int8", "fp8"])

@@ -60,6 +60,7 @@ class GenerateArgs:
     dtype: str | None = None
     kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
     kv_scales: Path | None = None  # static int8 KV scales (tprt.model.kv_scales)
+    attention_backend: str = "auto"  # tprt.model.attention.backend
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
@@ -91,6 +92,7 @@ class GenerateJob:
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"
     kv_scales: str | None = None
+    attention_backend: str = "auto"
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -210,7 +212,8 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     adapter = None if args.adapter is None else str(args.adapter)
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
-                       kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales))
+                       kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales),
+                       args.attention_backend)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -234,7 +237,7 @@ def generate_rank(job: GenerateJob) -> None:
                           token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
                           cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
                           kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config),
-                          mask_threads=spare_cores(ctx.device))
+                          mask_threads=spare_cores(ctx.device), attention_backend=job.attention_backend)
     engine = Engine(model, tok, config)
     if not engine.is_driver:
         engine.follow()
@@ -320,6 +323,7 @@ class ScoreArgs:
     threads: int | None = None  # torch threads per rank; None: cores / TP
     kv_cache_dtype: str | None = None  # score through a KV cache of this dtype; None: no cache
     kv_scales: Path | None = None  # static int8 KV scales (implies an int8 cache)
+    attention_backend: str = "auto"  # with a KV cache: tprt.model.attention.backend
 
 
 @dataclass(frozen=True)
@@ -330,6 +334,7 @@ class ScoreJob:
     json: bool
     kv_cache_dtype: str | None = None
     kv_scales: str | None = None
+    attention_backend: str = "auto"
 
 
 def read_documents(path: Path) -> list[str]:
@@ -375,7 +380,7 @@ def prepare_score(args: ScoreArgs) -> ScoreJob:
         docs.append(ids)
     kv_dtype = kv_cache_flags(args.kv_cache_dtype, args.kv_scales, ckpt.config)
     return ScoreJob(str(args.model), args.dtype, docs, args.json, kv_dtype,
-                    None if args.kv_scales is None else str(args.kv_scales))
+                    None if args.kv_scales is None else str(args.kv_scales), args.attention_backend)
 
 
 def run_score(args: ScoreArgs) -> int:
@@ -397,7 +402,7 @@ def score_rank(job: ScoreJob) -> None:
     total = Perplexity(0, 0.0)
     docs_json = []
     for i, ids in enumerate(job.documents, start=1):
-        lps = token_logprobs(model, ids, cache_dtype, kv_scales, through_cache)
+        lps = token_logprobs(model, ids, cache_dtype, kv_scales, through_cache, job.attention_backend)
         doc = Perplexity.of(lps)
         total = total + doc
         if tok is None:

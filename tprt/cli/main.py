@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tprt.engine.settings import add_kv_cache_flags
+from tprt.engine.settings import add_attention_flag, add_kv_cache_flags
 from tprt.errors import TprtError
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -88,6 +88,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--top-logprobs", type=int, default=0, metavar="N", help="also the N most likely tokens (0-20)")
     g.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     add_kv_cache_flags(g)
+    add_attention_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print per-token results as JSON")
     add_kv_cache_flags(s, None, "score through a KV cache of this dtype, 512 tokens at a time, each part attending to "
                                 "the earlier ones as stored (default: no cache, one pass in the compute dtype)")
+    add_attention_flag(s)
     s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
     from tprt.cli.finetune import add_parsers as add_train_parsers  # finetune, merge-lora
 
@@ -175,7 +177,7 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_score(ScoreArgs(model=args.model, file=args.file, dtype=args.dtype, json=args.json,
                                    threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-                                   kv_scales=args.kv_scales))
+                                   kv_scales=args.kv_scales, attention_backend=args.attention_backend))
     return 2
 
 

@@ -24,6 +24,7 @@ several-fold on a busy machine. Every other step runs on the caller's thread cou
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 from tprt.cpu.fast_linear import prepack
 from tprt.cpu.native import STACK_MAX_ROWS
 from tprt.cpu.native_layers import install_native_layers
-from tprt.distributed.context import TPContext
+from tprt.distributed.context import TPContext, log0
 from tprt.distributed.protocol import Tag, receive_header, receive_step
 from tprt.errors import ConfigError
 from tprt.lora.routing import AdapterSlots
@@ -84,6 +85,10 @@ class ModelRunner:
         self.device = model.tp.device
         self.cache: KVCache = model.new_cache(n_blocks, block_size, config.cache_dtype, config.kv_scales)
         self.attention = attention_backend(config.attention, self.device, self.cache)
+        log0(model.tp, "attention: the %s backend (--attention-backend %s)", self.attention.name, config.attention)
+        if self.device.type == "cuda" and self.attention.name == "torch":
+            log0(model.tp, "attention: the torch reference gathers each row's KV blocks every layer; install Triton "
+                 "for the paged kernels (--attention-backend triton)", level=logging.WARNING)
         static_decode, one_row_threads = config.static_decode, config.one_row_threads
         if static_decode is None:
             static_decode = self.device.type == "cuda"

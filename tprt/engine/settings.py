@@ -24,6 +24,17 @@ def add_kv_cache_flags(group: Any, default: str | None = "auto", help_dtype: str
                             "stored per token, exactly 2x the tokens of bf16")
 
 
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "native", "triton")  # tprt.model.attention.ATTENTION_BACKENDS
+
+
+def add_attention_flag(group: Any) -> None:
+    """--attention-backend (tprt generate, tprt score, tprt serve)."""
+    group.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_NAMES,
+                       help="how attention reads the paged KV cache: auto (Triton's paged kernels on CUDA, tprt's "
+                            "compiled kernels on a CPU, else torch; the choice is logged at start-up), triton, "
+                            "native (CPU), torch (the reference: gathers each row's blocks)")
+
+
 @dataclass(frozen=True)
 class CacheSettings:
     """The paged KV cache: its storage, its pool and prefix sharing."""
@@ -34,8 +45,10 @@ class CacheSettings:
     block_size: int = DEFAULT_BLOCK_SIZE  # --kv-block-size
     gpu_memory_fraction: float | None = None  # --gpu-memory-fraction (CUDA): the pool's share of free memory
     prefix_cache: bool = True  # --no-prefix-cache turns sharing of prompt prefixes off
+    attention: str = "auto"  # --attention-backend: how attention reads the cache (tprt.model.attention)
 
-    FLAGS = ("kv_cache_dtype", "kv_scales", "kv_cache_tokens", "kv_block_size", "gpu_memory_fraction", "prefix_cache")
+    FLAGS = ("kv_cache_dtype", "kv_scales", "kv_cache_tokens", "kv_block_size", "gpu_memory_fraction", "prefix_cache",
+             "attention_backend")
 
     @staticmethod
     def add_flags(group: Any) -> None:
@@ -45,6 +58,7 @@ class CacheSettings:
         group.add_argument("--kv-block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
                            help=f"positions per KV cache block ({DEFAULT_BLOCK_SIZE})")
         add_kv_cache_flags(group)
+        add_attention_flag(group)
         group.add_argument("--gpu-memory-fraction", type=float, metavar="F",
                            help="CUDA: share of the device memory free after the weights that the KV cache takes (0.9)")
         group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
@@ -61,7 +75,7 @@ class CacheSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> CacheSettings:
         return cls(args.kv_cache_dtype, args.kv_scales, args.kv_cache_tokens, args.kv_block_size,
-                   args.gpu_memory_fraction, args.prefix_cache)
+                   args.gpu_memory_fraction, args.prefix_cache, args.attention_backend)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ shared only once full, and full blocks are never written), so writing per group 
 group attends is writing the whole batch first.
 
 `tprt.cpu.native_attention.NativeCPUAttention` runs the one-token rows with tprt's compiled CPU
-kernel; `backend(name, ...)` picks one by name.
+kernel; `tprt.gpu.attention.TritonAttention` runs every row in one paged Triton kernel per layer
+(on CUDA); `backend(name, ...)` picks one by name.
 """
 
 from __future__ import annotations
@@ -228,13 +229,15 @@ def check_batch(batch: TokenBatch, cache: KVCache) -> None:
                              f"of {size} positions")
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "native")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 
 
 def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend:
-    """The attention backend `name` names for a cache on `device`: "auto" is tprt's compiled CPU
-    kernels where they run (a CPU, a float32 or int8 cache), else the torch reference."""
+    """The attention backend `name` names for a cache on `device`. "auto": tprt's Triton kernels
+    on CUDA where Triton runs, its compiled CPU kernels on a CPU (float32 or int8 caches), else
+    the torch reference."""
     from tprt.cpu.native_attention import NativeCPUAttention
+    from tprt.gpu.attention import TritonAttention
 
     if name not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
@@ -242,4 +245,11 @@ def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend
     if name == "native" and not native:
         raise ConfigError(f"attention backend native: tprt's CPU kernels do not run here ({device.type} device, "
                           f"{cache.format_name} cache, or no C compiler); use torch")
+    triton = TritonAttention.available(device, cache)
+    if name == "triton" and not triton:
+        raise ConfigError(f"attention backend triton: needs Triton, a CUDA device (or TRITON_INTERPRET=1) and a "
+                          f"power-of-2 head_dim of at least 16 and block size ({device.type} device, head_dim "
+                          f"{cache.kv.shape[-1]}, blocks of {cache.block_size} here); use torch")
+    if name == "triton" or (name == "auto" and triton and device.type == "cuda"):
+        return TritonAttention()
     return NativeCPUAttention() if name == "native" or (name == "auto" and native) else TorchAttention()

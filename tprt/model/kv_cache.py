@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,17 @@ def blocks_for(tokens: int, block_size: int) -> int:
     """How many blocks hold `tokens` positions."""
     return -(-tokens // block_size)
 
+
+
+class WriteSlots(Protocol):
+    """Where a step's tokens are written: [batch, seq] block ids and offsets in them (a
+    `CacheStep`, or a backend's own)."""
+
+    @property
+    def write_blocks(self) -> torch.Tensor: ...
+
+    @property
+    def write_offsets(self) -> torch.Tensor: ...
 
 class KVCache:
     """k/v storage for every layer in `n_blocks` blocks of `block_size` positions (block 0: scratch)."""
@@ -274,7 +286,7 @@ class KVCache:
         self.write(layer, kv, step)
         return self.read(layer, step, rotated_keys)
 
-    def write(self, layer: int, kv: torch.Tensor, step: CacheStep) -> None:
+    def write(self, layer: int, kv: torch.Tensor, step: WriteSlots) -> None:
         """Writes kv [batch, seq, 2, n_kv_heads, head_dim] (keys, then values) at each token's
         (block, offset); quantized with a scale per head vector when the storage is
         (`quantize`), or with the static ones (`quantize_fixed`)."""

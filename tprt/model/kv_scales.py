@@ -30,7 +30,7 @@ from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig
 from tprt.model.attention import TorchAttention
 from tprt.model.batch import BatchRow, TokenBatch
-from tprt.model.kv_cache import CacheStep, KVCache, blocks_for, kv_cache_dtype
+from tprt.model.kv_cache import KVCache, WriteSlots, blocks_for, kv_cache_dtype
 
 FORMAT = "tprt-kv-scales"
 TENSOR = "kv_scales"
@@ -49,7 +49,7 @@ class _AmaxCache(KVCache):
         super().__init__(*args, **kw)
         self.amax = torch.zeros(self.kv.shape[0], 2, self.kv.shape[3], dtype=torch.float32, device=self.kv.device)
 
-    def write(self, layer: int, kv: torch.Tensor, step: CacheStep) -> None:
+    def write(self, layer: int, kv: torch.Tensor, step: WriteSlots) -> None:
         # kv [rows, width, 2, n_kv_heads, head_dim]: one row, no padding (`calibrate`)
         torch.maximum(self.amax[layer], kv.detach().abs().amax(dim=(0, 1, 4)).float(), out=self.amax[layer])
         super().write(layer, kv, step)

@@ -1,0 +1,132 @@
+"""The Triton attention backend: tprt.model.attention's interface over tprt.gpu.triton_attention's
+paged kernel, which reads the KV cache in place through the block tables (no per-row gather).
+
+`prepare` turns the step's `TokenBatch` into int32 device tensors once (the rows' tables, query
+starts, first positions and lengths, and each token's write slot); every layer then writes its new
+keys and values into the cache and runs one kernel over the whole ragged batch. `decode` builds
+the same from device tensors alone (no host synchronisation), for CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tprt.model.attention import AttentionStep, _indices, _tables, check_batch, token_rows
+from tprt.model.batch import TokenBatch
+from tprt.model.kv_cache import KVCache, TokenRows
+
+# Flash-decoding split: a row's blocks are shared among this many programs at most, and only while
+# rows x kv heads leave the GPU's multiprocessors idle (132 on an H100 SXM).
+MAX_SPLITS = 16
+BLOCKS_PER_SPLIT_MIN = 8
+BUSY_PROGRAMS = 132
+
+
+def splits_for(rows: int, kv_heads: int, blocks: int) -> int:
+    """How many shares of each row's blocks to run apart: enough programs to fill the GPU, each
+    share at least BLOCKS_PER_SPLIT_MIN blocks."""
+    programs = rows * kv_heads
+    if programs >= BUSY_PROGRAMS:
+        return 1
+    return max(1, min(MAX_SPLITS, math.ceil(BUSY_PROGRAMS / programs), blocks // BLOCKS_PER_SPLIT_MIN))
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """Each token's write slot, as KVCache.write reads a step's: [tokens, 1] block and offset."""
+
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+
+
+class TritonAttentionStep(AttentionStep):
+    """One step over the paged kernel: every layer writes its keys and values, then one launch."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, tokens: int, logits_index: torch.Tensor | None,
+                 batch: TokenBatch | None, rows: _Rows) -> None:
+        super().__init__(cache, positions, [], tokens, logits_index, batch)
+        self.rows = rows
+        self.single_tokens = rows.max_query_len == 1
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = torch.stack((k, v), dim=1).to(self.cache.dtype)[:, None]  # [tokens, 1, 2, kv_heads, head_dim]
+        self.cache.write(layer, kv, self.rows.slots)
+        return self.attend_cached(layer, q)
+
+    def attend_cached(self, layer: int, q: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        from tprt.gpu.triton_attention import paged_attention
+
+        cache, rows = self.cache, self.rows
+        queries = cache.rotate_queries(q.to(cache.dtype)).contiguous()
+        out = paged_attention(
+            queries, cache.kv[layer], rows.tables, rows.query_starts, rows.starts, rows.lens, rows.max_query_len,
+            scales=None if cache.scales is None else cache.scales[layer],
+            fixed_scales=None if cache.fixed_scales is None else cache.fixed_scales[layer],
+            splits=rows.splits)
+        return out if out_dtype is None else out.to(out_dtype)
+
+    @property
+    def token_rows(self) -> TokenRows:  # type: ignore[override]
+        assert self.batch is not None, "token rows of a step built without its batch"
+        return token_rows(self.batch, self.cache, self.positions.device)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The kernel's view of a step's rows, int32 on the device."""
+
+    tables: torch.Tensor  # [rows, blocks]
+    query_starts: torch.Tensor  # [rows + 1]
+    starts: torch.Tensor  # [rows]
+    lens: torch.Tensor  # [rows]
+    max_query_len: int
+    splits: int
+    slots: _Slots
+
+
+class TritonAttention:
+    """Paged attention in Triton on CUDA (and, for tests, on the CPU under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    @staticmethod
+    def available(device: torch.device, cache: KVCache) -> bool:
+        """Triton importable, a CUDA device (or the interpreter), and a cache the kernel reads:
+        head_dim and block_size powers of 2, head_dim at least 16 (tl.dot's smallest K)."""
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return False
+        runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        d, size = cache.kv.shape[-1], cache.block_size
+        return runs and d >= 16 and not d & (d - 1) and not size & (size - 1)
+
+    def prepare(self, batch: TokenBatch, cache: KVCache) -> TritonAttentionStep:
+        check_batch(batch, cache)
+        device = cache.kv.device
+
+        def ints(values: list[int] | tuple[int, ...]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        tables = _tables(batch.tables, batch.kv_len, cache, device).to(torch.int32)
+        written = token_rows(batch, cache, device)
+        slots = _Slots(written.flat_write_blocks[:, None], written.flat_write_offsets[:, None])
+        rows = _Rows(tables, ints(batch.query_starts), ints(batch.starts), ints(batch.lens), batch.max_query_len,
+                     splits_for(batch.num_rows, cache.kv.shape[2], tables.shape[1]), slots)
+        index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
+        return TritonAttentionStep(cache, written.flat_positions, batch.num_tokens, index, batch, rows)
+
+    def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> TritonAttentionStep:
+        """Rows of one token each from device tensors (positions [rows], tables [rows, blocks]),
+        with no host synchronisation (tprt.engine.static_decode captures it)."""
+        n, size = positions.shape[0], cache.block_size
+        blocks = tables.gather(1, torch.div(positions, size, rounding_mode="floor")[:, None])
+        slots = _Slots(blocks, (positions % size)[:, None])
+        rows = _Rows(tables.to(torch.int32), torch.arange(n + 1, dtype=torch.int32, device=positions.device),
+                     positions.to(torch.int32), torch.ones(n, dtype=torch.int32, device=positions.device), 1,
+                     splits_for(n, cache.kv.shape[2], tables.shape[1]), slots)
+        return TritonAttentionStep(cache, positions, n, None, None, rows)
