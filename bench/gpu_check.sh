@@ -48,7 +48,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 CFG8=bench/configs/llama-3.1-8b/config.json
 CFG70=bench/configs/llama-3.1-70b/config.json
-CORE_TESTS="tests/test_model_tp.py tests/test_engine.py tests/test_backward_tp.py tests/test_lora.py"
+CORE_TESTS="tests/test_model_tp.py tests/test_engine.py tests/test_backward_tp.py tests/test_lora.py tests/test_triton_attention.py"
 
 # name | time limit (s) | command. Tests first: if the machine is taken back early, the
 # correctness results are already written. Limits from the first run (2026-11-28, H100/H200):
@@ -56,6 +56,7 @@ CORE_TESTS="tests/test_model_tp.py tests/test_engine.py tests/test_backward_tp.p
 STEPS=(
     "tests|270|TPRT_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider $CORE_TESTS --junitxml=$OUT/tests.xml"
     "graphs|30|$PY bench/gpu_graphs.py --config $CFG8 --out $OUT/graphs.json"
+    "attention|60|$PY bench/gpu_attention.py --out $OUT/attention.json"
     "decode|110|$PY bench/gpu_bench.py --random $CFG8 --batches 1,16,64 --tokens 128 --out $OUT/gpu_bench.json"
     "memory|50|$PY bench/gpu_memory.py --config $CFG8 --out $OUT/memory.json"
     "mfu|45|$PY bench/gpu_mfu.py --config $CFG70 --out $OUT/mfu.json"

@@ -108,7 +108,7 @@ def forward_rows(model: Any, cache: Any, rows: list[list[int]], starts: list[int
     table_rows = [tuple(int(b) for b in t) for t in tables]
     batch = TokenBatch.of([BatchRow(t, s, tuple(r), len(r)) for t, s, r in zip(table_rows, starts, rows)])
     step = (backend or TorchAttention()).prepare(batch, cache)
-    local = model(torch.tensor(batch.tokens), attention=step)  # [tokens, local_vocab]
+    local = model(torch.tensor(batch.tokens, device=cache.kv.device), attention=step)  # [tokens, local_vocab]
     full = model.gather_logits(local)[..., : model.config.vocab_size].float()
     return list(full.split([len(r) for r in rows]))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-STEPS = ("tests", "graphs", "decode", "memory", "mfu")
+STEPS = ("tests", "graphs", "attention", "decode", "memory", "mfu")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -24,7 +24,8 @@ def test_dry_run_lists_the_steps_and_checks_the_interpreter(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
     plan = (out / "plan.txt").read_text().splitlines()[1:]
     assert [line.split()[0] for line in plan] == list(STEPS)
-    for script in ("gpu_graphs.py", "gpu_bench.py --random", "gpu_memory.py", "gpu_mfu.py", "pytest"):
+    for script in ("gpu_graphs.py", "gpu_attention.py", "gpu_bench.py --random", "gpu_memory.py", "gpu_mfu.py",
+                   "pytest"):
         assert any(script in line for line in plan), script
     assert "--batches 1,16,64" in "\n".join(plan)
     deps = dict(line.split("\t") for line in (out / "deps.tsv").read_text().splitlines())
@@ -62,7 +63,7 @@ def test_bench_scripts_import_with_torch_alone() -> None:
             if name.split(".")[0] in BLOCKED:
                 del sys.modules[name]
         sys.meta_path.insert(0, Block())
-        import bench.gpu_bench, bench.gpu_graphs, bench.gpu_memory, bench.gpu_mfu
+        import bench.gpu_attention, bench.gpu_bench, bench.gpu_graphs, bench.gpu_memory, bench.gpu_mfu
         assert "numpy" not in sys.modules
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # set before the kernels are defined
+# CPU: the kernels through Triton's interpreter (set before they are defined); on the GPU check
+# (bench/gpu_check.sh, TPRT_TEST_DEVICE=cuda) the same tests run the compiled kernels on the GPU.
+DEVICE = "cuda" if os.environ.get("TPRT_TEST_DEVICE") == "cuda" else "cpu"
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -27,7 +31,7 @@ def _cache(heads_kv: int, head_dim: int, kv: str, dtype: torch.dtype) -> KVCache
     fixed = None
     if kv == "int8-static":
         fixed = torch.rand(1, 2, heads_kv, generator=torch.Generator().manual_seed(1)) * 0.03 + 0.02
-    return KVCache(1, 12, heads_kv, BLOCK, head_dim, storage or dtype, compute_dtype=dtype, fixed_scales=fixed)
+    return KVCache(1, 12, heads_kv, BLOCK, head_dim, storage or dtype, DEVICE, compute_dtype=dtype, fixed_scales=fixed)
 
 
 def _run(steps: list[list[BatchRow]], heads: int, heads_kv: int, head_dim: int, kv: str,
@@ -39,8 +43,8 @@ def _run(steps: list[list[BatchRow]], heads: int, heads_kv: int, head_dim: int, 
     tol = {"fp32": 2e-5, "bf16": 2e-2}["fp32" if dtype == torch.float32 else "bf16"]
     for i, rows in enumerate(steps):
         batch = TokenBatch.of(rows)
-        q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen).to(dtype)
-        k, v = (torch.randn(batch.num_tokens, heads_kv, head_dim, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(batch.num_tokens, heads, head_dim, generator=gen).to(DEVICE, dtype)
+        k, v = (torch.randn(batch.num_tokens, heads_kv, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
         want = TorchAttention().prepare(batch, cache).attend(0, q, k, v).float()
         step = TritonAttention().prepare(batch, cache)
         if splits is not None:
@@ -87,13 +91,13 @@ def test_a_graph_style_decode_step_reads_device_tensors_only() -> None:
     cache = _cache(2, 64, "fp32", torch.float32)
     gen = torch.Generator().manual_seed(2)
     prompt = TokenBatch.of([BatchRow(A, 0, (0,) * 20, 1), BatchRow(C, 0, (0,) * 3, 1)])
-    q, k, v = (torch.randn(23, n, 64, generator=gen) for n in (8, 2, 2))
+    q, k, v = (torch.randn(23, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
     TorchAttention().prepare(prompt, cache).attend(0, q, k, v)
     rows = TokenBatch.of([BatchRow(A, 20, (0,), 1), BatchRow(C, 3, (0,), 1)])
-    q, k, v = (torch.randn(2, n, 64, generator=gen) for n in (8, 2, 2))
+    q, k, v = (torch.randn(2, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
     want = TorchAttention().prepare(rows, cache).attend(0, q, k, v)
-    positions = torch.tensor([20, 3])
-    tables = torch.tensor([[1, 2], [6, 0]])
+    positions = torch.tensor([20, 3], device=DEVICE)
+    tables = torch.tensor([[1, 2], [6, 0]], device=DEVICE)
     got = TritonAttention().decode(cache, positions, tables, 21).attend(0, q, k, v)
     assert torch.allclose(got, want, atol=2e-5)
 
@@ -117,9 +121,9 @@ def test_the_model_gives_the_reference_logits_through_the_triton_backend(tmp_pat
 
     root = Path(str(tmp_path))
     hf_to_tp(make_hf_llama(root / "hf", "gqa", head_dim=16), root / "tp1", 1)
-    model = load_model(root / "tp1", TPContext.single(), dtype="fp32")
+    model = load_model(root / "tp1", TPContext.single(torch.device(DEVICE)), dtype="fp32")
     caches = [model.new_cache(24, 4) for _ in range(2)]
-    triton = backend("triton", torch.device("cpu"), caches[1])
+    triton = backend("triton", torch.device(DEVICE), caches[1])
     assert triton.name == "triton"
     tables = [list(range(1, 9)), list(range(9, 17)), list(range(17, 24))]
     steps = [([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]], [0, 0], tables[:2]),
@@ -136,10 +140,11 @@ def test_triton_is_refused_clearly_where_it_cannot_run() -> None:
     from tprt.errors import ConfigError
     from tprt.model.attention import backend
 
-    small = KVCache(1, 4, 2, BLOCK, 8, torch.float32)  # head_dim 8: below tl.dot's 16
+    small = KVCache(1, 4, 2, BLOCK, 8, torch.float32, DEVICE)  # head_dim 8: below tl.dot's 16
     with pytest.raises(ConfigError, match="attention backend triton.*head_dim 8"):
-        backend("triton", torch.device("cpu"), small)
-    assert backend("auto", torch.device("cpu"), _cache(2, 64, "fp32", torch.float32)).name != "triton"  # CPU: never auto
+        backend("triton", torch.device(DEVICE), small)
+    if DEVICE == "cpu":  # never auto on a CPU, even with the interpreter on
+        assert backend("auto", torch.device("cpu"), _cache(2, 64, "fp32", torch.float32)).name != "triton"
 
 
 def test_the_flag_offers_every_backend() -> None:
