@@ -140,9 +140,10 @@ def test_triton_is_refused_clearly_where_it_cannot_run() -> None:
     from tprt.errors import ConfigError
     from tprt.model.attention import backend
 
-    small = KVCache(1, 4, 2, BLOCK, 8, torch.float32, DEVICE)  # head_dim 8: below tl.dot's 16
-    with pytest.raises(ConfigError, match="attention backend triton.*head_dim 8"):
-        backend("triton", torch.device(DEVICE), small)
+    head_dim = 8 if DEVICE == "cuda" else 24  # compiled: below tl.dot's 16; any device: not a power of 2
+    odd = KVCache(1, 4, 2, BLOCK, head_dim, torch.float32, DEVICE)
+    with pytest.raises(ConfigError, match=f"attention backend triton.*head_dim {head_dim}"):
+        backend("triton", torch.device(DEVICE), odd)
     if DEVICE == "cpu":  # never auto on a CPU, even with the interpreter on
         assert backend("auto", torch.device("cpu"), _cache(2, 64, "fp32", torch.float32)).name != "triton"
 

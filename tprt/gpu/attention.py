@@ -95,15 +95,18 @@ class TritonAttention:
 
     @staticmethod
     def available(device: torch.device, cache: KVCache) -> bool:
-        """Triton importable, a CUDA device (or the interpreter), and a cache the kernel reads:
-        head_dim and block_size powers of 2, head_dim at least 16 (tl.dot's smallest K)."""
+        """Triton importable, a CUDA device (or the interpreter), and a cache shape the kernel
+        takes (tprt.gpu.triton_attention.fits)."""
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
             return False
         runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        d, size = cache.kv.shape[-1], cache.block_size
-        return runs and d >= 16 and not d & (d - 1) and not size & (size - 1)
+        if not runs:
+            return False
+        from tprt.gpu.triton_attention import fits
+
+        return fits(cache.kv.shape[-1], cache.block_size)
 
     def prepare(self, batch: TokenBatch, cache: KVCache) -> TritonAttentionStep:
         check_batch(batch, cache)

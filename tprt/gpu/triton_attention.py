@@ -34,6 +34,13 @@ MIN_TILE_ROWS = 16  # tl.dot's smallest M: decode tiles pad their GQA group up t
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # on the CPU, through Triton's interpreter
 
 
+def fits(head_dim: int, block_size: int) -> bool:
+    """Whether the kernel takes this cache shape: powers of 2, compiled at least 16 (tl.dot's
+    smallest operands; the interpreter has no such floor)."""
+    powers = not head_dim & (head_dim - 1) and not block_size & (block_size - 1)
+    return powers and (INTERPRETED or min(head_dim, block_size) >= 16)
+
+
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr, kv_ptr, scale_ptr, fixed_ptr, tables_ptr, query_starts_ptr, starts_ptr, lens_ptr,
@@ -44,7 +51,7 @@ def _paged_attention_kernel(
     stride_table, sm_scale, blocks_per_split, n_all_tokens,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, SCALES: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,7 +105,10 @@ def _paged_attention_kernel(
             v = v.to(tl.float32) * v_fixed
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale  # [tile rows, BLOCK_SIZE]
+        if IEEE:  # a float32 cache: full-precision products, not TF32 (the reference's numbers)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [tile rows, BLOCK_SIZE]
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
         pos_k = j * BLOCK_SIZE + p_in
         s = tl.where(pos_k[None, :] <= pos_q[:, None], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -106,7 +116,10 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m = m_new
 
     if SPLIT == 1:
@@ -165,8 +178,9 @@ def paged_attention(
     _, two, kv_heads, block_size, kv_dim = kv.shape
     if two != 2 or kv_dim != head_dim or heads % kv_heads:
         raise ValueError(f"paged_attention: q {list(q.shape)} does not fit the cache {list(kv.shape)}")
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(f"paged_attention: head_dim {head_dim} and block_size {block_size} must be powers of 2")
+    if not fits(head_dim, block_size):
+        raise ValueError(f"paged_attention: head_dim {head_dim} and block_size {block_size} must be powers of 2"
+                         f"{'' if INTERPRETED else ' of at least 16 (tl.dot smallest operands)'}")
     group = heads // kv_heads
     group_p2 = triton.next_power_of_2(group)
     # Tokens per tile: up to 64 tile rows, at least MIN_TILE_ROWS (a decode tile pads its group).
@@ -196,6 +210,7 @@ def paged_attention(
         tables.stride(0), 1.0 / math.sqrt(head_dim), blocks_per_split, tokens,
         GROUP=group, GROUP_P2=group_p2, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         SCALES=scales is not None, FIXED=fixed_scales is not None, SPLIT=splits, DOT_F32=INTERPRETED,
+        IEEE=INTERPRETED or q.dtype == torch.float32,
     )
     if splits > 1:
         _merge_splits_kernel[(tokens, heads)](part_out, part_lse, out, out.stride(0), out.stride(1), tokens, heads,

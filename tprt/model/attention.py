@@ -248,7 +248,7 @@ def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend
     triton = TritonAttention.available(device, cache)
     if name == "triton" and not triton:
         raise ConfigError(f"attention backend triton: needs Triton, a CUDA device (or TRITON_INTERPRET=1) and a "
-                          f"power-of-2 head_dim of at least 16 and block size ({device.type} device, head_dim "
+                          f"power-of-2 head_dim and block size, at least 16 compiled ({device.type} device, head_dim "
                           f"{cache.kv.shape[-1]}, blocks of {cache.block_size} here); use torch")
     if name == "triton" or (name == "auto" and triton and device.type == "cuda"):
         return TritonAttention()
