@@ -245,7 +245,8 @@ def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend
     if name == "native" and not native:
         raise ConfigError(f"attention backend native: tprt's CPU kernels do not run here ({device.type} device, "
                           f"{cache.format_name} cache, or no C compiler); use torch")
-    triton = TritonAttention.available(device, cache)
+    # Asked only where it could be chosen: deciding imports Triton (~100 MiB of a process).
+    triton = (name == "triton" or device.type == "cuda") and TritonAttention.available(device, cache)
     if name == "triton" and not triton:
         raise ConfigError(f"attention backend triton: needs Triton, a CUDA device (or TRITON_INTERPRET=1) and a "
                           f"power-of-2 head_dim and block size, at least 16 compiled ({device.type} device, head_dim "
