@@ -54,7 +54,7 @@ def _step(attention: AttentionStep, naive: Naive, rows: list[tuple[str, int, int
     tokens = attention.tokens
     q, k, v = (torch.randn(tokens, n, D, generator=gen) for n in (NH, NKV, NKV))
     if cached:  # a fused kernel wrote them (a plain decode step: one group): written, then attended
-        slots = attention.rows.slots if isinstance(attention, TritonAttentionStep) else attention.groups[0].cache_step
+        slots = attention.rows if isinstance(attention, TritonAttentionStep) else attention.groups[0].cache_step
         attention.cache.write(0, torch.stack((k, v), dim=1)[:, None], slots)
         got = attention.attend_cached(0, q)
     else:

@@ -179,11 +179,9 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
     rank = a.lora_rank if a.lora_rank is not None else 8
     import torch
 
-    from tprt.train.trainer import FinetuneConfig
-
     from tprt.lora.config import LoRASettings
     from tprt.train.dpo import DPOConfig
-    from tprt.train.trainer import OptimSettings
+    from tprt.train.trainer import FinetuneConfig, OptimSettings
 
     lora = LoRASettings(rank=rank, alpha=a.lora_alpha if a.lora_alpha is not None else 2.0 * rank,
                         dropout=a.lora_dropout or 0.0, targets=_targets(a.lora_targets), init=a.init_adapter)

@@ -1,7 +1,7 @@
 """The Triton attention backend: tprt.model.attention's interface over tprt.gpu.triton_attention's
 paged kernel, which reads the KV cache in place through the block tables (no per-row gather).
 
-`prepare` turns the step's `TokenBatch` into int32 device tensors once (the rows' tables, query
+`prepare` turns the step's `TokenBatch` into device tensors once (the rows' tables, query
 starts, first positions and lengths, and each token's write slot); every layer then writes its new
 keys and values into the cache and runs one kernel over the whole ragged batch. `decode` builds
 the same from device tensors alone (no host synchronisation), for CUDA graphs.
@@ -9,6 +9,7 @@ the same from device tensors alone (no host synchronisation), for CUDA graphs.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -36,9 +37,16 @@ def splits_for(rows: int, kv_heads: int, blocks: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Slots:
-    """Each token's write slot, as KVCache.write reads a step's: [tokens, 1] block and offset."""
+class _Rows:
+    """The kernel's view of a step's rows (int32 on the device), and where each token is written
+    (int64 [tokens, 1] block and offset: what KVCache.write reads of a step)."""
 
+    tables: torch.Tensor  # [rows, blocks]
+    query_starts: torch.Tensor  # [rows + 1]
+    starts: torch.Tensor  # [rows]
+    lens: torch.Tensor  # [rows]
+    max_query_len: int
+    splits: int
     write_blocks: torch.Tensor
     write_offsets: torch.Tensor
 
@@ -54,7 +62,7 @@ class TritonAttentionStep(AttentionStep):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = torch.stack((k, v), dim=1).to(self.cache.dtype)[:, None]  # [tokens, 1, 2, kv_heads, head_dim]
-        self.cache.write(layer, kv, self.rows.slots)
+        self.cache.write(layer, kv, self.rows)
         return self.attend_cached(layer, q)
 
     def attend_cached(self, layer: int, q: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -75,19 +83,6 @@ class TritonAttentionStep(AttentionStep):
         return token_rows(self.batch, self.cache, self.positions.device)
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """The kernel's view of a step's rows, int32 on the device."""
-
-    tables: torch.Tensor  # [rows, blocks]
-    query_starts: torch.Tensor  # [rows + 1]
-    starts: torch.Tensor  # [rows]
-    lens: torch.Tensor  # [rows]
-    max_query_len: int
-    splits: int
-    slots: _Slots
-
-
 class TritonAttention:
     """Paged attention in Triton on CUDA (and, for tests, on the CPU under TRITON_INTERPRET=1)."""
 
@@ -97,12 +92,9 @@ class TritonAttention:
     def available(device: torch.device, cache: KVCache) -> bool:
         """Triton importable, a CUDA device (or the interpreter), and a cache shape the kernel
         takes (tprt.gpu.triton_attention.fits)."""
-        import importlib.util
-
         if importlib.util.find_spec("triton") is None:
             return False
-        runs = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        if not runs:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             return False
         from tprt.gpu.triton_attention import fits
 
@@ -110,26 +102,29 @@ class TritonAttention:
 
     def prepare(self, batch: TokenBatch, cache: KVCache) -> TritonAttentionStep:
         check_batch(batch, cache)
-        device = cache.kv.device
+        device, size = cache.kv.device, cache.block_size
 
         def ints(values: list[int] | tuple[int, ...]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int32, device=device)
 
-        tables = _tables(batch.tables, batch.kv_len, cache, device).to(torch.int32)
-        written = token_rows(batch, cache, device)
-        slots = _Slots(written.flat_write_blocks[:, None], written.flat_write_offsets[:, None])
-        rows = _Rows(tables, ints(batch.query_starts), ints(batch.starts), ints(batch.lens), batch.max_query_len,
-                     splits_for(batch.num_rows, cache.kv.shape[2], tables.shape[1]), slots)
+        tables = _tables(batch.tables, batch.kv_len, cache, device)  # [rows, blocks] int64
+        lens = ints(batch.lens)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=device)  # [tokens]
+        row_of = torch.repeat_interleave(torch.arange(batch.num_rows, device=device), lens,
+                                         output_size=batch.num_tokens)  # no host synchronisation
+        write_blocks = tables[row_of, torch.div(positions, size, rounding_mode="floor")]
+        rows = _Rows(tables.to(torch.int32), ints(batch.query_starts), ints(batch.starts), lens, batch.max_query_len,
+                     splits_for(batch.num_rows, cache.kv.shape[2], tables.shape[1]),
+                     write_blocks[:, None], (positions % size)[:, None])
         index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
-        return TritonAttentionStep(cache, written.flat_positions, batch.num_tokens, index, batch, rows)
+        return TritonAttentionStep(cache, positions, batch.num_tokens, index, batch, rows)
 
     def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> TritonAttentionStep:
         """Rows of one token each from device tensors (positions [rows], tables [rows, blocks]),
         with no host synchronisation (tprt.engine.static_decode captures it)."""
-        n, size = positions.shape[0], cache.block_size
+        n, size, device = positions.shape[0], cache.block_size, positions.device
         blocks = tables.gather(1, torch.div(positions, size, rounding_mode="floor")[:, None])
-        slots = _Slots(blocks, (positions % size)[:, None])
-        rows = _Rows(tables.to(torch.int32), torch.arange(n + 1, dtype=torch.int32, device=positions.device),
-                     positions.to(torch.int32), torch.ones(n, dtype=torch.int32, device=positions.device), 1,
-                     splits_for(n, cache.kv.shape[2], tables.shape[1]), slots)
+        rows = _Rows(tables.to(torch.int32), torch.arange(n + 1, dtype=torch.int32, device=device),
+                     positions.to(torch.int32), torch.ones(n, dtype=torch.int32, device=device), 1,
+                     splits_for(n, cache.kv.shape[2], tables.shape[1]), blocks, (positions % size)[:, None])
         return TritonAttentionStep(cache, positions, n, None, None, rows)

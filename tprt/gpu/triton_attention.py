@@ -163,7 +163,6 @@ def paged_attention(
     scales: torch.Tensor | None = None,
     fixed_scales: torch.Tensor | None = None,
     splits: int = 1,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over one layer's paged cache kv [n_blocks, 2,
     kv_heads, block_size, head_dim] -> [tokens, heads, head_dim] in q's dtype.
@@ -191,7 +190,7 @@ def paged_attention(
     max_blocks = tables.shape[1]
     splits = max(1, min(splits, max_blocks))
     blocks_per_split = math.ceil(max_blocks / splits)
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     if splits > 1:
         part_out = torch.empty((splits, tokens, heads, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device)

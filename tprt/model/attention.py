@@ -251,6 +251,6 @@ def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend
         raise ConfigError(f"attention backend triton: needs Triton, a CUDA device (or TRITON_INTERPRET=1) and a "
                           f"power-of-2 head_dim and block size, at least 16 compiled ({device.type} device, head_dim "
                           f"{cache.kv.shape[-1]}, blocks of {cache.block_size} here); use torch")
-    if name == "triton" or (name == "auto" and triton and device.type == "cuda"):
+    if name == "triton" or (name == "auto" and triton):  # `triton` is asked on CUDA alone unless named
         return TritonAttention()
     return NativeCPUAttention() if name == "native" or (name == "auto" and native) else TorchAttention()

@@ -123,7 +123,6 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-
 class WriteSlots(Protocol):
     """Where a step's tokens are written: [batch, seq] block ids and offsets in them (a
     `CacheStep`, or a backend's own)."""
