@@ -356,22 +356,24 @@ def check_seeded(ctx: TPContext, wd: Path) -> None:
     assert b1["g"] == ref["greedy"][1]
 
 
-def check_static_decode(ctx: TPContext, wd: Path) -> None:
-    """The static-shape decode (what CUDA graphs replay; eager on CPU): batches padded to buckets
-    (padding rows write into the scratch block while a prompt is still being prefilled in chunks),
-    attention over a bucket of keys, sequences joining and leaving - still transformers' tokens."""
+def check_step_graphs(ctx: TPContext, wd: Path) -> None:
+    """Steps on static shapes (what CUDA graphs replay; eager on CPU): batches padded to token
+    buckets (3 rows in 4 slots: the padding row writes into the scratch block), attention over a
+    bucket of keys, sequences leaving one by one, steps with a prompt chunk run eagerly beside
+    them - still transformers' tokens."""
     ref = _ref(wd)
-    order = (0, 2, 3, 1)  # with 5 tokens per step: 3 decode rows (bucket 4) while the 4th prefills
 
-    def fn(engine: Engine) -> dict[str, list[int]]:
-        assert engine.runner.static is not None and engine.runner.static.buckets == [1, 2, 4]
-        for i in order:
-            engine.add(ref["prompts"][i], _greedy(), str(i))
-        return _ids(run_to_completion(engine))
+    def fn(engine: Engine) -> dict[str, Any]:
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.token_buckets == [1, 2, 4]
+        for i in range(4):
+            engine.add(ref["prompts"][i], _greedy(N_NEW - i), str(i))
+        return {"ids": _ids(run_to_completion(engine)), "keys": sorted((k.tokens, k.width) for k in graphs.graphs)}
 
-    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=48, token_budget=5, static_decode=True), fn)
+    out = _drive(ctx, wd, EngineConfig(max_batch=4, max_seq_len=48, cuda_graphs="all"), fn)
     for i, want in enumerate(ref["greedy"]):
-        assert out[str(i)] == want, f"prompt {i}: {out[str(i)]} != {want}"
+        assert out["ids"][str(i)] == want[: N_NEW - i], f"prompt {i}: {out['ids'][str(i)]} != {want}"
+    assert out["keys"] == [(1, 1), (2, 1), (4, 1)], out["keys"]
 
 
 def check_fused_one_row(ctx: TPContext, wd: Path) -> None:
@@ -629,7 +631,9 @@ def _install_adapters(engine: Engine) -> None:
 
 def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
     """Base rows and rows of four adapters (different ranks and targets) prefilled and decoded in
-    the same batches give every request the tokens and log-probabilities it gets alone."""
+    the same batches give every request the tokens and log-probabilities it gets alone; so do
+    static steps (what CUDA graphs replay, eager on CPU: each token's delta through its group's
+    one-hot), mixing up to four adapters."""
     prompts = _ref(wd)["prompts"]
     # (prompt, adapter index): one prompt under the base model and every adapter, another under two
     requests = [(prompts[0], a) for a in range(5)] + [(prompts[1], 2), (prompts[1], 4)]
@@ -642,20 +646,31 @@ def check_mixed_adapters(ctx: TPContext, wd: Path) -> None:
 
         alone = {str(i): run([i])[str(i)] for i in range(len(requests))}
         mixed = run(list(range(len(requests))))
-        return {k: (alone[k].token_ids, alone[k].logprobs, mixed[k].token_ids, mixed[k].logprobs) for k in alone}
+        graphs = engine.runner.graphs
+        return {"out": {k: (alone[k].token_ids, alone[k].logprobs, mixed[k].token_ids, mixed[k].logprobs)
+                        for k in alone},
+                "keys": [] if graphs is None else [(k.tokens, k.adapters) for k in graphs.graphs]}
 
-    plans: list[TokenBatch] = []
-    model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
-    out = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64), fn, plans, model=model, setup=_install_adapters)
-    assert any(len({p.adapters[r] for r in decode_rows(p) if p.adapters}) == 5 for p in plans), \
-        "no decode step mixed all five"
-    assert any(len({p.adapters[r] for r in chunk_rows(p) if p.adapters}) == 5 for p in plans), \
-        "no prefill mixed all five"
+    runs = {}
+    for graphs in ("off", "all"):
+        plans: list[TokenBatch] = []
+        model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
+        runs[graphs] = _drive(ctx, wd, EngineConfig(max_batch=8, max_seq_len=64, cuda_graphs=graphs), fn, plans,
+                              model=model, setup=_install_adapters)
+        assert any(len({p.adapters[r] for r in decode_rows(p) if p.adapters}) == 5 for p in plans), \
+            "no decode step mixed all five"
+        assert any(len({p.adapters[r] for r in chunk_rows(p) if p.adapters}) == 5 for p in plans), \
+            "no prefill mixed all five"
+    out = runs["off"]["out"]
     for k, (ids, lps, mixed_ids, mixed_lps) in out.items():
-        assert mixed_ids == ids, f"request {k}"
-        assert max(abs(a - b) for a, b in zip(mixed_lps, lps)) < 1e-4, f"request {k}"
+        for name, (_, _, got_ids, got_lps) in (("mixed", out[k]), ("static", runs["all"]["out"][k])):
+            assert got_ids == ids, f"request {k}, {name}"
+            assert max(abs(a - b) for a, b in zip(got_lps, lps)) < 1e-4, f"request {k}, {name}"
+        static_ids, static_lps = runs["all"]["out"][k][:2]
+        assert static_ids == ids and max(abs(a - b) for a, b in zip(static_lps, lps)) < 1e-4, f"request {k} alone"
     for k in ("1", "2", "3", "4"):  # each adapter changes the base model's outputs for prompt 0
         assert max(abs(a - b) for a, b in zip(out[k][1], out["0"][1])) > 1e-3, f"adapter {k} changed nothing"
+    assert runs["off"]["keys"] == [] and {0, 1, 4} <= {a for _, a in runs["all"]["keys"]}, runs["all"]["keys"]
 
 
 SPEC_TEXTS = ("ab ab ab ab ab ab ab", "one two one two one two", "Hello there", "The quick brown fox jumps")
@@ -698,9 +713,10 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
             done.update(run_to_completion(engine))
             rounds.append({k: (c.token_ids, c.logprobs, [[i for i, _ in t] for t in c.top_logprobs], c.text,
                                c.finish_reason) for k, c in done.items()})
-        stats = engine.spec_stats
+        stats, graphs = engine.spec_stats, engine.runner.graphs
         return {"rounds": rounds, "preemptions": engine.kv_stats.preemptions,
-                "stats": None if stats is None else (stats.drafted, stats.accepted, stats.emitted, stats.rows)}
+                "stats": None if stats is None else (stats.drafted, stats.accepted, stats.emitted, stats.rows),
+                "keys": [] if graphs is None else [(k.width, k.adapters) for k in graphs.graphs]}
 
     def run(config: EngineConfig) -> dict[str, Any]:
         model = load_model(wd / f"tp{ctx.world_size}", ctx)  # its own: the adapters stay on its layers
@@ -718,6 +734,10 @@ def check_speculative(ctx: TPContext, wd: Path) -> None:
     # masks computed after each step, only where needed (when no core is spare)
     runs["preempted"] = run(replace(base, speculative=specs["ngram"], kv_cache_tokens=64, mask_threads=0))
     assert runs["preempted"]["preemptions"] > 0, "the small pool preempted nothing"
+    # verifying rows of base and adapter rows on static shapes (CUDA graphs; eager on CPU)
+    runs["graphs"] = run(replace(base, speculative=specs["ngram"], cuda_graphs="all"))
+    keys = set(runs["graphs"]["keys"])
+    assert (5, 0) in keys and any(w == 5 and a for w, a in keys), keys
     want = plain["rounds"][0]
     assert plain["stats"] is None
 
@@ -862,7 +882,7 @@ CHECKS: Checks = [
     ("stops", check_stops),
     ("logprobs", check_logprobs),
     ("seeded", check_seeded),
-    ("static_decode", check_static_decode),
+    ("step_graphs", check_step_graphs),
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),
     ("drafts", check_drafts),
@@ -1109,38 +1129,36 @@ def test_fast_linear_variants(variant: str) -> None:
         torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
-def test_static_decode_is_bypassed_while_an_adapter_is_attached(workdir: Path) -> None:
+def test_step_graphs_are_bypassed_while_an_adapter_is_attached(workdir: Path) -> None:
     """A captured CUDA graph would replay the layers without an adapter attached after capture,
-    so packed decode takes the static path only while no adapter acts on the batch's rows (eager
-    otherwise), whether attached to the layers or installed per row and routed to."""
+    so steps take the static path only while no adapter outside the slots acts (an attached
+    training LoRA: eager); rows routed to an installed adapter take it, the slots' deltas staged."""
     from tprt.lora.attach import attach, build_lora, detach
 
     model = load_model(workdir / "tp1", TPContext.single())
     engine = Engine(model, Tokenizer.from_dir(workdir / "hf"), EngineConfig(max_batch=2, max_seq_len=48,
-                                                                            static_decode=True))
-    static = engine.runner.static
-    assert static is not None
-    calls = []
-    run = static.run
-    static.run = lambda *a: (calls.append(1), run(*a))[1]  # type: ignore[method-assign]
+                                                                            cuda_graphs="decode"))
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    calls: list[int] = []
+    run = graphs.run
+    graphs.run = lambda batch, key: (lambda out: (calls.append(out is not None), out)[1])(run(batch, key))  # type: ignore[method-assign]
     prompt = _ref(workdir)["prompts"][0]
 
-    def generate() -> list[int]:
-        engine.add(prompt, _greedy(6), "r")
+    def generate(adapter: int = 0) -> list[int]:
+        calls.clear()
+        engine.add(prompt, _greedy(6), "r", adapter=adapter)
         return run_to_completion(engine)["r"].token_ids
 
     base = generate()
-    assert calls, "the static path was not used without adapters"
+    assert calls and all(calls), "the static path was not used without adapters"
     attach(model, build_lora(model, ["q", "down"], 4, 8.0))  # B = 0: the same tokens
-    calls.clear()
-    assert generate() == base and not calls
-    # Installed as a per-row adapter set: base rows take the static path, routed rows do not.
+    assert generate() == base and calls and not any(calls), "an attached adapter did not send steps eagerly"
+    # Installed as a per-row adapter set: base rows and routed rows both take the static path.
     engine.runner.adapters.install(1, detach(model))
-    calls.clear()
-    assert generate() == base and calls, "base rows beside an installed adapter set left the static path"
-    calls.clear()
-    engine.add(prompt, _greedy(6), "a", adapter=1)
-    assert run_to_completion(engine)["a"].token_ids == base and not calls, "adapter rows took the static path"
+    assert generate() == base and all(calls), "base rows beside an installed adapter set left the static path"
+    assert generate(adapter=1) == base and all(calls), "adapter rows left the static path"
+    assert {k.adapters for k in graphs.graphs} == {0, 1}
     engine.close()
 
 
@@ -1359,7 +1377,7 @@ def test_a_mixed_step_gives_the_tokens_and_logprobs_of_its_rows_run_apart(workdi
 
     model = load_model(workdir / "tp1", TPContext.single())
     prompts = _ref(workdir)["prompts"]
-    runners = [ModelRunner(model, 64, 4, 4, 64, RunnerConfig(static_decode=False)) for _ in range(2)]
+    runners = [ModelRunner(model, 64, 4, 4, 64, RunnerConfig(cuda_graphs="off")) for _ in range(2)]
     tables = [tuple(range(1 + 12 * i, 13 + 12 * i)) for i in range(4)]
     first = [BatchRow(tables[i], 0, tuple(prompts[i]), 1) for i in range(3)]  # three prompts in the cache
     for runner in runners:

@@ -298,3 +298,26 @@ def test_static_scale_kv_cache_doubles_bf16s_tokens(capsys: pytest.CaptureFixtur
                  "--kv-dtype", "int8-static", "--max-seq-len", "8192"]) == 0
     out = capsys.readouterr().out
     assert "KV cache: 20.0 KiB per token per rank (int8-static)" in out and "(x2.00)" in out, out
+
+
+def test_serve_plan_counts_the_cuda_graphs(capsys: pytest.CaptureFixture[str]) -> None:
+    """On CUDA the plan counts the graphs the runner captures (tprt.engine.graph_buckets): their
+    token buckets (wider with speculation: verifying rows), each graph's output and the widest
+    capture; none off CUDA or with --cuda-graphs off."""
+    from tprt.engine.graph_buckets import token_buckets
+
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-70b" / "config.json")
+    dev = device("h100-80gb")
+    plans = {mode: plan_memory(cfg, 8, ServeWorkload(dtype="bf16", max_batch_size=64, cuda_graphs=mode), dev)
+             for mode in ("auto", "decode", "off")}
+    spec = plan_memory(cfg, 8, ServeWorkload(dtype="bf16", max_batch_size=64, num_speculative_tokens=4), dev)
+    assert plans["auto"].extra["cuda_graph_token_buckets"] == token_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert spec.extra["cuda_graph_token_buckets"] == token_buckets(320) and spec.extra["cuda_graph_row_width"] == 5
+    assert plans["auto"].per_rank_bytes["cuda_graphs"] == plans["decode"].per_rank_bytes["cuda_graphs"] > 0
+    outputs = sum(token_buckets(64)) * 4 * cfg.hidden_size * 2  # every bucket's hidden states, 4 adapter counts
+    assert outputs < plans["auto"].per_rank_bytes["cuda_graphs"] < spec.per_rank_bytes["cuda_graphs"] < 2**30
+    assert plans["off"].per_rank_bytes["cuda_graphs"] == 0 and "cuda_graph_token_buckets" not in plans["off"].extra
+    assert plan_memory(cfg, 8, ServeWorkload(dtype="bf16"), device("cpu")).per_rank_bytes["cuda_graphs"] == 0
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb",
+                 "serve", "--max-batch-size", "64"]) == 0
+    assert "CUDA graphs (--cuda-graphs all): steps of 1 to 64 tokens in 8 buckets" in capsys.readouterr().out

@@ -34,7 +34,8 @@ from tprt.distributed.context import TPContext
 from tprt.engine.core import Engine, EngineConfig, kv_pool_blocks, run_to_completion
 from tprt.engine.runner import ModelRunner, RunnerConfig, StepResult
 from tprt.engine.sampling import SamplingParams
-from tprt.engine.static_decode import StaticDecode, buckets, kv_buckets
+from tprt.engine.graph_buckets import kv_buckets, token_buckets
+from tprt.engine.step_graphs import GraphKey, StepGraphs
 from tprt.lora.attach import apply_lora
 from tprt.lora.config import TARGETS
 from tprt.model.batch import BatchRow, TokenBatch
@@ -199,9 +200,9 @@ def inference_collectives(cfg: ModelConfig, layout: TPLayout, rows: int, width: 
 def step_collectives(cfg: ModelConfig, layout: TPLayout, batch: TokenBatch, max_batch: int) -> list[Collective]:
     """What one `ModelRunner.execute(batch)` must issue on every rank: one forward call over the
     batch's tokens ([tokens, 1, hidden]), with static decode over `max_batch` slots (a batch of
-    one-token rows padded to a batch bucket)."""
+    one-token rows padded to a token bucket)."""
     if batch.max_query_len == 1:
-        rows = next(b for b in buckets(max_batch) if b >= batch.num_rows)  # static decode: padded to a bucket
+        rows = next(b for b in token_buckets(max_batch) if b >= batch.num_rows)  # a static step: padded to a bucket
         return inference_collectives(cfg, layout, rows, 1, batch.full_logits, gathered_rows=batch.num_logits)
     return inference_collectives(cfg, layout, batch.num_tokens, 1, batch.full_logits, gathered_rows=batch.num_logits)
 
@@ -273,7 +274,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
     cfg = real_config("llama-3.1-70b")
     tp, slots, max_seq = 8, 4, 4096
     layout = TPLayout.for_model(cfg, tp)
-    config = EngineConfig(max_batch=slots, max_seq_len=max_seq, token_budget=512, static_decode=True)
+    config = EngineConfig(max_batch=slots, max_seq_len=max_seq, token_budget=512, cuda_graphs="decode")
     log = CollectiveLog()
     with fake_world(tp), log.recording():
         engine = Engine(build_rank(cfg, tp, 0), None, config, eos_token_ids=())
@@ -305,7 +306,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
         for rank in range(1, tp):
             model = build_rank(cfg, tp, rank)
             runner = ModelRunner(model, kv_pool_blocks(config, max_seq), config.kv_block_size, slots, max_seq,
-                                 RunnerConfig(static_decode=True))
+                                 RunnerConfig(cuda_graphs="decode"))
             steps = record_steps(runner)
             n_blocks = slots * max_seq // config.kv_block_size + 1  # the same pool as rank 0's, and scratch
             assert runner.cache.kv.shape == (cfg.num_hidden_layers, n_blocks, 2, 1, config.kv_block_size,
@@ -319,7 +320,7 @@ def test_engine_chunked_prefill_and_decode_70b_tp8() -> None:
             assert [step.kv_len for step in steps] == [k for p in plans for k in step_kv_lens(p, max_seq)]
 
 
-def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -> None:
+def test_static_steps_over_key_buckets_give_the_eager_tokens(tmp_path: Path) -> None:
     """The key buckets on real values: one sequence (batch 1 is a bucket: no padding row, so the
     CPU kernels may read it) crosses the 16-, 32- and 64-key buckets and generates the tokens
     of the eager path. (On CUDA the buckets are the default; on CPU this test sets them.)"""
@@ -330,21 +331,22 @@ def test_static_decode_over_key_buckets_gives_the_eager_tokens(tmp_path: Path) -
     model = random_model(tmp_path / "config.json", TPContext.single("cpu"), torch.float32)
 
     def generate(static: bool) -> list[int]:
-        engine = Engine(model, None, EngineConfig(max_batch=2, max_seq_len=128, static_decode=static), eos_token_ids=())
+        config = EngineConfig(max_batch=2, max_seq_len=128, cuda_graphs="decode" if static else "off")
+        engine = Engine(model, None, config, eos_token_ids=())
         if static:
-            assert engine.runner.static is not None
-            engine.runner.static.kv_buckets = kv_buckets(128, smallest=16)
+            assert engine.runner.graphs is not None
+            engine.runner.graphs.kv_buckets = kv_buckets(128, smallest=16)
         engine.add(list(range(3, 13)), SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True), "a")
         return run_to_completion(engine)["a"].token_ids
 
     kv_lens: list[int] = []
-    forward = StaticDecode._forward
+    forward = StepGraphs._forward
 
-    def recording(self: StaticDecode, batch: int, kv_len: int) -> torch.Tensor:
-        kv_lens.append(kv_len)
-        return forward(self, batch, kv_len)
+    def recording(self: StepGraphs, key: GraphKey) -> torch.Tensor:
+        kv_lens.append(key.kv_len)
+        return forward(self, key)
 
-    with patch.object(StaticDecode, "_forward", recording):
+    with patch.object(StepGraphs, "_forward", recording):
         static = generate(True)
     assert sorted(set(kv_lens)) == [16, 32, 64, 128]
     assert static == generate(False)
@@ -360,7 +362,7 @@ def test_long_context_decode_70b_tp8() -> None:
     log = CollectiveLog()
     with fake_world(tp), log.recording():
         runner = ModelRunner(build_rank(cfg, tp, tp - 1), slots * per_seq + 1, size, slots, max_seq,
-                             RunnerConfig(static_decode=True))
+                             RunnerConfig(cuda_graphs="decode"))
         assert runner.cache.kv.numel() > 2**31
         assert runner.cache.nbytes() == kv_bytes_per_token_per_rank(cfg, tp, 2) * (slots * per_seq + 1) * size
         starts = tuple(max_seq - 1 - s for s in range(slots))
@@ -383,7 +385,7 @@ def test_long_context_prefill_mask_70b_tp8() -> None:
     with fake_world(tp), log.recording():
         per_seq = max_seq // 16
         runner = ModelRunner(build_rank(cfg, tp, 0), slots * per_seq + 1, 16, slots, max_seq,
-                             RunnerConfig(static_decode=True))
+                             RunnerConfig(cuda_graphs="decode"))
         steps = record_steps(runner)
         starts = (max_seq - chunk, max_seq - 3 * chunk)
         tables = tuple(tuple(range(1 + s * per_seq, 1 + (s + 1) * per_seq)) for s in range(slots))

@@ -2,7 +2,7 @@
 CPU through Triton's interpreter: ragged steps mixing prompt chunks over cached prefix blocks,
 plain decode rows and verifying rows; rows crossing block edges and sharing a prefix block; GQA
 ratios 1, 3, 4 and 8; head_dim 64 and 128; float32, bfloat16, int8 (per-vector and static scales)
-and FP8 caches; the split-context (flash-decoding) path; CUDA-graph style decode steps."""
+and FP8 caches; the split-context (flash-decoding) path; static steps (what CUDA graphs replay)."""
 
 from __future__ import annotations
 
@@ -85,21 +85,31 @@ def test_split_contexts_merge_to_the_same_attention() -> None:
     _run(MIXED, 8, 2, 64, "fp32", splits=3)  # more shares than some rows have blocks: empty shares
 
 
-def test_a_graph_style_decode_step_reads_device_tensors_only() -> None:
-    """`decode` (what a CUDA graph captures) from positions and tables alone: the same attention as
-    the reference's prepare of the same rows."""
-    cache = _cache(2, 64, "fp32", torch.float32)
+@pytest.mark.parametrize("name", ["triton", "torch"])
+def test_a_static_step_reads_its_buffers_only(name: str) -> None:
+    """`static` (what a CUDA graph captures) over the buffers a graph replays
+    (tprt.engine.step_graphs.StaticInputs), a step of decode and verifying rows padded from 6 to
+    8 token slots: the reference's attention for the real tokens, and the cache as the
+    reference leaves it outside the scratch block (padding writes only there)."""
+    from tprt.engine.step_graphs import GraphKey, StaticInputs
+
+    backend = TritonAttention() if name == "triton" else TorchAttention()
+    caches = [_cache(2, 64, "fp32", torch.float32) for _ in range(2)]
     gen = torch.Generator().manual_seed(2)
-    prompt = TokenBatch.of([BatchRow(A, 0, (0,) * 20, 1), BatchRow(C, 0, (0,) * 3, 1)])
-    q, k, v = (torch.randn(23, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
-    TorchAttention().prepare(prompt, cache).attend(0, q, k, v)
-    rows = TokenBatch.of([BatchRow(A, 20, (0,), 1), BatchRow(C, 3, (0,), 1)])
-    q, k, v = (torch.randn(2, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
-    want = TorchAttention().prepare(rows, cache).attend(0, q, k, v)
-    positions = torch.tensor([20, 3], device=DEVICE)
-    tables = torch.tensor([[1, 2], [6, 0]], device=DEVICE)
-    got = TritonAttention().decode(cache, positions, tables, 21).attend(0, q, k, v)
-    assert torch.allclose(got, want, atol=2e-5)
+    prompt = TokenBatch.of([BatchRow(A, 0, (0,) * 20, 1), BatchRow(C, 0, (0,) * 3, 1), BatchRow(D, 0, (0,) * 9, 1)])
+    q, k, v = (torch.randn(32, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
+    for cache in caches:
+        TorchAttention().prepare(prompt, cache).attend(0, q, k, v)
+    rows = TokenBatch.of([BatchRow(A, 20, (0,), 1), BatchRow(C, 3, (0,) * 4, 4), BatchRow(D, 9, (0,), 1)])
+    q, k, v = (torch.randn(6, n, 64, generator=gen).to(DEVICE) for n in (8, 2, 2))
+    want = TorchAttention().prepare(rows, caches[0]).attend(0, q, k, v)
+    inputs = StaticInputs(8, 4, torch.device(DEVICE))
+    inputs.fill(rows, 8, BLOCK)
+    key = GraphKey(8, 5, 0, 32 if backend.static_needs_kv_len else 0)
+    pad = lambda x: torch.cat((x, torch.randn(2, *x.shape[1:], generator=gen).to(DEVICE)))  # noqa: E731
+    got = backend.static(caches[1], inputs.rows(key)).attend(0, pad(q), pad(k), pad(v))
+    assert torch.allclose(got[:6], want, atol=2e-5)
+    assert torch.equal(caches[1].kv[:, 1:], caches[0].kv[:, 1:])
 
 
 def test_splits_fill_the_gpu_only_when_rows_do_not() -> None:

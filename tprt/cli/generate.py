@@ -61,6 +61,7 @@ class GenerateArgs:
     kv_cache_dtype: str = "auto"  # tprt.model.kv_cache.KV_CACHE_DTYPES
     kv_scales: Path | None = None  # static int8 KV scales (tprt.model.kv_scales)
     attention_backend: str = "auto"  # tprt.model.attention.backend
+    cuda_graphs: str = "auto"  # tprt.engine.step_graphs
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
@@ -93,6 +94,7 @@ class GenerateJob:
     kv_cache_dtype: str = "auto"
     kv_scales: str | None = None
     attention_backend: str = "auto"
+    cuda_graphs: str = "auto"
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -213,7 +215,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
                        kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales),
-                       args.attention_backend)
+                       args.attention_backend, args.cuda_graphs)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -226,26 +228,27 @@ def generate_rank(job: GenerateJob) -> None:
     """One rank's part of `tprt generate`: rank 0 drives the engine and prints, the others follow."""
     ctx = init_distributed()
     model = load_model(job.model, ctx, job.dtype)
-    if job.adapter is not None:
-        from tprt.lora.attach import attach
-        from tprt.lora.peft_io import read_adapter
-
-        attach(model, read_adapter(model, job.adapter, ctx))
-        model.eval()  # the new adapter modules: no dropout
     tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
                           token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
                           cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
                           kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config),
-                          mask_threads=spare_cores(ctx.device), attention_backend=job.attention_backend)
+                          mask_threads=spare_cores(ctx.device), attention_backend=job.attention_backend,
+                          cuda_graphs=job.cuda_graphs)
     engine = Engine(model, tok, config)
+    adapter = 0
+    if job.adapter is not None:  # installed like a server's (every request routed to it), so steps keep their graphs
+        from tprt.lora.peft_io import read_adapter
+
+        adapter = 1
+        engine.runner.adapters.install(adapter, read_adapter(model, job.adapter, ctx))
     if not engine.is_driver:
         engine.follow()
         return
     assert tok is not None
     with engine:
         for i, (ids, params) in enumerate(zip(job.prompts, job.params)):
-            engine.add(ids, params, str(i))
+            engine.add(ids, params, str(i), adapter=adapter)
         printer = None if job.json else OrderedPrinter(len(job.prompts), sys.stdout)
         t0 = time.perf_counter()
         done = run_to_completion(engine, printer.on_event if printer else None)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tprt.cli.common_flags import Spelling
+from tprt.engine.graph_buckets import GRAPH_MODES
 from tprt.errors import ConfigError
 
 PLAN_EPILOG = """examples:
@@ -64,6 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s.add_argument("--kv-cache-tokens", type=int, metavar="N",
                    help="KV cache positions per rank (default: max batch size x max seq len)")
     s.add_argument("--kv-block-size", type=int, default=16, metavar="N", help="positions per KV cache block (16)")
+    s.add_argument("--cuda-graphs", default="auto", choices=GRAPH_MODES,
+                   help="CUDA: the graphs the engine captures (tprt serve --cuda-graphs; auto = all)")
     s.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding: drafted tokens per row (0 = off; 4 with --draft-model)")
     s.add_argument("--draft-model", type=Path, metavar="SRC", help="a draft model (rank 0 holds it), as --model")
@@ -109,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         workload = ServeWorkload(dtype=args.dtype or src.dtype, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                                  max_batch_size=args.max_batch_size, kv_cache_tokens=args.kv_cache_tokens,
                                  kv_block_size=args.kv_block_size, weight_dtype=args.weight_dtype,
-                                 weight_group_size=args.weight_group_size, num_speculative_tokens=k, draft=draft)
+                                 weight_group_size=args.weight_group_size, num_speculative_tokens=k, draft=draft,
+                                 cuda_graphs=args.cuda_graphs)
     else:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
         workload = FinetuneWorkload(full=args.full, lora_rank=args.lora_rank, lora_targets=targets,

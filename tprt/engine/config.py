@@ -26,7 +26,10 @@ class EngineConfig:
     # a scale per head vector.
     kv_scales: torch.Tensor | None = None
     cpu_prepack: bool = True  # CPU bf16 weights: repack for oneDNN (faster decode, 2x weight memory)
-    static_decode: bool | None = None  # static-shape decode (CUDA graphs on GPU); None: on CUDA only
+    # Steps on static shapes, replayed from CUDA graphs (tprt.engine.step_graphs): off, decode
+    # (one-token rows), all (verifying rows too), auto (all on CUDA, off elsewhere; elsewhere the
+    # static steps run eagerly).
+    cuda_graphs: str = "auto"
     # CPU: torch threads for steps of one row of a few tokens (None: leave the thread count alone).
     # The compiled kernels run on their own thread pool (tprt.cpu.native.set_threads), and torch's
     # threads would only add OpenMP fork/joins to the few small ops left (docs/PERF.md). Other
@@ -53,8 +56,9 @@ class EngineConfig:
 
     def runner(self) -> RunnerConfig:
         """What the runner takes of these settings."""
-        return RunnerConfig(self.cache_dtype, self.kv_scales, self.cpu_prepack, self.static_decode,
-                            self.one_row_threads, self.attention_backend)
+        return RunnerConfig(self.cache_dtype, self.kv_scales, self.cpu_prepack, self.one_row_threads,
+                            self.attention_backend, self.cuda_graphs,
+                            self.speculative.num_tokens if self.speculative is not None else 0)
 
 
 def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:

@@ -13,7 +13,8 @@ The runner prepares the model for inference once, in the open: on CPU (`cpu_prep
 layers get packed methods (`tprt.cpu.fast_linear.prepack`) and the compiled decode layers are
 swapped in (`tprt.cpu.native_layers.install_native_layers`). It holds the pool of adapters
 served side by side (`adapters`, tprt.lora.routing) and routes each token through its row's.
-On CUDA, plain decode steps without adapters replay CUDA graphs (tprt.engine.static_decode).
+On CUDA, steps of decode and verifying rows (with their adapters) replay CUDA graphs keyed by
+their token count (tprt.engine.step_graphs, `cuda_graphs`); the LM head and sampling follow.
 
 On CPU a step of one row of at most STACK_MAX_ROWS tokens (batch-1 decode, its verification)
 runs its few torch ops on `one_row_threads` torch threads (1 by default) while its GEMVs and
@@ -43,7 +44,8 @@ from tprt.model.attention import backend as attention_backend
 from tprt.model.batch import TokenBatch
 from tprt.model.kv_cache import KVCache, kv_bytes_per_position
 from tprt.model.llama import TPLlamaForCausalLM
-from tprt.engine.static_decode import StaticDecode
+from tprt.engine.graph_buckets import GRAPH_MODES, graph_max_tokens, graph_widths
+from tprt.engine.step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from tprt.engine.config import EngineConfig
@@ -66,9 +68,12 @@ class RunnerConfig:
     cache_dtype: torch.dtype | None = None  # KV storage; None: the model's default_cache_dtype
     kv_scales: torch.Tensor | None = None  # an int8 cache's static scales
     cpu_prepack: bool = True  # CPU: packed weights and the compiled decode layers
-    static_decode: bool | None = None  # static-shape decode (CUDA graphs); None: on CUDA only
     one_row_threads: int | None = None  # CPU: torch threads for one-row steps of a few tokens
     attention: str = "auto"  # the attention backend (tprt.model.attention.backend)
+    # Steps on static shapes (tprt.engine.step_graphs.GRAPH_MODES): auto is all on CUDA, off
+    # elsewhere; elsewhere decode and all run the static steps eagerly (how the tests check them).
+    cuda_graphs: str = "auto"
+    max_draft: int = 0  # drafted tokens per verifying row at most (its graphs' row width is 1 + this)
 
 
 class ModelRunner:
@@ -89,22 +94,39 @@ class ModelRunner:
         if self.device.type == "cuda" and self.attention.name == "torch":
             log0(model.tp, "attention: the torch reference gathers each row's KV blocks every layer; install Triton "
                  "for the paged kernels (--attention-backend triton)", level=logging.WARNING)
-        static_decode, one_row_threads = config.static_decode, config.one_row_threads
-        if static_decode is None:
-            static_decode = self.device.type == "cuda"
-        # Decode batches on static shapes (CUDA graphs on GPU); see tprt.engine.static_decode.
-        self.static = StaticDecode(model, self.cache, max_batch, max_seq_len, attention=self.attention) if static_decode else None
-        self.one_row_threads = one_row_threads if self.device.type == "cpu" else None
+        self.graphs = self._graphs(config, max_batch, max_seq_len)
+        self.one_row_threads = config.one_row_threads if self.device.type == "cpu" else None
+
+    def _graphs(self, config: RunnerConfig, max_batch: int, max_seq_len: int) -> StepGraphs | None:
+        """The static steps `config.cuda_graphs` asks for (tprt.engine.step_graphs), said at start-up."""
+        mode = config.cuda_graphs
+        if mode not in GRAPH_MODES:
+            raise ConfigError(f"cuda_graphs must be one of {', '.join(GRAPH_MODES)}, got {mode!r}")
+        if mode == "auto":
+            mode = "all" if self.device.type == "cuda" else "off"
+        if mode == "off":
+            return None
+        width = graph_widths(mode, config.max_draft)
+        graphs = StepGraphs(self.model, self.cache, self.attention, self.adapters, mode,
+                            graph_max_tokens(max_batch, width), width, max_seq_len)
+        log0(self.model.tp, "CUDA graphs (--cuda-graphs %s): steps of up to %d tokens in rows of up to %d, mixing up to "
+             "%d adapters, %s", config.cuda_graphs, graphs.max_tokens, graphs.max_width, graphs.adapter_buckets[-1],
+             "captured per bucket on first use" if graphs.use_graphs else "run eagerly on static buffers (no CUDA)")
+        return graphs
 
     @torch.inference_mode()
     def execute(self, batch: TokenBatch) -> StepResult:
         """Runs the batch's one forward call; collective over the TP group."""
         with self.threads_for(batch):
+            key = self.graphs.key_for(batch) if self.graphs is not None else None
+            hidden = self.graphs.run(batch, key) if self.graphs is not None and key is not None else None
+            if hidden is not None:  # the decoder stack replayed; the LM head on the tokens that return logits
+                if not batch.num_logits:
+                    return StepResult(None, None)
+                if batch.num_logits != batch.num_tokens:
+                    hidden = hidden.index_select(0, torch.tensor(batch.logits_indices, device=self.device))
+                return self._finish(self.model.logits(hidden), batch.full_logits)
             self._route(batch)
-            if self.static is not None and batch.max_query_len == 1 and not self.model.has_adapters():
-                # A CUDA graph replays the layers as captured: plain decode rows, no adapter acting.
-                local = self.static.run(list(batch.tokens), list(batch.starts), batch.tables)
-                return self._finish(local, batch.full_logits)
             ids = torch.tensor(batch.tokens, dtype=torch.long, device=self.device)  # [tokens]
             step = self.attention.prepare(batch, self.cache)
             if not batch.num_logits:  # prompt chunks that do not end their prompt

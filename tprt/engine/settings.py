@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tprt.engine.graph_buckets import GRAPH_MODES
 from tprt.errors import ConfigError
 
 DEFAULT_BLOCK_SIZE = 16  # positions per KV block
@@ -33,6 +34,14 @@ def add_attention_flag(group: Any) -> None:
                        help="how attention reads the paged KV cache: auto (Triton's paged kernels on CUDA, tprt's "
                             "compiled kernels on a CPU, else torch; the choice is logged at start-up), triton, "
                             "native (CPU), torch (the reference: gathers each row's blocks)")
+
+
+def add_graphs_flag(group: Any) -> None:
+    """--cuda-graphs (tprt generate, tprt serve)."""
+    group.add_argument("--cuda-graphs", default="auto", choices=GRAPH_MODES,
+                       help="replay steps from CUDA graphs captured per bucket of tokens: all (decode and "
+                            "verifying rows, with their adapters; auto on CUDA), decode (one-token rows only), off "
+                            "(auto elsewhere). Steps with prompt chunks, or wider than 512 tokens, run eagerly")
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,9 @@ class SchedulerSettings:
     max_batch_size: int | None = None  # --max-batch-size; None: the device's default
     max_seq_len: int | None = None  # --max-seq-len; None: min(the model's, 2048)
     token_budget: int = 2048  # --token-budget
+    cuda_graphs: str = "auto"  # --cuda-graphs (tprt.engine.step_graphs)
 
-    FLAGS = ("max_batch_size", "max_seq_len", "token_budget")
+    FLAGS = ("max_batch_size", "max_seq_len", "token_budget", "cuda_graphs")
 
     @staticmethod
     def add_flags(group: Any) -> None:
@@ -94,6 +104,7 @@ class SchedulerSettings:
                            help="running sequences at once (default: 256 on a GPU, 16 on CPU)")
         group.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
         group.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
+        add_graphs_flag(group)
 
     def check(self) -> None:
         """One-line ConfigErrors naming the flag (max_seq_len against the model: the engine)."""
@@ -101,7 +112,7 @@ class SchedulerSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulerSettings:
-        return cls(args.max_batch_size, args.max_seq_len, args.token_budget)
+        return cls(args.max_batch_size, args.max_seq_len, args.token_budget, args.cuda_graphs)
 
 
 def _at_least_one(*flags: tuple[str, int | None]) -> None:

@@ -293,7 +293,7 @@ class DraftModel:
         self.block_size = block_size
         self.per_slot = -(-(max_seq_len + 1) // block_size)
         self.runner = ModelRunner(model, 1 + max_batch * self.per_slot, block_size, max_batch, max_seq_len + 1,
-                                  RunnerConfig(static_decode=False))
+                                  RunnerConfig(cuda_graphs="off"))
         self.max_seq_len = max_seq_len
         self._free = list(range(max_batch))
         self._slots: dict[str, int] = {}

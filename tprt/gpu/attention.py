@@ -3,8 +3,8 @@ paged kernel, which reads the KV cache in place through the block tables (no per
 
 `prepare` turns the step's `TokenBatch` into device tensors once (the rows' tables, query
 starts, first positions and lengths, and each token's write slot); every layer then writes its new
-keys and values into the cache and runs one kernel over the whole ragged batch. `decode` builds
-the same from device tensors alone (no host synchronisation), for CUDA graphs.
+keys and values into the cache and runs one kernel over the whole ragged batch. `static` builds
+the same from a static step's device buffers alone (no host synchronisation), for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from tprt.model.attention import AttentionStep, _indices, _tables, check_batch, token_rows
+from tprt.model.attention import AttentionStep, StaticRows, _indices, _tables, check_batch, token_rows
 from tprt.model.batch import TokenBatch
 from tprt.model.kv_cache import KVCache, TokenRows
 
@@ -38,8 +39,9 @@ def splits_for(rows: int, kv_heads: int, blocks: int) -> int:
 
 @dataclass(frozen=True)
 class _Rows:
-    """The kernel's view of a step's rows (int32 on the device), and where each token is written
-    (int64 [tokens, 1] block and offset: what KVCache.write reads of a step)."""
+    """The kernel's view of a step's rows (int32 on the device; int64 in a static step's buffers),
+    and where each token is written (int64 [tokens, 1] block and offset: what KVCache.write reads
+    of a step)."""
 
     tables: torch.Tensor  # [rows, blocks]
     query_starts: torch.Tensor  # [rows + 1]
@@ -77,16 +79,22 @@ class TritonAttentionStep(AttentionStep):
             splits=rows.splits)
         return out if out_dtype is None else out.to(out_dtype)
 
-    @property
+    @cached_property
     def token_rows(self) -> TokenRows:  # type: ignore[override]
-        assert self.batch is not None, "token rows of a step built without its batch"
-        return token_rows(self.batch, self.cache, self.positions.device)
+        if self.batch is not None:
+            return token_rows(self.batch, self.cache, self.positions.device)
+        rows = self.rows  # a static step: each token's row found on the device
+        row_of = torch.repeat_interleave(torch.arange(rows.lens.shape[0], device=rows.lens.device), rows.lens,
+                                         output_size=self.tokens)
+        return TokenRows(rows.write_blocks.view(-1), rows.write_offsets.view(-1), rows.tables[row_of].long(),
+                         self.positions, rows.tables.shape[1] * self.cache.block_size)
 
 
 class TritonAttention:
     """Paged attention in Triton on CUDA (and, for tests, on the CPU under TRITON_INTERPRET=1)."""
 
     name = "triton"
+    static_needs_kv_len = False
 
     @staticmethod
     def available(device: torch.device, cache: KVCache) -> bool:
@@ -119,12 +127,11 @@ class TritonAttention:
         index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
         return TritonAttentionStep(cache, positions, batch.num_tokens, index, batch, rows)
 
-    def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> TritonAttentionStep:
-        """Rows of one token each from device tensors (positions [rows], tables [rows, blocks]),
-        with no host synchronisation (tprt.engine.static_decode captures it)."""
-        n, size, device = positions.shape[0], cache.block_size, positions.device
-        blocks = tables.gather(1, torch.div(positions, size, rounding_mode="floor")[:, None])
-        rows = _Rows(tables.to(torch.int32), torch.arange(n + 1, dtype=torch.int32, device=device),
-                     positions.to(torch.int32), torch.ones(n, dtype=torch.int32, device=device), 1,
-                     splits_for(n, cache.kv.shape[2], tables.shape[1]), blocks, (positions % size)[:, None])
-        return TritonAttentionStep(cache, positions, n, None, None, rows)
+    def static(self, cache: KVCache, rows: StaticRows) -> TritonAttentionStep:
+        """The step over a static step's buffers (tprt.engine.step_graphs captures it): the kernel
+        reads each row's length on the device, so neither padding nor a key bucket costs reads."""
+        n = rows.positions.shape[0]
+        splits = splits_for(rows.lens.shape[0], cache.kv.shape[2], rows.tables.shape[1])
+        return TritonAttentionStep(cache, rows.positions, n, None, None, _Rows(
+            rows.tables, rows.query_starts, rows.starts, rows.lens, rows.width, splits, rows.write_blocks,
+            rows.write_offsets))

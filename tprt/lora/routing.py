@@ -55,6 +55,11 @@ class AdapterSlots:
         self._device_copies: dict[int, LoRAAdapter] = {}  # what is installed, to offload it again
         # [(adapter index, rows or None for every row)]; empty: every row is the base model
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        # A static step's routing (`route_static`): its adapters in group order, padded with BASE
+        # (empty otherwise), and each token's group as a one-hot, [max tokens, max groups].
+        self.static_adapters: tuple[int, ...] = ()
+        self.token_groups: torch.Tensor | None = None
+        self.max_static_groups = 0
 
     def sets(self) -> list[AdapterSet]:
         return [linear.adapter for linear in self.model.linears() if isinstance(linear.adapter, AdapterSet)]
@@ -119,7 +124,7 @@ class AdapterSlots:
     def route(self, row_adapters: Sequence[int], device: torch.device) -> None:
         """Sets the rows of the next forward call: row_adapters[b] is row b's adapter index."""
         indices = set(row_adapters) - {BASE}
-        self.grouped = None
+        self.grouped, self.static_adapters = None, ()
         if not indices:
             self.groups = []
         elif len(set(row_adapters)) == 1:
@@ -128,6 +133,38 @@ class AdapterSlots:
             rows = {i: [b for b, a in enumerate(row_adapters) if a == i] for i in sorted(indices)}
             self.groups = [(i, torch.tensor(r, device=device)) for i, r in rows.items()]
             self.grouped = Grouped.of(rows, len(row_adapters), device)
+
+
+    def reserve_static(self, max_tokens: int, max_groups: int) -> None:
+        """Sizes static steps' routing (`route_static`): up to `max_tokens` tokens and
+        `max_groups` adapters in one step (the one-hot buffer is allocated once, so captured
+        graphs keep reading it)."""
+        self.max_static_groups = max_groups
+        self.token_groups = torch.zeros(max_tokens, max_groups, dtype=self.model.dtype, device=self.model.tp.device)
+
+    def route_static(self, token_adapters: Sequence[int], tokens: int, groups: int) -> None:
+        """Routes a static step (tprt.engine.step_graphs) of `tokens` token slots over `groups`
+        adapter groups (0: every token on the base model); token_adapters[t] is token t's adapter,
+        the slots past them padding on the base model. Every AdapterSet stages the factors of the
+        step's adapters in fixed buffers and adds each token's delta through its group's one-hot,
+        so one captured graph of `groups` groups serves any routing of at most that many adapters
+        (the same kernels, whatever adapters and rows)."""
+        self.groups, self.grouped = [], None
+        adapters = sorted(set(token_adapters) - {BASE})
+        if len(adapters) > groups or groups > self.max_static_groups or self.token_groups is None:
+            raise ValueError(f"a static step routes {len(adapters)} adapters in {groups} groups; "
+                             f"{self.max_static_groups} reserved (reserve_static)")
+        self.static_adapters = tuple(adapters) + (BASE,) * (groups - len(adapters))
+        if not groups:
+            return
+        where = {a: g for g, a in enumerate(adapters)}
+        one_hot = torch.zeros(tokens, groups, dtype=self.token_groups.dtype)
+        for t, a in enumerate(token_adapters):
+            if a != BASE:
+                one_hot[t, where[a]] = 1
+        self.token_groups[:tokens, :groups].copy_(one_hot, non_blocking=True)
+        for adapter_set in self.sets():
+            adapter_set.stage(self.static_adapters)
 
 
 class Grouped:
@@ -174,13 +211,43 @@ class AdapterSet(nn.Module):
         # The groups' factors picked from the stacks for the last routing's adapters, per target:
         # a decode step routes like the one before it, so the gathers are reused until it changes.
         self._picked: tuple[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]]] = ((), [])
+        # Static steps, per target: the staged adapters' A^T side by side [in, max groups * r_max],
+        # their scaled B^T stacked [max groups * r_max, out], r_max, the output columns; and what
+        # is staged in them (slots version, adapters).
+        self._static: dict[str, tuple[torch.Tensor, torch.Tensor, int, tuple[int, int] | None]] = {}
+        self._staged: tuple[int, ...] = ()
 
     def applies(self) -> bool:
         """Whether the current routing sends rows to a member of this set (tprt.lora.method.Adapter)."""
+        if self.slots.static_adapters:  # a static step: every set with members adds (zeros where unrouted)
+            return bool(self.members)
         return any(str(index) in self.members for index, _ in self.slots.groups)
+
+    def stage(self, adapters: tuple[int, ...]) -> None:
+        """Copies the factors of `adapters` (a static step's groups, in order; BASE: zeros) into
+        this set's static buffers. The buffers are allocated once per installed set (slots
+        version): graphs captured over them stay valid until that changes."""
+        stacks = self._current_stacks()
+        key = (self.slots.version, *adapters)
+        if self._staged == key or not stacks:
+            return
+        capacity, n = self.slots.max_static_groups, len(adapters)
+        if self._staged[:1] != key[:1]:
+            self._static = {}
+        positions = torch.tensor([self._slots.get(i, 0) for i in adapters], device=next(iter(stacks.values()))[0].device)
+        for t, (a, b, cols) in stacks.items():
+            r = a.shape[1]
+            if t not in self._static:
+                self._static[t] = (a.new_zeros(a.shape[2], capacity * r), b.new_zeros(capacity * r, b.shape[1]), r, cols)
+            a_cat, b_cat, _, _ = self._static[t]
+            a_cat[:, : n * r] = a.index_select(0, positions).permute(2, 0, 1).reshape(a.shape[2], n * r)
+            b_cat[: n * r] = b.index_select(0, positions).permute(0, 2, 1).reshape(n * r, b.shape[1])
+        self._staged = key
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [rows, ...] the layer's input, y [rows, ...] its base output."""
+        if self.slots.static_adapters:
+            return self._static_step(x, y)
         grouped = self.slots.grouped
         if grouped is not None and not torch.is_grad_enabled():
             return self._grouped(grouped, x, y)
@@ -210,6 +277,21 @@ class AdapterSet(nn.Module):
                 dest.add_(d.index_select(0, g.inverse))
             else:
                 dest.index_add_(0, g.perm, d)
+        return y
+
+    def _static_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A static step's deltas (`AdapterSlots.route_static`): every token through the staged
+        adapters' A side by side, each token's ranks masked to its group, then the stacked B;
+        y is updated in place. Fixed shapes for a group count: what a CUDA graph replays."""
+        groups = len(self.slots.static_adapters)
+        assert self.slots.token_groups is not None
+        xs = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        mask = self.slots.token_groups[: xs.shape[0], :groups, None]  # [tokens, groups, 1]
+        for a_cat, b_cat, r, cols in self._static.values():
+            z = (xs @ a_cat[:, : groups * r]).view(-1, groups, r) * mask  # [tokens, groups, r]
+            d = z.view(-1, groups * r) @ b_cat[: groups * r]  # [tokens, out]
+            dest = y if cols is None else y[..., cols[0] : cols[1]]
+            dest.add_(d.view(dest.shape))
         return y
 
     def _factors(self, indices: tuple[int, ...], device: torch.device

@@ -66,7 +66,7 @@ class AttentionStep:
         self.groups = groups
         self.tokens = tokens
         self.logits_index = logits_index  # [logits] the tokens whose logits are returned; None: all
-        self.batch = batch  # the host description, where there is one (not for static decode)
+        self.batch = batch  # the host description, where there is one (not for static steps)
         # Every row holds one token (a plain decode step): one group, in token order.
         self.single_tokens = len(groups) == 1 and groups[0].width == 1 and groups[0].index is None
 
@@ -131,14 +131,35 @@ def token_rows(batch: TokenBatch, cache: KVCache, device: torch.device) -> Token
     return TokenRows(blocks.to(device), (positions % size).to(device), tables.to(device), positions.to(device), kv_len)
 
 
+@dataclass(frozen=True)
+class StaticRows:
+    """A step on static shapes (tprt.engine.step_graphs: what a CUDA graph captures), as views of
+    fixed device buffers filled before each replay: `tokens` token slots and as many row slots.
+    Rows past the batch's are padding: one-token rows at position 0 whose tables are all scratch
+    block (they write there, which no sequence reads), then empty rows (length 0)."""
+
+    positions: torch.Tensor  # [tokens] int64: each token's position
+    write_blocks: torch.Tensor  # [tokens, 1] int64: the block each token's keys and values go to
+    write_offsets: torch.Tensor  # [tokens, 1] int64: the offset in it
+    tables: torch.Tensor  # [rows, blocks of max_seq_len] int64: each row's blocks, scratch-padded
+    query_starts: torch.Tensor  # [rows + 1] int64: each row's first token
+    starts: torch.Tensor  # [rows] int64: its first position
+    lens: torch.Tensor  # [rows] int64: its tokens (0 for an empty slot)
+    width: int  # no row has more tokens than this
+    kv_len: int  # backends that attend over a fixed key count read keys 0..kv_len-1 (a bucket)
+
+
 class AttentionBackend(Protocol):
     """Builds a step's attention from its batch (module docstring)."""
 
     name: str
+    static_needs_kv_len: bool  # its static steps attend over a fixed key count (`StaticRows.kv_len`)
 
     def prepare(self, batch: TokenBatch, cache: KVCache) -> AttentionStep: ...
 
-    def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> AttentionStep: ...
+    def static(self, cache: KVCache, rows: StaticRows) -> AttentionStep:
+        """The step over `rows` from device tensors alone (no host synchronisation)."""
+        ...
 
 
 class TorchAttention:
@@ -146,6 +167,7 @@ class TorchAttention:
 
     name = "torch"
     step_class = AttentionStep
+    static_needs_kv_len = True
 
     def prepare(self, batch: TokenBatch, cache: KVCache) -> AttentionStep:
         check_batch(batch, cache)
@@ -160,12 +182,18 @@ class TorchAttention:
         index = None if batch.num_logits == batch.num_tokens else _indices(batch, device)
         return self.step_class(cache, positions, groups, batch.num_tokens, index, batch)
 
-    def decode(self, cache: KVCache, positions: torch.Tensor, tables: torch.Tensor, kv_len: int) -> AttentionStep:
-        """A step of rows of one token each from device tensors (positions [rows], tables [rows,
-        blocks]) over `kv_len` keys, with no host synchronisation: what a CUDA graph captures
-        (tprt.engine.static_decode)."""
-        rows = positions.shape[0]
-        return self.step_class(cache, positions, [_decode_group(cache, positions, tables, kv_len)], rows, None)
+    def static(self, cache: KVCache, rows: StaticRows) -> AttentionStep:
+        """Every token as a one-token row over `rows.kv_len` keys (a decode group): its row's
+        table, its own position. Each token is written before any attends, so a verifying row's
+        tokens see the row's earlier ones of the same step."""
+        tables = rows.tables[:, : blocks_for(rows.kv_len, cache.block_size)]
+        n = rows.positions.shape[0]
+        if rows.width > 1:  # each token's row, found on the device (no host synchronisation)
+            row_of = torch.repeat_interleave(torch.arange(rows.lens.shape[0], device=rows.lens.device), rows.lens,
+                                             output_size=n)
+            tables = tables[row_of]
+        return self.step_class(cache, rows.positions, [_decode_group(cache, rows.positions, tables, rows.kv_len)], n,
+                               None)
 
     @staticmethod
     def _single_group(batch: TokenBatch, cache: KVCache, device: torch.device) -> list[_Group]:

@@ -255,7 +255,11 @@ class TPLlamaForCausalLM(nn.Module):
         h = self.forward_hidden(input_ids, positions, attention)
         if attention is not None and attention.logits_index is not None:
             h = h.index_select(0, attention.logits_index)  # [n, hidden]
-        return self.lm_head(self.norm(h))
+        return self.logits(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states before the final norm [..., hidden] -> this rank's logits [..., local_vocab]."""
+        return self.lm_head(self.norm(hidden))
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """[..., local_vocab] -> [..., vocab_size] on every rank (padding stripped); all-gathers."""

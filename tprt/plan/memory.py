@@ -26,6 +26,10 @@ Every number is bytes on one rank, from the parameter shapes of `tprt.plan.shape
   parameter when larger (the largest such chunk is counted here too).
 - optimizer_states: AdamW's exp_avg and exp_avg_sq, float32 (`tprt.train.optim.AdamW`).
 - master_weights: float32 copies of low-precision trainable parameters.
+- cuda_graphs: serving on CUDA (`--cuda-graphs`, tprt.engine.step_graphs): the graphs' shared
+  pool, as wide as the widest captured step's transient, plus the hidden states every graph
+  holds as its output (each token bucket, for each count of mixed adapters), and the static
+  input buffers (the block tables of every token slot).
 - framework_reserve: what the runtime holds beyond tensors (CUDA context, NCCL and cuBLAS
   workspaces, allocator slack on GPU; oneDNN scratch and the compiled kernels on CPU).
 
@@ -76,7 +80,7 @@ CPU_TRITON_RESERVE = 96 << 20
 # tprt.train.optim.GRAD_CHUNK_BYTES (repeated: the planner is torch-free; a test holds them equal).
 GRAD_CHUNK_BYTES = 64 << 20
 
-KINDS = ("weights", "packed_weights", "kv_cache", "activations", "gradients", "optimizer_states",
+KINDS = ("weights", "packed_weights", "kv_cache", "activations", "cuda_graphs", "gradients", "optimizer_states",
          "master_weights", "draft_model", "framework_reserve")
 
 
@@ -114,6 +118,7 @@ class ServeWorkload:
     # model's config (--speculative draft), whose weights and KV cache rank 0 alone holds.
     num_speculative_tokens: int = 0
     draft: ModelConfig | None = None
+    cuda_graphs: str = "auto"  # --cuda-graphs (tprt.engine.graph_buckets.GRAPH_MODES); CUDA only
 
 
 @dataclass(frozen=True)
@@ -275,10 +280,11 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     pool = w.kv_cache_tokens or w.max_batch_size * max_seq_len
     kv_cache = per_token * (-(-pool // w.kv_block_size) + 1) * w.kv_block_size  # and the scratch block
     parts = dict.fromkeys(KINDS, 0)
+    extra: dict[str, Any] = {"tokens_per_step": tokens, "max_batch_size": w.max_batch_size}
     parts.update(weights=weights, packed_weights=packed, kv_cache=kv_cache,
                  activations=max(mlp, attention) + logits, framework_reserve=_reserve(device, packed > 0),
-                 draft_model=_draft_bytes(w, device, max_seq_len, vocab_align))
-    extra: dict[str, Any] = {"tokens_per_step": tokens, "max_batch_size": w.max_batch_size}
+                 draft_model=_draft_bytes(w, device, max_seq_len, vocab_align),
+                 cuda_graphs=0 if cpu else _graph_bytes(cfg, layout, w, b, cb, max_seq_len, extra))
     if w.weight_dtype is not None:
         saved = params * b + dense_packed - weights - packed  # (the reserve counts oneDNN's either way)
         extra.update(weight_dtype=w.weight_dtype, weight_group_size=w.weight_group_size,
@@ -298,6 +304,31 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
         extra["max_kv_tokens_bf16"] = bf16.max_kv_tokens
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
                       extra=extra)
+
+
+def _graph_bytes(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, b: int, cb: int, max_seq_len: int,
+                 extra: dict[str, Any]) -> int:
+    """The CUDA graphs' memory (module docstring); their buckets go to `extra`."""
+    from tprt.engine.graph_buckets import (GRAPH_MODES, MAX_GRAPH_ADAPTERS, adapter_buckets, graph_max_tokens,
+                                           graph_widths, token_buckets)
+
+    if w.cuda_graphs not in GRAPH_MODES:
+        raise ConfigError(f"--cuda-graphs must be one of {', '.join(GRAPH_MODES)}, got {w.cuda_graphs!r}")
+    mode = "all" if w.cuda_graphs == "auto" else w.cuda_graphs
+    if mode == "off":
+        return 0
+    width = graph_widths(mode, w.num_speculative_tokens)
+    top = graph_max_tokens(w.max_batch_size, width)
+    buckets, adapters = token_buckets(top), adapter_buckets(MAX_GRAPH_ADAPTERS)
+    h, inter = cfg.hidden_size, cfg.intermediate_size // layout.tp
+    q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
+    # The widest capture's transient: as a step's (activations), but the kernel reads the cache in place.
+    transient = top * max(b * (2 * h + 4 * inter), b * (2 * h + 2 * q + 2 * kv) + cb * (2 * q + 2 * kv))
+    outputs = sum(buckets) * len(adapters) * h * b
+    inputs = (7 * top + 1 + top * -(-max_seq_len // w.kv_block_size)) * 8 + top * MAX_GRAPH_ADAPTERS * b
+    extra.update(cuda_graphs=mode, cuda_graph_token_buckets=buckets, cuda_graph_adapter_buckets=adapters,
+                 cuda_graph_row_width=width)
+    return transient + outputs + inputs
 
 
 def _quantized_weights(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], b: int, w: ServeWorkload,

@@ -11,7 +11,7 @@ from tprt.plan.memory import KINDS, MemoryPlan, ServeWorkload
 GIB = 1 << 30
 _LABELS = {
     "weights": "weights", "packed_weights": "CPU packed weight copies", "kv_cache": "KV cache",
-    "activations": "activations (peak)", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
+    "activations": "activations (peak)", "cuda_graphs": "CUDA graphs", "gradients": "gradients", "optimizer_states": "optimizer states (AdamW)",
     "master_weights": "fp32 master weights", "draft_model": "draft model (rank 0 only)",
     "framework_reserve": "framework reserve",
 }
@@ -78,6 +78,14 @@ def text(plan: MemoryPlan) -> str:
                          f"{suffix / 2**20:.0f} MiB of host memory, all adapters together")
         if "max_kv_tokens_bf16" in plan.extra:
             lines.append(_kv_gain_line(plan, tokens))
+        if "cuda_graph_token_buckets" in plan.extra:
+            e = plan.extra
+            buckets = e["cuda_graph_token_buckets"]
+            lines.append(f"CUDA graphs (--cuda-graphs {e['cuda_graphs']}): steps of 1 to {buckets[-1]} tokens in "
+                         f"{len(buckets)} buckets, rows of up to {e['cuda_graph_row_width']} token(s), mixing "
+                         f"{'/'.join(map(str, e['cuda_graph_adapter_buckets']))} adapters; up to "
+                         f"{len(buckets) * len(e['cuda_graph_adapter_buckets'])} graphs, captured on first use, "
+                         f"{plan.per_rank_bytes['cuda_graphs'] / 2**20:.0f} MiB per rank")
     verdict = (f"FITS, {(dev - peak) / GIB:.1f} GiB to spare per rank" if plan.fits
                else f"DOES NOT FIT: {(peak - dev) / GIB:.1f} GiB over per rank")
     lines.append(f"verdict: {verdict}")
