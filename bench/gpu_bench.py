@@ -7,7 +7,7 @@
 Per rank the weights are bf16 on cuda:LOCAL_RANK: loaded from a TP checkpoint, or with
 `--random CONFIG` drawn on the GPU for that config.json's shapes (decode speed depends on the
 shapes only; no checkpoint to write, read or convert). Reported on rank 0, for each of
-`--batches` (1, 16, 64): decode tokens/s with CUDA graphs (tprt.engine.static_decode) and
+`--batches` (1, 16, 64): decode tokens/s with CUDA graphs (tprt.engine.step_graphs) and
 eagerly, the measured device-memory read bandwidth (a large tensor summed on the GPU) and the
 floor, bandwidth / (weight bytes per rank per token), i.e. the rate if every decode step only
 had to stream this rank's weights once. Decode rates are differences of two run lengths, so
@@ -118,7 +118,7 @@ def main() -> None:
                            "weight_bytes_per_rank": weight_bytes, "floor_tokens_per_s": bw / weight_bytes}
     for graphs in (True, False):
         for batch in batches:
-            cfg = EngineConfig(max_batch=batch, max_seq_len=64 + args.tokens, static_decode=graphs)
+            cfg = EngineConfig(max_batch=batch, max_seq_len=64 + args.tokens, cuda_graphs="all" if graphs else "off")
             engine = Engine(model, None, cfg)
             if engine.is_driver:
                 with engine:

@@ -69,7 +69,7 @@ def measure_serve(config: Path, ctx: TPContext, max_batch: int, max_seq_len: int
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(ctx.device)
     model = random_model(config, ctx)
-    engine = Engine(model, None, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, static_decode=True))
+    engine = Engine(model, None, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, cuda_graphs="all"))
     for i in range(max_batch):
         ids = [(i * 7919 + k) % model.config.vocab_size for k in range(prompt)]
         engine.add(ids, SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True), str(i))

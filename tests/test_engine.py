@@ -31,6 +31,7 @@ from tprt.distributed.protocol import Command
 from serve.ranks.commands import LoadAdapter, TrainAbort, TrainSave
 from tprt.distributed.ranks import CommandFailed, RankGroup, follower_loop
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
+from tprt.engine.step_graphs import GraphKey
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model
 from tprt.model.llama import TPLlamaForCausalLM
@@ -945,6 +946,28 @@ def test_validation(workdir: Path) -> None:
         engine.follow()
 
 
+def test_the_cuda_graphs_flag_reaches_the_engine(workdir: Path) -> None:
+    """--cuda-graphs on generate, serve and plan takes the modes the runner knows; an unknown mode
+    in an EngineConfig is a one-line error naming the field; off builds no static steps."""
+    from tprt.cli.main import build_parser
+    from tprt.engine.graph_buckets import GRAPH_MODES
+    from tprt.engine.settings import SchedulerSettings
+
+    parser = build_parser()
+    model = str(workdir / "tp1")
+    assert parser.parse_args(["generate", "--model", model, "--cuda-graphs", "decode", "--prompt", "x"]).cuda_graphs == "decode"
+    serve = parser.parse_args(["serve", "--model", model, "--cuda-graphs", "off"])
+    assert SchedulerSettings.from_args(serve).cuda_graphs == "off"
+    assert parser.parse_args(["plan", "--model", model, "--tp", "1", "serve", "--cuda-graphs", "all"]).cuda_graphs == "all"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--model", model, "--cuda-graphs", "always", "--prompt", "x"])
+    assert GRAPH_MODES == ("auto", "off", "decode", "all")
+    tp1 = load_model(workdir / "tp1", TPContext.single())
+    with pytest.raises(ConfigError, match="cuda_graphs must be one of auto, off, decode, all, got 'always'"):
+        Engine(tp1, None, EngineConfig(max_batch=2, max_seq_len=32, cuda_graphs="always"))
+    assert Engine(tp1, None, EngineConfig(max_batch=2, max_seq_len=32)).runner.graphs is None  # auto: off on CPU
+
+
 def test_kv_token_count(workdir: Path) -> None:
     """The engine counts the KV positions in blocks its live sequences hold (the server's usage
     gauge reads it); a finished sequence's full blocks stay cached for prefix reuse."""
@@ -1140,9 +1163,15 @@ def test_step_graphs_are_bypassed_while_an_adapter_is_attached(workdir: Path) ->
                                                                             cuda_graphs="decode"))
     graphs = engine.runner.graphs
     assert graphs is not None
-    calls: list[int] = []
+    calls: list[bool] = []  # per static step: whether it ran static (False: sent back to the eager path)
     run = graphs.run
-    graphs.run = lambda batch, key: (lambda out: (calls.append(out is not None), out)[1])(run(batch, key))  # type: ignore[method-assign]
+
+    def recording(batch: TokenBatch, key: GraphKey) -> torch.Tensor | None:
+        out = run(batch, key)
+        calls.append(out is not None)
+        return out
+
+    graphs.run = recording  # type: ignore[method-assign]
     prompt = _ref(workdir)["prompts"][0]
 
     def generate(adapter: int = 0) -> list[int]:

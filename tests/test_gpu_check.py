@@ -1,8 +1,10 @@
 """bench/gpu_check.sh would start on a GPU machine: its dry run here (no GPU needed), its usage
-errors, and the GPU bench scripts importing with torch alone (a bare machine has no registry)."""
+errors, the GPU bench scripts importing with torch alone (a bare machine has no registry), and the
+graphs step's scenarios on the CPU."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-STEPS = ("tests", "graphs", "attention", "decode", "memory", "mfu")
+STEPS = ("tests", "graphs", "graphs-fp8", "attention", "decode", "memory", "mfu")
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -68,3 +70,20 @@ def test_bench_scripts_import_with_torch_alone() -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_graphs_step_runs_its_scenarios_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_graphs.py's scenarios (plain, four adapters mixed, verifying rows) on eager static
+    steps (--device cpu): the same tokens as the eager path, and every graph shape reached."""
+    config = json.loads((ROOT / "bench" / "configs" / "llama-3.1-8b" / "config.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "graphs.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_graphs.py"), "--device", "cpu", "--config",
+                           str(tmp_path / "config.json"), "--layers", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["failures"] == [] and "steps" not in result  # host syncs and launches: CUDA only
+    assert all(result[s]["same_tokens"] for s in ("plain", "adapters", "speculative"))
+    assert result["speculative"]["widest_row"] == 5 and result["adapters"]["most_adapters"] == 4

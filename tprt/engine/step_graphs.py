@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,7 +117,7 @@ class StepGraphs:
         adapters.reserve_static(max_tokens, max_adapters)
         self.graphs: dict[GraphKey, Callable[[], torch.Tensor]] = {}  # key -> replay: hidden [tokens, hidden]
         self.adapter_version = adapters.version  # graphs with adapters were captured at this version
-        self.pool: object | None = None  # the graphs' shared memory pool (CUDA)
+        self.pool: Any = None  # the graphs' shared memory pool (CUDA: torch.cuda.graph_pool_handle())
         self.failed = False  # a capture failed once: stay eager
 
     @property

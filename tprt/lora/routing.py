@@ -234,11 +234,13 @@ class AdapterSet(nn.Module):
         capacity, n = self.slots.max_static_groups, len(adapters)
         if self._staged[:1] != key[:1]:
             self._static = {}
-        positions = torch.tensor([self._slots.get(i, 0) for i in adapters], device=next(iter(stacks.values()))[0].device)
+        device = next(iter(stacks.values()))[0].device
+        positions = torch.tensor([self._slots.get(i, 0) for i in adapters], device=device)
         for t, (a, b, cols) in stacks.items():
             r = a.shape[1]
             if t not in self._static:
-                self._static[t] = (a.new_zeros(a.shape[2], capacity * r), b.new_zeros(capacity * r, b.shape[1]), r, cols)
+                self._static[t] = (a.new_zeros(a.shape[2], capacity * r), b.new_zeros(capacity * r, b.shape[1]),
+                                   r, cols)
             a_cat, b_cat, _, _ = self._static[t]
             a_cat[:, : n * r] = a.index_select(0, positions).permute(2, 0, 1).reshape(a.shape[2], n * r)
             b_cat[: n * r] = b.index_select(0, positions).permute(0, 2, 1).reshape(n * r, b.shape[1])
