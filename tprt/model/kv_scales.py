@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig
-from tprt.model.attention import TorchAttention
+from tprt.model.attention import TorchAttention, backend
 from tprt.model.batch import BatchRow, TokenBatch
 from tprt.model.kv_cache import KVCache, WriteSlots, blocks_for, kv_cache_dtype
 
@@ -70,10 +70,13 @@ def calibrate(model: Any, documents: Sequence[Sequence[int]], chunk: int = CHUNK
     cache = _AmaxCache(cfg.num_hidden_layers, n_blocks, layout.local_kv_heads, BLOCK, cfg.head_dim, dtype,
                        tp.device, dtype)
     blocks = tuple(range(1, n_blocks))
+    # Both backends write through the cache's `write`, where the maxima are taken; on CUDA the
+    # paged kernel reads in place (the reference would gather every chunk's context).
+    attention = backend("auto", tp.device, cache) if tp.device.type == "cuda" else TorchAttention()
     for document in documents:
         for a in range(0, len(document), chunk):
             tokens = tuple(document[a : a + chunk])
-            step = TorchAttention().prepare(TokenBatch.of([BatchRow(blocks, a, tokens, 0)]), cache)
+            step = attention.prepare(TokenBatch.of([BatchRow(blocks, a, tokens, 0)]), cache)
             model.forward_hidden(torch.tensor(tokens), attention=step)
             if progress is not None:
                 progress(len(tokens))
