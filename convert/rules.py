@@ -1,5 +1,5 @@
 """The converter's use of the TP rules (`tprt.parallel.sharding`): the manifest entry of each
-tensor at a layout, and which tensors an HF Llama checkpoint of a config must hold."""
+tensor at a layout, and which tensors an HF Llama-family checkpoint of a config must hold."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if cfg.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (cfg.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (cfg.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (cfg.kv_size,)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
     return shapes
 
 

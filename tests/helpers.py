@@ -46,6 +46,40 @@ def make_hf_llama(path: Path, name: str = "gqa", dtype: torch.dtype = torch.floa
     return path
 
 
+# Llama-family architectures beyond Llama (tprt.model.config.ARCHITECTURES), each on a tiny config
+# that hits its deltas: Qwen2's q/k/v biases with GQA and a large rope theta; Qwen3's q/k norms
+# with an explicit head_dim that differs from hidden / heads (and o_proj/q/k/v biases through
+# attention_bias); both tied.
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("Qwen2", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+                            vocab_size=256, num_hidden_layers=2, rope_theta=1000000.0, tie_word_embeddings=True,
+                            use_sliding_window=False)),
+    "qwen3": ("Qwen3", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=16, vocab_size=256, num_hidden_layers=2, attention_bias=True,
+                            tie_word_embeddings=True, use_sliding_window=False)),
+}
+
+
+def make_hf_model(path: Path, family: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                  **overrides: Any) -> Path:
+    """Writes a randomly initialised model of FAMILY_CONFIGS[family] with transformers' own
+    save_pretrained; biases and norms perturbed so the tests see them."""
+    import transformers
+
+    prefix, config = FAMILY_CONFIGS[family]
+    kwargs: dict[str, Any] = dict(max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    kwargs.update(config)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(**kwargs))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     """Gives every decoder layer of `model` its fused one-row halves (tprt.cpu.native) whatever
     prepack's timing chose, and with `stack` the one-call decode of every layer on top

@@ -69,14 +69,14 @@ def local_slice(hf_name: str, full: torch.Tensor, model: TPLlamaForCausalLM) -> 
     if hf_name.endswith(("embed_tokens.weight", "lm_head.weight")):
         pad = model.layout.padded_vocab_size - full.shape[0]
         return torch.cat((full, full.new_zeros(pad, *full.shape[1:]))).chunk(tp)[rank]
-    if hf_name.endswith(("k_proj.weight", "v_proj.weight")):
+    if hf_name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
         rep = max(1, tp // model.config.num_key_value_heads)  # ranks holding the same kv head
         return full.chunk(tp // rep)[rank // rep]
-    if hf_name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight")):
+    if hf_name.endswith(("q_proj.weight", "gate_proj.weight", "up_proj.weight", "q_proj.bias")):
         return full.chunk(tp)[rank]
     if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
         return full.chunk(tp, dim=1)[rank]
-    assert "norm" in hf_name, hf_name
+    assert "norm" in hf_name or hf_name.endswith("o_proj.bias"), hf_name  # replicated
     return full
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from convert import api, copy, sink
 from convert.cli import main
-from helpers import TINY_CONFIGS, make_hf_llama
+from helpers import FAMILY_CONFIGS, TINY_CONFIGS, make_hf_llama, make_hf_model
 from tprt.checkpoint.format import MANIFEST_NAME, TPCheckpoint, rank_file_name
 
 
@@ -24,6 +24,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {name: make_hf_llama(root / name, name) for name in TINY_CONFIGS}
     out["gqa_sharded"] = make_hf_llama(root / "gqa_sharded", "gqa", max_shard_size="100KB")
     out["gqa_bf16"] = make_hf_llama(root / "gqa_bf16", "gqa", dtype=torch.bfloat16, seed=1)
+    out.update({name: make_hf_model(root / name, name) for name in FAMILY_CONFIGS})
     return out
 
 
@@ -40,14 +41,14 @@ def config_of(path: Path) -> dict:
 
 def reference_slice(name: str, t: torch.Tensor, cfg: dict, tp: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s slice by the TP rules, computed independently of the converter."""
-    if t.dim() == 1:
-        return t
+    if t.dim() == 1 and not name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+        return t  # norms, o_proj's bias: replicated
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         multiple = 64 * tp
         padded = -(-cfg["vocab_size"] // multiple) * multiple
         t = torch.cat([t, torch.zeros(padded - t.shape[0], t.shape[1], dtype=t.dtype)])
         return torch.chunk(t, tp, dim=0)[rank]
-    if name.endswith(("k_proj.weight", "v_proj.weight")):
+    if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")):
         n_kv = cfg["num_key_value_heads"]
         if tp > n_kv:
             return torch.chunk(t, n_kv, dim=0)[rank // (tp // n_kv)]
@@ -58,7 +59,7 @@ def reference_slice(name: str, t: torch.Tensor, cfg: dict, tp: int, rank: int) -
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("config", list(TINY_CONFIGS))
+@pytest.mark.parametrize("config", [*TINY_CONFIGS, *FAMILY_CONFIGS])
 def test_hf_to_tp_slices(models: dict[str, Path], tmp_path: Path, config: str, tp: int) -> None:
     src, dst = models[config], tmp_path / "tp"
     manifest = api.hf_to_tp(src, dst, tp=tp)
@@ -116,7 +117,7 @@ def assert_same_hf(a: Path, b: Path) -> None:
         assert ta[name].dtype == tb[name].dtype and torch.equal(ta[name], tb[name]), name
 
 
-@pytest.mark.parametrize("source", ["gqa_sharded", "gqa_bf16", "tied", "rope_pad"])
+@pytest.mark.parametrize("source", ["gqa_sharded", "gqa_bf16", "tied", "rope_pad", *FAMILY_CONFIGS])
 def test_round_trip_hf_tp8_tp2_hf(models: dict[str, Path], tmp_path: Path, source: str) -> None:
     src = models[source]
     tp = 8 if source != "rope_pad" else 4
@@ -142,6 +143,20 @@ def test_tp_to_hf_loads_in_transformers(models: dict[str, Path], tmp_path: Path)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_family_exports_load_in_transformers(models: dict[str, Path], tmp_path: Path, family: str) -> None:
+    """Qwen2 / Qwen3 at TP 4 and back: transformers loads the export as the same architecture,
+    every tensor (biases, q/k norms) bit-identical."""
+    from transformers import AutoModelForCausalLM
+
+    api.hf_to_tp(models[family], tmp_path / "tp", tp=4)
+    api.tp_to_hf(tmp_path / "tp", tmp_path / "hf")
+    got, want = (AutoModelForCausalLM.from_pretrained(d) for d in (tmp_path / "hf", models[family]))
+    assert type(got) is type(want) and type(got).__name__.startswith(FAMILY_CONFIGS[family][0])
+    assert got.state_dict().keys() == want.state_dict().keys()
+    assert all(torch.equal(got.state_dict()[n], t) for n, t in want.state_dict().items())
 
 
 def test_tied_export_loads_in_transformers(models: dict[str, Path], tmp_path: Path) -> None:

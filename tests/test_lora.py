@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from dpo_checks import RUNS as DPO_RUNS, check_dpo_steps
-from helpers import make_hf_llama
+from helpers import FAMILY_CONFIGS, make_hf_llama, make_hf_model
 from mp import Checks, WorldResults, names, run_single, run_world
 from test_backward_tp import (
     HP, MIN_LR_RATIO, N_STEPS, WARMUP, assert_rel, assert_replicas_identical, compare_to_ref,
@@ -52,8 +52,11 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, float]] = {  # name -> (config
     "gqa-q": ("gqa", ("q",), 4, 16.0),
     "rope_pad-kv": ("rope_pad", ("k", "v", "o", "down"), 2, 4.0),
     "tied-mlp": ("tied", ("q", "gate", "up"), 8, 8.0),
+    # beyond Llama: q/k/v biases (and k/v replicated at TP 4); q/k norms with o/q/k/v biases
+    "qwen2-attn": ("qwen2", ("q", "k", "v", "o"), 2, 4.0),
+    "qwen3-all": ("qwen3", ("q", "k", "v", "o", "gate", "up", "down"), 4, 8.0),
 }
-CONFIG_SEEDS = {"gqa": 20, "rope_pad": 21, "tied": 22}
+CONFIG_SEEDS = {"gqa": 20, "rope_pad": 21, "tied": 22, "qwen2": 23, "qwen3": 24}
 # Adapters served side by side in one batch (tprt.lora.routing) on the gqa model: different ranks
 # and target sets. name -> (targets, rank, alpha)
 MIXED: dict[str, tuple[tuple[str, ...], int, float]] = {
@@ -85,11 +88,11 @@ def _peft_key(name: str) -> str:
 
 def _reference(hf_dir: Path, case: str) -> dict[str, Any]:
     from peft import get_peft_model, get_peft_model_state_dict
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     _, targets, rank, alpha = CASES[case]
     torch.manual_seed(len(case))
-    model = get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                            _peft_config(targets, rank, alpha))
     vocab = model.config.vocab_size
     batches = [make_batch(100 + s, vocab) for s in range(N_STEPS)]
@@ -116,7 +119,7 @@ def _reference(hf_dir: Path, case: str) -> dict[str, Any]:
     assert sum(n > max_norm for n in ref["norms"]) >= 2, f"clipping would not be active: norms {ref['norms']}"
     ref["trained"] = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
     ref["batches"] = batches
-    merged = get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+    merged = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                             _peft_config(targets, rank, alpha))
     from peft import set_peft_model_state_dict
 
@@ -131,7 +134,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("lora")
     for name in sorted({c for c, *_ in CASES.values()}):
-        hf_dir = make_hf_llama(root / f"{name}-hf", name, seed=CONFIG_SEEDS[name])
+        make = make_hf_model if name in FAMILY_CONFIGS else make_hf_llama
+        hf_dir = make(root / f"{name}-hf", name, seed=CONFIG_SEEDS[name])
         for tp in TPS:
             hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
     for case, (name, *_) in CASES.items():
@@ -144,16 +148,16 @@ def _mixed_reference(hf_dir: Path, out: Path) -> dict[str, Any]:
     """PEFT's logits of each MIXED_ROWS row with its adapter alone (random A and B, saved with
     save_pretrained under out/<name>), and the plain model's for base rows."""
     from peft import get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     ids = torch.randint(3, base.config.vocab_size, (len(MIXED_ROWS), 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         plain = base(input_ids=ids).logits
     logits = plain.clone()
     for i, (name, (targets, rank, alpha)) in enumerate(MIXED.items(), start=1):
         torch.manual_seed(i)
-        model = get_peft_model(LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
                                _peft_config(targets, rank, alpha))
         model.save_pretrained(out / name)
         rows = [r for r, a in enumerate(MIXED_ROWS) if a == i]
@@ -355,11 +359,11 @@ def test_trained_adapter_loads_in_peft(worlds: dict[int, WorldResults], workdir:
     """The adapter written from lora_state_dict + adapter_config loads with PeftModel.from_pretrained
     and gives our logits."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     worlds[tp].assert_ok(f"{case}-steps")
     out = workdir / f"{case}-tp{tp}-adapter"
-    base = LlamaForCausalLM.from_pretrained(workdir / f"{CASES[case][0]}-hf", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(workdir / f"{CASES[case][0]}-hf", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, out).eval()
     ids = torch.load(workdir / f"{case}-ref.pt")["batches"][0][0]
     with torch.no_grad():

@@ -1,6 +1,7 @@
-"""The TP model against transformers' LlamaForCausalLM at TP 1, 2, 4 and 8.
+"""The TP model against transformers at TP 1, 2, 4 and 8: LlamaForCausalLM, and Qwen2 (q/k/v
+biases) and Qwen3 (q/k norms, explicit head_dim, attention_bias) for the families beyond it.
 
-One module-scoped setup writes three tiny HF checkpoints (gqa, rope_pad, tied), converts each to
+One module-scoped setup writes five tiny HF checkpoints (gqa, rope_pad, tied, qwen2, qwen3), converts each to
 TP 1/2/4/8 with `convert.api.hf_to_tp`, and records transformers' logits (per prompt, fp32) and
 greedy generations. Each TP world (tests/mp.py: one gloo world per size) then runs every check:
 uneven batched prompts, cached prefill/decode with continuous batching over a paged KV cache
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import force_native_decode, forward_rows, make_hf_llama
+from helpers import FAMILY_CONFIGS, force_native_decode, forward_rows, make_hf_llama, make_hf_model
 from mp import Checks, WorldResults, names, run_single, run_world
 from tprt.checkpoint.format import TPCheckpoint
 from tprt.model.config import ModelConfig
@@ -35,7 +36,7 @@ from tprt.cpu.quant_linear import Int8Head
 from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import LayerStack, TPLlamaForCausalLM
 
-CONFIGS = ("gqa", "rope_pad", "tied")
+CONFIGS = ("gqa", "rope_pad", "tied", *FAMILY_CONFIGS)
 TPS = (1, 2, 4, 8)
 PROMPT_LENS = (7, 12, 4)  # uneven on purpose
 N_NEW = 32
@@ -50,9 +51,9 @@ QUANT_AGREE = 0.9  # int8 weights: share of positions whose top-1 token is trans
 
 def _reference(hf_dir: Path, vocab: int) -> dict[str, Any]:
     """transformers' fp32 logits of each prompt and its greedy continuation of N_NEW tokens."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # always N_NEW tokens
     model.generation_config.pad_token_id = 0
     g = torch.Generator().manual_seed(7)
@@ -95,7 +96,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     root = tmp_path_factory.mktemp("model_tp")
     for i, name in enumerate(CONFIGS):
-        hf_dir = make_hf_llama(root / f"{name}-hf", name, seed=i)
+        hf_dir = (make_hf_model if name in FAMILY_CONFIGS else make_hf_llama)(root / f"{name}-hf", name, seed=i)
         for tp in TPS:
             hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
             if name == "gqa":  # int8 groups of 16 where each rank's o/down columns hold them, else per channel
@@ -448,13 +449,16 @@ def check_bf16(ctx: TPContext, workdir: Path, name: str) -> None:
 
 
 def check_backward(ctx: TPContext, workdir: Path, name: str) -> None:
-    """Loss on the gathered logits of uneven prompts: every parameter's gradient on this rank equals
-    the matching slice of transformers' (k/v replicated over ranks are summed by the trainer, so
-    they are skipped here)."""
+    """Loss on the gathered logits of uneven prompts: once the trainer has synchronised them over
+    the TP group (tprt.train.grads: replicated k/v rows and the per-head q/k norms' shares
+    summed), every parameter's gradient on this rank equals the matching slice of transformers'."""
+    from tprt.train.grads import sync_gradients
+
     ref = _ref(workdir, name)
     path = workdir / f"{name}-tp{ctx.world_size}"
     model = load_model(path, ctx, requires_grad=True)
     _lm_loss(model.gather_logits(model(_pad(ref["prompts"])[0])), ref["prompts"]).backward()
+    sync_gradients(model, ctx)
     manifest = TPCheckpoint(path).manifest
     compared = 0
     for pname, param in model.named_parameters():
@@ -469,10 +473,30 @@ def check_backward(ctx: TPContext, workdir: Path, name: str) -> None:
                 want = want.narrow(entry.split_dim, span[0], span[1] - span[0])
             got = param.grad[row : row + want.shape[0]]
             row += want.shape[0]
-            if entry.kv_replication == 1:
-                _assert_close(got, want, f"grad of {src} (in {pname})", 1e-4)
-                compared += 1
+            _assert_close(got, want, f"grad of {src} (in {pname})", 1e-4)
+            compared += 1
     assert compared >= 4 * model.config.num_hidden_layers, f"only {compared} gradients compared"
+
+
+def check_engine(ctx: TPContext, workdir: Path, name: str) -> None:
+    """The engine over the whole batch (CPU-packed linears with the layer's biases added after
+    them; the static steps CUDA graphs replay, eager here) gives transformers' greedy tokens."""
+    from tprt.engine.core import Engine, EngineConfig, run_to_completion
+    from tprt.engine.sampling import SamplingParams
+
+    ref = _ref(workdir, name)
+    for graphs in ("off", "all"):
+        model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx)  # its own: prepack changes it
+        engine = Engine(model, None, EngineConfig(max_batch=4, max_seq_len=64, cuda_graphs=graphs), eos_token_ids=())
+        if not engine.is_driver:
+            engine.follow()
+            continue
+        with engine:
+            for i, prompt in enumerate(ref["prompts"]):
+                engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=N_NEW, ignore_eos=True), str(i))
+            done = run_to_completion(engine)
+        for i, want in enumerate(ref["generated"]):
+            assert done[str(i)].token_ids == want, f"prompt {i}, graphs {graphs}: greedy tokens differ"
 
 
 def check_wrong_tp(ctx: TPContext, workdir: Path) -> None:
@@ -526,6 +550,7 @@ CHECKS: Checks = [
     *((f"{n}-native_stack", partial(check_native_stack, name=n)) for n in ("gqa", "tied")),
     ("tied-native_stack_bf16", partial(check_native_stack, name="tied", dtype="bf16")),
     *((f"{n}-backward", partial(check_backward, name=n)) for n in CONFIGS),
+    *((f"{n}-engine", partial(check_engine, name=n)) for n in FAMILY_CONFIGS),
     ("tied-bf16", partial(check_bf16, name="tied")),
     *((f"gqa-kv_{kv}", partial(check_quantized_cache, name="gqa", kv=kv)) for kv in KV_TOL),
     ("gqa-kv_calibration", partial(check_kv_calibration, name="gqa")),

@@ -176,7 +176,7 @@ def _rank_state(
             )
         owner_name, _, local = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        if isinstance(owner, ParallelLinear):
+        if isinstance(owner, ParallelLinear) and local != "bias":  # a bias is dense whatever the weight's format
             owner.method.load_weight(owner, local, out, pieces)  # casts and moves on the way
         else:
             copy_rows(out, pieces)

@@ -188,8 +188,10 @@ def _norm(norm: RMSNorm) -> RMSNorm:
 
 def install_native_layers(model: TPLlamaForCausalLM) -> None:
     """Swaps the native modules above into `model` where their kernels are available (see the
-    module docstring); a no-op unless `supported(model)`. For inference: call after `prepack`."""
-    if not supported(model):
+    module docstring); a no-op unless `supported(model)`, and for blocks that are not Llama's
+    exactly (biases, q/k norms: the kernels implement neither; those layers keep the module path
+    over the packed linears). For inference: call after `prepack`."""
+    if not supported(model) or not model.config.llama_block:
         return
     rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):

@@ -1,4 +1,5 @@
-"""Model configuration read from a Hugging Face Llama `config.json`, and the TP divisibility rules."""
+"""Model configuration read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3), and the TP
+divisibility rules."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any
 
 from tprt.errors import CheckpointError, ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Architecture -> its config.json model_type. Qwen2 and Qwen3 are the Llama block with q/k/v
+# biases (Qwen2), or a per-head RMSNorm on q and k before RoPE (Qwen3).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -82,7 +87,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama model, independent of how it is sharded."""
+    """The architecture of a Llama-family model, independent of how it is sharded."""
 
     vocab_size: int  # true vocabulary size, before any TP padding
     hidden_size: int  # model width
@@ -99,7 +104,17 @@ class ModelConfig:
     bos_token_id: int | None = None  # beginning-of-sequence token
     eos_token_ids: tuple[int, ...] = ()  # every id that ends generation
     torch_dtype: str = "float32"  # dtype the checkpoint was saved in
+    architecture: str = "LlamaForCausalLM"  # one of SUPPORTED_ARCHITECTURES
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; attention_bias in Llama and Qwen3)
+    o_bias: bool = False  # o_proj has a bias (attention_bias in Llama and Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
+
+    @property
+    def llama_block(self) -> bool:
+        """Whether the decoder block is Llama's exactly (no biases, no q/k norms): what tprt's
+        fused CPU decode kernels implement."""
+        return not (self.qkv_bias or self.o_bias or self.qk_norm)
 
     @property
     def q_size(self) -> int:
@@ -112,10 +127,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Validates an HF Llama config dict; errors name `source` and the offending field."""
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        if d.get("model_type", "llama") not in ("llama", "mistral") or archs[0] not in SUPPORTED_ARCHITECTURES:
+        archs = d.get("architectures") or [next((a for a, t in ARCHITECTURES.items() if t == d.get("model_type")),
+                                                 "LlamaForCausalLM")]
+        arch = archs[0]
+        if arch not in ARCHITECTURES or d.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]:
             raise ConfigError(
-                f"{source}: unsupported architecture {archs[0]!r} (model_type {d.get('model_type')!r}); "
+                f"{source}: unsupported architecture {arch!r} (model_type {d.get('model_type')!r}); "
                 f"expected one of {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -123,9 +140,11 @@ class ModelConfig:
                 raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {d.get(key)!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: field 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
-        for key in ("attention_bias", "mlp_bias"):
-            if d.get(key):
-                raise ConfigError(f"{source}: field {key!r}=true is not supported (Llama has no biases)")
+        if d.get("mlp_bias"):
+            raise ConfigError(f"{source}: field 'mlp_bias'=true is not supported (expected false: no MLP biases)")
+        attention_bias = bool(d.get("attention_bias", False))
+        if attention_bias and arch == "MistralForCausalLM":
+            raise ConfigError(f"{source}: field 'attention_bias'=true is not supported for {arch} (expected false)")
         _refuse_unimplemented(d, source)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
@@ -153,6 +172,10 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            architecture=arch,
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",  # Qwen2's q/k/v always have biases
+            o_bias=attention_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
             raw=dict(d),
         )
 
@@ -176,6 +199,10 @@ def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(key) is not None:
             raise ConfigError(f"{source}: field {key!r}={d[key]!r} is not supported (expected null)")
+    layer_types = d.get("layer_types") or []
+    if in_effect and any(t != "full_attention" for t in layer_types):
+        raise ConfigError(f"{source}: field 'layer_types' lists {sorted(set(layer_types) - {'full_attention'})} "
+                          f"layers; only full_attention is supported")
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{source}: field 'partial_rotary_factor'={d['partial_rotary_factor']!r} is not "
                           f"supported (expected 1.0: RoPE over the whole head)")

@@ -70,8 +70,12 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.gqa = self.n_heads != self.n_kv
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype, method)
-        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype, method, bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method,
+                                        bias=cfg.o_bias)
+        # Qwen3: each head of q and k RMS-normalised before RoPE (one weight over head_dim, replicated).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group. Over
@@ -79,7 +83,11 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
-        if torch.is_grad_enabled():  # out of place, so the backward has no slice copies
+        if self.q_norm is not None and self.k_norm is not None:  # new q and k tensors: rotated out of place
+            q, k, v = qkv.split((nh, nkv, nkv), dim=2)
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        elif torch.is_grad_enabled():  # out of place, so the backward has no slice copies
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
             q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
         else:  # inference: q and k rotated in place, k/v stay views of the projection
@@ -149,7 +157,8 @@ class CheckpointedStack(LayerStack):
 
 
 class TPLlamaForCausalLM(nn.Module):
-    """This rank's shard of a Llama causal LM; build on the meta device and load with
+    """This rank's shard of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3: the config's
+    biases and q/k norms, tprt.model.config.ModelConfig); build on the meta device and load with
     `tprt.checkpoint.loading.load_model`. `method`: the weight format of the decoder's linear
     layers (their `LinearMethod` creates their parameters); the embedding and LM head are dense."""
 

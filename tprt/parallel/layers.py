@@ -171,21 +171,25 @@ class ParallelLinear(nn.Module):
 
 
 class ColumnParallelLinear(ParallelLinear):
-    """y_local = x @ W_local^T, where W_local is this rank's block of output rows (no bias).
+    """y_local = x @ W_local^T (+ b_local), where W_local is this rank's block of output rows and
+    b_local the same rows of the bias, when the layer has one (Qwen2's q/k/v).
 
     The output stays split over the TP group; a fused layer's rows are whatever the loader put
     there (e.g. [q_r; k_r; v_r]), each part a whole block of this rank's features.
     """
 
     weight: nn.Parameter  # created by the method (the dense format's; another format adds its own)
+    bias: nn.Parameter | None  # [local_out], always dense: a format quantizes the weight only
 
     def __init__(self, in_features: int, local_out_features: int, ctx: TPContext, dtype: torch.dtype | None = None,
-                 method: LinearMethod = DENSE) -> None:
+                 method: LinearMethod = DENSE, bias: bool = False) -> None:
         super().__init__(ctx, method)
         method.create_weights(self, local_out_features, in_features, dtype)
+        self.bias = nn.Parameter(torch.empty(local_out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, copy_to_region(x, self.tp))
+        y = self.method.apply(self, copy_to_region(x, self.tp))
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(ParallelLinear):
@@ -194,15 +198,18 @@ class RowParallelLinear(ParallelLinear):
     A wrapping method's own partial product (a LoRA's) joins the same all-reduce."""
 
     weight: nn.Parameter  # created by the method (the dense format's; another format adds its own)
+    bias: nn.Parameter | None  # [out], replicated: added once, after the all-reduce
 
     def __init__(self, local_in_features: int, out_features: int, ctx: TPContext, dtype: torch.dtype | None = None,
-                 method: LinearMethod = DENSE) -> None:
+                 method: LinearMethod = DENSE, bias: bool = False) -> None:
         super().__init__(ctx, method)
         method.create_weights(self, out_features, local_in_features, dtype)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduces the partial products over the TP group."""
-        return reduce_from_region(self.method.apply(self, x), self.tp)
+        """All-reduces the partial products over the TP group (then adds the bias)."""
+        y = reduce_from_region(self.method.apply(self, x), self.tp)
+        return y if self.bias is None else y + self.bias
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.cpu.native)."""

@@ -1,4 +1,4 @@
-"""The tensor-parallel rule of every Llama weight, and how the runtime's fused parameters are
+"""The tensor-parallel rule of every Llama-family weight (Qwen's biases and q/k norms too), and how the runtime's fused parameters are
 made of Hugging Face tensors: the one table the converter, the loader, the exporter and LoRA read.
 
 HF stores linear weights as [out, in]. Column-parallel weights (q/k/v/gate/up) split dim 0, so
@@ -49,6 +49,14 @@ LAYER_RULES: dict[str, ShardRule] = {
     "mlp.gate_proj.weight": ShardRule(COLUMN, 0),
     "mlp.up_proj.weight": ShardRule(COLUMN, 0),
     "mlp.down_proj.weight": ShardRule(ROW, 1),
+    # Qwen2 (and attention_bias) biases split like their weights' rows; o_proj's is added after
+    # the all-reduce, so replicated. Qwen3's q/k norms weigh head_dim, the same for every head.
+    "self_attn.q_proj.bias": ShardRule(COLUMN, 0),
+    "self_attn.k_proj.bias": ShardRule(KV, 0),
+    "self_attn.v_proj.bias": ShardRule(KV, 0),
+    "self_attn.o_proj.bias": _REPLICATED,
+    "self_attn.q_norm.weight": _REPLICATED,
+    "self_attn.k_norm.weight": _REPLICATED,
 }
 # The runtime's linear layers of a decoder layer -> the HF linear modules whose rows they hold, in
 # row order (the same for the weight and for LoRA's column targets).
@@ -61,14 +69,14 @@ LAYER_LINEARS: dict[str, tuple[str, ...]] = {
 VOCAB_TENSORS = tuple(name for name, rule in MODEL_RULES.items() if rule.kind == VOCAB)
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_RUNTIME_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|weight_scale)$")
+_RUNTIME_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|weight_scale|bias)$")
 # A quantized linear weight's scales (tprt.quant): [out, groups], split like the weight's rows, or
 # like its columns by whole groups (replicated when one group spans the row: per channel).
 SCALE_SUFFIX = ".weight_scale"
 
 
 def rule_for(name: str) -> ShardRule:
-    """The TP rule of an HF Llama tensor name; unknown names are an error."""
+    """The TP rule of an HF Llama-family tensor name; unknown names are an error."""
     if name in MODEL_RULES:
         return MODEL_RULES[name]
     if name.endswith(SCALE_SUFFIX):

@@ -41,15 +41,24 @@ def get_spec(param: torch.Tensor) -> TPSpec | None:
 def mark_tp_params(model: TPLlamaForCausalLM) -> None:
     """Records a `TPSpec` on every parameter of the base model that has none yet.
 
-    Norm weights are replicated; `qkv_proj`'s k/v rows are kv-replicated when TP > n_kv_heads;
-    everything else is sharded. Adapter parameters are marked by their creator (`apply_lora`).
+    Norm weights are replicated; `qkv_proj`'s k/v rows (weight and bias) are kv-replicated when
+    TP > n_kv_heads; o_proj's bias is replicated (added after the all-reduce); the q/k norms are
+    replicated but see only this rank's heads, so each rank's gradient is a share; everything else
+    is sharded. Adapter parameters are marked by their creator (`apply_lora`).
     """
     rep = model.layout.kv_replication
-    for module in model.modules():
+    for module in model.modules():  # an Attention before the norms inside it
         if isinstance(module, RMSNorm) and get_spec(module.weight) is None:
             set_spec(module.weight, TPSpec(replicated=True))
         elif isinstance(module, Attention) and get_spec(module.qkv_proj.weight) is None:
-            set_spec(module.qkv_proj.weight, TPSpec(kv_rows=kv_rows(module), kv_replication=rep))
+            qkv = [module.qkv_proj.weight] + ([] if module.qkv_proj.bias is None else [module.qkv_proj.bias])
+            for p in qkv:
+                set_spec(p, TPSpec(kv_rows=kv_rows(module), kv_replication=rep))
+            if module.o_proj.bias is not None:
+                set_spec(module.o_proj.bias, TPSpec(replicated=True))
+            for norm in (module.q_norm, module.k_norm):
+                if norm is not None:
+                    set_spec(norm.weight, TPSpec(replicated=True, partial_grad=True))
     for p in model.parameters():
         if get_spec(p) is None:
             set_spec(p, TPSpec())

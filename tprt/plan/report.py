@@ -21,7 +21,8 @@ def _model_line(plan: MemoryPlan) -> str:
     c, lay = plan.model, plan.layout
     kv = (f"kv heads replicated x{lay.kv_replication}" if lay.kv_replication > 1
           else f"{lay.local_kv_heads} kv head(s) per rank")
-    return (f"model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} heads / "
+    return (f"model: {c.architecture}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads} heads / "
             f"{c.num_key_value_heads} kv heads, vocab {c.vocab_size} (padded {lay.padded_vocab_size}), "
             f"{'tied' if c.tie_word_embeddings else 'untied'} embeddings; at TP={plan.tp}: {kv}, "
             f"{plan.params_per_rank / 1e9:.3f} B parameters per rank")

@@ -58,7 +58,13 @@ def rank_parameters(cfg: ModelConfig, layout: TPLayout) -> Shapes:
         p = f"layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "self_attn.qkv_proj.weight"] = (rows["q"] + rows["k"] + rows["v"], h)
+        if cfg.qkv_bias:
+            out[p + "self_attn.qkv_proj.bias"] = (rows["q"] + rows["k"] + rows["v"],)
         out[p + "self_attn.o_proj.weight"] = (h, rows["q"])
+        if cfg.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = out[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         out[p + "mlp.gate_up_proj.weight"] = (rows["gate"] + rows["up"], h)
         out[p + "mlp.down_proj.weight"] = (h, rows["gate"])
