@@ -179,3 +179,29 @@ def test_openai_answers_a_drained_request_with_503() -> None:
     with pytest.raises(Unavailable) as info:
         reply.add(ChoiceEvent(0, "", finish_reason="cancelled"))
     assert error_body(info.value)[0] == 503
+
+
+def test_a_hermes_template_makes_forced_calls_hermes(tmp_path: Any) -> None:
+    """The core reads the call syntax from the model's chat template (Qwen's <tool_call> blocks)
+    and prepares a request's tools in it: the forced call's constraint, the replies' parsing."""
+    import json as _json
+
+    from serve.core.structured import Structured
+    from test_structured import ADD, HERMES_TEMPLATE
+    from tiny_chat import write_byte_tokenizer
+    from tprt.engine.constraints import StructuredOutputs
+    from tprt.text.tokenizer import Tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    cfg = _json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(_json.dumps({**cfg, "chat_template": HERMES_TEMPLATE}))
+    tok = Tokenizer.from_dir(tmp_path)
+    facts = types.SimpleNamespace(name="base", context_length=512, config=types.SimpleNamespace(vocab_size=259))
+    core = GenerationCore(FakeLoop(), tok, facts, FakeRegistry(),  # type: ignore[arg-type]
+                          compile_constraint=StructuredOutputs(tok).compile)
+    structured = Structured.from_fields(tools=[ADD], tool_choice="required")
+    prepared = core.prepare(GenerationRequest([ChatPrompt([{"role": "user", "content": "1+2?"}])], {},
+                                              structured=structured))
+    assert core.tool_syntax == "hermes" and prepared.structured.syntax == "hermes"
+    assert prepared.structured.constraint is not None and prepared.structured.constraint.kind == "grammar"
+    assert "<tool_call>" in tok.decode(prepared.prompts[0])  # the template saw the tools

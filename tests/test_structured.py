@@ -246,3 +246,93 @@ def test_an_empty_grpc_constraint_is_named_constraint() -> None:
         structured_of(request)
     assert info.value.field == "constraint"
     assert grpc_field("constraint") == "constraint" and grpc_field("temperature") == "sampling.temperature"
+
+
+HERMES_TEMPLATE = (  # the shape of Qwen's: tools listed in the system turn, calls in <tool_call> blocks
+    "{% if tools %}<s>system\n{% for t in tools %}{{ t.function.name }};{% endfor %} answer with "
+    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call></s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m.role }}\n{{ m.content }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def test_hermes_tool_calls_for_qwen_templates(tmp_path: Path) -> None:
+    """A template that asks for <tool_call> blocks (Qwen2/2.5/3) gets them: the syntax is read from
+    the template; a forced call is a grammar of blocks around each call's JSON (one for a named
+    function, one or more for "required"), which the engine's matcher enforces; the blocks parse
+    back into calls, and anything else in the text makes it text."""
+    from serve.core.structured import parse_hermes_calls, tool_syntax
+
+    assert tool_syntax(HERMES_TEMPLATE) == "hermes" and tool_syntax(TOOL_TEMPLATE) == tool_syntax(None) == "json"
+    write_byte_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    outputs = StructuredOutputs(tok)
+    one = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    cases = {"required": (one, two), "named": (one,)}
+    for choice, good in (("required", cases["required"]), ({"type": "function", "function": {"name": "add"}},
+                                                           cases["named"])):
+        structured = Structured.from_fields(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("hermes")
+        assert structured.syntax == "hermes" and structured.constraint is not None
+        grammar = outputs.compile(structured.constraint)
+        wrong = [two] if choice != "required" else []
+        wrong += ['{"name":"add","arguments":{"a":1,"b":2}}',  # no tags
+                  '<tool_call>\n{"name":"add","arguments":{"a":1}}\n</tool_call>']  # b missing
+        for text, ok in [(t, True) for t in good] + [(t, False) for t in wrong]:
+            ids = tok.encode(text, add_special_tokens=False)
+            matcher = outputs.matcher(grammar)
+            assert (matcher.accept_prefix(ids) == len(ids) and matcher.accepting) == ok, (choice, text)
+        assert [c.name for c in structured.tool_calls(good[-1]) or []] == (["add", "get_weather"][: len(good)])
+    names = {"add", "get_weather"}
+    assert parse_hermes_calls(f"  {one}\n", names) is not None
+    for text in (f"Sure. {one}", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+                 '<tool_call>\n[{"name": "add", "arguments": {}}]\n</tool_call>', one[:-3], ""):
+        assert parse_hermes_calls(text, names) is None, text
+    auto = Structured.from_fields(tools=[ADD]).with_syntax("hermes")
+    assert auto.constraint is None  # "auto": the model chooses
+    assert [auto.starts_call(t) for t in ("<tool", "<tool_call>\n{", "Hi", "<b>")] == [None, True, False, False]
+
+
+def test_hermes_calls_stream_and_auto_text_through_the_openai_reply() -> None:
+    """OpenAI chat replies in the Hermes syntax: a forced call streams as call deltas without its
+    tags; under "auto" a reply that opens with <tool_call> is held and becomes tool_calls, one
+    that merely starts with "<" is text."""
+    from serve.core.generation import ChoiceEvent, Prepared
+    from serve.core.structured import ToolCallStream
+    from serve.openai.app import Reply
+    from tprt.engine.sampling import SamplingParams
+    from tprt.engine.sequence import Usage
+
+    text = ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":{"c":"</tool_call>"}}}\n</tool_call>\n'
+            '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    for step in (1, 5, len(text)):
+        stream = ToolCallStream("hermes")
+        deltas = [d for i in range(0, len(text), step) for d in stream.feed(text[i:i + step])]
+        assert [d.name for d in deltas if d.name] == ["add", "get_weather"]
+        args = ["".join(d.arguments for d in deltas if d.index == i) for i in (0, 1)]
+        assert [json.loads(a) for a in args] == [{"a": 1, "b": {"c": "</tool_call>"}}, {"city": "Oslo"}]
+
+    def reply(structured: Structured, pieces: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        prepared = Prepared([[1, 2]], [(0, SamplingParams(max_new_tokens=64))], 1, structured, "", 0)
+        events = [ChoiceEvent(0, p) for p in pieces] + [ChoiceEvent(0, "", None, "stop", 2, Usage(2, 9, 0))]
+        streamed, whole = Reply("chat.completion", "m", prepared), Reply("chat.completion", "m", prepared)
+        chunks = [c for c in (streamed.chunk(ev, include_usage=False) for ev in events) if c is not None]
+        for ev in events:
+            whole.add(ev)
+        return [c["choices"][0]["delta"] for c in chunks], whole.whole()["choices"][0]
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    auto = Structured.from_fields(tools=[ADD]).with_syntax("hermes")
+    deltas, choice = reply(auto, ["<to", "ol_call>\n", call[len("<tool_call>\n"):]])
+    calls = [d for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and calls[0]["tool_calls"][0]["function"]["name"] == "add"
+    assert not any(d.get("content") for d in deltas)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == "add"
+    deltas, choice = reply(auto, ["<", "b>bold</b>"])
+    assert "".join(d.get("content") or "" for d in deltas) == "<b>bold</b>" == choice["message"]["content"]
+    forced = Structured.from_fields(tools=[ADD], tool_choice="required").with_syntax("hermes")
+    compact = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # as the grammar writes it
+    deltas, choice = reply(forced, [compact[:20], compact[20:]])
+    streamed = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert streamed[0]["function"]["name"] == "add"
+    assert json.loads("".join(t["function"]["arguments"] for t in streamed)) == {"a": 1, "b": 2}
+    assert choice["finish_reason"] == "tool_calls"

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from serve.adapters.registry import AdapterRegistry
 from serve.core.loop import Ticket, new_request_id
-from serve.core.structured import Structured, encode_tool_chat
+from serve.core.structured import Structured, encode_tool_chat, tool_syntax
 from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, echo
 from serve.metrics import Metrics
 from tprt.engine.constraints import ConstraintSpec
@@ -217,13 +217,16 @@ class GenerationCore:
         self.metrics = metrics
         self.compile_constraint = compile_constraint  # the engine's StructuredOutputs.compile; None: no tokenizer
         self.max_text_bytes = max_text_bytes  # text_byte_limit; None: unbounded
+        # How the model writes tool calls, from its chat template (Hermes blocks for Qwen's).
+        self.tool_syntax = tool_syntax(tokenizer.chat_template if tokenizer is not None else None)
 
     # ----------------------------------------------------------------- checks
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """The request checked and resolved; a ServeError naming the canonical field. CPU work
         (tokenizing, templates, compiling constraints): async front ends run it off their loop."""
-        self.check_structured(request.structured)
+        structured = request.structured.with_syntax(self.tool_syntax)  # calls as the model writes them
+        self.check_structured(structured)
         adapter_id, index = self.adapter(request.adapter_id)
         if not request.prompts:
             raise InvalidArgument("at least one prompt is needed", "prompt")
@@ -232,14 +235,14 @@ class GenerationCore:
         if len(request.prompts) * request.n > MAX_CHOICES:
             raise InvalidArgument(f"{len(request.prompts)} prompts times n={request.n} is more than {MAX_CHOICES} "
                                   "sequences", "n")
-        prompts = [self.prompt_ids(p, request.structured) for p in request.prompts]
+        prompts = [self.prompt_ids(p, structured) for p in request.prompts]
         choices = []
         seed = request.sampling.get("seed")
         for p, ids in enumerate(prompts):
             for i in range(request.n):  # choice i of a seeded request samples with seed + i
                 given = {**request.sampling, "seed": seed + i if seed is not None else None}
-                choices.append((p, self.sampling(given, len(ids), request.structured.constraint)))
-        return Prepared(prompts, choices, request.n, request.structured, adapter_id, index)
+                choices.append((p, self.sampling(given, len(ids), structured.constraint)))
+        return Prepared(prompts, choices, request.n, structured, adapter_id, index)
 
     def check_structured(self, structured: Structured) -> None:
         """Compiles (so checks) every output constraint; INVALID_ARGUMENT naming its field."""

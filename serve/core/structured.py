@@ -6,9 +6,12 @@ Protocol-neutral: the OpenAI HTTP API and gRPC read their own fields into the ar
 (`Structured.from_fields`), and every error is a `ValidationError` whose field is spelled as the
 caller passed it (OpenAI's parameter names; the HTTP and gRPC layers rename nothing else).
 
-Tool calls are written as Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
-(several, under "required" with parallel_tool_calls, as a JSON array of them; a named function
-is called exactly once). With `tool_choice` "required" or a
+Tool calls are written in the model family's own syntax (`ToolSyntax`, chosen from its chat
+template by `tool_syntax`): Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
+(several, under "required" with parallel_tool_calls, as a JSON array of them), or Hermes-style
+calls, as Qwen2/2.5/3 templates ask, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
+(several, one after another on their own lines). A named function is called exactly once. With
+`tool_choice` "required" or a
 named function the output is constrained to that shape, each call's parameters to its function's
 JSON Schema; with "auto" the model chooses, and text that is exactly such a call (or an array of
 them) naming a known function is returned as tool calls; with "none" the tools are shown to the
@@ -18,9 +21,10 @@ template but the output is free text.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from tprt.engine.constraints import ConstraintSpec
@@ -29,6 +33,14 @@ from tprt.errors import ValidationError
 MAX_TOOLS = 128
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 ToolMode = Literal["none", "auto", "required", "named"]
+ToolSyntax = Literal["json", "hermes"]  # Llama 3.1's JSON calls; <tool_call> blocks (Qwen)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_syntax(chat_template: str | None) -> ToolSyntax:
+    """The call syntax a chat template asks its model for: Hermes blocks when it names
+    `<tool_call>` (Qwen2, Qwen2.5, Qwen3 and their derivatives), else Llama 3.1's JSON."""
+    return "hermes" if chat_template and HERMES_OPEN in chat_template else "json"
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,29 @@ class Structured:
     tools: tuple[Tool, ...] = ()
     tool_mode: ToolMode = "none"
     parallel_tool_calls: bool = True
+    syntax: ToolSyntax = "json"  # how calls are written (`with_syntax`: the model's)
+    forced: tuple[Tool, ...] = ()  # the tools a forced call (required, named) chooses from
+
+    def with_syntax(self, syntax: ToolSyntax) -> Structured:
+        """The same request for a model that writes calls in `syntax` (a forced call's constraint
+        rebuilt for it)."""
+        if syntax == self.syntax:
+            return self
+        constraint = self.constraint
+        if self.forced:
+            constraint = _forced_call(self.forced, self.parallel_tool_calls and self.tool_mode == "required", syntax)
+        return replace(self, syntax=syntax, constraint=constraint)
+
+    def starts_call(self, text: str) -> bool | None:
+        """Under "auto": whether an answer beginning with `text` (leading space stripped) may be
+        calls (held until its end), is text, or is not known yet (None)."""
+        if not text:
+            return None
+        if self.syntax == "json":
+            return text[0] in "[{"
+        if text.startswith(HERMES_OPEN):
+            return True
+        return None if HERMES_OPEN.startswith(text) else False
 
     @property
     def expects_tool_calls(self) -> bool:
@@ -82,16 +117,16 @@ class Structured:
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise ValidationError("parallel_tool_calls", "parallel_tool_calls: expected true or false")
         parallel = parallel_tool_calls is not False
+        forced: tuple[Tool, ...] = ()
         if mode in ("required", "named"):
             # A named function is called exactly once (as OpenAI does); "required" may call several.
-            choices = [t for t in parsed_tools if mode == "required" or t.name == named]
-            constraints.append(ConstraintSpec.json_schema(_calls_schema(choices, parallel and mode == "required"),
-                                                          "tool_choice"))
+            forced = tuple(t for t in parsed_tools if mode == "required" or t.name == named)
+            constraints.append(_forced_call(forced, parallel and mode == "required", "json"))
         if len(constraints) > 1:
             fields = ", ".join(c.field.split(".")[0] for c in constraints)
             raise ValidationError(constraints[1].field, f"{constraints[1].field}: only one output constraint per "
                                                         f"request, got several ({fields})")
-        return Structured(constraints[0] if constraints else None, tuple(parsed_tools), mode, parallel)
+        return Structured(constraints[0] if constraints else None, tuple(parsed_tools), mode, parallel, "json", forced)
 
     def specs(self) -> list[ConstraintSpec]:
         """Every spec to compile (and so check) before the request is queued: the constraint and
@@ -105,7 +140,8 @@ class Structured:
         """The tool calls `text` is, or None when it is not tool calls (always None without tools)."""
         if self.tool_mode == "none" or not self.tools:
             return None
-        return parse_tool_calls(text, {t.name for t in self.tools})
+        names = {t.name for t in self.tools}
+        return parse_hermes_calls(text, names) if self.syntax == "hermes" else parse_tool_calls(text, names)
 
 
 def _response_format(value: Any) -> ConstraintSpec | None:
@@ -238,15 +274,27 @@ def _tool_choice(value: Any, tools: list[Tool]) -> tuple[ToolMode, str | None]:
                                          "{type: function, function: {name}}")
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "parameters": tool.parameters},
-            "required": ["name", "parameters"], "additionalProperties": False}
+def _call_schema(tool: Tool, key: str = "parameters") -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": tool.name}, key: tool.parameters},
+            "required": ["name", key], "additionalProperties": False}
 
 
 def _calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
     """One call of any of `tools` (or, when parallel, also a non-empty array of calls)."""
     one = _call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [_call_schema(t) for t in tools]}
     return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel else one
+
+
+def _forced_call(tools: Sequence[Tool], several: bool, syntax: ToolSyntax) -> ConstraintSpec:
+    """The constraint of a forced call of one of `tools` (or, with `several`, one or more) in
+    `syntax`: a JSON Schema, or for Hermes a grammar of <tool_call> blocks around the call's JSON."""
+    if syntax == "json":
+        return ConstraintSpec.json_schema(_calls_schema(tools, several), "tool_choice")
+    one = [_call_schema(t, "arguments") for t in tools]
+    schema = json.dumps(one[0] if len(one) == 1 else {"anyOf": one}, ensure_ascii=False)
+    calls = 'call ("\\n" call)*' if several else "call"
+    return ConstraintSpec.grammar(f'start: {calls}\ncall: "{HERMES_OPEN}\\n" %json {schema} "\\n{HERMES_CLOSE}"\n',
+                                  "tool_choice")
 
 
 def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCall] | None:
@@ -269,6 +317,25 @@ def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCa
             return None
         calls.append(ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False)))
     return calls or None
+
+
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
+
+
+def parse_hermes_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCall] | None:
+    """The calls `text` holds as Hermes blocks (`<tool_call>` JSON `{"name", "arguments"}`
+    `</tool_call>`, only whitespace around and between them), each naming one of `names`; None
+    otherwise."""
+    blocks = _HERMES_BLOCK.findall(text)
+    if not blocks or _HERMES_BLOCK.sub("", text).strip():
+        return None
+    calls = []
+    for block in blocks:
+        one = parse_tool_calls(block, names)
+        if one is None or len(one) != 1 or not block.strip().startswith("{"):
+            return None
+        calls += one
+    return calls
 
 
 def new_call_id() -> str:
@@ -354,12 +421,14 @@ class ToolCallStream:
     """Turns the text of forced tool calls, as it streams, into OpenAI's tool-call deltas.
 
     The constraint makes the text compact JSON in a fixed shape, `{"name":"N","parameters":ARGS}`
-    or an array of those, so each call starts once its name is complete and its arguments stream
-    as they come (ARGS's own text); the wrapper's characters are never shown."""
+    or an array of those (Hermes: `{"name":"N","arguments":ARGS}` in <tool_call> blocks), so each
+    call starts once its name is complete and its arguments stream as they come (ARGS's own
+    text); the wrapper's characters (brackets, tags) are never shown."""
 
     _START = '{"name":'
 
-    def __init__(self) -> None:
+    def __init__(self, syntax: ToolSyntax = "json") -> None:
+        self._marker = ',"arguments":' if syntax == "hermes" else ',"parameters":'  # the tags are never shown
         self._text = ""
         self._pos = 0  # how far the text has been consumed
         self._index = -1  # the call being streamed
@@ -379,7 +448,7 @@ class ToolCallStream:
                 head = self._text[start:]
                 # `{"name":"N","parameters":` with N a JSON string (names have no quotes or escapes)
                 end_name = head.find('"', len(self._START) + 1)
-                marker = ',"parameters":'
+                marker = self._marker
                 if end_name < 0 or not head.startswith(marker, end_name + 1):
                     return out
                 name = json.loads(head[len(self._START):end_name + 1])

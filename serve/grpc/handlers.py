@@ -173,7 +173,7 @@ class GenerationService(GenerationServicer):
         except ServeError as e:
             raise grpc_error(e) from None
         context.add_callback(lambda: self._ended(generation, context))
-        return generation, req.structured
+        return generation, prepared.structured
 
     @staticmethod
     def _ended(generation: Generation, context: grpc.ServicerContext) -> None:

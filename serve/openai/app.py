@@ -509,10 +509,12 @@ class Reply:
         self.usage_of: list[Any] = [None] * count
         self.offset = [0] * count
         # Tool calls (chat with tools): forced calls stream as call deltas; under "auto", text that
-        # starts like JSON is held until the end, when it is either calls or text.
+        # starts like a call (JSON, or a <tool_call> tag) is held until the end, when it is either
+        # calls or text.
         self.structured = prepared.structured
         self.tool_mode = self.structured.tool_mode if self.chat and self.structured.tools else "none"
-        self.call_streams = [ToolCallStream() for _ in range(count)] if self.structured.expects_tool_calls else []
+        self.call_streams = ([ToolCallStream(self.structured.syntax) for _ in range(count)]
+                             if self.structured.expects_tool_calls else [])
         self.holding: list[bool | None] = [None] * count  # None: not decided yet (only leading space seen)
         self.held = [""] * count
 
@@ -629,8 +631,9 @@ class Reply:
         if self.holding[index] is None:  # "auto": does the answer start like a call?
             self.held[index] += ev.text
             start = self.held[index].lstrip()
-            if start:
-                self.holding[index] = start[0] in "[{"
+            self.holding[index] = self.structured.starts_call(start)
+            if self.holding[index] is None and start and not finished:  # a tag's first characters: wait
+                return None
             if not self.holding[index]:
                 text, self.held[index] = self.held[index], ""
                 return {"content": text} if text or not finished else ({} if finished else None)
