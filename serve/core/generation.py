@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from serve.adapters.registry import AdapterRegistry
 from serve.core.loop import Ticket, new_request_id
+from serve.core.reasoning import prompt_opens_reasoning, thinks
 from serve.core.structured import Structured, encode_tool_chat, tool_syntax
 from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, echo
 from serve.metrics import Metrics
@@ -69,6 +70,7 @@ class ChatPrompt:
 
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more variables for the template (enable_thinking)
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
@@ -96,6 +98,9 @@ class Prepared:
     structured: Structured
     adapter_id: str
     adapter_index: int
+    # A reasoning model's chat reply (serve/core/reasoning.py): whether its prompt opened the
+    # <think> block; None: no reasoning to split off.
+    reasoning: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,25 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     kv_cache_dtype: str = ""  # tprt.model.kv_cache.KVCache.format_name
     kv_cache_tokens: int = 0  # positions in each rank's KV pool
+
+
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                     "raise_exception"})
+MAX_TEMPLATE_KWARGS_BYTES = 16 << 10
+
+
+def template_kwargs(given: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat request's extra template variables (`chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`): names the template does not already take from the request, small."""
+    if not isinstance(given, Mapping):
+        raise InvalidArgument("expected an object of template variables", "chat_template_kwargs")
+    for name in given:
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED_TEMPLATE_NAMES:
+            raise InvalidArgument(f"{echo(name)} cannot be set (a template variable name, not one of "
+                                  f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))})", f"chat_template_kwargs.{name}")
+    if len(json.dumps(dict(given), default=str)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidArgument(f"larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes", "chat_template_kwargs")
+    return dict(given)
 
 
 def text_byte_limit(tok: Tokenizer, context: int) -> int:
@@ -217,8 +241,10 @@ class GenerationCore:
         self.metrics = metrics
         self.compile_constraint = compile_constraint  # the engine's StructuredOutputs.compile; None: no tokenizer
         self.max_text_bytes = max_text_bytes  # text_byte_limit; None: unbounded
-        # How the model writes tool calls, from its chat template (Hermes blocks for Qwen's).
-        self.tool_syntax = tool_syntax(tokenizer.chat_template if tokenizer is not None else None)
+        # How the model writes tool calls, and whether it reasons first, from its chat template.
+        template = tokenizer.chat_template if tokenizer is not None else None
+        self.tool_syntax = tool_syntax(template)
+        self.reasons = thinks(template)
 
     # ----------------------------------------------------------------- checks
 
@@ -242,7 +268,10 @@ class GenerationCore:
             for i in range(request.n):  # choice i of a seeded request samples with seed + i
                 given = {**request.sampling, "seed": seed + i if seed is not None else None}
                 choices.append((p, self.sampling(given, len(ids), structured.constraint)))
-        return Prepared(prompts, choices, request.n, structured, adapter_id, index)
+        reasoning = None
+        if self.reasons and self.tokenizer is not None and isinstance(request.prompts[0], ChatPrompt):
+            reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompts[0][-8:], skip_special_tokens=False))
+        return Prepared(prompts, choices, request.n, structured, adapter_id, index, reasoning)
 
     def check_structured(self, structured: Structured) -> None:
         """Compiles (so checks) every output constraint; INVALID_ARGUMENT naming its field."""
@@ -312,11 +341,12 @@ class GenerationCore:
             size = sum(len(m["content"].encode("utf-8", "replace")) + len(m["role"].encode("utf-8"))
                        for m in messages)
         self._check_size(size, "messages")
+        kwargs = template_kwargs(chat.template_kwargs)
         tok = self._need_tokenizer("chat")
         try:
             if tools:
-                return encode_tool_chat(tok, messages, structured)
-            return tok.encode_chat(messages, add_generation_prompt=chat.add_generation_prompt)
+                return encode_tool_chat(tok, messages, structured, **kwargs)
+            return tok.encode_chat(messages, add_generation_prompt=chat.add_generation_prompt, **kwargs)
         except NoChatTemplateError as e:
             raise InvalidArgument(f"the model has no chat template ({e}); send a plain prompt", "chat") from None
         except ValidationError as e:

@@ -380,7 +380,8 @@ def tools_system_prompt(tools: Sequence[Tool]) -> str:
             '{"name": function name, "parameters": an object of its arguments}, and nothing else.\n' + listing)
 
 
-def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured: Structured) -> list[int]:
+def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured: Structured,
+                     **template_kwargs: Any) -> list[int]:
     """The chat prompt's ids with the request's tools: through the template's own tool support
     when it has one (it reads `tools`), else as a system message (`tools_system_prompt`), with
     earlier calls written as the JSON the model is asked to produce."""
@@ -388,7 +389,7 @@ def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured
     tools = structured.template_tools()
     template = tok.chat_template or ""
     if "tool_use" in tok.chat_templates or "tools" in template:
-        return list(tok.encode_chat(converted, tools=tools))
+        return list(tok.encode_chat(converted, tools=tools, **template_kwargs))
     plain = []
     for m in converted:
         calls = m.get("tool_calls")
@@ -403,7 +404,7 @@ def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured
             plain[0] = {**plain[0], "content": f"{plain[0].get('content') or ''}\n\n{prompt}".lstrip()}
         else:
             plain.insert(0, {"role": "system", "content": prompt})
-    return list(tok.encode_chat(plain))
+    return list(tok.encode_chat(plain, **template_kwargs))
 
 
 @dataclass(frozen=True)

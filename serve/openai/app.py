@@ -33,7 +33,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -63,6 +63,7 @@ from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, jo
                                store_job_id, write_sidecar)
 from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
                                    chat_request, completion_request, error_body, invalid_param, parse_body)
+from serve.core.reasoning import ReasoningSplit, split_reply
 from serve.core.structured import CallDelta, ToolCallStream
 from tprt.engine.constraints import ConstraintSpec
 from tprt.errors import ValidationError
@@ -517,6 +518,9 @@ class Reply:
                              if self.structured.expects_tool_calls else [])
         self.holding: list[bool | None] = [None] * count  # None: not decided yet (only leading space seen)
         self.held = [""] * count
+        # A reasoning model's chat replies: the thinking goes to `reasoning_content` (serve/core/reasoning.py).
+        self.opened = prepared.reasoning if self.chat else None
+        self.splits = [ReasoningSplit(self.opened) for _ in range(count)] if self.opened is not None else []
 
     def _logprob_entry(self, index: int, t: TokenText) -> dict[str, Any]:
         assert t.logprob is not None
@@ -568,7 +572,9 @@ class Reply:
     def whole(self) -> dict[str, Any]:
         choices = []
         for i in range(len(self.text)):
-            text = "".join(self.text[i])
+            text, reasoning = "".join(self.text[i]), None
+            if self.opened is not None:
+                reasoning, text = split_reply(text, self.opened)
             choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i],
                                       "logprobs": self._choice_logprobs(self.logprobs[i])}
             if self.finish[i] == "error":
@@ -584,6 +590,8 @@ class Reply:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
+            if reasoning is not None:
+                choice["message"]["reasoning_content"] = reasoning
             choices.append(choice)
         return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
 
@@ -604,17 +612,23 @@ class Reply:
                                   "finish_reason": None if ev.finish_reason is None else _finish_reason(ev)}
         if choice["finish_reason"] == "error":
             choice["stop_reason"] = CONSTRAINT_ERROR
+        reasoning = ""
+        if self.splits:  # the answer's part goes on as the event's text
+            reasoning, text = self.splits[index].feed(ev.text, final=ev.finish_reason is not None)
+            ev = replace(ev, text=text)
         if self.chat and self.tool_mode != "none":
             delta = self._tool_delta(index, ev)
-            if delta is None:
+            if delta is None and not reasoning:
                 return None
-            choice["delta"] = delta
-            if choice["finish_reason"] == "stop" and (self.call_streams or "tool_calls" in delta):
+            choice["delta"] = delta or {}
+            if choice["finish_reason"] == "stop" and (self.call_streams or "tool_calls" in choice["delta"]):
                 choice["finish_reason"] = "tool_calls"
         elif self.chat:
-            choice["delta"] = {"content": ev.text} if ev.text or ev.finish_reason is None else {}
+            choice["delta"] = {"content": ev.text} if ev.text or (ev.finish_reason is None and not reasoning) else {}
         else:
             choice["text"] = ev.text
+        if reasoning:
+            choice["delta"]["reasoning_content"] = reasoning
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if include_usage:
             out["usage"] = None

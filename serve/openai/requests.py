@@ -247,6 +247,7 @@ class ChatBody(_Common):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking)
 
 
 # ----------------------------------------------------------------- bodies -> the core's request
@@ -349,7 +350,8 @@ def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
     params = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
               else "max_tokens"}
     n = body.n if body.n is not None else 1
-    request = GenerationRequest([ChatPrompt(messages)], given, structured, adapter_id, n)
+    request = GenerationRequest([ChatPrompt(messages, template_kwargs=body.chat_template_kwargs or {})], given,
+                                structured, adapter_id, n)
     return OpenAIRequest(request, params)
 
 
