@@ -71,6 +71,10 @@ class NativeAttention(Attention):
             return super().forward(x, step)
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, 1, self.n_heads + 2 * self.n_kv, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each q and k head normalised first
+            nh, nkv = self.n_heads, self.n_kv
+            qkv[:, :, :nh] = self.q_norm(qkv[:, :, :nh])
+            qkv[:, :, nh : nh + nkv] = self.k_norm(qkv[:, :, nh : nh + nkv])
         q32 = self.rope_cache(qkv, step.cos, step.sin, attention.cache, attention.token_rows, self.layer)
         out = attention.attend_cached(self.layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
         return self.o_proj(out.reshape(tokens, 1, self.n_heads * self.head_dim))
@@ -130,7 +134,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
     model.stack = LayerStack()
     layers = list(model.layers)
     shm = model.tp.shm
-    if not all((isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
+    if not model.config.llama_block or not all((isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
                 and layer.mlp_half is not None) or _int8_native(layer) for layer in layers) or (
             model.tp.world_size > 1 and shm is None):
         return None
@@ -188,11 +192,13 @@ def _norm(norm: RMSNorm) -> RMSNorm:
 
 def install_native_layers(model: TPLlamaForCausalLM) -> None:
     """Swaps the native modules above into `model` where their kernels are available (see the
-    module docstring); a no-op unless `supported(model)`, and for blocks that are not Llama's
-    exactly (biases, q/k norms: the kernels implement neither; those layers keep the module path
-    over the packed linears). For inference: call after `prepack`."""
-    if not supported(model) or not model.config.llama_block:
+    module docstring); a no-op unless `supported(model)`. Blocks that are not Llama's exactly
+    (Qwen's biases and q/k norms) get the norms, the fused RoPE and cache write (the q/k norms
+    applied before it) and the MLP half, but not the attention half nor the one-call stack, whose
+    kernels implement neither. For inference: call after `prepack`."""
+    if not supported(model):
         return
+    plain = model.config.llama_block
     rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
@@ -205,7 +211,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None
-        if one_row_native(attn.qkv_proj, attn.o_proj):
+        if plain and one_row_native(attn.qkv_proj, attn.o_proj):
             norm = layer.input_layernorm
             attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
                                                             attn.o_proj.weight, attn.n_heads, attn.n_kv)
