@@ -87,7 +87,7 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     Returns counters [half calls, stack calls] that the wrapped kernels advance (zeros, and
     nothing changed, where the native kernels are unavailable)."""
     from tprt.cpu import native
-    from tprt.cpu.native_layers import install_native_stack, use_native_halves
+    from tprt.cpu.native_layers import install_native_stack, layer_extras, use_native_halves
     from tprt.model.llama import LayerStack
 
     calls = [0, 0]
@@ -101,7 +101,8 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
-                                           attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv)
+                                           attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv,
+                                           layer_extras(layer))
         m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
                                      mlp.gate_up_proj.weight, mlp.down_proj.weight)
         if a is not None and m is not None:

@@ -96,7 +96,8 @@ class NativeDecoderLayer(DecoderLayer):
         if (one_row and self.attention_half is not None and attention is not None
                 and native.supports_cache(attention.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
             partial = self.attention_half(x, step.cos, step.sin, attention.cache, attention.token_rows, attn.layer)
-            h = x + attn.o_proj.reduce(partial)
+            out = attn.o_proj.reduce(partial)
+            h = x + (out if attn.o_proj.bias is None else out + attn.o_proj.bias)
         else:
             h = x + attn(self.input_layernorm(x), step)
         if one_row and self.mlp_half is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
@@ -134,7 +135,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
     model.stack = LayerStack()
     layers = list(model.layers)
     shm = model.tp.shm
-    if not model.config.llama_block or not all((isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
+    if not all((isinstance(layer, NativeDecoderLayer) and layer.attention_half is not None
                 and layer.mlp_half is not None) or _int8_native(layer) for layer in layers) or (
             model.tp.world_size > 1 and shm is None):
         return None
@@ -156,11 +157,21 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
         all_reduce = (*shm.c_function(), shm.check)
     any_int8 = any(x is not None for layer_scales in scales for x in layer_scales)
     kernel = native.decode_stack_kernel(weights, first.input_layernorm.eps, first.self_attn.n_heads,
-                                        first.self_attn.n_kv, all_reduce, scales if any_int8 else None)
+                                        first.self_attn.n_kv, all_reduce, scales if any_int8 else None,
+                                        [layer_extras(layer) for layer in layers])
     if kernel is None:
         return None
     model.stack = stack = NativeDecodeStack(model, kernel, native.stack_max_rows(scales if any_int8 else None))
     return stack
+
+
+def layer_extras(layer: nn.Module) -> native.Extras:
+    """A layer's deltas from Llama's block that the kernels take: (q/k/v bias, q norm, k norm,
+    o bias), None where absent."""
+    assert isinstance(layer, DecoderLayer)
+    attn = layer.self_attn
+    return (attn.qkv_proj.bias, None if attn.q_norm is None else attn.q_norm.weight,
+            None if attn.k_norm is None else attn.k_norm.weight, attn.o_proj.bias)
 
 
 def _int8_native(layer: nn.Module) -> bool:
@@ -193,12 +204,10 @@ def _norm(norm: RMSNorm) -> RMSNorm:
 def install_native_layers(model: TPLlamaForCausalLM) -> None:
     """Swaps the native modules above into `model` where their kernels are available (see the
     module docstring); a no-op unless `supported(model)`. Blocks that are not Llama's exactly
-    (Qwen's biases and q/k norms) get the norms, the fused RoPE and cache write (the q/k norms
-    applied before it) and the MLP half, but not the attention half nor the one-call stack, whose
-    kernels implement neither. For inference: call after `prepack`."""
+    (Qwen's biases and q/k norms) get the same: the kernels take the deltas (`layer_extras`). For
+    inference: call after `prepack`."""
     if not supported(model):
         return
-    plain = model.config.llama_block
     rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
@@ -211,10 +220,10 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None
-        if plain and one_row_native(attn.qkv_proj, attn.o_proj):
+        if one_row_native(attn.qkv_proj, attn.o_proj):
             norm = layer.input_layernorm
             attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                            attn.o_proj.weight, attn.n_heads, attn.n_kv)
+                                                            attn.o_proj.weight, attn.n_heads, attn.n_kv, layer_extras(layer))
         if one_row_native(mlp.gate_up_proj, mlp.down_proj):
             norm = layer.post_attention_layernorm
             mlp_half = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)

@@ -66,7 +66,7 @@ _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P,
                "tprt_rope_cache": [_P] * 9 + [_I] * 8,
                "tprt_paged_decode_attention": [_P] * 8 + [_I] * 10 + [_F],
                "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
-               "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F]}
+               "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F, _P]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -403,13 +403,33 @@ def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: tor
     return run
 
 
+Extras = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _extras(extras: list[Extras] | None, dtype: torch.dtype, shapes: tuple[tuple[int, ...], ...]
+            ) -> tuple[list[torch.Tensor | None], Any] | None:
+    """decode_stack's `extras` (stack.c): per layer the q/k/v bias, q norm, k norm and o bias in
+    the model's dtype (None where absent) as one C array of pointers, and the tensors it points
+    to; None when a tensor does not fit `shapes`, ([], None) when there are none at all."""
+    if extras is None or all(x is None for layer in extras for x in layer):
+        return [], None
+    flat = [None if x is None else x.detach().contiguous() for layer in extras for x in layer]
+    if any(x is not None and (x.dtype != dtype or x.device.type != "cpu" or tuple(x.shape) != shapes[i % 4])
+           for i, x in enumerate(flat)):
+        return None
+    return flat, (ctypes.c_void_p * len(flat))(*(None if x is None else x.data_ptr() for x in flat))
+
+
 def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, o_weight: torch.Tensor,
-                            n_heads: int, n_kv_heads: int) -> Callable[..., torch.Tensor] | None:
+                            n_heads: int, n_kv_heads: int, extras: Extras | None = None
+                            ) -> Callable[..., torch.Tensor] | None:
     """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
     decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
     residual add), writing the row's k and v into the paged `cache` (float32 or int8) like
     `rope_cache_kernel` and attending through its block table like `decode_attention_kernel`;
-    or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama)."""
+    or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama).
+    `extras`: the layer's (q/k/v bias, q norm, k norm, o bias), as `decode_stack_kernel` takes
+    them; the o bias is the caller's to add after its all-reduce."""
     fn = _function("tprt_paged_attention_decode", qkv_weight, 2)
     hidden = norm_weight.shape[0]
     d = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
@@ -417,11 +437,17 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
     if (fn is None or any(w.dtype != qkv_weight.dtype or w.device.type != "cpu" for w in weights) or n_heads % n_kv_heads
             or qkv_weight.shape != ((n_heads + 2 * n_kv_heads) * d, hidden) or o_weight.shape != (hidden, n_heads * d)):
         return None
+    found = _extras(None if extras is None else [extras], qkv_weight.dtype,
+                    (((n_heads + 2 * n_kv_heads) * d,), (d,), (d,), (hidden,)))
+    if found is None:
+        return None
+    extra_tensors, extra_ptrs = found
     norm, qkv_w, o_w = weights
     dtype = qkv_w.dtype
 
     def run(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
-            layer: int) -> torch.Tensor:  # the closure keeps the weights alive
+            layer: int) -> torch.Tensor:  # the closure keeps the weights (and the extras) alive
+        assert extra_tensors is not None
         store, scales, fixed = _cache_store("attention_decode", cache, layer)  # [block, k/v, kv_head, offset, d]
         if (x.numel() != hidden or x.dtype != dtype or cos.dtype != dtype or sin.dtype != dtype or cos.shape[-1] != d
                 or tuple(store.shape[2:3]) != (n_kv_heads,) or store.shape[-1] != d):
@@ -435,7 +461,7 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
            store.data_ptr(), scales, fixed, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(),
            qkv.data_ptr(), attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3],
-           *store.stride()[:4], eps, d ** -0.5)
+           *store.stride()[:4], eps, d ** -0.5, None if extra_ptrs is None else ctypes.addressof(extra_ptrs))
         return out
 
     return run
@@ -445,7 +471,7 @@ class _DecodeStack(ctypes.Structure):
     """kernels.c's decode_stack: the model, for tprt_decode_stack."""
     _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
                 ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P),
-                ("scales", _P), ("groups", _P), ("max_rows", _I)]
+                ("scales", _P), ("groups", _P), ("max_rows", _I), ("extras", _P)]
 
 
 class _DecodeCache(ctypes.Structure):
@@ -461,7 +487,7 @@ STACK_MAX_Q8_ROWS = 32  # with every projection in int8 (their batched products:
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
                         all_reduce: tuple[int, int, Callable[[int], None]] | None = None,
                         scales: list[tuple[torch.Tensor | None, ...]] | None = None,
-                        ) -> Callable[..., torch.Tensor] | None:
+                        extras: list[Extras] | None = None) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
     final norm) for a decode step of 1 to `stack_max_rows(scales)` rows of one token, h [rows, 1, hidden],
     writing each layer's k and v into the paged `cache` (float32 or int8) and each row attending through its
@@ -473,7 +499,9 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     its ctx, a function raising for its non-zero returns), e.g.
     `tprt.distributed.shm_allreduce.ShmAllReduce.c_function`. `scales`: per layer, 6 entries
     like `layers`: the float32 scales [out, groups] of a weight given in int8 (tprt.quant), None
-    for a weight in the model's dtype; its products then run as `q8_kernel`'s."""
+    for a weight in the model's dtype; its products then run as `q8_kernel`'s. `extras`: per
+    layer, its (q/k/v bias, q norm, k norm, o bias) in the model's dtype, None where absent (the
+    blocks of Qwen2 and Qwen3)."""
     if not layers:
         return None
     norm0, qkv0, o0, _, gate_up0, _ = layers[0]
@@ -499,11 +527,16 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
                                                for w, sc in zip(weights, flat_scales)))
     function, ctx, check = all_reduce if all_reduce is not None else (None, None, None)
     max_rows = stack_max_rows(scales)
+    found = _extras(extras, dtype, (((n_heads + 2 * n_kv_heads) * d,), (d,), (d,), (hidden,)))
+    if found is None or (extras is not None and len(extras) != len(layers)):
+        return None
+    extra_tensors, extra_ptrs = found
     model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
                          ctypes.addressof(pointers), function, ctx,
                          ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups),
-                         max_rows)
-    alive = (weights, pointers, flat_scales, scale_ptrs, groups)  # what `model` points to, kept alive by the closure
+                         max_rows, None if extra_ptrs is None else ctypes.addressof(extra_ptrs))
+    # what `model` points to, kept alive by the closure
+    alive = (weights, pointers, flat_scales, scale_ptrs, groups, extra_tensors, extra_ptrs)
 
     def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
         assert alive

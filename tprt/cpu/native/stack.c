@@ -27,6 +27,10 @@ typedef struct {
     const float *const *scales;  /* per layer, 6: an int8 weight's float32 scales (tprt.quant); NULL: dense */
     const int64_t *groups;       /* per layer, 6: those scales' group sizes */
     int64_t max_rows;            /* rows a step may have (tprt.cpu.native.stack_max_rows): 8, 32 all int8 */
+    /* per layer, 4 pointers in the model dtype, each NULL where absent (Qwen's deltas from Llama's
+       block): the q/k/v bias [(nh + 2 nkv) d], the q norm and k norm [d] (each head RMS-normalised
+       before RoPE), the o bias [hidden] (added once, after the all-reduce); NULL: none at all */
+    const void *const *extras;
 } decode_stack;
 
 /* y [m, n] float32 = x [m, k] float32 times int8 rows w [n, k] with scales s, on this thread, by the
@@ -64,6 +68,7 @@ typedef struct {  /* a section's layer */
     int64_t layer;
     const void *norm;  /* add_norm: the norm to apply after the residual add (NULL: none) */
     int first;         /* add_norm: nothing to add yet (layer 0's input) */
+    const void *bias;  /* add_norm: a bias the partial product gets first (the o bias; NULL: none) */
 } stack_layer;
 
 /* A layer's attention sections after its norm (over `rows` rows): chunks of q/k/v heads, chunks
@@ -107,8 +112,12 @@ static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {        
     int64_t n = t->m->hidden;                                                                                 \
     T *h = t->h;                                                                                              \
     const T *partial = t->partial;                                                                            \
+    const T *bias = a->bias;                                                                                  \
     (void)lo, (void)hi;                                                                                       \
-    if (!a->first)                                                                                            \
+    if (!a->first && bias)  /* the module path's rounding: (partial + bias), then h + that */                \
+        for (int64_t i = 0; i < t->rows * n; i++)                                                             \
+            h[i] = STORE(LOAD(h[i]) + LOAD(STORE(LOAD(partial[i]) + LOAD(bias[i % n]))));                    \
+    else if (!a->first)                                                                                       \
         for (int64_t i = 0; i < t->rows * n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));               \
     if (a->norm) tprt_rms_norm_##SUFFIX(h, a->norm, t->normed, t->rows, n, t->m->eps);                        \
 }                                                                                                             \
@@ -130,6 +139,17 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
     float stage[q8 ? 2 * m->nkv * d : 1];  /* int8 cache: the row's k/v heads before quantizing */            \
     stack_mm_##SUFFIX(m, 6 * a->layer + 1, lo * d, t->normed, (T *)t->qkv + lo * d, t->rows, (hi - lo) * d,   \
                       m->hidden, heads * d);                                                                  \
+    const void *const *x4 = m->extras ? m->extras + 4 * a->layer : NULL;                                      \
+    for (int64_t r = 0; x4 && r < t->rows; r++) {  /* bias, then q/k norms: as the module path rounds */     \
+        T *row = (T *)t->qkv + r * heads * d;                                                                 \
+        const T *bias = x4[0];                                                                                \
+        if (bias)                                                                                             \
+            for (int64_t i = lo * d; i < hi * d; i++) row[i] = STORE(LOAD(row[i]) + LOAD(bias[i]));           \
+        for (int64_t h = lo; h < hi; h++) {                                                                   \
+            const T *norm = h < m->nh ? x4[1] : h < m->nh + m->nkv ? x4[2] : NULL;                            \
+            if (norm) tprt_rms_norm_##SUFFIX(row + h * d, norm, row + h * d, 1, d, m->eps);                   \
+        }                                                                                                     \
+    }                                                                                                         \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         int64_t e = a->layer * c->s_layer + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;             \
         float *at = q8 ? stage : (float *)c->cache + e;                                                       \
@@ -223,9 +243,9 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
     int64_t n = 0;                                                                                            \
     for (int64_t l = 0; l < L; l++) {                                                                         \
         const void *const *w = m->weights + 6 * l;                                                            \
-        at[l] = (stack_layer){&t, l, NULL, 0};                                                                \
-        add[2 * l] = (stack_layer){&t, l, w[0], l == 0};                                                      \
-        add[2 * l + 1] = (stack_layer){&t, l, w[3], 0};                                                       \
+        at[l] = (stack_layer){&t, l, NULL, 0, NULL};                                                          \
+        add[2 * l] = (stack_layer){&t, l, w[0], l == 0, NULL};                                                \
+        add[2 * l + 1] = (stack_layer){&t, l, w[3], 0, m->extras ? m->extras[4 * l + 3] : NULL};              \
         section layer[] = {{stack_add_norm_##SUFFIX, &add[2 * l], 1, 1},                                      \
                            ATTENTION_SECTIONS(SUFFIX, &at[l], rows, hidden, nh, nkv, d, row),                 \
                            {stack_reduce_##SUFFIX, &at[l], 1, 1},                                             \
@@ -235,7 +255,7 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
         for (int i = 0; i < 9; i++)  /* the all-reduces (layer[4], layer[8]) only where TP > 1 */              \
             if (reduce || (i != 4 && i != 8)) s[n++] = layer[i];                                              \
     }                                                                                                         \
-    add[2 * L] = (stack_layer){&t, L, NULL, L == 0};                                                          \
+    add[2 * L] = (stack_layer){&t, L, NULL, L == 0, NULL};                                                    \
     s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * L], 1, 1};                                           \
     run_job(s, n, L * ((2 * nh + 2 * nkv) * d + 3 * inter) * hidden >= PARALLEL_MIN_ELEMENTS);               \
     return t.status;                                                                                          \
@@ -250,7 +270,8 @@ DECODE_STACK(bf16, uint16_t, bf16_to_f32, f32_to_bf16, DTYPE_CODE_BF16)
    into the paged float32 cache at (block, offset) (as tprt_rope_cache), the attention over the
    row's blocks (as tprt_paged_decode_attention) and the o GEMV; w_qkv [(nh + 2 nkv) d, hidden],
    w_o [hidden, nh d]; block/offset/position point at one int64 each, table at the row's block
-   ids; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32. MLP:
+   ids; scratch: qkv [(nh + 2 nkv) d] and attn [nh d] in the model dtype, q [nh d] float32; extras:
+   the layer's 4 decode_stack extras (the o bias is the caller's, after its all-reduce) or NULL. MLP:
    RMSNorm(x), the fused gate/up GEMV, silu(gate) * up and the down GEMV, rounded as torch's ops
    round in the model dtype; w_gate_up [2 inter, hidden] (gate rows, then up rows), w_down
    [hidden, inter]; scratch: gate_up [2 inter] in the model dtype, work [inter] float32. */
@@ -262,14 +283,14 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
                                           const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
                                           int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
                                           int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
-                                          float eps, float scale) {                                           \
+                                          float eps, float scale, const void *const *extras) {                \
     const void *weights[6] = {norm_w, w_qkv, w_o, NULL, NULL, NULL};                                          \
-    decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL};                             \
+    decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL, NULL, NULL, 0, extras};      \
     decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos, scales, fixed};                             \
     T normed[hidden];                                                                                         \
     stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, (void *)x, normed, out, qkv, attn, \
                     NULL, NULL, q, NULL, 0};                                                                  \
-    stack_layer norm = {&t, 0, norm_w, 1}, layer = {&t, 0, NULL, 0};                                          \
+    stack_layer norm = {&t, 0, norm_w, 1, NULL}, layer = {&t, 0, NULL, 0, NULL};                              \
     int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
     section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, ATTENTION_SECTIONS(SUFFIX, &layer, 1, hidden, nh, nkv, d, row)}; \
     run_job(s, 4, (nh + 2 * nkv + nh) * d * hidden >= PARALLEL_MIN_ELEMENTS);                                 \
@@ -281,7 +302,7 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
     T normed[hidden], act[inter];                                                                             \
     stack_step t = {&m, NULL, 1, 0, NULL, NULL, NULL, NULL, NULL, NULL, (void *)x, normed, out, NULL, NULL,   \
                     gate_up, act, NULL, work, 0};                                                             \
-    stack_layer norm = {&t, 0, norm_w, 1}, layer = {&t, 0, NULL, 0};                                          \
+    stack_layer norm = {&t, 0, norm_w, 1, NULL}, layer = {&t, 0, NULL, 0, NULL};                              \
     int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
     section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, MLP_SECTIONS(SUFFIX, &layer, hidden, inter, row)}; \
     run_job(s, 3, 3 * inter * hidden >= PARALLEL_MIN_ELEMENTS);                                               \
