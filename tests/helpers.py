@@ -49,7 +49,7 @@ def make_hf_llama(path: Path, name: str = "gqa", dtype: torch.dtype = torch.floa
 # Llama-family architectures beyond Llama (tprt.model.config.ARCHITECTURES), each on a tiny config
 # that hits its deltas: Qwen2's q/k/v biases with GQA and a large rope theta; Qwen3's q/k norms
 # with an explicit head_dim that differs from hidden / heads (and o_proj/q/k/v biases through
-# attention_bias); both tied.
+# attention_bias), both tied; Mistral's sliding window.
 FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
                             vocab_size=256, num_hidden_layers=2, rope_theta=1000000.0, tie_word_embeddings=True,
@@ -57,6 +57,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
                             head_dim=16, vocab_size=256, num_hidden_layers=2, attention_bias=True,
                             tie_word_embeddings=True, use_sliding_window=False)),
+    # a sliding window of 6 positions, shorter than every prompt with its continuation
+    "mistral": ("Mistral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+                                vocab_size=256, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False)),
 }
 
 

@@ -30,6 +30,13 @@ def test_each_family_gets_its_deltas() -> None:
     assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim, qwen3.q_size) == (False, True, 32, 256)
     assert config("Qwen3ForCausalLM", "qwen3", attention_bias=True).o_bias
     assert ModelConfig.from_dict({**BASE, "model_type": "qwen3"}).architecture == "Qwen3ForCausalLM"
+    mistral = config("MistralForCausalLM", "mistral", sliding_window=128)
+    assert mistral.sliding_window == 128 and not mistral.llama_block
+    for unwindowed in (dict(sliding_window=None), dict(sliding_window=512), dict(sliding_window=4096),
+                       dict(sliding_window=128, use_sliding_window=False)):
+        assert config("MistralForCausalLM", "mistral", **unwindowed).sliding_window is None, unwindowed
+    assert config("MistralForCausalLM", "mistral", sliding_window=8,
+                  layer_types=["sliding_attention"] * 2).sliding_window == 8
 
 
 @pytest.mark.parametrize("arch,model_type,fields,match", [
@@ -38,6 +45,9 @@ def test_each_family_gets_its_deltas() -> None:
     ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": True, "sliding_window": 128}, "field 'sliding_window'=128"),
     ("Qwen3ForCausalLM", "qwen3", {"layer_types": ["full_attention", "sliding_attention"]},
      "field 'layer_types' lists \\['sliding_attention'\\]"),
+    ("LlamaForCausalLM", "llama", {"sliding_window": 128}, "field 'sliding_window'=128 is not supported for Llama"),
+    ("MistralForCausalLM", "mistral", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+     "field 'layer_types' lists \\['full_attention'\\]"),
     ("LlamaForCausalLM", "llama", {"mlp_bias": True}, "field 'mlp_bias'=true"),
     ("MistralForCausalLM", "mistral", {"attention_bias": True}, "field 'attention_bias'=true is not supported for Mistral"),
     ("LlamaForCausalLM", "llama", {"final_logit_softcapping": 30.0}, "field 'final_logit_softcapping'"),

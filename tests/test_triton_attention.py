@@ -26,19 +26,20 @@ BLOCK = 16
 A, B, C, D = (1, 2, 3), (1, 4, 5), (6, 7, 8), (9, 10, 11)  # B shares A's first block
 
 
-def _cache(heads_kv: int, head_dim: int, kv: str, dtype: torch.dtype) -> KVCache:
+def _cache(heads_kv: int, head_dim: int, kv: str, dtype: torch.dtype, window: int | None = None) -> KVCache:
     storage = kv_cache_dtype(kv) if kv != "int8-static" else torch.int8
     fixed = None
     if kv == "int8-static":
         fixed = torch.rand(1, 2, heads_kv, generator=torch.Generator().manual_seed(1)) * 0.03 + 0.02
-    return KVCache(1, 12, heads_kv, BLOCK, head_dim, storage or dtype, DEVICE, compute_dtype=dtype, fixed_scales=fixed)
+    return KVCache(1, 12, heads_kv, BLOCK, head_dim, storage or dtype, DEVICE, compute_dtype=dtype, fixed_scales=fixed,
+                   window=window)
 
 
 def _run(steps: list[list[BatchRow]], heads: int, heads_kv: int, head_dim: int, kv: str,
-         dtype: torch.dtype = torch.float32, splits: int | None = None) -> None:
+         dtype: torch.dtype = torch.float32, splits: int | None = None, window: int | None = None) -> None:
     """Each step: the reference writes the step's keys and values and attends; the Triton step then
     attends over the same cache (attend_cached) and must agree."""
-    cache = _cache(heads_kv, head_dim, kv, dtype)
+    cache = _cache(heads_kv, head_dim, kv, dtype, window)
     gen = torch.Generator().manual_seed(0)
     tol = {"fp32": 2e-5, "bf16": 2e-2}["fp32" if dtype == torch.float32 else "bf16"]
     for i, rows in enumerate(steps):
@@ -163,3 +164,10 @@ def test_the_flag_offers_every_backend() -> None:
     from tprt.model.attention import ATTENTION_BACKENDS
 
     assert ATTENTION_BACKEND_NAMES == ATTENTION_BACKENDS
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_a_sliding_window_skips_the_blocks_before_it(splits: int | None) -> None:
+    """Mistral's window (tprt.model.kv_cache: `window`): each token sees its row's last 5 positions,
+    through the kernel as through the reference, split or not."""
+    _run(MIXED, 8, 2, 64, "fp32", splits=splits, window=5)

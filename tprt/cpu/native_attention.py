@@ -47,7 +47,9 @@ class NativeCPUAttention(TorchAttention):
 
     @staticmethod
     def available(device: torch.device, cache: KVCache) -> bool:
-        return device.type == "cpu" and native.supports_cache(cache) and native.available()
+        """A CPU cache the kernel reads: float32 or int8, every earlier position attended (the
+        kernel has no sliding window)."""
+        return device.type == "cpu" and cache.window is None and native.supports_cache(cache) and native.available()
 
 
 

@@ -220,7 +220,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None
-        if one_row_native(attn.qkv_proj, attn.o_proj):
+        if one_row_native(attn.qkv_proj, attn.o_proj) and model.config.sliding_window is None:  # no window in C
             norm = layer.input_layernorm
             attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
                                                             attn.o_proj.weight, attn.n_heads, attn.n_kv, layer_extras(layer))

@@ -48,7 +48,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kkv, stride_kh, stride_kp,
     stride_sb, stride_skv, stride_sh,
-    stride_table, sm_scale, blocks_per_split, n_all_tokens,
+    stride_table, sm_scale, blocks_per_split, n_all_tokens, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, SCALES: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr, IEEE: tl.constexpr,
@@ -82,6 +82,8 @@ def _paged_attention_kernel(
     n_blocks = last // BLOCK_SIZE + 1
     lo = split * blocks_per_split
     hi = tl.minimum(n_blocks, lo + blocks_per_split)
+    if window > 0:  # a sliding window: blocks wholly before the tile's first query's window are skipped
+        lo = tl.maximum(lo, tl.maximum(start + first - window + 1, 0) // BLOCK_SIZE)
 
     m = tl.full([TILE_TOKENS * GROUP_P2], float("-inf"), tl.float32)
     l = tl.zeros([TILE_TOKENS * GROUP_P2], tl.float32)
@@ -110,7 +112,10 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
         pos_k = j * BLOCK_SIZE + p_in
-        s = tl.where(pos_k[None, :] <= pos_q[:, None], s, float("-inf"))
+        seen = pos_k[None, :] <= pos_q[:, None]
+        if window > 0:
+            seen = seen & (pos_k[None, :] > pos_q[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile row with nothing seen yet
         p = tl.exp(s - m_safe[:, None])
@@ -163,6 +168,7 @@ def paged_attention(
     scales: torch.Tensor | None = None,
     fixed_scales: torch.Tensor | None = None,
     splits: int = 1,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over one layer's paged cache kv [n_blocks, 2,
     kv_heads, block_size, head_dim] -> [tokens, heads, head_dim] in q's dtype.
@@ -172,6 +178,8 @@ def paged_attention(
     before) lie in the blocks tables[r] [rows, max_blocks] names, in order. `scales` [n_blocks,
     2, kv_heads, block_size] or `fixed_scales` [2, kv_heads] dequantize an int8/FP8 cache.
     `splits`: shares of each row's blocks run apart and merged (long contexts, few rows).
+    `window`: each token sees its row's last `window` positions only (a sliding window); blocks
+    wholly outside it are not read.
     """
     tokens, heads, head_dim = q.shape
     _, two, kv_heads, block_size, kv_dim = kv.shape
@@ -206,7 +214,7 @@ def paged_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         *scale_strides,
-        tables.stride(0), 1.0 / math.sqrt(head_dim), blocks_per_split, tokens,
+        tables.stride(0), 1.0 / math.sqrt(head_dim), blocks_per_split, tokens, window or 0,
         GROUP=group, GROUP_P2=group_p2, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         SCALES=scales is not None, FIXED=fixed_scales is not None, SPLIT=splits, DOT_F32=INTERPRETED,
         IEEE=INTERPRETED or q.dtype == torch.float32,

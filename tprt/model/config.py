@@ -108,13 +108,15 @@ class ModelConfig:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; attention_bias in Llama and Qwen3)
     o_bias: bool = False  # o_proj has a bias (attention_bias in Llama and Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    # Each position attends to the last `sliding_window` positions only, itself included (Mistral
+    # v0.1's 4096); None: to every earlier position.
+    sliding_window: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     @property
     def llama_block(self) -> bool:
-        """Whether the decoder block is Llama's exactly (no biases, no q/k norms): what tprt's
-        fused CPU decode kernels implement."""
-        return not (self.qkv_bias or self.o_bias or self.qk_norm)
+        """Whether the decoder block is Llama's exactly (no biases, no q/k norms, no window)."""
+        return not (self.qkv_bias or self.o_bias or self.qk_norm or self.sliding_window)
 
     @property
     def q_size(self) -> int:
@@ -145,7 +147,7 @@ class ModelConfig:
         attention_bias = bool(d.get("attention_bias", False))
         if attention_bias and arch == "MistralForCausalLM":
             raise ConfigError(f"{source}: field 'attention_bias'=true is not supported for {arch} (expected false)")
-        _refuse_unimplemented(d, source)
+        window = _refuse_unimplemented(d, source, arch)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -176,6 +178,7 @@ class ModelConfig:
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",  # Qwen2's q/k/v always have biases
             o_bias=attention_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
             raw=dict(d),
         )
 
@@ -186,26 +189,31 @@ class ModelConfig:
                              source=str(path))
 
 
-def _refuse_unimplemented(d: dict[str, Any], source: str) -> None:
+def _refuse_unimplemented(d: dict[str, Any], source: str, arch: str) -> int | None:
     """Fields that change the model's math and that tprt does not implement are refused by name
-    (ignored, they would give wrong logits without a word)."""
+    (ignored, they would give wrong logits without a word). Returns the sliding window in effect
+    (Mistral's, on every layer), None when there is none."""
     window = d.get("sliding_window")
     in_effect = d.get("use_sliding_window", True) is not False
     longest = d.get("max_position_embeddings", 2048)
-    if window is not None and in_effect and not (isinstance(window, int) and window >= longest):
-        raise ConfigError(f"{source}: field 'sliding_window'={window!r} is not supported (attention over only "
-                          f"the last {window} positions; full attention differs once a sequence is longer); "
-                          f"expected null or at least max_position_embeddings={longest}")
+    if window is None or not in_effect or (isinstance(window, int) and window >= longest):
+        window = None
+    elif arch != "MistralForCausalLM" or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"{source}: field 'sliding_window'={window!r} is not supported for {arch} (attention "
+                          f"over only the last {window} positions of some layers); expected null, at least "
+                          f"max_position_embeddings={longest}, or a Mistral model (every layer windowed)")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if d.get(key) is not None:
             raise ConfigError(f"{source}: field {key!r}={d[key]!r} is not supported (expected null)")
     layer_types = d.get("layer_types") or []
-    if in_effect and any(t != "full_attention" for t in layer_types):
-        raise ConfigError(f"{source}: field 'layer_types' lists {sorted(set(layer_types) - {'full_attention'})} "
-                          f"layers; only full_attention is supported")
+    kinds = {"full_attention"} if window is None else {"sliding_attention"}  # every layer alike
+    if in_effect and any(t not in kinds for t in layer_types):
+        raise ConfigError(f"{source}: field 'layer_types' lists {sorted(set(layer_types) - kinds)} "
+                          f"layers; expected {sorted(kinds)[0]} only")
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{source}: field 'partial_rotary_factor'={d['partial_rotary_factor']!r} is not "
                           f"supported (expected 1.0: RoPE over the whole head)")
+    return window
 
 
 def _parse_rope_scaling(rs: Any, source: str) -> RopeScaling | None:

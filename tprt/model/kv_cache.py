@@ -147,9 +147,13 @@ class KVCache:
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype = torch.float32,
         fixed_scales: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> None:
         """dtype: the storage dtype; a QUANTIZED one stores scales too and reads as `compute_dtype`.
-        fixed_scales [n_layers, 2, n_kv_heads] (int8 only): static scales, none stored per vector."""
+        fixed_scales [n_layers, 2, n_kv_heads] (int8 only): static scales, none stored per vector.
+        window: each position attends to the last `window` positions only (a sliding window, itself
+        included); None: to every earlier one."""
+        self.window = window
         if n_blocks < 2 or block_size < 1:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch) of at least 1 position, "
                              f"got {n_blocks} of {block_size}")
@@ -234,7 +238,7 @@ class KVCache:
         if starts is not None:  # a prefill of consecutive positions: the mask is one staircase
             return self._staircase_step(write_blocks, write_offsets, tables, positions, kv_len, starts)
         keys = torch.arange(kv_len, device=positions.device)
-        hidden = keys > positions[:, None, :, None]  # [batch, 1, seq, kv_len]
+        hidden = self._hidden(keys, positions[:, None, :, None])  # [batch, 1, seq, kv_len]
         return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(hidden),
                          self.block_size)
 
@@ -252,9 +256,15 @@ class KVCache:
             block = min(seq, max(1, MASK_ELEMENTS // kv_len))
             width, corner = kv_len, kv_len - block
         keys = torch.arange(width, device=positions.device)
-        stairs = keys > keys[corner : corner + block, None]  # [block, width]
+        stairs = self._hidden(keys, keys[corner : corner + block, None])  # [block, width]
         return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(stairs),
                          self.block_size, starts=starts, corner=corner)
+
+    def _hidden(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Which keys each query position does not see: later ones, and with a window those at
+        least `window` before it (the staircase stays a band, the same at every shift)."""
+        hidden = keys > queries
+        return hidden if self.window is None else hidden | (keys <= queries - self.window)
 
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where attention is allowed, -inf where `hidden`, in the cache dtype (SDPA would

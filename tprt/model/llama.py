@@ -69,6 +69,7 @@ class Attention(nn.Module):
         self.n_kv = layout.local_kv_heads
         self.head_dim = cfg.head_dim
         self.gqa = self.n_heads != self.n_kv
+        self.window = cfg.sliding_window
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype, method, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method,
@@ -95,7 +96,12 @@ class Attention(nn.Module):
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
         if step.attention is None:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
+            if self.window is not None and seq > self.window:  # a band: causal, and the last `window` keys only
+                i = torch.arange(seq, device=x.device)
+                band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=self.gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
             out = out.transpose(1, 2)
         else:  # the step's tokens: [tokens, heads, head_dim] each
             out = step.attention.attend(self.layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
@@ -224,7 +230,7 @@ class TPLlamaForCausalLM(nn.Module):
         return KVCache(
             self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
             self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device, self.default_cache_dtype(),
-            fixed,
+            fixed, self.config.sliding_window,
         )
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
