@@ -328,14 +328,15 @@ def test_launch_local_tears_down_on_failure() -> None:
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"model_type": "mistral", "sliding_window": 8, "max_position_embeddings": 256}, "'sliding_window'=8 is not supported"),
+    ({"sliding_window": 8, "max_position_embeddings": 256}, "'sliding_window'=8 is not supported for LlamaForCausalLM"),
     ({"sliding_window": "8"}, "'sliding_window'='8' is not supported"),
     ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping'=30.0 is not supported"),
     ({"attn_logit_softcapping": 50.0}, "'attn_logit_softcapping'=50.0 is not supported"),
     ({"partial_rotary_factor": 0.5}, "'partial_rotary_factor'=0.5 is not supported"),
 ])
 def test_config_fields_that_change_the_math_are_refused_by_name(fields: dict[str, Any], message: str) -> None:
-    """A Mistral config's sliding window was accepted and ignored (wrong log-probs past the window)."""
+    """A Mistral config's sliding window was accepted and ignored (wrong log-probs past the window);
+    Mistral's is implemented now (tests/test_model_tp.py), anyone else's is refused."""
     base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
             "num_attention_heads": 4, "max_position_embeddings": 256}
     with pytest.raises(ConfigError, match=rf"^cfg.json: field {message}"):
