@@ -96,3 +96,22 @@ def test_the_core_renders_template_kwargs_and_finds_the_open_block(tmp_path: Pat
         with pytest.raises(InvalidArgument) as info:
             prepare(qwen3, **{name: 1})
         assert info.value.field == f"chat_template_kwargs.{name}"
+
+
+def test_grpc_chats_carry_template_kwargs_as_json() -> None:
+    """gRPC's Chat.chat_template_kwargs is a JSON object (the same variables as OpenAI's field);
+    anything else is INVALID_ARGUMENT naming it. (Its replies' `reasoning` is the same split.)"""
+    from serve.grpc.validation import prompt_of
+    from serve.protos import load
+
+    pb = load()["generation_pb2"]
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")], chat_template_kwargs='{"enable_thinking": false}')
+    prompt = prompt_of(pb.GenerateRequest(chat=chat))
+    assert isinstance(prompt, ChatPrompt) and prompt.template_kwargs == {"enable_thinking": False}
+    assert prompt_of(pb.GenerateRequest(chat=pb.Chat(messages=chat.messages))).template_kwargs == {}  # type: ignore[attr-defined]
+    for bad in ("{enable_thinking", "[1]"):
+        with pytest.raises(InvalidArgument) as info:
+            prompt_of(pb.GenerateRequest(chat=pb.Chat(messages=chat.messages, chat_template_kwargs=bad)))
+        assert info.value.field == "chat_template_kwargs"
+    assert "reasoning" in pb.GenerateResponse.DESCRIPTOR.fields_by_name
+    assert "reasoning" in pb.CompleteResponse.DESCRIPTOR.fields_by_name

@@ -116,7 +116,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (cfg.intermediate_size, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
         "mlp.down_proj.weight": (h, cfg.intermediate_size),
     }
-    assert set(per_layer) == set(LAYER_RULES)
+    # every rule of a Llama layer (the biases and q/k norms of Qwen's: tests/test_convert.py)
+    qwen = ("self_attn.q_norm.", "self_attn.k_norm.")
+    assert set(per_layer) == {k for k in LAYER_RULES if not k.endswith(".bias") and not k.startswith(qwen)}
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)

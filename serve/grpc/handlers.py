@@ -21,7 +21,7 @@ import grpc
 
 from serve.adapters.pool import AdapterPool
 from serve.adapters.registry import AdapterInfo, AdapterRegistry
-from serve.core.generation import ChoiceEvent, Generation, GenerationCore, TokenText
+from serve.core.generation import ChoiceEvent, Generation, GenerationCore, Prepared, TokenText
 from serve.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ServeError,
                           Unavailable, echo)
 from serve.jobs.manager import JobManager
@@ -33,6 +33,7 @@ from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
 from serve.grpc.pb import generation_pb2 as pb
 from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 from serve.core.loop import EngineLoop
+from serve.core.reasoning import ReasoningSplit, split_reply
 from serve.core.structured import Structured
 from serve.grpc.validation import generation_request, grpc_error, prompt_of, structured_of
 from tprt.distributed.ranks import CommandFailed
@@ -60,20 +61,23 @@ class GenerationService(GenerationServicer):
     # ----------------------------------------------------------------- RPCs
 
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        generation, structured = self._start(request, context)
+        generation, prepared = self._start(request, context)
+        split = ReasoningSplit(prepared.reasoning) if prepared.reasoning is not None else None
         text = []
         for ev in self._events(generation, context):
-            out = pb.GenerateResponse(request_id=generation.request_id, text=ev.text)
+            finished = ev.finish_reason is not None
+            reasoning, answer = split.feed(ev.text, finished) if split is not None else ("", ev.text)
+            out = pb.GenerateResponse(request_id=generation.request_id, text=answer, reasoning=reasoning)
             if ev.token is not None:
                 out.token.CopyFrom(_token(ev.token))
-            text.append(ev.text)
-            if ev.finish_reason is not None:
+            text.append(answer)
+            if finished:
                 _finish(out, ev)
-                _tool_calls(out, structured, "".join(text))
+                _tool_calls(out, prepared.structured, "".join(text))
             yield out
 
     def Complete(self, request: Any, context: grpc.ServicerContext) -> Any:
-        generation, structured = self._start(request, context)
+        generation, prepared = self._start(request, context)
         out = pb.CompleteResponse(request_id=generation.request_id)
         text = []
         for ev in self._events(generation, context):
@@ -83,7 +87,10 @@ class GenerationService(GenerationServicer):
             if ev.finish_reason is not None:
                 _finish(out, ev)
         out.text = "".join(text)
-        _tool_calls(out, structured, out.text)
+        if prepared.reasoning is not None:
+            reasoning, out.text = split_reply(out.text, prepared.reasoning)
+            out.reasoning = reasoning or ""
+        _tool_calls(out, prepared.structured, out.text)
         return out
 
     def Tokenize(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -161,7 +168,7 @@ class GenerationService(GenerationServicer):
             raise FailedPrecondition("this server has no adapter pool", "id")
         return self.pool
 
-    def _start(self, request: Any, context: grpc.ServicerContext) -> tuple[Generation, Structured]:
+    def _start(self, request: Any, context: grpc.ServicerContext) -> tuple[Generation, Prepared]:
         """Checks the request and queues it (the core's rules, the proto's field names); the RPC's
         end cancels it."""
         try:
@@ -173,7 +180,7 @@ class GenerationService(GenerationServicer):
         except ServeError as e:
             raise grpc_error(e) from None
         context.add_callback(lambda: self._ended(generation, context))
-        return generation, prepared.structured
+        return generation, prepared
 
     @staticmethod
     def _ended(generation: Generation, context: grpc.ServicerContext) -> None:

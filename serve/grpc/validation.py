@@ -88,7 +88,15 @@ def prompt_of(request: Any) -> Prompt:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return ChatPrompt(messages, add)
+    kwargs: Any = {}
+    if chat.chat_template_kwargs:
+        try:
+            kwargs = json.loads(chat.chat_template_kwargs)
+        except ValueError as e:
+            raise InvalidArgument(f"not JSON ({e})", "chat_template_kwargs") from None
+        if not isinstance(kwargs, dict):
+            raise InvalidArgument("expected a JSON object of template variables", "chat_template_kwargs")
+    return ChatPrompt(messages, add, kwargs)
 
 
 def generation_request(request: Any) -> GenerationRequest:

@@ -39,7 +39,7 @@ import torch
 
 from tprt.engine.graph_buckets import MAX_GRAPH_ADAPTERS, adapter_buckets, kv_buckets, token_buckets
 from tprt.lora.routing import BASE, AdapterSlots
-from tprt.model.attention import AttentionBackend, StaticRows
+from tprt.model.attention import AttentionBackend, StaticRows, check_batch
 from tprt.model.batch import TokenBatch
 from tprt.model.kv_cache import SCRATCH_BLOCK, KVCache, blocks_for
 from tprt.model.llama import TPLlamaForCausalLM
@@ -148,6 +148,7 @@ class StepGraphs:
         if self.adapters.version != self.adapter_version:  # the staged buffers were reallocated
             self.graphs = {k: g for k, g in self.graphs.items() if not k.adapters}
             self.adapter_version = self.adapters.version
+        check_batch(batch, self.cache)  # the buffers are filled from the tables: rows inside their blocks
         self.inputs.fill(batch, key.tokens, self.cache.block_size)
         replay = self.graphs.get(key)
         if replay is None:
