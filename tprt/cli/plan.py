@@ -9,6 +9,7 @@ from typing import Any
 
 from tprt.cli.common_flags import Spelling
 from tprt.engine.graph_buckets import GRAPH_MODES
+from tprt.model.config import SUPPORTED_ARCHITECTURES
 from tprt.errors import ConfigError
 
 PLAN_EPILOG = """examples:
@@ -25,6 +26,8 @@ config.json is fetched, through huggingface_hub and its cache). Every number is 
 rank, computed from the model's parameter shapes at that TP degree (vocabulary padding, kv-head
 replication, tied embeddings, LoRA factors) and from how tprt allocates on that device (CPU:
 packed weight copies, a float32 KV cache for bf16 models). See docs/SCALE.md.
+
+Architectures: {archs} (config.json's `architectures`).
 """
 
 def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -42,7 +45,7 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("plan", help="per-rank memory of serving or fine-tuning at a TP degree", epilog=PLAN_EPILOG,
+    p = sub.add_parser("plan", help="per-rank memory of serving or fine-tuning at a TP degree", epilog=PLAN_EPILOG.format(archs=", ".join(SUPPORTED_ARCHITECTURES)),
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Plan a model's memory per rank: weights, KV cache, activations, gradients, "
                                    "optimizer state; whether it fits, and what would.")

@@ -65,9 +65,9 @@ class StaticInputs:
         self.ints = torch.zeros(7 * max_tokens + 1, dtype=torch.long, device=device)
         self.tables = torch.full((max_tokens, blocks), SCRATCH_BLOCK, dtype=torch.long, device=device)
 
-    def _vector(self, i: int, tokens: int, extra: int = 0) -> torch.Tensor:
+    def _vector(self, i: int, tokens: int) -> torch.Tensor:
         """The i-th vector of a step of `tokens` slots (each vector is laid out for that count)."""
-        return self.ints[i * tokens : (i + 1) * tokens + extra]
+        return self.ints[i * tokens : (i + 1) * tokens]
 
     def ids(self, tokens: int) -> torch.Tensor:
         return self._vector(0, tokens)
@@ -83,7 +83,7 @@ class StaticInputs:
     def fill(self, batch: TokenBatch, tokens: int, block_size: int) -> None:
         """Writes `batch` padded to `tokens` slots (module docstring) into the buffers."""
         n, r = batch.num_tokens, batch.num_rows
-        pad, empty = tokens - n, tokens - r - (tokens - n)
+        pad, empty = tokens - n, n - r  # padding rows of one token each, then empty row slots
         positions = list(batch.positions) + [0] * pad
         row_of = [row for row, k in enumerate(batch.lens) for _ in range(k)]
         blocks = [batch.tables[row][p // block_size] for row, p in zip(row_of, batch.positions)] + [SCRATCH_BLOCK] * pad
