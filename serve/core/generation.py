@@ -24,12 +24,13 @@ import asyncio
 import json
 import queue
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from serve.adapters.registry import AdapterRegistry
 from serve.core.loop import Ticket, new_request_id
-from serve.core.reasoning import prompt_opens_reasoning, thinks
+from serve.core.reasoning import (THINK_CLOSE, THINK_OPEN, prompt_closes_reasoning, prompt_opens_reasoning,
+                                  thinks)
 from serve.core.structured import Structured, encode_tool_chat, tool_syntax
 from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, echo
 from serve.metrics import Metrics
@@ -37,6 +38,7 @@ from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
+from tprt.engine.thinking import Thinking
 from tprt.errors import ConfigError, ValidationError
 from tprt.text.chat import CHAT_ROLES, NoChatTemplateError
 from tprt.text.tokenizer import Tokenizer
@@ -71,6 +73,7 @@ class ChatPrompt:
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more variables for the template (enable_thinking)
+    thinking_budget: int | None = None  # a reasoning model's thinking tokens at most (tprt.engine.thinking)
 
 
 Prompt = TextPrompt | TokenPrompt | ChatPrompt
@@ -269,9 +272,30 @@ class GenerationCore:
                 given = {**request.sampling, "seed": seed + i if seed is not None else None}
                 choices.append((p, self.sampling(given, len(ids), structured.constraint)))
         reasoning = None
-        if self.reasons and self.tokenizer is not None and isinstance(request.prompts[0], ChatPrompt):
-            reasoning = prompt_opens_reasoning(self.tokenizer.decode(prompts[0][-8:], skip_special_tokens=False))
+        chat = request.prompts[0] if isinstance(request.prompts[0], ChatPrompt) else None
+        if chat is not None and chat.thinking_budget is not None and not self.reasons:
+            raise InvalidArgument("the model does not think (its chat template writes no </think>)",
+                                  "thinking_budget")
+        if self.reasons and self.tokenizer is not None and chat is not None:
+            tail = self.tokenizer.decode(prompts[0][-32:], skip_special_tokens=False)  # the tags, even byte by byte
+            reasoning = prompt_opens_reasoning(tail)
+            if (chat.thinking_budget is not None or structured.constraint is not None) \
+                    and not prompt_closes_reasoning(tail):  # the engine steers the thinking
+                thinking = self.thinking(reasoning, chat.thinking_budget)
+                choices = [(p, replace(params, thinking=thinking)) for p, params in choices]
         return Prepared(prompts, choices, request.n, structured, adapter_id, index, reasoning)
+
+    def thinking(self, opened: bool, budget: int | None) -> Thinking:
+        """The engine's view of a reply's thinking block: its ids (the opening forced first unless
+        the prompt opened it) and the budget; INVALID_ARGUMENT naming thinking_budget."""
+        assert self.tokenizer is not None
+        tok = self.tokenizer
+        thinking = Thinking(() if opened else tuple(tok.encode(THINK_OPEN, add_special_tokens=False)),
+                            tuple(tok.encode(THINK_CLOSE, add_special_tokens=False)), budget)
+        try:
+            return thinking.validate(self.facts.config.vocab_size)
+        except ValidationError as e:
+            raise InvalidArgument(str(e), e.field) from None
 
     def check_structured(self, structured: Structured) -> None:
         """Compiles (so checks) every output constraint; INVALID_ARGUMENT naming its field."""

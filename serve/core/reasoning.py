@@ -25,6 +25,12 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
     return text.endswith(THINK_OPEN)
 
 
+def prompt_closes_reasoning(prompt_text: str) -> bool:
+    """Whether the rendered prompt holds the reply's block already closed (Qwen3 with
+    `enable_thinking` false): the reply is all answer."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
+
+
 class ReasoningSplit:
     """Splits one reply's text, fed as it streams, into (reasoning, content) deltas."""
 

@@ -96,7 +96,8 @@ def prompt_of(request: Any) -> Prompt:
             raise InvalidArgument(f"not JSON ({e})", "chat_template_kwargs") from None
         if not isinstance(kwargs, dict):
             raise InvalidArgument("expected a JSON object of template variables", "chat_template_kwargs")
-    return ChatPrompt(messages, add, kwargs)
+    budget = chat.thinking_budget if chat.HasField("thinking_budget") else None
+    return ChatPrompt(messages, add, kwargs, budget)
 
 
 def generation_request(request: Any) -> GenerationRequest:

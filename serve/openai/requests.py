@@ -248,6 +248,7 @@ class ChatBody(_Common):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking)
+    thinking_budget: int | None = None  # a reasoning model's thinking tokens at most; then it answers
 
 
 # ----------------------------------------------------------------- bodies -> the core's request
@@ -350,8 +351,8 @@ def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
     params = {**_CHAT_PARAMS, "max_new_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
               else "max_tokens"}
     n = body.n if body.n is not None else 1
-    request = GenerationRequest([ChatPrompt(messages, template_kwargs=body.chat_template_kwargs or {})], given,
-                                structured, adapter_id, n)
+    request = GenerationRequest([ChatPrompt(messages, template_kwargs=body.chat_template_kwargs or {},
+                                            thinking_budget=body.thinking_budget)], given, structured, adapter_id, n)
     return OpenAIRequest(request, params)
 
 

@@ -82,7 +82,21 @@ class OutputProcessor:
         if not rows:
             return []
         choices = self._choose(rows, result, masks)
+        self._force(rows, choices, result)
         return [event for row in rows for event in self._keep(row, choices)]
+
+    @staticmethod
+    def _force(rows: list[_Row], choices: _Choices, result: StepResult) -> None:
+        """A thinking sequence's forced id (tprt.engine.thinking) replaces the choice at its row's
+        first position, with the model's log-probability of it where they are reported."""
+        for row in rows:
+            thinking = row.seq.thinking
+            if thinking is None or not thinking.forced:
+                continue
+            token, i = thinking.forced[0], row.first
+            choices.token_ids[i] = token
+            if choices.logprobs is not None and result.logits is not None:
+                choices.logprobs[i] = float(torch.log_softmax(result.logits[i].float(), dim=-1)[token])
 
     def _choose(self, rows: list[_Row], result: StepResult, masks: dict[str, RowMasks]) -> _Choices:
         """The token chosen at every position of every row, in result order."""

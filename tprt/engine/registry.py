@@ -51,7 +51,11 @@ class RequestRegistry:
         seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.device, adapter)
         seq.cache_key = (adapter, self._versions.get(adapter, 0))
         if params.constraint is not None:
-            seq.matcher = self.structured.matcher(params.constraint)
+            matcher = self.structured.matcher(params.constraint)
+            if params.thinking is not None:  # the constraint is the answer's: parked while the model thinks
+                seq.parked = matcher
+            else:
+                seq.matcher = matcher
         self._live[request_id] = seq
         return seq
 

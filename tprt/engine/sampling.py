@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from tprt.engine.constraints import ConstraintSpec
+from tprt.engine.thinking import Thinking
 
 from tprt.errors import ValidationError
 
@@ -55,6 +56,9 @@ class SamplingParams:
     # Speculative decoding for this request (tprt.engine.speculative): None follows the engine's
     # setting, False turns it off (True: on where the engine drafts at all).
     speculate: bool | None = None
+    # A reasoning model's thinking, where the engine steers it (tprt.engine.thinking): a budget,
+    # or a constraint that applies after it; None: the output is taken as it comes.
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers (JSON, protobuf) while staying hashable.
@@ -97,6 +101,8 @@ class SamplingParams:
                    f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             raise ValidationError("top_logprobs", "top_logprobs requires logprobs to be enabled")
+        if self.thinking is not None:
+            self.thinking.validate(vocab_size)
         return self
 
 

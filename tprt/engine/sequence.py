@@ -14,6 +14,7 @@ from tprt.engine.constraints import Matcher
 from tprt.engine.sampling import SamplingParams, make_generator
 from tprt.engine.scheduler import Status
 from tprt.engine.stopping import StepOutput, StopChecker
+from tprt.engine.thinking import ThinkingState
 from tprt.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -72,6 +73,10 @@ class Sequence:
         # Its output constraint's state (tprt.engine.constraints.Matcher; set by the engine), which
         # follows the output ids and so survives preemption.
         self.matcher: Matcher | None = None
+        # A reasoning model's thinking (tprt.engine.thinking): where it is, and the constraint's
+        # matcher parked until the block closes (the constraint applies to the answer).
+        self.thinking = ThinkingState(params.thinking) if params.thinking is not None else None
+        self.parked: Matcher | None = None
         # Sits out the coming decode step: the engine throttles rows whose constraint's masks cost
         # more than their share of a step (Engine._throttle_masks); mask_credit is that share, saved.
         self.held = False
@@ -104,7 +109,9 @@ class Sequence:
             self._history[self.length] = token_id
         self.output.append(token_id)
         out = self.stop.step(token_id)
-        if self.matcher is not None and out.finish_reason is None:
+        if self.thinking is not None and self.thinking.observe(token_id) and self.parked is not None:
+            self.matcher, self.parked = self.parked, None  # thinking over: the answer is constrained
+        elif self.matcher is not None and out.finish_reason is None:
             # The mask allowed only what the constraint accepts; when it has ended, so has the output.
             # A matcher that fails (over one of llguidance's limits or its mask time budget
             # mid-sequence) ends it too, and says so, rather than stopping the engine.
