@@ -486,10 +486,12 @@ def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> 
 
 def test_page_lists_newest_first_after_a_job(tmp_path: Path) -> None:
     store = JobStore(tmp_path)
-    for i, created in enumerate((100, 200, 200, 300)):  # two jobs created in the same millisecond
+    # two jobs created in the same millisecond, the later one with the smaller (random) id: insertion order decides
+    for i, created in zip((0, 2, 1, 3), (100, 200, 200, 300)):
         store.create(JobRecord(id=f"job-{i}", method="lora", dataset="d.jsonl", adapter_id="", created_ms=created))
-    assert [r.id for r in store.page(None, 2)] == ["job-3", "job-2"]
-    assert [r.id for r in store.page("job-2", 10)] == ["job-1", "job-0"]
+    assert [r.id for r in store.page(None, 2)] == ["job-3", "job-1"]
+    assert [r.id for r in store.page("job-1", 10)] == ["job-2", "job-0"]
+    assert [r.id for r in store.select()] == ["job-3", "job-1", "job-2", "job-0"]
     assert store.page("job-0", 10) == []
     with pytest.raises(KeyError):
         store.page("job-nope", 1)

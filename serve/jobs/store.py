@@ -166,7 +166,7 @@ class JobStore:
                     (stored,) = self._db.execute("SELECT COUNT(*) FROM jobs").fetchone()
                     if stored >= max_stored:
                         pruned = [r[0] for r in self._db.execute(
-                            "SELECT id FROM jobs WHERE state IN (?, ?) ORDER BY created_ms, id LIMIT ?",
+                            "SELECT id FROM jobs WHERE state IN (?, ?) ORDER BY created_ms, rowid LIMIT ?",
                             (*_PRUNABLE, stored - max_stored + 1))]
                         self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in pruned])
                 inserted = self._db.execute(
@@ -198,11 +198,11 @@ class JobStore:
         return _from_row(row) if row is not None else None
 
     def select(self, state: str | None = None, limit: int = 100) -> list[JobRecord]:
-        """Newest first."""
+        """Newest first (jobs of the same millisecond in the order inserted: the ids are random)."""
         where, args = ("WHERE state = ?", [state]) if state else ("", [])
         with self._lock:
             rows = self._db.execute(
-                f"SELECT * FROM jobs {where} ORDER BY created_ms DESC, id DESC LIMIT ?", (*args, limit)
+                f"SELECT * FROM jobs {where} ORDER BY created_ms DESC, rowid DESC LIMIT ?", (*args, limit)
             ).fetchall()
         return [_from_row(r) for r in rows]
 
@@ -211,15 +211,15 @@ class JobStore:
         KeyError when `after` is not a job."""
         with self._lock:
             if after is None:
-                rows = self._db.execute("SELECT * FROM jobs ORDER BY created_ms DESC, id DESC LIMIT ?",
+                rows = self._db.execute("SELECT * FROM jobs ORDER BY created_ms DESC, rowid DESC LIMIT ?",
                                         (limit,)).fetchall()
             else:
-                mark = self._db.execute("SELECT created_ms FROM jobs WHERE id = ?", (after,)).fetchone()
+                mark = self._db.execute("SELECT created_ms, rowid FROM jobs WHERE id = ?", (after,)).fetchone()
                 if mark is None:
                     raise KeyError(after)
                 rows = self._db.execute(
-                    "SELECT * FROM jobs WHERE (created_ms, id) < (?, ?) ORDER BY created_ms DESC, id DESC LIMIT ?",
-                    (mark[0], after, limit)).fetchall()
+                    "SELECT * FROM jobs WHERE (created_ms, rowid) < (?, ?) ORDER BY created_ms DESC, rowid DESC "
+                    "LIMIT ?", (mark[0], mark[1], limit)).fetchall()
         return [_from_row(r) for r in rows]
 
     def using_dataset(self, dataset: str) -> list[JobRecord]:
