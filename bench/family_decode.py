@@ -29,8 +29,9 @@ import torch  # noqa: E402
 from tprt.distributed.context import TPContext  # noqa: E402
 from tprt.engine.core import Engine, EngineConfig, run_to_completion  # noqa: E402
 from tprt.engine.sampling import SamplingParams  # noqa: E402
-from tprt.model.config import ModelConfig, TPLayout  # noqa: E402
-from tprt.model.llama import RMSNorm, TPLlamaForCausalLM  # noqa: E402
+from bench.gpu_bench import random_model_of  # noqa: E402
+from tprt.model.config import ModelConfig  # noqa: E402
+from tprt.model.llama import TPLlamaForCausalLM  # noqa: E402
 
 SHAPES: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -42,19 +43,7 @@ FAMILIES = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM"
 def build(family: str, dtype: torch.dtype) -> TPLlamaForCausalLM:
     arch, model_type = FAMILIES[family]
     cfg = ModelConfig.from_dict({**SHAPES, "architectures": [arch], "model_type": model_type}, family)
-    ctx = TPContext.single("cpu")
-    with torch.device("meta"):
-        model = TPLlamaForCausalLM(cfg, TPLayout.for_model(cfg, 1), ctx, dtype)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            for p in module.parameters(recurse=False):
-                if isinstance(module, RMSNorm):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.requires_grad_(False).eval()
+    return random_model_of(cfg, TPContext.single("cpu"), dtype)
 
 
 def run(engine: Engine, batch: int, tokens: int) -> float:

@@ -44,6 +44,11 @@ def random_model(config: Path, ctx: TPContext, dtype: torch.dtype = torch.bfloat
     cfg = ModelConfig.from_file(config)
     if num_layers is not None:
         cfg = ModelConfig.from_dict(dict(cfg.raw, num_hidden_layers=num_layers), source=str(config))
+    return random_model_of(cfg, ctx, dtype)
+
+
+def random_model_of(cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype = torch.bfloat16) -> TPLlamaForCausalLM:
+    """`random_model` for a config already read."""
     with torch.device("meta"):
         model = TPLlamaForCausalLM(cfg, TPLayout.for_model(cfg, ctx.world_size), ctx, dtype)
     model.to_empty(device=ctx.device)

@@ -107,8 +107,8 @@ class ModelRunner:
         if mode == "off":
             return None
         width = graph_widths(mode, config.max_draft)
-        graphs = StepGraphs(self.model, self.cache, self.attention, self.adapters, mode,
-                            graph_max_tokens(max_batch, width), width, max_seq_len)
+        graphs = StepGraphs(self.model, self.cache, self.attention, self.adapters, graph_max_tokens(max_batch, width),
+                            width, max_seq_len)
         log0(self.model.tp, "CUDA graphs (--cuda-graphs %s): steps of up to %d tokens in rows of up to %d, mixing "
              "up to %d adapters, %s", config.cuda_graphs, graphs.max_tokens, graphs.max_width, graphs.adapter_buckets[-1],
              "captured per bucket on first use" if graphs.use_graphs else "run eagerly on static buffers (no CUDA)")

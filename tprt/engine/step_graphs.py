@@ -104,10 +104,10 @@ class StepGraphs:
     """Steps whose shape a graph covers, on static buffers; CUDA graphs on CUDA (module docstring)."""
 
     def __init__(self, model: TPLlamaForCausalLM, cache: KVCache, attention: AttentionBackend, adapters: AdapterSlots,
-                 mode: str, max_tokens: int, max_width: int, max_seq_len: int, use_graphs: bool | None = None,
+                 max_tokens: int, max_width: int, max_seq_len: int, use_graphs: bool | None = None,
                  max_adapters: int = MAX_GRAPH_ADAPTERS) -> None:
         self.model, self.cache, self.attention, self.adapters = model, cache, attention, adapters
-        self.mode, self.max_width = mode, max_width
+        self.max_width = max_width
         device = model.tp.device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.token_buckets = token_buckets(max_tokens)
