@@ -58,6 +58,9 @@ def _dense_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.gemma_block:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
     return shapes
 
 

@@ -60,6 +60,19 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # a sliding window of 6 positions, shorter than every prompt with its continuation
     "mistral": ("Mistral", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
                                 vocab_size=256, num_hidden_layers=2, sliding_window=6, tie_word_embeddings=False)),
+    # Gemma: windowed, global, windowed layers (a window of 6), an explicit head_dim, a
+    # query_pre_attn_scalar that is not head_dim; Gemma 2's soft-caps low enough to bend these
+    # small scores and logits; Gemma 3's q/k norms, local rope base and linearly scaled global rope.
+    "gemma2": ("Gemma2", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
+                              head_dim=16, vocab_size=256, num_hidden_layers=3, sliding_window=6,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                              initializer_range=0.15)),
+    "gemma3": ("Gemma3Text", dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                                  head_dim=16, vocab_size=256, num_hidden_layers=3, sliding_window=6,
+                                  sliding_window_pattern=2, query_pre_attn_scalar=32,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 10000.0}})),
 }
 
 
@@ -74,7 +87,8 @@ def make_hf_model(path: Path, family: str, dtype: torch.dtype = torch.float32, s
     kwargs.update(config)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(**kwargs))
+    model_class = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
+    model = model_class(getattr(transformers, f"{prefix}Config")(**kwargs))
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n or n.endswith(".bias"):

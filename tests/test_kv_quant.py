@@ -296,7 +296,7 @@ def _int8_case(d: int, nh: int, nkv: int, size: int, seed: int,
     step = cache.prepare(positions, tables)
     q = torch.randn(4, nh, 1, d, generator=g) * 3
     k, v = cache.read(1, step)
-    want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.masks[None], enable_gqa=nh != nkv)
     return cache, step, q, want.transpose(1, 2).reshape(4, 1, nh * d)
 
 

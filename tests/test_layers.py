@@ -248,10 +248,10 @@ def test_kv_cache_write_and_read(block_size: int) -> None:
     assert torch.equal(keys[1, :, 3], k[1, 0]) and torch.equal(values[0, :, 0], v[0, 0])
     assert not cache.kv[0].any(), "layer 0 was written"
     assert step.starts == (0, 3)  # a chunk of consecutive positions: the mask is a staircase
-    allowed = step.mask == 0  # additive mask: 0 where allowed, -inf elsewhere
+    allowed = step.masks[None] == 0  # additive mask: 0 where allowed, -inf elsewhere
     assert allowed.tolist() == [[True, True, True, True, False, False, False, False],
                                 [True, True, True, True, True, False, False, False]]
-    assert bool(torch.isneginf(step.mask[~allowed]).all())
+    assert bool(torch.isneginf(step.masks[None][~allowed]).all())
     # A table too short for the batch's positions (a padding token): the write goes to scratch.
     short = cache.prepare(torch.tensor([[block_size]]), torch.tensor([[8]]))
     assert short.write_blocks.tolist() == [[SCRATCH_BLOCK]] and short.tables.tolist() == [[8, SCRATCH_BLOCK]]
@@ -282,7 +282,7 @@ def test_prefill_attention_under_the_staircase(starts: tuple[int, ...], seq: int
     cap = seq * kv_len // 3  # too small for the chunk: queries in blocks
     monkeypatch.setattr("tprt.model.kv_cache.MASK_ELEMENTS", cap)
     step = cache.prepare(positions, tables, kv_len)  # the starts found from the positions
-    assert step.starts == starts and step.mask.numel() <= cap and step.mask.shape[0] < seq
+    assert step.starts == starts and step.masks[None].numel() <= cap and step.masks[None].shape[0] < seq
     torch.testing.assert_close(step.attend(q, k, v, True), want, rtol=1e-5, atol=1e-6)
 
 

@@ -52,11 +52,14 @@ CASES: dict[str, tuple[str, tuple[str, ...], int, float]] = {  # name -> (config
     "gqa-q": ("gqa", ("q",), 4, 16.0),
     "rope_pad-kv": ("rope_pad", ("k", "v", "o", "down"), 2, 4.0),
     "tied-mlp": ("tied", ("q", "gate", "up"), 8, 8.0),
-    # beyond Llama: q/k/v biases (and k/v replicated at TP 4); q/k norms with o/q/k/v biases
+    # beyond Llama: q/k/v biases (and k/v replicated at TP 4); q/k norms with o/q/k/v biases;
     "qwen2-attn": ("qwen2", ("q", "k", "v", "o"), 2, 4.0),
     "qwen3-all": ("qwen3", ("q", "k", "v", "o", "gate", "up", "down"), 4, 8.0),
+    # Gemma: soft-capped scores and logits, GeGLU, the extra norms; q/k norms and two rope bases
+    "gemma2-all": ("gemma2", ("q", "k", "v", "o", "gate", "up", "down"), 4, 8.0),
+    "gemma3-kv-up": ("gemma3", ("k", "v", "up"), 4, 4.0),
 }
-CONFIG_SEEDS = {"gqa": 20, "rope_pad": 21, "tied": 22, "qwen2": 23, "qwen3": 24}
+CONFIG_SEEDS = {"gqa": 20, "rope_pad": 21, "tied": 22, "qwen2": 23, "qwen3": 24, "gemma2": 25, "gemma3": 26}
 # Adapters served side by side in one batch (tprt.lora.routing) on the gqa model: different ranks
 # and target sets. name -> (targets, rank, alpha)
 MIXED: dict[str, tuple[tuple[str, ...], int, float]] = {

@@ -155,7 +155,7 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
         step = cache.prepare(positions, tables)
         q = torch.randn(4, nh, 1, d) * 3  # sharper softmaxes than unit scale
         k, v = cache.read(1, step)
-        want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask, enable_gqa=nh != nkv)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=step.masks[None], enable_gqa=nh != nkv)
         got = attend(q, cache, step, 1)
         assert got.shape == (4, 1, nh * d) and got.dtype == dtype
         tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output

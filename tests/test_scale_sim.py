@@ -116,9 +116,9 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.gate_proj.weight": (cfg.intermediate_size, h), "mlp.up_proj.weight": (cfg.intermediate_size, h),
         "mlp.down_proj.weight": (h, cfg.intermediate_size),
     }
-    # every rule of a Llama layer (the biases and q/k norms of Qwen's: tests/test_convert.py)
-    qwen = ("self_attn.q_norm.", "self_attn.k_norm.")
-    assert set(per_layer) == {k for k in LAYER_RULES if not k.endswith(".bias") and not k.startswith(qwen)}
+    # every rule of a Llama layer (Qwen's biases and q/k norms, Gemma's extra norms: tests/test_convert.py)
+    others = ("self_attn.q_norm.", "self_attn.k_norm.", "pre_feedforward_layernorm.", "post_feedforward_layernorm.")
+    assert set(per_layer) == {k for k in LAYER_RULES if not k.endswith(".bias") and not k.startswith(others)}
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
@@ -398,8 +398,8 @@ def test_long_context_prefill_mask_70b_tp8() -> None:
     # One attention group per row (their starts differ), each with its staircase in query blocks.
     assert [(step.kv_len, step.starts) for step in steps] == [(s + chunk, (s,)) for s in starts]
     for step in steps:
-        assert step.mask.numel() <= MASK_ELEMENTS and step.mask.shape == (MASK_ELEMENTS // step.kv_len, step.kv_len)
-    assert steps[0].mask.numel() * steps[0].mask.element_size() == 32 << 20
+        assert step.masks[None].numel() <= MASK_ELEMENTS and step.masks[None].shape == (MASK_ELEMENTS // step.kv_len, step.kv_len)
+    assert steps[0].masks[None].numel() * steps[0].masks[None].element_size() == 32 << 20
 
 
 # ---------------------------------------------------------------- a LoRA step at scale

@@ -26,20 +26,22 @@ BLOCK = 16
 A, B, C, D = (1, 2, 3), (1, 4, 5), (6, 7, 8), (9, 10, 11)  # B shares A's first block
 
 
-def _cache(heads_kv: int, head_dim: int, kv: str, dtype: torch.dtype, window: int | None = None) -> KVCache:
+def _cache(heads_kv: int, head_dim: int, kv: str, dtype: torch.dtype, window: int | None = None,
+           softcap: float | None = None) -> KVCache:
     storage = kv_cache_dtype(kv) if kv != "int8-static" else torch.int8
     fixed = None
     if kv == "int8-static":
         fixed = torch.rand(1, 2, heads_kv, generator=torch.Generator().manual_seed(1)) * 0.03 + 0.02
     return KVCache(1, 12, heads_kv, BLOCK, head_dim, storage or dtype, DEVICE, compute_dtype=dtype, fixed_scales=fixed,
-                   window=window)
+                   windows=(window,), softcap=softcap)
 
 
 def _run(steps: list[list[BatchRow]], heads: int, heads_kv: int, head_dim: int, kv: str,
-         dtype: torch.dtype = torch.float32, splits: int | None = None, window: int | None = None) -> None:
+         dtype: torch.dtype = torch.float32, splits: int | None = None, window: int | None = None,
+         softcap: float | None = None) -> None:
     """Each step: the reference writes the step's keys and values and attends; the Triton step then
     attends over the same cache (attend_cached) and must agree."""
-    cache = _cache(heads_kv, head_dim, kv, dtype, window)
+    cache = _cache(heads_kv, head_dim, kv, dtype, window, softcap)
     gen = torch.Generator().manual_seed(0)
     tol = {"fp32": 2e-5, "bf16": 2e-2}["fp32" if dtype == torch.float32 else "bf16"]
     for i, rows in enumerate(steps):
@@ -171,3 +173,10 @@ def test_a_sliding_window_skips_the_blocks_before_it(splits: int | None) -> None
     """Mistral's window (tprt.model.kv_cache: `window`): each token sees its row's last 5 positions,
     through the kernel as through the reference, split or not."""
     _run(MIXED, 8, 2, 64, "fp32", splits=splits, window=5)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_soft_capped_scores_with_a_window(splits: int | None) -> None:
+    """Gemma 2's soft-capping (scores through cap * tanh(score / cap); a cap of 2 bends these
+    unit-scale scores) under a window, as the reference computes it, split or not."""
+    _run(MIXED, 8, 2, 64, "fp32", splits=splits, window=7, softcap=2.0)

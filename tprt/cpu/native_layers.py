@@ -204,9 +204,10 @@ def _norm(norm: RMSNorm) -> RMSNorm:
 def install_native_layers(model: TPLlamaForCausalLM) -> None:
     """Swaps the native modules above into `model` where their kernels are available (see the
     module docstring); a no-op unless `supported(model)`. Blocks that are not Llama's exactly
-    (Qwen's biases and q/k norms) get the same: the kernels take the deltas (`layer_extras`). For
-    inference: call after `prepack`."""
-    if not supported(model):
+    (Qwen's biases and q/k norms) get the same: the kernels take the deltas (`layer_extras`);
+    Gemma's do not (its norms, scaled queries, GeGLU and soft-capping are not in C): those keep the
+    reference modules over prepack's weights. For inference: call after `prepack`."""
+    if not supported(model) or model.config.gemma_block:
         return
     rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):
@@ -220,7 +221,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None
-        if one_row_native(attn.qkv_proj, attn.o_proj) and model.config.sliding_window is None:  # no window in C
+        if one_row_native(attn.qkv_proj, attn.o_proj) and attn.window is None:  # no window in C
             norm = layer.input_layernorm
             attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
                                                             attn.o_proj.weight, attn.n_heads, attn.n_kv, layer_extras(layer))

@@ -76,7 +76,7 @@ class TritonAttentionStep(AttentionStep):
             queries, cache.kv[layer], rows.tables, rows.query_starts, rows.starts, rows.lens, rows.max_query_len,
             scales=None if cache.scales is None else cache.scales[layer],
             fixed_scales=None if cache.fixed_scales is None else cache.fixed_scales[layer],
-            splits=rows.splits, window=cache.window)
+            splits=rows.splits, window=cache.windows[layer], softcap=cache.softcap)
         return out if out_dtype is None else out.to(out_dtype)
 
     @cached_property

@@ -48,8 +48,8 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kkv, stride_kh, stride_kp,
     stride_sb, stride_skv, stride_sh,
-    stride_table, sm_scale, blocks_per_split, n_all_tokens, window,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    stride_table, sm_scale, blocks_per_split, n_all_tokens, window, softcap,
+    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, SCALES: tl.constexpr, FIXED: tl.constexpr, SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -111,6 +111,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [tile rows, BLOCK_SIZE]
         else:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh written with exp (as the interpreter has it too)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         pos_k = j * BLOCK_SIZE + p_in
         seen = pos_k[None, :] <= pos_q[:, None]
         if window > 0:
@@ -169,6 +171,7 @@ def paged_attention(
     fixed_scales: torch.Tensor | None = None,
     splits: int = 1,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of q [tokens, heads, head_dim] over one layer's paged cache kv [n_blocks, 2,
     kv_heads, block_size, head_dim] -> [tokens, heads, head_dim] in q's dtype.
@@ -179,7 +182,7 @@ def paged_attention(
     2, kv_heads, block_size] or `fixed_scales` [2, kv_heads] dequantize an int8/FP8 cache.
     `splits`: shares of each row's blocks run apart and merged (long contexts, few rows).
     `window`: each token sees its row's last `window` positions only (a sliding window); blocks
-    wholly outside it are not read.
+    wholly outside it are not read. `softcap`: scores go through cap * tanh(score / cap) (Gemma 2).
     """
     tokens, heads, head_dim = q.shape
     _, two, kv_heads, block_size, kv_dim = kv.shape
@@ -214,8 +217,8 @@ def paged_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         *scale_strides,
-        tables.stride(0), 1.0 / math.sqrt(head_dim), blocks_per_split, tokens, window or 0,
-        GROUP=group, GROUP_P2=group_p2, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        tables.stride(0), 1.0 / math.sqrt(head_dim), blocks_per_split, tokens, window or 0, softcap or 1.0,
+        SOFTCAP=softcap is not None, GROUP=group, GROUP_P2=group_p2, TILE_TOKENS=tile_tokens, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         SCALES=scales is not None, FIXED=fixed_scales is not None, SPLIT=splits, DOT_F32=INTERPRETED,
         IEEE=INTERPRETED or q.dtype == torch.float32,
     )

@@ -78,7 +78,7 @@ class AttentionStep:
         outs = []
         for g in self.groups:
             keys, values = cache.update(layer, g.take(kv), g.cache_step, rotated_keys=True)
-            outs.append(self._attend_group(g, q, keys, values))
+            outs.append(self._attend_group(layer, g, q, keys, values))
         return self._merge(outs, q)
 
     def attend_cached(self, layer: int, q: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -88,13 +88,16 @@ class AttentionStep:
         outs = []
         for g in self.groups:
             keys, values = self.cache.read(layer, g.cache_step, rotated_keys=True)
-            outs.append(self._attend_group(g, q, keys, values))
+            outs.append(self._attend_group(layer, g, q, keys, values))
         out = self._merge(outs, q)
         return out if out_dtype is None else out.to(out_dtype)
 
-    def _attend_group(self, g: _Group, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        queries = self.cache.rotate_queries(g.take(q).to(self.cache.dtype)).transpose(1, 2)  # [rows, heads, width, d]
-        out = g.cache_step.attend(queries, keys, values, queries.shape[1] != keys.shape[1])
+    def _attend_group(self, layer: int, g: _Group, q: torch.Tensor, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        queries = cache.rotate_queries(g.take(q).to(cache.dtype)).transpose(1, 2)  # [rows, heads, width, d]
+        out = g.cache_step.attend(queries, keys, values, queries.shape[1] != keys.shape[1], cache.windows[layer],
+                                  cache.softcap)
         return out.transpose(1, 2).reshape(g.rows * g.width, *q.shape[1:])  # [rows * width, heads, d]
 
     def _merge(self, outs: list[torch.Tensor], q: torch.Tensor) -> torch.Tensor:

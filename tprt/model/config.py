@@ -1,5 +1,5 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3), and the TP
-divisibility rules."""
+"""Model configuration read from a Hugging Face `config.json` (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3 text), and the TP divisibility rules."""
 
 from __future__ import annotations
 
@@ -11,11 +11,20 @@ from typing import Any
 from tprt.errors import CheckpointError, ConfigError
 
 # Architecture -> its config.json model_type. Qwen2 and Qwen3 are the Llama block with q/k/v
-# biases (Qwen2), or a per-head RMSNorm on q and k before RoPE (Qwen3).
+# biases (Qwen2), or a per-head RMSNorm on q and k before RoPE (Qwen3). Gemma 2 and 3 change more:
+# `GEMMA_ARCHITECTURES` below.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# Gemma's block: embeddings scaled by sqrt(hidden), RMSNorms scaling by (1 + weight) in float32,
+# GeGLU, a norm on each half's output as well as its input, queries scaled by
+# query_pre_attn_scalar, and sliding-window layers interleaved with global ones. Gemma 2 adds
+# tanh soft-capping of attention scores and final logits; Gemma 3 q/k norms and a rope base of
+# its own for the sliding layers.
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# hidden_act -> what the MLP's gate goes through: SwiGLU, or GeGLU with the tanh approximation.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 MAX_JSON_FILE_BYTES = 16 << 20  # a config file is kilobytes; more is not one
@@ -108,15 +117,42 @@ class ModelConfig:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; attention_bias in Llama and Qwen3)
     o_bias: bool = False  # o_proj has a bias (attention_bias in Llama and Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    # Each position attends to the last `sliding_window` positions only, itself included (Mistral
-    # v0.1's 4096); None: to every earlier position.
+    # Each position of a windowed layer attends to the last `sliding_window` positions only, itself
+    # included (Mistral v0.1's 4096); None: every layer to every earlier position.
     sliding_window: int | None = None
+    # Which layers are windowed (Gemma's interleaving); empty: every layer, when there is a window.
+    sliding_layers: tuple[bool, ...] = ()
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    gemma_block: bool = False  # Gemma's norms, embedding scale and extra per-half norms (GEMMA_ARCHITECTURES)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # attention scores -> cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same of the LM head's logits (Gemma 2)
+    local_rope_theta: float | None = None  # the windowed layers' plain rope base (Gemma 3); None: rope_theta's
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json as read
 
     @property
     def llama_block(self) -> bool:
-        """Whether the decoder block is Llama's exactly (no biases, no q/k norms, no window)."""
-        return not (self.qkv_bias or self.o_bias or self.qk_norm or self.sliding_window)
+        """Whether the decoder block is Llama's exactly (no biases, no q/k norms, no window, no Gemma)."""
+        return not (self.qkv_bias or self.o_bias or self.qk_norm or self.sliding_window or self.gemma_block)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer`; None: it attends to every earlier position."""
+        if self.sliding_window is None or (self.sliding_layers and not self.sliding_layers[layer]):
+            return None
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Every layer's `window_of`."""
+        return tuple(self.window_of(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def query_scale(self) -> float:
+        """What the model multiplies queries by so that attention's 1/sqrt(head_dim) makes
+        query_pre_attn_scalar's scaling (1 where there is none)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return (self.head_dim / self.query_pre_attn_scalar) ** 0.5
 
     @property
     def q_size(self) -> int:
@@ -140,22 +176,36 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] <= 0:
                 raise ConfigError(f"{source}: field {key!r} must be a positive integer, got {d.get(key)!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"{source}: field 'hidden_act' must be 'silu', got {d['hidden_act']!r}")
+        gemma, gemma2 = arch in GEMMA_ARCHITECTURES, arch == "Gemma2ForCausalLM"
+        act_field = "hidden_activation" if gemma and d.get("hidden_activation") else "hidden_act"
+        act = d.get(act_field) or ("gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise ConfigError(f"{source}: field {act_field!r} must be "
+                              f"{'gelu_pytorch_tanh' if gemma else 'silu'!r} for {arch}, got {act!r}")
         if d.get("mlp_bias"):
             raise ConfigError(f"{source}: field 'mlp_bias'=true is not supported (expected false: no MLP biases)")
         attention_bias = bool(d.get("attention_bias", False))
         if attention_bias and arch == "MistralForCausalLM":
             raise ConfigError(f"{source}: field 'attention_bias'=true is not supported for {arch} (expected false)")
-        window = _refuse_unimplemented(d, source, arch)
+        window, sliding_layers = _refuse_unimplemented(d, source, arch)
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         if heads % kv_heads:
             raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling`.
+        # Gemma 3's hold one per layer kind; older Gemma 3 configs name the local base rope_local_base_freq.
         rope = d.get("rope_parameters") or d.get("rope_scaling")
-        rope_theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        local_rope = None
+        if isinstance(rope, dict) and ("full_attention" in rope or "sliding_attention" in rope):
+            rope, local_rope = rope.get("full_attention"), rope.get("sliding_attention") or {}
+        default_theta = 1e6 if arch == "Gemma3ForCausalLM" else 10000.0
+        rope_theta = d.get("rope_theta") or (rope if isinstance(rope, dict) else {}).get("rope_theta") or default_theta
+        local_theta = None
+        if arch == "Gemma3ForCausalLM":
+            _parse_rope_scaling(local_rope, source, plain_only=True)
+            local_theta = float((local_rope if isinstance(local_rope, dict) else {}).get("rope_theta")
+                                or d.get("rope_local_base_freq") or 10000.0)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -177,8 +227,15 @@ class ModelConfig:
             architecture=arch,
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",  # Qwen2's q/k/v always have biases
             o_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=window,
+            sliding_layers=sliding_layers,
+            hidden_act=act,
+            gemma_block=gemma,
+            query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or 256) if gemma else None,
+            attn_logit_softcapping=_positive_or_none(d, "attn_logit_softcapping", source, gemma2 and 50.0),
+            final_logit_softcapping=_positive_or_none(d, "final_logit_softcapping", source, gemma2 and 30.0),
+            local_rope_theta=local_theta,
             raw=dict(d),
         )
 
@@ -189,23 +246,38 @@ class ModelConfig:
                              source=str(path))
 
 
-def _refuse_unimplemented(d: dict[str, Any], source: str, arch: str) -> int | None:
+def _refuse_unimplemented(d: dict[str, Any], source: str, arch: str) -> tuple[int | None, tuple[bool, ...]]:
     """Fields that change the model's math and that tprt does not implement are refused by name
     (ignored, they would give wrong logits without a word). Returns the sliding window in effect
-    (Mistral's, on every layer), None when there is none."""
-    window = d.get("sliding_window")
+    (None when there is none) and which layers it applies to (empty: all)."""
+    interleaved = arch in GEMMA_ARCHITECTURES
+    window = d.get("sliding_window", 4096 if interleaved else None)  # transformers' Gemma default
     in_effect = d.get("use_sliding_window", True) is not False
     longest = d.get("max_position_embeddings", 2048)
     if window is None or not in_effect or (isinstance(window, int) and window >= longest):
         window = None
-    elif arch != "MistralForCausalLM" or not isinstance(window, int) or window < 1:
+    elif not (arch == "MistralForCausalLM" or interleaved) or not isinstance(window, int) or window < 1:
         raise ConfigError(f"{source}: field 'sliding_window'={window!r} is not supported for {arch} (attention "
                           f"over only the last {window} positions of some layers); expected null, at least "
-                          f"max_position_embeddings={longest}, or a Mistral model (every layer windowed)")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if d.get(key) is not None:
-            raise ConfigError(f"{source}: field {key!r}={d[key]!r} is not supported (expected null)")
-    layer_types = d.get("layer_types") or []
+                          f"max_position_embeddings={longest}, or a Mistral or Gemma model")
+    if not interleaved:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            if d.get(key) is not None:
+                raise ConfigError(f"{source}: field {key!r}={d[key]!r} is not supported for {arch} (expected null)")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError(f"{source}: field 'use_bidirectional_attention'=true is not supported (expected false: "
+                          f"a causal language model)")
+    layer_types = list(d.get("layer_types") or [])
+    n_layers = int(d["num_hidden_layers"])  # checked a positive integer already
+    if interleaved:
+        if not layer_types:  # transformers' defaults: every 2nd (Gemma 2) or 6th (Gemma 3) layer global
+            every = 2 if arch == "Gemma2ForCausalLM" else int(d.get("sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+        if len(layer_types) != n_layers or any(t not in ("sliding_attention", "full_attention") for t in layer_types):
+            raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' "
+                              f"for each of the {n_layers} layers")
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
+        return window, (sliding if window is not None else ())
     kinds = {"full_attention"} if window is None else {"sliding_attention"}  # every layer alike
     if in_effect and any(t not in kinds for t in layer_types):
         raise ConfigError(f"{source}: field 'layer_types' lists {sorted(set(layer_types) - kinds)} "
@@ -213,15 +285,28 @@ def _refuse_unimplemented(d: dict[str, Any], source: str, arch: str) -> int | No
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError(f"{source}: field 'partial_rotary_factor'={d['partial_rotary_factor']!r} is not "
                           f"supported (expected 1.0: RoPE over the whole head)")
-    return window
+    return window, ()
 
 
-def _parse_rope_scaling(rs: Any, source: str) -> RopeScaling | None:
+def _positive_or_none(d: dict[str, Any], key: str, source: str, default: float | bool = False) -> float | None:
+    """d[key] as a positive float, None for null; `default` (False: None) where the key is absent."""
+    value = d.get(key, default or None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{source}: field {key!r} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _parse_rope_scaling(rs: Any, source: str, plain_only: bool = False) -> RopeScaling | None:
     if rs is None:
         return None
     if not isinstance(rs, dict):
         raise ConfigError(f"{source}: field 'rope_scaling' must be an object, got {rs!r}")
     rope_type = rs.get("rope_type") or rs.get("type") or "default"
+    if plain_only and rope_type != "default":
+        raise ConfigError(f"{source}: field 'rope_parameters.sliding_attention': rope type {rope_type!r} is not "
+                          f"supported there (expected 'default')")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
             f"{source}: rope_scaling type {rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}"

@@ -53,6 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import groupby
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -60,6 +61,7 @@ import torch.nn.functional as F
 
 from tprt.cpu.hugepages import huge_tensors
 from tprt.errors import ConfigError
+from tprt.model.sdpa import attention_math
 
 
 # The most elements a prefill's attention mask holds (64 MiB in float32): a chunk whose mask
@@ -147,13 +149,18 @@ class KVCache:
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype = torch.float32,
         fixed_scales: torch.Tensor | None = None,
-        window: int | None = None,
+        windows: Sequence[int | None] | None = None,
+        softcap: float | None = None,
     ) -> None:
         """dtype: the storage dtype; a QUANTIZED one stores scales too and reads as `compute_dtype`.
         fixed_scales [n_layers, 2, n_kv_heads] (int8 only): static scales, none stored per vector.
-        window: each position attends to the last `window` positions only (a sliding window, itself
-        included); None: to every earlier one."""
-        self.window = window
+        windows: per layer, each position attends to the last `window` positions only (a sliding
+        window, itself included), or with None to every earlier one; None: no layer has a window.
+        softcap: attention scores go through cap * tanh(score / cap) (Gemma 2)."""
+        self.windows = tuple(windows) if windows is not None else (None,) * n_layers
+        if len(self.windows) != n_layers:
+            raise ValueError(f"a KV cache of {n_layers} layers got {len(self.windows)} windows")
+        self.softcap = softcap
         if n_blocks < 2 or block_size < 1:
             raise ValueError(f"a KV cache needs at least 2 blocks (one is scratch) of at least 1 position, "
                              f"got {n_blocks} of {block_size}")
@@ -179,6 +186,17 @@ class KVCache:
         self.key_rotation = key_rotation(head_dim, device) if dtype in QUANTIZED and dtype != torch.int8 else None
         self.n_blocks = n_blocks
         self.block_size = block_size
+
+    @property
+    def windowed(self) -> bool:
+        """Whether some layer attends through a sliding window."""
+        return any(w is not None for w in self.windows)
+
+    @property
+    def plain_attention(self) -> bool:
+        """Every layer attends to every earlier position, scores unchanged: what the compiled CPU
+        kernels implement."""
+        return not self.windowed and self.softcap is None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -238,9 +256,9 @@ class KVCache:
         if starts is not None:  # a prefill of consecutive positions: the mask is one staircase
             return self._staircase_step(write_blocks, write_offsets, tables, positions, kv_len, starts)
         keys = torch.arange(kv_len, device=positions.device)
-        hidden = self._hidden(keys, positions[:, None, :, None])  # [batch, 1, seq, kv_len]
-        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(hidden),
-                         self.block_size)
+        masks = {w: self._additive(self._hidden(keys, positions[:, None, :, None], w))  # [batch, 1, seq, kv_len]
+                 for w in set(self.windows)}
+        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, masks, self.block_size)
 
     def _staircase_step(self, write_blocks: torch.Tensor, write_offsets: torch.Tensor, tables: torch.Tensor,
                         positions: torch.Tensor, kv_len: int, starts: tuple[int, ...]) -> CacheStep:
@@ -256,15 +274,17 @@ class KVCache:
             block = min(seq, max(1, MASK_ELEMENTS // kv_len))
             width, corner = kv_len, kv_len - block
         keys = torch.arange(width, device=positions.device)
-        stairs = self._hidden(keys, keys[corner : corner + block, None])  # [block, width]
-        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, self._additive(stairs),
+        stairs = {w: self._additive(self._hidden(keys, keys[corner : corner + block, None], w))  # [block, width]
+                  for w in set(self.windows)}
+        return CacheStep(write_blocks, write_offsets, tables, positions, kv_len, stairs,
                          self.block_size, starts=starts, corner=corner)
 
-    def _hidden(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _hidden(keys: torch.Tensor, queries: torch.Tensor, window: int | None) -> torch.Tensor:
         """Which keys each query position does not see: later ones, and with a window those at
         least `window` before it (the staircase stays a band, the same at every shift)."""
         hidden = keys > queries
-        return hidden if self.window is None else hidden | (keys <= queries - self.window)
+        return hidden if window is None else hidden | (keys <= queries - window)
 
     def _additive(self, hidden: torch.Tensor) -> torch.Tensor:
         """0 where attention is allowed, -inf where `hidden`, in the cache dtype (SDPA would
@@ -373,22 +393,26 @@ class CacheStep:
     tables: torch.Tensor  # [batch, ceil(kv_len / block_size)] each row's blocks, read in order
     positions: torch.Tensor  # [batch, seq] position of each token
     kv_len: int  # keys 0..kv_len-1 are read
-    # Additive (0 where attention is allowed, -inf elsewhere): [batch, 1, seq, kv_len], or with
-    # `starts` a staircase [block, kv_len] whose bottom-right corner every query block slices.
-    mask: torch.Tensor
+    # Per sliding window of the cache's layers (None: none), the additive mask (0 where attention
+    # is allowed, -inf elsewhere): [batch, 1, seq, kv_len], or with `starts` a staircase [block,
+    # kv_len] whose bottom-right corner every query block slices.
+    masks: dict[int | None, torch.Tensor]
     block_size: int
     starts: tuple[int, ...] | None = None  # row b's positions are starts[b], starts[b] + 1, ...
     corner: int = 0  # with `starts`: the staircase's first row hides the keys after `corner`
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         """SDPA of q [batch, heads, seq, head_dim] over k, v [batch, kv_heads, kv_len, head_dim]
-        under the mask. With `starts`, per run of rows sharing a start and per block of queries,
-        over the keys up to the block's last position: those after it are hidden from every
-        query of the block, so leaving them out changes no value, and a block's mask is a view
-        of the staircase. (One call when the rows share a start and the chunk fits one block.)"""
+        under the mask of `window` (soft-capped scores with `softcap`). With `starts`, per run of
+        rows sharing a start and per block of queries, over the keys up to the block's last
+        position: those after it are hidden from every query of the block, so leaving them out
+        changes no value, and a block's mask is a view of the staircase. (One call when the rows
+        share a start and the chunk fits one block.)"""
         if self.starts is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=_aligned(self.mask), enable_gqa=enable_gqa)
-        block, seq = self.mask.shape[0], q.shape[2]
+            return attention_math(q, k, v, _aligned(self.masks[window]), gqa=enable_gqa, softcap=softcap)
+        stairs = self.masks[window]
+        block, seq = stairs.shape[0], q.shape[2]
         runs, lo = [], 0
         for start, rows in groupby(self.starts):
             hi = lo + len(list(rows))
@@ -397,9 +421,9 @@ class CacheStep:
                 n = min(block, seq - a)
                 keys = self.kv_len if block == seq else start + a + n  # blocks: up to the block's last position
                 first = self.corner + block - n - start - a  # the column of key 0 in the staircase
-                mask = _aligned(self.mask[block - n :, first : first + keys])  # [n, keys]
-                parts.append(F.scaled_dot_product_attention(q[lo:hi, :, a : a + n], k[lo:hi, :, :keys],
-                                                            v[lo:hi, :, :keys], attn_mask=mask, enable_gqa=enable_gqa))
+                mask = _aligned(stairs[block - n :, first : first + keys])  # [n, keys]
+                parts.append(attention_math(q[lo:hi, :, a : a + n], k[lo:hi, :, :keys], v[lo:hi, :, :keys], mask,
+                                            gqa=enable_gqa, softcap=softcap))
             runs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
             lo = hi
         return runs[0] if len(runs) == 1 else torch.cat(runs, dim=0)

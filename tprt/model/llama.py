@@ -1,5 +1,6 @@
-"""The tensor-parallel Llama causal LM. Reads like the single-device model: the parallel layers
-hide the TP (one all-reduce after attention, one after the MLP, one in the embedding).
+"""The tensor-parallel Llama-family causal LM (Llama, Mistral, Qwen2/3, Gemma 2/3: the config's
+deltas, tprt.model.config). Reads like the single-device model: the parallel layers hide the TP
+(one all-reduce after attention, one after the MLP, one in the embedding).
 
 Per rank: q heads [r * H/TP, (r+1) * H/TP); kv heads as the manifest places them (split, or with
 TP > n_kv each rank holds kv head r // (TP / n_kv)). q/k/v and gate/up are fused per rank at load
@@ -30,17 +31,23 @@ from tprt.model.kv_cache import KVCache
 from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, adapted)
 from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
+from tprt.model.sdpa import attention_math
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, normalised in float32 and scaled in the input dtype (as transformers)."""
+    """x / rms(x) * weight, normalised in float32 and scaled in the input dtype (as transformers);
+    `unit_offset` (Gemma): scaled by 1 + weight, all in float32, rounded once at the end."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None = None, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            scale = 1.0 + self.weight.float()
+            return F.rms_norm(x.to(torch.float32), self.weight.shape, scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op, same math
         # Normalised in float32 and rounded before the weight scales it, bit for bit as transformers
@@ -49,13 +56,20 @@ class RMSNorm(nn.Module):
 
 
 class Step:
-    """What every layer needs for one forward call, computed once: RoPE angles and, in inference
-    over the paged cache, the step's attention (tprt.model.attention.AttentionStep)."""
+    """What every layer needs for one forward call, computed once: RoPE angles (and the windowed
+    layers' own, where their rope base differs: Gemma 3) and, in inference over the paged cache,
+    the step's attention (tprt.model.attention.AttentionStep)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionStep | None = None):
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionStep | None = None,
+                 local: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.cos = cos  # [batch, seq, 1, head_dim]
         self.sin = sin  # [batch, seq, 1, head_dim], first half negated (see rope_angles)
         self.attention = attention
+        self.local = local  # (cos, sin) of the windowed layers; None: theirs are cos and sin
+
+    def angles(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of a layer: its own where it is windowed (`local`) and has some."""
+        return self.local if local and self.local is not None else (self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -69,14 +83,17 @@ class Attention(nn.Module):
         self.n_kv = layout.local_kv_heads
         self.head_dim = cfg.head_dim
         self.gqa = self.n_heads != self.n_kv
-        self.window = cfg.sliding_window
+        self.window = cfg.window_of(layer)
+        self.softcap = cfg.attn_logit_softcapping
+        self.query_scale = cfg.query_scale  # query_pre_attn_scalar's scaling, made through the queries (Gemma)
         qkv_rows = (self.n_heads + 2 * self.n_kv) * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv_rows, ctx, dtype, method, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(self.n_heads * cfg.head_dim, cfg.hidden_size, ctx, dtype, method,
                                         bias=cfg.o_bias)
-        # Qwen3: each head of q and k RMS-normalised before RoPE (one weight over head_dim, replicated).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k RMS-normalised before RoPE (one weight over head_dim, replicated).
+        offset = cfg.gemma_block
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, offset) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group. Over
@@ -84,24 +101,27 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         nh, nkv = self.n_heads, self.n_kv
         qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
+        cos, sin = step.angles(self.window is not None)
         if self.q_norm is not None and self.k_norm is not None:  # new q and k tensors: rotated out of place
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
             q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         elif torch.is_grad_enabled():  # out of place, so the backward has no slice copies
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # [batch, seq, heads, head_dim] each
-            q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:  # inference: q and k rotated in place, k/v stay views of the projection
-            apply_rope_(qkv[:, :, : nh + nkv], step.cos, step.sin)
+            apply_rope_(qkv[:, :, : nh + nkv], cos, sin)
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         if step.attention is None:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
             if self.window is not None and seq > self.window:  # a band: causal, and the last `window` keys only
                 i = torch.arange(seq, device=x.device)
                 band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=self.gqa)
+                out = attention_math(q, k, v, band, gqa=self.gqa, softcap=self.softcap)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.gqa)
+                out = attention_math(q, k, v, causal=seq > 1, gqa=self.gqa, softcap=self.softcap)
             out = out.transpose(1, 2)
         else:  # the step's tokens: [tokens, heads, head_dim] each
             out = step.attention.attend(self.layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
@@ -109,30 +129,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU over this rank's slice of the intermediate features; down_proj all-reduces."""
+    """SwiGLU (GeGLU for Gemma) over this rank's slice of the intermediate features; down_proj all-reduces."""
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype | None, method: LinearMethod = DENSE):
         super().__init__()
         local = cfg.intermediate_size // ctx.world_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, 2 * local, ctx, dtype, method)
         self.down_proj = RowParallelLinear(local, cfg.hidden_size, ctx, dtype, method)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [batch, seq, intermediate / TP] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, layer: int, dtype: torch.dtype | None,
                  method: LinearMethod = DENSE):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        offset = cfg.gemma_block
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset)
         self.self_attn = Attention(cfg, layout, ctx, layer, dtype, method)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # Llama's norm of the MLP's input; Gemma's of the attention's output, the MLP's input having its own.
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset)
         self.mlp = MLP(cfg, ctx, dtype, method)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.gemma_block:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:  # Gemma
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), step))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -163,8 +193,8 @@ class CheckpointedStack(LayerStack):
 
 
 class TPLlamaForCausalLM(nn.Module):
-    """This rank's shard of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3: the config's
-    biases and q/k norms, tprt.model.config.ModelConfig); build on the meta device and load with
+    """This rank's shard of a Llama-family causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3:
+    the config's deltas, tprt.model.config.ModelConfig); build on the meta device and load with
     `tprt.checkpoint.loading.load_model`. `method`: the weight format of the decoder's linear
     layers (their `LinearMethod` creates their parameters); the embedding and LM head are dense."""
 
@@ -184,11 +214,13 @@ class TPLlamaForCausalLM(nn.Module):
         self.weight_method = method
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype, method)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_block)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype)
-        # Derived, never loaded: a plain float32 attribute on the real device even under meta.
+        self.lm_head = VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype,
+                                           softcap=cfg.final_logit_softcapping)
+        # Derived, never loaded: plain float32 attributes on the real device even under meta.
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
+        self.local_inv_freq = None if cfg.local_rope_theta is None else inv_frequencies(cfg, ctx.device, local=True)
         # What runs the layers: the reference until training or CPU decode swaps in another (module docstring).
         self.stack: LayerStack = LayerStack()
 
@@ -230,7 +262,7 @@ class TPLlamaForCausalLM(nn.Module):
         return KVCache(
             self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
             self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device, self.default_cache_dtype(),
-            fixed, self.config.sliding_window,
+            fixed, self.config.windows, self.config.attn_logit_softcapping,
         )
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -256,8 +288,11 @@ class TPLlamaForCausalLM(nn.Module):
         else:
             positions = positions.to(device, non_blocking=True)
         h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
+        if self.config.gemma_block:  # scaled by sqrt(hidden), rounded to the dtype first (as transformers)
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        h = self.stack(self.layers, h, Step(cos, sin, attention))
+        local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
+        h = self.stack(self.layers, h, Step(cos, sin, attention, local))
         return h if attention is None else h[:, 0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -14,10 +14,14 @@ import torch
 from tprt.model.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, scaled as `cfg.rope_scaling` says."""
+def inv_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu", local: bool = False) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, scaled as `cfg.rope_scaling` says; `local`: the
+    windowed layers' own plain ones (`cfg.local_rope_theta`, Gemma 3)."""
     dim = cfg.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).to(torch.float32) / dim
+    if local:
+        assert cfg.local_rope_theta is not None, "no local rope base"
+        return 1.0 / (cfg.local_rope_theta**exponents)
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     rs = cfg.rope_scaling
     if rs is None:

@@ -242,7 +242,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(ParallelLinear):
-    """Local logits over this rank's rows of the padded vocabulary; padding rows give -inf.
+    """Local logits over this rank's rows of the padded vocabulary (soft-capped where the model
+    says); padding rows give -inf.
 
     When `tied`, the weight is the embedding's (same split, same rows) and owns no parameter here.
     """
@@ -255,9 +256,11 @@ class VocabParallelLMHead(ParallelLinear):
         ctx: TPContext,
         tied: VocabParallelEmbedding | None = None,
         dtype: torch.dtype | None = None,
+        softcap: float | None = None,
     ):
         super().__init__(ctx, DENSE)
         self.vocab_size = vocab_size
+        self.softcap = softcap  # logits -> cap * tanh(logit / cap) (Gemma 2); None: as they come
         self.local_vocab = padded_vocab_size // ctx.world_size
         self.vocab_start = ctx.rank * self.local_vocab
         # Columns of this rank's logits that are real tokens; the rest is padding.
@@ -276,6 +279,8 @@ class VocabParallelLMHead(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
         logits = self.method.apply(self, copy_to_region(x, self.tp))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.local_valid < self.local_vocab:
             logits[..., self.local_valid :] = float("-inf")
         return logits

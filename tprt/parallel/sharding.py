@@ -1,4 +1,4 @@
-"""The tensor-parallel rule of every Llama-family weight (Qwen's biases and q/k norms too), and how the runtime's fused parameters are
+"""The tensor-parallel rule of every Llama-family weight (Qwen's biases, q/k norms and Gemma's extra norms too), and how the runtime's fused parameters are
 made of Hugging Face tensors: the one table the converter, the loader, the exporter and LoRA read.
 
 HF stores linear weights as [out, in]. Column-parallel weights (q/k/v/gate/up) split dim 0, so
@@ -57,6 +57,9 @@ LAYER_RULES: dict[str, ShardRule] = {
     "self_attn.o_proj.bias": _REPLICATED,
     "self_attn.q_norm.weight": _REPLICATED,
     "self_attn.k_norm.weight": _REPLICATED,
+    # Gemma: norms of the MLP's input and output (its post_attention_layernorm is the attention's output's).
+    "pre_feedforward_layernorm.weight": _REPLICATED,
+    "post_feedforward_layernorm.weight": _REPLICATED,
 }
 # The runtime's linear layers of a decoder layer -> the HF linear modules whose rows they hold, in
 # row order (the same for the weight and for LoRA's column targets).

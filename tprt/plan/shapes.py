@@ -68,6 +68,8 @@ def rank_parameters(cfg: ModelConfig, layout: TPLayout) -> Shapes:
         out[p + "post_attention_layernorm.weight"] = (h,)
         out[p + "mlp.gate_up_proj.weight"] = (rows["gate"] + rows["up"], h)
         out[p + "mlp.down_proj.weight"] = (h, rows["gate"])
+        if cfg.gemma_block:
+            out[p + "pre_feedforward_layernorm.weight"] = out[p + "post_feedforward_layernorm.weight"] = (h,)
     out["norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (layout.local_vocab, h)
