@@ -198,7 +198,8 @@ class ModelConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling")
         local_rope = None
         if isinstance(rope, dict) and ("full_attention" in rope or "sliding_attention" in rope):
-            rope, local_rope = rope.get("full_attention"), rope.get("sliding_attention") or {}
+            per_kind: dict[str, Any] = rope
+            rope, local_rope = per_kind.get("full_attention"), per_kind.get("sliding_attention") or {}
         default_theta = 1e6 if arch == "Gemma3ForCausalLM" else 10000.0
         rope_theta = d.get("rope_theta") or (rope if isinstance(rope, dict) else {}).get("rope_theta") or default_theta
         local_theta = None
