@@ -144,12 +144,17 @@ def test_compiled_once_per_content(byte_tok: Tokenizer) -> None:
     seen: list[float] = []
     so = StructuredOutputs(byte_tok, on_compile=seen.append)
     a = {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "string"}}}
-    b = {"properties": {"y": {"type": "string"}, "x": {"type": "integer"}}, "type": "object"}  # same, reordered
     so.compile(ConstraintSpec.json_schema(a, "one"))
-    g = so.compile(ConstraintSpec.json_schema(b, "two"))
+    g = so.compile(ConstraintSpec.json_schema(dict(a), "two"))
     assert so.compiles == 1 and len(seen) == 1 and g.spec.field == "two"
     so.compile(ConstraintSpec.regex("[ab]+", "three"))
     assert so.compiles == 2
+    # Properties in another order are another output (the matcher writes them in the schema's order).
+    b = {"type": "object", "properties": {"y": {"type": "string"}, "x": {"type": "integer"}},
+         "required": ["x", "y"], "additionalProperties": False}
+    m = so.matcher(so.compile(ConstraintSpec.json_schema(b, "four")))
+    ids = byte_tok.encode('{"y":"a","x":1}', add_special_tokens=False)
+    assert so.compiles == 3 and m.accept_prefix(ids) == len(ids) and m.accepting
 
 
 def test_masks_cover_the_padded_vocabulary_and_rollback_restores(byte_tok: Tokenizer) -> None:

@@ -336,3 +336,75 @@ def test_hermes_calls_stream_and_auto_text_through_the_openai_reply() -> None:
     assert streamed[0]["function"]["name"] == "add"
     assert json.loads("".join(t["function"]["arguments"] for t in streamed)) == {"a": 1, "b": 2}
     assert choice["finish_reason"] == "tool_calls"
+
+
+MISTRAL_TEMPLATE = (  # the shape of Mistral v0.3's: tools before the last user turn, calls as [TOOL_CALLS] + an
+    # array, results with their call's id, and ids of 9 alphanumerics or an error
+    "{% for m in messages %}{% if m.role == 'user' %}{% if tools and loop.last %}[AVAILABLE_TOOLS]"
+    "{% for t in tools %}{{ t.function.name }};{% endfor %}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id is not string or c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}{\"name\": \"{{ c.function.name }}\", \"id\": \"{{ c.id }}\"}"
+    "{% endfor %}]</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }} {{ m.tool_call_id }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+
+
+def test_mistral_tool_calls(tmp_path: Path) -> None:
+    """A template that writes [TOOL_CALLS] (Mistral) gets Mistral's calls: a JSON array of
+    {"name", "arguments"} objects, forced as such (one call for a named function, one or more
+    for "required"), parsed back with or without the [TOOL_CALLS] control token in the text and
+    streamed as call deltas; ids that the template takes (9 alphanumerics), and an earlier
+    conversation's OpenAI ids mapped to such ids the same way for the call and its result."""
+    from serve.core.structured import ToolCallStream, mistral_call_id, tool_syntax
+
+    assert tool_syntax(MISTRAL_TEMPLATE) == "mistral"
+    write_byte_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": MISTRAL_TEMPLATE}))
+    tok = Tokenizer.from_dir(tmp_path)
+    outputs = StructuredOutputs(tok)
+    one = '[{"name":"add","arguments":{"a":1,"b":2}}]'
+    two = '[{"name":"add","arguments":{"a":1,"b":2}},{"name":"get_weather","arguments":{"city":"Oslo"}}]'
+    for choice, good, bad in (("required", (one, two), ()), ({"type": "function", "function": {"name": "add"}},
+                                                             (one,), (two,))):
+        structured = Structured.from_fields(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("mistral")
+        assert structured.constraint is not None
+        grammar = outputs.compile(structured.constraint)
+        wrong = list(bad) + ['{"name":"add","arguments":{"a":1,"b":2}}',  # not an array
+                             '[{"name":"add","parameters":{"a":1,"b":2}}]', "[]"]
+        for text, ok in [(t, True) for t in good] + [(t, False) for t in wrong]:
+            ids = tok.encode(text, add_special_tokens=False)
+            matcher = outputs.matcher(grammar)
+            assert (matcher.accept_prefix(ids) == len(ids) and matcher.accepting) == ok, (choice, text)
+        calls = structured.tool_calls(good[-1]) or []
+        assert [c.name for c in calls] == ["add", "get_weather"][: len(good)]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    auto = Structured.from_fields(tools=[WEATHER, ADD]).with_syntax("mistral")
+    assert auto.constraint is None and [auto.starts_call(t) for t in ("[TOOL", "[{", "Hi")] == [True, True, False]
+    for text in (f"[TOOL_CALLS]{two}", f" [TOOL_CALLS] {two}", two):
+        assert [c.name for c in auto.tool_calls(text) or []] == ["add", "get_weather"], text
+    assert auto.tool_calls("I would add them.") is None
+    stream = ToolCallStream("mistral")
+    deltas = [d for i in range(0, len(two), 4) for d in stream.feed(two[i:i + 4])]
+    assert [d.name for d in deltas if d.name] == ["add", "get_weather"]
+    assert all(len(d.id or "") == 9 for d in deltas if d.name)
+    assert json.loads("".join(d.arguments for d in deltas if d.index == 1)) == {"city": "Oslo"}
+    history = [{"role": "user", "content": "add 1 and 2"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_0123456789abcdef", "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+               {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "3"},
+               {"role": "user", "content": "and 3?"}]
+    text = tok.decode(encode_tool_chat(tok, history, auto))
+    alias = mistral_call_id("call_0123456789abcdef")
+    assert len(alias) == 9 and alias.isalnum() and mistral_call_id("abcDEF123") == "abcDEF123"
+    assert f'"id": "{alias}"' in text and f"[TOOL_RESULTS]3 {alias}[/TOOL_RESULTS]" in text
+    assert text.endswith("[AVAILABLE_TOOLS]get_weather;add;[/AVAILABLE_TOOLS][INST]and 3?[/INST]")
+
+
+def test_llama_calls_may_open_with_the_python_tag() -> None:
+    """Llama 3.1 may write <|python_tag|> before a JSON call: held under "auto", then parsed."""
+    auto = Structured.from_fields(tools=[ADD])
+    assert [auto.starts_call(t) for t in ("<|py", "<|python_tag|>{", "<b>")] == [None, True, False]
+    calls = auto.tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
+    assert calls is not None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}

@@ -8,9 +8,11 @@ caller passed it (OpenAI's parameter names; the HTTP and gRPC layers rename noth
 
 Tool calls are written in the model family's own syntax (`ToolSyntax`, chosen from its chat
 template by `tool_syntax`): Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
-(several, under "required" with parallel_tool_calls, as a JSON array of them), or Hermes-style
-calls, as Qwen2/2.5/3 templates ask, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`
-(several, one after another on their own lines). A named function is called exactly once. With
+(several, under "required" with parallel_tool_calls, as a JSON array of them; a leading
+`<|python_tag|>` is allowed), Hermes-style calls, as Qwen2/2.5/3 templates ask,
+`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (several, one after another on
+their own lines), or Mistral's, `[TOOL_CALLS]` (a control token, usually left out of the text)
+and a JSON array of `{"name": ..., "arguments": {...}}`. A named function is called exactly once. With
 `tool_choice` "required" or a
 named function the output is constrained to that shape, each call's parameters to its function's
 JSON Schema; with "auto" the model chooses, and text that is exactly such a call (or an array of
@@ -20,6 +22,7 @@ template but the output is free text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -33,14 +36,20 @@ from tprt.errors import ValidationError
 MAX_TOOLS = 128
 NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 ToolMode = Literal["none", "auto", "required", "named"]
-ToolSyntax = Literal["json", "hermes"]  # Llama 3.1's JSON calls; <tool_call> blocks (Qwen)
+ToolSyntax = Literal["json", "hermes", "mistral"]  # Llama 3.1's JSON calls; <tool_call> blocks (Qwen); Mistral's
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1 may open a call with it
+MISTRAL_ID_CHARS = 9  # Mistral's templates refuse tool call ids of any other length
 
 
 def tool_syntax(chat_template: str | None) -> ToolSyntax:
     """The call syntax a chat template asks its model for: Hermes blocks when it names
-    `<tool_call>` (Qwen2, Qwen2.5, Qwen3 and their derivatives), else Llama 3.1's JSON."""
-    return "hermes" if chat_template and HERMES_OPEN in chat_template else "json"
+    `<tool_call>` (Qwen2, Qwen2.5, Qwen3 and their derivatives), Mistral's when it names
+    `[TOOL_CALLS]`, else Llama 3.1's JSON."""
+    if chat_template and HERMES_OPEN in chat_template:
+        return "hermes"
+    return "mistral" if chat_template and MISTRAL_CALLS in chat_template else "json"
 
 
 @dataclass(frozen=True)
@@ -88,8 +97,8 @@ class Structured:
         calls (held until its end), is text, or is not known yet (None)."""
         if not text:
             return None
-        if self.syntax == "json":
-            return text[0] in "[{"
+        if self.syntax in ("json", "mistral"):  # [TOOL_CALLS] and <|python_tag|> open so too
+            return text[0] in "[{" or (None if PYTHON_TAG.startswith(text) else text.startswith(PYTHON_TAG))
         if text.startswith(HERMES_OPEN):
             return True
         return None if HERMES_OPEN.startswith(text) else False
@@ -141,7 +150,12 @@ class Structured:
         if self.tool_mode == "none" or not self.tools:
             return None
         names = {t.name for t in self.tools}
-        return parse_hermes_calls(text, names) if self.syntax == "hermes" else parse_tool_calls(text, names)
+        if self.syntax == "hermes":
+            return parse_hermes_calls(text, names)
+        calls = parse_tool_calls(text, names)
+        if calls is not None and self.syntax == "mistral":  # ids as its template takes them back
+            calls = [replace(c, id=new_call_id("mistral")) for c in calls]
+        return calls
 
 
 def _response_format(value: Any) -> ConstraintSpec | None:
@@ -287,9 +301,14 @@ def _calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
 
 def _forced_call(tools: Sequence[Tool], several: bool, syntax: ToolSyntax) -> ConstraintSpec:
     """The constraint of a forced call of one of `tools` (or, with `several`, one or more) in
-    `syntax`: a JSON Schema, or for Hermes a grammar of <tool_call> blocks around the call's JSON."""
+    `syntax`: a JSON Schema (for Mistral an array of calls), or for Hermes a grammar of <tool_call>
+    blocks around the call's JSON."""
     if syntax == "json":
         return ConstraintSpec.json_schema(_calls_schema(tools, several), "tool_choice")
+    if syntax == "mistral":
+        one = [_call_schema(t, "arguments") for t in tools]
+        array = {"type": "array", "items": one[0] if len(one) == 1 else {"anyOf": one}, "minItems": 1}
+        return ConstraintSpec.json_schema(array if several else {**array, "maxItems": 1}, "tool_choice")
     one = [_call_schema(t, "arguments") for t in tools]
     schema = json.dumps(one[0] if len(one) == 1 else {"anyOf": one}, ensure_ascii=False)
     calls = 'call ("\\n" call)*' if several else "call"
@@ -299,8 +318,9 @@ def _forced_call(tools: Sequence[Tool], several: bool, syntax: ToolSyntax) -> Co
 
 def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCall] | None:
     """The calls `text` holds: a JSON call `{"name", "parameters"|"arguments"}` or an array of
-    them, each naming one of `names`, with an object of arguments; None otherwise."""
-    stripped = text.strip()
+    them (after a [TOOL_CALLS] or <|python_tag|> written out), each naming one of `names`, with an
+    object of arguments; None otherwise."""
+    stripped = text.strip().removeprefix(MISTRAL_CALLS).removeprefix(PYTHON_TAG).strip()
     if not stripped or stripped[0] not in "[{":
         return None
     try:
@@ -338,16 +358,29 @@ def parse_hermes_calls(text: str, names: set[str] | frozenset[str]) -> list[Tool
     return calls
 
 
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+def new_call_id(syntax: ToolSyntax = "json") -> str:
+    """A fresh tool call id: OpenAI's shape, or Mistral's 9 alphanumerics."""
+    return secrets.token_hex(8)[:MISTRAL_ID_CHARS] if syntax == "mistral" else "call_" + secrets.token_hex(12)
 
 
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def mistral_call_id(call_id: Any) -> str:
+    """A caller's tool call id as Mistral's templates take it (9 alphanumerics): itself when it is
+    one, else a digest of it (the same for the assistant's call and the tool's answer)."""
+    text = str(call_id)
+    if len(text) == MISTRAL_ID_CHARS and text.isascii() and text.isalnum():
+        return text
+    return hashlib.sha256(text.encode()).hexdigest()[:MISTRAL_ID_CHARS]
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]], syntax: ToolSyntax = "json") -> list[dict[str, Any]]:
     """OpenAI messages as chat templates expect them: an assistant's `tool_calls` with their
-    arguments as objects (OpenAI sends JSON text), a tool message's `tool_call_id` and `name` kept."""
+    arguments as objects (OpenAI sends JSON text), a tool message's `tool_call_id` and `name` kept
+    (for Mistral, ids made 9 alphanumerics: `mistral_call_id`)."""
     out = []
     for i, m in enumerate(messages):
         msg = dict(m)
+        if syntax == "mistral" and msg.get("tool_call_id") is not None:
+            msg["tool_call_id"] = mistral_call_id(msg["tool_call_id"])
         calls = msg.get("tool_calls")
         if calls is not None:
             if not isinstance(calls, list):
@@ -365,8 +398,10 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
                     except (ValueError, RecursionError):
                         raise ValidationError(f"messages[{i}].tool_calls[{j}].function.arguments",
                                               f"messages[{i}].tool_calls[{j}].function.arguments: not JSON") from None
-                converted.append({"id": call.get("id"), "type": "function",
-                                  "function": {"name": fn["name"], "arguments": args}})
+                call_id = call.get("id")
+                if syntax == "mistral" and call_id is not None:
+                    call_id = mistral_call_id(call_id)
+                converted.append({"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}})
             msg["tool_calls"] = converted
         out.append(msg)
     return out
@@ -385,7 +420,7 @@ def encode_tool_chat(tok: Any, messages: Sequence[Mapping[str, Any]], structured
     """The chat prompt's ids with the request's tools: through the template's own tool support
     when it has one (it reads `tools`), else as a system message (`tools_system_prompt`), with
     earlier calls written as the JSON the model is asked to produce."""
-    converted = template_messages(messages)
+    converted = template_messages(messages, structured.syntax)
     tools = structured.template_tools()
     template = tok.chat_template or ""
     if "tool_use" in tok.chat_templates or "tools" in template:
@@ -422,14 +457,16 @@ class ToolCallStream:
     """Turns the text of forced tool calls, as it streams, into OpenAI's tool-call deltas.
 
     The constraint makes the text compact JSON in a fixed shape, `{"name":"N","parameters":ARGS}`
-    or an array of those (Hermes: `{"name":"N","arguments":ARGS}` in <tool_call> blocks), so each
+    or an array of those (Hermes: `{"name":"N","arguments":ARGS}` in <tool_call> blocks; Mistral:
+    an array of those), so each
     call starts once its name is complete and its arguments stream as they come (ARGS's own
     text); the wrapper's characters (brackets, tags) are never shown."""
 
     _START = '{"name":'
 
     def __init__(self, syntax: ToolSyntax = "json") -> None:
-        self._marker = ',"arguments":' if syntax == "hermes" else ',"parameters":'  # the tags are never shown
+        self._marker = ',"parameters":' if syntax == "json" else ',"arguments":'  # the tags are never shown
+        self._syntax = syntax
         self._text = ""
         self._pos = 0  # how far the text has been consumed
         self._index = -1  # the call being streamed
@@ -454,7 +491,7 @@ class ToolCallStream:
                     return out
                 name = json.loads(head[len(self._START):end_name + 1])
                 self._index += 1
-                out.append(CallDelta(self._index, "", name=name, id=new_call_id()))
+                out.append(CallDelta(self._index, "", name=name, id=new_call_id(self._syntax)))
                 self._pos = start + end_name + 1 + len(marker)
                 self._in_args, self._depth, self._in_string, self._escaped = True, 0, False, False
                 continue

@@ -144,7 +144,9 @@ class ConstraintSpec:
         if not isinstance(schema, Mapping):
             raise ValidationError(field, f"{field}: expected a JSON Schema object, got {type(schema).__name__}")
         try:
-            source = json.dumps(schema, sort_keys=True, allow_nan=False, ensure_ascii=False)
+            # Keys in the caller's order: the matcher writes an object's properties in the schema's
+            # order (sorted, a model would have to write {"arguments": ..., "name": ...}).
+            source = json.dumps(schema, allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError) as e:
             raise ValidationError(field, f"{field}: the schema is not plain JSON ({e})") from None
         return ConstraintSpec("json_schema", _sized(source, field), field)
