@@ -104,7 +104,8 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
     Returns counters [half calls, stack calls] that the wrapped kernels advance (zeros, and
     nothing changed, where the native kernels are unavailable)."""
     from tprt.cpu import native
-    from tprt.cpu.native_layers import install_native_stack, layer_extras, use_native_halves
+    from tprt.cpu.native_layers import (attention_shape, install_native_stack, layer_extras, mlp_norm, native_norm,
+                                        use_native_halves)
     from tprt.model.llama import LayerStack
 
     calls = [0, 0]
@@ -119,11 +120,16 @@ def force_native_decode(model: Any, stack: bool = True) -> list[int]:
         attn, mlp = layer.self_attn, layer.mlp
         a = native.attention_decode_kernel(layer.input_layernorm.weight, layer.input_layernorm.eps,
                                            attn.qkv_proj.weight, attn.o_proj.weight, attn.n_heads, attn.n_kv,
-                                           layer_extras(layer))
-        m = native.mlp_decode_kernel(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-                                     mlp.gate_up_proj.weight, mlp.down_proj.weight)
+                                           layer_extras(layer), attention_shape(layer))
+        norm = mlp_norm(layer)
+        m = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                     model.config.gemma_block)
         if a is not None and m is not None:
             use_native_halves(model, i, counted(a, 0), counted(m, 0))
+            if model.config.gemma_block:  # the norms of the halves' outputs, as the stack computes them
+                new = model.layers[i]
+                new.post_attention_layernorm = native_norm(new.post_attention_layernorm)
+                new.post_feedforward_layernorm = native_norm(new.post_feedforward_layernorm)
     model.stack = LayerStack()
     if stack and (native_stack := install_native_stack(model)) is not None:
         native_stack.kernel = counted(native_stack.kernel, 1)

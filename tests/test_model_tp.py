@@ -321,8 +321,10 @@ def check_native_stack(ctx: TPContext, workdir: Path, name: str, dtype: str = "f
         _step(model, cache, modules)
         model.stack = stack
         _step(model, cache, seqs)
+        # bf16: Gemma 2's logits are capped at 2 here, so the same rounding is a larger share of their scale
+        bf16_tol = 3e-2 if model.config.final_logit_softcapping else 2e-2
         for s, m in zip(seqs, modules):  # the few-row products and SwiGLU round their own way
-            _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else 2e-2)
+            _assert_close(s.logits[-1], m.logits[-1], "3 rows: stack vs layers", TOL if dtype == "fp32" else bf16_tol)
     if dtype == "fp32":
         assert [s.out for s in seqs] == ref["generated"], "3 rows: greedy tokens differ from transformers' generate"
     decode_calls = calls[1] - prefill_calls
@@ -548,8 +550,10 @@ CHECKS: Checks = [
     *((f"{n}-greedy", partial(check_greedy, name=n)) for n in CONFIGS),
     ("gqa-continuous", partial(check_continuous, name="gqa")),
     ("gqa-int8_logits", partial(check_int8_logits, name="gqa")),
-    *((f"{n}-native_stack", partial(check_native_stack, name=n)) for n in ("gqa", "tied", "qwen2", "qwen3")),
-    *((f"{n}-native_stack_bf16", partial(check_native_stack, name=n, dtype="bf16")) for n in ("tied", "qwen3")),
+    *((f"{n}-native_stack", partial(check_native_stack, name=n))
+      for n in ("gqa", "tied", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")),
+    *((f"{n}-native_stack_bf16", partial(check_native_stack, name=n, dtype="bf16"))
+      for n in ("tied", "qwen3", "mistral", "gemma2", "gemma3")),
     *((f"{n}-backward", partial(check_backward, name=n)) for n in CONFIGS),
     *((f"{n}-engine", partial(check_engine, name=n)) for n in FAMILY_CONFIGS),
     ("tied-bf16", partial(check_bf16, name="tied")),

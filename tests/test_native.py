@@ -125,7 +125,7 @@ def test_rms_norm_matches_module(dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16:  # transformers' two roundings, reproduced: equal but for rare ties
         assert (got != want).float().mean() < 1e-3
     assert (got.float() - want.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 2e-2) * want.abs().max().float()
-    swapped = NativeRMSNorm(100, norm.eps, dtype, fast)
+    swapped = NativeRMSNorm(100, norm.eps, dtype, False, fast)
     swapped.weight = norm.weight
     with torch.no_grad():
         assert torch.equal(swapped(x), got)  # used with autograd off
@@ -164,6 +164,38 @@ def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
         attend(q.to(torch.bfloat16), cache, step, 1)
     with pytest.raises(ValueError, match="decode_attention"):  # more rows than the step has positions
         attend(torch.randn(5, nh, 1, d), cache, step, 1)
+
+
+@pytest.mark.parametrize("storage", ["fp32", "int8"])
+def test_decode_attention_with_windows_and_soft_caps(storage: str) -> None:
+    """Sliding windows (Mistral's, Gemma's windowed layers) and soft-capped scores (Gemma 2) in the
+    decode kernel, against the reference's masked, capped attention over the same cache: windows
+    starting inside a block, on a block edge, and longer than the row; the vectorised head_dims
+    and the generic one; float32 and int8 caches."""
+    from tprt.model.kv_cache import KVCache, kv_cache_dtype
+    from tprt.model.sdpa import attention_math
+
+    attend = native.decode_attention_kernel(torch.float32)
+    if not native.available():
+        assert attend is None
+        return
+    assert attend is not None
+    torch.manual_seed(1)
+    for d, size, (window, cap) in itertools.product((24, 64, 128), (5, 16), ((7, None), (16, 2.0), (None, 1.5),
+                                                                            (64, 3.0))):
+        width = -(-40 // size)
+        cache = KVCache(2, 4 * width + 1, 2, size, d, kv_cache_dtype(storage) or torch.float32, windows=(None, window),
+                        softcap=cap)
+        positions = torch.tensor([[3], [16], [39], [21]])
+        tables = (torch.randperm(4 * width, generator=torch.Generator().manual_seed(d + size)) + 1).view(4, width)
+        step = cache.prepare(torch.arange(40).expand(4, 40), tables)  # every position of every row written
+        cache.write(1, torch.randn(4, 40, 2, 2, d), step)
+        step = cache.prepare(positions, tables)
+        q = torch.randn(4, 6, 1, d) * 3
+        k, v = cache.read(1, step)
+        want = attention_math(q, k, v, step.masks[window], gqa=True, softcap=cap)
+        got = attend(q, cache, step, 1)
+        assert (got - want.transpose(1, 2).reshape(4, 1, 6 * d)).abs().max() <= 2e-5 * want.abs().max(), (d, size, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

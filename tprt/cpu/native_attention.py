@@ -47,9 +47,9 @@ class NativeCPUAttention(TorchAttention):
 
     @staticmethod
     def available(device: torch.device, cache: KVCache) -> bool:
-        """A CPU cache the kernel reads: float32 or int8, every earlier position attended (the
-        kernel has no sliding window nor soft-capping)."""
-        return device.type == "cpu" and cache.plain_attention and native.supports_cache(cache) and native.available()
+        """A CPU cache the kernel reads: float32 or int8 (sliding windows and soft-capped scores
+        included)."""
+        return device.type == "cpu" and native.supports_cache(cache) and native.available()
 
 
 

@@ -45,8 +45,8 @@ Kernel = Callable[..., torch.Tensor]
 class NativeRMSNorm(RMSNorm):
     """RMSNorm computed by `kernel` (tprt.cpu.native.rms_norm_kernel) whenever autograd is off."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype | None, kernel: Kernel) -> None:
-        super().__init__(size, eps, dtype)
+    def __init__(self, size: int, eps: float, dtype: torch.dtype | None, unit_offset: bool, kernel: Kernel) -> None:
+        super().__init__(size, eps, dtype, unit_offset)
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,11 +71,14 @@ class NativeAttention(Attention):
             return super().forward(x, step)
         tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(tokens, 1, self.n_heads + 2 * self.n_kv, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each q and k head normalised first
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: each q and k head normalised first
             nh, nkv = self.n_heads, self.n_kv
             qkv[:, :, :nh] = self.q_norm(qkv[:, :, :nh])
             qkv[:, :, nh : nh + nkv] = self.k_norm(qkv[:, :, nh : nh + nkv])
-        q32 = self.rope_cache(qkv, step.cos, step.sin, attention.cache, attention.token_rows, self.layer)
+        cos, sin = step.angles(self.window is not None)
+        q32 = self.rope_cache(qkv, cos, sin, attention.cache, attention.token_rows, self.layer)
+        if self.query_scale != 1.0:  # Gemma's query_pre_attn_scalar, as the reference scales q
+            q32 = q32 * self.query_scale
         out = attention.attend_cached(self.layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
         return self.o_proj(out.reshape(tokens, 1, self.n_heads * self.head_dim))
 
@@ -92,17 +95,23 @@ class NativeDecoderLayer(DecoderLayer):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         attn, mlp, attention = self.self_attn, self.mlp, step.attention
+        gemma = self.post_feedforward_layernorm is not None  # each half's output normalised before its add
         one_row = x.numel() == x.shape[-1] and not torch.is_grad_enabled()  # one token
         if (one_row and self.attention_half is not None and attention is not None
                 and native.supports_cache(attention.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
-            partial = self.attention_half(x, step.cos, step.sin, attention.cache, attention.token_rows, attn.layer)
+            cos, sin = step.angles(attn.window is not None)
+            partial = self.attention_half(x, cos, sin, attention.cache, attention.token_rows, attn.layer)
             out = attn.o_proj.reduce(partial)
-            h = x + (out if attn.o_proj.bias is None else out + attn.o_proj.bias)
+            out = out if attn.o_proj.bias is None else out + attn.o_proj.bias
         else:
-            h = x + attn(self.input_layernorm(x), step)
+            out = attn(self.input_layernorm(x), step)
+        h = x + (self.post_attention_layernorm(out) if gemma else out)
         if one_row and self.mlp_half is not None and not adapted(mlp.gate_up_proj, mlp.down_proj):
-            return h + mlp.down_proj.reduce(self.mlp_half(h))
-        return h + mlp(self.post_attention_layernorm(h))
+            out = mlp.down_proj.reduce(self.mlp_half(h))
+        else:
+            out = mlp(self.pre_feedforward_layernorm(h) if self.pre_feedforward_layernorm is not None
+                      else self.post_attention_layernorm(h))
+        return h + (self.post_feedforward_layernorm(out) if self.post_feedforward_layernorm is not None else out)
 
 
 class NativeDecodeStack(LayerStack):
@@ -125,7 +134,7 @@ class NativeDecodeStack(LayerStack):
         if (attention is None or h.shape[0] > self.max_rows or torch.is_grad_enabled()
                 or not native.supports_cache(attention.cache) or adapted(*self.linears)):
             return super().__call__(layers, h, step)
-        return self.kernel(h, step.cos, step.sin, attention.cache, attention.token_rows)
+        return self.kernel(h, step.cos, step.sin, attention.cache, attention.token_rows, step.local)
 
 
 def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
@@ -146,7 +155,7 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         weights.append((layer.input_layernorm.weight, attn.qkv_proj.weight, attn.o_proj.weight,
-                        layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
+                        mlp_norm(layer).weight, mlp.gate_up_proj.weight, mlp.down_proj.weight))
         s = [x.method.base.stack_scales(x) for x in linears]
         scales.append((None, s[0], s[1], None, s[2], s[3]))
     first = layers[0]
@@ -156,13 +165,32 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
         assert shm is not None
         all_reduce = (*shm.c_function(), shm.check)
     any_int8 = any(x is not None for layer_scales in scales for x in layer_scales)
+    gemma = model.config.gemma_block
+    sandwich: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
+                for layer in layers if isinstance(layer, DecoderLayer) and layer.post_feedforward_layernorm is not None]
     kernel = native.decode_stack_kernel(weights, first.input_layernorm.eps, first.self_attn.n_heads,
                                         first.self_attn.n_kv, all_reduce, scales if any_int8 else None,
-                                        [layer_extras(layer) for layer in layers])
+                                        [layer_extras(layer) for layer in layers],
+                                        [attention_shape(layer) for layer in layers], sandwich if gemma else None)
     if kernel is None:
         return None
     model.stack = stack = NativeDecodeStack(model, kernel, native.stack_max_rows(scales if any_int8 else None))
     return stack
+
+
+def attention_shape(layer: nn.Module) -> native.AttentionShape:
+    """A layer's departures from Llama's attention, as the kernels take them (its window, the
+    scores' scale and soft-cap, Gemma's norms)."""
+    assert isinstance(layer, DecoderLayer)
+    attn = layer.self_attn
+    scale = None if attn.query_scale == 1.0 else attn.query_scale * attn.head_dim ** -0.5
+    return native.AttentionShape(attn.window, scale, attn.softcap, layer.post_feedforward_layernorm is not None)
+
+
+def mlp_norm(layer: DecoderLayer) -> RMSNorm:
+    """The norm of a layer's MLP input: Gemma's pre_feedforward_layernorm, Llama's post_attention_layernorm."""
+    return layer.pre_feedforward_layernorm or layer.post_attention_layernorm
 
 
 def layer_extras(layer: nn.Module) -> native.Extras:
@@ -191,12 +219,13 @@ def _take_over(new: nn.Module, old: nn.Module) -> None:
         setattr(new, name, child)
 
 
-def _norm(norm: RMSNorm) -> RMSNorm:
-    kernel = native.rms_norm_kernel(norm.weight, norm.eps)
+def native_norm(norm: RMSNorm) -> RMSNorm:
+    """`norm` as a NativeRMSNorm over the same weight (itself where the kernels are unavailable)."""
+    kernel = native.rms_norm_kernel(norm.weight, norm.eps, norm.unit_offset)
     if kernel is None:
         return norm
     with torch.device("meta"):
-        new = NativeRMSNorm(norm.weight.shape[0], norm.eps, norm.weight.dtype, kernel)
+        new = NativeRMSNorm(norm.weight.shape[0], norm.eps, norm.weight.dtype, norm.unit_offset, kernel)
     _take_over(new, norm)
     return new
 
@@ -204,33 +233,39 @@ def _norm(norm: RMSNorm) -> RMSNorm:
 def install_native_layers(model: TPLlamaForCausalLM) -> None:
     """Swaps the native modules above into `model` where their kernels are available (see the
     module docstring); a no-op unless `supported(model)`. Blocks that are not Llama's exactly
-    (Qwen's biases and q/k norms) get the same: the kernels take the deltas (`layer_extras`);
-    Gemma's do not (its norms, scaled queries, GeGLU and soft-capping are not in C): those keep the
-    reference modules over prepack's weights. For inference: call after `prepack`."""
-    if not supported(model) or model.config.gemma_block:
+    (Qwen's biases and q/k norms, Mistral's windows, Gemma's norms, scaled queries, GeGLU,
+    soft-capping and local angles) get the same: the kernels take the deltas (`layer_extras`,
+    `attention_shape`). For inference: call after `prepack`."""
+    if not supported(model):
         return
+    gemma = model.config.gemma_block
     rope_cache = native.rope_cache_kernel(model.dtype)
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
-        layer.input_layernorm = _norm(layer.input_layernorm)
-        layer.post_attention_layernorm = _norm(layer.post_attention_layernorm)
+        layer.input_layernorm = native_norm(layer.input_layernorm)
+        layer.post_attention_layernorm = native_norm(layer.post_attention_layernorm)
+        if layer.pre_feedforward_layernorm is not None and layer.post_feedforward_layernorm is not None:  # Gemma
+            layer.pre_feedforward_layernorm = native_norm(layer.pre_feedforward_layernorm)
+            layer.post_feedforward_layernorm = native_norm(layer.post_feedforward_layernorm)
         if rope_cache is not None:
             with torch.device("meta"):
                 new_attn = NativeAttention(model, attn.layer, rope_cache)
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
         attention_half = mlp_half = None
-        if one_row_native(attn.qkv_proj, attn.o_proj) and attn.window is None:  # no window in C
+        if one_row_native(attn.qkv_proj, attn.o_proj):
             norm = layer.input_layernorm
             attention_half = native.attention_decode_kernel(norm.weight, norm.eps, attn.qkv_proj.weight,
-                                                            attn.o_proj.weight, attn.n_heads, attn.n_kv, layer_extras(layer))
+                                                            attn.o_proj.weight, attn.n_heads, attn.n_kv, layer_extras(layer),
+                                                            attention_shape(layer))
         if one_row_native(mlp.gate_up_proj, mlp.down_proj):
-            norm = layer.post_attention_layernorm
-            mlp_half = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight)
+            norm = mlp_norm(layer)
+            mlp_half = native.mlp_decode_kernel(norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+                                                gemma)
         if attention_half is not None or mlp_half is not None:
             use_native_halves(model, i, attention_half, mlp_half)
-    model.norm = _norm(model.norm)
+    model.norm = native_norm(model.norm)
     install_native_stack(model)
 
 

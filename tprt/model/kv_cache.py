@@ -188,17 +188,6 @@ class KVCache:
         self.block_size = block_size
 
     @property
-    def windowed(self) -> bool:
-        """Whether some layer attends through a sliding window."""
-        return any(w is not None for w in self.windows)
-
-    @property
-    def plain_attention(self) -> bool:
-        """Every layer attends to every earlier position, scores unchanged: what the compiled CPU
-        kernels implement."""
-        return not self.windowed and self.softcap is None
-
-    @property
     def dtype(self) -> torch.dtype:
         """The dtype reads return and attention runs in (the storage dtype unless quantized)."""
         return self._dtype

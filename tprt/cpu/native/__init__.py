@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -62,11 +63,11 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P, _I, _I, _I],
-               "tprt_rms_norm": [_P, _P, _P, _I, _I, _F],
+               "tprt_rms_norm": [_P, _P, _P, _I, _I, _F], "tprt_rms_norm_unit": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 9 + [_I] * 8,
-               "tprt_paged_decode_attention": [_P] * 8 + [_I] * 10 + [_F],
-               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F],
-               "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F, _P]}
+               "tprt_paged_decode_attention": [_P] * 8 + [_I] * 10 + [_F, _I, _F],
+               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F, _I],
+               "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F, _P, _I, _F, _I]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -165,7 +166,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = argtypes, None
     for suffix in _DTYPE_SUFFIX.values():
         fn = getattr(lib, f"tprt_decode_stack_{suffix}")
-        fn.argtypes, fn.restype = [_P, _P, _I] + [_P] * 6 + [_I, _P], _I
+        fn.argtypes, fn.restype = [_P, _P, _I] + [_P] * 6 + [_I, _P, _P, _P], _I
     bind_q8(lib)
     lib.tprt_stream_sum_f32.argtypes, lib.tprt_stream_sum_f32.restype = [_P, _I], ctypes.c_double
     lib.tprt_pool_set_threads.argtypes, lib.tprt_pool_set_threads.restype = [_I], _I
@@ -250,10 +251,11 @@ def _gemv(weight: torch.Tensor, label: str, min_rows: int, max_rows: int) -> Ker
     return run
 
 
-def rms_norm_kernel(weight: torch.Tensor, eps: float) -> Kernel | None:
+def rms_norm_kernel(weight: torch.Tensor, eps: float, unit_offset: bool = False) -> Kernel | None:
     """A function computing RMSNorm(x) * weight over the last dimension for x of the weight's
-    dtype (as `tprt.model.llama.RMSNorm`, to rounding), or None like `gemv_kernel`."""
-    fn = _function("tprt_rms_norm", weight, 1)
+    dtype (as `tprt.model.llama.RMSNorm`, to rounding; `unit_offset`: Gemma's, times 1 + weight in
+    float32), or None like `gemv_kernel`."""
+    fn = _function("tprt_rms_norm_unit" if unit_offset else "tprt_rms_norm", weight, 1)
     if fn is None:
         return None
     w = weight.detach().contiguous()
@@ -350,9 +352,10 @@ def rope_cache_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
 def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
     """A function (q, cache, cache_step, layer) -> attention output for one decode token per
     row, or None like `gemv_kernel`. q [batch, nh, 1, d] float32 (from `rope_cache_kernel`);
-    row b attends to its keys and values at positions 0..its own, read through its block table
-    (the decode step's causal mask; blocks and positions checked in range by `KVCache.prepare`);
-    returns [batch, 1, nh * d] in `dtype`."""
+    row b attends to its keys and values at positions 0..its own (the last `cache.windows[layer]`
+    of them where the layer has a window; scores soft-capped where `cache.softcap`), read through
+    its block table (the decode step's causal mask; blocks and positions checked in range by
+    `KVCache.prepare`); returns [batch, 1, nh * d] in `dtype`."""
     lib = _library()
     if lib is None or dtype not in _DTYPE_SUFFIX:
         return None
@@ -369,17 +372,19 @@ def decode_attention_kernel(dtype: torch.dtype) -> Callable[..., torch.Tensor] |
         out = torch.empty(batch, 1, nh * d, dtype=dtype)
         scratch = torch.empty(cache_step.kv_len * (nh // nkv), dtype=torch.float32)  # a group's scores
         fn(q.data_ptr(), store.data_ptr(), scales, fixed, tables.data_ptr(), positions.data_ptr(), out.data_ptr(),
-           scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5)
+           scratch.data_ptr(), batch, nh, nkv, d, store.shape[3], tables.stride(0), *store.stride()[:4], d ** -0.5,
+           cache.windows[layer] or 0, cache.softcap or 0.0)
         return out
 
     return run
 
 
 def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: torch.Tensor,
-                      down_weight: torch.Tensor) -> Kernel | None:
+                      down_weight: torch.Tensor, gemma: bool = False) -> Kernel | None:
     """A function h -> down(silu(gate) * up) of RMSNorm(h) for one row h [..., hidden] (this rank's
     partial product, before the all-reduce and the residual add), or None like `gemv_kernel`.
-    gate_up_weight [2 inter, hidden] holds the gate rows, then the up rows (tprt.model.llama.MLP)."""
+    gate_up_weight [2 inter, hidden] holds the gate rows, then the up rows (tprt.model.llama.MLP).
+    `gemma`: Gemma's norm (1 + w, in float32) and GeGLU (tanh) instead."""
     fn = _function("tprt_mlp_decode", gate_up_weight, 2)
     hidden = norm_weight.shape[0]
     inter = gate_up_weight.shape[0] // 2
@@ -397,7 +402,7 @@ def mlp_decode_kernel(norm_weight: torch.Tensor, eps: float, gate_up_weight: tor
         out = torch.empty_like(x)
         act, work = torch.empty(2 * inter, dtype=dtype), torch.empty(inter, dtype=torch.float32)
         fn(x.data_ptr(), norm.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), act.data_ptr(),
-           work.data_ptr(), hidden, inter, eps)
+           work.data_ptr(), hidden, inter, eps, int(gemma))
         return out
 
     return run
@@ -421,15 +426,17 @@ def _extras(extras: list[Extras] | None, dtype: torch.dtype, shapes: tuple[tuple
 
 
 def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: torch.Tensor, o_weight: torch.Tensor,
-                            n_heads: int, n_kv_heads: int, extras: Extras | None = None
-                            ) -> Callable[..., torch.Tensor] | None:
+                            n_heads: int, n_kv_heads: int, extras: Extras | None = None,
+                            shape: AttentionShape | None = None) -> Callable[..., torch.Tensor] | None:
     """A function (x, cos, sin, cache, cache_step, layer) -> o_proj(attention(RMSNorm(x))) for one
     decode row x [1, 1, hidden] (this rank's partial product, before the all-reduce and the
     residual add), writing the row's k and v into the paged `cache` (float32 or int8) like
     `rope_cache_kernel` and attending through its block table like `decode_attention_kernel`;
     or None like `gemv_kernel`. qkv_weight rows are [q; k; v] of this rank's heads (tprt.model.llama).
     `extras`: the layer's (q/k/v bias, q norm, k norm, o bias), as `decode_stack_kernel` takes
-    them; the o bias is the caller's to add after its all-reduce."""
+    them; the o bias is the caller's to add after its all-reduce. `shape`: the layer's window,
+    the scores' scale and soft-cap, Gemma's norms (its angles are the caller's to pick)."""
+    shape = shape or AttentionShape()
     fn = _function("tprt_paged_attention_decode", qkv_weight, 2)
     hidden = norm_weight.shape[0]
     d = qkv_weight.shape[0] // (n_heads + 2 * n_kv_heads)
@@ -461,17 +468,34 @@ def attention_decode_kernel(norm_weight: torch.Tensor, eps: float, qkv_weight: t
         fn(x.data_ptr(), norm.data_ptr(), qkv_w.data_ptr(), o_w.data_ptr(), cos.data_ptr(), sin.data_ptr(),
            store.data_ptr(), scales, fixed, block, offset, table.data_ptr(), position.data_ptr(), out.data_ptr(),
            qkv.data_ptr(), attn.data_ptr(), q.data_ptr(), hidden, n_heads, n_kv_heads, d, store.shape[3],
-           *store.stride()[:4], eps, d ** -0.5, None if extra_ptrs is None else ctypes.addressof(extra_ptrs))
+           *store.stride()[:4], eps, shape.scale_for(d), None if extra_ptrs is None else ctypes.addressof(extra_ptrs),
+           shape.window or 0, shape.softcap or 0.0, int(shape.gemma))
         return out
 
     return run
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """How a layer's attention departs from Llama's, as the kernels take it: its sliding window
+    (None: none), the scores' scale (None: 1 / sqrt(head_dim)), their soft-cap (None: none), and
+    Gemma's block (norms scaling by 1 + w in float32, GeGLU, norms of each half's output)."""
+
+    window: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+    gemma: bool = False
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else head_dim ** -0.5
 
 
 class _DecodeStack(ctypes.Structure):
     """kernels.c's decode_stack: the model, for tprt_decode_stack."""
     _fields_ = [("layers", _I), ("hidden", _I), ("inter", _I), ("nh", _I), ("nkv", _I), ("d", _I),
                 ("eps", _F), ("scale", _F), ("weights", _P), ("all_reduce", _P), ("all_reduce_ctx", _P),
-                ("scales", _P), ("groups", _P), ("max_rows", _I), ("extras", _P)]
+                ("scales", _P), ("groups", _P), ("max_rows", _I), ("extras", _P), ("windows", _P),
+                ("softcap", _F), ("gemma", _I), ("sandwich", _P)]
 
 
 class _DecodeCache(ctypes.Structure):
@@ -487,7 +511,9 @@ STACK_MAX_Q8_ROWS = 32  # with every projection in int8 (their batched products:
 def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_heads: int, n_kv_heads: int,
                         all_reduce: tuple[int, int, Callable[[int], None]] | None = None,
                         scales: list[tuple[torch.Tensor | None, ...]] | None = None,
-                        extras: list[Extras] | None = None) -> Callable[..., torch.Tensor] | None:
+                        extras: list[Extras] | None = None, attention: list[AttentionShape] | None = None,
+                        sandwich: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                        ) -> Callable[..., torch.Tensor] | None:
     """A function (h, cos, sin, cache, cache_step) -> h after every decoder layer (before the
     final norm) for a decode step of 1 to `stack_max_rows(scales)` rows of one token, h [rows, 1, hidden],
     writing each layer's k and v into the paged `cache` (float32 or int8) and each row attending through its
@@ -501,7 +527,10 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     like `layers`: the float32 scales [out, groups] of a weight given in int8 (tprt.quant), None
     for a weight in the model's dtype; its products then run as `q8_kernel`'s. `extras`: per
     layer, its (q/k/v bias, q norm, k norm, o bias) in the model's dtype, None where absent (the
-    blocks of Qwen2 and Qwen3)."""
+    blocks of Qwen2 and Qwen3). `attention`: per layer, its `AttentionShape` (the scale, soft-cap and
+    Gemma flag the same for every layer); `sandwich` (Gemma): per layer, the norms of its
+    attention's and its MLP's outputs. The function then takes the windowed layers' own angles
+    too (`local`: (cos, sin), Gemma 3)."""
     if not layers:
         return None
     norm0, qkv0, o0, _, gate_up0, _ = layers[0]
@@ -531,14 +560,29 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
     if found is None or (extras is not None and len(extras) != len(layers)):
         return None
     extra_tensors, extra_ptrs = found
-    model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, d ** -0.5,
+    attention = attention or [AttentionShape()] * len(layers)
+    first = attention[0]
+    if len(attention) != len(layers) or any((a.scale, a.softcap, a.gemma) != (first.scale, first.softcap, first.gemma)
+                                            for a in attention):
+        return None
+    windows = (ctypes.c_int64 * len(layers))(*(a.window or 0 for a in attention))
+    sandwich_tensors = [w.detach().contiguous() for pair in sandwich or [] for w in pair]
+    if (sandwich is not None) != first.gemma or any(w.dtype != dtype or tuple(w.shape) != (hidden,)
+                                                    for w in sandwich_tensors) or len(sandwich_tensors) not in (0, 2 * len(layers)):
+        return None
+    sandwich_ptrs = (ctypes.c_void_p * len(sandwich_tensors))(*(w.data_ptr() for w in sandwich_tensors))
+    model = _DecodeStack(len(layers), hidden, inter, n_heads, n_kv_heads, d, eps, first.scale_for(d),
                          ctypes.addressof(pointers), function, ctx,
                          ctypes.addressof(scale_ptrs) if scales is not None else None, ctypes.addressof(groups),
-                         max_rows, None if extra_ptrs is None else ctypes.addressof(extra_ptrs))
+                         max_rows, None if extra_ptrs is None else ctypes.addressof(extra_ptrs),
+                         ctypes.addressof(windows), first.softcap or 0.0, int(first.gemma),
+                         ctypes.addressof(sandwich_ptrs) if sandwich_tensors else None)
     # what `model` points to, kept alive by the closure
-    alive = (weights, pointers, flat_scales, scale_ptrs, groups, extra_tensors, extra_ptrs)
+    alive = (weights, pointers, flat_scales, scale_ptrs, groups, extra_tensors, extra_ptrs, windows, sandwich_tensors,
+             sandwich_ptrs)
 
-    def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any) -> torch.Tensor:
+    def run(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, cache_step: Any,
+            local: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         assert alive
         kv, scales, fixed = _cache_store("decode_stack", cache, None)  # [layer, block, k/v, kv_head, offset, d]
         rows = h.shape[0]
@@ -551,9 +595,15 @@ def decode_stack_kernel(layers: list[tuple[torch.Tensor, ...]], eps: float, n_he
         blocks, offsets = _decode_indices("decode_stack", cache_step, rows)
         tables, positions = _block_tables("decode_stack", cache_step, rows)
         out, cos, sin = h.contiguous().clone(), cos.contiguous(), sin.contiguous()
+        local_cos, local_sin = (None, None) if local is None else (x.contiguous() for x in local)
+        if local_cos is not None and (local_cos.shape != cos.shape or local_cos.dtype != dtype
+                                      or local_sin is None or local_sin.shape != sin.shape or local_sin.dtype != dtype):
+            raise ValueError(f"native decode_stack: local angles {tuple(local_cos.shape)} do not match {tuple(cos.shape)}")
         where = _DecodeCache(kv.data_ptr(), kv.stride(0), kv.shape[4], *kv.stride()[1:5], scales, fixed)
         status = fn(ctypes.addressof(model), out.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(),
-                    ctypes.addressof(where), blocks, offsets, tables.data_ptr(), tables.stride(0), positions.data_ptr())
+                    ctypes.addressof(where), blocks, offsets, tables.data_ptr(), tables.stride(0), positions.data_ptr(),
+                    None if local_cos is None else local_cos.data_ptr(),
+                    None if local_sin is None else local_sin.data_ptr())
         if status:
             assert check is not None, status
             check(status)

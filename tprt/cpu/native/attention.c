@@ -117,9 +117,21 @@ ROPE_CACHE(bf16, uint16_t)
    writes it, and the new k/v, given each row's block and offset); out [rows, nh * d] in the model
    dtype. Scores live in `scratch` (at least (max position + 1) x nh / nkv floats). Sums run in another order
    than SDPA's (differences in rounding only). */
+/* A window's start and soft-capping on scores s[0..len): the first `skip` hidden (a sliding window
+   that starts inside the row's first block read), the others through cap * tanh(s / cap) where
+   cap > 0 (Gemma 2). Returns the largest score after. */
+static float adjust_scores(float *s, int64_t len, int64_t skip, float cap) {
+    float top = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        s[t] = t < skip ? -INFINITY : cap > 0 ? cap * tanhf(s[t] / cap) : s[t];
+        top = s[t] > top ? s[t] : top;
+    }
+    return top;
+}
+
 static void paged_attend_generic(const float *q, const float *head, const int64_t *table, int64_t len,
                                  int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
-                                 int64_t s_pos, float scale, float *s, float *out) {
+                                 int64_t s_pos, float scale, int64_t skip, float cap, float *s, float *out) {
     for (int64_t g = 0; g < group; g++) {
         float top = -INFINITY, sum = 0, *o = out + g * d;
         for (int64_t t = 0, b = 0; t < len; b++) {
@@ -129,6 +141,7 @@ static void paged_attend_generic(const float *q, const float *head, const int64_
                 top = s[t] > top ? s[t] : top;
             }
         }
+        if (skip || cap > 0) top = adjust_scores(s, len, skip, cap);
         for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
         for (int64_t i = 0; i < d; i++) o[i] = 0;
         for (int64_t t = 0, b = 0; t < len; b++) {
@@ -169,7 +182,7 @@ static inline __m512 q8b_sum16(const __m512 a[16]) {
 #define PAGED_ATTEND_512(NAME, M, T, LOAD16, SCALED, POS_SCALE)                                              \
 static void NAME(const float *q, const T *head, const uint16_t *scales, const int64_t *table, int64_t len,    \
                  int64_t group, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos, float scale,       \
-                 float *s, float *out) {                                                                      \
+                 int64_t skip, float cap, float *s, float *out) {                                             \
     int64_t sp = s_pos / (16 * M);  /* scales per position */                                                 \
     __m512 scale16 = _mm512_set1_ps(scale);                                                                   \
     (void)scales, (void)sp;                                                                                   \
@@ -196,6 +209,7 @@ static void NAME(const float *q, const T *head, const uint16_t *scales, const in
         }                                                                                                     \
     }                                                                                                         \
     float total[group];  /* each head's scores to weights; its 1 / sum applied at the end */                 \
+    for (int64_t g = 0; (skip || cap > 0) && g < group; g++) adjust_scores(s + g * len, len, skip, cap);      \
     for (int64_t g = 0; g < group; g++) total[g] = softmax512(s + g * len, len);                              \
     for (int64_t i = 0; i < group * 16 * M; i++) out[i] = 0;                                                  \
     for (int64_t t = 0, b = 0; t < len; b++) {                                                                \
@@ -232,12 +246,14 @@ PAGED_ATTEND_512(paged_attend_8, 8, float, _mm512_loadu_ps, 0, NO_SCALE)
 /* One (row, kv head): each q head of the group reads the head's keys and values (kept in cache). */
 static void paged_attend(const float *q, const float *head, const int64_t *table, int64_t len, int64_t group,
                          int64_t d, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_pos, float scale,
-                         float *scratch, float *out) {
+                         int64_t skip, float cap, float *scratch, float *out) {
 #if defined(__AVX512F__)
-    if (d == 64) return paged_attend_4(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
-    if (d == 128) return paged_attend_8(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 64)
+        return paged_attend_4(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, skip, cap, scratch, out);
+    if (d == 128)
+        return paged_attend_8(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, skip, cap, scratch, out);
 #endif
-    paged_attend_generic(q, head, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    paged_attend_generic(q, head, table, len, group, d, bs, s_block, s_kv, s_pos, scale, skip, cap, scratch, out);
 }
 
 /* paged_attend over an int8 cache: `head` and `scales` at one layer's kv head (scales at head's
@@ -245,7 +261,7 @@ static void paged_attend(const float *q, const float *head, const int64_t *table
    sum times its weight and scale, so nothing is dequantized into memory. */
 static void paged_attend_q8_generic(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                                     int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
-                                    int64_t s_pos, float scale, float *s, float *out) {
+                                    int64_t s_pos, float scale, int64_t skip, float cap, float *s, float *out) {
     int64_t sp = s_pos / d;  /* scales per position */
     for (int64_t g = 0; g < group; g++) {
         float top = -INFINITY, sum = 0, *o = out + g * d;
@@ -259,6 +275,7 @@ static void paged_attend_q8_generic(const float *q, const int8_t *head, const ui
                 top = s[t] > top ? s[t] : top;
             }
         }
+        if (skip || cap > 0) top = adjust_scores(s, len, skip, cap);
         for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
         for (int64_t i = 0; i < d; i++) o[i] = 0;
         for (int64_t t = 0, b = 0; t < len; b++) {
@@ -298,7 +315,7 @@ static inline float hsum256(__m256 v) {
 /* paged_attend_q8 for head_dim a multiple of 8 (up to 256), 8 lanes at a time */
 static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                                  int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
-                                 int64_t s_pos, float scale, float *s, float *out) {
+                                 int64_t s_pos, float scale, int64_t skip, float cap, float *s, float *out) {
     int64_t n = d / 8, sp = s_pos / d;  /* scales per position */
     for (int64_t g = 0; g < group; g++) {
         __m256 qv[32], acc[32];
@@ -314,6 +331,7 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint1
                 top = s[t] > top ? s[t] : top;
             }
         }
+        if (skip || cap > 0) top = adjust_scores(s, len, skip, cap);
         for (int64_t t = 0; t < len; t++) { s[t] = exp_nonpositive(s[t] - top); sum += s[t]; }
         for (int64_t c = 0; c < n; c++) acc[c] = _mm256_setzero_ps();
         for (int64_t t = 0, b = 0; t < len; b++) {
@@ -333,39 +351,53 @@ static void paged_attend_q8_avx2(const float *q, const int8_t *head, const uint1
 /* One (row, kv head) over the int8 cache, as paged_attend; `scales` NULL: every position's is 1. */
 static void paged_attend_q8(const float *q, const int8_t *head, const uint16_t *scales, const int64_t *table,
                             int64_t len, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
-                            int64_t s_pos, float scale, float *scratch, float *out) {
+                            int64_t s_pos, float scale, int64_t skip, float cap, float *scratch, float *out) {
+#define Q8_ARGS table, len, group, bs, s_block, s_kv, s_pos, scale, skip, cap, scratch, out
 #if defined(__AVX512F__)
-    if (d == 64 && !scales) return paged_attend_s8_4(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
-    if (d == 128 && !scales) return paged_attend_s8_8(q, head, NULL, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
-    if (d == 64) return paged_attend_q8_4(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
-    if (d == 128) return paged_attend_q8_8(q, head, scales, table, len, group, bs, s_block, s_kv, s_pos, scale, scratch, out);
+    if (d == 64 && !scales) return paged_attend_s8_4(q, head, NULL, Q8_ARGS);
+    if (d == 128 && !scales) return paged_attend_s8_8(q, head, NULL, Q8_ARGS);
+    if (d == 64) return paged_attend_q8_4(q, head, scales, Q8_ARGS);
+    if (d == 128) return paged_attend_q8_8(q, head, scales, Q8_ARGS);
 #elif defined(__AVX2__)
     if (d % 8 == 0 && d <= 256)
-        return paged_attend_q8_avx2(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+        return paged_attend_q8_avx2(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, skip, cap,
+                                    scratch, out);
 #endif
-    paged_attend_q8_generic(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, scratch, out);
+#undef Q8_ARGS
+    paged_attend_q8_generic(q, head, scales, table, len, group, d, bs, s_block, s_kv, s_pos, scale, skip, cap, scratch,
+                            out);
 }
 
 /* paged_attend over the cache of one layer's kv head j (of nkv): float32, or int8 with `scales`
    (the layer's, one per position) or `fixed` (the layer's static scales [k/v, kv_head]). A static
    key scale multiplies the group's queries before the scores, a static value scale the output,
-   so the loop over positions reads int8 alone. */
+   so the loop over positions reads int8 alone. Positions [first, len) are attended (a sliding
+   window's: the blocks before first's are not read, and its block's positions before it are
+   hidden); scores soft-capped where cap > 0. */
 static inline void paged_attend_any(const float *q, const void *cache, const uint16_t *scales, const float *fixed,
-                                    int64_t j, int64_t nkv, const int64_t *table, int64_t len, int64_t group,
-                                    int64_t d, int64_t bs, int64_t s_block, int64_t s_kv, int64_t s_head,
-                                    int64_t s_pos, float scale, float *scratch, float *out) {
+                                    int64_t j, int64_t nkv, const int64_t *table, int64_t len, int64_t first,
+                                    float cap, int64_t group, int64_t d, int64_t bs, int64_t s_block, int64_t s_kv,
+                                    int64_t s_head, int64_t s_pos, float scale, float *scratch, float *out) {
+    int64_t skip = first % bs;
+    table += first / bs;
+    len -= first - skip;
     if (fixed) {
         float scaled[group * d];
         for (int64_t i = 0; i < group * d; i++) scaled[i] = q[i] * fixed[j];
         paged_attend_q8(scaled, (const int8_t *)cache + j * s_head, NULL, table, len, group, d, bs, s_block, s_kv,
-                        s_pos, scale, scratch, out);
+                        s_pos, scale, skip, cap, scratch, out);
         for (int64_t i = 0; i < group * d; i++) out[i] *= fixed[nkv + j];
     } else if (scales)
         paged_attend_q8(q, (const int8_t *)cache + j * s_head, scales + j * s_head / d, table, len, group, d, bs,
-                        s_block, s_kv, s_pos, scale, scratch, out);
+                        s_block, s_kv, s_pos, scale, skip, cap, scratch, out);
     else
         paged_attend(q, (const float *)cache + j * s_head, table, len, group, d, bs, s_block, s_kv, s_pos, scale,
-                     scratch, out);
+                     skip, cap, scratch, out);
+}
+
+/* The first position a query at `position` sees through a sliding window of `window` (0: none). */
+static inline int64_t window_start(int64_t position, int64_t window) {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
 }
 
 #define PAGED_DECODE_ATTENTION(SUFFIX, T, STORE)                                                             \
@@ -375,13 +407,14 @@ void tprt_paged_decode_attention_##SUFFIX(const float *q, const void *cache, con
                                           float *scratch, int64_t rows,                                       \
                                           int64_t nh, int64_t nkv, int64_t d, int64_t bs, int64_t s_table,    \
                                           int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
-                                          float scale) {                                                      \
+                                          float scale, int64_t window, float cap) {                           \
     int64_t group = nh / nkv;                                                                                 \
     float acc[group * d];                                                                                     \
     for (int64_t r = 0; r < rows; r++)                                                                        \
         for (int64_t j = 0; j < nkv; j++) {                                                                   \
             paged_attend_any(q + (r * nh + j * group) * d, cache, scales, fixed, j, nkv, tables + r * s_table, \
-                             positions[r] + 1, group, d, bs, s_block, s_kv, s_head, s_pos, scale, scratch, acc); \
+                             positions[r] + 1, window_start(positions[r], window), cap, group, d, bs, s_block, \
+                             s_kv, s_head, s_pos, scale, scratch, acc);                                       \
             T *o = out + (r * nh + j * group) * d;                                                            \
             for (int64_t i = 0; i < group * d; i++) o[i] = STORE(acc[i]);                                     \
         }                                                                                                     \

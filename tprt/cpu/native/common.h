@@ -99,6 +99,18 @@ static inline float softmax512(float *s, int64_t len) {
 
 #endif
 
+/* gelu(g) with the tanh approximation (torch's approximate="tanh": Gemma's GeGLU) in place, float32:
+   0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), tanh(y) = sign(y) (1 - e) / (1 + e) with
+   e = exp(-2 |y|) <= 1, branch-free so the loop vectorises. */
+static void gelu_tanh_inplace(float *g, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float x = g[i], y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+        float e = exp_nonpositive(-2.0f * fabsf(y));
+        float t = copysignf((1.0f - e) / (1.0f + e), y);
+        g[i] = 0.5f * x * (1.0f + t);
+    }
+}
+
 /* silu(g) = g * sigmoid(g) in place, float32, with e = exp(-|g|) <= 1 so one exp serves both signs:
    sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below. */
 static void silu_inplace(float *g, int64_t n) {

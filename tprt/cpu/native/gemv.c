@@ -111,6 +111,25 @@ void tprt_rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64
     }
 }
 
+/* Gemma's RMSNorm: each row of x normalised and scaled by 1 + w, all in float32, rounded once
+   (bf16) at the end, as transformers' Gemma norms compute it. y may be x. */
+void tprt_rms_norm_unit_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float inv = inv_rms(xr, n, eps);
+        for (int64_t c = 0; c < n; c++) y[r * n + c] = xr[c] * inv * (1.0f + w[c]);
+    }
+}
+
+void tprt_rms_norm_unit_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps) {
+    float *xf = scratch(SCRATCH_NORM, (size_t)n * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < n; c++) xf[c] = bf16_to_f32(x[r * n + c]);
+        float inv = inv_rms(xf, n, eps);
+        for (int64_t c = 0; c < n; c++) y[r * n + c] = f32_to_bf16(xf[c] * inv * (1.0f + bf16_to_f32(w[c])));
+    }
+}
+
 /* Matrix products for a few rows (decode of 2-8 sequences): Y[m, :] = X[m, :] W^T, Y's rows
    `ldy` apart. Like the one-row GEMV, each weight row is read once, front to back, and serves
    every input row: oneDNN's kernels for so few rows stream the weights at half the bandwidth.

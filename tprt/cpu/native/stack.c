@@ -31,6 +31,13 @@ typedef struct {
        block): the q/k/v bias [(nh + 2 nkv) d], the q norm and k norm [d] (each head RMS-normalised
        before RoPE), the o bias [hidden] (added once, after the all-reduce); NULL: none at all */
     const void *const *extras;
+    const int64_t *windows;  /* per layer, its sliding window (0: none); NULL: no layer has one */
+    float softcap;           /* attention scores through cap * tanh(s / cap) where > 0 (Gemma 2) */
+    int64_t gemma;           /* Gemma's block: norms scale by 1 + w in float32, GeGLU, and `sandwich` */
+    /* per layer, 2 pointers: the norms of the attention's and the MLP's outputs, each applied after
+       its all-reduce and before its residual add (Gemma's post_attention_layernorm and
+       post_feedforward_layernorm; its MLP's input norm is weights[3]); NULL: none */
+    const void *const *sandwich;
 } decode_stack;
 
 /* y [m, n] float32 = x [m, k] float32 times int8 rows w [n, k] with scales s, on this thread, by the
@@ -58,6 +65,7 @@ typedef struct {
     int64_t rows, s_table;
     const int64_t *blocks, *offsets, *tables, *positions;  /* per row; a row's table at tables + r * s_table */
     const void *cos, *sin;                                  /* [rows, d] */
+    const void *local_cos, *local_sin;  /* [rows, d]: windowed layers' own angles (Gemma 3); NULL: cos, sin */
     void *h, *normed, *partial, *qkv, *attn, *gate_up, *act;
     float *q, *work;
     int64_t status;  /* the first all-reduce failure's code; later all-reduces are skipped */
@@ -69,6 +77,7 @@ typedef struct {  /* a section's layer */
     const void *norm;  /* add_norm: the norm to apply after the residual add (NULL: none) */
     int first;         /* add_norm: nothing to add yet (layer 0's input) */
     const void *bias;  /* add_norm: a bias the partial product gets first (the o bias; NULL: none) */
+    const void *partial_norm;  /* add_norm: a norm of the partial product before the add (Gemma); NULL: none */
 } stack_layer;
 
 /* A layer's attention sections after its norm (over `rows` rows): chunks of q/k/v heads, chunks
@@ -84,6 +93,13 @@ typedef struct {  /* a section's layer */
     {stack_down_##SUFFIX, a, hidden, chunk_units(hidden, (row) * (inter) / (hidden), 16)}
 
 #define DECODE_STACK(SUFFIX, T, LOAD, STORE, DTYPE_CODE)                                                     \
+/* The model's RMSNorm of rows of n values: Llama's, or Gemma's (1 + w, in float32). y may be x. */          \
+static void stack_norm_##SUFFIX(const decode_stack *m, const T *x, const T *w, T *y, int64_t rows, int64_t n) { \
+    if (m->gemma)                                                                                             \
+        tprt_rms_norm_unit_##SUFFIX(x, w, y, rows, n, m->eps);                                                \
+    else                                                                                                      \
+        tprt_rms_norm_##SUFFIX(x, w, y, rows, n, m->eps);                                                     \
+}                                                                                                             \
 /* Weight `slot` (6 * layer + index), rows [row0, row0 + n), times x [rows, k] into y (rows ldy apart):   \
    the dense GEMV, or the int8 product on x in float32. */                                                   \
 static void stack_mm_##SUFFIX(const decode_stack *m, int64_t slot, int64_t row0, const T *x, T *y,          \
@@ -111,15 +127,19 @@ static void stack_add_norm_##SUFFIX(void *arg, int64_t lo, int64_t hi) {        
     stack_step *t = a->t;                                                                                     \
     int64_t n = t->m->hidden;                                                                                 \
     T *h = t->h;                                                                                              \
-    const T *partial = t->partial;                                                                            \
+    T *partial = t->partial;                                                                                  \
     const T *bias = a->bias;                                                                                  \
     (void)lo, (void)hi;                                                                                       \
-    if (!a->first && bias)  /* the module path's rounding: (partial + bias), then h + that */                \
+    if (!a->first && a->partial_norm) {  /* Gemma: h + norm(partial (+ bias)), each rounded */               \
+        for (int64_t i = 0; bias && i < t->rows * n; i++) partial[i] = STORE(LOAD(partial[i]) + LOAD(bias[i % n])); \
+        stack_norm_##SUFFIX(t->m, partial, a->partial_norm, partial, t->rows, n);                             \
+        for (int64_t i = 0; i < t->rows * n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));               \
+    } else if (!a->first && bias)  /* the module path's rounding: (partial + bias), then h + that */          \
         for (int64_t i = 0; i < t->rows * n; i++)                                                             \
             h[i] = STORE(LOAD(h[i]) + LOAD(STORE(LOAD(partial[i]) + LOAD(bias[i % n]))));                    \
     else if (!a->first)                                                                                       \
         for (int64_t i = 0; i < t->rows * n; i++) h[i] = STORE(LOAD(h[i]) + LOAD(partial[i]));               \
-    if (a->norm) tprt_rms_norm_##SUFFIX(h, a->norm, t->normed, t->rows, n, t->m->eps);                        \
+    if (a->norm) stack_norm_##SUFFIX(t->m, h, a->norm, t->normed, t->rows, n);                                \
 }                                                                                                             \
 static void stack_reduce_##SUFFIX(void *arg, int64_t lo, int64_t hi) {                                        \
     stack_step *t = ((const stack_layer *)arg)->t;                                                            \
@@ -147,15 +167,17 @@ static void stack_heads_##SUFFIX(void *arg, int64_t lo, int64_t hi) {           
             for (int64_t i = lo * d; i < hi * d; i++) row[i] = STORE(LOAD(row[i]) + LOAD(bias[i]));           \
         for (int64_t h = lo; h < hi; h++) {                                                                   \
             const T *norm = h < m->nh ? x4[1] : h < m->nh + m->nkv ? x4[2] : NULL;                            \
-            if (norm) tprt_rms_norm_##SUFFIX(row + h * d, norm, row + h * d, 1, d, m->eps);                   \
+            if (norm) stack_norm_##SUFFIX(m, row + h * d, norm, row + h * d, 1, d);                            \
         }                                                                                                     \
     }                                                                                                         \
+    int64_t local = m->windows && m->windows[a->layer] > 0 && t->local_cos;  /* the windowed layers' rope */  \
+    const T *cos = local ? t->local_cos : t->cos, *sin = local ? t->local_sin : t->sin;                       \
     for (int64_t r = 0; r < t->rows; r++) {                                                                   \
         int64_t e = a->layer * c->s_layer + t->blocks[r] * c->s_block + t->offsets[r] * c->s_pos;             \
         float *at = q8 ? stage : (float *)c->cache + e;                                                       \
         for (int64_t h = lo; h < hi; h++)                                                                     \
-            rope_head_##SUFFIX((const T *)t->qkv + r * heads * d, (const T *)t->cos + r * d,                  \
-                               (const T *)t->sin + r * d, t->q + r * m->nh * d, at, h, m->nh, m->nkv, d,      \
+            rope_head_##SUFFIX((const T *)t->qkv + r * heads * d, cos + r * d, sin + r * d,                   \
+                               t->q + r * m->nh * d, at, h, m->nh, m->nkv, d,                                 \
                                q8 ? m->nkv * d : c->s_kv, q8 ? d : c->s_head);                                \
         if (q8)                                                                                               \
             store_q8_heads(stage, (int8_t *)c->cache + e, c->scales ? c->scales + e / d : NULL, fixed, lo, hi,  \
@@ -179,13 +201,14 @@ static void stack_attend_##SUFFIX(void *arg, int64_t lo, int64_t hi) {          
     const uint16_t *scales = c->scales ? c->scales + layer / d : NULL;                                        \
     const float *fixed = c->fixed ? c->fixed + a->layer * 2 * m->nkv : NULL;                                  \
     T *attn = t->attn;                                                                                        \
+    int64_t window = m->windows ? m->windows[a->layer] : 0;                                                   \
     for (int64_t u = lo; u < hi;) {                                                                           \
         int64_t r = u / nh, h = u % nh, kv = h / group;                                                       \
         int64_t end = (kv + 1) * group < nh ? (kv + 1) * group : nh;                                          \
         end = end < h + (hi - u) ? end : h + (hi - u);                                                        \
         paged_attend_any(t->q + (r * nh + h) * d, cache, scales, fixed, kv, m->nkv, t->tables + r * t->s_table, \
-                         t->positions[r] + 1, end - h, d, c->block_size, c->s_block, c->s_kv, c->s_head,      \
-                         c->s_pos, m->scale, scores, acc);                                                    \
+                         t->positions[r] + 1, window_start(t->positions[r], window), m->softcap, end - h, d,  \
+                         c->block_size, c->s_block, c->s_kv, c->s_head, c->s_pos, m->scale, scores, acc);     \
         for (int64_t i = 0; i < (end - h) * d; i++) attn[(r * nh + h) * d + i] = STORE(acc[i]);               \
         u += end - h;                                                                                         \
     }                                                                                                         \
@@ -212,7 +235,10 @@ static void stack_gate_up_##SUFFIX(void *arg, int64_t lo, int64_t hi) {         
         const T *g = gate_up + r * 2 * inter;                                                                 \
         float *work = t->work + r * inter;                                                                    \
         for (int64_t i = lo; i < hi; i++) work[i] = LOAD(g[i]);                                               \
-        silu_inplace(work + lo, hi - lo);                                                                     \
+        if (m->gemma)                                                                                         \
+            gelu_tanh_inplace(work + lo, hi - lo);                                                            \
+        else                                                                                                  \
+            silu_inplace(work + lo, hi - lo);                                                                 \
         for (int64_t i = lo; i < hi; i++) act[r * inter + i] = STORE(LOAD(STORE(work[i])) * LOAD(g[inter + i])); \
     }                                                                                                         \
 }                                                                                                             \
@@ -229,23 +255,26 @@ static void stack_down_##SUFFIX(void *arg, int64_t lo, int64_t hi) {            
    all-reduce's failure code (tprt_shm_all_reduce's). */                                                 \
 int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, const T *cos, const T *sin,    \
                                    const decode_cache *c, const int64_t *blocks, const int64_t *offsets,     \
-                                   const int64_t *tables, int64_t s_table, const int64_t *positions) {        \
+                                   const int64_t *tables, int64_t s_table, const int64_t *positions,          \
+                                   const T *local_cos, const T *local_sin) {                                  \
     int64_t L = m->layers, hidden = m->hidden, inter = m->inter, nh = m->nh, nkv = m->nkv, d = m->d;         \
     int64_t row = (int64_t)sizeof(T) * hidden, reduce = m->all_reduce != NULL;                               \
     if (rows < 1 || rows > m->max_rows) return -2;                                                            \
     T normed[rows * hidden], partial[rows * hidden], qkv[rows * (nh + 2 * nkv) * d], attn[rows * nh * d];     \
     T gate_up[rows * 2 * inter], act[rows * inter];                                                           \
     float q[rows * nh * d], work[rows * inter];                                                               \
-    stack_step t = {m, c, rows, s_table, blocks, offsets, tables, positions, cos, sin, h, normed, partial,   \
-                    qkv, attn, gate_up, act, q, work, 0};                                                     \
+    stack_step t = {m, c, rows, s_table, blocks, offsets, tables, positions, cos, sin, local_cos, local_sin,  \
+                    h, normed, partial, qkv, attn, gate_up, act, q, work, 0};                                 \
     stack_layer at[L], add[2 * L + 1];                                                                        \
     section s[L * (8 + 2 * reduce) + 1];                                                                      \
+    const void *const *sw = m->sandwich;  /* layer l's attention-output norm at 2 l, MLP-output norm at 2 l + 1 */ \
     int64_t n = 0;                                                                                            \
     for (int64_t l = 0; l < L; l++) {                                                                         \
         const void *const *w = m->weights + 6 * l;                                                            \
-        at[l] = (stack_layer){&t, l, NULL, 0, NULL};                                                          \
-        add[2 * l] = (stack_layer){&t, l, w[0], l == 0, NULL};                                                \
-        add[2 * l + 1] = (stack_layer){&t, l, w[3], 0, m->extras ? m->extras[4 * l + 3] : NULL};              \
+        at[l] = (stack_layer){&t, l, NULL, 0, NULL, NULL};                                                    \
+        add[2 * l] = (stack_layer){&t, l, w[0], l == 0, NULL, sw && l > 0 ? sw[2 * l - 1] : NULL};            \
+        add[2 * l + 1] = (stack_layer){&t, l, w[3], 0, m->extras ? m->extras[4 * l + 3] : NULL,              \
+                                       sw ? sw[2 * l] : NULL};                                                \
         section layer[] = {{stack_add_norm_##SUFFIX, &add[2 * l], 1, 1},                                      \
                            ATTENTION_SECTIONS(SUFFIX, &at[l], rows, hidden, nh, nkv, d, row),                 \
                            {stack_reduce_##SUFFIX, &at[l], 1, 1},                                             \
@@ -255,7 +284,7 @@ int64_t tprt_decode_stack_##SUFFIX(const decode_stack *m, T *h, int64_t rows, co
         for (int i = 0; i < 9; i++)  /* the all-reduces (layer[4], layer[8]) only where TP > 1 */              \
             if (reduce || (i != 4 && i != 8)) s[n++] = layer[i];                                              \
     }                                                                                                         \
-    add[2 * L] = (stack_layer){&t, L, NULL, L == 0, NULL};                                                    \
+    add[2 * L] = (stack_layer){&t, L, NULL, L == 0, NULL, sw && L > 0 ? sw[2 * L - 1] : NULL};                \
     s[n++] = (section){stack_add_norm_##SUFFIX, &add[2 * L], 1, 1};                                           \
     run_job(s, n, L * ((2 * nh + 2 * nkv) * d + 3 * inter) * hidden >= PARALLEL_MIN_ELEMENTS);               \
     return t.status;                                                                                          \
@@ -283,26 +312,29 @@ void tprt_paged_attention_decode_##SUFFIX(const T *x, const T *norm_w, const T *
                                           const int64_t *position, T *out, T *qkv, T *attn, float *q,         \
                                           int64_t hidden, int64_t nh, int64_t nkv, int64_t d, int64_t bs,     \
                                           int64_t s_block, int64_t s_kv, int64_t s_head, int64_t s_pos,       \
-                                          float eps, float scale, const void *const *extras) {                \
+                                          float eps, float scale, const void *const *extras, int64_t window,   \
+                                          float softcap, int64_t gemma) {                                     \
     const void *weights[6] = {norm_w, w_qkv, w_o, NULL, NULL, NULL};                                          \
-    decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL, NULL, NULL, 0, extras};      \
+    decode_stack m = {1, hidden, 0, nh, nkv, d, eps, scale, weights, NULL, NULL, NULL, NULL, 0, extras, &window, \
+                      softcap, gemma, NULL};                                                                  \
     decode_cache c = {cache, 0, bs, s_block, s_kv, s_head, s_pos, scales, fixed};                             \
     T normed[hidden];                                                                                         \
-    stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, (void *)x, normed, out, qkv, attn, \
-                    NULL, NULL, q, NULL, 0};                                                                  \
-    stack_layer norm = {&t, 0, norm_w, 1, NULL}, layer = {&t, 0, NULL, 0, NULL};                              \
+    stack_step t = {&m, &c, 1, 0, block, offset, table, position, cos, sin, NULL, NULL, (void *)x, normed, out, \
+                    qkv, attn, NULL, NULL, q, NULL, 0};                                                       \
+    stack_layer norm = {&t, 0, norm_w, 1, NULL, NULL}, layer = {&t, 0, NULL, 0, NULL, NULL};                  \
     int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
     section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, ATTENTION_SECTIONS(SUFFIX, &layer, 1, hidden, nh, nkv, d, row)}; \
     run_job(s, 4, (nh + 2 * nkv + nh) * d * hidden >= PARALLEL_MIN_ELEMENTS);                                 \
 }                                                                                                             \
 void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, const T *w_down, T *out,      \
-                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps) {            \
+                              T *gate_up, float *work, int64_t hidden, int64_t inter, float eps, int64_t gemma) { \
     const void *weights[6] = {NULL, NULL, NULL, norm_w, w_gate_up, w_down};                                   \
-    decode_stack m = {1, hidden, inter, 0, 0, 0, eps, 0, weights, NULL, NULL};                                \
+    decode_stack m = {1, hidden, inter, 0, 0, 0, eps, 0, weights, NULL, NULL, NULL, NULL, 0, NULL, NULL, 0, gemma, \
+                      NULL};                                                                                  \
     T normed[hidden], act[inter];                                                                             \
-    stack_step t = {&m, NULL, 1, 0, NULL, NULL, NULL, NULL, NULL, NULL, (void *)x, normed, out, NULL, NULL,   \
-                    gate_up, act, NULL, work, 0};                                                             \
-    stack_layer norm = {&t, 0, norm_w, 1, NULL}, layer = {&t, 0, NULL, 0, NULL};                              \
+    stack_step t = {&m, NULL, 1, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, (void *)x, normed, out,   \
+                    NULL, NULL, gate_up, act, NULL, work, 0};                                                 \
+    stack_layer norm = {&t, 0, norm_w, 1, NULL, NULL}, layer = {&t, 0, NULL, 0, NULL, NULL};                  \
     int64_t row = (int64_t)sizeof(T) * hidden;                                                                \
     section s[] = {{stack_add_norm_##SUFFIX, &norm, 1, 1}, MLP_SECTIONS(SUFFIX, &layer, hidden, inter, row)}; \
     run_job(s, 3, 3 * inter * hidden >= PARALLEL_MIN_ELEMENTS);                                               \
