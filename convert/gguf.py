@@ -1,12 +1,15 @@
 """A GGUF file (llama.cpp) as a converter source: HF names, HF layout, dequantised row blocks.
+Architectures: `llama`, `qwen2` and `qwen3` (`GGUF_ARCHITECTURES`).
 
 GGUF lists dimensions innermost first, so a GGUF tensor of dims [in, out] is HF's [out, in], and
 ggml's quantisation blocks run along HF dim 1: a range of HF rows is one contiguous byte range of
 the file, which is all `read_rows` reads and dequantises. llama.cpp's converter reorders the rows
 of q_proj/k_proj inside each head from HF's rotate-half RoPE order to the interleaved order
 (`w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)`); `read_rows` undoes that per whole
-head. Metadata is parsed with the `gguf` package's GGUFReader; config.json and the tokenizer
-files are rebuilt from it.
+head. Qwen2 and Qwen3 files keep HF's order (llama.cpp rotates them NEOX-style, HF's
+rotate-half) and add q/k/v biases (`blk.N.attn_q.bias`) or q/k norms (`blk.N.attn_q_norm`).
+Metadata is parsed with the `gguf` package's GGUFReader; config.json and the tokenizer files are
+rebuilt from it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# general.architecture -> (HF architecture, model_type, whether q/k rows are in llama.cpp's interleaved order)
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+                      "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -44,19 +50,22 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_LAYER = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Derived tables some exporters store (RoPE frequency factors, old rotary caches): never weights.
 _DERIVED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$|^blk\.\d+\.attn_rot_embd$")
 
 
 def hf_name(gguf_name: str, source: str) -> str | None:
-    """The HF Llama name of a GGUF tensor; None for derived tensors; an error for anything else."""
+    """The HF name of a GGUF tensor; None for derived tensors; an error for anything else (a name
+    that maps but that the config does not imply is left to `check_tensor_set`)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _LAYER.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     if _DERIVED.match(gguf_name):
         return None
     raise CheckpointError(f"{source}: GGUF tensor {gguf_name!r} is not part of a Llama model")
@@ -75,7 +84,7 @@ class GGUFTensor:
 
 
 class GGUFSource:
-    """A GGUF llama file presented as an HF LlamaForCausalLM checkpoint (`TensorSource`)."""
+    """A GGUF llama, qwen2 or qwen3 file presented as an HF checkpoint (`TensorSource`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -83,10 +92,10 @@ class GGUFSource:
         self.metadata: dict[str, Any] = {k: f.contents() for k, f in reader.fields.items()}
         self._data: np.ndarray | None = reader.data  # [file bytes] uint8 memmap
         arch = self.metadata.get("general.architecture")
-        if arch != "llama":
-            raise CheckpointError(
-                f"{self.path}: general.architecture is {arch!r}; only 'llama' GGUF files can be imported"
-            )
+        if arch not in GGUF_ARCHITECTURES:
+            raise CheckpointError(f"{self.path}: general.architecture is {arch!r}; GGUF files of "
+                                  f"{', '.join(map(repr, GGUF_ARCHITECTURES))} can be imported")
+        self._permuted = GGUF_ARCHITECTURES[arch][2]
         raw_tensors = {t.name: t for t in reader.tensors}
         self.config_json = config_from_metadata(self.metadata, _hf_shapes(raw_tensors), str(self.path))
         self._add_rope_scaling(raw_tensors)
@@ -105,9 +114,9 @@ class GGUFSource:
             check_supported(qtype, name, str(self.path))
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             heads = 0
-            if hf.endswith("self_attn.q_proj.weight"):
+            if self._permuted and hf.endswith("self_attn.q_proj.weight"):
                 heads = cfg["num_attention_heads"]
-            elif hf.endswith("self_attn.k_proj.weight"):
+            elif self._permuted and hf.endswith("self_attn.k_proj.weight"):
                 heads = cfg["num_key_value_heads"]
             n_bytes = row_nbytes(qtype, shape[-1], name, str(self.path))
             row_bytes = n_bytes * (1 if len(shape) == 1 else int(np.prod(shape[1:-1], dtype=np.int64)))
@@ -250,8 +259,10 @@ def _f32(value: Any) -> float:
 
 
 def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> dict[str, Any]:
-    """An HF LlamaForCausalLM config.json dict from GGUF metadata (and the embedding's shape)."""
-    p = f"{meta.get('general.architecture')}."
+    """An HF config.json dict (Llama, Qwen2 or Qwen3: `GGUF_ARCHITECTURES`) from GGUF metadata (and
+    the tensors' shapes)."""
+    arch = str(meta.get("general.architecture"))
+    p = f"{arch}."
     hidden = _get_int(meta, p + "embedding_length", source)
     heads = _get_int(meta, p + "attention.head_count", source)
     kv_heads = _get_int(meta, p + "attention.head_count_kv", source, heads)
@@ -262,9 +273,10 @@ def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
     declared = meta.get(p + "vocab_size")
     if declared is not None and int(declared) != vocab:
         raise CheckpointError(f"{source}: GGUF key {p}vocab_size={declared} but token_embd has {vocab} rows")
+    hf_arch, model_type, _ = GGUF_ARCHITECTURES.get(arch, GGUF_ARCHITECTURES["llama"])
     cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": _get_int(meta, p + "feed_forward_length", source),
         "num_hidden_layers": _get_int(meta, p + "block_count", source),
@@ -281,6 +293,10 @@ def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
         "tie_word_embeddings": "output.weight" not in shapes,
         "torch_dtype": "float32",
     }
+    if arch == "qwen3":  # Qwen3 carries biases only where attention_bias says
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if model_type.startswith("qwen"):
+        cfg["use_sliding_window"] = False
     cfg.update(_special_ids(meta))
     return cfg
 

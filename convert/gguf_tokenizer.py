@@ -35,6 +35,12 @@ LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen2's (and Qwen2.5's, Qwen3's): Llama 3's split with every digit on its own.
+QWEN2_PRE = ("qwen2",)
+QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def _key(meta: dict[str, Any], key: str, source: str) -> Any:
@@ -71,14 +77,15 @@ def _byte_level_pre(pre: str, add_prefix_space: bool, source: str) -> pre_tokeni
                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True),
             ]
         )
-    if pre in LLAMA3_PRE:
+    if pre in LLAMA3_PRE or pre in QWEN2_PRE:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.Split(Regex(LLAMA3_REGEX if pre in LLAMA3_PRE else QWEN2_REGEX), behavior="isolated",
+                                     invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
             ]
         )
-    known = ", ".join(GPT2_PRE + DIGITS_PRE + LLAMA3_PRE)
+    known = ", ".join(GPT2_PRE + DIGITS_PRE + LLAMA3_PRE + QWEN2_PRE)
     raise CheckpointError(f"{source}: GGUF key tokenizer.ggml.pre={pre!r} is not supported (known: {known})")
 
 

@@ -206,11 +206,86 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
 
 
 def test_error_non_llama_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "q.gguf"
-    write_tiny_gguf(path, arch="qwen2")
-    with pytest.raises(CheckpointError, match=r"q\.gguf: general\.architecture is 'qwen2'") as e:
+    path = tmp_path / "g.gguf"
+    write_tiny_gguf(path, arch="gemma2")
+    with pytest.raises(CheckpointError, match=r"g\.gguf: general\.architecture is 'gemma2'; GGUF files of 'llama', "
+                                              r"'qwen2', 'qwen3' can be imported") as e:
         GGUFSource(path)
     assert "\n" not in str(e.value)
+    qwen_without_biases = tmp_path / "q.gguf"
+    write_tiny_gguf(qwen_without_biases, arch="qwen2")
+    with pytest.raises(CheckpointError, match=r"q\.gguf: tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' missing"):
+        GGUFSource(qwen_without_biases)
+
+
+def _qwen_gguf(hf_dir: Path, path: Path, arch: str) -> dict[str, torch.Tensor]:
+    """hf_dir's Qwen checkpoint written as llama.cpp writes one (F32, q/k rows in HF's order,
+    biases and q/k norms under their GGUF names); returns the HF tensors."""
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    from convert.gguf import _LAYER_NAMES, _TOP_NAMES
+    from gguf_helpers import put
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    writer = GGUFWriter(path, arch)
+    p = f"{arch}."
+    for key, value in {p + "block_count": cfg["num_hidden_layers"], p + "context_length": cfg["max_position_embeddings"],
+                       p + "embedding_length": cfg["hidden_size"], p + "feed_forward_length": cfg["intermediate_size"],
+                       p + "attention.head_count": cfg["num_attention_heads"],
+                       p + "attention.head_count_kv": cfg["num_key_value_heads"],
+                       p + "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                       p + "rope.freq_base": float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+                       p + "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
+                       "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}.items():
+        put(writer, key, value)
+    top = {hf: g for g, hf in _TOP_NAMES.items()}
+    parts = {hf: g for g, hf in _LAYER_NAMES.items()}
+    for name, t in tensors.items():
+        if name in top:
+            gguf_name = top[name]
+        else:
+            _, _, n, *module, kind = name.split(".")
+            gguf_name = f"blk.{n}.{parts['.'.join(module)]}.{kind}"
+        writer.add_tensor(gguf_name, t.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_gguf_imports_as_its_hf_model(tmp_path: Path, family: str) -> None:
+    """A Qwen2 (q/k/v biases) or Qwen3 (q/k norms, attention_bias biases, head_dim apart from
+    hidden / heads) GGUF: every tensor as the HF checkpoint holds it (no q/k un-permute), the
+    config of the HF architecture, and the model converted from it gives transformers' logits of
+    the original."""
+    from helpers import make_hf_model
+    from transformers import AutoModelForCausalLM
+
+    from convert import api
+    from tprt.checkpoint.loading import load_model
+    from tprt.distributed.context import TPContext
+
+    hf_dir = make_hf_model(tmp_path / "hf", family)
+    tensors = _qwen_gguf(hf_dir, tmp_path / "m.gguf", family)
+    with GGUFSource(tmp_path / "m.gguf") as src:
+        assert src.config.architecture == f"Qwen{family[-1]}ForCausalLM" and src.config.qkv_bias
+        assert src.config.qk_norm == (family == "qwen3") and src.config.tie_word_embeddings
+        assert set(src.shapes()) == set(tensors) and src.config.num_key_value_heads != src.config.num_attention_heads
+        for name, want in tensors.items():
+            got = src.read_rows(name, 0, want.shape[0])
+            assert torch.equal(got.float(), want.float()), name
+    api.hf_to_tp(tmp_path / "m.gguf", tmp_path / "tp1", 1)
+    ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(3))
+    model = load_model(tmp_path / "tp1", TPContext.single())
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(ids).logits
+        got = model.gather_logits(model(ids))
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= 1e-5, f"logits off by {err:.2e} of their scale"
 
 
 def test_error_unsupported_type(tmp_path: Path) -> None:
@@ -223,7 +298,11 @@ def test_error_unsupported_type(tmp_path: Path) -> None:
 def test_error_unknown_tensor_and_bad_files(tmp_path: Path) -> None:
     path = tmp_path / "bias.gguf"
     write_tiny_gguf(path, extra_tensors={"blk.0.attn_q.bias": np.zeros(256, np.float32)})
-    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_q\.bias' is not part of a Llama model"):
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        GGUFSource(path)  # a llama file with a bias its config does not imply
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, extra_tensors={"blk.0.attn_gate.weight": np.zeros(256, np.float32)})
+    with pytest.raises(CheckpointError, match=r"'blk\.0\.attn_gate\.weight' is not part of a Llama model"):
         GGUFSource(path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)

@@ -98,6 +98,28 @@ def test_llama3_split_equals_transformers_gguf(smol_meta: dict[str, Any], tmp_pa
     assert differs >= 2  # the split really is not GPT-2's
 
 
+@needs_smol
+def test_qwen2_split_equals_transformers_gguf(smol_meta: dict[str, Any], tmp_path: Path) -> None:
+    """SmolLM2's vocabulary in a qwen2 file under tokenizer.ggml.pre = "qwen2": Qwen2's split (Llama
+    3's with each digit alone), as transformers' GGUF loader builds Qwen2's tokenizer."""
+    from transformers import AutoTokenizer
+
+    keys = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    kv = {k: smol_meta[k] for k in keys} | {"tokenizer.ggml.pre": "qwen2"}
+    path = tmp_path / "q2.gguf"
+    write_tiny_gguf(path, {"token_embd.weight": Q.Q4_0, "output.weight": Q.Q4_0}, vocab=49152, kv=kv, arch="qwen2")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    ours = Tokenizer.from_str(tokenizer_files({**kv, "general.architecture": "qwen2"}, 8192, "q2")["tokenizer.json"].decode())
+    llama3 = Tokenizer.from_str(tokenizer_files(kv | {"tokenizer.ggml.pre": "llama-bpe"}, 8192, "l3")["tokenizer.json"].decode())
+    texts = [*TEXTS, "In 2024, 1234567 people paid $89.99 each.", "x1 = 42; y22 = 333"]
+    for text in texts:
+        assert ours.encode(text).ids == ref.encode(text), text
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
+    # (this vocabulary has single digits only, so the split shows before the merges)
+    pieces = [[w for w, _ in t.pre_tokenizer.pre_tokenize_str("1234567")] for t in (ours, llama3)]
+    assert pieces == [list("1234567"), ["123", "456", "7"]]
+
+
 # ---------------------------------------------------------------- SentencePiece ("llama") vocabularies
 
 
@@ -186,8 +208,8 @@ def test_tokenizer_errors() -> None:
     base: dict[str, Any] = {"tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]}
     with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF key tokenizer\.ggml\.model='bert' is not supported"):
         tokenizer_files(base | {"tokenizer.ggml.model": "bert"}, 16, "m.gguf")
-    with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF key tokenizer\.ggml\.pre='qwen2' is not supported"):
-        tokenizer_files(base | {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2"}, 16, "m.gguf")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF key tokenizer\.ggml\.pre='deepseek-llm' is not supported"):
+        tokenizer_files(base | {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "deepseek-llm"}, 16, "m.gguf")
     with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF key 'tokenizer\.ggml\.scores' missing"):
         tokenizer_files(base | {"tokenizer.ggml.model": "llama"}, 16, "m.gguf")
     files = tokenizer_files(base | {"tokenizer.ggml.model": "gpt2"}, 16, "m.gguf")
