@@ -5,7 +5,8 @@ max_batch, KV block allocation and preemption when the pool runs out (admitted w
 finishes, every block comes back), prefix sharing (shared blocks, reference counts, cached after
 the end, reused by a later prompt), decode rows of k tokens (a last token and a draft, trimmed to
 the budget) and giving positions back (blocks past the kept positions freed, a block named only
-once its positions are kept, no truncation into a named block).
+once its positions are kept, no truncation into a named block), and with a sliding window on
+every layer, the blocks behind each sequence's window given back as it goes.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class Seq:
 
 
 def make(max_batch: int = 8, token_budget: int = 64, n_blocks: int = 64, block_size: int = 4,
-         prefix_cache: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_batch, token_budget, n_blocks, block_size, prefix_cache))
+         prefix_cache: bool = True, window: int | None = None) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_batch, token_budget, n_blocks, block_size, prefix_cache, window))
 
 
 def decode_part(step: Schedule) -> list[tuple[int, tuple[int, ...]]]:
@@ -247,3 +248,38 @@ def test_a_block_of_draft_positions_is_not_named_until_kept() -> None:
     s.add(b)
     s.schedule()
     assert b.cached_prompt_tokens == 2  # only block 0 is shared: block 1 was never named
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_blocks_behind_a_sliding_window_go_back(prefix_cache: bool) -> None:
+    """Window 5, blocks of 2: after each step a sequence keeps the blocks of its next position's
+    window (positions num_computed - 4 on) and gives back those wholly before it, in prompt
+    chunks and in decoding; its table holds the scratch block there; a sequence of 30 positions
+    never holds more than 4 blocks; preemption and the end free the rest, nothing twice."""
+    from tprt.model.kv_cache import SCRATCH_BLOCK
+
+    s = make(token_budget=4, block_size=2, window=5, prefix_cache=prefix_cache)
+    a, b = Seq("a", list(range(1, 11)), max_new=20), Seq("b", list(range(1, 11)), max_new=3)
+    s.add(a)
+    most = 0
+    while a.status is not Status.FINISHED:
+        step = s.schedule()
+        finish_step(s, step)
+        behind = max(a.num_computed - 4, 0) // 2
+        if a.status is not Status.FINISHED:
+            assert a.blocks[:behind] == [SCRATCH_BLOCK] * behind and SCRATCH_BLOCK not in a.blocks[behind:], a.blocks
+            most = max(most, s.pool.used)
+    assert a.output == [100 + i for i in range(20)] and most <= 4
+    assert s.pool.used == 0 and s.pool.available == s.pool.capacity
+    s.add(b)  # the same prompt: with prefix caching, only the blocks still cached are reused
+    run_all(s)
+    assert b.output == [100, 101, 102] and s.pool.used == 0
+    c = Seq("c", list(range(50, 64)), max_new=2)
+    s.add(c)
+    finish_step(s, s.schedule())
+    finish_step(s, s.schedule())
+    assert SCRATCH_BLOCK in c.blocks
+    s._preempt(c)  # gives back only the blocks it still holds
+    assert c.blocks == [] and s.pool.used == 0
+    run_all(s)
+    assert c.output == [100, 101] and s.pool.used == 0

@@ -483,23 +483,37 @@ def check_backward(ctx: TPContext, workdir: Path, name: str) -> None:
 
 def check_engine(ctx: TPContext, workdir: Path, name: str) -> None:
     """The engine over the whole batch (CPU-packed linears with the layer's biases added after
-    them; the static steps CUDA graphs replay, eager here) gives transformers' greedy tokens."""
-    from tprt.engine.core import Engine, EngineConfig, run_to_completion
+    them; the static steps CUDA graphs replay, eager here) gives transformers' greedy tokens; a
+    windowed model's sequences give back the blocks behind their windows."""
+    from tprt.engine.core import Completion, Engine, EngineConfig
     from tprt.engine.sampling import SamplingParams
 
     ref = _ref(workdir, name)
-    for graphs in ("off", "all"):
+    # With a window on every layer (Mistral), blocks of 4 positions: the blocks behind each
+    # sequence's window go back to the pool as it decodes, and the tokens do not change.
+    windows = set(load_model(workdir / f"{name}-tp{ctx.world_size}", ctx).config.windows)
+    windowed = len(windows) == 1 and None not in windows
+    for graphs, block in (("off", 16), ("all", 16), *((("off", 4),) if windowed else ())):
         model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx)  # its own: prepack changes it
-        engine = Engine(model, None, EngineConfig(max_batch=4, max_seq_len=64, cuda_graphs=graphs), eos_token_ids=())
+        engine = Engine(model, None, EngineConfig(max_batch=4, max_seq_len=64, cuda_graphs=graphs, kv_block_size=block),
+                        eos_token_ids=())
         if not engine.is_driver:
             engine.follow()
             continue
         with engine:
             for i, prompt in enumerate(ref["prompts"]):
                 engine.add(prompt, SamplingParams(temperature=0.0, max_new_tokens=N_NEW, ignore_eos=True), str(i))
-            done = run_to_completion(engine)
+            done, most = {}, 0
+            while engine.has_work:
+                for event in engine.step():
+                    done.setdefault(event.request_id, Completion(event.request_id)).add(event)
+                most = max(most, engine.scheduler.pool.used)
         for i, want in enumerate(ref["generated"]):
-            assert done[str(i)].token_ids == want, f"prompt {i}, graphs {graphs}: greedy tokens differ"
+            assert done[str(i)].token_ids == want, f"prompt {i}, graphs {graphs}, blocks of {block}: greedy tokens differ"
+        longest = max(len(p) for p in ref["prompts"]) + N_NEW
+        if block == 4:  # each sequence holds about window / 4 + 2 blocks, not length / 4
+            window = model.config.sliding_window
+            assert window is not None and most <= len(ref["prompts"]) * (window // 4 + 3) < longest // 4 * 3, most
 
 
 def check_wrong_tp(ctx: TPContext, workdir: Path) -> None:

@@ -76,8 +76,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = context_length(config, model.config.max_position_embeddings)
         n_blocks = kv_pool_blocks(config, self.max_seq_len, free_memory_tokens(model, config))
+        windows = set(model.config.windows)  # one window on every layer (Mistral): blocks behind it are freed
         self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
-            config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache))
+            config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache,
+            windows.pop() if len(windows) == 1 else None))
         self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
                                   config.runner())
         self.eos_token_ids = tuple((tokenizer or model.config).eos_token_ids if eos_token_ids is None else eos_token_ids)

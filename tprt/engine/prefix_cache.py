@@ -129,8 +129,11 @@ class BlockPool:
 
     def release(self, blocks: list[int]) -> None:
         """Drops one reference to each block; an unreferenced named block is cached (most
-        recently released last, the sequence's last block first to go), any other is freed."""
+        recently released last, the sequence's last block first to go), any other is freed. The
+        scratch block (a table's placeholder for blocks given back early) is no one's."""
         for block in reversed(blocks):
+            if block == SCRATCH_BLOCK:
+                continue
             self._refs[block] -= 1
             if self._refs[block] < 0:
                 raise ValueError(f"block {block} released more often than taken")

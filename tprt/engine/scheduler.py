@@ -33,6 +33,7 @@ from typing import Generic, Protocol, TypeVar
 
 from tprt.model.batch import BatchRow, TokenBatch
 from tprt.engine.prefix_cache import BlockPool
+from tprt.model.kv_cache import SCRATCH_BLOCK
 
 
 class Status(enum.Enum):
@@ -79,6 +80,9 @@ class SchedulerConfig:
     n_blocks: int  # KV blocks in the pool, scratch included
     block_size: int  # positions per block
     prefix_cache: bool = True  # name full blocks and share common prefixes
+    # Every layer attends through this sliding window (Mistral): a sequence's blocks wholly before
+    # its next position's window go back to the pool (its table holds the scratch block there).
+    window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,7 @@ class Scheduler(Generic[S]):
         decodes from the next step on)."""
         seq.num_computed += n
         self._name(seq)
+        self._free_behind_window(seq)
         if seq.num_computed == seq.prefill_target:
             seq.status = Status.RUNNING
             return True
@@ -207,6 +212,7 @@ class Scheduler(Generic[S]):
         """After a decode row: the row's first `kept` tokens (its input token, then accepted draft
         tokens) stay in the cache; the positions after them are given back."""
         self.truncate(seq, seq.num_computed + kept)
+        self._free_behind_window(seq)
         seq.draft = []
 
     def truncate(self, seq: S, n: int) -> None:
@@ -241,6 +247,20 @@ class Scheduler(Generic[S]):
         """Names the blocks seq's kept positions fill completely (prefix sharing)."""
         if seq.num_computed // self.pool.block_size > len(seq.digests):
             self.pool.name(seq.blocks, seq.digests, seq.tokens(seq.num_computed), seq.cache_key)
+
+    def _free_behind_window(self, seq: S) -> None:
+        """With a sliding window on every layer: the blocks every later query of seq no longer sees
+        (wholly before the window of its next position, num_computed) go back to the pool, named
+        ones to the prefix cache; the table keeps the scratch block in their place, which the
+        attention kernels skip or mask."""
+        window = self.config.window
+        if window is None:
+            return
+        behind = min(max(seq.num_computed - window + 1, 0) // self.pool.block_size, len(seq.blocks))
+        for i in range(behind):
+            if seq.blocks[i] != SCRATCH_BLOCK:
+                self.pool.release([seq.blocks[i]])
+                seq.blocks[i] = SCRATCH_BLOCK
 
     def _grow(self, seq: S, tokens: int) -> bool:
         """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
