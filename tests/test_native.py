@@ -199,6 +199,30 @@ def test_decode_attention_with_windows_and_soft_caps(storage: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_glu_matches_torch(dtype: torch.dtype) -> None:
+    """Gemma's GeGLU in one call against torch's tanh-gelu times up, rounded the same way: off the
+    vector width, both signs, large and tiny gates (tanh saturating both ways)."""
+    kernel = native.gelu_glu_kernel(dtype)
+    if not native.available():
+        assert kernel is None
+        return
+    assert kernel is not None
+    x = (torch.randn(5, 2 * 101, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    x[0, :4] = torch.tensor([30.0, -30.0, 1e-4, -1e-4])
+    gate, up = x.chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = kernel(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    # Against the operands' scale: where gelu is near 0 (gate far below 0) 1 + tanh cancels, and
+    # the kernel's exp (relative error 2e-7) shows there as it would in any float32 formula.
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: a rounding flipped here and there
+    scale = 1 + (gate.float() * up.float()).abs()
+    assert ((got.float() - want.float()).abs() <= tol * scale).all()
+    with pytest.raises(ValueError, match="gelu_glu"):
+        kernel(x[:, :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mlp_decode_matches_modules(dtype: torch.dtype) -> None:
     """The one-call MLP half against RMSNorm + the fused gate/up linear + SwiGLU + the down linear,
     on shapes off the vector widths and activations of both signs."""

@@ -11,6 +11,7 @@ the reference math:
   int8 KV cache (`tprt.cpu.native.supports_cache`; int8 is quantized on write, read as int8 in
   the loop): RoPE, the cache write and q in float32 in one call, attention over the cache in
   another (the step's, tprt.cpu.native_attention under the native backend);
+- `NativeGeGLUMLP` (Gemma): any call with autograd off, its tanh-gelu(gate) * up in one compiled call;
 - `NativeDecoderLayer`: a step of one token with autograd off and no adapter acting on the half: each half
   (its norm included) in one call giving this rank's partial product, which the row-parallel
   layer all-reduces; the attention half also needs a float32 or int8 cache. A half gets its kernel only
@@ -36,7 +37,7 @@ from torch import nn
 
 from tprt.cpu import native
 from tprt.cpu.fast_linear import one_row_native, supported
-from tprt.model.llama import Attention, DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
+from tprt.model.llama import MLP, Attention, DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
 from tprt.parallel.layers import adapted
 
 Kernel = Callable[..., torch.Tensor]
@@ -81,6 +82,21 @@ class NativeAttention(Attention):
             q32 = q32 * self.query_scale
         out = attention.attend_cached(self.layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
         return self.o_proj(out.reshape(tokens, 1, self.n_heads * self.head_dim))
+
+
+class NativeGeGLUMLP(MLP):
+    """Gemma's MLP whose inference calls run tanh-gelu(gate) * up in one compiled call
+    (tprt.cpu.native.gelu_glu_kernel; torch's gelu in bf16 took twice as long, and the product
+    another pass)."""
+
+    def __init__(self, model: TPLlamaForCausalLM, kernel: Kernel) -> None:
+        super().__init__(model.config, model.tp, model.dtype)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return super().forward(x)
+        return self.down_proj(self.kernel(self.gate_up_proj(x)))
 
 
 class NativeDecoderLayer(DecoderLayer):
@@ -240,6 +256,7 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
         return
     gemma = model.config.gemma_block
     rope_cache = native.rope_cache_kernel(model.dtype)
+    geglu = native.gelu_glu_kernel(model.dtype) if model.config.hidden_act == "gelu_pytorch_tanh" else None
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
@@ -253,6 +270,11 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
                 new_attn = NativeAttention(model, attn.layer, rope_cache)
             _take_over(new_attn, attn)
             layer.self_attn = new_attn
+        if geglu is not None:
+            with torch.device("meta"):
+                new_mlp = NativeGeGLUMLP(model, geglu)
+            _take_over(new_mlp, mlp)
+            layer.mlp = new_mlp
         attention_half = mlp_half = None
         if one_row_native(attn.qkv_proj, attn.o_proj):
             norm = layer.input_layernorm

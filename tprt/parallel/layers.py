@@ -279,8 +279,10 @@ class VocabParallelLMHead(ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., local_vocab] logits of this rank's vocabulary rows."""
         logits = self.method.apply(self, copy_to_region(x, self.tp))
-        if self.softcap is not None:
+        if self.softcap is not None and torch.is_grad_enabled():
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        elif self.softcap is not None:  # in place: the logits are the step's largest tensor
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
         if self.local_valid < self.local_vocab:
             logits[..., self.local_valid :] = float("-inf")
         return logits

@@ -66,7 +66,7 @@ _SIGNATURES = {"tprt_gemv": [_P, _P, _P, _I, _I], "tprt_gemv_rows": [_P, _P, _P,
                "tprt_rms_norm": [_P, _P, _P, _I, _I, _F], "tprt_rms_norm_unit": [_P, _P, _P, _I, _I, _F],
                "tprt_rope_cache": [_P] * 9 + [_I] * 8,
                "tprt_paged_decode_attention": [_P] * 8 + [_I] * 10 + [_F, _I, _F],
-               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F, _I],
+               "tprt_mlp_decode": [_P] * 7 + [_I, _I, _F, _I], "tprt_gelu_glu": [_P, _P, _I, _I],
                "tprt_paged_attention_decode": [_P] * 17 + [_I] * 9 + [_F, _F, _P, _I, _F, _I]}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -268,6 +268,27 @@ def rms_norm_kernel(weight: torch.Tensor, eps: float, unit_offset: bool = False)
         y = torch.empty_like(x)
         fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
         return y
+
+    return run
+
+
+def gelu_glu_kernel(dtype: torch.dtype) -> Kernel | None:
+    """A function gate_up [..., 2 inter] -> tanh-gelu(gate) * up [..., inter] (Gemma's GeGLU of the
+    fused gate/up product, rounded as torch's ops round in `dtype`), or None like `gemv_kernel`."""
+    lib = _library()
+    if lib is None or dtype not in _DTYPE_SUFFIX:
+        return None
+    fn = getattr(lib, f"tprt_gelu_glu_{_DTYPE_SUFFIX[dtype]}")
+
+    def run(gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype != dtype or gate_up.device.type != "cpu" or gate_up.shape[-1] % 2:
+            raise ValueError(f"native gelu_glu expects [..., 2 inter] {dtype} on CPU, got {tuple(gate_up.shape)} "
+                             f"{gate_up.dtype}")
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        out = torch.empty(*gate_up.shape[:-1], inter, dtype=dtype)
+        fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+        return out
 
     return run
 

@@ -23,7 +23,8 @@ static inline uint16_t f32_to_bf16(float f) {
    reused, so sized once for a model's dimensions (rather than variable-length arrays of up to a
    few MB on a thread's stack for large models), and freed when the thread exits. A kernel takes
    its own slot, so nested kernels never share one. */
-enum { SCRATCH_GEMV_X, SCRATCH_NORM, SCRATCH_STACK_X, SCRATCH_STACK_Y, SCRATCH_Q8_X, SCRATCH_Q8_SCALES, SCRATCH_SLOTS };
+enum { SCRATCH_GEMV_X, SCRATCH_NORM, SCRATCH_STACK_X, SCRATCH_STACK_Y, SCRATCH_Q8_X, SCRATCH_Q8_SCALES, SCRATCH_GLU,
+       SCRATCH_SLOTS };
 typedef struct { void *p[SCRATCH_SLOTS]; size_t bytes[SCRATCH_SLOTS]; } scratch_set;
 static pthread_key_t scratch_key;
 static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
@@ -103,7 +104,19 @@ static inline float softmax512(float *s, int64_t len) {
    0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), tanh(y) = sign(y) (1 - e) / (1 + e) with
    e = exp(-2 |y|) <= 1, branch-free so the loop vectorises. */
 static void gelu_tanh_inplace(float *g, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i);
+        __m512 y = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), _mm512_mul_ps(x, x)), x, x));
+        __m512 e = exp512_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(y)));
+        __m512 t = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), t)));
+    }
+#endif
+    for (; i < n; i++) {
         float x = g[i], y = 0.7978845608028654f * (x + 0.044715f * x * x * x);
         float e = exp_nonpositive(-2.0f * fabsf(y));
         float t = copysignf((1.0f - e) / (1.0f + e), y);

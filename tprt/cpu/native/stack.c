@@ -342,3 +342,19 @@ void tprt_mlp_decode_##SUFFIX(const T *x, const T *norm_w, const T *w_gate_up, c
 
 DECODE_HALVES(f32, float)
 DECODE_HALVES(bf16, uint16_t)
+
+/* GeGLU over rows of the fused gate/up product, gate_up [rows, 2 inter] (gate, then up) -> out
+   [rows, inter]: tanh-gelu(gate) * up, rounded as torch's two ops round in the model dtype (the
+   stack's MLP section's math), for the module path of steps the stack does not take. */
+#define GELU_GLU(SUFFIX, T, LOAD, STORE)                                                                      \
+void tprt_gelu_glu_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t inter) {                         \
+    float *work = scratch(SCRATCH_GLU, (size_t)inter * sizeof(float));                                        \
+    for (int64_t r = 0; r < rows; r++) {                                                                      \
+        const T *g = gate_up + r * 2 * inter;                                                                 \
+        for (int64_t i = 0; i < inter; i++) work[i] = LOAD(g[i]);                                             \
+        gelu_tanh_inplace(work, inter);                                                                       \
+        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = STORE(LOAD(STORE(work[i])) * LOAD(g[inter + i])); \
+    }                                                                                                         \
+}
+GELU_GLU(f32, float, f32_load, f32_store)
+GELU_GLU(bf16, uint16_t, bf16_to_f32, f32_to_bf16)
