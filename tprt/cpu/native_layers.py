@@ -265,6 +265,8 @@ def install_native_layers(model: TPLlamaForCausalLM) -> None:
         if layer.pre_feedforward_layernorm is not None and layer.post_feedforward_layernorm is not None:  # Gemma
             layer.pre_feedforward_layernorm = native_norm(layer.pre_feedforward_layernorm)
             layer.post_feedforward_layernorm = native_norm(layer.post_feedforward_layernorm)
+        if attn.q_norm is not None and attn.k_norm is not None:  # Qwen3, Gemma 3: over each head, in one call
+            attn.q_norm, attn.k_norm = native_norm(attn.q_norm), native_norm(attn.k_norm)
         if rope_cache is not None:
             with torch.device("meta"):
                 new_attn = NativeAttention(model, attn.layer, rope_cache)

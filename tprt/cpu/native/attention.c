@@ -122,10 +122,14 @@ ROPE_CACHE(bf16, uint16_t)
    cap > 0 (Gemma 2). Returns the largest score after. */
 static float adjust_scores(float *s, int64_t len, int64_t skip, float cap) {
     float top = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        s[t] = t < skip ? -INFINITY : cap > 0 ? cap * tanhf(s[t] / cap) : s[t];
-        top = s[t] > top ? s[t] : top;
+    for (int64_t t = 0; t < skip && t < len; t++) s[t] = -INFINITY;
+    if (cap > 0) {  /* tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) <= 1: vectorises as gelu_tanh's */
+        for (int64_t t = skip; t < len; t++) {
+            float y = s[t] / cap, e = exp_nonpositive(-2.0f * fabsf(y));
+            s[t] = cap * copysignf((1.0f - e) / (1.0f + e), y);
+        }
     }
+    for (int64_t t = skip; t < len; t++) top = s[t] > top ? s[t] : top;
     return top;
 }
 
