@@ -1,5 +1,5 @@
 """A GGUF file (llama.cpp) as a converter source: HF names, HF layout, dequantised row blocks.
-Architectures: `llama`, `qwen2` and `qwen3` (`GGUF_ARCHITECTURES`).
+Architectures: `llama`, `qwen2`, `qwen3`, `gemma2` and `gemma3` (`GGUF_ARCHITECTURES`).
 
 GGUF lists dimensions innermost first, so a GGUF tensor of dims [in, out] is HF's [out, in], and
 ggml's quantisation blocks run along HF dim 1: a range of HF rows is one contiguous byte range of
@@ -8,6 +8,9 @@ of q_proj/k_proj inside each head from HF's rotate-half RoPE order to the interl
 (`w.reshape(n_head, 2, head_dim // 2, in).swapaxes(1, 2)`); `read_rows` undoes that per whole
 head. Qwen2 and Qwen3 files keep HF's order (llama.cpp rotates them NEOX-style, HF's
 rotate-half) and add q/k/v biases (`blk.N.attn_q.bias`) or q/k norms (`blk.N.attn_q_norm`).
+Gemma files keep HF's order too, store every norm weight plus 1 (taken back out here) and name
+Gemma's extra norms their own way (`GEMMA_LAYER_NAMES`); what their metadata leaves out is
+filled in as llama.cpp fills it in (`gemma_fields`).
 Metadata is parsed with the `gguf` package's GGUFReader; config.json and the tokenizer files are
 rebuilt from it.
 """
@@ -39,7 +42,8 @@ _TOP_NAMES = {
 }
 # general.architecture -> (HF architecture, model_type, whether q/k rows are in llama.cpp's interleaved order)
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True), "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-                      "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
+                      "qwen3": ("Qwen3ForCausalLM", "qwen3", False), "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+                      "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False)}
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -53,19 +57,23 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma: ffn_norm is the MLP's input norm, and its post_attention_layernorm the attention output's.
+GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Derived tables some exporters store (RoPE frequency factors, old rotary caches): never weights.
 _DERIVED = re.compile(r"^(rope_freqs|rope_factors_(long|short))\.weight$|^blk\.\d+\.attn_rot_embd$")
 
 
-def hf_name(gguf_name: str, source: str) -> str | None:
-    """The HF name of a GGUF tensor; None for derived tensors; an error for anything else (a name
-    that maps but that the config does not imply is left to `check_tensor_set`)."""
+def hf_name(gguf_name: str, source: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of `arch`; None for derived tensors; an error for anything else
+    (a name that maps but that the config does not imply is left to `check_tensor_set`)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     m = _LAYER.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     if _DERIVED.match(gguf_name):
         return None
     raise CheckpointError(f"{source}: GGUF tensor {gguf_name!r} is not part of a Llama model")
@@ -81,10 +89,11 @@ class GGUFTensor:
     offset: int  # absolute byte offset of the data in the file
     row_bytes: int  # bytes of one HF row (1-D tensors: of the whole tensor)
     rope_heads: int = 0  # >0: q/k in llama.cpp's interleaved order, this many heads
+    value_offset: float = 0.0  # stored as the HF value plus this (Gemma's norms: 1)
 
 
 class GGUFSource:
-    """A GGUF llama, qwen2 or qwen3 file presented as an HF checkpoint (`TensorSource`)."""
+    """A GGUF llama, qwen2, qwen3, gemma2 or gemma3 file presented as an HF checkpoint (`TensorSource`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -96,6 +105,7 @@ class GGUFSource:
             raise CheckpointError(f"{self.path}: general.architecture is {arch!r}; GGUF files of "
                                   f"{', '.join(map(repr, GGUF_ARCHITECTURES))} can be imported")
         self._permuted = GGUF_ARCHITECTURES[arch][2]
+        self._arch = arch
         raw_tensors = {t.name: t for t in reader.tensors}
         self.config_json = config_from_metadata(self.metadata, _hf_shapes(raw_tensors), str(self.path))
         self._add_rope_scaling(raw_tensors)
@@ -107,7 +117,7 @@ class GGUFSource:
     def _index(self, raw_tensors: dict[str, Any]) -> dict[str, GGUFTensor]:
         cfg, out = self.config_json, {}
         for name, t in raw_tensors.items():
-            hf = hf_name(name, str(self.path))
+            hf = hf_name(name, str(self.path), self._arch)
             if hf is None:
                 continue
             qtype = GGMLQuantizationType(int(t.tensor_type))
@@ -120,7 +130,8 @@ class GGUFSource:
                 heads = cfg["num_key_value_heads"]
             n_bytes = row_nbytes(qtype, shape[-1], name, str(self.path))
             row_bytes = n_bytes * (1 if len(shape) == 1 else int(np.prod(shape[1:-1], dtype=np.int64)))
-            out[hf] = GGUFTensor(name, qtype, shape, int(t.data_offset), row_bytes, heads)
+            plus = 1.0 if self._arch.startswith("gemma") and hf.endswith("norm.weight") else 0.0
+            out[hf] = GGUFTensor(name, qtype, shape, int(t.data_offset), row_bytes, heads, plus)
         return out
 
     def _add_rope_scaling(self, raw_tensors: dict[str, Any]) -> None:
@@ -158,7 +169,7 @@ class GGUFSource:
         if start == stop:
             return torch.empty((0, *t.shape[1:]), dtype=self._dtype_of(t))
         if len(t.shape) == 1:  # a whole norm vector is a few KiB; blocks need not align to `start`
-            return self._dequant(t, 0, 1)[0, start:stop].contiguous()
+            return (self._dequant(t, 0, 1)[0, start:stop] - t.value_offset).contiguous()
         return self._hf_rows(t, start, stop, lambda a, b: self._dequant(t, a, b)).reshape(stop - start, *t.shape[1:])
 
     def q8_0_rows(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -295,10 +306,48 @@ def config_from_metadata(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]
     }
     if arch == "qwen3":  # Qwen3 carries biases only where attention_bias says
         cfg["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if arch.startswith("gemma"):
+        del cfg["hidden_act"]
+        cfg.update(gemma_fields(meta, cfg, source))
     if model_type.startswith("qwen"):
         cfg["use_sliding_window"] = False
     cfg.update(_special_ids(meta))
     return cfg
+
+
+def gemma_fields(meta: dict[str, Any], cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """A Gemma config's own fields from GGUF metadata, and what llama.cpp infers where the file
+    says nothing: queries scaled by head_dim's -1/2 power except in the 27B models (46 layers of
+    Gemma 2, 62 of Gemma 3: hidden / heads), every 2nd (Gemma 2) or 6th (Gemma 3) layer global
+    unless `attention.sliding_window_pattern` lists them, Gemma 3's windowed layers on a rope base
+    of 10,000."""
+    arch = str(meta.get("general.architecture"))
+    p = f"{arch}."
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    big = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": cfg["hidden_size"] // heads if big else cfg["head_dim"],
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    }
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if meta.get(p + key) is not None:
+            out[key] = _f32(meta[p + key])
+    window = meta.get(p + "attention.sliding_window")
+    out["sliding_window"] = None if window is None else _get_int(meta, p + "attention.sliding_window", source)
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise CheckpointError(f"{source}: GGUF key {p}attention.sliding_window_pattern lists {len(pattern)} "
+                                  f"layers, expected {layers}")
+        sliding = [bool(x) for x in pattern]
+    else:
+        every = int(pattern) if pattern else 2 if arch == "gemma2" else 6
+        sliding = [(i + 1) % every != 0 for i in range(layers)]
+    out["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def _special_ids(meta: dict[str, Any]) -> dict[str, Any]:

@@ -207,9 +207,9 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
 
 def test_error_non_llama_architecture(tmp_path: Path) -> None:
     path = tmp_path / "g.gguf"
-    write_tiny_gguf(path, arch="gemma2")
-    with pytest.raises(CheckpointError, match=r"g\.gguf: general\.architecture is 'gemma2'; GGUF files of 'llama', "
-                                              r"'qwen2', 'qwen3' can be imported") as e:
+    write_tiny_gguf(path, arch="phi3")
+    with pytest.raises(CheckpointError, match=r"g\.gguf: general\.architecture is 'phi3'; GGUF files of 'llama', "
+                                              r"'qwen2', 'qwen3', 'gemma2', 'gemma3' can be imported") as e:
         GGUFSource(path)
     assert "\n" not in str(e.value)
     qwen_without_biases = tmp_path / "q.gguf"
@@ -218,17 +218,20 @@ def test_error_non_llama_architecture(tmp_path: Path) -> None:
         GGUFSource(qwen_without_biases)
 
 
-def _qwen_gguf(hf_dir: Path, path: Path, arch: str) -> dict[str, torch.Tensor]:
-    """hf_dir's Qwen checkpoint written as llama.cpp writes one (F32, q/k rows in HF's order,
-    biases and q/k norms under their GGUF names); returns the HF tensors."""
+def _family_gguf(hf_dir: Path, path: Path, arch: str) -> dict[str, torch.Tensor]:
+    """hf_dir's Qwen or Gemma checkpoint written as llama.cpp writes one (F32, q/k rows in HF's
+    order, biases and norms under their GGUF names, Gemma's norms plus 1 and its soft-caps,
+    window and rope scaling as keys); returns the HF tensors."""
     from gguf import GGUFWriter
     from safetensors.torch import load_file
 
-    from convert.gguf import _LAYER_NAMES, _TOP_NAMES
+    from convert.gguf import _LAYER_NAMES, _TOP_NAMES, GEMMA_LAYER_NAMES
     from gguf_helpers import put
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope)  # Gemma 3's global layers' (its local base is llama.cpp's 10,000)
     writer = GGUFWriter(path, arch)
     p = f"{arch}."
     for key, value in {p + "block_count": cfg["num_hidden_layers"], p + "context_length": cfg["max_position_embeddings"],
@@ -236,19 +239,32 @@ def _qwen_gguf(hf_dir: Path, path: Path, arch: str) -> dict[str, torch.Tensor]:
                        p + "attention.head_count": cfg["num_attention_heads"],
                        p + "attention.head_count_kv": cfg["num_key_value_heads"],
                        p + "attention.key_length": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                       p + "rope.freq_base": float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+                       p + "rope.freq_base": float(cfg.get("rope_theta") or full["rope_theta"]),
                        p + "attention.layer_norm_rms_epsilon": cfg["rms_norm_eps"],
                        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}.items():
         put(writer, key, value)
+    gemma = arch.startswith("gemma")
+    if gemma:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                put(writer, p + key, float(cfg[key]))
+        put(writer, p + "attention.sliding_window", cfg["sliding_window"])
+        if arch == "gemma3":  # its layers listed (Gemma 2's left to the default: every other one global)
+            writer.add_array(p + "attention.sliding_window_pattern",
+                             [t == "sliding_attention" for t in cfg["layer_types"]])
+        if full.get("rope_type") == "linear":
+            put(writer, p + "rope.scaling.type", "linear")
+            put(writer, p + "rope.scaling.factor", float(full["factor"]))
     top = {hf: g for g, hf in _TOP_NAMES.items()}
-    parts = {hf: g for g, hf in _LAYER_NAMES.items()}
+    parts = {hf: g for g, hf in (GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES).items()}
     for name, t in tensors.items():
         if name in top:
             gguf_name = top[name]
         else:
             _, _, n, *module, kind = name.split(".")
             gguf_name = f"blk.{n}.{parts['.'.join(module)]}.{kind}"
-        writer.add_tensor(gguf_name, t.float().numpy())
+        plus = 1.0 if gemma and name.endswith("norm.weight") else 0.0
+        writer.add_tensor(gguf_name, (t.float() + plus).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -256,12 +272,21 @@ def _qwen_gguf(hf_dir: Path, path: Path, arch: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_qwen_gguf_imports_as_its_hf_model(tmp_path: Path, family: str) -> None:
-    """A Qwen2 (q/k/v biases) or Qwen3 (q/k norms, attention_bias biases, head_dim apart from
-    hidden / heads) GGUF: every tensor as the HF checkpoint holds it (no q/k un-permute), the
-    config of the HF architecture, and the model converted from it gives transformers' logits of
-    the original."""
+# What a GGUF file can say of each family (llama.cpp's conventions): Gemma's queries scaled by
+# head_dim, Gemma 3's windowed layers on a rope base of 10,000.
+GGUF_FAMILIES = {"qwen2": {}, "qwen3": {}, "gemma2": {"query_pre_attn_scalar": 16},
+                 "gemma3": {"query_pre_attn_scalar": 16, "rope_parameters": {
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0}}}}
+
+
+@pytest.mark.parametrize("family", list(GGUF_FAMILIES))
+def test_family_gguf_imports_as_its_hf_model(tmp_path: Path, family: str) -> None:
+    """A Qwen2 (q/k/v biases), Qwen3 (q/k norms, attention_bias biases, head_dim apart from
+    hidden / heads), Gemma 2 (soft-caps, windows on every other layer) or Gemma 3 (q/k norms,
+    a scaled global rope) GGUF: every tensor as the HF checkpoint holds it (no q/k un-permute;
+    Gemma's norms less the 1 llama.cpp adds), the config of the HF architecture, and the model
+    converted from it gives transformers' logits of the original."""
     from helpers import make_hf_model
     from transformers import AutoModelForCausalLM
 
@@ -269,15 +294,23 @@ def test_qwen_gguf_imports_as_its_hf_model(tmp_path: Path, family: str) -> None:
     from tprt.checkpoint.loading import load_model
     from tprt.distributed.context import TPContext
 
-    hf_dir = make_hf_model(tmp_path / "hf", family)
-    tensors = _qwen_gguf(hf_dir, tmp_path / "m.gguf", family)
+    hf_dir = make_hf_model(tmp_path / "hf", family, **GGUF_FAMILIES[family])
+    tensors = _family_gguf(hf_dir, tmp_path / "m.gguf", family)
+    gemma = family.startswith("gemma")
     with GGUFSource(tmp_path / "m.gguf") as src:
-        assert src.config.architecture == f"Qwen{family[-1]}ForCausalLM" and src.config.qkv_bias
-        assert src.config.qk_norm == (family == "qwen3") and src.config.tie_word_embeddings
-        assert set(src.shapes()) == set(tensors) and src.config.num_key_value_heads != src.config.num_attention_heads
+        want_config = ModelConfig.from_file(hf_dir / "config.json")
+        got_config = src.config
+        for field in ("architecture", "qkv_bias", "qk_norm", "tie_word_embeddings", "head_dim", "windows",
+                      "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_theta",
+                      "local_rope_theta", "rope_scaling", "gemma_block", "hidden_act"):
+            assert getattr(got_config, field) == getattr(want_config, field), field
+        assert set(src.shapes()) == set(tensors) and got_config.num_key_value_heads != got_config.num_attention_heads
         for name, want in tensors.items():
             got = src.read_rows(name, 0, want.shape[0])
-            assert torch.equal(got.float(), want.float()), name
+            if gemma and name.endswith("norm.weight"):  # (w + 1) - 1 in float32: w to its last bits but one
+                assert (got.float() - want.float()).abs().max() <= 1e-6, name
+            else:
+                assert torch.equal(got.float(), want.float()), name
     api.hf_to_tp(tmp_path / "m.gguf", tmp_path / "tp1", 1)
     ids = torch.randint(3, 256, (2, 11), generator=torch.Generator().manual_seed(3))
     model = load_model(tmp_path / "tp1", TPContext.single())
@@ -285,7 +318,7 @@ def test_qwen_gguf_imports_as_its_hf_model(tmp_path: Path, family: str) -> None:
         want = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)(ids).logits
         got = model.gather_logits(model(ids))
     err = (got - want).abs().max() / want.abs().max()
-    assert err <= 1e-5, f"logits off by {err:.2e} of their scale"
+    assert err <= (1e-5 if not gemma else 1e-4), f"logits off by {err:.2e} of their scale"
 
 
 def test_error_unsupported_type(tmp_path: Path) -> None:
