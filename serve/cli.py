@@ -47,6 +47,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--http-port", type=int, metavar="PORT",
                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
+    s.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="HTTP chat and completions: drop request fields the endpoint does not know instead of "
+                        "answering 400 naming them (OpenAI's behaviour, the default), for clients that send extras")
     s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="S",
                    help="seconds from a new HTTP connection (TLS handshake included), or from a later request's "
                         "first byte, to the end of the request's headers; slower connections are closed (10)")

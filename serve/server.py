@@ -99,6 +99,7 @@ class ServeConfig:
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
+    ignore_unknown_fields: bool = False  # HTTP chat/completions: drop fields the endpoint does not know
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
     max_stored_jobs: int = 10_000  # serve/jobs/store.py: the oldest failed/cancelled are pruned, else refused
     max_stored_bytes: int | None = None  # uploaded files' quota (serve/jobs/storage.py)
@@ -342,7 +343,8 @@ class App:
             self.http_app = create_app(HttpDeps(self.loop, tokenizer, facts, adapters, self.metrics, token,
                                                 cfg.max_message_bytes, max_text_bytes, time.time(),
                                                 self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
-                                                compile_constraint, datasets=self.datasets))
+                                                compile_constraint, datasets=self.datasets,
+                                                ignore_unknown_fields=cfg.ignore_unknown_fields))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(
             FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                               admission), self.server)

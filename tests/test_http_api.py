@@ -161,6 +161,44 @@ def test_completions_with_logprobs(api: Api) -> None:
     assert choice.text == ref.text and lp.tokens == [t.text for t in ref.tokens]
 
 
+def test_fields_are_honoured_or_refused(api: Api) -> None:
+    """A field the endpoint does not know is a 400 naming it, as OpenAI's API answers; the fields
+    that describe the caller are accepted; logit_bias steers the choice (+100 on a token makes
+    every greedy token that token), the penalties are taken and checked, best_of other than n is
+    refused rather than ignored (issue 42)."""
+    from tprt.text.tokenizer import Tokenizer
+
+    c = api.client
+    for make in (lambda: c.chat.completions.create(model=api.model, messages=CHAT, max_tokens=2,  # type: ignore[arg-type]
+                                                   extra_body={"temprature": 0.5}),
+                 lambda: c.completions.create(model=api.model, prompt="x", max_tokens=2, extra_body={"temprature": 0.5})):
+        with pytest.raises(openai.BadRequestError) as unknown:
+            make()
+        assert unknown.value.param == "temprature" and "Unrecognized request argument supplied" in str(unknown.value)
+    out = c.chat.completions.create(model=api.model, messages=CHAT, max_tokens=2, user="u-1",  # type: ignore[arg-type]
+                                    metadata={"run": "7"}, store=False, service_tier="auto")
+    assert out.choices[0].message is not None
+    tok = Tokenizer.from_dir(api.root / "model" / "tp2")
+    forced = tok.encode("q", add_special_tokens=False)[0]
+    for bias in (100, 10):
+        biased = c.completions.create(model=api.model, prompt="Hello there", max_tokens=8, temperature=0,
+                                      logit_bias={str(forced): bias}, extra_body={"ignore_eos": True})
+        assert biased.choices[0].text == "q" * 8
+    # Each "q" in the output costs it 2 (frequency) and, once there, 2 (presence): by the 6th its
+    # +10 is gone and then some, and the small model's own logits do not bridge that.
+    penalised = c.completions.create(model=api.model, prompt="Hello there", max_tokens=8, temperature=0,
+                                     logit_bias={str(forced): 10}, frequency_penalty=2.0, presence_penalty=2.0,
+                                     extra_body={"ignore_eos": True})
+    assert penalised.choices[0].text.startswith("q") and penalised.choices[0].text.count("q") < 8
+    for make, param in ((lambda: c.completions.create(model=api.model, prompt="x", presence_penalty=3), "presence_penalty"),
+                        (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"no": 1}), "logit_bias"),
+                        (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"3": 101}), "logit_bias"),
+                        (lambda: c.completions.create(model=api.model, prompt="x", best_of=3), "best_of")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            make()
+        assert bad.value.param == param
+
+
 def test_chat_logprobs_stop_and_several_prompts(api: Api) -> None:
     chat = api.client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=4, temperature=0,  # type: ignore[arg-type]
                                               logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})

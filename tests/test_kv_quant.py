@@ -329,7 +329,7 @@ def test_avx2_and_scalar_builds_read_int8_like_the_reference(march: str, tmp_pat
                     str(native.SOURCE), "-lm"], check=True, capture_output=True, timeout=300)
     fn = ctypes.CDLL(str(lib_path)).tprt_paged_decode_attention_f32
     P, I = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes, fn.restype = [P] * 8 + [I] * 10 + [ctypes.c_float], None
+    fn.argtypes, fn.restype = [P] * 8 + [I] * 10 + [ctypes.c_float, I, ctypes.c_float], None
     for (d, (nh, nkv), size), static in itertools.product(SHAPES, (False, True)):
         cache, step, q, want = _int8_case(d, nh, nkv, size, d * size, static)
         store = cache.kv[1]
@@ -338,7 +338,8 @@ def test_avx2_and_scalar_builds_read_int8_like_the_reference(march: str, tmp_pat
         out, scratch = torch.empty(4, 1, nh * d), torch.empty(step.kv_len * (nh // nkv))
         tables, positions = step.tables.contiguous(), step.flat_positions
         fn(q.contiguous().data_ptr(), store.data_ptr(), scales, fixed, tables.data_ptr(), positions.data_ptr(),
-           out.data_ptr(), scratch.data_ptr(), 4, nh, nkv, d, size, tables.stride(0), *store.stride()[:4], d ** -0.5)
+           out.data_ptr(), scratch.data_ptr(), 4, nh, nkv, d, size, tables.stride(0), *store.stride()[:4], d ** -0.5,
+           0, 0.0)  # no window, no soft-cap
         assert (out - want).abs().max() <= 1e-5 * want.abs().max(), (march, d, nh, size, static)  # another order
 
 

@@ -221,3 +221,43 @@ def test_valid_params_pass_and_lists_become_tuples() -> None:
     assert p.validate(VOCAB) is p
     assert p.stop_token_ids == (1, 2) and p.stop_strings == ("x",)
     hash(p)
+
+
+def test_openai_logit_bias_and_output_penalties() -> None:
+    """OpenAI's logit_bias (added first), and its presence and frequency penalties over the output
+    alone (the prompt's ids do not count): score - frequency x count - presence x (count > 0),
+    written out here; a bias of +100 makes a token the greedy choice, -100 bans it; rows without
+    them are untouched, and the reported logprobs stay the model's."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, VOCAB, generator=g) * 3
+    prompt = [5, 5, 6]
+    output = [7, 7, 7, 8, 5]
+    history = [prompt + output] * 3
+    starts = [len(prompt)] * 3
+    penal = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=1.5)
+    biased = SamplingParams(temperature=0.0, logit_bias=((11, 100.0), (int(logits[1].argmax()), -100.0)))
+    plain = SamplingParams(temperature=0.0)
+    scores = process_logits(logits, [penal, biased, plain], history, starts)
+    want = logits[0].clone()
+    for token, count in ((7, 3), (8, 1), (5, 1)):  # 5 and 6 are in the prompt too; only output counts
+        want[token] -= 1.5 * count + 0.5
+    assert torch.allclose(scores[0], want) and torch.equal(scores[2], logits[2])
+    bias = torch.zeros(VOCAB)
+    bias[11], bias[int(logits[1].argmax())] = 100.0, -100.0
+    assert torch.allclose(scores[1], logits[1] + bias)
+    res = sample(logits, [penal, biased, SamplingParams(temperature=0.0, logprobs=True)], [None] * 3, history,
+                 output_starts=starts)
+    assert res.token_ids[1] == 11 and res.token_ids[0] == int(want.argmax())
+    assert penal.reads_history and biased.shapes_logits and not biased.reads_history and not plain.shapes_logits
+    assert math.isclose(float(res.logprobs[2]), float(torch.log_softmax(logits[2], -1).max()), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3.0}, "frequency_penalty"),
+    ({"logit_bias": ((VOCAB, 1.0),)}, "logit_bias"), ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
+    ({"logit_bias": ((3,),)}, "logit_bias"),
+])
+def test_openai_fields_out_of_range(fields: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValidationError) as e:
+        SamplingParams(**fields).validate(VOCAB)
+    assert e.value.field == field and str(e.value).startswith(field)

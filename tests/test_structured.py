@@ -408,3 +408,22 @@ def test_llama_calls_may_open_with_the_python_tag() -> None:
     assert [auto.starts_call(t) for t in ("<|py", "<|python_tag|>{", "<b>")] == [None, True, False]
     calls = auto.tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
     assert calls is not None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
+
+
+def test_unknown_fields_are_refused_unless_the_server_ignores_them() -> None:
+    """OpenAI's "Unrecognized request argument supplied" for a chat or completions body with a field
+    the endpoint does not know (the first one named), or the field dropped under
+    --ignore-unknown-fields; fields that describe the caller are known; other bodies keep theirs."""
+    from serve.openai.requests import ChatBody, CompletionBody, ParamError, parse_body
+
+    raw = json.dumps({"model": "m", "prompt": "x", "user": "u", "metadata": {"k": "v"}, "store": True,
+                      "service_tier": "auto", "temprature": 0.5, "logit_bias": {"5": 1}}).encode()
+    with pytest.raises(ParamError) as info:
+        parse_body(raw, CompletionBody)
+    assert info.value.param == "temprature" and "Unrecognized request argument supplied: temprature" in str(info.value)
+    body = parse_body(raw, CompletionBody, ignore_unknown=True)
+    assert body.user == "u" and body.logit_bias == {"5": 1} and not hasattr(body, "temprature")
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "low"})
+    with pytest.raises(ParamError) as info:
+        parse_body(chat.encode(), ChatBody)
+    assert info.value.param == "reasoning_effort"

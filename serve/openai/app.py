@@ -95,6 +95,7 @@ class HttpDeps:
     # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
     compile_constraint: Callable[[ConstraintSpec], object] | None = None
     datasets: DatasetWork = field(default_factory=DatasetWork)  # uploads' and job creations' file work
+    ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop them instead of refusing the request
 
 
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
@@ -224,9 +225,10 @@ class OpenAIApi:
             raw = await request.body()
         except ClientDisconnect:
             raise Cancelled("the client disconnected") from None
+        lenient = self.d.ignore_unknown_fields
         if len(raw) > PARSE_ON_THREAD_BYTES:
-            return await run_in_threadpool(parse_body, raw, model)
-        return parse_body(raw, model)
+            return await run_in_threadpool(parse_body, raw, model, lenient)
+        return parse_body(raw, model, lenient)
 
     def _ok(self, request: Request, value: Any) -> Any:
         self._count(request, "ok")

@@ -149,9 +149,12 @@ def _is_text(s: str) -> bool:
     return True
 
 
-def parse_body(raw: bytes, model: type[Body]) -> Body:
+def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> Body:
     """A JSON request body as `model` (see the module docstring); ParamError naming the parameter.
-    CPU work in proportion to the body: the caller runs it off the event loop when it is large."""
+    A chat or completions body with a field the endpoint does not know is refused, as OpenAI's API
+    refuses it, naming the field; `ignore_unknown` (serve --ignore-unknown-fields) drops such
+    fields instead. CPU work in proportion to the body: the caller runs it off the event loop when
+    it is large."""
     try:
         obj = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as e:
@@ -168,6 +171,11 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
     bad = _lone_surrogate(obj)
     if bad is not None:
         raise ParamError(f"{bad}: not valid Unicode text (a lone surrogate escape such as \\ud800)", bad)
+    if issubclass(model, _Common):
+        unknown = [k for k in obj if k not in model.model_fields]
+        if unknown and not ignore_unknown:
+            raise ParamError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+        obj = {k: v for k, v in obj.items() if k in model.model_fields}
     try:
         return model.model_validate(obj, strict=True)
     except PydanticError as e:
@@ -182,7 +190,8 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """Fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do."""
+    """Fields both endpoints take; an unknown field is refused by `parse_body` (or dropped there
+    when the server ignores unknown fields)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -196,6 +205,13 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    # Fields that describe the caller, accepted and not acted on (as OpenAI's API acts on them:
+    # not on the output).
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # Our extras (openai's `extra_body`), as vLLM spells them.
     top_k: int | None = None
     min_p: float | None = None
@@ -219,6 +235,7 @@ class CompletionBody(_Common):
     logprobs: int | None = None  # the n most likely alternatives per token (0..20)
     echo: bool | None = False
     suffix: str | None = None
+    best_of: int | None = None  # only as many as n: choosing the best of more is not done here
 
 
 class ContentPart(BaseModel):
@@ -269,13 +286,25 @@ def _guided(body: _Common) -> dict[str, Any]:
 
 
 def _common_fields(body: _Common) -> dict[str, Any]:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0, 0.0):
-            raise ParamError("not supported by this server (use repetition_penalty)", name)
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     return {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
             "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
-            "stop_strings": stop, "stop_token_ids": body.stop_token_ids, "speculate": body.speculate}
+            "stop_strings": stop, "stop_token_ids": body.stop_token_ids, "speculate": body.speculate,
+            "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+            "logit_bias": _logit_bias(body.logit_bias)}
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) as the engine's (id, bias) pairs; the bounds
+    are the engine's to check."""
+    if not bias:
+        return None
+    pairs = []
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise ParamError(f"logit_bias: keys must be token ids, got {key!r:.40}", "logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -303,6 +332,8 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
         raise ParamError("echo is not supported", "echo")
     if body.suffix:
         raise ParamError("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != (body.n if body.n is not None else 1):
+        raise ParamError("best_of other than n is not supported (each choice is returned)", "best_of")
     raw = body.prompt
     items: list[str | list[int]]
     if isinstance(raw, str):

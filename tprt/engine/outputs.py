@@ -117,7 +117,8 @@ class OutputProcessor:
         states = {row.seq.request_id: row.seq.generator.get_state() for row in rows
                   if row.draft and row.seq.generator is not None and not row.seq.params.greedy}
         chosen = sample(logits, params, [row.seq.generator for row in rows for _ in range(row.positions)],
-                        [h for row in rows for h in _histories(row)], allowed)
+                        [h for row in rows for h in _histories(row)], allowed,
+                        [len(row.seq.prompt) for row in rows for _ in range(row.positions)])
         tops = None
         if chosen.top_ids.shape[1]:
             tops = [list(zip(i, lp)) for i, lp in zip(chosen.top_ids.tolist(), chosen.top_logprobs.tolist())]
@@ -167,10 +168,10 @@ class OutputProcessor:
 
 def _histories(row: _Row) -> list[torch.Tensor | list[int]]:
     """Each position's prompt and output before it (the draft up to it included), for the
-    repetition penalty (empty where the row has none)."""
+    penalties (empty where the row has none)."""
     seq = row.seq
     history = seq.history()
-    if seq.params.repetition_penalty == 1.0 or not row.draft:
+    if not seq.params.reads_history or not row.draft:
         return [history] * row.positions
     assert isinstance(history, torch.Tensor)
     draft = torch.tensor(row.draft, dtype=history.dtype, device=history.device)
@@ -179,7 +180,7 @@ def _histories(row: _Row) -> list[torch.Tensor | list[int]]:
 
 def _argmax_choice(p: SamplingParams) -> bool:
     """A row whose choice is its logits' argmax (what a mask must keep to be skipped)."""
-    return p.greedy and p.repetition_penalty == 1.0
+    return p.greedy and not p.shapes_logits
 
 
 def _plain_greedy(p: SamplingParams) -> bool:

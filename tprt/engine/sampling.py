@@ -44,6 +44,11 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
     min_p: float = 0.0  # drop tokens less likely than min_p * the top token's probability
     repetition_penalty: float = 1.0  # HF: positive logits / p, negative * p, for tokens in prompt+output
+    # OpenAI's: each token's logit less frequency_penalty x its count in the output so far, less
+    # presence_penalty once it occurs there at all (the prompt does not count).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit before anything else)
     seed: int | None = None  # per-request generator seed; None uses the global RNG
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # generated tokens at most
     stop_token_ids: tuple[int, ...] = ()  # ids that end generation besides EOS
@@ -64,10 +69,21 @@ class SamplingParams:
         # Accept lists from callers (JSON, protobuf) while staying hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether choosing a token reads the ids before it (the penalties)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the token chosen may differ from the argmax for reasons other than sampling."""
+        return self.reads_history or bool(self.logit_bias)
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Raises ValidationError (with `.field`) for the first field out of range; returns self.
@@ -81,6 +97,14 @@ class SamplingParams:
         _check_float("min_p", self.min_p, 0.0, 1.0, "in [0, 1] (0 = off)")
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
                      "a finite number > 0 (1 = off)", low_open=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(name, getattr(self, name), -2.0, 2.0, "in [-2, 2] (0 = off)")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValidationError("logit_bias", f"logit_bias must hold (token id, bias) pairs, got {pair!r:.60}")
+            t, b = pair
+            _check_int("logit_bias", t, 0, vocab_size - 1, f"token ids in [0, {vocab_size - 1}]")
+            _check_float("logit_bias", b, -100.0, 100.0, "biases in [-100, 100]")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, _SEED_MAX, f"an integer in [0, {_SEED_MAX}] or unset")
         _check_int("max_new_tokens", self.max_new_tokens, 1, 2**31 - 1, "an integer >= 1")
@@ -140,11 +164,14 @@ class SampleResult:
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           history: Sequence[Sequence[int] | Tensor], allowed: Tensor | None = None) -> SampleResult:
+           history: Sequence[Sequence[int] | Tensor], allowed: Tensor | None = None,
+           output_starts: Sequence[int] | None = None) -> SampleResult:
     """Picks one token per row of `logits` [B, V].
 
     V must be the true vocabulary (slice TP padding off first). `history[i]` is row i's prompt and
-    generated ids, read only when its repetition_penalty is not 1. `allowed` [B, V] bool, when
+    generated ids, read only where its penalties are on (`SamplingParams.reads_history`); its
+    output starts at `output_starts[i]` (0 where not given: all of it counts for the presence and
+    frequency penalties). `allowed` [B, V] bool, when
     given, masks each row before every other processor (output constraints: temperature, top-k,
     top-p and min-p then act on the allowed tokens); reported logprobs stay the raw model's.
     Computes in float32.
@@ -162,7 +189,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
                          f"generators, {len(history)} histories")
     raw = logits.float()  # [B, V]
     masked = raw if allowed is None else raw.masked_fill(~allowed, -math.inf)
-    scores = process_logits(masked, params, history)  # [B, V], -inf where filtered
+    scores = process_logits(masked, params, history, output_starts)  # [B, V], -inf where filtered
     tokens = scores.argmax(dim=-1)  # [B]; kept for greedy rows
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -179,14 +206,20 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
 
 
 def process_logits(logits: Tensor, params: Sequence[SamplingParams],
-                   history: Sequence[Sequence[int] | Tensor]) -> Tensor:
-    """HF's processor chain, row-wise: float32 [B, V] scores with filtered tokens at -inf.
+                   history: Sequence[Sequence[int] | Tensor], output_starts: Sequence[int] | None = None) -> Tensor:
+    """HF's processor chain, row-wise: float32 [B, V] scores with filtered tokens at -inf. OpenAI's
+    logit bias comes first, then HF's repetition penalty, OpenAI's presence and frequency
+    penalties, temperature and the filters.
 
-    Greedy rows get the repetition penalty only (the filters always keep the argmax)."""
+    Greedy rows get the bias and penalties only (the filters always keep the argmax)."""
     scores = logits.float()
     device = scores.device
+    if any(p.logit_bias for p in params):
+        scores = _logit_bias(scores, params)
     if any(p.repetition_penalty != 1.0 for p in params):
         scores = _repetition_penalty(scores, params, history)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        scores = _output_penalties(scores, params, history, output_starts or [0] * len(params))
     if any(p.temperature not in (0.0, 1.0) for p in params):
         temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         scores = scores / temp[:, None]
@@ -230,6 +263,33 @@ def _repetition_penalty(scores: Tensor, params: Sequence[SamplingParams],
     sub = scores[_index(rows, scores.device)]  # [R, V]
     penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
     return _on_rows(scores, rows, torch.where(seen[:, :vocab], penalised, sub))
+
+
+def _logit_bias(scores: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Adds each row's biases to its tokens' scores (a bias of -100 all but bans a token, +100 all but forces it)."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    bias = torch.zeros(len(rows), scores.shape[1], device=scores.device)  # [R, V]
+    for r, i in enumerate(rows):
+        ids, values = zip(*params[i].logit_bias)
+        bias[r, list(ids)] = torch.tensor(values, device=scores.device)
+    return _on_rows(scores, rows, scores[_index(rows, scores.device)] + bias)
+
+
+def _output_penalties(scores: Tensor, params: Sequence[SamplingParams], history: Sequence[Sequence[int] | Tensor],
+                      output_starts: Sequence[int]) -> Tensor:
+    """OpenAI's presence and frequency penalties: score - frequency x count - presence x (count > 0),
+    over each row's output ids (its history from output_starts[i] on)."""
+    vocab = scores.shape[1]
+    rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    counts = torch.zeros(len(rows), vocab + 1, device=scores.device)  # [R, V + 1]: out-of-range ids in the spare
+    for r, i in enumerate(rows):
+        ids = torch.as_tensor(history[i], dtype=torch.long, device=scores.device).reshape(-1)[output_starts[i]:]
+        counts[r].index_add_(0, ids.clamp(0, vocab), torch.ones(len(ids), device=scores.device))
+    counts = counts[:, :vocab]
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=scores.device)[:, None]
+    presence = torch.tensor([params[i].presence_penalty for i in rows], device=scores.device)[:, None]
+    sub = scores[_index(rows, scores.device)]
+    return _on_rows(scores, rows, sub - frequency * counts - presence * (counts > 0).float())
 
 
 def _top_k_top_p(scores: Tensor, params: Sequence[SamplingParams]) -> Tensor:

@@ -84,8 +84,8 @@ class Sequence:
         self.generator = make_generator(seed, device) if seed is not None else None
         detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
         self.stop = StopChecker(params, eos_token_ids, detok)
-        self._history: torch.Tensor | None = None  # prompt + output ids, for the repetition penalty
-        if params.repetition_penalty != 1.0:
+        self._history: torch.Tensor | None = None  # prompt + output ids, for the penalties
+        if params.reads_history:
             self._history = torch.empty(len(prompt) + params.max_new_tokens, dtype=torch.long, device=device)
             self._history[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
 
@@ -93,14 +93,14 @@ class Sequence:
     def needs_logits(self) -> bool:
         """Whether choosing this sequence's next token needs the full logits (not just the argmax)."""
         p = self.params
-        return not p.greedy or p.logprobs or p.repetition_penalty != 1.0 or self.matcher is not None
+        return not p.greedy or p.logprobs or p.shapes_logits or self.matcher is not None
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
 
     def history(self) -> torch.Tensor | list[int]:
-        """Prompt and output ids so far (a view; empty when no repetition penalty needs them)."""
+        """Prompt and output ids so far (a view; empty when no penalty needs them)."""
         return self._history[: self.length] if self._history is not None else []
 
     def append(self, token_id: int) -> StepOutput:
