@@ -165,7 +165,7 @@ def test_fields_are_honoured_or_refused(api: Api) -> None:
     """A field the endpoint does not know is a 400 naming it, as OpenAI's API answers; the fields
     that describe the caller are accepted; logit_bias steers the choice (+100 on a token makes
     every greedy token that token), the penalties are taken and checked, best_of other than n is
-    refused rather than ignored (issue 42)."""
+    refused rather than ignored, and gRPC takes the same (issue 42)."""
     from tprt.text.tokenizer import Tokenizer
 
     c = api.client
@@ -190,6 +190,10 @@ def test_fields_are_honoured_or_refused(api: Api) -> None:
                                      logit_bias={str(forced): 10}, frequency_penalty=2.0, presence_penalty=2.0,
                                      extra_body={"ignore_eos": True})
     assert penalised.choices[0].text.startswith("q") and penalised.choices[0].text.count("q") < 8
+    with api.server.client() as grpc_client:  # the same fields over gRPC, with the same meaning
+        same = grpc_client.complete("Hello there", max_new_tokens=8, temperature=0, ignore_eos=True,
+                                    logit_bias={forced: 10}, frequency_penalty=2.0, presence_penalty=2.0)
+    assert same.text == penalised.choices[0].text
     for make, param in ((lambda: c.completions.create(model=api.model, prompt="x", presence_penalty=3), "presence_penalty"),
                         (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"no": 1}), "logit_bias"),
                         (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"3": 101}), "logit_bias"),

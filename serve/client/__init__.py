@@ -31,7 +31,8 @@ from serve.grpc.pb import generation_pb2 as pb
 from serve.grpc.pb import generation_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "max_new_tokens",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "speculate")
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "speculate",
+                   "presence_penalty", "frequency_penalty", "logit_bias")
 HP_FIELDS = ("steps", "learning_rate", "batch_size", "max_seq_len", "lora_rank", "lora_alpha", "weight_decay",
              "warmup_steps", "seed", "checkpoint_every", "beta", "dpo_loss", "label_smoothing", "rpo_alpha")
 FINISH_NAMES = {pb.FINISH_REASON_UNSPECIFIED: "", pb.FINISH_REASON_STOP: "stop",
@@ -54,7 +55,8 @@ def generate_request(prompt: str | None = None, *, chat: Sequence[Mapping[str, s
                      **sampling: Any) -> Any:
     """A GenerateRequest: exactly one of prompt, chat or prompt_ids, plus sampling keywords
     (temperature, top_k, top_p, min_p, repetition_penalty, seed, max_new_tokens, stop,
-    stop_token_ids, ignore_eos, logprobs, top_logprobs, speculate); None values are left unset.
+    stop_token_ids, ignore_eos, logprobs, top_logprobs, speculate, presence_penalty,
+    frequency_penalty, logit_bias: {token id: bias}); None values are left unset.
     `constraint`: a pb.OutputConstraint; with a chat, `tools` (pb.Tool) and `tool_choice` (pb.ToolChoice)."""
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -78,6 +80,8 @@ def generate_request(prompt: str | None = None, *, chat: Sequence[Mapping[str, s
             continue
         if key in ("stop", "stop_token_ids"):
             getattr(req.sampling, key).extend([value] if isinstance(value, (str, int)) else value)
+        elif key == "logit_bias":
+            req.sampling.logit_bias.update({int(t): float(b) for t, b in dict(value).items()})
         else:
             setattr(req.sampling, key, value)
     return req

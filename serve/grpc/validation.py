@@ -65,7 +65,10 @@ def sampling_params(message: Any, prompt_len: int, context: int, vocab_size: int
 
 
 def _sampling_fields(message: Any) -> dict[str, Any]:
-    return {_FROM_WIRE[fd.name]: value for fd, value in message.ListFields()}
+    fields = {_FROM_WIRE[fd.name]: value for fd, value in message.ListFields()}
+    if "logit_bias" in fields:  # a protobuf map: the engine's (id, bias) pairs
+        fields["logit_bias"] = tuple(sorted(fields["logit_bias"].items()))
+    return fields
 
 
 def prompt_of(request: Any) -> Prompt:
