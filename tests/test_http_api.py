@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from servers import CONTEXT, TOKEN, ServerProcess, data_dir, metric, self_signed_cert, wait_for, wait_idle
 from tiny_chat import make_tiny_chat_model
@@ -159,6 +160,41 @@ def test_completions_with_logprobs(api: Api) -> None:
     with api.server.client() as grpc_client:
         ref = grpc_client.complete("Hello there", max_new_tokens=6, temperature=0, ignore_eos=True)
     assert choice.text == ref.text and lp.tokens == [t.text for t in ref.tokens]
+
+
+def test_echo_scores_the_prompt_like_transformers(api: Api) -> None:
+    """Completions' echo with logprobs (what lm-eval's local-completions model asks: max_tokens 0,
+    the prompt's token logprobs, the first null): each prompt token's logprob is transformers'
+    log-softmax of the same weights at that position, within 1e-4; with max_tokens > 0 the output
+    follows the echoed prompt; echo with stream, and max_tokens 0 without echo, are 400s."""
+    from transformers import AutoModelForCausalLM
+
+    c = api.client
+    ids = [5, 17, 40, 23, 9, 61, 12]
+    scored = c.completions.create(model=api.model, prompt=ids, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert choice.finish_reason == "length" and choice.text == "".join(lp.tokens)
+    assert scored.usage is not None and (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    hf = AutoModelForCausalLM.from_pretrained(api.root / "model" / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for j in range(1, len(ids)):
+        assert abs(lp.token_logprobs[j] - float(want[j - 1, ids[j]])) <= 1e-4, j
+        assert max(lp.top_logprobs[j].values()) == pytest.approx(float(want[j - 1].max()), abs=1e-4)
+    more = c.completions.create(model=api.model, prompt=ids, max_tokens=3, echo=True, logprobs=0, temperature=0,
+                                extra_body={"ignore_eos": True})
+    plain = c.completions.create(model=api.model, prompt=ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert more.choices[0].text == choice.text + plain.choices[0].text
+    more_lp = more.choices[0].logprobs
+    assert more_lp is not None and more_lp.token_logprobs is not None and len(more_lp.token_logprobs) == len(ids) + 3
+    assert more_lp.token_logprobs[: len(ids)] == lp.token_logprobs
+    for extra, param in (({"echo": True, "stream": True, "max_tokens": 1}, "echo"), ({"max_tokens": 0}, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.completions.create(model=api.model, prompt=ids, **extra)
+        assert bad.value.param == param
 
 
 def test_fields_are_honoured_or_refused(api: Api) -> None:

@@ -27,6 +27,7 @@ dataset uploads and job creations read and tokenize files on threads of their ow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sqlite3
@@ -34,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -59,6 +61,7 @@ from serve.jobs.preference import adapter_on_disk
 from serve.jobs.spec import check_create
 from serve.metrics import Metrics
 from serve.openai.files import FileStore, dataset_path
+from serve.ranks.commands import PromptLogprobs, PromptTokenLogprobs
 from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
 from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
@@ -66,6 +69,7 @@ from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, Para
 from serve.core.reasoning import ReasoningSplit, split_reply
 from serve.core.structured import CallDelta, ToolCallStream
 from tprt.engine.constraints import ConstraintSpec
+from tprt.engine.sequence import Usage
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
 
@@ -423,6 +427,11 @@ class OpenAIApi:
         try:
             # Tokenizing, the chat template and compiling constraints are CPU work: off the event loop.
             prepared = await run_in_threadpool(self.core.prepare, req.request)
+            echoed = await self._echo(prepared, body) if req.echo else None
+            if not req.generate:
+                assert echoed is not None
+                self._count(request, "ok")
+                return Reply(kind, body.model, prepared).echoed(echoed, generated=False).whole()
             generation = self.core.start_async(prepared)
         except ServeError as e:
             raise req.error(e) from None
@@ -438,7 +447,30 @@ class OpenAIApi:
                 self._count(request, "cancelled")
             raise req.error(e) from None
         self._count(request, "ok")
-        return reply.whole()
+        return (reply if echoed is None else reply.echoed(echoed, generated=True)).whole()
+
+    async def _echo(self, prepared: Prepared, body: Any) -> list[EchoedPrompt]:
+        """Each prompt's text and tokens for `echo`, with their log-probabilities when `logprobs`
+        is asked (the base model's, one forward pass on every rank between engine steps)."""
+        tok = self.d.tokenizer
+        if tok is None:
+            raise ParamError("echo needs the model's tokenizer, which it does not have", "echo")
+        if prepared.adapter_id:
+            raise ParamError("echo scores prompts with the base model only; name it as the model", "echo")
+        def text(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        out = []
+        for ids in prepared.prompts:
+            tokens = [text(t) for t in ids]
+            if body.logprobs is None:
+                out.append(EchoedPrompt(tokens))
+                continue
+            command = PromptLogprobs(tuple(ids), body.logprobs)
+            scored: PromptTokenLogprobs = await asyncio.wrap_future(self.d.loop.call(partial(_run_command, command)))
+            out.append(EchoedPrompt(tokens, list(scored.logprobs),
+                                    [[(text(t), lp) for t, lp in top] for top in scored.top]))
+        return out
 
     async def _stream(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
                       include_usage: bool, rename: Callable[[ServeError], ServeError]) -> AsyncIterator[bytes]:
@@ -493,6 +525,20 @@ def json_logprob(value: float) -> float | None:
     if math.isnan(value):
         return None
     return max(min(value, 0.0), MIN_LOGPROB)
+
+
+def _run_command(command: PromptLogprobs, ranks: Any) -> PromptTokenLogprobs:
+    return ranks.run(command)
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt as `echo` returns it: its tokens' texts and, where logprobs were asked, the
+    log-probabilities of tokens 1 .. n-1 and their most likely alternatives (text, logprob)."""
+
+    tokens: list[str]
+    logprobs: list[float] | None = None
+    top: list[list[tuple[str, float]]] = field(default_factory=list)
 
 
 class Reply:
@@ -550,13 +596,38 @@ class Reply:
             self.usage_of[index] = ev.usage
         return entry
 
+    def echoed(self, prompts: list[EchoedPrompt], generated: bool) -> Reply:
+        """Puts each choice's prompt before its output (completions' `echo`): its text, and its
+        tokens' logprob entries (the first token's null, as OpenAI's); without `generated` (max_tokens
+        0) the choices end there, at "length", with the prompt as their usage."""
+        for i, (p, _) in enumerate(self.prepared.choices):
+            prompt, ids = prompts[p], self.prepared.prompts[p]
+            text = "".join(prompt.tokens)
+            if prompt.logprobs is not None:
+                entries, offset = [], 0
+                for j, token in enumerate(prompt.tokens):
+                    lp = None if j == 0 else json_logprob(prompt.logprobs[j - 1])
+                    top = [] if j == 0 or not prompt.top else [
+                        {"token": t, "logprob": json_logprob(v)} for t, v in prompt.top[j - 1]]
+                    entries.append({"token": token, "logprob": lp, "top_logprobs": top, "text_offset": offset,
+                                    "first": j == 0})
+                    offset += len(token)
+                for e in self.logprobs[i]:
+                    e["text_offset"] += len(text)
+                self.logprobs[i][:0] = entries
+            self.text[i].insert(0, text)
+            if not generated:
+                self.finish[i] = "length"
+                self.usage_of[i] = Usage(len(ids), 0, 0)
+        return self
+
     def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not entries:
             return None
         if self.chat:
             return {"content": [{k: v for k, v in e.items() if k != "text_offset"} for e in entries]}
         return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [_by_text(e["top_logprobs"]) for e in entries],
+                "top_logprobs": [None if e.get("first") else _by_text(e["top_logprobs"]) for e in entries],
                 "text_offset": [e["text_offset"] for e in entries]}
 
     def usage(self) -> dict[str, Any]:

@@ -313,6 +313,8 @@ class OpenAIRequest:
 
     request: GenerationRequest
     params: dict[str, str]  # canonical field -> OpenAI parameter, where they differ
+    echo: bool = False  # completions: the prompt comes back before the output (with its logprobs, if asked)
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt alone is scored
 
     def error(self, e: ServeError) -> ServeError:
         return rename_field(e, by_prefix(self.params))
@@ -328,8 +330,10 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
     """A /v1/completions body as the core's request; ParamError for what OpenAI's API alone has."""
     structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
                               "guided": _guided(body)})
-    if body.echo:
-        raise ParamError("echo is not supported", "echo")
+    if body.echo and body.stream:
+        raise ParamError("echo with stream is not supported (ask without stream)", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise ParamError("must be at least 1 (0 only with echo: the prompt scored alone)", "max_tokens")
     if body.suffix:
         raise ParamError("suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != (body.n if body.n is not None else 1):
@@ -344,11 +348,12 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
         items = list(raw)  # type: ignore[arg-type]
     prompts: list[Prompt] = [TextPrompt(x) if isinstance(x, str) else TokenPrompt(x) for x in items]
     given = _common_fields(body)
-    given["max_new_tokens"] = body.max_tokens
+    generate = body.max_tokens != 0
+    given["max_new_tokens"] = body.max_tokens if generate else 1  # checked as one token; none is generated
     if body.logprobs is not None:
         given["logprobs"], given["top_logprobs"] = True, body.logprobs
     request = GenerationRequest(prompts, given, structured, adapter_id, body.n if body.n is not None else 1)
-    return OpenAIRequest(request, _COMPLETION_PARAMS)
+    return OpenAIRequest(request, _COMPLETION_PARAMS, bool(body.echo), generate)
 
 
 def _content(message: ChatMessageBody, i: int) -> str:

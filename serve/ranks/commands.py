@@ -1,7 +1,8 @@
 """serve's rank commands: what rank 0 asks every serving rank to do besides generation steps.
 
-Fine-tuning (TrainStart ... TrainAbort, from serve/jobs/manager.py) and LoRA adapters
-(LoadAdapter, MoveAdapter, from serve/adapters/pool.py), each executed on every rank by
+Fine-tuning (TrainStart ... TrainAbort, from serve/jobs/manager.py), LoRA adapters
+(LoadAdapter, MoveAdapter, from serve/adapters/pool.py) and a prompt's own log-probabilities
+(PromptLogprobs, for OpenAI's `echo`, from serve/openai/app.py), each executed on every rank by
 serve/ranks/executor.py; they travel as tprt.distributed.protocol's COMMAND messages. Each is a
 `Command[R]`: R is what it returns (rank 0's result is the caller's).
 """
@@ -93,4 +94,22 @@ class MoveAdapter(Command[None]):
     tier: str
 
 
-RankCommand = TrainStart | TrainStep | TrainSave | TrainFinish | TrainAbort | LoadAdapter | MoveAdapter
+@dataclass(frozen=True)
+class PromptTokenLogprobs:
+    """Each prompt token's log-probability given the tokens before it (the first token has none),
+    and where asked its `top` most likely alternatives, as (id, logprob) pairs."""
+
+    logprobs: tuple[float, ...]  # for tokens 1 .. n-1
+    top: tuple[tuple[tuple[int, float], ...], ...]  # per token 1 .. n-1; empty when not asked
+
+
+@dataclass(frozen=True)
+class PromptLogprobs(Command[PromptTokenLogprobs]):
+    """The base model's log-probabilities of a prompt's tokens (one uncached forward pass)."""
+
+    ids: tuple[int, ...]
+    top: int = 0
+
+
+RankCommand = (TrainStart | TrainStep | TrainSave | TrainFinish | TrainAbort | LoadAdapter | MoveAdapter
+               | PromptLogprobs)

@@ -35,8 +35,9 @@ from typing import Any, TypeVar, cast
 import torch
 
 from tprt.distributed.protocol import Command
-from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, TrainAbort, TrainFinish, TrainSave,
-                                  TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, PromptLogprobs, PromptTokenLogprobs,
+                                  TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep,
+                                  TrainStepResult)
 from tprt.errors import TprtError
 from tprt.model.llama import TPLlamaForCausalLM
 
@@ -44,6 +45,7 @@ from tprt.model.llama import TPLlamaForCausalLM
 SHAREABLE_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 R = TypeVar("R")
+PROMPT_HEAD_CHUNK = 128  # prompt positions per gathered LM-head call: [chunk, vocab] float32 on rank 0
 
 
 class RankExecutor:
@@ -80,6 +82,8 @@ class RankExecutor:
             case MoveAdapter(index, tier):
                 self._cmd_move_adapter(index, tier)
                 return None
+            case PromptLogprobs(ids, top):
+                return self._cmd_prompt_logprobs(ids, top)
         raise TprtError(f"unknown command {type(cmd).__name__}")
 
     def abandon(self) -> None:
@@ -162,6 +166,30 @@ class RankExecutor:
         self.adapters[adapter_id] = index
         self._forget_prefixes(index)  # a reload under an index: its old keys/values are stale
         return AdapterLoaded(adapter.rank, adapter.alpha, index, adapter.targets)
+
+    # ----------------------------------------------------------------- scoring
+
+    @torch.inference_mode()
+    def _cmd_prompt_logprobs(self, ids: tuple[int, ...], top: int) -> PromptTokenLogprobs | None:
+        """One causal pass over the prompt (no KV cache: the engine's blocks stay its own), the LM
+        head over PROMPT_HEAD_CHUNK positions at a time; rank 0 gathers each chunk's logits and
+        returns the result (the others None)."""
+        model = self.model
+        hidden = model.forward_hidden(torch.tensor([ids]))[0]  # [n, hidden]
+        chosen: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
+        for a in range(0, len(ids) - 1, PROMPT_HEAD_CHUNK):
+            b = min(a + PROMPT_HEAD_CHUNK, len(ids) - 1)
+            full = model.gather_logits_to_first(model.logits(hidden[a:b]))  # rank 0: [b - a, vocab]
+            if full is None:
+                continue
+            logprobs = torch.log_softmax(full.float(), dim=-1)
+            following = torch.tensor(ids[a + 1 : b + 1], device=logprobs.device)
+            chosen += logprobs.gather(1, following[:, None])[:, 0].tolist()
+            if top:
+                values, indices = logprobs.topk(top, dim=-1)
+                tops += [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+        return PromptTokenLogprobs(tuple(chosen), tuple(tops)) if model.tp.rank == 0 else None
 
     def _cmd_move_adapter(self, index: int, tier: str) -> None:
         pool = self.engine.runner.adapters
