@@ -76,7 +76,11 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[bytes]:
         msg = cls()
         for field in draw(st.lists(st.sampled_from(fields), max_size=len(fields), unique_by=lambda f: f.name)):
             value = _value(field, depth)
-            if field.is_repeated:
+            entry = field.message_type
+            if field.is_repeated and entry is not None and entry.GetOptions().map_entry:  # a map
+                keys, values = (_value(entry.fields_by_name[k], depth) for k in ("key", "value"))
+                getattr(msg, field.name).update(draw(st.dictionaries(keys, values, max_size=4)))
+            elif field.is_repeated:
                 items = draw(st.lists(value, max_size=4))
                 if field.type == F.TYPE_MESSAGE:
                     for raw in items:

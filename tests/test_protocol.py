@@ -16,8 +16,8 @@ import torch
 from serve.ranks.executor import RankExecutor
 from tprt.distributed.context import TPContext
 from tprt.distributed.protocol import Command, Header, Tag, send_command, send_signal, send_step
-from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, RankCommand, TrainAbort, TrainFinish,
-                                  TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
+from serve.ranks.commands import (AdapterLoaded, LoadAdapter, MoveAdapter, PromptLogprobs, RankCommand, TrainAbort,
+                                  TrainFinish, TrainSave, TrainStart, TrainStarted, TrainStep, TrainStepResult)
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.model.batch import BatchRow, TokenBatch
 from tprt.train.data import Dataset, PackedRows
@@ -32,7 +32,7 @@ def _train_start() -> TrainStart:
 
 def _every_command() -> list[Command[Any]]:
     return [_train_start(), TrainStep(), TrainSave(), TrainFinish(1.25), TrainAbort(), LoadAdapter("tuned", "/a", 3),
-            MoveAdapter(3, "host")]
+            MoveAdapter(3, "host"), PromptLogprobs((1, 5, 9), 2)]
 
 
 @pytest.mark.parametrize("tag", list(Tag))
