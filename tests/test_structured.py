@@ -427,3 +427,30 @@ def test_unknown_fields_are_refused_unless_the_server_ignores_them() -> None:
     with pytest.raises(ParamError) as info:
         parse_body(chat.encode(), ChatBody)
     assert info.value.param == "reasoning_effort"
+
+
+def test_message_fields_are_honoured_or_refused() -> None:
+    """A message's fields: what OpenAI's SDK sends back from an earlier reply is taken (null
+    audio and function_call, annotations; a refusal in place of missing content; a reasoning
+    model's thinking passed to the template); anything else is a 400 naming the message's field,
+    or dropped under --ignore-unknown-fields; audio and function_call themselves are refused."""
+    from serve.core.generation import ChatPrompt
+    from serve.openai.requests import ChatBody, ParamError, chat_request, parse_body
+
+    def body(*messages: dict[str, Any]) -> bytes:
+        return json.dumps({"model": "m", "messages": list(messages)}).encode()
+
+    earlier = {"role": "assistant", "content": None, "refusal": "I cannot.", "annotations": [], "audio": None,
+               "function_call": None, "reasoning_content": "They asked for harm."}
+    req = chat_request(parse_body(body({"role": "user", "content": "hi"}, earlier), ChatBody), "").request
+    chat = req.prompts[0]
+    assert isinstance(chat, ChatPrompt)
+    assert chat.messages[1] == {"role": "assistant", "content": "I cannot.", "reasoning_content": "They asked for harm."}
+    with pytest.raises(ParamError) as info:
+        parse_body(body({"role": "user", "content": "hi", "mood": "curious"}), ChatBody)
+    assert info.value.param == "messages[0].mood"
+    assert parse_body(body({"role": "user", "content": "hi", "mood": "x"}), ChatBody, ignore_unknown=True).messages[0].role == "user"
+    for key, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f", "arguments": "{}"})):
+        with pytest.raises(ParamError) as info:
+            chat_request(parse_body(body({"role": "assistant", "content": "x", key: value}), ChatBody), "")
+        assert info.value.param == f"messages[0].{key}"

@@ -172,14 +172,23 @@ def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> B
     if bad is not None:
         raise ParamError(f"{bad}: not valid Unicode text (a lone surrogate escape such as \\ud800)", bad)
     if issubclass(model, _Common):
-        unknown = [k for k in obj if k not in model.model_fields]
-        if unknown and not ignore_unknown:
-            raise ParamError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-        obj = {k: v for k, v in obj.items() if k in model.model_fields}
+        obj = _known_fields(obj, model, "", ignore_unknown)
+        if issubclass(model, ChatBody) and isinstance(obj.get("messages"), list):
+            obj["messages"] = [_known_fields(m, ChatMessageBody, f"messages[{i}].", ignore_unknown)
+                               if isinstance(m, dict) else m for i, m in enumerate(obj["messages"])]
     try:
         return model.model_validate(obj, strict=True)
     except PydanticError as e:
         raise invalid_param(e.errors()) from None
+
+
+def _known_fields(obj: dict[str, Any], model: type[BaseModel], where: str, ignore_unknown: bool) -> dict[str, Any]:
+    """`obj` without the fields `model` does not know: a ParamError naming the first of them,
+    unless `ignore_unknown`."""
+    unknown = [k for k in obj if k not in model.model_fields]
+    if unknown and not ignore_unknown:
+        raise ParamError(f"Unrecognized request argument supplied: {where}{unknown[0]}", where + unknown[0])
+    return {k: v for k, v in obj.items() if k in model.model_fields}
 
 
 # ----------------------------------------------------------------- bodies
@@ -246,6 +255,8 @@ class ContentPart(BaseModel):
 
 
 class ChatMessageBody(BaseModel):
+    """A message; a field not listed is refused by `parse_body` (or dropped, as for the body)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: str
@@ -253,6 +264,14 @@ class ChatMessageBody(BaseModel):
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's answer to that call
+    # What an earlier reply carried, as OpenAI's SDK sends it back: a refusal stands for the
+    # content it replaced, a reasoning model's thinking goes to the template (which may show it);
+    # annotations (citations) change nothing; audio and the deprecated function_call are refused.
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
 class ChatBody(_Common):
@@ -375,9 +394,14 @@ def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
                               "parallel_tool_calls": body.parallel_tool_calls})
     messages = []
     for i, m in enumerate(body.messages):
+        for key in ("audio", "function_call"):
+            if getattr(m, key) is not None:
+                raise ParamError(f"not supported (use {'tool_calls' if key == 'function_call' else 'text content'})",
+                                 f"messages[{i}].{key}")
+        content = _content(m, i) if m.content is not None or m.refusal is None else m.refusal
         msg: dict[str, Any] = {"role": {"developer": "system"}.get(m.role, m.role),  # OpenAI's newer name
-                               "content": _content(m, i)}
-        for key in ("name", "tool_calls", "tool_call_id"):
+                               "content": content}
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
             if getattr(m, key) is not None:
                 msg[key] = getattr(m, key)
         messages.append(msg)
