@@ -181,14 +181,14 @@ def install_native_stack(model: TPLlamaForCausalLM) -> NativeDecodeStack | None:
         assert shm is not None
         all_reduce = (*shm.c_function(), shm.check)
     any_int8 = any(x is not None for layer_scales in scales for x in layer_scales)
-    gemma = model.config.gemma_block
-    sandwich: list[tuple[torch.Tensor, torch.Tensor]] = [
+    # Gemma: each layer's norms of its attention's and its MLP's outputs; None for other blocks
+    sandwich: list[tuple[torch.Tensor, torch.Tensor]] | None = [
         (layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight)
-                for layer in layers if isinstance(layer, DecoderLayer) and layer.post_feedforward_layernorm is not None]
+        for layer in layers if isinstance(layer, DecoderLayer) and layer.post_feedforward_layernorm is not None] or None
     kernel = native.decode_stack_kernel(weights, first.input_layernorm.eps, first.self_attn.n_heads,
                                         first.self_attn.n_kv, all_reduce, scales if any_int8 else None,
                                         [layer_extras(layer) for layer in layers],
-                                        [attention_shape(layer) for layer in layers], sandwich if gemma else None)
+                                        [attention_shape(layer) for layer in layers], sandwich)
     if kernel is None:
         return None
     model.stack = stack = NativeDecodeStack(model, kernel, native.stack_max_rows(scales if any_int8 else None))
@@ -206,7 +206,8 @@ def attention_shape(layer: nn.Module) -> native.AttentionShape:
 
 def mlp_norm(layer: DecoderLayer) -> RMSNorm:
     """The norm of a layer's MLP input: Gemma's pre_feedforward_layernorm, Llama's post_attention_layernorm."""
-    return layer.pre_feedforward_layernorm or layer.post_attention_layernorm
+    return layer.pre_feedforward_layernorm if layer.pre_feedforward_layernorm is not None \
+        else layer.post_attention_layernorm
 
 
 def layer_extras(layer: nn.Module) -> native.Extras:

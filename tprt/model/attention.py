@@ -275,7 +275,7 @@ def backend(name: str, device: torch.device, cache: KVCache) -> AttentionBackend
     native = NativeCPUAttention.available(device, cache)
     if name == "native" and not native:
         raise ConfigError(f"attention backend native: tprt's CPU kernels do not run here ({device.type} device, "
-                          f"{cache.format_name} cache, a sliding window, or no C compiler); use torch")
+                          f"{cache.format_name} cache, or no C compiler); use torch")
     # Asked only where it could be chosen: deciding imports Triton (~100 MiB of a process).
     triton = (name == "triton" or device.type == "cuda") and TritonAttention.available(device, cache)
     if name == "triton" and not triton:
