@@ -4,23 +4,18 @@ HTTP (serve/openai/app.py, serve/openai/http_guard.py) checks the same token on 
 with `TokenCheck`, before any of its body is read.
 
 The token is read once from --auth-token-file (surrounding whitespace stripped) and compared in
-constant time. A refused call raises `Unauthenticated` inside the method handler, so the error
-interceptor (outermost) gives it its status and counts it like any other outcome.
+constant time. gRPC's interceptor is serve/grpc/auth.py.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from serve.errors import Unauthenticated
 from tprt.errors import ConfigError
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 MAX_TOKEN_BYTES = 4096
 
 
@@ -72,36 +67,3 @@ class TokenCheck:
                 if scheme.lower() == b"bearer" and got.strip():
                     return hmac.compare_digest(got.strip(), self._token)
         return False
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without the right bearer token (health checks exempt)."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-    def authenticated(self, details: Any) -> bool:
-        """Whether the call carries the right bearer token."""
-        got = bearer(details.invocation_metadata)
-        return got is not None and hmac.compare_digest(got.encode(), self._token)
-
-    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(EXEMPT_PREFIXES) or self.authenticated(details):
-            return handler
-        why = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            raise Unauthenticated(why)
-
-        def deny_stream(request: Any, context: grpc.ServicerContext) -> Any:
-            raise Unauthenticated(why)
-            yield  # a generator, like the method it replaces
-
-        deny.refuses_every_request = deny_stream.refuses_every_request = True  # type: ignore[attr-defined]
-
-        kw = dict(request_deserializer=handler.request_deserializer,
-                  response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-        return grpc.unary_unary_rpc_method_handler(deny, **kw)

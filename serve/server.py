@@ -35,10 +35,13 @@ from grpc_reflection.v1alpha import reflection
 from serve.adapters.pool import AdapterPool
 from serve.adapters.registry import AdapterRegistry
 from serve.jobs.admission import JobAdmission
-from serve.auth import AuthInterceptor, TokenCheck, load_token
+from serve.auth import TokenCheck, load_token
+from serve.grpc.auth import AuthInterceptor
 from serve.jobs.datasets import DatasetWork
-from serve.errors import ErrorInterceptor, Redactor
+from serve.errors import Redactor
+from serve.grpc.errors import ErrorInterceptor
 from serve.ranks.executor import RankExecutor
+from serve.jobs.core import JobsCore
 from serve.jobs.manager import JobManager
 from serve.openai.http_guard import HttpLimits
 from serve.openai.http_server import HttpServer
@@ -335,19 +338,16 @@ class App:
         core = GenerationCore(self.loop, tokenizer, facts, adapters, self.metrics, compile_constraint, max_text_bytes)
         generation = GenerationService(core, pool, self.store)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
-        admission = self._job_admission(ctx, model)
+        jobs = JobsCore(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
+                        self._job_admission(ctx, model))
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
                               cfg.max_stored_bytes)
-            self.http_app = create_app(HttpDeps(self.loop, tokenizer, facts, adapters, self.metrics, token,
-                                                cfg.max_message_bytes, max_text_bytes, time.time(),
-                                                self.jobs, files, cfg.max_dataset_bytes, admission, self.redact,
-                                                compile_constraint, datasets=self.datasets,
+            self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
+                                                files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields))
-        finetuning_pb2_grpc.add_FineTuningServicer_to_server(
-            FineTuningService(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
-                              admission), self.server)
+        finetuning_pb2_grpc.add_FineTuningServicer_to_server(FineTuningService(jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,

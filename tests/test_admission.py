@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 import math
 
+from serve.errors import InvalidArgument, Status
 from serve.jobs.admission import JobAdmission, TooLarge, job_memory
 from tprt.model.config import ModelConfig
 from tprt.plan import layout_for, lora_parameters, rank_parameters
@@ -48,13 +48,12 @@ def test_a_job_over_the_limit_is_refused_naming_the_field(method: str, hp: dict[
     admit("lora", {**LORA, "batch_size": 1, "max_seq_len": 16})  # fits
     with pytest.raises(TooLarge) as info:
         admit(method, hp)
-    assert info.value.field == field and info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.field == field and info.value.status == Status.RESOURCE_EXHAUSTED
     assert "1024 MiB of --job-memory-limit" in str(info.value)
 
 
 def test_a_lora_rank_over_the_servers_limit_is_refused() -> None:
     """The pool would refuse to serve the adapter (--max-lora-rank): the job is refused first."""
-    from serve.errors import InvalidArgument
 
     admit = JobAdmission(CONFIG, tp=1, ranks=1, device=None, limit=1 << 40, max_lora_rank=16)
     admit("lora", {**LORA, "lora_rank": 16, "batch_size": 1, "max_seq_len": 16})

@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from serve.errors import QueueFull, Unavailable
+from serve.errors import QueueFull, Status, Unavailable
 from serve.metrics import Metrics
 from serve.core.loop import EngineLoop, Ticket
 from tprt.engine.core import KVStats
@@ -300,7 +299,7 @@ def test_a_full_queue_refuses_with_resource_exhausted(world: Callable[..., World
     w.scheduler.submit(ticket("queued"))
     with pytest.raises(QueueFull) as info:
         w.scheduler.submit(ticket("one too many"))
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in str(info.value)
+    assert info.value.status == Status.RESOURCE_EXHAUSTED and "queue is full" in str(info.value)
     assert w.metric("tprt_waiting_requests") == 1 and w.scheduler.in_flight == 2
 
 

@@ -17,6 +17,7 @@ from serve.core.loop import Ticket
 from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError
 from serve.grpc.validation import grpc_error
 from serve.openai.requests import ChatBody, CompletionBody, chat_request, completion_request
+from serve.openai.structured import read_structured
 from tprt.engine.sequence import TokenEvent, Usage
 
 VOCAB = 100
@@ -186,7 +187,6 @@ def test_a_hermes_template_makes_forced_calls_hermes(tmp_path: Any) -> None:
     and prepares a request's tools in it: the forced call's constraint, the replies' parsing."""
     import json as _json
 
-    from serve.core.structured import Structured
     from test_structured import ADD, HERMES_TEMPLATE
     from tiny_chat import write_byte_tokenizer
     from tprt.engine.constraints import StructuredOutputs
@@ -199,7 +199,7 @@ def test_a_hermes_template_makes_forced_calls_hermes(tmp_path: Any) -> None:
     facts = types.SimpleNamespace(name="base", context_length=512, config=types.SimpleNamespace(vocab_size=259))
     core = GenerationCore(FakeLoop(), tok, facts, FakeRegistry(),  # type: ignore[arg-type]
                           compile_constraint=StructuredOutputs(tok).compile)
-    structured = Structured.from_fields(tools=[ADD], tool_choice="required")
+    structured = read_structured(tools=[ADD], tool_choice="required")
     prepared = core.prepare(GenerationRequest([ChatPrompt([{"role": "user", "content": "1+2?"}])], {},
                                               structured=structured))
     assert core.tool_syntax == "hermes" and prepared.structured.syntax == "hermes"

@@ -807,6 +807,8 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
     from serve.jobs.manager import JobManager
     from serve.jobs.store import JobStore
     from serve.metrics import Metrics
+    from serve.core.generation import GenerationCore
+    from serve.jobs.core import JobsCore
     from serve.openai.app import HttpDeps, create_app
     from serve.openai.files import FileStore
 
@@ -817,8 +819,9 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
     store, metrics, adapters = JobStore(tmp_path), Metrics(), AdapterRegistry()
     jobs = JobManager(store, tmp_path, metrics, adapters, tmp_path, None, 64, lambda: None)
     facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
-    deps = HttpDeps(Refusing(), None, facts, adapters, metrics, None, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
-                    FileStore(tmp_path, None, 64, 1 << 20, store), 1 << 20, None, Redactor({tmp_path: ""}))
+    deps = HttpDeps(GenerationCore(Refusing(), None, facts, adapters, metrics),  # type: ignore[arg-type]
+                    JobsCore(jobs, None, 64, adapters, 1 << 20), metrics, None, 1 << 20, 0.0,
+                    FileStore(tmp_path, None, 64, 1 << 20, store), Redactor({tmp_path: ""}))
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
                            http_client=TestClient(create_app(deps)))
     jobs.stop_accepting()
@@ -916,6 +919,8 @@ class Local:
         from serve.openai.http_server import HttpServer
         from serve.jobs.store import JobStore
         from serve.metrics import Metrics
+        from serve.core.generation import GenerationCore
+        from serve.jobs.core import JobsCore
         from serve.openai.app import HttpDeps, create_app
         from serve.openai.files import FileStore
 
@@ -932,8 +937,9 @@ class Local:
         facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
         self.scheduler = InstantScheduler()
         self.datasets = datasets or DatasetWork(workers=2, waiting=2)
-        deps = HttpDeps(self.scheduler, None, facts, adapters, metrics, TOKEN, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
-                        GatedFiles(root, object(), 64, 1 << 20, self.store), 1 << 20, None,  # type: ignore[arg-type]
+        deps = HttpDeps(GenerationCore(self.scheduler, None, facts, adapters, metrics),  # type: ignore[arg-type]
+                        JobsCore(jobs, None, 64, adapters, 1 << 20), metrics, TOKEN, 1 << 20, 0.0,
+                        GatedFiles(root, object(), 64, 1 << 20, self.store),  # type: ignore[arg-type]
                         Redactor({root: ""}), datasets=self.datasets)
         self.http = HttpServer("127.0.0.1", 0, None, None, HttpLimits(**LOCAL_LIMITS))  # type: ignore[arg-type]
         self.http.start(create_app(deps), TokenCheck(TOKEN))
@@ -1260,6 +1266,8 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     from serve.jobs.manager import JobManager
     from serve.jobs.store import JobStore
     from serve.metrics import Metrics
+    from serve.core.generation import GenerationCore
+    from serve.jobs.core import JobsCore
     from serve.openai.app import HttpDeps, create_app
     from serve.openai.files import FileStore
     from tprt.text.tokenizer import Tokenizer
@@ -1271,8 +1279,9 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     jobs = JobManager(store, data, metrics, AdapterPool(adapters, data, metrics), tmp_path, tok, 64, lambda: None)
     files = FileStore(data, tok, 64, 1 << 20, store, max_stored_bytes=len(_chat_jsonl(2)) + 10)
     facts = types.SimpleNamespace(name="base", context_length=64, config=types.SimpleNamespace(vocab_size=300))
-    deps = HttpDeps(None, tok, facts, adapters, metrics, None, 1 << 20, None, 0.0, jobs,  # type: ignore[arg-type]
-                    files, 1 << 20, None, Redactor({data: ""}))
+    deps = HttpDeps(GenerationCore(None, tok, facts, adapters, metrics),  # type: ignore[arg-type]
+                    JobsCore(jobs, tok, 64, adapters, 1 << 20), metrics, None, 1 << 20, 0.0, files,
+                    Redactor({data: ""}))
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
                            http_client=TestClient(create_app(deps)))
 

@@ -23,6 +23,7 @@ import pytest
 from serve.adapters.pool import AdapterPool
 from serve.adapters.registry import DISK, AdapterRegistry
 from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull, Unavailable
+from serve.jobs.core import JobsCore
 from serve.jobs.manager import JobManager
 from serve.grpc.handlers import FineTuningService
 from serve.jobs.store import (CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore,
@@ -361,7 +362,7 @@ def test_cancelling_queued_running_and_finished_jobs(server: Callable[[], Server
 def test_watch_job_streams_every_change_until_the_end(server: Callable[[], Server]) -> None:
     s = server()
     job_id = s.create(steps=2)
-    service = FineTuningService(s.jobs, s.tokenizer, CONTEXT, s.adapters)
+    service = FineTuningService(JobsCore(s.jobs, s.tokenizer, CONTEXT, s.adapters))
     seen: list[tuple[int, int, float]] = []
     changed = threading.Condition()
     ended = threading.Event()
@@ -637,22 +638,20 @@ def test_storage_errors_are_resource_exhausted(server: Callable[[], Server], mon
     import errno
     import sqlite3
 
-    import grpc
-
     import serve.jobs.storage
-    from serve.errors import status_of
+    from serve.errors import Status, status_of
 
     for e in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
               sqlite3.OperationalError("database or disk is full")):
-        assert status_of(e)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-    assert status_of(OSError(errno.EACCES, "Permission denied"))[0] == grpc.StatusCode.INTERNAL
+        assert status_of(e)[0] == Status.RESOURCE_EXHAUSTED, e
+    assert status_of(OSError(errno.EACCES, "Permission denied"))[0] == Status.INTERNAL
     s = server()
     monkeypatch.setattr(serve.jobs.storage, "free_bytes", lambda path: 1 << 20)
-    service = FineTuningService(s.jobs, s.tokenizer, CONTEXT, s.adapters)
+    service = FineTuningService(JobsCore(s.jobs, s.tokenizer, CONTEXT, s.adapters))
     req = ft_pb.CreateJobRequest(inline_jsonl='{"text": "hi"}\n')
     with pytest.raises(Exception) as info:
         service.CreateJob(req, FakeContext())
-    assert status_of(info.value)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "free" in str(info.value)
+    assert status_of(info.value)[0] == Status.RESOURCE_EXHAUSTED and "free" in str(info.value)
     assert s.store.select() == [] and not (s.data_dir / "jobs").exists()
 
 

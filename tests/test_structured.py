@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from serve.core.structured import Structured, encode_tool_chat, parse_tool_calls, template_messages
+from serve.openai.structured import read_structured
 from tiny_chat import write_byte_tokenizer
 from tprt.engine.constraints import StructuredOutputs
 from tprt.errors import ValidationError
@@ -28,16 +29,16 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 
 def test_constraints_from_openai_fields() -> None:
-    assert Structured.from_fields().constraint is None
-    assert Structured.from_fields(response_format={"type": "text"}).constraint is None
-    c = Structured.from_fields(response_format={"type": "json_object"}).constraint
+    assert read_structured().constraint is None
+    assert read_structured(response_format={"type": "text"}).constraint is None
+    c = read_structured(response_format={"type": "json_object"}).constraint
     assert c is not None and c.kind == "json_object"
-    c = Structured.from_fields(response_format={"type": "json_schema", "json_schema": {
+    c = read_structured(response_format={"type": "json_schema", "json_schema": {
         "name": "person", "strict": True, "schema": {"type": "object"}}}).constraint
     assert c is not None and c.kind == "json_schema" and c.field == "response_format.json_schema.schema"
     for kind, value in (("regex", "[a-z]+"), ("choice", ["x", "y"]), ("grammar", 'start: "a"'),
                         ("json", {"type": "integer"}), ("json", '{"type": "integer"}')):
-        c = Structured.from_fields(structured_outputs={kind: value}).constraint
+        c = read_structured(structured_outputs={kind: value}).constraint
         assert c is not None and c.field == f"structured_outputs.{kind}"
 
 
@@ -69,17 +70,17 @@ def test_constraints_from_openai_fields() -> None:
 ])
 def test_bad_fields_name_the_parameter(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(ValidationError) as info:
-        Structured.from_fields(**fields)
+        read_structured(**fields)
     assert info.value.field == param and str(info.value).startswith(param + ":"), str(info.value)
 
 
 def test_tool_modes_and_the_forced_call(tmp_path: Path) -> None:
-    auto = Structured.from_fields(tools=[WEATHER, ADD])
+    auto = read_structured(tools=[WEATHER, ADD])
     assert auto.tool_mode == "auto" and auto.constraint is None and not auto.expects_tool_calls
     assert [s.field for s in auto.specs()] == ["tools[0].function.parameters", "tools[1].function.parameters"]
-    none = Structured.from_fields(tools=[WEATHER], tool_choice="none")
+    none = read_structured(tools=[WEATHER], tool_choice="none")
     assert none.template_tools() is None and none.tool_calls('{"name": "get_weather", "parameters": {}}') is None
-    named = Structured.from_fields(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
+    named = read_structured(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}})
     assert named.expects_tool_calls and named.constraint is not None
     schema = json.loads(named.constraint.source)
     jsonschema.validate({"name": "add", "parameters": {"a": 1, "b": 2}}, schema)
@@ -87,7 +88,7 @@ def test_tool_modes_and_the_forced_call(tmp_path: Path) -> None:
                   [{"name": "add", "parameters": {"a": 1, "b": 2}}]):  # a named function is called once
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
-    required = Structured.from_fields(tools=[WEATHER, ADD], tool_choice="required")
+    required = read_structured(tools=[WEATHER, ADD], tool_choice="required")
     assert required.constraint is not None
     schema = json.loads(required.constraint.source)
     jsonschema.validate([{"name": "add", "parameters": {"a": 1, "b": 2}},
@@ -97,7 +98,7 @@ def test_tool_modes_and_the_forced_call(tmp_path: Path) -> None:
     outputs = StructuredOutputs(Tokenizer.from_dir(tmp_path))
     for spec in required.specs():
         outputs.compile(spec)
-    bad = Structured.from_fields(tools=[{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}])
+    bad = read_structured(tools=[{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}])
     with pytest.raises(ValidationError) as info:
         for spec in bad.specs():
             outputs.compile(spec)
@@ -131,7 +132,7 @@ def test_chat_prompt_with_tools(tmp_path: Path) -> None:
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
-    structured = Structured.from_fields(tools=[ADD])
+    structured = read_structured(tools=[ADD])
     text = tok.decode(encode_tool_chat(tok, history, structured))
     assert text.startswith("<s>system\nYou can call these functions.") and '"name": "add"' in text
     assert '<s>assistant\n{"name": "add", "parameters": {"a": 1, "b": 2}}</s>' in text
@@ -174,16 +175,16 @@ def test_a_constraint_that_fails_mid_output_is_an_error_finish_over_http() -> No
 
     cut = [ChoiceEvent(0, '{"a": '), ChoiceEvent(0, "", None, "stop", "constraint_error", Usage(2, 2, 0))]
     for kind in ("chat.completion", "text_completion"):
-        reply = Reply(kind, "m", prepared(Structured.from_fields(response_format={"type": "json_object"})))
+        reply = Reply(kind, "m", prepared(read_structured(response_format={"type": "json_object"})))
         for ev in cut:
             reply.add(ev)
         choice = reply.whole()["choices"][0]
         assert (choice["finish_reason"], choice["stop_reason"]) == ("error", "constraint_error"), choice
-        streamed = Reply(kind, "m", prepared(Structured.from_fields(response_format={"type": "json_object"})))
+        streamed = Reply(kind, "m", prepared(read_structured(response_format={"type": "json_object"})))
         chunks = [streamed.chunk(ev, include_usage=False) for ev in cut]
         last = chunks[-1]
         assert last is not None and last["choices"][0]["finish_reason"] == "error"
-    forced = Structured.from_fields(tools=[WEATHER], tool_choice="required")
+    forced = read_structured(tools=[WEATHER], tool_choice="required")
     reply = Reply("chat.completion", "m", prepared(forced))
     last = [reply.chunk(ev, include_usage=False) for ev in cut][-1]
     assert last is not None and last["choices"][0]["finish_reason"] == "error"
@@ -191,7 +192,7 @@ def test_a_constraint_that_fails_mid_output_is_an_error_finish_over_http() -> No
     for ev in cut:
         whole.add(ev)
     assert whole.whole()["choices"][0]["finish_reason"] == "error"
-    ok = Reply("chat.completion", "m", prepared(Structured.from_fields()))
+    ok = Reply("chat.completion", "m", prepared(read_structured()))
     ok.add(ChoiceEvent(0, "hi", None, "stop", 2, Usage(2, 1, 0)))
     assert ok.whole()["choices"][0]["finish_reason"] == "stop" and "stop_reason" not in ok.whole()["choices"][0]
 
@@ -202,10 +203,10 @@ def test_tool_parameters_must_be_an_object_schema() -> None:
     for parameters in ({"type": "string"}, {"type": "array", "items": {}}, {"type": ["object", "null"]}):
         tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
         with pytest.raises(ValidationError) as info:
-            Structured.from_fields(tools=[tool])
+            read_structured(tools=[tool])
         assert info.value.field == "tools[0].function.parameters" and "object schema" in str(info.value)
     for parameters in ({"type": "object"}, {"properties": {"a": {"type": "integer"}}}, None):
-        Structured.from_fields(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+        read_structured(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
 
 
 def test_vllm_guided_fields_are_aliases_of_structured_outputs() -> None:
@@ -216,7 +217,7 @@ def test_vllm_guided_fields_are_aliases_of_structured_outputs() -> None:
     for kind, value, want in (("json", {"type": "integer"}, "json_schema"), ("json", '{"type": "integer"}', "json_schema"),
                               ("regex", "[ab]+", "regex"), ("choice", ["x", "y"], "choice"),
                               ("grammar", 'start: "a"', "grammar")):
-        c = Structured.from_fields(guided={kind: value}).constraint
+        c = read_structured(guided={kind: value}).constraint
         assert c is not None and c.kind == want and c.field == f"guided_{kind}"
         body = CompletionBody(model="m", prompt="hi", **{f"guided_{kind}": value})
         c = completion_request(body, "").request.structured.constraint
@@ -271,7 +272,7 @@ def test_hermes_tool_calls_for_qwen_templates(tmp_path: Path) -> None:
     cases = {"required": (one, two), "named": (one,)}
     for choice, good in (("required", cases["required"]), ({"type": "function", "function": {"name": "add"}},
                                                            cases["named"])):
-        structured = Structured.from_fields(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("hermes")
+        structured = read_structured(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("hermes")
         assert structured.syntax == "hermes" and structured.constraint is not None
         grammar = outputs.compile(structured.constraint)
         wrong = [two] if choice != "required" else []
@@ -287,7 +288,7 @@ def test_hermes_tool_calls_for_qwen_templates(tmp_path: Path) -> None:
     for text in (f"Sure. {one}", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
                  '<tool_call>\n[{"name": "add", "arguments": {}}]\n</tool_call>', one[:-3], ""):
         assert parse_hermes_calls(text, names) is None, text
-    auto = Structured.from_fields(tools=[ADD]).with_syntax("hermes")
+    auto = read_structured(tools=[ADD]).with_syntax("hermes")
     assert auto.constraint is None  # "auto": the model chooses
     assert [auto.starts_call(t) for t in ("<tool", "<tool_call>\n{", "Hi", "<b>")] == [None, True, False, False]
 
@@ -321,7 +322,7 @@ def test_hermes_calls_stream_and_auto_text_through_the_openai_reply() -> None:
         return [c["choices"][0]["delta"] for c in chunks], whole.whole()["choices"][0]
 
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    auto = Structured.from_fields(tools=[ADD]).with_syntax("hermes")
+    auto = read_structured(tools=[ADD]).with_syntax("hermes")
     deltas, choice = reply(auto, ["<to", "ol_call>\n", call[len("<tool_call>\n"):]])
     calls = [d for d in deltas if "tool_calls" in d]
     assert len(calls) == 1 and calls[0]["tool_calls"][0]["function"]["name"] == "add"
@@ -329,7 +330,7 @@ def test_hermes_calls_stream_and_auto_text_through_the_openai_reply() -> None:
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == "add"
     deltas, choice = reply(auto, ["<", "b>bold</b>"])
     assert "".join(d.get("content") or "" for d in deltas) == "<b>bold</b>" == choice["message"]["content"]
-    forced = Structured.from_fields(tools=[ADD], tool_choice="required").with_syntax("hermes")
+    forced = read_structured(tools=[ADD], tool_choice="required").with_syntax("hermes")
     compact = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # as the grammar writes it
     deltas, choice = reply(forced, [compact[:20], compact[20:]])
     streamed = [t for d in deltas for t in d.get("tool_calls", [])]
@@ -367,7 +368,7 @@ def test_mistral_tool_calls(tmp_path: Path) -> None:
     two = '[{"name":"add","arguments":{"a":1,"b":2}},{"name":"get_weather","arguments":{"city":"Oslo"}}]'
     for choice, good, bad in (("required", (one, two), ()), ({"type": "function", "function": {"name": "add"}},
                                                              (one,), (two,))):
-        structured = Structured.from_fields(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("mistral")
+        structured = read_structured(tools=[WEATHER, ADD], tool_choice=choice).with_syntax("mistral")
         assert structured.constraint is not None
         grammar = outputs.compile(structured.constraint)
         wrong = list(bad) + ['{"name":"add","arguments":{"a":1,"b":2}}',  # not an array
@@ -379,7 +380,7 @@ def test_mistral_tool_calls(tmp_path: Path) -> None:
         calls = structured.tool_calls(good[-1]) or []
         assert [c.name for c in calls] == ["add", "get_weather"][: len(good)]
         assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
-    auto = Structured.from_fields(tools=[WEATHER, ADD]).with_syntax("mistral")
+    auto = read_structured(tools=[WEATHER, ADD]).with_syntax("mistral")
     assert auto.constraint is None and [auto.starts_call(t) for t in ("[TOOL", "[{", "Hi")] == [True, True, False]
     for text in (f"[TOOL_CALLS]{two}", f" [TOOL_CALLS] {two}", two):
         assert [c.name for c in auto.tool_calls(text) or []] == ["add", "get_weather"], text
@@ -404,7 +405,7 @@ def test_mistral_tool_calls(tmp_path: Path) -> None:
 
 def test_llama_calls_may_open_with_the_python_tag() -> None:
     """Llama 3.1 may write <|python_tag|> before a JSON call: held under "auto", then parsed."""
-    auto = Structured.from_fields(tools=[ADD])
+    auto = read_structured(tools=[ADD])
     assert [auto.starts_call(t) for t in ("<|py", "<|python_tag|>{", "<b>")] == [None, True, False]
     calls = auto.tool_calls('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')
     assert calls is not None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}

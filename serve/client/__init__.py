@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serve.errors import FIELD_METADATA_KEY
+from serve.grpc.errors import FIELD_METADATA_KEY
 from serve.grpc.pb import finetuning_pb2 as ft_pb
 from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
 from serve.grpc.pb import generation_pb2 as pb

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+from concurrent.futures import Future
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ from serve.core.reasoning import (THINK_CLOSE, THINK_OPEN, prompt_closes_reasoni
 from serve.core.structured import Structured, encode_tool_chat, tool_syntax
 from serve.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, OutOfRange, ServeError, echo
 from serve.metrics import Metrics
+from serve.ranks.commands import PromptLogprobs, PromptTokenLogprobs
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.request import ContextLengthError, StopLimits, resolve_sampling
 from tprt.engine.sampling import SamplingParams
@@ -184,6 +186,8 @@ class LoopLike(Protocol):
     def submit(self, ticket: Ticket) -> None: ...
 
     def cancel(self, request_id: str, reason: str = "client") -> None: ...
+
+    def call(self, fn: Callable[[Any], Any]) -> Future[Any]: ...
 
 
 # ----------------------------------------------------------------- field names per front end
@@ -428,6 +432,13 @@ class GenerationCore:
         if constraint is not None and self.metrics is not None:
             self.metrics.structured_requests.labels(kind=constraint.kind).inc()
         return Generation(self, tickets, inbox)
+
+    def score_prompt(self, ids: list[int], top: int) -> Future[PromptTokenLogprobs]:
+        """The base model's log-probability of each of a prompt's tokens after the first (and the
+        `top` likeliest alternatives), from one uncached forward pass on every rank between engine
+        steps (completions' `echo`)."""
+        command = PromptLogprobs(tuple(ids), top)
+        return self.loop.call(lambda ranks: ranks.run(command))
 
     def token(self, ev: TokenEvent) -> TokenText | None:
         """An event's token, with texts decoded one token at a time (as logprobs show them)."""

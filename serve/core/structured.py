@@ -2,9 +2,12 @@
 `ConstraintSpec` (tprt.engine.constraints), tools -> the chat template's `tools` and the
 constraint of a forced call, and generated text -> tool calls.
 
-Protocol-neutral: the OpenAI HTTP API and gRPC read their own fields into the arguments here
-(`Structured.from_fields`), and every error is a `ValidationError` whose field is spelled as the
-caller passed it (OpenAI's parameter names; the HTTP and gRPC layers rename nothing else).
+Protocol-neutral: each front end reads its own wire shape into a `ConstraintSpec`, `Tool`s
+(`check_tool`) and a tool choice, and `Structured.build` puts them together (OpenAI's chat and
+completions fields: serve/openai/structured.py; gRPC's: serve/grpc/validation.py; the Responses
+and Anthropic Messages APIs: serve/openai/responses.py, serve/anthropic/). Every error is a
+`ValidationError` whose field is the path the front end gave (its own spelling), so nothing is
+renamed afterwards.
 
 Tool calls are written in the model family's own syntax (`ToolSyntax`, chosen from its chat
 template by `tool_syntax`): Llama 3.1's JSON tool calls, `{"name": ..., "parameters": {...}}`
@@ -57,6 +60,8 @@ class Tool:
     name: str
     description: str
     parameters: dict[str, Any]  # a JSON Schema for the arguments object
+    parameters_field: str = "parameters"  # where the request gave the schema (its compile errors name it)
+    name_field: str = "name"  # where the request named it
 
     def as_template_tool(self) -> dict[str, Any]:
         """The HF chat-template convention for one tool."""
@@ -81,6 +86,7 @@ class Structured:
     parallel_tool_calls: bool = True
     syntax: ToolSyntax = "json"  # how calls are written (`with_syntax`: the model's)
     forced: tuple[Tool, ...] = ()  # the tools a forced call (required, named) chooses from
+    choice_field: str = "tool_choice"  # where the request chose the tool (a forced call's constraint names it)
 
     def with_syntax(self, syntax: ToolSyntax) -> Structured:
         """The same request for a model that writes calls in `syntax` (a forced call's constraint
@@ -89,7 +95,8 @@ class Structured:
             return self
         constraint = self.constraint
         if self.forced:
-            constraint = _forced_call(self.forced, self.parallel_tool_calls and self.tool_mode == "required", syntax)
+            constraint = _forced_call(self.forced, self.parallel_tool_calls and self.tool_mode == "required", syntax,
+                                      self.choice_field)
         return replace(self, syntax=syntax, constraint=constraint)
 
     def starts_call(self, text: str) -> bool | None:
@@ -112,38 +119,42 @@ class Structured:
         return [t.as_template_tool() for t in self.tools] if self.tools and self.tool_mode != "none" else None
 
     @staticmethod
-    def from_fields(*, response_format: Any = None, structured_outputs: Any = None, tools: Any = None,
-                    tool_choice: Any = None, parallel_tool_calls: Any = None,
-                    guided: Mapping[str, Any] | None = None) -> Structured:
-        """Reads OpenAI's `response_format`, vLLM's `structured_outputs` ({json, regex, choice,
-        grammar}) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`
-        (`guided`: {"json": ..., ...}, aliases of the same), `tools`, `tool_choice` and
-        `parallel_tool_calls` (already parsed JSON values)."""
-        constraints = [c for c in (_response_format(response_format), _structured_outputs(structured_outputs),
-                                   _guided(guided or {})) if c is not None]
-        parsed_tools = _tools(tools)
-        mode, named = _tool_choice(tool_choice, parsed_tools)
-        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise ValidationError("parallel_tool_calls", "parallel_tool_calls: expected true or false")
-        parallel = parallel_tool_calls is not False
+    def build(constraint: ConstraintSpec | None = None, tools: Sequence[Tool] = (), mode: ToolMode | None = None,
+              named: str | None = None, parallel_tool_calls: bool = True,
+              choice_field: str = "tool_choice", named_field: str | None = None) -> Structured:
+        """A request's output constraint and tools, as a front end read them: `mode` None is
+        "auto" with tools and "none" without; "named" calls the tool `named`. A forced call
+        (required, named) is a constraint of its own, so it cannot go with another; errors name
+        `choice_field` (the front end's spelling of its tool choice) or `named_field` (of the named
+        tool; `choice_field`.name by default)."""
+        if mode is None:
+            mode = "auto" if tools else "none"
+        if mode != "none" and not tools:
+            raise ValidationError(choice_field, f"{choice_field}: {mode!r} needs tools")
+        if mode == "named" and not any(t.name == named for t in tools):
+            field = named_field or choice_field + ".name"
+            raise ValidationError(field, f"{field}: {str(named)[:64]!r} is not one of the tools")
+        for i, t in enumerate(tools):
+            if any(u.name == t.name for u in tools[:i]):
+                raise ValidationError(t.name_field, f"{t.name_field}: {t.name!r} is defined twice")
+        if len(tools) > MAX_TOOLS:
+            raise ValidationError("tools", f"tools: at most {MAX_TOOLS}, got {len(tools)}")
         forced: tuple[Tool, ...] = ()
         if mode in ("required", "named"):
             # A named function is called exactly once (as OpenAI does); "required" may call several.
-            forced = tuple(t for t in parsed_tools if mode == "required" or t.name == named)
-            constraints.append(_forced_call(forced, parallel and mode == "required", "json"))
-        if len(constraints) > 1:
-            fields = ", ".join(c.field.split(".")[0] for c in constraints)
-            raise ValidationError(constraints[1].field, f"{constraints[1].field}: only one output constraint per "
-                                                        f"request, got several ({fields})")
-        return Structured(constraints[0] if constraints else None, tuple(parsed_tools), mode, parallel, "json", forced)
+            forced = tuple(t for t in tools if mode == "required" or t.name == named)
+            if constraint is not None:
+                raise ValidationError(choice_field, f"{choice_field}: only one output constraint per request, got "
+                                                    f"several ({constraint.field.split('.')[0]}, {choice_field})")
+            constraint = _forced_call(forced, parallel_tool_calls and mode == "required", "json", choice_field)
+        return Structured(constraint, tuple(tools), mode, parallel_tool_calls, "json", forced, choice_field)
 
     def specs(self) -> list[ConstraintSpec]:
         """Every spec to compile (and so check) before the request is queued: the constraint and
         each tool's parameter schema (a tool whose parameters cannot be enforced is refused even
         under "auto", where it might be called)."""
         specs = [self.constraint] if self.constraint is not None else []
-        return specs + [ConstraintSpec.json_schema(t.parameters, f"tools[{i}].function.parameters")
-                        for i, t in enumerate(self.tools)]
+        return specs + [ConstraintSpec.json_schema(t.parameters, t.parameters_field) for t in self.tools]
 
     def tool_calls(self, text: str) -> list[ToolCall] | None:
         """The tool calls `text` is, or None when it is not tool calls (always None without tools)."""
@@ -158,134 +169,28 @@ class Structured:
         return calls
 
 
-def _response_format(value: Any) -> ConstraintSpec | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping) or not isinstance(value.get("type"), str):
-        raise ValidationError("response_format", "response_format: expected an object with a string `type`")
-    kind = value["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return ConstraintSpec.json_object("response_format")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, Mapping):
-            raise ValidationError("response_format.json_schema",
-                                  "response_format.json_schema: expected an object with `name` and `schema`")
-        name = spec.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
-            raise ValidationError("response_format.json_schema.name", "response_format.json_schema.name: expected "
-                                  "1-64 characters of a-z, A-Z, 0-9, _ and -")
-        if "strict" in spec and spec["strict"] is not None and not isinstance(spec["strict"], bool):
-            raise ValidationError("response_format.json_schema.strict",
-                                  "response_format.json_schema.strict: expected true or false")
-        schema = spec.get("schema", {})
-        # strict or not, the output follows the schema: a schema we cannot enforce is refused.
-        return ConstraintSpec.json_schema(schema, "response_format.json_schema.schema")
-    raise ValidationError("response_format.type", f"response_format.type: expected text, json_object or json_schema, "
-                                                  f"got {str(kind)[:40]!r}")
-
-
-def _structured_outputs(value: Any) -> ConstraintSpec | None:
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValidationError("structured_outputs", "structured_outputs: expected an object with one of "
-                                                    "json, regex, choice, grammar")
-    given = {k: v for k, v in value.items() if v is not None}
-    unknown = sorted(set(given) - {"json", "regex", "choice", "grammar"})
-    if unknown:
-        raise ValidationError(f"structured_outputs.{unknown[0]}"[:80], f"structured_outputs.{unknown[0][:40]}: "
-                              "unknown; expected one of json, regex, choice, grammar")
-    if len(given) != 1:
-        raise ValidationError("structured_outputs", "structured_outputs: give exactly one of json, regex, choice, "
-                                                    "grammar")
-    (kind, spec), = given.items()
-    return _constraint(kind, spec, f"structured_outputs.{kind}")
-
-
-GUIDED_KINDS = ("json", "regex", "choice", "grammar")
-
-
-def _guided(guided: Mapping[str, Any]) -> ConstraintSpec | None:
-    """vLLM's guided_* fields, the older spelling of structured_outputs: at most one of them."""
-    given = [(kind, guided[kind]) for kind in GUIDED_KINDS if guided.get(kind) is not None]
-    if len(given) > 1:
-        raise ValidationError(f"guided_{given[1][0]}", f"guided_{given[1][0]}: give one of guided_json, guided_regex, "
-                                                      "guided_choice, guided_grammar, not several")
-    return _constraint(given[0][0], given[0][1], f"guided_{given[0][0]}") if given else None
-
-
-def _constraint(kind: str, spec: Any, field: str) -> ConstraintSpec:
-    """One constraint of `kind` (json, regex, choice or grammar), errors naming `field`."""
-    if kind == "json":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except (ValueError, RecursionError) as e:
-                raise ValidationError(field, f"{field}: not JSON ({e})") from None
-        return ConstraintSpec.json_schema(spec, field)
-    if kind == "regex":
-        return ConstraintSpec.regex(spec, field)
-    if kind == "choice":
-        return ConstraintSpec.choice(spec, field)
-    return ConstraintSpec.grammar(spec, field)
-
-
-def _tools(value: Any) -> list[Tool]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ValidationError("tools", "tools: expected a list of {type: function, function: {...}}")
-    if len(value) > MAX_TOOLS:
-        raise ValidationError("tools", f"tools: at most {MAX_TOOLS}, got {len(value)}")
-    tools: list[Tool] = []
-    for i, item in enumerate(value):
-        field = f"tools[{i}]"
-        if not isinstance(item, Mapping) or item.get("type") != "function" or not isinstance(item.get("function"),
-                                                                                               Mapping):
-            raise ValidationError(field, f"{field}: expected {{type: function, function: {{name, parameters}}}}")
-        fn = item["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
-            raise ValidationError(f"{field}.function.name", f"{field}.function.name: expected 1-64 characters of "
-                                                            "a-z, A-Z, 0-9, _, - and .")
-        if any(t.name == name for t in tools):
-            raise ValidationError(f"{field}.function.name", f"{field}.function.name: {name!r} is defined twice")
-        description = fn.get("description") or ""
-        if not isinstance(description, str):
-            raise ValidationError(f"{field}.function.description", f"{field}.function.description: expected a string")
-        parameters = fn.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, Mapping):
-            raise ValidationError(f"{field}.function.parameters",
-                                  f"{field}.function.parameters: expected a JSON Schema object")
-        if parameters.get("type", "object") != "object":  # arguments are an object of named values
-            raise ValidationError(f"{field}.function.parameters",
-                                  f"{field}.function.parameters: expected an object schema ({{\"type\": \"object\", "
-                                  f"\"properties\": ...}}), got type {str(parameters['type'])[:40]!r}")
-        ConstraintSpec.json_schema(parameters, f"{field}.function.parameters")  # plain JSON; compiled later
-        tools.append(Tool(name, description, dict(parameters)))
-    return tools
-
-
-def _tool_choice(value: Any, tools: list[Tool]) -> tuple[ToolMode, str | None]:
-    if value is None:
-        return ("auto" if tools else "none"), None
-    if value in ("none", "auto", "required"):
-        if value != "none" and not tools:
-            raise ValidationError("tool_choice", f"tool_choice: {value!r} needs `tools`")
-        return value, None
-    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("function"), Mapping):
-        name = value["function"].get("name")
-        if not any(t.name == name for t in tools):
-            raise ValidationError("tool_choice.function.name", f"tool_choice.function.name: {str(name)[:64]!r} is "
-                                                               "not one of `tools`")
-        return "named", str(name)
-    raise ValidationError("tool_choice", "tool_choice: expected none, auto, required or "
-                                         "{type: function, function: {name}}")
+def check_tool(name: Any, description: Any, parameters: Any, fields: Mapping[str, str]) -> Tool:
+    """One tool as a front end read it, checked: a name of 1-64 characters of a-z, A-Z, 0-9, _, -
+    and .; a string description (None: ""); parameters an object's JSON Schema (None: no
+    arguments). Errors name `fields["name"]`, `fields["description"]` or `fields["parameters"]`,
+    the request's own paths."""
+    if not isinstance(name, str) or not name or len(name) > 64 or not set(name) <= NAME_CHARS:
+        raise ValidationError(fields["name"], f"{fields['name']}: expected 1-64 characters of a-z, A-Z, 0-9, _, - "
+                                              "and .")
+    if description is None:
+        description = ""
+    if not isinstance(description, str):
+        raise ValidationError(fields["description"], f"{fields['description']}: expected a string")
+    where = fields["parameters"]
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, Mapping):
+        raise ValidationError(where, f"{where}: expected a JSON Schema object")
+    if parameters.get("type", "object") != "object":  # arguments are an object of named values
+        raise ValidationError(where, f"{where}: expected an object schema ({{\"type\": \"object\", \"properties\": "
+                                     f"...}}), got type {str(parameters['type'])[:40]!r}")
+    ConstraintSpec.json_schema(parameters, where)  # plain JSON; compiled later
+    return Tool(name, description, dict(parameters), where, fields["name"])
 
 
 def _call_schema(tool: Tool, key: str = "parameters") -> dict[str, Any]:
@@ -299,21 +204,21 @@ def _calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
     return {"anyOf": [one, {"type": "array", "items": one, "minItems": 1}]} if parallel else one
 
 
-def _forced_call(tools: Sequence[Tool], several: bool, syntax: ToolSyntax) -> ConstraintSpec:
+def _forced_call(tools: Sequence[Tool], several: bool, syntax: ToolSyntax, field: str) -> ConstraintSpec:
     """The constraint of a forced call of one of `tools` (or, with `several`, one or more) in
     `syntax`: a JSON Schema (for Mistral an array of calls), or for Hermes a grammar of <tool_call>
     blocks around the call's JSON."""
     if syntax == "json":
-        return ConstraintSpec.json_schema(_calls_schema(tools, several), "tool_choice")
+        return ConstraintSpec.json_schema(_calls_schema(tools, several), field)
     if syntax == "mistral":
         one = [_call_schema(t, "arguments") for t in tools]
         array = {"type": "array", "items": one[0] if len(one) == 1 else {"anyOf": one}, "minItems": 1}
-        return ConstraintSpec.json_schema(array if several else {**array, "maxItems": 1}, "tool_choice")
+        return ConstraintSpec.json_schema(array if several else {**array, "maxItems": 1}, field)
     one = [_call_schema(t, "arguments") for t in tools]
     schema = json.dumps(one[0] if len(one) == 1 else {"anyOf": one}, ensure_ascii=False)
     calls = 'call ("\\n" call)*' if several else "call"
     return ConstraintSpec.grammar(f'start: {calls}\ncall: "{HERMES_OPEN}\\n" %json {schema} "\\n{HERMES_CLOSE}"\n',
-                                  "tool_choice")
+                                  field)
 
 
 def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCall] | None:

@@ -12,7 +12,7 @@ rank watcher) ends every ticket with an event or an error.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 
 from serve.adapters.pool import AdapterPool
-from serve.adapters.registry import AdapterInfo, AdapterRegistry
+from serve.adapters.registry import AdapterInfo
 from serve.core.generation import ChoiceEvent, Generation, GenerationCore, Prepared, TokenText
 from serve.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ServeError,
                           Unavailable, echo)
-from serve.jobs.manager import JobManager
+from serve.jobs.core import JobsCore
 from serve.jobs.store import SUCCEEDED, JobStore
-from serve.jobs.spec import ADAPTER_ID, DEFAULT_MAX_DATASET_BYTES, check_create
+from serve.jobs.spec import ADAPTER_ID
 from serve.grpc.jobs import PB_STATE, job_pb, job_request, progress_pb
 from serve.grpc.pb import finetuning_pb2 as ft_pb
 from serve.grpc.pb import finetuning_pb2_grpc as ft_grpc
@@ -38,7 +38,6 @@ from serve.core.structured import Structured
 from serve.grpc.validation import generation_request, grpc_error, prompt_of, structured_of
 from tprt.distributed.ranks import CommandFailed
 from tprt.engine.sampling import MAX_TOP_LOGPROBS
-from tprt.text.tokenizer import Tokenizer
 
 GenerationServicer: Any = pb_grpc.GenerationServicer
 FineTuningServicer: Any = ft_grpc.FineTuningServicer
@@ -245,24 +244,13 @@ def _wait(future: Future[Any], context: grpc.ServicerContext) -> Any:
 
 
 class FineTuningService(FineTuningServicer):
-    """tprt.v1.FineTuning on rank 0: the job store through the job manager."""
+    """tprt.v1.FineTuning on rank 0: the jobs core (serve/jobs/core.py) in protobuf."""
 
-    def __init__(self, jobs: JobManager, tokenizer: Tokenizer | None, context_length: int,
-                 adapters: AdapterRegistry, max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES,
-                 admit: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, jobs: JobsCore) -> None:
         self.jobs = jobs
-        self.max_dataset_bytes = max_dataset_bytes
-        self.admit = admit  # serve/jobs/admission.py
-        self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.adapters = adapters
 
     def CreateJob(self, request: Any, context: grpc.ServicerContext) -> Any:
-        if not self.jobs.accepting:
-            raise Unavailable(self.jobs.refusal)
-        spec = check_create(job_request(request), self.jobs.store, self.jobs.data_dir, self.tokenizer, self.context_length,
-                            self.adapters.has, self.max_dataset_bytes, self.admit)
-        return job_pb(self.jobs.create(spec))
+        return job_pb(self.jobs.create(job_request(request)))
 
     def GetJob(self, request: Any, context: grpc.ServicerContext) -> Any:
         return job_pb(self.jobs.get(request.job_id))

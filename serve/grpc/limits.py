@@ -23,7 +23,7 @@ Trusted = Callable[[Any], bool]  # handler call details -> whether the call carr
 
 def needs_no_token(method: str) -> bool:
     """Whether `method` is served without a token (health checks)."""
-    from serve.auth import EXEMPT_PREFIXES
+    from serve.grpc.auth import EXEMPT_PREFIXES
 
     return method.startswith(EXEMPT_PREFIXES)
 

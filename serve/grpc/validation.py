@@ -15,8 +15,8 @@ from typing import Any
 
 from serve.core.generation import (STOP_LIMITS, ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt,
                                    by_prefix, rename_field, resolve)
-from serve.core.structured import Structured
-from serve.errors import InvalidArgument, ServeError
+from serve.core.structured import MAX_TOOLS, Structured, ToolMode, check_tool
+from serve.errors import InvalidArgument, ServeError, echo
 from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.sampling import SamplingParams
 from tprt.errors import ValidationError
@@ -46,7 +46,7 @@ def grpc_field(field: str) -> str:
         return field
     if field in _SAMPLING or field in FIELD_PATHS:
         return field_path(field)
-    return _structured_path(_INPUT_PATHS(field))
+    return _INPUT_PATHS(field)
 
 
 def grpc_error(e: ServeError) -> ServeError:
@@ -110,64 +110,55 @@ def generation_request(request: Any) -> GenerationRequest:
 
 
 def structured_of(request: Any) -> Structured:
-    """A GenerateRequest's output constraint and its chat's tools (serve/core/structured.py), with
-    errors named by the request's field paths; compiled (so checked) by the generation core."""
-    fields: dict[str, Any] = {}
-    if "constraint" in request.DESCRIPTOR.fields_by_name and request.HasField("constraint"):
-        c = request.constraint
-        kind = c.WhichOneof("kind")
-        if kind is None:
-            raise InvalidArgument("set one of json_schema, json_object, regex, choice, grammar", "constraint")
-        if kind == "json_schema":
-            fields["structured_outputs"] = {"json": _json_text(c.json_schema, "constraint.json_schema")}
-        elif kind == "json_object":
-            fields["response_format"] = {"type": "json_object" if c.json_object else "text"}
-        elif kind == "choice":
-            fields["structured_outputs"] = {"choice": list(c.choice.options)}
-        else:
-            fields["structured_outputs"] = {kind: getattr(c, kind)}
-    if request.WhichOneof("input") == "chat":
-        chat = request.chat
-        if chat.tools:
-            fields["tools"] = [{"type": "function", "function": {
-                "name": t.name, "description": t.description,
-                "parameters": _json_text(t.parameters_json, f"chat.tools[{i}].parameters_json")
-                if t.parameters_json else None}} for i, t in enumerate(chat.tools)]
-        if chat.HasField("tool_choice"):
-            which = chat.tool_choice.WhichOneof("choice")
-            if which == "mode":
-                fields["tool_choice"] = chat.tool_choice.mode
-            elif which == "function":
-                fields["tool_choice"] = {"type": "function", "function": {"name": chat.tool_choice.function}}
-        if chat.HasField("parallel_tool_calls"):
-            fields["parallel_tool_calls"] = chat.parallel_tool_calls
+    """A GenerateRequest's output constraint and its chat's tools (serve/core/structured.py), errors
+    naming the request's field paths; compiled (so checked) by the generation core."""
     try:
-        return Structured.from_fields(**fields)
+        return _structured(request)
     except ValidationError as e:
-        path = _structured_path(e.field)
-        raise InvalidArgument(path + str(e)[len(e.field):], path) from None
+        raise InvalidArgument(str(e), e.field) from None
 
 
-# serve/core/structured.py's (OpenAI's) field names -> a GenerateRequest's, by prefix.
-_STRUCTURED_PATHS = (("structured_outputs.json", "constraint.json_schema"), ("structured_outputs.choice",
-                     "constraint.choice.options"), ("structured_outputs", "constraint"),
-                     ("response_format", "constraint.json_object"), ("tool_choice.function.name",
-                     "chat.tool_choice.function"), ("tool_choice", "chat.tool_choice"),
-                     ("parallel_tool_calls", "chat.parallel_tool_calls"))
+def _structured(request: Any) -> Structured:
+    constraint = None
+    if "constraint" in request.DESCRIPTOR.fields_by_name and request.HasField("constraint"):
+        constraint = _constraint(request.constraint)
+    if request.WhichOneof("input") != "chat":
+        return Structured.build(constraint)
+    chat = request.chat
+    tools = [check_tool(t.name, t.description,
+                        _json_text(t.parameters_json, f"chat.tools[{i}].parameters_json") if t.parameters_json else None,
+                        {"name": f"chat.tools[{i}].name", "description": f"chat.tools[{i}].description",
+                         "parameters": f"chat.tools[{i}].parameters_json"}) for i, t in enumerate(chat.tools)]
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"at most {MAX_TOOLS}, got {len(tools)}", "chat.tools")
+    mode: ToolMode | None = None
+    named = None
+    if chat.HasField("tool_choice"):
+        which = chat.tool_choice.WhichOneof("choice")
+        if which == "mode":
+            if chat.tool_choice.mode not in ("none", "auto", "required"):
+                raise InvalidArgument(f"{echo(chat.tool_choice.mode)}; none, auto or required", "chat.tool_choice.mode")
+            mode = chat.tool_choice.mode
+        elif which == "function":
+            mode, named = "named", chat.tool_choice.function
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    return Structured.build(constraint, tools, mode, named, parallel, "chat.tool_choice", "chat.tool_choice.function")
 
 
-def _structured_path(field: str) -> str:
-    if field.startswith("tools["):  # tools[i].function.parameters -> chat.tools[i].parameters_json
-        head, _, rest = field.partition("].")
-        rest = {"function.parameters": "parameters_json", "function.name": "name",
-                "function.description": "description"}.get(rest, rest)
-        return f"chat.{head}]" + (f".{rest}" if rest else "")
-    if field == "tools":
-        return "chat.tools"
-    for ours, theirs in _STRUCTURED_PATHS:
-        if field == ours or field.startswith(ours + "."):
-            return theirs + field[len(ours):]
-    return field
+def _constraint(c: Any) -> ConstraintSpec | None:
+    """A Constraint message as the engine's spec (json_object false: none)."""
+    kind = c.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("set one of json_schema, json_object, regex, choice, grammar", "constraint")
+    if kind == "json_schema":
+        return ConstraintSpec.json_schema(_json_text(c.json_schema, "constraint.json_schema"), "constraint.json_schema")
+    if kind == "json_object":
+        return ConstraintSpec.json_object("constraint.json_object") if c.json_object else None
+    if kind == "choice":
+        return ConstraintSpec.choice(list(c.choice.options), "constraint.choice.options")
+    if kind == "regex":
+        return ConstraintSpec.regex(c.regex, "constraint.regex")
+    return ConstraintSpec.grammar(c.grammar, "constraint.grammar")
 
 
 def _json_text(text: str, field: str) -> Any:

@@ -26,9 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
-from serve.errors import InvalidArgument, ServeError
+from serve.errors import InvalidArgument, ServeError, Status
 from tprt.model.config import ModelConfig
 from tprt.plan import FinetuneWorkload, device as plan_device, plan_memory
 from tprt.plan.memory import DTYPE_BYTES
@@ -40,7 +38,7 @@ _SHARED_DTYPES = ("fp32", "bf16")
 
 
 class TooLarge(ServeError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -54,21 +53,18 @@ from serve.adapters.registry import AdapterRegistry
 from serve.auth import TokenCheck
 from serve.jobs.datasets import DatasetWork
 from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepared, TokenText
-from serve.core.loop import EngineLoop
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
-from serve.jobs.manager import JobManager
 from serve.jobs.preference import adapter_on_disk
-from serve.jobs.spec import check_create
+from serve.jobs.core import JobsCore
+from serve.jobs.spec import JobSpec
 from serve.metrics import Metrics
 from serve.openai.files import FileStore, dataset_path
-from serve.ranks.commands import PromptLogprobs, PromptTokenLogprobs
 from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
 from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
                                    chat_request, completion_request, error_body, invalid_param, parse_body)
 from serve.core.reasoning import ReasoningSplit, split_reply
 from serve.core.structured import CallDelta, ToolCallStream
-from tprt.engine.constraints import ConstraintSpec
 from tprt.engine.sequence import Usage
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
@@ -80,26 +76,31 @@ Body = TypeVar("Body", bound=BaseModel)
 
 @dataclass(frozen=True)
 class HttpDeps:
-    """What the HTTP app shares with the gRPC services."""
+    """What the HTTP app shares with the gRPC services: the server's one generation core and one
+    jobs core, its metrics and bearer token."""
 
-    loop: EngineLoop
-    tokenizer: Tokenizer | None
-    facts: ModelFacts
-    adapters: AdapterRegistry
+    core: GenerationCore  # the engine loop, tokenizer, model facts, adapters and request rules
+    jobs: JobsCore  # the fine-tuning jobs, shared with gRPC
     metrics: Metrics
     token: str | None  # the bearer token (--auth-token-file); None: no auth
     max_body_bytes: int  # --max-message-bytes
-    max_text_bytes: int | None  # serve/core/generation.py text_byte_limit
     started: float  # the models' `created` time
-    jobs: JobManager  # the fine-tuning jobs, shared with gRPC
     files: FileStore  # the uploaded datasets
-    max_dataset_bytes: int  # --max-dataset-bytes
-    admit: Callable[[str, dict[str, Any]], None] | None  # serve/jobs/admission.py: a job's memory
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
-    # Checks (compiles) an output constraint: the engine's StructuredOutputs.compile; None without a tokenizer
-    compile_constraint: Callable[[ConstraintSpec], object] | None = None
     datasets: DatasetWork = field(default_factory=DatasetWork)  # uploads' and job creations' file work
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop them instead of refusing the request
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.core.tokenizer
+
+    @property
+    def facts(self) -> ModelFacts:
+        return self.core.facts
+
+    @property
+    def adapters(self) -> AdapterRegistry:
+        return self.core.adapters
 
 
 UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
@@ -175,7 +176,7 @@ def create_app(deps: HttpDeps) -> FastAPI:
     """The FastAPI app serving the OpenAI API over `deps`."""
     api = OpenAIApi(deps)
     app = FastAPI(title="tprt OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
-    app.add_middleware(BodyLimit, limit=deps.max_body_bytes, upload_limit=deps.max_dataset_bytes + UPLOAD_OVERHEAD)
+    app.add_middleware(BodyLimit, limit=deps.max_body_bytes, upload_limit=deps.jobs.max_dataset_bytes + UPLOAD_OVERHEAD)
     app.add_middleware(Authenticate, check=TokenCheck(deps.token),  # the outermost: before any body is read
                        on_refused=lambda scope: api.count_scope(app, scope, "unauthenticated"))
     app.add_exception_handler(RequestValidationError, api.invalid_body)  # type: ignore[arg-type]
@@ -207,8 +208,7 @@ class OpenAIApi:
 
     def __init__(self, deps: HttpDeps) -> None:
         self.d = deps
-        self.core = GenerationCore(deps.loop, deps.tokenizer, deps.facts, deps.adapters, deps.metrics,
-                                   deps.compile_constraint, deps.max_text_bytes)
+        self.core = deps.core
 
     # ----------------------------------------------------------------- plumbing
 
@@ -334,7 +334,7 @@ class OpenAIApi:
     def _create_job(self, body: FineTuningJobBody) -> dict[str, Any]:
         d = self.d
         if not d.jobs.accepting:
-            raise Unavailable(d.jobs.refusal)
+            raise Unavailable(d.jobs.manager.refusal)
         if body.model != d.facts.name and not d.adapters.has(body.model) \
                 and not adapter_on_disk(body.model, d.jobs.data_dir):  # as gRPC's init_adapter takes them
             raise NotFound(f"model {echo(body.model)} is neither the served base model {d.facts.name!r} nor an "
@@ -349,14 +349,15 @@ class OpenAIApi:
             if body.validation_file:
                 d.files.get(body.validation_file, "validation_file")
                 validation = dataset_path(body.validation_file)
+            job.fit(self._examples(training))
+
+            def sidecar(spec: JobSpec) -> None:  # in the job's directory: gone if refused
+                write_sidecar(d.jobs.data_dir, spec.record, job.sidecar())
+
             try:
-                job.fit(self._examples(training))
-                spec = check_create(job.request(training, validation, init_adapter), d.jobs.store, d.jobs.data_dir, d.tokenizer, d.facts.context_length,
-                                    d.adapters.has, d.max_dataset_bytes, d.admit)
+                rec = d.jobs.create(job.request(training, validation, init_adapter), sidecar)
             except ServeError as e:
                 raise job.error(e) if e.field else e from None
-            write_sidecar(d.jobs.data_dir, spec.record, job.sidecar())  # in the job's directory: gone if refused
-            rec = d.jobs.create(spec)
         return job_object(rec, d.facts.name, d.jobs.data_dir)
 
     def _examples(self, training: str) -> int:
@@ -466,8 +467,7 @@ class OpenAIApi:
             if body.logprobs is None:
                 out.append(EchoedPrompt(tokens))
                 continue
-            command = PromptLogprobs(tuple(ids), body.logprobs)
-            scored: PromptTokenLogprobs = await asyncio.wrap_future(self.d.loop.call(partial(_run_command, command)))
+            scored = await asyncio.wrap_future(self.core.score_prompt(ids, body.logprobs))
             out.append(EchoedPrompt(tokens, list(scored.logprobs),
                                     [[(text(t), lp) for t, lp in top] for top in scored.top]))
         return out
@@ -525,10 +525,6 @@ def json_logprob(value: float) -> float | None:
     if math.isnan(value):
         return None
     return max(min(value, 0.0), MIN_LOGPROB)
-
-
-def _run_command(command: PromptLogprobs, ranks: Any) -> PromptTokenLogprobs:
-    return ranks.run(command)
 
 
 @dataclass(frozen=True)

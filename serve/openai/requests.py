@@ -17,36 +17,36 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 from pydantic import BaseModel, ConfigDict
 from pydantic import ValidationError as PydanticError
 
 from serve.core.generation import (ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt, by_prefix,
                                    rename_field)
 from serve.core.structured import Structured
-from serve.errors import InvalidArgument, ServeError, is_disk_full, status_of
+from serve.openai.structured import read_structured
+from serve.errors import InvalidArgument, ServeError, Status, is_disk_full, status_of
 from tprt.errors import ValidationError
 
-# gRPC status (what every ServeError carries) -> HTTP status and OpenAI error type.
+# The core's status (what every ServeError carries) -> HTTP status and OpenAI error type.
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "invalid_request_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
-    grpc.StatusCode.INTERNAL: (500, "server_error"),
+    Status.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Status.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Status.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Status.UNAUTHENTICATED: (401, "authentication_error"),
+    Status.NOT_FOUND: (404, "invalid_request_error"),
+    Status.ALREADY_EXISTS: (409, "invalid_request_error"),
+    Status.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Status.CANCELLED: (499, "invalid_request_error"),
+    Status.UNAVAILABLE: (503, "server_error"),
+    Status.DEADLINE_EXCEEDED: (504, "server_error"),
+    Status.INTERNAL: (500, "server_error"),
 }
 
 
 class PayloadTooLarge(ServeError):
     """A request body over --max-message-bytes (HTTP 413)."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = Status.RESOURCE_EXHAUSTED
 
 
 def error_body(e: BaseException) -> tuple[int, dict[str, Any], str]:
@@ -62,9 +62,9 @@ def error_body(e: BaseException) -> tuple[int, dict[str, Any], str]:
     elif isinstance(e, ServeError) and e.field is not None:
         field = e.field
     error_code = {401: "invalid_api_key", 404: "not_found", 429: "rate_limit_exceeded"}.get(status)
-    if code == grpc.StatusCode.OUT_OF_RANGE:
+    if code == Status.OUT_OF_RANGE:
         error_code = "context_length_exceeded"
-    return status, {"error": {"message": message, "type": kind, "param": field, "code": error_code}}, code.name.lower()
+    return status, {"error": {"message": message, "type": kind, "param": field, "code": error_code}}, code.outcome
 
 
 class ParamError(InvalidArgument):
@@ -73,7 +73,7 @@ class ParamError(InvalidArgument):
     def __init__(self, message: str, param: str, error: type[ServeError] = InvalidArgument) -> None:
         super().__init__(message if message.startswith(param) else f"{param}: {message}", param)
         self.param = param
-        self.code = error.code  # type: ignore[misc]  # OUT_OF_RANGE for a context overflow
+        self.status = error.status  # type: ignore[misc]  # OUT_OF_RANGE for a context overflow
 
 
 # ----------------------------------------------------------------- reading a body
@@ -291,10 +291,9 @@ class ChatBody(_Common):
 
 
 def _structured(fields: dict[str, Any]) -> Structured:
-    """The body's output constraint and tools (serve/core/structured.py reads OpenAI's fields);
-    the core compiles them."""
+    """The body's output constraint and tools (serve/openai/structured.py); the core compiles them."""
     try:
-        return Structured.from_fields(**fields)
+        return read_structured(**fields)
     except ValidationError as e:
         raise ParamError(str(e), e.field) from None
 
