@@ -48,8 +48,8 @@ def bearer(metadata: Any) -> str | None:
 
 
 class TokenCheck:
-    """Whether raw HTTP headers carry `Authorization: Bearer <token>` (constant time); with no
-    token configured, every request passes."""
+    """Whether raw HTTP headers carry `Authorization: Bearer <token>`, or `x-api-key: <token>` as
+    Anthropic's clients send it (constant time); with no token configured, every request passes."""
 
     def __init__(self, token: str | None) -> None:
         self._token = token.encode() if token is not None else None
@@ -61,9 +61,13 @@ class TokenCheck:
     def __call__(self, headers: Iterable[tuple[bytes, bytes]]) -> bool:
         if self._token is None:
             return True
+        ok = False
         for key, value in headers:
-            if key.lower() == b"authorization":
+            key = key.lower()
+            if key == b"authorization":
                 scheme, _, got = value.partition(b" ")
                 if scheme.lower() == b"bearer" and got.strip():
-                    return hmac.compare_digest(got.strip(), self._token)
-        return False
+                    ok |= hmac.compare_digest(got.strip(), self._token)
+            elif key == b"x-api-key" and value.strip():
+                ok |= hmac.compare_digest(value.strip(), self._token)
+        return ok

@@ -48,7 +48,7 @@ def _serve_parser(sub: Any) -> None:
                    help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
                         "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
     s.add_argument("--ignore-unknown-fields", action="store_true",
-                   help="HTTP chat and completions: drop request fields the endpoint does not know instead of "
+                   help="HTTP APIs: drop request fields the endpoint does not know instead of "
                         "answering 400 naming them (OpenAI's behaviour, the default), for clients that send extras")
     s.add_argument("--http-header-timeout", type=float, default=10.0, metavar="S",
                    help="seconds from a new HTTP connection (TLS handshake included), or from a later request's "
@@ -84,6 +84,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-stored-jobs", type=int, default=10_000, metavar="N",
                    help="fine-tuning jobs kept in the store; beyond it the oldest failed and cancelled jobs are "
                         "removed, and new jobs are refused with RESOURCE_EXHAUSTED when none is (10000)")
+    s.add_argument("--max-stored-responses", type=int, default=10_000, metavar="N",
+                   help="Responses API responses kept for GET and previous_response_id (store: true); storing one "
+                        "more removes the oldest (10000)")
     s.add_argument("--max-stored-bytes", type=int, metavar="N",
                    help="bytes of uploaded files (/v1/files) kept under --data-dir; more are refused with HTTP 507 "
                         "(default: no quota beyond the free space)")

@@ -47,6 +47,7 @@ from serve.openai.http_guard import HttpLimits
 from serve.openai.http_server import HttpServer
 from serve.openai.app import HttpDeps, create_app
 from serve.openai.files import FileStore
+from serve.openai.response_store import ResponseStore
 from serve.core.generation import GenerationCore, ModelFacts, text_byte_limit
 from serve.grpc.handlers import FineTuningService, GenerationService
 from serve.jobs.store import JobStore
@@ -102,9 +103,10 @@ class ServeConfig:
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
-    ignore_unknown_fields: bool = False  # HTTP chat/completions: drop fields the endpoint does not know
+    ignore_unknown_fields: bool = False  # the HTTP APIs: drop fields the endpoint does not know
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
     max_stored_jobs: int = 10_000  # serve/jobs/store.py: the oldest failed/cancelled are pruned, else refused
+    max_stored_responses: int = 10_000  # serve/openai/response_store.py: the oldest are removed
     max_stored_bytes: int | None = None  # uploaded files' quota (serve/jobs/storage.py)
     max_open_calls: int = 8  # unary and streaming calls each, without a token (health, refused for one)
     job_memory_limit: int | None = None  # bytes a fine-tuning job may take; None: what is available then
@@ -128,7 +130,8 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
     limits = cfg.http_limits
     counts = {"max_queue": cfg.max_queue, "max_message_bytes": cfg.max_message_bytes,
               "max_dataset_bytes": cfg.max_dataset_bytes, "max_queued_jobs": cfg.max_queued_jobs,
-              "max_stored_jobs": cfg.max_stored_jobs, "max_stored_bytes": cfg.max_stored_bytes,
+              "max_stored_jobs": cfg.max_stored_jobs,
+              "max_stored_responses": cfg.max_stored_responses, "max_stored_bytes": cfg.max_stored_bytes,
               "max_open_calls": cfg.max_open_calls, "job_memory_limit": cfg.job_memory_limit,
               "max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
               "http_max_connections": limits.max_connections, "http_max_unauthenticated": limits.max_unauthenticated}
@@ -346,7 +349,8 @@ class App:
                               cfg.max_stored_bytes)
             self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
                                                 files, self.redact, datasets=self.datasets,
-                                                ignore_unknown_fields=cfg.ignore_unknown_fields))
+                                                ignore_unknown_fields=cfg.ignore_unknown_fields,
+                                                responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses)))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(FineTuningService(jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

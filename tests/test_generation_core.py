@@ -172,7 +172,7 @@ def test_openai_answers_a_drained_request_with_503() -> None:
     stream ends with FINISH_REASON_CANCELLED."""
     from serve.core.generation import ChoiceEvent
     from serve.errors import Unavailable
-    from serve.openai.app import Reply
+    from serve.openai.reply import Reply
     from serve.openai.requests import error_body
 
     core, _ = make_core()

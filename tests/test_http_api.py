@@ -289,7 +289,7 @@ def test_an_empty_model_is_no_model(api: Api) -> None:
 def test_logprobs_are_always_valid_json() -> None:
     """JSON has no NaN or Infinity: a probability of zero is OpenAI's -9999, a NaN (never from a
     sound adapter: those are refused at load) is null."""
-    from serve.openai.app import MIN_LOGPROB, json_logprob
+    from serve.openai.reply import MIN_LOGPROB, json_logprob
 
     values = [json_logprob(v) for v in (-math.inf, math.inf, math.nan, -1e30, -0.5, 0.0)]
     assert values == [MIN_LOGPROB, 0.0, None, MIN_LOGPROB, -0.5, 0.0]

@@ -15,7 +15,7 @@ from serve.core.generation import ChatPrompt, ChoiceEvent, GenerationCore, Gener
 from serve.core.reasoning import ReasoningSplit, prompt_opens_reasoning, split_reply, thinks
 from serve.core.structured import Structured
 from serve.errors import InvalidArgument
-from serve.openai.app import Reply
+from serve.openai.reply import Reply
 from test_generation_core import FakeLoop, FakeRegistry
 from tiny_chat import write_byte_tokenizer
 from tprt.engine.sampling import SamplingParams

@@ -166,7 +166,7 @@ def test_a_constraint_that_fails_mid_output_is_an_error_finish_over_http() -> No
     text, like a complete answer. It now says finish_reason "error", stop_reason beside it, whole
     and streamed, chat and completions (and never "tool_calls" for a forced call cut short)."""
     from serve.core.generation import ChoiceEvent, Prepared
-    from serve.openai.app import Reply
+    from serve.openai.reply import Reply
     from tprt.engine.sampling import SamplingParams
     from tprt.engine.sequence import Usage
 
@@ -299,7 +299,7 @@ def test_hermes_calls_stream_and_auto_text_through_the_openai_reply() -> None:
     that merely starts with "<" is text."""
     from serve.core.generation import ChoiceEvent, Prepared
     from serve.core.structured import ToolCallStream
-    from serve.openai.app import Reply
+    from serve.openai.reply import Reply
     from tprt.engine.sampling import SamplingParams
     from tprt.engine.sequence import Usage
 

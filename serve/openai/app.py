@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import sqlite3
-import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -52,20 +49,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.adapters.registry import AdapterRegistry
 from serve.auth import TokenCheck
 from serve.jobs.datasets import DatasetWork
-from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepared, TokenText
+from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepared, by_prefix, rename_field
+from functools import partial
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
 from serve.jobs.preference import adapter_on_disk
 from serve.jobs.core import JobsCore
 from serve.jobs.spec import JobSpec
 from serve.metrics import Metrics
+from serve.anthropic.errors import anthropic_error_body, is_anthropic
 from serve.openai.files import FileStore, dataset_path
 from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
+from serve.openai.reply import EchoedPrompt, Reply
+from serve.openai.response_store import ResponseStore
+from serve.openai.responses import (RESPONSES_PARAMS, ResponseBuilder, ResponsesBody, ResponsesRequest, input_items,
+                                    responses_request, with_ids)
 from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, ParamError, PayloadTooLarge,
                                    chat_request, completion_request, error_body, invalid_param, parse_body)
-from serve.core.reasoning import ReasoningSplit, split_reply
-from serve.core.structured import CallDelta, ToolCallStream
-from tprt.engine.sequence import Usage
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
 
@@ -89,6 +89,7 @@ class HttpDeps:
     redact: Callable[[str], str]  # serve.errors.Redactor: error messages as callers may see them
     datasets: DatasetWork = field(default_factory=DatasetWork)  # uploads' and job creations' file work
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop them instead of refusing the request
+    responses: ResponseStore | None = None  # stored Responses (`store`); None: none are kept
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -121,7 +122,7 @@ class Authenticate:
             await self.app(scope, receive, send)
             return
         self.on_refused(scope)
-        why = Unauthenticated("missing or invalid bearer token (header 'Authorization: Bearer <token>')")
+        why = Unauthenticated("missing or invalid token (header 'Authorization: Bearer <token>' or 'x-api-key: <token>')")
         await _send_error(scope, send, why, close=True)
 
 
@@ -162,8 +163,21 @@ class BodyLimit:
         return PayloadTooLarge(f"the request body is over {limit} bytes ({flag})")
 
 
+def http_error_body(path: str, e: BaseException) -> tuple[int, dict[str, Any], str]:
+    """(HTTP status, error JSON, outcome) in the shape of the API that `path` belongs to:
+    Anthropic's for /v1/messages (serve/anthropic/errors.py), OpenAI's for every other route."""
+    if is_anthropic(path):
+        return anthropic_error_body(e, too_large=isinstance(e, PayloadTooLarge))
+    return error_body(e)
+
+
+def _redacted(body: dict[str, Any], redact: Callable[[str], str]) -> dict[str, Any]:
+    body["error"]["message"] = redact(body["error"]["message"])
+    return body
+
+
 async def _send_error(scope: Scope, send: Send, e: BaseException, close: bool = False) -> None:
-    status, body, _ = error_body(e)
+    status, body, _ = http_error_body(scope["path"], e)
     headers = {"connection": "close"} if close else None
     await JSONResponse(body, status_code=status, headers=headers)(scope, _no_receive, send)
 
@@ -200,11 +214,22 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.post("/v1/fine_tuning/jobs/{job_id}/cancel")(api.cancel_job)
     app.get("/v1/fine_tuning/jobs/{job_id}/events")(api.job_events)
     app.get("/v1/fine_tuning/jobs/{job_id}/checkpoints")(api.job_checkpoints)
+    app.post("/v1/responses")(api.create_response)
+    app.post("/v1/responses/input_tokens")(api.response_input_tokens)
+    app.get("/v1/responses/{response_id}")(api.get_response)
+    app.delete("/v1/responses/{response_id}")(api.delete_response)
+    app.post("/v1/responses/{response_id}/cancel")(api.cancel_response)
+    app.get("/v1/responses/{response_id}/input_items")(api.response_input_items)
+    from serve.anthropic.app import MessagesApi  # it builds on this module's HttpApi
+
+    anthropic = MessagesApi(deps)
+    app.post("/v1/messages")(anthropic.create_message)
+    app.post("/v1/messages/count_tokens")(anthropic.count_tokens)
     return app
 
 
-class OpenAIApi:
-    """The route handlers (see the module docstring)."""
+class HttpApi:
+    """What every HTTP API's routes share: the deps, body parsing, counting, the error handlers."""
 
     def __init__(self, deps: HttpDeps) -> None:
         self.d = deps
@@ -239,10 +264,9 @@ class OpenAIApi:
         return value
 
     async def failed(self, request: Request, e: Exception) -> JSONResponse:
-        status, body, outcome = error_body(e)
-        body["error"]["message"] = self.d.redact(body["error"]["message"])
+        status, body, outcome = http_error_body(request.url.path, e)
         self._count(request, outcome)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(_redacted(body, self.d.redact), status_code=status)
 
     async def storage_failed(self, request: Request, e: Exception) -> JSONResponse:
         """A write the disk could not take is 507 (serve.errors.is_disk_full); other errors go on to
@@ -260,10 +284,28 @@ class OpenAIApi:
         """Starlette's own refusals (no such route: 404; a method the route lacks: 405) in OpenAI's shape."""
         self._count(request, "not_found" if e.status_code == 404 else "invalid_argument")
         what = f"{request.method} {echo(request.url.path)}"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        body = {"error": {"message": f"{e.detail}: {what}", "type": "invalid_request_error", "param": None,
-                          "code": code}}
+        if is_anthropic(request.url.path):
+            kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": f"{e.detail}: {what}"}}
+        else:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+            body = {"error": {"message": f"{e.detail}: {what}", "type": "invalid_request_error", "param": None,
+                              "code": code}}
         return JSONResponse(body, status_code=e.status_code, headers=e.headers)
+
+    def _adapter(self, model: str) -> str:
+        """The adapter id `model` names ("": the base model)."""
+        if model == self.d.facts.name:
+            return ""
+        if not model:  # not the base model by default: a request names what it wants
+            raise ParamError(f"empty; name the base model {self.d.facts.name!r} or an adapter "
+                             "(the models endpoint lists them)", "model")
+        return model
+
+
+
+class OpenAIApi(HttpApi):
+    """The OpenAI API's route handlers (see the module docstring)."""
 
     # ----------------------------------------------------------------- routes
 
@@ -411,16 +453,108 @@ class OpenAIApi:
         rec = await run_in_threadpool(self.d.jobs.get, store_job_id(job_id))
         return self._ok(request, page(job_checkpoints(rec), after, limit, "checkpoint"))
 
-    # ----------------------------------------------------------------- generation
+    # ----------------------------------------------------------------- responses
 
-    def _adapter(self, model: str) -> str:
-        """The adapter id `model` names ("": the base model)."""
-        if model == self.d.facts.name:
-            return ""
-        if not model:  # not the base model by default: a request names what it wants
-            raise ParamError(f"empty; name the base model {self.d.facts.name!r} or an adapter "
-                             "(the models endpoint lists them)", "model")
-        return model
+    async def create_response(self, request: Request) -> Any:
+        body = await self._body(request, ResponsesBody)
+        req = await self._responses_request(body)
+        rename = partial(rename_field, name=by_prefix(RESPONSES_PARAMS))
+        try:
+            prepared = await run_in_threadpool(self.core.prepare, req.request)
+            generation = self.core.start_async(prepared)
+        except ServeError as e:
+            raise rename(e) from None
+        reply, builder = Reply("chat.completion", body.model, prepared), ResponseBuilder(body, req)
+        if body.stream:
+            return EventSourceResponse(self._stream_response(request, generation.aevents(), reply, builder, rename))
+        try:
+            async for ev in generation.aevents(request.is_disconnected):
+                chunk = reply.chunk(ev, False)
+                if chunk is not None:
+                    builder.feed(chunk["choices"][0])
+        except ServeError as e:
+            if isinstance(e, Cancelled):
+                self._count(request, "cancelled")
+            raise rename(e) from None
+        builder.finish(reply.usage())
+        await self._store_response(body, builder)
+        return self._ok(request, builder.response())
+
+    async def _responses_request(self, body: ResponsesBody) -> ResponsesRequest:
+        previous = None
+        if body.previous_response_id is not None:
+            previous = await run_in_threadpool(self._stored().conversation, body.previous_response_id)
+        return responses_request(body, self._adapter(body.model), previous)
+
+    def _stored(self) -> ResponseStore:
+        if self.d.responses is None:
+            raise NotFound("this server keeps no responses", "response_id")
+        return self.d.responses
+
+    async def _store_response(self, body: ResponsesBody, builder: ResponseBuilder) -> None:
+        if body.store is not False and self.d.responses is not None:
+            await run_in_threadpool(self.d.responses.put, builder.response(), with_ids(input_items(body.input)),
+                                    builder.conversation())
+
+    async def _stream_response(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
+                               builder: ResponseBuilder, rename: Callable[[ServeError], ServeError],
+                               ) -> AsyncIterator[bytes]:
+        """The Responses API's named events; an error after the headers ends the stream with
+        response.failed (nothing is stored)."""
+        outcome = "cancelled"
+
+        def sse(evs: list[dict[str, Any]]) -> bytes:
+            return b"".join(format_sse_event(data_str=json.dumps(e), event=e["type"]) for e in evs)
+
+        try:
+            yield sse(builder.opening())
+            async for ev in events:
+                chunk = reply.chunk(ev, False)
+                if chunk is not None:
+                    out = builder.feed(chunk["choices"][0])
+                    if out:
+                        yield sse(out)
+            done = builder.finish(reply.usage())
+            await self._store_response(builder.body, builder)
+            yield sse(done)
+            outcome = "ok"
+        except Exception as e:  # noqa: BLE001 - after the headers, an error is an event of the stream
+            _, body, outcome = error_body(rename(e) if isinstance(e, ServeError) else e)
+            yield sse(builder.failed(_redacted(body, self.d.redact)["error"]))
+        finally:
+            await events.aclose()
+            self._count(request, outcome)
+
+    async def response_input_tokens(self, request: Request) -> dict[str, Any]:
+        """The input tokens a Responses body would use (its chat rendered with its tools)."""
+        body = await self._body(request, ResponsesBody)
+        req = await self._responses_request(body)
+        try:
+            prepared = await run_in_threadpool(self.core.prepare, req.request)
+        except ServeError as e:
+            raise rename_field(e, by_prefix(RESPONSES_PARAMS)) from None
+        return self._ok(request, {"object": "response.input_tokens", "input_tokens": len(prepared.prompts[0])})
+
+    async def get_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        return self._ok(request, await run_in_threadpool(self._stored().get, response_id))
+
+    async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        await run_in_threadpool(self._stored().delete, response_id)
+        return self._ok(request, {"id": response_id, "object": "response", "deleted": True})
+
+    async def cancel_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        await run_in_threadpool(self._stored().get, response_id)  # 404 when there is no such response
+        raise ParamError("only background responses can be cancelled, and this server runs none", "response_id")
+
+    async def response_input_items(self, request: Request, response_id: str, after: str | None = None,
+                                   limit: int = 20, order: str = "desc") -> dict[str, Any]:
+        _check_limit(limit, 100)
+        if order not in ("asc", "desc"):
+            raise ParamError(f"{echo(order)}; 'asc' or 'desc'", "order")
+        items = await run_in_threadpool(self._stored().input_items, response_id)
+        return self._ok(request, page(items[::-1] if order == "desc" else items, after, limit, "item"))
+
+    # ----------------------------------------------------------------- generation
 
     async def _generate(self, request: Request, body: Any, kind: str,
                         read: Callable[[Any, str], OpenAIRequest]) -> Any:
@@ -499,252 +633,3 @@ class OpenAIApi:
 def _check_limit(limit: int, most: int) -> None:
     if not 1 <= limit <= most:
         raise ParamError(f"must be in [1, {most}], got {limit}", "limit")
-
-
-def _call_delta(d: CallDelta) -> dict[str, Any]:
-    """OpenAI's streamed tool-call piece: the first names the call, the rest add arguments."""
-    if d.name is not None:
-        return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
-    return {"index": d.index, "function": {"arguments": d.arguments}}
-
-
-def _by_text(top: list[dict[str, Any]]) -> dict[str, float]:
-    """The legacy completions format's {text: logprob}: tokens of the same text (bytes of a
-    character) share a key, which keeps the most likely of them."""
-    out: dict[str, float] = {}
-    for t in top:
-        out.setdefault(t["token"], t["logprob"])
-    return out
-
-
-MIN_LOGPROB = -9999.0  # OpenAI's stand-in for a probability of zero; JSON has no -Infinity
-
-
-def json_logprob(value: float) -> float | None:
-    """A log-probability as JSON can carry it: -inf as MIN_LOGPROB, NaN (never from a sound model) as null."""
-    if math.isnan(value):
-        return None
-    return max(min(value, 0.0), MIN_LOGPROB)
-
-
-@dataclass(frozen=True)
-class EchoedPrompt:
-    """A prompt as `echo` returns it: its tokens' texts and, where logprobs were asked, the
-    log-probabilities of tokens 1 .. n-1 and their most likely alternatives (text, logprob)."""
-
-    tokens: list[str]
-    logprobs: list[float] | None = None
-    top: list[list[tuple[str, float]]] = field(default_factory=list)
-
-
-class Reply:
-    """Builds one request's OpenAI response (whole, or as stream chunks) from its events."""
-
-    def __init__(self, kind: str, model: str, prepared: Prepared) -> None:
-        self.chat = kind == "chat.completion"
-        self.kind = kind
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.model = model
-        self.prepared = prepared
-        count = len(prepared.choices)
-        self.text: list[list[str]] = [[] for _ in range(count)]
-        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(count)]
-        self.finish: list[str | None] = [None] * count
-        self.usage_of: list[Any] = [None] * count
-        self.offset = [0] * count
-        # Tool calls (chat with tools): forced calls stream as call deltas; under "auto", text that
-        # starts like a call (JSON, or a <tool_call> tag) is held until the end, when it is either
-        # calls or text.
-        self.structured = prepared.structured
-        self.tool_mode = self.structured.tool_mode if self.chat and self.structured.tools else "none"
-        self.call_streams = ([ToolCallStream(self.structured.syntax) for _ in range(count)]
-                             if self.structured.expects_tool_calls else [])
-        self.holding: list[bool | None] = [None] * count  # None: not decided yet (only leading space seen)
-        self.held = [""] * count
-        # A reasoning model's chat replies: the thinking goes to `reasoning_content` (serve/core/reasoning.py).
-        self.opened = prepared.reasoning if self.chat else None
-        self.splits = [ReasoningSplit(self.opened) for _ in range(count)] if self.opened is not None else []
-
-    def _logprob_entry(self, index: int, t: TokenText) -> dict[str, Any]:
-        assert t.logprob is not None
-        token = t.text
-        top = [(text, lp) for _, text, lp in t.top_logprobs]
-        entry = {"token": token, "logprob": json_logprob(t.logprob), "bytes": list(token.encode()),
-                 "top_logprobs": [{"token": x, "logprob": json_logprob(lp), "bytes": list(x.encode())}
-                                  for x, lp in top],
-                 "text_offset": self.offset[index]}
-        return entry
-
-    def add(self, ev: ChoiceEvent) -> dict[str, Any] | None:
-        """Records one event; returns its logprob entry, if the request asked for logprobs. OpenAI's
-        API has no finish reason for a request the server cancelled (a drain): a 503."""
-        if ev.finish_reason == "cancelled":
-            raise Unavailable("the request was cancelled: the server is shutting down")
-        index, entry = ev.index, None
-        if ev.token is not None and ev.token.logprob is not None:
-            entry = self._logprob_entry(index, ev.token)
-            self.logprobs[index].append(entry)
-        self.text[index].append(ev.text)
-        self.offset[index] += len(ev.text)
-        if ev.finish_reason is not None:
-            self.finish[index] = _finish_reason(ev)
-            self.usage_of[index] = ev.usage
-        return entry
-
-    def echoed(self, prompts: list[EchoedPrompt], generated: bool) -> Reply:
-        """Puts each choice's prompt before its output (completions' `echo`): its text, and its
-        tokens' logprob entries (the first token's null, as OpenAI's); without `generated` (max_tokens
-        0) the choices end there, at "length", with the prompt as their usage."""
-        for i, (p, _) in enumerate(self.prepared.choices):
-            prompt, ids = prompts[p], self.prepared.prompts[p]
-            text = "".join(prompt.tokens)
-            if prompt.logprobs is not None:
-                entries, offset = [], 0
-                for j, token in enumerate(prompt.tokens):
-                    lp = None if j == 0 else json_logprob(prompt.logprobs[j - 1])
-                    top = [] if j == 0 or not prompt.top else [
-                        {"token": t, "logprob": json_logprob(v)} for t, v in prompt.top[j - 1]]
-                    entries.append({"token": token, "logprob": lp, "top_logprobs": top, "text_offset": offset,
-                                    "first": j == 0})
-                    offset += len(token)
-                for e in self.logprobs[i]:
-                    e["text_offset"] += len(text)
-                self.logprobs[i][:0] = entries
-            self.text[i].insert(0, text)
-            if not generated:
-                self.finish[i] = "length"
-                self.usage_of[i] = Usage(len(ids), 0, 0)
-        return self
-
-    def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-        if not entries:
-            return None
-        if self.chat:
-            return {"content": [{k: v for k, v in e.items() if k != "text_offset"} for e in entries]}
-        return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [None if e.get("first") else _by_text(e["top_logprobs"]) for e in entries],
-                "text_offset": [e["text_offset"] for e in entries]}
-
-    def usage(self) -> dict[str, Any]:
-        """Prompt tokens once per prompt (its first choice), completion tokens of every choice."""
-        n = self.prepared.n
-        firsts = [u for i, u in enumerate(self.usage_of) if i % n == 0 and u is not None]
-        prompt = sum(u.prompt_tokens for u in firsts)
-        completion = sum(u.completion_tokens for u in self.usage_of if u is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self) -> dict[str, Any]:
-        choices = []
-        for i in range(len(self.text)):
-            text, reasoning = "".join(self.text[i]), None
-            if self.opened is not None:
-                reasoning, text = split_reply(text, self.opened)
-            choice: dict[str, Any] = {"index": i, "finish_reason": self.finish[i],
-                                      "logprobs": self._choice_logprobs(self.logprobs[i])}
-            if self.finish[i] == "error":
-                choice["stop_reason"] = CONSTRAINT_ERROR
-            calls = self.structured.tool_calls(text) if self.tool_mode != "none" else None
-            if calls:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                    for c in calls]}
-                if self.finish[i] == "stop":
-                    choice["finish_reason"] = "tool_calls"
-            elif self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            if reasoning is not None:
-                choice["message"]["reasoning_content"] = reasoning
-            choices.append(choice)
-        return {**self._head(self.kind), "choices": choices, "usage": self.usage()}
-
-    def opening(self) -> list[dict[str, Any]]:
-        """Chat streams start with each choice's assistant role (as OpenAI's do)."""
-        if not self.chat:
-            return []
-        return [{**self._head("chat.completion.chunk"),
-                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]} for i in range(len(self.text))]
-
-    def chunk(self, ev: ChoiceEvent, include_usage: bool) -> dict[str, Any] | None:
-        """The stream chunk of one event; None when it has nothing to show yet (held text)."""
-        index = ev.index
-        entry = self.add(ev)
-        logprobs = self._choice_logprobs([entry]) if entry is not None else None
-        choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
-                                  "finish_reason": None if ev.finish_reason is None else _finish_reason(ev)}
-        if choice["finish_reason"] == "error":
-            choice["stop_reason"] = CONSTRAINT_ERROR
-        reasoning = ""
-        if self.splits:  # the answer's part goes on as the event's text
-            reasoning, text = self.splits[index].feed(ev.text, final=ev.finish_reason is not None)
-            ev = replace(ev, text=text)
-        if self.chat and self.tool_mode != "none":
-            delta = self._tool_delta(index, ev)
-            if delta is None and not reasoning:
-                return None
-            choice["delta"] = delta or {}
-            if choice["finish_reason"] == "stop" and (self.call_streams or "tool_calls" in choice["delta"]):
-                choice["finish_reason"] = "tool_calls"
-        elif self.chat:
-            choice["delta"] = {"content": ev.text} if ev.text or (ev.finish_reason is None and not reasoning) else {}
-        else:
-            choice["text"] = ev.text
-        if reasoning:
-            choice["delta"]["reasoning_content"] = reasoning
-        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if include_usage:
-            out["usage"] = None
-        return out
-
-    def _tool_delta(self, index: int, ev: ChoiceEvent) -> dict[str, Any] | None:
-        """A chat-with-tools event's delta: tool-call pieces, text, or None while text is held."""
-        finished = ev.finish_reason is not None
-        if self.call_streams:  # forced calls: the text is the calls
-            deltas = self.call_streams[index].feed(ev.text)
-            if not deltas:
-                return {} if finished else None
-            return {"tool_calls": [_call_delta(d) for d in deltas]}
-        if self.holding[index] is None:  # "auto": does the answer start like a call?
-            self.held[index] += ev.text
-            start = self.held[index].lstrip()
-            self.holding[index] = self.structured.starts_call(start)
-            if self.holding[index] is None and start and not finished:  # a tag's first characters: wait
-                return None
-            if not self.holding[index]:
-                text, self.held[index] = self.held[index], ""
-                return {"content": text} if text or not finished else ({} if finished else None)
-            ev_text = ""
-        else:
-            ev_text = ev.text
-        if not self.holding[index]:
-            return {"content": ev_text} if ev_text or not finished else {}
-        self.held[index] += ev_text
-        if not finished:
-            return None
-        calls = self.structured.tool_calls(self.held[index])
-        if calls is None:
-            return {"content": self.held[index]}
-        return {"tool_calls": [{"index": k, "id": c.id, "type": "function",
-                                "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": self.usage()}
-
-
-CONSTRAINT_ERROR = "constraint_error"
-
-
-def _finish_reason(ev: ChoiceEvent) -> str:
-    """The OpenAI finish_reason of a choice's last event: "error" (with stop_reason
-    "constraint_error" beside it) when its output constraint failed mid-output (over a limit or
-    its mask time budget), so the cut text is never mistaken for a complete answer."""
-    assert ev.finish_reason is not None
-    return "error" if ev.stop_reason == CONSTRAINT_ERROR else ev.finish_reason

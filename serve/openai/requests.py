@@ -151,7 +151,7 @@ def _is_text(s: str) -> bool:
 
 def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> Body:
     """A JSON request body as `model` (see the module docstring); ParamError naming the parameter.
-    A chat or completions body with a field the endpoint does not know is refused, as OpenAI's API
+    A body (`KnownFields`) with a field the endpoint does not know is refused, as OpenAI's API
     refuses it, naming the field; `ignore_unknown` (serve --ignore-unknown-fields) drops such
     fields instead. CPU work in proportion to the body: the caller runs it off the event loop when
     it is large."""
@@ -171,7 +171,7 @@ def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> B
     bad = _lone_surrogate(obj)
     if bad is not None:
         raise ParamError(f"{bad}: not valid Unicode text (a lone surrogate escape such as \\ud800)", bad)
-    if issubclass(model, _Common):
+    if issubclass(model, KnownFields):
         obj = _known_fields(obj, model, "", ignore_unknown)
         if issubclass(model, ChatBody) and isinstance(obj.get("messages"), list):
             obj["messages"] = [_known_fields(m, ChatMessageBody, f"messages[{i}].", ignore_unknown)
@@ -198,11 +198,15 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields both endpoints take; an unknown field is refused by `parse_body` (or dropped there
-    when the server ignores unknown fields)."""
+class KnownFields(BaseModel):
+    """A body whose fields are all listed: `parse_body` refuses any other field, naming it (or
+    drops it when the server ignores unknown fields)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class _Common(KnownFields):
+    """Fields both chat and completions take."""
 
     model: str
     temperature: float | None = None
@@ -309,10 +313,10 @@ def _common_fields(body: _Common) -> dict[str, Any]:
             "min_p": body.min_p, "repetition_penalty": body.repetition_penalty, "ignore_eos": body.ignore_eos,
             "stop_strings": stop, "stop_token_ids": body.stop_token_ids, "speculate": body.speculate,
             "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-            "logit_bias": _logit_bias(body.logit_bias)}
+            "logit_bias": logit_bias_pairs(body.logit_bias)}
 
 
-def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
+def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...] | None:
     """OpenAI's logit_bias (token ids as JSON keys) as the engine's (id, bias) pairs; the bounds
     are the engine's to check."""
     if not bias:
