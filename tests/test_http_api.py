@@ -1339,3 +1339,96 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     client.fine_tuning.jobs.list_events(job.id)
     assert on_loop and not any(on_loop), on_loop
     store.close()
+
+
+# Every field of OpenAI's documented request bodies (the `openai` package's, pinned in
+# pyproject.toml), with a value to send and what must happen: "ok" (a 200: the field works,
+# or describes the caller) or "refused" (a 400 naming it). Effects are checked by their own tests
+# (the penalties, logit_bias and echo above, tools and formats in test_http_outputs.py). A third
+# member holds other fields the value needs.
+_CHAT_FIELDS: dict[str, list[tuple[Any, ...]]] = {
+    "audio": [({"voice": "alloy", "format": "wav"}, "refused")],
+    "frequency_penalty": [(0.5, "ok")], "presence_penalty": [(0.5, "ok")],
+    "function_call": [("auto", "refused")], "functions": [([{"name": "f", "parameters": {}}], "refused")],
+    "logit_bias": [({"5": 1}, "ok")], "logprobs": [(True, "ok")],
+    "top_logprobs": [(2, "ok", {"logprobs": True}), (2, "refused")],  # as OpenAI: only with logprobs
+    "max_completion_tokens": [(3, "ok")], "max_tokens": [(3, "ok")], "messages": [(CHAT, "ok")],
+    "metadata": [({"k": "v"}, "ok")], "modalities": [(["text"], "ok"), (["text", "audio"], "refused")],
+    "model": [(None, "ok")], "moderation": [({}, "refused")], "n": [(2, "ok")],
+    "parallel_tool_calls": [(False, "ok")], "prediction": [({"type": "content", "content": "x"}, "refused")],
+    "prompt_cache_key": [("k", "ok")], "prompt_cache_options": [({}, "ok")], "prompt_cache_retention": [("24h", "ok")],
+    "reasoning_effort": [("low", "refused")], "response_format": [({"type": "json_object"}, "ok")],
+    "safety_identifier": [("u", "ok")], "seed": [(1, "ok")], "service_tier": [("auto", "ok")], "stop": [(["x"], "ok")],
+    "store": [(False, "ok")], "stream": [(True, "ok")],
+    "stream_options": [({"include_usage": True}, "ok"), ({"include_obfuscation": True}, "refused")],
+    "temperature": [(0.0, "ok")], "top_p": [(0.5, "ok")], "tool_choice": [("none", "ok")],
+    "tools": [([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "ok")],
+    "user": [("u", "ok")], "verbosity": [("medium", "ok"), ("low", "refused")], "web_search_options": [({}, "refused")],
+}
+_COMPLETION_FIELDS: dict[str, list[tuple[Any, ...]]] = {
+    "best_of": [(1, "ok"), (2, "refused")], "echo": [(True, "ok")], "frequency_penalty": [(0.5, "ok")],
+    "presence_penalty": [(0.5, "ok")], "logit_bias": [({"5": 1}, "ok")], "logprobs": [(2, "ok")],
+    "max_tokens": [(3, "ok")], "model": [(None, "ok")], "n": [(2, "ok")], "prompt": [("Hello", "ok")],
+    "seed": [(1, "ok")], "stop": [(["x"], "ok")], "stream": [(True, "ok")],
+    "stream_options": [({"include_usage": True}, "ok")], "suffix": [("x", "refused")], "temperature": [(0.0, "ok")],
+    "top_p": [(0.5, "ok")], "user": [("u", "ok")],
+}
+_RESPONSES_FIELDS: dict[str, list[tuple[Any, ...]]] = {
+    "access_programs": [({}, "refused")], "background": [(False, "ok"), (True, "refused")],
+    "background_options": [({}, "refused")], "context_management": [([{"type": "compaction"}], "refused")],
+    "conversation": [("conv_1", "refused")], "image": [({}, "refused")],
+    "include": [(["message.output_text.logprobs"], "ok"), (["file_search_call.results"], "refused")],
+    "input": [("Hello", "ok")], "instructions": [("Be brief.", "ok")], "max_output_tokens": [(3, "ok")],
+    "max_tool_calls": [(2, "refused")], "metadata": [({"k": "v"}, "ok")], "model": [(None, "ok")],
+    "moderation": [({}, "refused")], "parallel_tool_calls": [(False, "ok")],
+    "previous_response_id": [("resp_none", "refused")], "prompt": [({"id": "pmpt_1"}, "refused")],
+    "prompt_cache_key": [("k", "ok")], "prompt_cache_options": [({}, "ok")], "prompt_cache_retention": [("24h", "ok")],
+    "reasoning": [({"effort": "low"}, "refused")], "safety_identifier": [("u", "ok")],
+    "service_tier": [("auto", "ok")], "store": [(False, "ok")], "stream": [(True, "ok")],
+    "stream_options": [({"include_obfuscation": False}, "ok"), ({"include_obfuscation": True}, "refused")],
+    "temperature": [(0.0, "ok")], "text": [({"format": {"type": "json_object"}}, "ok"), ({"verbosity": "high"}, "refused")],
+    "tool_choice": [("none", "ok")],
+    "tools": [([{"type": "function", "name": "f", "parameters": {"type": "object"}}], "ok"),
+              ([{"type": "web_search"}], "refused")],
+    "top_logprobs": [(2, "ok")], "top_p": [(0.5, "ok")], "truncation": [("disabled", "ok"), ("auto", "refused")],
+    "user": [("u", "ok")],
+}
+
+
+def _documented(module: Any, base: str) -> set[str]:
+    """The fields of an `openai` request's TypedDicts, streaming and not."""
+    fields = set(getattr(module, base).__annotations__)
+    for suffix in ("Streaming", "NonStreaming"):
+        fields |= set(getattr(module, base.removesuffix("Base") + suffix).__annotations__)
+    return fields
+
+
+def test_every_documented_field_is_honoured_or_refused(api: Api) -> None:
+    """Walks OpenAI's documented request fields for chat, completions and responses (issue 42):
+    each is taken (200) or refused with a 400 naming it; none is dropped without a word."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    from openai.types.responses import response_create_params
+
+    base = {"chat/completions": {"model": api.model, "messages": CHAT, "max_tokens": 3},
+            "completions": {"model": api.model, "prompt": "Hello", "max_tokens": 3},
+            "responses": {"model": api.model, "input": "Hello", "max_output_tokens": 3}}
+    tables = {"chat/completions": (_CHAT_FIELDS, _documented(chat_params, "CompletionCreateParamsBase")),
+              "completions": (_COMPLETION_FIELDS, _documented(completion_create_params, "CompletionCreateParamsBase")),
+              "responses": (_RESPONSES_FIELDS, _documented(response_create_params, "ResponseCreateParamsBase"))}
+    with api.http(timeout=60) as http:
+        for endpoint, (table, documented) in tables.items():
+            assert documented == set(table), (endpoint, sorted(documented ^ set(table)))
+            for field, cases in table.items():
+                for value, expected, *more in cases:
+                    body = {**base[endpoint], **(more[0] if more else {})}
+                    if value is not None:
+                        body[field] = value
+                    r = http.post(f"{api.base_url}/{endpoint}", json=body)
+                    what = f"{endpoint} {field}={value!r}: {r.status_code} {r.text[:300]}"
+                    if expected == "ok":
+                        assert r.status_code == 200, what
+                        continue
+                    assert r.status_code in (400, 404), what
+                    param = r.json()["error"]["param"]
+                    assert param == field or param.startswith((field + ".", field + "[")), what

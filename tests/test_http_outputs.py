@@ -5,6 +5,8 @@
   with tool_choice required, named and auto, whole and streamed (argument deltas), a tool
   result fed back; each output validated (jsonschema), and bad specs refused with a 400 naming
   the parameter; the tprt_structured_* metrics counted;
+- the Responses API (stored, continued, streamed with its named events) and Anthropic's
+  Messages API (through the official `anthropic` client, `x-api-key`), tool calls valid in both;
 - random requests (tests/fuzz_http.py), a derandomized bounded run (bench/serve_fuzz.py runs
   many more): no 5xx other than a 503/507 the server means, every body well formed (an error in
   OpenAI's shape, no bare NaN anywhere, SSE events JSON to the end), health SERVING, and a greedy
@@ -198,6 +200,142 @@ def test_bad_constraints_are_400_naming_the_parameter(client: openai.OpenAI, ext
         client.chat.completions.create(model="tp2", messages=ASK, max_tokens=4, extra_body=extra)
     body = info.value.body
     assert isinstance(body, dict) and body.get("param") == param, body
+
+
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat shape
+MESSAGE_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                  "input_schema": t["function"]["parameters"]} for t in TOOLS]  # Anthropic's
+
+
+def _schema(name: str) -> Any:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_responses_tool_calls_stored_continued_and_streamed(client: openai.OpenAI) -> None:
+    """The Responses API (issue 42): a forced call is a valid function_call item; its output, fed
+    back with previous_response_id, continues the stored conversation (the same prompt as sending
+    the whole conversation again); streamed, the named events rebuild the same response the
+    non-streamed request returns; stored responses are read, listed and deleted."""
+    first = client.responses.create(model="tp2", input="Tell me", tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
+                                    tool_choice="required", temperature=1.0, max_output_tokens=200)
+    assert first.status == "completed" and first.output and first.store
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and all(c.status == "completed" and c.call_id.startswith("call_") for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), _schema(c.name))
+    answers = [{"type": "function_call_output", "call_id": c.call_id, "output": "42"} for c in calls]
+    second = client.responses.create(model="tp2", previous_response_id=first.id, input=answers,  # type: ignore[arg-type]
+                                     tools=RESPONSE_TOOLS, max_output_tokens=6, temperature=0)  # type: ignore[arg-type]
+    assert second.previous_response_id == first.id and second.status in ("completed", "incomplete")
+    whole = [{"type": "message", "role": "user", "content": "Tell me"},
+             *[c.model_dump(exclude_none=True) for c in calls], *answers]
+    again = client.responses.create(model="tp2", input=whole, tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
+                                    max_output_tokens=6, temperature=0, store=False)
+    assert again.usage and second.usage and again.usage.input_tokens == second.usage.input_tokens
+    assert again.output_text == second.output_text
+    # Streamed with the SDK's own accumulator: the events rebuild the response.
+    with client.responses.stream(model="tp2", input="Tell me", tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
+                                 tool_choice={"type": "function", "name": "add"}, temperature=0,
+                                 max_output_tokens=200) as stream:
+        kinds = [ev.type for ev in stream]
+        streamed = stream.get_final_response()
+    plain = client.responses.create(model="tp2", input="Tell me", tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
+                                    tool_choice={"type": "function", "name": "add"}, temperature=0,
+                                    max_output_tokens=200)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds and "response.output_item.done" in kinds
+    assert [(o.name, o.arguments) for o in streamed.output] == [(o.name, o.arguments) for o in plain.output]  # type: ignore[union-attr]
+    text = client.responses.create(model="tp2", input="Hi", instructions="Be brief.", temperature=0,
+                                   max_output_tokens=5, stream=True)
+    deltas, done = "", None
+    for ev in text:
+        if ev.type == "response.output_text.delta":
+            deltas += ev.delta
+        elif ev.type == "response.incomplete":
+            done = ev.response
+    assert done is not None and done.incomplete_details and done.incomplete_details.reason == "max_output_tokens"
+    assert done.output_text == deltas
+    # Stored: read back, its input listed, deleted; then it is gone for a continuation too.
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    listed = client.responses.input_items.list(second.id, order="asc").data
+    assert [i.type for i in listed] == ["function_call_output"] * len(calls)
+    client.responses.delete(second.id)
+    for gone in (lambda: client.responses.retrieve(second.id),
+                 lambda: client.responses.create(model="tp2", input="x", previous_response_id=second.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    assert client.responses.input_tokens.count(model="tp2", input="Tell me").input_tokens == \
+        client.chat.completions.create(model="tp2", messages=ASK, max_tokens=1).usage.prompt_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {}}}}},
+     "text.format.schema"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+    ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
+])
+def test_bad_responses_are_400_naming_the_parameter(client: openai.OpenAI, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tp2", **body)
+    assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, info.value.body
+
+
+def test_anthropic_messages_tool_use_streamed_and_errors(server: ServerProcess) -> None:
+    """Anthropic's Messages API (issue 42) through the official `anthropic` client, authenticated
+    with x-api-key: a forced tool_use block is valid, its tool_result goes back through the chat
+    template, streaming rebuilds the same message, stop sequences and max_tokens end it as
+    Anthropic says, count_tokens counts the prompt, and errors come in Anthropic's shape."""
+    import anthropic
+
+    url = _base_url(server).removesuffix("/v1")
+    c = anthropic.Anthropic(base_url=url, api_key=TOKEN, max_retries=0, timeout=60)
+    ask = [{"role": "user", "content": "Tell me"}]
+    first = c.messages.create(model="tp2", max_tokens=200, messages=ask, tools=MESSAGE_TOOLS,  # type: ignore[arg-type]
+                              tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and uses
+    for u in uses:
+        jsonschema.validate(u.input, _schema(u.name))
+    follow = [*ask, {"role": "assistant", "content": [u.model_dump() for u in uses]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": "42"} for u in uses]}]
+    answer = c.messages.create(model="tp2", max_tokens=6, messages=follow, tools=MESSAGE_TOOLS,  # type: ignore[arg-type]
+                               extra_body={"temperature": 0})
+    assert answer.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    counted = c.messages.count_tokens(model="tp2", messages=follow, tools=MESSAGE_TOOLS)  # type: ignore[arg-type]
+    assert counted.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
+    with c.messages.stream(model="tp2", max_tokens=200, messages=ask, tools=MESSAGE_TOOLS,  # type: ignore[arg-type]
+                           tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 0}) as stream:
+        kinds = {ev.type for ev in stream}
+        streamed = stream.get_final_message()
+    plain = c.messages.create(model="tp2", max_tokens=200, messages=ask, tools=MESSAGE_TOOLS,  # type: ignore[arg-type]
+                              tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 0})
+    assert {"message_start", "content_block_start", "content_block_delta", "message_stop"} <= kinds
+    assert [(b.name, b.input) for b in streamed.content] == [(b.name, b.input) for b in plain.content]  # type: ignore[union-attr]
+    said = c.messages.create(model="tp2", max_tokens=24, messages=[{"role": "user", "content": "abc"}],
+                             system="Be brief.", extra_body={"temperature": 0, "top_k": 40})
+    assert said.stop_reason == "max_tokens" and said.usage.output_tokens == 24
+    words = said.content[0].text  # type: ignore[union-attr]
+    stop = words[len(words) // 2:][:2]
+    cut = c.messages.create(model="tp2", max_tokens=24, messages=[{"role": "user", "content": "abc"}],
+                            system="Be brief.", stop_sequences=[stop], extra_body={"temperature": 0, "top_k": 40})
+    assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
+    assert cut.content[0].text == words[:words.index(stop)]  # type: ignore[union-attr]
+    for call, error, status in (
+            (lambda: c.messages.create(model="tp2", max_tokens=4, messages=[
+                {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]),
+             anthropic.BadRequestError, 400),
+            (lambda: c.messages.create(model="nope", max_tokens=4, messages=ask), anthropic.NotFoundError, 404),
+            (lambda: anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+                model="tp2", max_tokens=4, messages=ask), anthropic.AuthenticationError, 401)):
+        with pytest.raises(error) as info:
+            call()
+        assert info.value.status_code == status
+        body = info.value.body
+        assert isinstance(body, dict) and body["type"] == "error" and body["error"]["message"], body
 
 
 def test_grpc_takes_the_same_constraints_and_tools(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -42,9 +42,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
+_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {name: ("not supported by this server", ()) for name in ("container", "mcp_servers", "context_management",
+                                                                    "diagnostics")}
+_REFUSED["speed"] = ("only 'standard'", ("standard",))
+
+
 class MessagesBody(KnownFields):
     """`POST /v1/messages`; a field not listed is refused by `parse_body` (or dropped when the
-    server ignores unknown fields)."""
+    server ignores unknown fields), as are those of REFUSED when set."""
+
+    REFUSED = _REFUSED
 
     model: str
     messages: list[dict[str, Any]]
@@ -78,6 +85,8 @@ class MessagesBody(KnownFields):
 class CountTokensBody(KnownFields):
     """`POST /v1/messages/count_tokens`: a message body without what only generation takes."""
 
+    REFUSED = {k: v for k, v in _REFUSED.items() if k in ("mcp_servers", "context_management", "speed")}
+
     model: str
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
@@ -94,11 +103,7 @@ class CountTokensBody(KnownFields):
 
 
 def _refuse_unsupported(body: MessagesBody | CountTokensBody) -> None:
-    for name in ("container", "mcp_servers", "context_management", "diagnostics"):
-        if getattr(body, name, None) is not None:
-            raise ParamError("not supported by this server", name)
-    if body.speed not in (None, "standard"):
-        raise ParamError("only 'standard'", "speed")
+    """What REFUSED cannot say (a member of an object)."""
     effort = (body.output_config or {}).get("effort")
     if effort is not None:
         raise ParamError("not supported: a reasoning model thinks as its template asks, within thinking.budget_tokens",

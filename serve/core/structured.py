@@ -130,7 +130,8 @@ class Structured:
         if mode is None:
             mode = "auto" if tools else "none"
         if mode != "none" and not tools:
-            raise ValidationError(choice_field, f"{choice_field}: {mode!r} needs tools")
+            what = f"calling {str(named)[:64]!r}" if mode == "named" else repr(mode)
+            raise ValidationError(choice_field, f"{choice_field}: {what} needs tools")
         if mode == "named" and not any(t.name == named for t in tools):
             field = named_field or choice_field + ".name"
             raise ValidationError(field, f"{field}: {str(named)[:64]!r} is not one of the tools")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic import ValidationError as PydanticError
 
 from serve.core.generation import (ChatPrompt, GenerationRequest, Prompt, TextPrompt, TokenPrompt, by_prefix,
@@ -177,9 +177,12 @@ def parse_body(raw: bytes, model: type[Body], ignore_unknown: bool = False) -> B
             obj["messages"] = [_known_fields(m, ChatMessageBody, f"messages[{i}].", ignore_unknown)
                                if isinstance(m, dict) else m for i, m in enumerate(obj["messages"])]
     try:
-        return model.model_validate(obj, strict=True)
+        body = model.model_validate(obj, strict=True)
     except PydanticError as e:
         raise invalid_param(e.errors()) from None
+    if isinstance(body, KnownFields):
+        body.refuse_unsupported()
+    return body
 
 
 def _known_fields(obj: dict[str, Any], model: type[BaseModel], where: str, ignore_unknown: bool) -> dict[str, Any]:
@@ -195,14 +198,35 @@ def _known_fields(obj: dict[str, Any], model: type[BaseModel], where: str, ignor
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: usage in a last chunk; obfuscation (random padding OpenAI adds to stream
+    events against length side channels) is not added here, so asking for it is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+    @model_validator(mode="after")
+    def _no_obfuscation(self) -> StreamOptions:
+        if self.include_obfuscation:
+            raise ValueError("stream obfuscation is not added by this server; ask with false or without it")
+        return self
 
 
 class KnownFields(BaseModel):
     """A body whose fields are all listed: `parse_body` refuses any other field, naming it (or
-    drops it when the server ignores unknown fields)."""
+    drops it when the server ignores unknown fields), and a field of `REFUSED` that is set to
+    anything but null or one of its harmless values, saying why."""
 
     model_config = ConfigDict(extra="ignore")
+    # Documented fields this server cannot honour: name -> (why, values that ask for nothing)
+    REFUSED: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}
+
+    def refuse_unsupported(self) -> None:
+        for name, (why, harmless) in self.REFUSED.items():
+            value = getattr(self, name)
+            if value is not None and value not in harmless:
+                raise ParamError(why, name)
 
 
 class _Common(KnownFields):
@@ -219,12 +243,16 @@ class _Common(KnownFields):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # Fields that describe the caller, accepted and not acted on (as OpenAI's API acts on them:
-    # not on the output).
+    # Fields that describe the caller, or hint at caching (prefixes are cached whatever they
+    # say): accepted and not acted on, as OpenAI's API acts on them (not on the output).
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # Our extras (openai's `extra_body`), as vLLM spells them.
     top_k: int | None = None
     min_p: float | None = None
@@ -279,6 +307,20 @@ class ChatMessageBody(BaseModel):
 
 
 class ChatBody(_Common):
+    REFUSED = {
+        "audio": ("audio output is not supported (text only)", ()),
+        "modalities": ("only [\"text\"]", (["text"],)),
+        "functions": ("the deprecated functions are not supported; send them as tools", ()),
+        "function_call": ("the deprecated function_call is not supported; use tool_choice", ()),
+        "prediction": ("predicted outputs are not supported (speculative decoding drafts by itself: speculate)",
+                       ()),
+        "web_search_options": ("web search is not supported", ()),
+        "moderation": ("moderation is not supported", ()),
+        "reasoning_effort": ("not supported: a reasoning model thinks as its template asks (thinking_budget bounds "
+                             "it)", ()),
+        "verbosity": ("only 'medium' (the model's own length)", ("medium",)),
+    }
+
     messages: list[ChatMessageBody]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -289,6 +331,15 @@ class ChatBody(_Common):
     parallel_tool_calls: Any = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (enable_thinking)
     thinking_budget: int | None = None  # a reasoning model's thinking tokens at most; then it answers
+    audio: Any = None
+    modalities: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
 
 
 # ----------------------------------------------------------------- bodies -> the core's request

@@ -64,7 +64,20 @@ class ReasoningConfig(BaseModel):
 
 class ResponsesBody(KnownFields):
     """`POST /v1/responses`; a field not listed is refused by `parse_body` (or dropped when the
-    server ignores unknown fields)."""
+    server ignores unknown fields), as are those of REFUSED when set."""
+
+    REFUSED = {
+        "background": ("background responses are not supported; ask without it (stream to watch a long one)",
+                       (False,)),
+        "background_options": ("background responses are not supported", ()),
+        "conversation": ("conversations are not stored; chain responses with previous_response_id", ()),
+        "prompt": ("stored prompt templates are not supported; send input and instructions", ()),
+        "context_management": ("server-side compaction is not supported", ()),
+        "max_tool_calls": ("not supported: only function tools are called, by the client", ()),
+        "access_programs": ("not supported by this server", ()),
+        "image": ("image generation is not supported", ()),
+        "moderation": ("moderation is not supported", ()),
+    }
 
     model: str
     input: str | list[dict[str, Any]] | None = None
@@ -89,6 +102,10 @@ class ResponsesBody(KnownFields):
     conversation: Any = None
     prompt: Any = None
     context_management: Any = None
+    background_options: Any = None
+    access_programs: Any = None
+    image: Any = None
+    moderation: Any = None
     # Fields that describe the caller or hint at caching (prefixes are cached whatever they say):
     # accepted, and they change nothing in the output, as in OpenAI's API.
     metadata: dict[str, str] | None = None
@@ -97,6 +114,7 @@ class ResponsesBody(KnownFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # Our extras (openai's `extra_body`), as for chat.
     top_k: int | None = None
     min_p: float | None = None
@@ -112,20 +130,8 @@ INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_con
 
 
 def _refuse_unsupported(body: ResponsesBody) -> None:
-    """400 naming each documented field this server cannot honour, when it is set."""
-    refused = {
-        "background": (body.background, "background responses are not supported; ask without it (stream to "
-                                        "watch a long one)"),
-        "conversation": (body.conversation, "conversations are not stored; chain responses with previous_response_id"),
-        "prompt": (body.prompt, "stored prompt templates are not supported; send input and instructions"),
-        "context_management": (body.context_management, "server-side compaction is not supported"),
-        "max_tool_calls": (body.max_tool_calls, "not supported: only function tools are called, by the client"),
-    }
-    for name, (value, why) in refused.items():
-        if value not in (None, False):
-            raise ParamError(why, name)
-    if body.conversation is not None and body.previous_response_id is not None:
-        raise ParamError("give previous_response_id or conversation, not both", "previous_response_id")
+    """400 naming a documented field this server cannot honour in the value given (beyond
+    REFUSED, which parse_body checks)."""
     if body.truncation not in (None, "disabled", "auto"):
         raise ParamError(f"{body.truncation!r:.40}; 'disabled' or 'auto'", "truncation")
     if body.truncation == "auto":
