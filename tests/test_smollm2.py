@@ -251,3 +251,103 @@ def test_the_demo_shows_speculative_decoding_and_an_int8_model(workdir: Path) ->
     ppl = [float(x) for x in re.findall(r"overall: .* perplexity ([0-9.]+)", proc.stdout)]
     assert len(ppl) == 2 and abs(ppl[1] / ppl[0] - 1) < 0.05, proc.stdout
     assert (workdir / "demo" / "smollm2-int8-tp3" / "tprt_manifest.json").is_file()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+           "required": ["city"], "additionalProperties": False}
+ASK_WEATHER = "What is the weather in Paris? Use the get_weather tool."
+FORECAST = "22 degrees and sunny"
+
+
+def test_agent_sdks_run_tool_conversations_against_tprt_serve(workdir: Path) -> None:
+    """Issue 42: the `openai` SDK (chat completions and the Responses API) and the `anthropic` SDK
+    each run a tool-calling conversation with SmolLM2 through `tprt serve`, streamed and not: the
+    model is made to call get_weather (a valid call by its schema), the answer goes back (for
+    Responses through a stored response and previous_response_id) and the model answers in text
+    with it (tool_choice none).
+    Streamed and whole runs of the same greedy request agree."""
+    import anthropic
+    import httpx
+    import jsonschema
+    import openai
+
+    from servers import ServerProcess
+
+    srv = ServerProcess(["--model", str(workdir / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+                         "--data-dir", str(workdir / "agent-data"), "--max-seq-len", "1024", "--max-batch-size", "2"],
+                        workdir / "agent-server.log")
+    try:
+        m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", srv.line)
+        assert m, srv.line
+        oa = openai.OpenAI(base_url=m.group(1), api_key="none", max_retries=0, timeout=300, http_client=httpx.Client())
+        an = anthropic.Anthropic(base_url=m.group(1).removesuffix("/v1"), api_key="none", max_retries=0, timeout=300)
+        model = oa.models.list().data[0].id
+        greedy = {"temperature": 0}
+
+        # Chat completions.
+        tools: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                        "parameters": WEATHER}}]
+        ask: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
+        whole = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                           max_tokens=48, **greedy)
+        call = (whole.choices[0].message.tool_calls or [])[0]
+        assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        streamed_args = "".join(tc.function.arguments or "" for chunk in oa.chat.completions.create(
+            model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=48, stream=True, **greedy)
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices)
+        assert streamed_args == call.function.arguments
+        ask += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": FORECAST}]
+        final = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32,
+                                           **greedy)
+        streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+            model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32, stream=True, **greedy)
+            if c.choices)
+        assert final.choices[0].message.content and streamed == final.choices[0].message.content
+
+        # The Responses API: the call, then its output through the stored response.
+        rtools: Any = [{"type": "function", "name": "get_weather", "description": "Current weather",
+                        "parameters": WEATHER}]
+        first = oa.responses.create(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
+                                    max_output_tokens=48, **greedy)
+        fc = first.output[0]
+        assert fc.type == "function_call" and fc.name == "get_weather"
+        jsonschema.validate(json.loads(fc.arguments), WEATHER)
+        with oa.responses.stream(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
+                                 max_output_tokens=48, **greedy) as stream:
+            assert stream.get_final_response().output[0].arguments == fc.arguments  # type: ignore[union-attr]
+        reply = [{"type": "function_call_output", "call_id": fc.call_id, "output": FORECAST}]
+        second = oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
+                                     tools=rtools, tool_choice="none", max_output_tokens=32, **greedy)
+        assert second.output_text and second.previous_response_id == first.id
+        events = list(oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
+                                          tools=rtools, tool_choice="none", max_output_tokens=32, stream=True,
+                                          **greedy))
+        last = events[-1]  # completed, or incomplete at max_output_tokens (the SDK's accumulator wants the former)
+        assert last.type in ("response.completed", "response.incomplete")
+        assert last.response.output_text == second.output_text  # type: ignore[union-attr]
+
+        # Anthropic's Messages API.
+        atools: Any = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
+        amsgs: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
+        used = an.messages.create(model=model, max_tokens=48, messages=amsgs, tools=atools,
+                                  tool_choice={"type": "any"}, extra_body=greedy)
+        use = used.content[0]
+        assert used.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
+        jsonschema.validate(use.input, WEATHER)
+        with an.messages.stream(model=model, max_tokens=48, messages=amsgs, tools=atools,
+                                tool_choice={"type": "any"}, extra_body=greedy) as astream:
+            assert astream.get_final_message().content[0].input == use.input  # type: ignore[union-attr]
+        amsgs += [{"role": "assistant", "content": [use.model_dump()]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": FORECAST}]}]
+        answer = an.messages.create(model=model, max_tokens=32, messages=amsgs, tools=atools,
+                                    tool_choice={"type": "none"}, extra_body=greedy)
+        assert answer.content and answer.content[0].type == "text" and answer.content[0].text
+        with an.messages.stream(model=model, max_tokens=32, messages=amsgs, tools=atools,
+                                tool_choice={"type": "none"}, extra_body=greedy) as astream:
+            assert astream.get_final_text() == answer.content[0].text
+        for said in (final.choices[0].message.content, second.output_text, answer.content[0].text):
+            assert "22 degrees" in said  # greedy SmolLM2 passes the tool's answer on
+    finally:
+        srv.kill()

@@ -241,7 +241,9 @@ def parse_tool_calls(text: str, names: set[str] | frozenset[str]) -> list[ToolCa
         args = item.get("parameters", item.get("arguments", {}))
         if not isinstance(args, dict):
             return None
-        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(args, ensure_ascii=False)))
+        # compact, as a forced call streams it (its constraint writes compact JSON)
+        arguments = json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+        calls.append(ToolCall(new_call_id(), item["name"], arguments))
     return calls or None
 
 
