@@ -16,6 +16,7 @@ import json
 import math
 import re
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -259,7 +260,23 @@ ASK_WEATHER = "What is the weather in Paris? Use the get_weather tool."
 FORECAST = "22 degrees and sunny"
 
 
-def test_agent_sdks_run_tool_conversations_against_tprt_serve(workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def served(workdir: Path) -> Iterator[str]:
+    """`tprt serve` on SmolLM2 at TP 1 (HTTP on), for the clients' tests; its OpenAI base URL."""
+    from servers import ServerProcess
+
+    srv = ServerProcess(["--model", str(workdir / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+                         "--data-dir", str(workdir / "agent-data"), "--max-seq-len", "1024", "--max-batch-size", "2"],
+                        workdir / "agent-server.log")
+    try:
+        m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", srv.line)
+        assert m, srv.line
+        yield m.group(1)
+    finally:
+        srv.kill()
+
+
+def test_agent_sdks_run_tool_conversations_against_tprt_serve(served: str) -> None:
     """Issue 42: the `openai` SDK (chat completions and the Responses API) and the `anthropic` SDK
     each run a tool-calling conversation with SmolLM2 through `tprt serve`, streamed and not: the
     model is made to call get_weather (a valid call by its schema), the answer goes back (for
@@ -271,83 +288,115 @@ def test_agent_sdks_run_tool_conversations_against_tprt_serve(workdir: Path) -> 
     import jsonschema
     import openai
 
-    from servers import ServerProcess
+    oa = openai.OpenAI(base_url=served, api_key="none", max_retries=0, timeout=300, http_client=httpx.Client())
+    an = anthropic.Anthropic(base_url=served.removesuffix("/v1"), api_key="none", max_retries=0, timeout=300)
+    model = oa.models.list().data[0].id
+    greedy = {"temperature": 0}
 
-    srv = ServerProcess(["--model", str(workdir / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
-                         "--data-dir", str(workdir / "agent-data"), "--max-seq-len", "1024", "--max-batch-size", "2"],
-                        workdir / "agent-server.log")
-    try:
-        m = re.search(r"OpenAI API (https?://[\d.]+:\d+/v1)", srv.line)
-        assert m, srv.line
-        oa = openai.OpenAI(base_url=m.group(1), api_key="none", max_retries=0, timeout=300, http_client=httpx.Client())
-        an = anthropic.Anthropic(base_url=m.group(1).removesuffix("/v1"), api_key="none", max_retries=0, timeout=300)
-        model = oa.models.list().data[0].id
-        greedy = {"temperature": 0}
+    # Chat completions.
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                                                    "parameters": WEATHER}}]
+    ask: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
+    whole = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                       max_tokens=48, **greedy)
+    call = (whole.choices[0].message.tool_calls or [])[0]
+    assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    streamed_args = "".join(tc.function.arguments or "" for chunk in oa.chat.completions.create(
+        model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=48, stream=True, **greedy)
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices)
+    assert streamed_args == call.function.arguments
+    ask += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": FORECAST}]
+    final = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32,
+                                       **greedy)
+    streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
+        model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32, stream=True, **greedy)
+        if c.choices)
+    assert final.choices[0].message.content and streamed == final.choices[0].message.content
 
-        # Chat completions.
-        tools: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
-                                                        "parameters": WEATHER}}]
-        ask: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
-        whole = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
-                                           max_tokens=48, **greedy)
-        call = (whole.choices[0].message.tool_calls or [])[0]
-        assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-        streamed_args = "".join(tc.function.arguments or "" for chunk in oa.chat.completions.create(
-            model=model, messages=ask, tools=tools, tool_choice="required", max_tokens=48, stream=True, **greedy)
-            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices)
-        assert streamed_args == call.function.arguments
-        ask += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id, "content": FORECAST}]
-        final = oa.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32,
-                                           **greedy)
-        streamed = "".join(c.choices[0].delta.content or "" for c in oa.chat.completions.create(
-            model=model, messages=ask, tools=tools, tool_choice="none", max_tokens=32, stream=True, **greedy)
-            if c.choices)
-        assert final.choices[0].message.content and streamed == final.choices[0].message.content
+    # The Responses API: the call, then its output through the stored response.
+    rtools: Any = [{"type": "function", "name": "get_weather", "description": "Current weather",
+                    "parameters": WEATHER}]
+    first = oa.responses.create(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
+                                max_output_tokens=48, **greedy)
+    fc = first.output[0]
+    assert fc.type == "function_call" and fc.name == "get_weather"
+    jsonschema.validate(json.loads(fc.arguments), WEATHER)
+    with oa.responses.stream(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
+                             max_output_tokens=48, **greedy) as stream:
+        assert stream.get_final_response().output[0].arguments == fc.arguments  # type: ignore[union-attr]
+    reply = [{"type": "function_call_output", "call_id": fc.call_id, "output": FORECAST}]
+    second = oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
+                                 tools=rtools, tool_choice="none", max_output_tokens=32, **greedy)
+    assert second.output_text and second.previous_response_id == first.id
+    events = list(oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
+                                      tools=rtools, tool_choice="none", max_output_tokens=32, stream=True,
+                                      **greedy))
+    last = events[-1]  # completed, or incomplete at max_output_tokens (the SDK's accumulator wants the former)
+    assert last.type in ("response.completed", "response.incomplete")
+    assert last.response.output_text == second.output_text  # type: ignore[union-attr]
 
-        # The Responses API: the call, then its output through the stored response.
-        rtools: Any = [{"type": "function", "name": "get_weather", "description": "Current weather",
-                        "parameters": WEATHER}]
-        first = oa.responses.create(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
-                                    max_output_tokens=48, **greedy)
-        fc = first.output[0]
-        assert fc.type == "function_call" and fc.name == "get_weather"
-        jsonschema.validate(json.loads(fc.arguments), WEATHER)
-        with oa.responses.stream(model=model, input=ASK_WEATHER, tools=rtools, tool_choice="required",
-                                 max_output_tokens=48, **greedy) as stream:
-            assert stream.get_final_response().output[0].arguments == fc.arguments  # type: ignore[union-attr]
-        reply = [{"type": "function_call_output", "call_id": fc.call_id, "output": FORECAST}]
-        second = oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
-                                     tools=rtools, tool_choice="none", max_output_tokens=32, **greedy)
-        assert second.output_text and second.previous_response_id == first.id
-        events = list(oa.responses.create(model=model, previous_response_id=first.id, input=reply,  # type: ignore[arg-type]
-                                          tools=rtools, tool_choice="none", max_output_tokens=32, stream=True,
-                                          **greedy))
-        last = events[-1]  # completed, or incomplete at max_output_tokens (the SDK's accumulator wants the former)
-        assert last.type in ("response.completed", "response.incomplete")
-        assert last.response.output_text == second.output_text  # type: ignore[union-attr]
+    # Anthropic's Messages API.
+    atools: Any = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
+    amsgs: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
+    used = an.messages.create(model=model, max_tokens=48, messages=amsgs, tools=atools,
+                              tool_choice={"type": "any"}, extra_body=greedy)
+    use = used.content[0]
+    assert used.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, WEATHER)
+    with an.messages.stream(model=model, max_tokens=48, messages=amsgs, tools=atools,
+                            tool_choice={"type": "any"}, extra_body=greedy) as astream:
+        assert astream.get_final_message().content[0].input == use.input  # type: ignore[union-attr]
+    amsgs += [{"role": "assistant", "content": [use.model_dump()]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": FORECAST}]}]
+    answer = an.messages.create(model=model, max_tokens=32, messages=amsgs, tools=atools,
+                                tool_choice={"type": "none"}, extra_body=greedy)
+    assert answer.content and answer.content[0].type == "text" and answer.content[0].text
+    with an.messages.stream(model=model, max_tokens=32, messages=amsgs, tools=atools,
+                            tool_choice={"type": "none"}, extra_body=greedy) as astream:
+        assert astream.get_final_text() == answer.content[0].text
+    for said in (final.choices[0].message.content, second.output_text, answer.content[0].text):
+        assert "22 degrees" in said  # greedy SmolLM2 passes the tool's answer on
 
-        # Anthropic's Messages API.
-        atools: Any = [{"name": "get_weather", "description": "Current weather", "input_schema": WEATHER}]
-        amsgs: list[Any] = [{"role": "user", "content": ASK_WEATHER}]
-        used = an.messages.create(model=model, max_tokens=48, messages=amsgs, tools=atools,
-                                  tool_choice={"type": "any"}, extra_body=greedy)
-        use = used.content[0]
-        assert used.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
-        jsonschema.validate(use.input, WEATHER)
-        with an.messages.stream(model=model, max_tokens=48, messages=amsgs, tools=atools,
-                                tool_choice={"type": "any"}, extra_body=greedy) as astream:
-            assert astream.get_final_message().content[0].input == use.input  # type: ignore[union-attr]
-        amsgs += [{"role": "assistant", "content": [use.model_dump()]},
-                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": FORECAST}]}]
-        answer = an.messages.create(model=model, max_tokens=32, messages=amsgs, tools=atools,
-                                    tool_choice={"type": "none"}, extra_body=greedy)
-        assert answer.content and answer.content[0].type == "text" and answer.content[0].text
-        with an.messages.stream(model=model, max_tokens=32, messages=amsgs, tools=atools,
-                                tool_choice={"type": "none"}, extra_body=greedy) as astream:
-            assert astream.get_final_text() == answer.content[0].text
-        for said in (final.choices[0].message.content, second.output_text, answer.content[0].text):
-            assert "22 degrees" in said  # greedy SmolLM2 passes the tool's answer on
-    finally:
-        srv.kill()
+
+CAPITALS = [("France", ["Paris", "Lyon", "Nice"], 0), ("Japan", ["Osaka", "Tokyo", "Kyoto"], 1),
+            ("Italy", ["Milan", "Naples", "Rome"], 2), ("Spain", ["Madrid", "Seville", "Bilbao"], 0),
+            ("Germany", ["Hamburg", "Berlin", "Munich"], 1)]
+
+
+def _capitals_task(root: Path) -> Path:
+    """A local multiple-choice task for lm-eval: its YAML and JSONL under `root`."""
+    root.mkdir(exist_ok=True)
+    data = root / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"country": c, "choices": ch, "answer": a}) + "\n" for c, ch, a in CAPITALS))
+    (root / "capitals.yaml").write_text(
+        "task: tprt_capitals\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "Question: What is the capital of {{country}}?\\nAnswer:"\n'
+        "doc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    return root
+
+
+def test_lm_eval_through_the_server_matches_its_hugging_face_backend(workdir: Path, served: str) -> None:
+    """Issue 42: lm-eval's `local-completions` model scores a multiple-choice task through `tprt
+    serve` (completions with echo and prompt logprobs) as lm-eval's own Hugging Face backend scores
+    it on the same weights: each choice's loglikelihood within 1e-3, the same accuracy."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(_capitals_task(workdir / "lm-eval-task")))
+
+    def scores(model: str, args: str, **kw: Any) -> tuple[list[list[float]], float]:
+        out: Any = lm_eval.simple_evaluate(model=model, model_args=args, tasks=["tprt_capitals"], task_manager=tasks,
+                                           log_samples=True, batch_size=1, **kw)
+        samples = sorted(out["samples"]["tprt_capitals"], key=lambda s: s["doc_id"])
+        return [[r[0][0] for r in s["resps"]] for s in samples], out["results"]["tprt_capitals"]["acc,none"]
+
+    ours, our_acc = scores("local-completions", f"model=tp1,base_url={served}/completions,tokenizer={workdir / 'hf'},"
+                                                "tokenized_requests=True,num_concurrent=1,max_retries=1")
+    ref, ref_acc = scores("hf", f"pretrained={workdir / 'hf'},dtype=float32", device="cpu")
+    assert len(ours) == len(CAPITALS) and all(len(o) == 3 for o in ours)
+    worst = max(abs(a - b) for o, r in zip(ours, ref) for a, b in zip(o, r))
+    assert worst < 1e-3, (worst, ours, ref)
+    assert our_acc == ref_acc
