@@ -46,6 +46,7 @@ from serve.jobs.manager import JobManager
 from serve.openai.http_guard import HttpLimits
 from serve.openai.http_server import HttpServer
 from serve.openai.app import HttpDeps, create_app
+from serve.openai.batches import BatchRunner, BatchStore
 from serve.openai.files import FileStore
 from serve.openai.response_store import ResponseStore
 from serve.core.generation import GenerationCore, ModelFacts, text_byte_limit
@@ -252,6 +253,7 @@ class App:
         self.http = (HttpServer(cfg.host, cfg.http_port, cfg.tls_cert, cfg.tls_key, cfg.http_limits)
                      if cfg.http_port is not None else None)
         self.http_app: Any = None
+        self.batches: BatchRunner | None = None  # the Batch API's (with --http-port)
         self.datasets = DatasetWork()  # HTTP uploads' and job creations' file work (the drain waits for it)
         self.stop = threading.Event()
         self.broken = False
@@ -345,12 +347,14 @@ class App:
                         self._job_admission(ctx, model))
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
+            self.batches = BatchRunner(BatchStore(Path(cfg.data_dir)), Path(cfg.data_dir), max_batch_size(cfg))
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
                               cfg.max_stored_bytes)
             self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
                                                 files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields,
-                                                responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses)))
+                                                responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses),
+                                                batches=self.batches))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(FineTuningService(jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -388,6 +392,8 @@ class App:
             if self.http is not None:
                 token = load_token(self.cfg.auth_token_file) if self.cfg.auth_token_file is not None else None
                 self.http.start(self.http_app, TokenCheck(token))
+            if self.batches is not None:
+                self.batches.start()  # resumes the batches a restart interrupted
             self._set_health(not self.broken)
             _announce(self.cfg.host, self.port, metrics_port, ctx, procs, self.http)
             while not self.stop.wait(0.5):
@@ -424,6 +430,8 @@ class App:
         assert self.loop is not None and self.jobs is not None
         self.jobs.stop_accepting()
         self.datasets.stop_accepting()
+        if self.batches is not None:  # its running requests are cancelled; they run again after a restart
+            self.batches.stop()
         clean = self.loop.drain(self.cfg.drain_timeout)
         clean = self.datasets.wait_idle(max(0.0, self.cfg.drain_timeout - (time.monotonic() - t0))) and clean
         if not self.broken:

@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pytest
 
 from serve.errors import QueueFull, Status, Unavailable
 from serve.metrics import Metrics
-from serve.core.loop import EngineLoop, Ticket
+from serve.core.loop import BACKGROUND, EngineLoop, Ticket
 from tprt.engine.core import KVStats
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.sequence import TokenEvent, Usage
@@ -58,6 +59,7 @@ class FakeEngine:
         self._cv = threading.Condition()
         self.calls = 0  # step() entered
         self.steps = 0  # step() returned
+        self.priority: dict[str, int] = {}  # request id -> the priority it was added with
 
     @property
     def has_work(self) -> bool:
@@ -77,10 +79,15 @@ class FakeEngine:
     def kv_stats(self) -> KVStats:  # blocks of one position, nothing cached, shared or preempted
         return KVStats(1, self.kv_tokens, 0, self.kv_capacity, 0, 0, 0)
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
+    def unfinished_at(self, priority: int) -> int:
+        return sum(1 for rid in self._left if self.priority.get(rid, 0) == priority)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str, adapter: int = 0,
+            priority: int = 0) -> None:
         if request_id in self.refuse:
             raise ValidationError("max_new_tokens", "too long for the context")
         self.added.append((request_id, adapter))
+        self.priority[request_id] = priority
         self._left[request_id] = params.max_new_tokens
         self._made[request_id] = 0
         self._prompt_len[request_id] = len(prompt_ids)
@@ -301,6 +308,33 @@ def test_a_full_queue_refuses_with_resource_exhausted(world: Callable[..., World
         w.scheduler.submit(ticket("one too many"))
     assert info.value.status == Status.RESOURCE_EXHAUSTED and "queue is full" in str(info.value)
     assert w.metric("tprt_waiting_requests") == 1 and w.scheduler.in_flight == 2
+
+
+def test_background_tickets_wait_behind_interactive_ones_and_are_not_queue_limited(
+        world: Callable[..., World]) -> None:
+    """A batch's tickets (BACKGROUND) are not counted against max_queue, queue behind every
+    interactive ticket, and do not keep an interactive ticket out of the engine: it is handed
+    over while background work fills max_batch (the engine's scheduler then preempts that work)."""
+    w = world(max_batch=2, max_queue=1)
+    background = [replace(ticket(f"bg-{i}", FOREVER), priority=BACKGROUND) for i in range(5)]
+    for t in background:  # more than max_batch + max_queue: none refused
+        w.scheduler.submit(t)
+    w.start()
+    w.engine.wait_parked()
+    assert [rid for rid, _ in w.engine.added] == ["bg-0", "bg-1"]
+    users = [ticket(f"user-{i}", 2) for i in range(3)]
+    for t in users:  # max_batch counts interactive tickets only: two take free slots, one the queue place
+        w.scheduler.submit(t)
+    with pytest.raises(QueueFull):
+        w.scheduler.submit(ticket("one too many"))
+    w.engine.run_steps(1)
+    assert [rid for rid, _ in w.engine.added][2:] == ["user-0", "user-1"]  # ahead of bg-2 .. bg-4
+    assert w.engine.priority["user-0"] == 0 and w.engine.priority["bg-0"] == BACKGROUND
+    w.engine.run_freely()
+    for t in users:
+        assert events(t)[-1].finish_reason == "length"
+    for t in background:
+        w.scheduler.cancel(t.request_id)
 
 
 def test_tickets_that_take_a_free_slot_next_step_are_not_counted_as_queued(world: Callable[..., World]) -> None:

@@ -36,6 +36,7 @@ class Seq:
     output: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
     held: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.prefill_target = len(self.prompt)
@@ -283,3 +284,47 @@ def test_blocks_behind_a_sliding_window_go_back(prefix_cache: bool) -> None:
     assert c.blocks == [] and s.pool.used == 0
     run_all(s)
     assert c.output == [100, 101] and s.pool.used == 0
+
+
+def test_interactive_sequences_go_before_background_ones() -> None:
+    """Priority (issue 42's batches): a waiting interactive sequence is queued ahead of background
+    ones and, when max_batch is taken by background work, preempts the most recent of it to be
+    admitted at once; the preempted one waits ahead of later background work and finishes later."""
+    s = make(max_batch=2, token_budget=64, n_blocks=64)
+    a, b, c = Seq("bg-a", [1] * 6, priority=1), Seq("bg-b", [2] * 6, priority=1), Seq("bg-c", [3] * 6, priority=1)
+    for seq in (a, b, c):
+        s.add(seq)
+    finish_step(s, s.schedule())
+    assert s.running == [a, b] and list(s.waiting) == [c]
+    user = Seq("user", [4] * 5)
+    s.add(user)
+    assert list(s.waiting) == [user, c]
+    step = s.schedule()
+    assert [q for q, _ in step.prefill] == [user] and step.decode == [a]
+    assert s.running == [a, user] and list(s.waiting) == [b, c] and b.num_computed == 0 and s.preemptions == 1
+    done: list[Seq] = []
+    for _ in range(40):
+        done += finish_step(s, s.schedule())
+        if not s.has_work:
+            break
+    order = [q.request_id for q in done]
+    assert sorted(order) == ["bg-a", "bg-b", "bg-c", "user"] and order.index("user") < order.index("bg-b")
+    assert s.pool.used == 0
+
+
+def test_the_pool_takes_background_blocks_first() -> None:
+    """When the pool runs dry, the victims are the most recently admitted background sequences,
+    even when an interactive sequence was admitted after them."""
+    s = make(max_batch=4, token_budget=64, n_blocks=9, block_size=4)  # 8 usable blocks
+    bg = Seq("bg", [1] * 12, max_new=20, priority=1)
+    s.add(bg)
+    finish_step(s, s.schedule())
+    user = Seq("user", [2] * 12, max_new=20)
+    s.add(user)
+    finish_step(s, s.schedule())
+    assert s.running == [bg, user]
+    for _ in range(12):  # both grow until the pool is short: the background one gives way
+        finish_step(s, s.schedule())
+        if bg.status is Status.WAITING:
+            break
+    assert bg.status is Status.WAITING and user.status is Status.RUNNING and s.preemptions >= 1

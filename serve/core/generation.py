@@ -395,11 +395,12 @@ class GenerationCore:
 
     # ----------------------------------------------------------------- running
 
-    def start(self, prepared: Prepared, deadline: float | None = None) -> Generation:
+    def start(self, prepared: Prepared, deadline: float | None = None, priority: int = 0) -> Generation:
         """Queues one ticket per choice, for a thread to read (`Generation.events`); RESOURCE_EXHAUSTED,
-        UNAVAILABLE or NOT_FOUND (the pool's) as the loop refuses."""
+        UNAVAILABLE or NOT_FOUND (the pool's) as the loop refuses. `priority`: 0 interactive,
+        serve.core.loop.BACKGROUND for a batch's requests."""
         inbox: queue.SimpleQueue[tuple[int, TokenEvent | BaseException]] = queue.SimpleQueue()
-        return self._start(prepared, deadline, inbox, inbox.put)
+        return self._start(prepared, deadline, inbox, inbox.put, priority)
 
     def start_async(self, prepared: Prepared, deadline: float | None = None) -> Generation:
         """`start` for an asyncio task, on its event loop (`Generation.aevents`): the loop's thread
@@ -416,12 +417,12 @@ class GenerationCore:
         return self._start(prepared, deadline, inbox, put)
 
     def _start(self, prepared: Prepared, deadline: float | None, inbox: Any,
-               put: Callable[[tuple[int, TokenEvent | BaseException]], None]) -> Generation:
+               put: Callable[[tuple[int, TokenEvent | BaseException]], None], priority: int = 0) -> Generation:
         tickets: list[Ticket] = []
         try:
             for i, (p, params) in enumerate(prepared.choices):
                 ticket = Ticket(new_request_id(), prepared.prompts[p], params, prepared.adapter_id,
-                                prepared.adapter_index, deadline, events=_Tagged(put, i))
+                                prepared.adapter_index, deadline, events=_Tagged(put, i), priority=priority)
                 self.loop.submit(ticket)
                 tickets.append(ticket)
         except BaseException:

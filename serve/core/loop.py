@@ -27,7 +27,9 @@ thread, in turn:
    followers every `keepalive_s`.
 
 The queue is bounded: `submit()` raises QueueFull (RESOURCE_EXHAUSTED) at once when `max_queue`
-tickets would wait (beyond those that take a free slot at the next step). If a step fails (a rank died, a collective timed out) the world is
+interactive tickets would wait (beyond those that take a free slot at the next step). Background
+tickets (a batch's requests, `priority` BACKGROUND) queue behind every interactive one, are not
+counted (their runner keeps a few in flight), and run in the room interactive work leaves. If a step fails (a rank died, a collective timed out) the world is
 *broken*: every ticket fails with UNAVAILABLE, new ones are refused, and the thread stops
 issuing collectives.
 """
@@ -77,7 +79,10 @@ class EngineLike(Protocol):
     @property
     def kv_stats(self) -> KVStats: ...
 
-    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None: ...
+    def unfinished_at(self, priority: int) -> int: ...
+
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0,
+            priority: int = 0) -> None: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -120,6 +125,13 @@ class Ticket:
     last_token: float | None = None
     cancel_reason: str = ""  # why the server cancelled it ("client", "deadline", "shutdown")
     done: bool = False  # its front end saw its last event or error (that front end's side only)
+    # 0: interactive; BACKGROUND: a batch's request, queued behind every interactive ticket and run
+    # in what interactive traffic leaves (tprt.engine.scheduler), not counted against max_queue
+    # (its runner meters them)
+    priority: int = 0
+
+
+BACKGROUND = 1
 
 
 _ids = itertools.count()
@@ -177,10 +189,15 @@ class EngineLoop:
                     raise Unavailable(f"the server cannot generate: {self.broken}")
                 if not self._accepting:
                     raise Unavailable("the server is shutting down; retry on another replica")
-                free_slots = max(0, self.engine.max_batch - len(self._live))  # these join at the next step
-                if len(self._waiting) >= self.max_queue + free_slots:
-                    raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
-                self._waiting.append(ticket)
+                if ticket.priority == 0:
+                    free_slots = max(0, self.engine.max_batch - self._live_interactive())  # join at the next step
+                    waiting = sum(1 for t in self._waiting if t.priority == 0)
+                    if waiting >= self.max_queue + free_slots:
+                        raise QueueFull(f"the request queue is full ({self.max_queue} waiting); retry later")
+                at = len(self._waiting)  # behind every ticket of its priority or a more urgent one
+                while at > 0 and self._waiting[at - 1].priority > ticket.priority:
+                    at -= 1
+                self._waiting.insert(at, ticket)
                 self.metrics.waiting.set(len(self._waiting))
                 self._cv.notify()
         except ServeError:
@@ -341,16 +358,22 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - the caller's; a broken world shows at the next step
                 future.set_exception(e)
 
+    def _live_interactive(self) -> int:
+        return sum(1 for t in self._live.values() if t.priority == 0)
+
     def _admit_waiting(self) -> None:
         """Moves queued tickets into the engine, in order, while it has room; a ticket whose
         adapter cannot be made resident now stays queued, ahead of later arrivals, and later
-        tickets for the adapter that will make room next wait too, so that its rows drain."""
+        tickets for the adapter that will make room next wait too, so that its rows drain.
+        Interactive tickets count only interactive work as taking room: the engine's scheduler
+        preempts background sequences for them."""
         room = self.engine.max_batch - self.engine.num_unfinished
+        room_interactive = self.engine.max_batch - self.engine.unfinished_at(0)
         deferred: list[Ticket] = []
         draining: set[str] = set()  # adapters whose new tickets wait so that one can be evicted
-        while room > 0:
+        while room_interactive > 0:
             with self._cv:
-                if not self._waiting:
+                if not self._waiting or (self._waiting[0].priority != 0 and room <= 0):
                     break
                 t = self._waiting.popleft()
                 self._live[t.request_id] = t  # so that a cancellation finds it while it resolves
@@ -361,6 +384,8 @@ class EngineLoop:
             if resolved:
                 self._admit(t)
                 room -= 1
+                if t.priority == 0:
+                    room_interactive -= 1
             elif resolved is not None:
                 deferred.append(t)
                 victim = self.adapters.next_eviction() if self.adapters is not None else None
@@ -370,6 +395,8 @@ class EngineLoop:
             for t in deferred:
                 self._live.pop(t.request_id, None)
             self._waiting.extendleft(reversed(deferred))
+            if deferred:  # still interactive first (a stable sort)
+                self._waiting = deque(sorted(self._waiting, key=lambda t: t.priority))
             self.metrics.waiting.set(len(self._waiting))
 
     def _resolve_adapter(self, t: Ticket) -> bool | None:
@@ -399,7 +426,7 @@ class EngineLoop:
 
     def _admit(self, t: Ticket) -> None:
         try:
-            self.engine.add(t.prompt, t.params, t.request_id, adapter=t.adapter_index)
+            self.engine.add(t.prompt, t.params, t.request_id, adapter=t.adapter_index, priority=t.priority)
         except ValidationError as e:  # checked by the front end already; a race or a bug
             self._fail(t, e)
             return

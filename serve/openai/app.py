@@ -27,8 +27,8 @@ dataset uploads and job creations read and tokenize files on threads of their ow
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 import sqlite3
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.adapters.registry import AdapterRegistry
 from serve.auth import TokenCheck
 from serve.jobs.datasets import DatasetWork
+from serve.core.loop import BACKGROUND
 from serve.core.generation import ChoiceEvent, GenerationCore, ModelFacts, Prepared, by_prefix, rename_field
 from functools import partial
 from serve.errors import Cancelled, NotFound, ServeError, Unauthenticated, Unavailable, echo, is_disk_full
@@ -57,6 +58,7 @@ from serve.jobs.core import JobsCore
 from serve.jobs.spec import JobSpec
 from serve.metrics import Metrics
 from serve.anthropic.errors import anthropic_error_body, is_anthropic
+from serve.openai.batches import ENDPOINTS as BATCH_ENDPOINTS, BatchBody, BatchRunner, new_batch, read_batch_file
 from serve.openai.files import FileStore, dataset_path
 from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
@@ -68,6 +70,8 @@ from serve.openai.requests import (ChatBody, CompletionBody, OpenAIRequest, Para
                                    chat_request, completion_request, error_body, invalid_param, parse_body)
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
+
+log = logging.getLogger("tprt.serve")
 
 PARSE_ON_THREAD_BYTES = 64 << 10  # JSON bodies larger than this are parsed off the event loop
 
@@ -90,6 +94,7 @@ class HttpDeps:
     datasets: DatasetWork = field(default_factory=DatasetWork)  # uploads' and job creations' file work
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop them instead of refusing the request
     responses: ResponseStore | None = None  # stored Responses (`store`); None: none are kept
+    batches: BatchRunner | None = None  # the Batch API's runner; None: no batches
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -220,6 +225,12 @@ def create_app(deps: HttpDeps) -> FastAPI:
     app.delete("/v1/responses/{response_id}")(api.delete_response)
     app.post("/v1/responses/{response_id}/cancel")(api.cancel_response)
     app.get("/v1/responses/{response_id}/input_items")(api.response_input_items)
+    app.post("/v1/batches")(api.create_batch)
+    app.get("/v1/batches")(api.list_batches)
+    app.get("/v1/batches/{batch_id}")(api.get_batch)
+    app.post("/v1/batches/{batch_id}/cancel")(api.cancel_batch)
+    if deps.batches is not None:
+        deps.batches.bind(api.run_line, deps.files.publish)
     from serve.anthropic.app import MessagesApi  # it builds on this module's HttpApi
 
     anthropic = MessagesApi(deps)
@@ -562,7 +573,7 @@ class OpenAIApi(HttpApi):
         try:
             # Tokenizing, the chat template and compiling constraints are CPU work: off the event loop.
             prepared = await run_in_threadpool(self.core.prepare, req.request)
-            echoed = await self._echo(prepared, body) if req.echo else None
+            echoed = await run_in_threadpool(self._echo, prepared, body) if req.echo else None
             if not req.generate:
                 assert echoed is not None
                 self._count(request, "ok")
@@ -584,9 +595,10 @@ class OpenAIApi(HttpApi):
         self._count(request, "ok")
         return (reply if echoed is None else reply.echoed(echoed, generated=True)).whole()
 
-    async def _echo(self, prepared: Prepared, body: Any) -> list[EchoedPrompt]:
+    def _echo(self, prepared: Prepared, body: Any) -> list[EchoedPrompt]:
         """Each prompt's text and tokens for `echo`, with their log-probabilities when `logprobs`
-        is asked (the base model's, one forward pass on every rank between engine steps)."""
+        is asked (the base model's, one forward pass on every rank between engine steps; a
+        thread waits for it)."""
         tok = self.d.tokenizer
         if tok is None:
             raise ParamError("echo needs the model's tokenizer, which it does not have", "echo")
@@ -601,10 +613,115 @@ class OpenAIApi(HttpApi):
             if body.logprobs is None:
                 out.append(EchoedPrompt(tokens))
                 continue
-            scored = await asyncio.wrap_future(self.core.score_prompt(ids, body.logprobs))
+            scored = self.core.score_prompt(ids, body.logprobs).result()
             out.append(EchoedPrompt(tokens, list(scored.logprobs),
                                     [[(text(t), lp) for t, lp in top] for top in scored.top]))
         return out
+
+    # ----------------------------------------------------------------- batches
+
+    def _batches(self) -> BatchRunner:
+        if self.d.batches is None:
+            raise NotFound("this server runs no batches", "batch_id")
+        return self.d.batches
+
+    async def create_batch(self, request: Request) -> dict[str, Any]:
+        body = await self._body(request, BatchBody)
+        return self._ok(request, await self.d.datasets.run(self._create_batch, body))
+
+    def _create_batch(self, body: BatchBody) -> dict[str, Any]:
+        runner = self._batches()
+        if body.endpoint not in BATCH_ENDPOINTS:
+            raise ParamError(f"{echo(body.endpoint)}; one of {', '.join(BATCH_ENDPOINTS)}", "endpoint")
+        if body.completion_window != "24h":
+            raise ParamError("only '24h'", "completion_window")
+        file = self.d.files.get(body.input_file_id, "input_file_id")
+        if file["purpose"] != "batch":
+            raise ParamError(f"file {body.input_file_id} has purpose {file['purpose']!r}; upload the requests with "
+                             "purpose 'batch'", "input_file_id")
+        path = self.d.files.content(body.input_file_id)
+        lines = read_batch_file(path, body.endpoint)
+        models = {line.body.get("model") for line in lines}
+        for n, line in enumerate(lines, 1):  # every request names a model this server serves
+            model = line.body.get("model")
+            if not isinstance(model, str) or (model != self.d.facts.name and not self.d.adapters.has(model)
+                                              and not adapter_on_disk(model, self.d.jobs.data_dir)):
+                raise ParamError(f"line {n}: model {echo(str(model))} is neither the served base model "
+                                 f"{self.d.facts.name!r} nor an adapter", "input_file_id")
+        model = next(iter(models)) if len(models) == 1 else None
+        return runner.submit(new_batch(body, len(lines), model), path)
+
+    async def list_batches(self, request: Request, after: str | None = None, limit: int = 20) -> dict[str, Any]:
+        _check_limit(limit, 100)
+        data, more = await run_in_threadpool(self._batches().store.page, after, limit)
+        return self._ok(request, {"object": "list", "data": data, "has_more": more,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
+
+    async def get_batch(self, request: Request, batch_id: str) -> dict[str, Any]:
+        return self._ok(request, await run_in_threadpool(self._batches().store.get, batch_id))
+
+    async def cancel_batch(self, request: Request, batch_id: str) -> dict[str, Any]:
+        return self._ok(request, await run_in_threadpool(self._batches().cancel, batch_id))
+
+    # ----------------------------------------------------------------- a batch's requests
+
+    def run_line(self, url: str, body: dict[str, Any], gone: Callable[[], str | None]) -> tuple[int, dict[str, Any]]:
+        """One request of a batch (serve/openai/batches.py), on a runner's thread: its HTTP status
+        and body as the endpoint would answer it, generated at BACKGROUND priority. Cancelled or
+        Unavailable escape: the request is not answered."""
+        try:
+            raw = json.dumps(body).encode()
+            lenient = self.d.ignore_unknown_fields
+            if url == "/v1/responses":
+                return 200, self._respond_background(parse_body(raw, ResponsesBody, lenient), gone)
+            if url == "/v1/chat/completions":
+                return 200, self._complete_background(parse_body(raw, ChatBody, lenient), "chat.completion",
+                                                      chat_request, gone)
+            return 200, self._complete_background(parse_body(raw, CompletionBody, lenient), "text_completion",
+                                                  completion_request, gone)
+        except (Cancelled, Unavailable):
+            raise
+        except Exception as e:  # noqa: BLE001 - the request's own error is its answer
+            status, error, _ = error_body(e)
+            if status >= 500 and not isinstance(e, ServeError):
+                log.error("a batch's request failed: %s", e, exc_info=True)
+            return status, _redacted(error, self.d.redact)
+
+    def _complete_background(self, body: Any, kind: str, read: Callable[[Any, str], OpenAIRequest],
+                             gone: Callable[[], str | None]) -> dict[str, Any]:
+        req = read(body, self._adapter(body.model))
+        try:
+            prepared = self.core.prepare(req.request)
+            echoed = self._echo(prepared, body) if req.echo else None
+            reply = Reply(kind, body.model, prepared)
+            if not req.generate:
+                assert echoed is not None
+                return reply.echoed(echoed, generated=False).whole()
+            for ev in self.core.start(prepared, priority=BACKGROUND).events(gone):
+                reply.add(ev)
+        except ServeError as e:
+            raise req.error(e) from None
+        return (reply if echoed is None else reply.echoed(echoed, generated=True)).whole()
+
+    def _respond_background(self, body: ResponsesBody, gone: Callable[[], str | None]) -> dict[str, Any]:
+        previous = None
+        if body.previous_response_id is not None:
+            previous = self._stored().conversation(body.previous_response_id)
+        req = responses_request(body, self._adapter(body.model), previous)
+        try:
+            prepared = self.core.prepare(req.request)
+            reply, builder = Reply("chat.completion", body.model, prepared), ResponseBuilder(body, req)
+            for ev in self.core.start(prepared, priority=BACKGROUND).events(gone):
+                chunk = reply.chunk(ev, False)
+                if chunk is not None:
+                    builder.feed(chunk["choices"][0])
+        except ServeError as e:
+            raise rename_field(e, by_prefix(RESPONSES_PARAMS)) from None
+        builder.finish(reply.usage())
+        if body.store is not False and self.d.responses is not None:
+            self.d.responses.put(builder.response(), with_ids(input_items(body.input)), builder.conversation())
+        return builder.response()
 
     async def _stream(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
                       include_usage: bool, rename: Callable[[ServeError], ServeError]) -> AsyncIterator[bytes]:

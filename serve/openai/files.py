@@ -1,4 +1,7 @@
-"""Uploaded files of the OpenAI API (`/v1/files`): fine-tuning datasets under `--data-dir/files/`.
+"""Files of the OpenAI API (`/v1/files`) under `--data-dir/files/`: fine-tuning datasets
+(purpose "fine-tune"), batch inputs ("batch": JSONL of request objects, each checked in full when
+a batch is made of it, serve/openai/batches.py) and the results of batches ("batch_output",
+written by the server).
 
 Each file is two entries: `<id>.jsonl` (the bytes as uploaded) and `<id>.json` (its OpenAI file
 object). Both are written to a temporary name, synced and renamed into place, the data first, so
@@ -33,6 +36,8 @@ from tprt.text.tokenizer import Tokenizer
 
 FILES_DIR = "files"
 PURPOSE = "fine-tune"
+BATCH_PURPOSE = "batch"
+UPLOAD_PURPOSES = (PURPOSE, BATCH_PURPOSE)
 _FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 _COPY_CHUNK = 1 << 20
 
@@ -88,10 +93,10 @@ class FileStore:
                 data.unlink(missing_ok=True)
 
     def add(self, upload: IO[bytes], filename: str, purpose: str) -> dict[str, Any]:
-        """Checks and keeps one uploaded dataset; returns its file object. Blocking (a thread)."""
-        if purpose != PURPOSE:
-            raise ParamError(f"{echo(purpose)}; this server takes only purpose 'fine-tune'", "purpose")
-        if self.tokenizer is None:
+        """Checks and keeps one uploaded file; returns its file object. Blocking (a thread)."""
+        if purpose not in UPLOAD_PURPOSES:
+            raise ParamError(f"{echo(purpose)}; this server takes purpose 'fine-tune' or 'batch'", "purpose")
+        if self.tokenizer is None and purpose == PURPOSE:
             raise FailedPrecondition("the served model has no tokenizer; fine-tuning datasets need one", "file")
         self.dir.mkdir(parents=True, exist_ok=True)
         need = _size_of(upload)  # refused before a byte is copied when it cannot fit (HTTP 507)
@@ -100,26 +105,49 @@ class FileStore:
         file_id = "file-" + secrets.token_hex(12)
         tmp = self.dir / f".{file_id}.upload"
         try:
-            size = self._copy(upload, tmp)
-            self._check_dataset(tmp, filename)
+            size = self._copy(upload, tmp, self.max_bytes)
+            if purpose == PURPOSE:
+                self._check_dataset(tmp, filename)
+            else:
+                _check_jsonl(tmp, filename)
             os.replace(tmp, self.data_dir / dataset_path(file_id))
         finally:
             tmp.unlink(missing_ok=True)
+        return self._keep(file_id, size, filename, purpose)
+
+    def _keep(self, file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
         obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None}
         write_bytes_atomic(self._object_path(file_id), json.dumps(obj).encode())
         return obj
 
+    def publish(self, path: Path, filename: str) -> str:
+        """Keeps a batch's results file (copied, synced and renamed into place) as a file of
+        purpose batch_output; returns its id."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        size = path.stat().st_size
+        ensure_room(self.dir, size)
+        file_id = "file-" + secrets.token_hex(12)
+        tmp = self.dir / f".{file_id}.upload"
+        try:
+            with open(path, "rb") as src:
+                self._copy(src, tmp, limit=None)
+            os.replace(tmp, self.data_dir / dataset_path(file_id))
+        finally:
+            tmp.unlink(missing_ok=True)
+        return str(self._keep(file_id, size, filename, "batch_output")["id"])
+
     def stored_bytes(self) -> int:
         """The bytes of every kept upload (their file objects say how many)."""
         return sum(int(obj.get("bytes", 0)) for obj in self.list())
 
-    def _copy(self, upload: IO[bytes], tmp: Path) -> int:
+    def _copy(self, upload: IO[bytes], tmp: Path, limit: int | None) -> int:
+        """Copies (and syncs) `upload` to `tmp`; over `limit` bytes (None: no limit) is a 413."""
         size = 0
         with open(tmp, "wb") as out:
             while chunk := upload.read(_COPY_CHUNK):
                 size += len(chunk)
-                if size > self.max_bytes:
+                if limit is not None and size > limit:
                     raise PayloadTooLarge(f"file: over {self.max_bytes} bytes; the server takes datasets of at most "
                                           f"{self.max_bytes} bytes (--max-dataset-bytes)", "file")
                 out.write(chunk)
@@ -179,3 +207,17 @@ class FileStore:
 
     def _object_path(self, file_id: str) -> Path:
         return self.dir / f"{file_id}.json"
+
+
+def _check_jsonl(path: Path, filename: str) -> None:
+    """A batch input is JSONL of objects (what each must hold is checked when a batch is made)."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                ok = isinstance(json.loads(raw), dict)
+            except (ValueError, RecursionError):
+                ok = False
+            if not ok:
+                raise ParamError(f"{echo(filename)} line {n}: expected a JSON object", "file")

@@ -124,6 +124,9 @@ class ResponsesBody(KnownFields):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    speculate: bool | None = None
 
 
 INCLUDABLE = frozenset({"message.output_text.logprobs", "reasoning.encrypted_content"})
@@ -341,7 +344,8 @@ def responses_request(body: ResponsesBody, adapter_id: str, previous: list[dict[
                 "top_k": body.top_k, "min_p": body.min_p, "repetition_penalty": body.repetition_penalty,
                 "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
                 "logit_bias": logit_bias_pairs(body.logit_bias), "seed": body.seed, "stop_strings": stop,
-                "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None}
+                "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
+                "ignore_eos": body.ignore_eos, "stop_token_ids": body.stop_token_ids, "speculate": body.speculate}
     request = GenerationRequest([ChatPrompt(messages)], sampling, structured(body), adapter_id)
     return ResponsesRequest(request, items, logprobs)
 

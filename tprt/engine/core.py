@@ -110,6 +110,10 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def unfinished_at(self, priority: int) -> int:
+        """Unfinished requests of one priority."""
+        return self.requests.count(priority)
+
     @property
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
@@ -128,12 +132,14 @@ class Engine:
         """Speculative decoding's counts since start (None when it is off): for metrics."""
         return self.speculative.stats if self.speculative is not None else None
 
-    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0) -> None:
+    def add(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int = 0,
+            priority: int = 0) -> None:
         """Queues a request; it joins the batch at a coming step. `adapter`: the index its rows are
-        routed to (tprt.lora.routing.AdapterSlots; 0 = the base model). Raises ValidationError
-        naming the field, through the front ends' checks (tprt.engine.request)."""
+        routed to (tprt.lora.routing.AdapterSlots; 0 = the base model); `priority`: 0 interactive,
+        higher background (tprt.engine.scheduler). Raises ValidationError naming the field, through
+        the front ends' checks (tprt.engine.request)."""
         self._require_driver()
-        self.scheduler.add(self.requests.new(prompt_ids, params, request_id, adapter))
+        self.scheduler.add(self.requests.new(prompt_ids, params, request_id, adapter, priority))
 
     def propose(self, request_id: str, draft: Seq[int]) -> int:
         """Drafted tokens for the positions after a running request's last token, verified in its

@@ -34,10 +34,15 @@ class RequestRegistry:
     def __len__(self) -> int:
         return len(self._live)
 
+    def count(self, priority: int) -> int:
+        """Live requests of one priority."""
+        return sum(1 for seq in self._live.values() if seq.priority == priority)
+
     def get(self, request_id: str) -> Sequence | None:
         return self._live.get(request_id)
 
-    def new(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int) -> Sequence:
+    def new(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str, adapter: int,
+            priority: int = 0) -> Sequence:
         """A checked request's sequence, registered. Raises ValidationError naming the field, through
         the front ends' own checks (tprt.engine.request)."""
         if request_id in self._live:
@@ -48,7 +53,8 @@ class RequestRegistry:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValidationError("prompt", f"prompt token ids must be in [0, {self.vocab_size - 1}]")
         seed = None if params.greedy else (params.seed if params.seed is not None else self._seeds.getrandbits(63))
-        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.device, adapter)
+        seq = Sequence(request_id, prompt, params, seed, self.tokenizer, self.eos_token_ids, self.device, adapter,
+                       priority)
         seq.cache_key = (adapter, self._versions.get(adapter, 0))
         if params.constraint is not None:
             matcher = self.structured.matcher(params.constraint)

@@ -21,6 +21,15 @@ block never holds a position that may still be given back.
 Preemption: when the pool runs out, the most recently admitted sequences give their blocks back
 and wait at the head of the queue to be recomputed (prompt and output so far), so the oldest
 always progress and admitted work always finishes.
+
+Priority: a sequence's `priority` (0: interactive, the default; higher: background, e.g. a
+batch's requests) orders the queue, the token budget and preemption. Waiting sequences are
+admitted lower priority value first (arrival order within a priority); admitted ones get their
+blocks and prefill budget in that order; the pool's victims are the most recently admitted of the
+lowest priority; and a waiting sequence that finds no room (max_batch taken, or too few free
+blocks for its first chunk) preempts running sequences of a lower priority (higher value) to
+make it. Background work thus fills what interactive traffic leaves and never delays it by more
+than the recomputation it costs itself.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ class Scheduled(Protocol):
     output: list[int]
     draft: list[int]  # tokens proposed after its last one, verified in its next decode row
     held: bool  # sits out the coming decode step (the engine's throttle on costly output constraints)
+    priority: int  # 0: interactive; higher: background (see the module docstring)
 
     @property
     def cache_key(self) -> Hashable: ...  # what its keys and values are computed with (prefix sharing)
@@ -71,6 +81,10 @@ class Scheduled(Protocol):
 
 
 S = TypeVar("S", bound=Scheduled)
+
+
+def _priority(seq: Scheduled) -> int:
+    return seq.priority
 
 
 @dataclass(frozen=True)
@@ -127,9 +141,18 @@ class Scheduler(Generic[S]):
     # ------------------------------------------------------------------ sequences in and out
 
     def add(self, seq: S) -> None:
-        """Queues a sequence (WAITING, holding no blocks) behind the others."""
+        """Queues a sequence (WAITING, holding no blocks) behind the others of its priority."""
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: S, front: bool) -> None:
+        """Into the waiting queue: after every sequence of a lower priority value, and before
+        (`front`, a preempted one) or after the others of its own."""
+        at = len(self.waiting)
+        while at > 0 and (self.waiting[at - 1].priority > seq.priority
+                          or front and self.waiting[at - 1].priority == seq.priority):
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def remove(self, seq: S) -> None:
         """Ends a sequence (finished or cancelled) wherever it is; its blocks go back to the pool."""
@@ -151,7 +174,9 @@ class Scheduler(Generic[S]):
         token budget. When the pool runs dry, the most recently admitted sequences are preempted,
         so the oldest always progress. Then waiting sequences are admitted in order while the
         budget, `max_batch` and free blocks last (admission never preempts). Nothing is padded:
-        the budget counts the batch's tokens."""
+        the budget counts the batch's tokens. Priorities order all of it (see the module
+        docstring)."""
+        self._make_room()
         decode_rows: list[S] = []
         extras: dict[str, int] = {}
         prefill_rows: list[tuple[S, int]] = []
@@ -161,9 +186,11 @@ class Scheduler(Generic[S]):
             extras[seq.request_id] = extra = min(len(seq.draft), max(spare, 0))
             spare -= extra
         budget = self.config.token_budget - len(decoding) - sum(extras.values())
-        i = 0
-        while i < len(self.running):  # preemption removes from the end, never an earlier row
-            seq = self.running[i]
+        # Interactive first. A victim of the pool is the most recently admitted of the lowest
+        # priority: never a sequence this loop has already given a row.
+        for seq in sorted(self.running, key=_priority):
+            if seq.status is Status.WAITING:  # preempted by one before it in this loop
+                continue
             if seq.status is Status.RUNNING and seq.held:
                 pass  # keeps its blocks and its place; decodes in a later step
             elif seq.status is Status.RUNNING:
@@ -176,7 +203,6 @@ class Scheduler(Generic[S]):
                 if self._grow(seq, seq.num_computed + n):
                     prefill_rows.append((seq, n))
                     budget -= n
-            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
             n = self._admit(self.waiting[0], budget)
             if not n:
@@ -262,12 +288,31 @@ class Scheduler(Generic[S]):
                 self.pool.release([seq.blocks[i]])
                 seq.blocks[i] = SCRATCH_BLOCK
 
+    def _victim(self) -> S:
+        """The admitted sequence to preempt first: the most recently admitted of the lowest
+        priority (highest value)."""
+        worst = max(s.priority for s in self.running)
+        return next(s for s in reversed(self.running) if s.priority == worst)
+
+    def _make_room(self) -> None:
+        """Preempts background sequences for a waiting one of a higher priority that would not
+        otherwise be admitted: max_batch is taken, or the pool lacks the blocks of its first chunk."""
+        while self.waiting and self.running:
+            head, victim = self.waiting[0], self._victim()
+            if victim.priority <= head.priority:
+                return
+            chunk = min(head.prefill_target, self.config.token_budget)
+            need = -(-chunk // self.pool.block_size) + 1
+            if len(self.running) < self.config.max_batch and self.pool.available >= need:
+                return
+            self._preempt(victim)
+
     def _grow(self, seq: S, tokens: int) -> bool:
         """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
-        recently admitted sequences while the pool is short; False when seq itself was the one
-        preempted (it then waits at the head of the queue)."""
+        recently admitted sequences of the lowest priority while the pool is short; False when seq
+        itself was the one preempted (it then waits at the head of its priority in the queue)."""
         while not self.pool.grow(seq.blocks, tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -284,7 +329,7 @@ class Scheduler(Generic[S]):
         seq.prefill_target = seq.length
         seq.status = Status.WAITING
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.preemptions += 1
 
     def _admit(self, seq: S, budget: int) -> int:

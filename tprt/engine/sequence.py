@@ -56,12 +56,13 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int | None,
                  tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], device: torch.device,
-                 adapter: int = 0) -> None:
+                 adapter: int = 0, priority: int = 0) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.params = params
         self.status = Status.WAITING
         self.adapter = adapter  # adapter index its rows are routed to (tprt.lora.routing); 0: the base model
+        self.priority = priority  # 0: interactive; higher: background (tprt.engine.scheduler)
         self.blocks: list[int] = []  # its KV block table (tprt.engine.prefix_cache.BlockPool)
         self.digests: list[bytes] = []  # the names of its full blocks, in order
         self.num_computed = 0  # leading tokens whose keys and values are in the cache (and kept)
