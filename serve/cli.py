@@ -45,8 +45,9 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (50051; 0 = any free port)")
     s.add_argument("--http-port", type=int, metavar="PORT",
-                   help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-                        "/v1/models) on this port, with the same host, token and TLS (default: off; 0 = any)")
+                   help="also serve the HTTP APIs on this port: OpenAI's (/v1/chat/completions, /v1/completions, "
+                        "/v1/responses, /v1/batches, /v1/files, /v1/fine_tuning/jobs, /v1/models) and Anthropic's "
+                        "(/v1/messages), with the same host, token and TLS (default: off; 0 = any)")
     s.add_argument("--ignore-unknown-fields", action="store_true",
                    help="HTTP APIs: drop request fields the endpoint does not know instead of "
                         "answering 400 naming them (OpenAI's behaviour, the default), for clients that send extras")

@@ -195,6 +195,43 @@ def test_echo_scores_the_prompt_like_transformers(api: Api) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             c.completions.create(model=api.model, prompt=ids, **extra)
         assert bad.value.param == param
+    # vLLM's prompt_logprobs: each prompt token's logprob and rank among the vocabulary, with the
+    # likeliest alternatives; on the choice for completions, on the response for chat.
+    listed = c.completions.create(model=api.model, prompt=ids, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 2}).model_dump()["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(ids)
+    for j in range(1, len(ids)):
+        mine = listed[j][str(ids[j])]
+        assert abs(mine["logprob"] - float(want[j - 1, ids[j]])) <= 1e-4
+        assert mine["rank"] == int((want[j - 1] > want[j - 1, ids[j]]).sum()) + 1
+        ranks = sorted(e["rank"] for k, e in listed[j].items() if k != str(ids[j]) or mine["rank"] <= 2)
+        assert ranks[:2] == [1, 2]
+    chat = c.chat.completions.create(model=api.model, messages=CHAT, max_tokens=1,  # type: ignore[arg-type]
+                                     extra_body={"prompt_logprobs": 0}).model_dump()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+
+
+def test_best_of_returns_the_likeliest_choices(api: Api) -> None:
+    """best_of above n (completions): best_of choices are generated per prompt and the n with the
+    highest log-probability per token come back, most likely first; usage counts every token.
+    (Three sequences: this server's batch and queue hold no more.)"""
+    c = api.client
+    out = c.completions.create(model=api.model, prompt="Hello", max_tokens=6, temperature=1.5, seed=3,
+                               n=2, best_of=3, logprobs=0, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert out.usage is not None and out.usage.completion_tokens == 3 * 6
+    every = c.completions.create(model=api.model, prompt="Hello", max_tokens=6, temperature=1.5, seed=3,
+                                 n=3, logprobs=0, extra_body={"ignore_eos": True})
+
+    def mean(ch: Any) -> float:
+        return sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs)
+
+    best = sorted((mean(ch) for ch in every.choices), reverse=True)[:2]  # the same seeds: the same three
+    assert [mean(ch) for ch in out.choices] == pytest.approx(best)
+    assert {ch.text for ch in out.choices} <= {ch.text for ch in every.choices}
+    hidden = c.completions.create(model=api.model, prompt="Hello", max_tokens=4, best_of=3, temperature=1.0)
+    assert len(hidden.choices) == 1 and hidden.choices[0].logprobs is None
 
 
 def test_fields_are_honoured_or_refused(api: Api) -> None:
@@ -233,7 +270,8 @@ def test_fields_are_honoured_or_refused(api: Api) -> None:
     for make, param in ((lambda: c.completions.create(model=api.model, prompt="x", presence_penalty=3), "presence_penalty"),
                         (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"no": 1}), "logit_bias"),
                         (lambda: c.completions.create(model=api.model, prompt="x", logit_bias={"3": 101}), "logit_bias"),
-                        (lambda: c.completions.create(model=api.model, prompt="x", best_of=3), "best_of")):
+                        (lambda: c.completions.create(model=api.model, prompt="x", n=2, best_of=1), "best_of"),
+                        (lambda: c.completions.create(model=api.model, prompt="x", best_of=2, stream=True), "best_of")):
         with pytest.raises(openai.BadRequestError) as bad:
             make()
         assert bad.value.param == param
@@ -1366,7 +1404,7 @@ _CHAT_FIELDS: dict[str, list[tuple[Any, ...]]] = {
     "user": [("u", "ok")], "verbosity": [("medium", "ok"), ("low", "refused")], "web_search_options": [({}, "refused")],
 }
 _COMPLETION_FIELDS: dict[str, list[tuple[Any, ...]]] = {
-    "best_of": [(1, "ok"), (2, "refused")], "echo": [(True, "ok")], "frequency_penalty": [(0.5, "ok")],
+    "best_of": [(1, "ok"), (2, "ok"), (2, "refused", {"n": 3})], "echo": [(True, "ok")], "frequency_penalty": [(0.5, "ok")],
     "presence_penalty": [(0.5, "ok")], "logit_bias": [({"5": 1}, "ok")], "logprobs": [(2, "ok")],
     "max_tokens": [(3, "ok")], "model": [(None, "ok")], "n": [(2, "ok")], "prompt": [("Hello", "ok")],
     "seed": [(1, "ok")], "stop": [(["x"], "ok")], "stream": [(True, "ok")],

@@ -62,7 +62,7 @@ from serve.openai.batches import ENDPOINTS as BATCH_ENDPOINTS, BatchBody, BatchR
 from serve.openai.files import FileStore, dataset_path
 from serve.openai.jobs import (FineTuningJobBody, OpenAIJob, job_checkpoints, job_events, job_object, page,
                                store_job_id, write_sidecar)
-from serve.openai.reply import EchoedPrompt, Reply
+from serve.openai.reply import EchoedPrompt, PromptScores, Reply, best_choices, prompt_logprob_entries
 from serve.openai.response_store import ResponseStore
 from serve.openai.responses import (RESPONSES_PARAMS, ResponseBuilder, ResponsesBody, ResponsesRequest, input_items,
                                     responses_request, with_ids)
@@ -573,11 +573,10 @@ class OpenAIApi(HttpApi):
         try:
             # Tokenizing, the chat template and compiling constraints are CPU work: off the event loop.
             prepared = await run_in_threadpool(self.core.prepare, req.request)
-            echoed = await run_in_threadpool(self._echo, prepared, body) if req.echo else None
+            scores = await run_in_threadpool(self._score_prompts, prepared, req)
             if not req.generate:
-                assert echoed is not None
                 self._count(request, "ok")
-                return Reply(kind, body.model, prepared).echoed(echoed, generated=False).whole()
+                return self._answer(req, Reply(kind, body.model, prepared), scores)
             generation = self.core.start_async(prepared)
         except ServeError as e:
             raise req.error(e) from None
@@ -593,29 +592,54 @@ class OpenAIApi(HttpApi):
                 self._count(request, "cancelled")
             raise req.error(e) from None
         self._count(request, "ok")
-        return (reply if echoed is None else reply.echoed(echoed, generated=True)).whole()
+        return self._answer(req, reply, scores)
 
-    def _echo(self, prepared: Prepared, body: Any) -> list[EchoedPrompt]:
-        """Each prompt's text and tokens for `echo`, with their log-probabilities when `logprobs`
-        is asked (the base model's, one forward pass on every rank between engine steps; a
-        thread waits for it)."""
+    def _score_prompts(self, prepared: Prepared, req: OpenAIRequest) -> PromptScores:
+        """What `echo` and `prompt_logprobs` show of each prompt: its tokens' texts and, where asked,
+        their log-probabilities, ranks and likeliest alternatives (the base model's, one forward
+        pass on every rank between engine steps; a thread waits for it)."""
+        if not req.echo and req.prompt_logprobs is None:
+            return PromptScores()
+        param = "prompt_logprobs" if req.prompt_logprobs is not None else "echo"
         tok = self.d.tokenizer
         if tok is None:
-            raise ParamError("echo needs the model's tokenizer, which it does not have", "echo")
+            raise ParamError(f"{param} needs the model's tokenizer, which it does not have", param)
         if prepared.adapter_id:
-            raise ParamError("echo scores prompts with the base model only; name it as the model", "echo")
+            raise ParamError(f"{param} scores prompts with the base model only; name it as the model", param)
+
         def text(token_id: int) -> str:
             return tok.decode([token_id], skip_special_tokens=False)
 
-        out = []
+        tops = [k for k in (req.echo_logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        echoed: list[EchoedPrompt] = []
+        listed: list[list[dict[str, Any] | None]] = []
         for ids in prepared.prompts:
-            tokens = [text(t) for t in ids]
-            if body.logprobs is None:
-                out.append(EchoedPrompt(tokens))
-                continue
-            scored = self.core.score_prompt(ids, body.logprobs).result()
-            out.append(EchoedPrompt(tokens, list(scored.logprobs),
-                                    [[(text(t), lp) for t, lp in top] for top in scored.top]))
+            scored = self.core.score_prompt(ids, max(tops)).result() if tops else None
+            if req.echo:
+                tokens = [text(t) for t in ids]
+                if scored is None or req.echo_logprobs is None:
+                    echoed.append(EchoedPrompt(tokens))
+                else:
+                    echoed.append(EchoedPrompt(tokens, list(scored.logprobs), [
+                        [(text(t), lp) for t, lp in top[:req.echo_logprobs]] for top in scored.top]))
+            if req.prompt_logprobs is not None:
+                assert scored is not None
+                listed.append(prompt_logprob_entries(ids, scored, req.prompt_logprobs, text))
+        return PromptScores(echoed if req.echo else None, listed if req.prompt_logprobs is not None else None)
+
+    def _answer(self, req: OpenAIRequest, reply: Reply, scores: PromptScores) -> dict[str, Any]:
+        """The response object: echoed prompts, prompt_logprobs, and of best_of the best."""
+        if scores.echoed is not None:
+            reply.echoed(scores.echoed, generated=req.generate)
+        out = reply.whole()
+        if scores.prompt_logprobs is not None:
+            if reply.chat:  # vLLM's place for them: the response's, a chat having one prompt
+                out["prompt_logprobs"] = scores.prompt_logprobs[0]
+            else:
+                for choice, (p, _) in zip(out["choices"], reply.prepared.choices):
+                    choice["prompt_logprobs"] = scores.prompt_logprobs[p]
+        if req.keep is not None:
+            out["choices"] = best_choices(out["choices"], reply.prepared.n, req.keep, req.show_logprobs)
         return out
 
     # ----------------------------------------------------------------- batches
@@ -693,16 +717,14 @@ class OpenAIApi(HttpApi):
         req = read(body, self._adapter(body.model))
         try:
             prepared = self.core.prepare(req.request)
-            echoed = self._echo(prepared, body) if req.echo else None
+            scores = self._score_prompts(prepared, req)
             reply = Reply(kind, body.model, prepared)
-            if not req.generate:
-                assert echoed is not None
-                return reply.echoed(echoed, generated=False).whole()
-            for ev in self.core.start(prepared, priority=BACKGROUND).events(gone):
-                reply.add(ev)
+            if req.generate:
+                for ev in self.core.start(prepared, priority=BACKGROUND).events(gone):
+                    reply.add(ev)
         except ServeError as e:
             raise req.error(e) from None
-        return (reply if echoed is None else reply.echoed(echoed, generated=True)).whole()
+        return self._answer(req, reply, scores)
 
     def _respond_background(self, body: ResponsesBody, gone: Callable[[], str | None]) -> dict[str, Any]:
         previous = None

@@ -11,6 +11,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any
 
 from serve.core.generation import ChoiceEvent, Prepared, TokenText
@@ -54,6 +55,46 @@ class EchoedPrompt:
     tokens: list[str]
     logprobs: list[float] | None = None
     top: list[list[tuple[str, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """What a request shows of its prompts: `echo`'s (per prompt), and vLLM's `prompt_logprobs`
+    (per prompt: None for the first token, then {token id: {logprob, rank, decoded_token}} for the
+    token and its likeliest alternatives)."""
+
+    echoed: list[EchoedPrompt] | None = None
+    prompt_logprobs: list[list[dict[str, Any] | None]] | None = None
+
+
+def prompt_logprob_entries(ids: list[int], scored: Any, top: int,
+                           text: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs of one prompt from its scores (serve.ranks.commands.PromptTokenLogprobs)."""
+    out: list[dict[str, Any] | None] = [None]
+    for j, token in enumerate(ids[1:]):
+        entry = {str(token): {"logprob": json_logprob(scored.logprobs[j]), "rank": scored.ranks[j],
+                              "decoded_token": text(token)}}
+        for rank, (alt, lp) in enumerate(scored.top[j][:top] if top else (), 1):
+            entry.setdefault(str(alt), {"logprob": json_logprob(lp), "rank": rank, "decoded_token": text(alt)})
+        out.append(entry)
+    return out
+
+
+def best_choices(choices: list[dict[str, Any]], generated: int, keep: int, show_logprobs: bool) -> list[dict[str, Any]]:
+    """Of each prompt's `generated` choices (completions' best_of), the `keep` with the highest
+    log-probability per token, most likely first, re-indexed; their logprobs hidden unless asked."""
+    def per_token(choice: dict[str, Any]) -> float:
+        values = [v for v in (choice.get("logprobs") or {}).get("token_logprobs") or () if v is not None]
+        return sum(values) / len(values) if values else -math.inf
+
+    out = []
+    for start in range(0, len(choices), generated):
+        out += sorted(choices[start:start + generated], key=per_token, reverse=True)[:keep]
+    for i, choice in enumerate(out):
+        choice["index"] = i
+        if not show_logprobs:
+            choice["logprobs"] = None
+    return out
 
 
 class Reply:

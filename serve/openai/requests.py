@@ -25,6 +25,7 @@ from serve.core.generation import (ChatPrompt, GenerationRequest, Prompt, TextPr
 from serve.core.structured import Structured
 from serve.openai.structured import read_structured
 from serve.errors import InvalidArgument, ServeError, Status, is_disk_full, status_of
+from tprt.engine.sampling import MAX_TOP_LOGPROBS
 from tprt.errors import ValidationError
 
 # The core's status (what every ServeError carries) -> HTTP status and OpenAI error type.
@@ -260,6 +261,7 @@ class _Common(KnownFields):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     speculate: bool | None = None  # speculative decoding for this request (false: off); the server's otherwise
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and this many alternatives
     # Output constraints (serve/core/structured.py): OpenAI's, and vLLM's extra {json, regex, choice, grammar}
     response_format: Any = None
     structured_outputs: Any = None
@@ -276,7 +278,7 @@ class CompletionBody(_Common):
     logprobs: int | None = None  # the n most likely alternatives per token (0..20)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None  # only as many as n: choosing the best of more is not done here
+    best_of: int | None = None  # generate this many per prompt, return the n of highest logprob per token
 
 
 class ContentPart(BaseModel):
@@ -388,6 +390,10 @@ class OpenAIRequest:
     params: dict[str, str]  # canonical field -> OpenAI parameter, where they differ
     echo: bool = False  # completions: the prompt comes back before the output (with its logprobs, if asked)
     generate: bool = True  # False: max_tokens 0 with echo, the prompt alone is scored
+    echo_logprobs: int | None = None  # echo's alternatives per prompt token (None: no logprobs)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
+    keep: int | None = None  # best_of above n: the n choices to keep of each prompt's best_of
+    show_logprobs: bool = True  # False: logprobs were asked only to choose the best (best_of)
 
     def error(self, e: ServeError) -> ServeError:
         return rename_field(e, by_prefix(self.params))
@@ -409,8 +415,13 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
         raise ParamError("must be at least 1 (0 only with echo: the prompt scored alone)", "max_tokens")
     if body.suffix:
         raise ParamError("suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != (body.n if body.n is not None else 1):
-        raise ParamError("best_of other than n is not supported (each choice is returned)", "best_of")
+    n = body.n if body.n is not None else 1
+    best_of = body.best_of if body.best_of is not None else n
+    if best_of < n:
+        raise ParamError(f"must be at least n ({n})", "best_of")
+    if best_of > n and (body.stream or body.echo):
+        raise ParamError(f"best_of above n cannot go with {'stream' if body.stream else 'echo'} (the best are "
+                         "chosen once all are done)", "best_of")
     raw = body.prompt
     items: list[str | list[int]]
     if isinstance(raw, str):
@@ -425,8 +436,24 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
     given["max_new_tokens"] = body.max_tokens if generate else 1  # checked as one token; none is generated
     if body.logprobs is not None:
         given["logprobs"], given["top_logprobs"] = True, body.logprobs
-    request = GenerationRequest(prompts, given, structured, adapter_id, body.n if body.n is not None else 1)
-    return OpenAIRequest(request, _COMPLETION_PARAMS, bool(body.echo), generate)
+    elif best_of > n:  # the sampled tokens' logprobs choose the best; not shown
+        given["logprobs"], given["top_logprobs"] = True, 0
+    params = {**_COMPLETION_PARAMS, "n": "best_of"} if best_of > n else _COMPLETION_PARAMS
+    request = GenerationRequest(prompts, given, structured, adapter_id, best_of)
+    return OpenAIRequest(request, params, bool(body.echo), generate, body.logprobs, _prompt_logprobs(body),
+                         n if best_of > n else None, body.logprobs is not None)
+
+
+def _prompt_logprobs(body: _Common) -> int | None:
+    """vLLM's prompt_logprobs: alternatives per prompt token, 0 to MAX_TOP_LOGPROBS; not streamed."""
+    k = body.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ParamError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {k}", "prompt_logprobs")
+    if body.stream:
+        raise ParamError("prompt_logprobs with stream is not supported (ask without stream)", "prompt_logprobs")
+    return k
 
 
 def _content(message: ChatMessageBody, i: int) -> str:
@@ -467,7 +494,7 @@ def chat_request(body: ChatBody, adapter_id: str) -> OpenAIRequest:
     n = body.n if body.n is not None else 1
     request = GenerationRequest([ChatPrompt(messages, template_kwargs=body.chat_template_kwargs or {},
                                             thinking_budget=body.thinking_budget)], given, structured, adapter_id, n)
-    return OpenAIRequest(request, params)
+    return OpenAIRequest(request, params, prompt_logprobs=_prompt_logprobs(body))
 
 
 def renamed(e: ServeError, rename: dict[str, str]) -> ParamError:

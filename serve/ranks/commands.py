@@ -97,10 +97,12 @@ class MoveAdapter(Command[None]):
 @dataclass(frozen=True)
 class PromptTokenLogprobs:
     """Each prompt token's log-probability given the tokens before it (the first token has none),
-    and where asked its `top` most likely alternatives, as (id, logprob) pairs."""
+    its rank in the vocabulary (1: the likeliest), and where asked its `top` most likely
+    alternatives, as (id, logprob) pairs."""
 
     logprobs: tuple[float, ...]  # for tokens 1 .. n-1
     top: tuple[tuple[tuple[int, float], ...], ...]  # per token 1 .. n-1; empty when not asked
+    ranks: tuple[int, ...] = ()  # per token 1 .. n-1
 
 
 @dataclass(frozen=True)

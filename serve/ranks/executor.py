@@ -177,6 +177,7 @@ class RankExecutor:
         model = self.model
         hidden = model.forward_hidden(torch.tensor([ids]))[0]  # [n, hidden]
         chosen: list[float] = []
+        ranks: list[int] = []
         tops: list[tuple[tuple[int, float], ...]] = []
         for a in range(0, len(ids) - 1, PROMPT_HEAD_CHUNK):
             b = min(a + PROMPT_HEAD_CHUNK, len(ids) - 1)
@@ -185,11 +186,13 @@ class RankExecutor:
                 continue
             logprobs = torch.log_softmax(full.float(), dim=-1)
             following = torch.tensor(ids[a + 1 : b + 1], device=logprobs.device)
-            chosen += logprobs.gather(1, following[:, None])[:, 0].tolist()
+            picked = logprobs.gather(1, following[:, None])  # [b - a, 1]
+            chosen += picked[:, 0].tolist()
+            ranks += ((logprobs > picked).sum(-1) + 1).tolist()  # 1: the likeliest token
             if top:
                 values, indices = logprobs.topk(top, dim=-1)
                 tops += [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        return PromptTokenLogprobs(tuple(chosen), tuple(tops)) if model.tp.rank == 0 else None
+        return PromptTokenLogprobs(tuple(chosen), tuple(tops), tuple(ranks)) if model.tp.rank == 0 else None
 
     def _cmd_move_adapter(self, index: int, tier: str) -> None:
         pool = self.engine.runner.adapters

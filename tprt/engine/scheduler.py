@@ -26,10 +26,12 @@ Priority: a sequence's `priority` (0: interactive, the default; higher: backgrou
 batch's requests) orders the queue, the token budget and preemption. Waiting sequences are
 admitted lower priority value first (arrival order within a priority); admitted ones get their
 blocks and prefill budget in that order; the pool's victims are the most recently admitted of the
-lowest priority; and a waiting sequence that finds no room (max_batch taken, or too few free
+lowest priority; a waiting sequence that finds no room (max_batch taken, or too few free
 blocks for its first chunk) preempts running sequences of a lower priority (higher value) to
-make it. Background work thus fills what interactive traffic leaves and never delays it by more
-than the recomputation it costs itself.
+make it; and while an interactive prompt is prefilled, background sequences sit those steps out
+(keeping their blocks), so its first token costs what it would cost alone. Background work thus
+fills what interactive traffic leaves; what it still costs an interactive request is the
+decode rows it adds to the steps after the first token.
 """
 
 from __future__ import annotations
@@ -180,7 +182,12 @@ class Scheduler(Generic[S]):
         decode_rows: list[S] = []
         extras: dict[str, int] = {}
         prefill_rows: list[tuple[S, int]] = []
-        decoding = [s for s in self.running if s.status is Status.RUNNING and not s.held]
+        urgent = self._interactive_prefill()  # background rows sit this step out
+
+        def sits_out(seq: S) -> bool:
+            return seq.held or (urgent and seq.priority > 0)
+
+        decoding = [s for s in self.running if s.status is Status.RUNNING and not sits_out(s)]
         spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
         for seq in decoding:
             extras[seq.request_id] = extra = min(len(seq.draft), max(spare, 0))
@@ -191,8 +198,8 @@ class Scheduler(Generic[S]):
         for seq in sorted(self.running, key=_priority):
             if seq.status is Status.WAITING:  # preempted by one before it in this loop
                 continue
-            if seq.status is Status.RUNNING and seq.held:
-                pass  # keeps its blocks and its place; decodes in a later step
+            if sits_out(seq):
+                pass  # keeps its blocks and its place; runs in a later step
             elif seq.status is Status.RUNNING:
                 # The row's tokens go at positions length - 1 .. length - 1 + extra.
                 if self._grow(seq, seq.length + extras[seq.request_id]):
@@ -204,6 +211,8 @@ class Scheduler(Generic[S]):
                     prefill_rows.append((seq, n))
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch:
+            if urgent and self.waiting[0].priority > 0:
+                break
             n = self._admit(self.waiting[0], budget)
             if not n:
                 break
@@ -287,6 +296,14 @@ class Scheduler(Generic[S]):
             if seq.blocks[i] != SCRATCH_BLOCK:
                 self.pool.release([seq.blocks[i]])
                 seq.blocks[i] = SCRATCH_BLOCK
+
+    def _interactive_prefill(self) -> bool:
+        """Whether this step prefills an interactive sequence beside background ones: then the
+        background rows sit the step out, so a prompt's first token costs what it costs alone."""
+        if not any(s.priority > 0 for s in self.running):
+            return False
+        return bool(self.waiting and self.waiting[0].priority == 0) or any(
+            s.priority == 0 and s.status is Status.PREFILLING for s in self.running)
 
     def _victim(self) -> S:
         """The admitted sequence to preempt first: the most recently admitted of the lowest
