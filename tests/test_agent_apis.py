@@ -142,3 +142,64 @@ def test_stored_responses_are_bounded_and_deleted(tmp_path: Path) -> None:
     with pytest.raises(NotFound):
         store.delete("resp_4")
     assert ResponseStore(tmp_path, max_stored=3).count() == 2  # it survives a restart
+
+
+def _deltas() -> list[tuple[dict[str, Any], Any]]:
+    """A reasoning model's reply with a tool call, as chat chunks' choices and their events."""
+    from serve.core.generation import ChoiceEvent
+
+    ev = ChoiceEvent(0, "")
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+    return [({"delta": {"reasoning_content": "Let me "}}, ev), ({"delta": {"reasoning_content": "think."}}, ev),
+            ({"delta": {"content": "Calling."}}, ev), ({"delta": {"tool_calls": [call]}}, ev),
+            ({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}}, ev),
+            ({"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}}, ev),
+            ({"delta": {}, "finish_reason": "tool_calls"}, ChoiceEvent(0, "", finish_reason="stop"))]
+
+
+USAGE = {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_a_reasoning_reply_with_a_call_as_response_items_and_events() -> None:
+    from serve.openai.responses import ResponseBuilder
+
+    body = ResponsesBody(model="m", input="x")
+    builder = ResponseBuilder(body, responses_request(body, "", None))
+    events = builder.opening()
+    for choice, _ in _deltas():
+        events += builder.feed(choice)
+    events += builder.finish(USAGE)
+    out = builder.response()
+    assert [o["type"] for o in out["output"]] == ["reasoning", "message", "function_call"]
+    assert out["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
+    assert out["output"][1]["content"][0]["text"] == "Calling."
+    assert (out["output"][2]["call_id"], out["output"][2]["arguments"]) == ("call_1", '{"a": 1}')
+    assert out["status"] == "completed" and out["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    assert "response.reasoning_text.delta" in kinds and "response.function_call_arguments.done" in kinds
+    # Its conversation continues with the same items after the input.
+    assert builder.conversation()[-3:] == out["output"]
+
+
+def test_a_reasoning_reply_with_a_call_as_anthropic_blocks_and_events() -> None:
+    from serve.anthropic.messages import MessageBuilder
+
+    builder = MessageBuilder("m", 10)
+    events = builder.opening()
+    for choice, ev in _deltas():
+        events += builder.feed(choice, ev)
+    events += builder.finish(USAGE)
+    msg = builder.message()
+    assert [b["type"] for b in msg["content"]] == ["thinking", "text", "tool_use"]
+    assert msg["content"][0]["thinking"] == "Let me think." and msg["content"][2]["input"] == {"a": 1}
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["usage"] == {"input_tokens": 6, "output_tokens": 12, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": 4}
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 3
+    deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+    assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]

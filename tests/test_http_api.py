@@ -1334,7 +1334,7 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
                                            purpose="fine-tune").message
     files.max_stored_bytes = None
 
-    def no_space(self: Any, upload: Any, tmp: Path) -> int:
+    def no_space(self: Any, upload: Any, tmp: Path, limit: int | None) -> int:
         tmp.write_bytes(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 

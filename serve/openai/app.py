@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP API (FastAPI): /v1/models, /v1/completions, /v1/chat/completions,
-/v1/files and /v1/fine_tuning/jobs.
+"""The HTTP app (FastAPI): OpenAI's /v1/models, /v1/completions, /v1/chat/completions,
+/v1/responses, /v1/batches, /v1/files and /v1/fine_tuning/jobs, and Anthropic's /v1/messages
+(its routes in serve/anthropic/app.py, on this module's `HttpApi`).
 
-It sits beside gRPC on rank 0 and shares its engine loop, adapters, job manager, bearer token and
+It sits beside gRPC on rank 0 and shares its generation core, jobs core, bearer token and
 metrics: a body is read into the generation core's request (serve/openai/requests.py), which the
 core checks and queues, one ticket per choice (serve/core/generation.py); the events, handed into
 the event loop by the engine loop's thread, become an OpenAI response, or server-sent events
@@ -9,13 +10,16 @@ the event loop by the engine loop's thread, become an OpenAI response, or server
 request early (the client disconnects, an error) cancels its unfinished tickets, so their
 sequences leave the batch at the next step.
 
-Files and fine-tuning jobs are thin routes over serve/openai/files.py (the uploaded datasets) and
-serve/openai/jobs.py (OpenAI's job body and objects <-> the JobManager's jobs, which gRPC's
-FineTuning service sees too).
+Files and fine-tuning jobs are thin routes over serve/openai/files.py (the uploaded files) and
+serve/openai/jobs.py (OpenAI's job body and objects <-> the jobs core's jobs, which gRPC's
+FineTuning service sees too); responses over serve/openai/responses.py and response_store.py;
+batches over serve/openai/batches.py, whose runner calls `run_line` (the same endpoint code, at
+background priority).
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with the HTTP status
-of their gRPC code (serve/openai/requests.py), made safe to show as gRPC's are (serve.errors.Redactor),
-in a stream's error event too; unknown routes and methods (404, 405) as well.
+of their `serve.errors.Status` (serve/openai/requests.py), Anthropic's under /v1/messages
+(serve/anthropic/errors.py), made safe to show as gRPC's are (serve.errors.Redactor), in a
+stream's error event too; unknown routes and methods (404, 405) as well.
 Every call is counted in `tprt_requests_total` with `protocol="http"` and the route as `method`.
 
 Before any route runs, `Authenticate` checks the bearer token on the request's headers (a 401
