@@ -71,7 +71,7 @@ def main() -> int:
     p.add_argument("--probes", type=int, default=12, help="interactive requests timed, idle and under the batch (12)")
     p.add_argument("--tokens", type=int, default=16, help="tokens of each probe (16)")
     p.add_argument("--max-batch-size", type=int, default=8, help="the server's --max-batch-size (8)")
-    p.add_argument("--workdir", type=Path, default=ROOT / "bench" / "data" / "serve-batch")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-serve-batch"), help="SmolLM2 conversions (kept)")
     args = p.parse_args()
 
     import openai

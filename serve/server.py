@@ -55,6 +55,7 @@ from serve.jobs.store import JobStore
 from serve.grpc.limits import OpenCallLimiter
 from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
+from serve.router_metrics import RouterContract
 from serve.grpc.pb import finetuning_pb2, finetuning_pb2_grpc, generation_pb2, generation_pb2_grpc
 from serve.core.loop import EngineLoop
 from tprt.engine.speculative import SpeculativeConfig, check_draft_model
@@ -257,6 +258,7 @@ class App:
         self.datasets = DatasetWork()  # HTTP uploads' and job creations' file work (the drain waits for it)
         self.stop = threading.Event()
         self.broken = False
+        self.serving = False  # ready for requests: started, every rank up, not draining (HTTP /ready)
         self.loop: EngineLoop | None = None
         self.jobs: JobManager | None = None
 
@@ -298,6 +300,7 @@ class App:
         for name in ("", *SERVICES):
             self.health.set(name, status)
         self.metrics.healthy.set(1 if serving else 0)
+        self.serving = serving
 
     def _on_broken(self, reason: str) -> None:
         self.broken = True
@@ -354,10 +357,13 @@ class App:
                                                 files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields,
                                                 responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses),
-                                                batches=self.batches))
+                                                batches=self.batches, alive=lambda: not self.broken,
+                                                ready=lambda: self.serving, registry=self.metrics.registry))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(FineTuningService(jobs), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        loop = self.loop
+        self.metrics.registry.register(RouterContract(lambda: loop.router_facts(cfg.max_loras), facts.name))
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
                                 "context_length": str(facts.context_length), "kv_cache_dtype": facts.kv_cache_dtype,
                                 "kv_cache_tokens": str(facts.kv_cache_tokens)})

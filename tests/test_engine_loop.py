@@ -337,6 +337,22 @@ def test_background_tickets_wait_behind_interactive_ones_and_are_not_queue_limit
         w.scheduler.cancel(t.request_id)
 
 
+def test_router_facts_name_the_adapters_of_running_and_waiting_requests(world: Callable[..., World]) -> None:
+    """What routers scrape (serve/router_metrics.py, issue 43): the queue, the batch, and the
+    adapters of running and of waiting requests."""
+    w = world(max_batch=1, max_queue=4)
+    w.scheduler.submit(ticket("run", FOREVER, adapter_id="lora-a"))
+    w.start()
+    w.engine.wait_parked()
+    w.scheduler.submit(ticket("wait", adapter_id="lora-b"))
+    w.scheduler.submit(ticket("base"))
+    facts = w.scheduler.router_facts(max_lora=8)
+    assert (facts.running, facts.waiting, facts.max_lora) == (1, 2, 8)
+    assert (facts.running_adapters, facts.waiting_adapters) == (("lora-a",), ("lora-b",))
+    assert 0 <= facts.kv_usage <= 1 and facts.block_size == 1
+    w.scheduler.cancel("run")
+
+
 def test_tickets_that_take_a_free_slot_next_step_are_not_counted_as_queued(world: Callable[..., World]) -> None:
     w = world(max_batch=2, max_queue=1)  # not started: nothing is admitted yet
     for name in ("a", "b", "c"):  # two free slots + one queue place

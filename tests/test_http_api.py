@@ -103,6 +103,34 @@ def test_models_lists_the_base_model(api: Api) -> None:
     assert models[0].model_extra is not None and models[0].model_extra["parent"] is None
 
 
+def test_probes_and_the_routers_metrics_need_no_token(api: Api) -> None:
+    """/health and /ready answer Kubernetes' probes and /metrics a router's scrape without the
+    token; the metrics hold the routers' names (vLLM's and SGLang's, issue 43) beside tprt's, with
+    the same values: a running request counted, the KV pool's block size and blocks."""
+    base = api.base_url.removesuffix("/v1")
+    with httpx.Client(verify=api.verify, timeout=30) as bare:
+        assert bare.get(f"{base}/health").json() == {"status": "ok"}
+        assert bare.get(f"{base}/ready").json() == {"status": "ready"}
+        assert bare.get(f"{api.base_url}/models").status_code == 401  # everything else still needs it
+        with api.http(timeout=120) as http, http.stream(
+                "POST", f"{api.base_url}/completions",
+                json={"model": api.model, "prompt": "x", "max_tokens": LONG, "stream": True,
+                      "ignore_eos": True}) as r:
+            first = next(r.iter_lines())
+            assert first.startswith("data:")
+            text = bare.get(f"{base}/metrics").text
+    assert metric(text, "vllm:num_requests_running", model_name="tp2") >= 1
+    assert metric(text, "sglang:num_running_reqs", model_name="tp2") >= 1
+    assert metric(text, "vllm:num_requests_waiting", model_name="tp2") == metric(text, "sglang:num_queue_reqs",
+                                                                                model_name="tp2")
+    assert 0 < metric(text, "vllm:kv_cache_usage_perc", model_name="tp2") <= 1
+    config = re.search(r'vllm:cache_config_info\{([^}]*)\} 1\.0', text)
+    assert config and 'block_size="' in config.group(1) and 'num_gpu_blocks="' in config.group(1), text
+    assert re.search(r'vllm:lora_requests_info\{max_lora="8",running_lora_adapters="[^"]*",'
+                     r'waiting_lora_adapters="[^"]*"\} \d', text), text
+    assert "tprt_running_requests" in text
+
+
 def test_streaming_chat_equals_grpc(api: Api) -> None:
     stream = api.client.chat.completions.create(
         model=api.model, messages=CHAT, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]

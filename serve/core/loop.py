@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from serve.adapters.pool import AdapterPool
 from serve.errors import QueueFull, ServeError, Unavailable
 from serve.metrics import Metrics
+from serve.router_metrics import RouterFacts
 from tprt.distributed.ranks import RankGroup
 from tprt.engine.scheduler import KVStats
 from tprt.errors import ValidationError
@@ -357,6 +358,16 @@ class EngineLoop:
                 future.set_result(fn(self.ranks))
             except Exception as e:  # noqa: BLE001 - the caller's; a broken world shows at the next step
                 future.set_exception(e)
+
+    def router_facts(self, max_lora: int) -> RouterFacts:
+        """What routers read of this server (serve/router_metrics.py): its queue and batch, the KV
+        pool as of the last step, and the adapters of running and waiting requests."""
+        with self._cv:
+            live, waiting = list(self._live.values()), list(self._waiting)
+        kv = self._kv_seen
+        return RouterFacts(len(waiting), len(live), kv.blocks_used / max(kv.blocks_total, 1), kv.block_size,
+                           kv.blocks_total, max_lora, tuple(sorted({t.adapter_id for t in live if t.adapter_id})),
+                           tuple(sorted({t.adapter_id for t in waiting if t.adapter_id})))
 
     def _live_interactive(self) -> int:
         return sum(1 for t in self._live.values() if t.priority == 0)

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -99,6 +99,12 @@ class HttpDeps:
     ignore_unknown_fields: bool = False  # --ignore-unknown-fields: drop them instead of refusing the request
     responses: ResponseStore | None = None  # stored Responses (`store`); None: none are kept
     batches: BatchRunner | None = None  # the Batch API's runner; None: no batches
+    # Probes and metrics for routers and Kubernetes, answered without the token: /health (the
+    # process can serve: no rank is down), /ready (it takes requests now: started, not draining),
+    # /metrics (the server's Prometheus registry, its routers' series included).
+    alive: Callable[[], bool] = lambda: True
+    ready: Callable[[], bool] = lambda: True
+    registry: Any = None
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -113,7 +119,8 @@ class HttpDeps:
         return self.core.adapters
 
 
-UPLOAD_OVERHEAD = 64 << 10  # a multipart body's framing and form fields, beyond the file itself
+UPLOAD_OVERHEAD = 64 << 10
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # probes and scrapes carry no token  # a multipart body's framing and form fields, beyond the file itself
 
 
 class Authenticate:
@@ -127,7 +134,7 @@ class Authenticate:
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.check(scope["headers"]):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.check(scope["headers"]):
             await self.app(scope, receive, send)
             return
         self.on_refused(scope)
@@ -210,6 +217,9 @@ def create_app(deps: HttpDeps) -> FastAPI:
         app.add_exception_handler(storage, api.storage_failed)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, api.failed)  # a bug: 500, and uvicorn logs the traceback
     app.get("/v1/models")(api.models)
+    app.get("/health")(api.health)
+    app.get("/ready")(api.ready)
+    app.get("/metrics")(api.metrics)
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
     app.post("/v1/files")(api.upload_file)
@@ -323,6 +333,24 @@ class OpenAIApi(HttpApi):
     """The OpenAI API's route handlers (see the module docstring)."""
 
     # ----------------------------------------------------------------- routes
+
+    async def health(self, request: Request) -> JSONResponse:
+        """Liveness: 503 once a rank is down (the server must be restarted)."""
+        alive = self.d.alive()
+        return JSONResponse({"status": "ok" if alive else "broken"}, status_code=200 if alive else 503)
+
+    async def ready(self, request: Request) -> JSONResponse:
+        """Readiness: 200 while the server takes requests; 503 before it starts, while it drains,
+        and once a rank is down."""
+        ready = self.d.ready()
+        return JSONResponse({"status": "ready" if ready else "not ready"}, status_code=200 if ready else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if self.d.registry is None:
+            raise NotFound("this server exports no metrics here", "path")
+        return Response(generate_latest(self.d.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> dict[str, Any]:
         created = int(self.d.started)
