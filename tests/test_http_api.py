@@ -194,7 +194,7 @@ def test_echo_scores_the_prompt_like_transformers(api: Api) -> None:
     """Completions' echo with logprobs (what lm-eval's local-completions model asks: max_tokens 0,
     the prompt's token logprobs, the first null): each prompt token's logprob is transformers'
     log-softmax of the same weights at that position, within 1e-4; with max_tokens > 0 the output
-    follows the echoed prompt; echo with stream, and max_tokens 0 without echo, are 400s."""
+    follows the echoed prompt, streamed or not; max_tokens 0 without echo is a 400."""
     from transformers import AutoModelForCausalLM
 
     c = api.client
@@ -219,10 +219,22 @@ def test_echo_scores_the_prompt_like_transformers(api: Api) -> None:
     more_lp = more.choices[0].logprobs
     assert more_lp is not None and more_lp.token_logprobs is not None and len(more_lp.token_logprobs) == len(ids) + 3
     assert more_lp.token_logprobs[: len(ids)] == lp.token_logprobs
-    for extra, param in (({"echo": True, "stream": True, "max_tokens": 1}, "echo"), ({"max_tokens": 0}, "max_tokens")):
-        with pytest.raises(openai.BadRequestError) as bad:
-            c.completions.create(model=api.model, prompt=ids, **extra)
-        assert bad.value.param == param
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.completions.create(model=api.model, prompt=ids, max_tokens=0)
+    assert bad.value.param == "max_tokens"
+    # Streamed, the prompt comes first, with the same entries and offsets; max_tokens 0 ends there.
+    for tokens, whole in ((3, more), (0, scored)):
+        chunks = [ch for ch in c.completions.create(model=api.model, prompt=ids, max_tokens=tokens, echo=True,
+                                                    logprobs=0, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True}) if ch.choices]
+        expect = whole.choices[0]
+        assert "".join(ch.choices[0].text for ch in chunks) == expect.text
+        got = [(t, lp, off) for ch in chunks if ch.choices[0].logprobs is not None
+               for t, lp, off in zip(ch.choices[0].logprobs.tokens, ch.choices[0].logprobs.token_logprobs,
+                                     ch.choices[0].logprobs.text_offset)]
+        assert expect.logprobs is not None
+        assert got == list(zip(expect.logprobs.tokens, expect.logprobs.token_logprobs, expect.logprobs.text_offset))
+        assert chunks[-1].choices[0].finish_reason == "length"
     # vLLM's prompt_logprobs: each prompt token's logprob and rank among the vocabulary, with the
     # likeliest alternatives; on the choice for completions, on the response for chat.
     listed = c.completions.create(model=api.model, prompt=ids, max_tokens=1,

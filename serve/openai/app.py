@@ -602,27 +602,29 @@ class OpenAIApi(HttpApi):
     async def _generate(self, request: Request, body: Any, kind: str,
                         read: Callable[[Any, str], OpenAIRequest]) -> Any:
         req = read(body, self._adapter(body.model))
+        generation = None
         try:
             # Tokenizing, the chat template and compiling constraints are CPU work: off the event loop.
             prepared = await run_in_threadpool(self.core.prepare, req.request)
             scores = await run_in_threadpool(self._score_prompts, prepared, req)
-            if not req.generate:
-                self._count(request, "ok")
-                return self._answer(req, Reply(kind, body.model, prepared), scores)
-            generation = self.core.start_async(prepared)
+            if req.generate:
+                generation = self.core.start_async(prepared)
         except ServeError as e:
             raise req.error(e) from None
         reply = Reply(kind, body.model, prepared)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(self._stream(request, generation.aevents(), reply, usage, req.error))
-        try:
-            async for ev in generation.aevents(request.is_disconnected):
-                reply.add(ev)
-        except ServeError as e:  # the loop's refusal (the adapter pool's), or how the request ended
-            if isinstance(e, Cancelled):
-                self._count(request, "cancelled")
-            raise req.error(e) from None
+            opening = reply.echo_opening(scores.echoed, req.generate) if scores.echoed is not None else None
+            events = generation.aevents() if generation is not None else _no_events()
+            return EventSourceResponse(self._stream(request, events, reply, usage, req.error, opening))
+        if generation is not None:
+            try:
+                async for ev in generation.aevents(request.is_disconnected):
+                    reply.add(ev)
+            except ServeError as e:  # the loop's refusal (the adapter pool's), or how the request ended
+                if isinstance(e, Cancelled):
+                    self._count(request, "cancelled")
+                raise req.error(e) from None
         self._count(request, "ok")
         return self._answer(req, reply, scores)
 
@@ -778,11 +780,13 @@ class OpenAIApi(HttpApi):
         return builder.response()
 
     async def _stream(self, request: Request, events: AsyncGenerator[ChoiceEvent, None], reply: Reply,
-                      include_usage: bool, rename: Callable[[ServeError], ServeError]) -> AsyncIterator[bytes]:
-        """A streaming response notices the disconnect itself (it closes this generator, and so `events`)."""
+                      include_usage: bool, rename: Callable[[ServeError], ServeError],
+                      opening: list[dict[str, Any]] | None = None) -> AsyncIterator[bytes]:
+        """A streaming response notices the disconnect itself (it closes this generator, and so
+        `events`). `opening`: the first chunks (an echoed prompt), else the reply's own."""
         outcome = "cancelled"  # unless it ends below: the client went away mid-stream
         try:
-            for chunk in reply.opening():
+            for chunk in opening if opening is not None else reply.opening():
                 yield format_sse_event(data_str=json.dumps(chunk))
             async for ev in events:
                 piece = reply.chunk(ev, include_usage)
@@ -799,6 +803,12 @@ class OpenAIApi(HttpApi):
             await events.aclose()  # cancels what has not finished
             self._count(request, outcome)
         yield format_sse_event(data_str="[DONE]")
+
+
+async def _no_events() -> AsyncGenerator[ChoiceEvent, None]:
+    """The events of a request that generates nothing (echo with max_tokens 0)."""
+    return
+    yield  # an async generator
 
 
 def _check_limit(limit: int, most: int) -> None:

@@ -177,6 +177,20 @@ class Reply:
                 self.usage_of[i] = Usage(len(ids), 0, 0)
         return self
 
+    def echo_opening(self, prompts: list[EchoedPrompt], generated: bool) -> list[dict[str, Any]]:
+        """A streamed `echo`: `echoed`, then one chunk per choice with its prompt's text and logprob
+        entries (the output's text offsets follow the prompt); without `generated` each chunk ends
+        its choice."""
+        self.echoed(prompts, generated)
+        out = []
+        for i in range(len(self.text)):
+            text = self.text[i][0]
+            self.offset[i] += len(text)
+            choice = {"index": i, "text": text, "logprobs": self._choice_logprobs(self.logprobs[i]),
+                      "finish_reason": self.finish[i]}
+            out.append({**self._head("text_completion"), "choices": [choice]})
+        return out
+
     def _choice_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not entries:
             return None

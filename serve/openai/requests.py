@@ -409,8 +409,6 @@ def completion_request(body: CompletionBody, adapter_id: str) -> OpenAIRequest:
     """A /v1/completions body as the core's request; ParamError for what OpenAI's API alone has."""
     structured = _structured({"response_format": body.response_format, "structured_outputs": body.structured_outputs,
                               "guided": _guided(body)})
-    if body.echo and body.stream:
-        raise ParamError("echo with stream is not supported (ask without stream)", "echo")
     if body.max_tokens == 0 and not body.echo:
         raise ParamError("must be at least 1 (0 only with echo: the prompt scored alone)", "max_tokens")
     if body.suffix:
