@@ -95,7 +95,7 @@ def test_a_batch_runs_behind_interactive_requests(root: Path) -> None:
                 assert first["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
             assert done.usage is not None and done.usage.output_tokens == 6 * 6
         # Interactive requests go first: one sent while a long batch runs ends before the batch.
-        long = [_line(i, "/v1/completions", tokens=48) for i in range(16)]
+        long = [_line(i, "/v1/completions", tokens=48) for i in range(64)]  # far more than the test waits for
         batch = client.batches.create(input_file_id=_upload(client, long), endpoint="/v1/completions",
                                       completion_window="24h")
         wait_for(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, 300,  # type: ignore[union-attr]
@@ -107,7 +107,7 @@ def test_a_batch_runs_behind_interactive_requests(root: Path) -> None:
         cancelled = client.batches.cancel(batch.id)
         assert cancelled.status in ("cancelling", "cancelled")
         ended = _wait(client, batch.id)
-        assert ended.status == "cancelled" and ended.request_counts.completed < 16  # type: ignore[union-attr]
+        assert ended.status == "cancelled" and ended.request_counts.completed < 64  # type: ignore[union-attr]
         assert len(_results(client, ended.output_file_id)) == ended.request_counts.completed  # type: ignore[union-attr]
         with pytest.raises(openai.BadRequestError):
             client.batches.cancel(batch.id)

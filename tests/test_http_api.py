@@ -22,6 +22,8 @@ import shutil
 import socket
 import ssl
 import sys
+import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,13 +114,13 @@ def test_probes_and_the_routers_metrics_need_no_token(api: Api) -> None:
         assert bare.get(f"{base}/health").json() == {"status": "ok"}
         assert bare.get(f"{base}/ready").json() == {"status": "ready"}
         assert bare.get(f"{api.base_url}/models").status_code == 401  # everything else still needs it
-        with api.http(timeout=120) as http, http.stream(
-                "POST", f"{api.base_url}/completions",
-                json={"model": api.model, "prompt": "x", "max_tokens": LONG, "stream": True,
-                      "ignore_eos": True}) as r:
-            first = next(r.iter_lines())
-            assert first.startswith("data:")
-            text = bare.get(f"{base}/metrics").text
+        # Scrape as a router does while a long stream runs. On two busy cores the stream can end
+        # before a scrape lands (its ranks take the CPU), so an attempt that misses it is retried.
+        for _attempt in range(3):
+            text = _scrape_during_a_stream(api, bare, f"{base}/metrics")
+            if text is not None:
+                break
+        assert text is not None, "no scrape saw the running stream in 3 attempts"
     assert metric(text, "vllm:num_requests_running", model_name="tp2") >= 1
     assert metric(text, "sglang:num_running_reqs", model_name="tp2") >= 1
     assert metric(text, "vllm:num_requests_waiting", model_name="tp2") == metric(text, "sglang:num_queue_reqs",
@@ -129,6 +131,39 @@ def test_probes_and_the_routers_metrics_need_no_token(api: Api) -> None:
     assert re.search(r'vllm:lora_requests_info\{max_lora="8",running_lora_adapters="[^"]*",'
                      r'waiting_lora_adapters="[^"]*"\} \d', text), text
     assert "tprt_running_requests" in text
+
+
+def _scrape_during_a_stream(api: Api, bare: httpx.Client, url: str) -> str | None:
+    """/metrics scraped while a long completion streams: the first scrape that counts it as
+    running with its KV blocks held (as of a step after its prefill); None when the stream ended
+    first. The stream is closed once seen (the server cancels it)."""
+    ended, seen = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        try:
+            with api.http(timeout=120) as http, http.stream(
+                    "POST", f"{api.base_url}/completions",
+                    json={"model": api.model, "prompt": "x", "max_tokens": LONG, "stream": True,
+                          "ignore_eos": True, "speculate": False}) as r:
+                for _ in r.iter_lines():
+                    if seen.is_set():
+                        break
+        finally:
+            ended.set()
+
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    try:
+        while not ended.is_set():
+            text = bare.get(url).text
+            if metric(text, "vllm:num_requests_running", model_name="tp2") >= 1 and \
+                    metric(text, "vllm:kv_cache_usage_perc", model_name="tp2") > 0:
+                seen.set()
+                return text
+            time.sleep(0.02)
+        return None
+    finally:
+        reader.join(120)
 
 
 def test_streaming_chat_equals_grpc(api: Api) -> None:
