@@ -72,6 +72,19 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--tls-key", type=Path, metavar="PEM", help="TLS private key")
     s.add_argument("--data-dir", type=Path, default=Path("tprt-data"), metavar="DIR",
                    help="job store, fine-tuning datasets and outputs (./tprt-data)")
+    s.add_argument("--store", metavar="URL",
+                   help="keep jobs, stored responses and batches in this PostgreSQL database "
+                        "(postgresql://user:password@host/db), shared by the replicas of a fleet: each job is "
+                        "trained once, by the replica holding its lease (docs/FLEET.md). Needs "
+                        "pip install 'tprt[fleet]'. Default: SQLite files under --data-dir, for one server")
+    s.add_argument("--replica-id", metavar="NAME",
+                   help="this server's name as a job's lease holder, in the store and the logs (default: host, "
+                        "process id and a random part)")
+    s.add_argument("--job-lease", type=float, default=30.0, metavar="S",
+                   help="with --store: seconds a replica's claim on a running job lasts unless renewed; a replica "
+                        "silent that long loses its job to another, which resumes it from its checkpoint (30)")
+    s.add_argument("--no-jobs", dest="run_jobs", action="store_false",
+                   help="accept fine-tuning jobs (for the replicas that run them) but train none here")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="seconds to drain on SIGTERM (30)")
     s.add_argument("--dtype", metavar="{fp32,bf16,fp16}", help="compute dtype (default: the checkpoint's)")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")

@@ -42,7 +42,7 @@ from serve.errors import Redactor
 from serve.grpc.errors import ErrorInterceptor
 from serve.ranks.executor import RankExecutor
 from serve.jobs.core import JobsCore
-from serve.jobs.manager import JobManager
+from serve.jobs.manager import JobManager, new_replica_id
 from serve.openai.http_guard import HttpLimits
 from serve.openai.http_server import HttpServer
 from serve.openai.app import HttpDeps, create_app
@@ -51,7 +51,8 @@ from serve.openai.files import FileStore
 from serve.openai.response_store import ResponseStore
 from serve.core.generation import GenerationCore, ModelFacts, text_byte_limit
 from serve.grpc.handlers import FineTuningService, GenerationService
-from serve.jobs.store import JobStore
+from serve.jobs.store import DB_NAME, JobStore
+from serve.store.database import StoreError, Stores, is_postgres_url, redact_url
 from serve.grpc.limits import OpenCallLimiter
 from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
 from serve.metrics import Metrics
@@ -99,6 +100,10 @@ class ServeConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     data_dir: Path = Path("tprt-data")
+    store: str | None = None  # PostgreSQL URL shared by replicas (serve/store); None: SQLite under data_dir
+    replica_id: str | None = None  # the lease holder's name (serve/jobs/manager.py); None: host, pid, random
+    job_lease: float = 30.0  # seconds a running job's lease lasts unless renewed
+    run_jobs: bool = True  # --no-jobs: accept jobs, train none
     drain_timeout: float = 30.0
     dtype: str | None = None
     max_message_bytes: int = 16 * 1024 * 1024
@@ -147,6 +152,11 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
         raise ConfigError(f"--http-port must be a port number, got {cfg.http_port}")
     if cfg.max_cpu_loras < 0:
         raise ConfigError(f"--max-cpu-loras must be at least 0, got {cfg.max_cpu_loras}")
+    if cfg.store is not None and not is_postgres_url(cfg.store):
+        raise ConfigError(f"--store {redact_url(cfg.store)}: expected a postgresql:// URL (without --store, the "
+                          "stores are SQLite files under --data-dir)")
+    if not cfg.job_lease > 0:
+        raise ConfigError(f"--job-lease must be a positive number of seconds, got {cfg.job_lease}")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     for flag, seconds in (("--http-header-timeout", limits.header_timeout), ("--http-body-timeout", limits.body_timeout)):
@@ -242,10 +252,18 @@ class App:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
-        self._data_lock = _lock_data_dir(Path(cfg.data_dir))
-        self.store = JobStore(cfg.data_dir)
-        for rec in self.store.recover(Path(cfg.data_dir)):
-            log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
+        # One server per data dir, unless the replicas of a fleet share it behind a shared store
+        # (whose leases keep them from running one job twice).
+        self._data_lock = _lock_data_dir(Path(cfg.data_dir)) if cfg.store is None else None
+        try:
+            self.stores = Stores(cfg.data_dir, cfg.store)
+            self.store = JobStore(self.stores.open(DB_NAME))
+        except StoreError as e:  # unreachable, or migrated by a newer tprt
+            raise ConfigError(str(e)) from None
+        self.replica_id = cfg.replica_id or new_replica_id()  # the lease holder's name in the shared store
+        if not self.stores.shared:  # alone on its files: every running job was this server's
+            for rec in self.store.recover(Path(cfg.data_dir)):
+                log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
         self.redact = Redactor({Path(cfg.data_dir): "", Path(cfg.model): "<model>/"})  # what callers may see
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._set_health(False)
@@ -327,7 +345,8 @@ class App:
                                    adapters=pool)
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
                                engine.max_seq_len, self.loop.wake, cfg.max_queued_jobs, self.redact,
-                               cfg.max_stored_jobs)
+                               cfg.max_stored_jobs, self.replica_id, self.stores.shared, int(cfg.job_lease * 1000),
+                               cfg.run_jobs)
         self.loop.side = self.jobs
         self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
@@ -350,13 +369,16 @@ class App:
                         self._job_admission(ctx, model))
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
-            self.batches = BatchRunner(BatchStore(Path(cfg.data_dir)), Path(cfg.data_dir), max_batch_size(cfg))
+            self.batches = BatchRunner(BatchStore(Path(cfg.data_dir), self.stores.open("batches.sqlite"),
+                                                  self.replica_id if self.stores.shared else None),
+                                       Path(cfg.data_dir), max_batch_size(cfg))
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
                               cfg.max_stored_bytes)
             self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
                                                 files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields,
-                                                responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses),
+                                                responses=ResponseStore(Path(cfg.data_dir), cfg.max_stored_responses,
+                                                                        self.stores.open("responses.sqlite")),
                                                 batches=self.batches, alive=lambda: not self.broken,
                                                 ready=lambda: self.serving, registry=self.metrics.registry))
         finetuning_pb2_grpc.add_FineTuningServicer_to_server(FineTuningService(jobs), self.server)
@@ -411,7 +433,7 @@ class App:
             if self.http is not None:
                 self.http.stop()
             self.metrics.close()
-            self.store.close()
+            self.stores.close()
             if not self.broken:
                 shutdown()
 

@@ -4,15 +4,12 @@ bound on stored responses. The servers' side is in test_http_outputs.py and test
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from serve.anthropic.messages import MessagesBody, chat_messages, messages_request
-from serve.errors import NotFound
 from serve.openai.requests import ParamError, parse_body
-from serve.openai.response_store import ResponseStore
 from serve.openai.responses import ResponsesBody, conversation_messages, responses_request
 
 
@@ -127,21 +124,6 @@ def test_documented_fields_refused_by_value_and_unknown_ones_by_name() -> None:
         with pytest.raises(ParamError) as info:
             parse_body(raw, model)  # type: ignore[type-var]
         assert info.value.param == param
-
-
-def test_stored_responses_are_bounded_and_deleted(tmp_path: Path) -> None:
-    store = ResponseStore(tmp_path, max_stored=3)
-    for i in range(5):
-        store.put({"id": f"resp_{i}", "output": [i]}, [{"id": f"msg_{i}"}], [{"turn": i}])
-    assert store.count() == 3
-    with pytest.raises(NotFound):
-        store.get("resp_1")
-    assert store.get("resp_4") == {"id": "resp_4", "output": [4]}
-    assert store.conversation("resp_2") == [{"turn": 2}] and store.input_items("resp_3") == [{"id": "msg_3"}]
-    store.delete("resp_4")
-    with pytest.raises(NotFound):
-        store.delete("resp_4")
-    assert ResponseStore(tmp_path, max_stored=3).count() == 2  # it survives a restart
 
 
 def _deltas() -> list[tuple[dict[str, Any], Any]]:

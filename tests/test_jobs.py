@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,7 @@ from serve.errors import AlreadyExists, FailedPrecondition, NotFound, QueueFull,
 from serve.jobs.core import JobsCore
 from serve.jobs.manager import JobManager
 from serve.grpc.handlers import FineTuningService
-from serve.jobs.store import (CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken, JobRecord, JobStore,
-                              QueueLimit)
+from serve.jobs.store import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
 from serve.jobs.spec import check_create
 from serve.grpc.jobs import job_pb, job_request
 from serve.metrics import Metrics
@@ -145,11 +145,15 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 class Server:
     """What serve/server.py builds around the job manager, over one --data-dir."""
 
-    def __init__(self, data_dir: Path, tokenizer: Tokenizer, max_stored: int | None = None) -> None:
+    def __init__(self, data_dir: Path, tokenizer: Tokenizer, max_stored: int | None = None,
+                 replica: str | None = None, lease_ms: int = 30_000, run_jobs: bool = True) -> None:
+        """`replica`: one of a fleet's replicas (its name), sharing the store and data dir with
+        the others; else the one server on them."""
         self.data_dir = data_dir
         self.tokenizer = tokenizer
         self.store = JobStore(data_dir)
-        self.recovered = self.store.recover(data_dir)  # as App does at start-up
+        # as App does at start-up: alone on its store, every running job was its own
+        self.recovered = self.store.recover(data_dir) if replica is None else []
         self.metrics = Metrics()
         self.adapters = AdapterRegistry()
         self.pool = AdapterPool(self.adapters, data_dir, self.metrics)
@@ -157,7 +161,8 @@ class Server:
         self.woken = threading.Event()
         self.ranks = FakeRanks()
         self.jobs = JobManager(self.store, data_dir, self.metrics, self.pool, data_dir / "model", tokenizer,
-                               CONTEXT, self._wake, max_stored=max_stored)
+                               CONTEXT, self._wake, max_stored=max_stored, replica_id=replica,
+                               shared=replica is not None, lease_ms=lease_ms, run_jobs=run_jobs)
 
     def _wake(self) -> None:
         self.wakes += 1
@@ -204,6 +209,41 @@ def server(tmp_path: Path, tokenizer: Tokenizer) -> Callable[[], Server]:
         return made[-1]
 
     return start
+
+
+# ----------------------------------------------------------------- replicas of a fleet (issue 43)
+
+
+def test_a_replica_that_stalls_loses_its_job_to_another_which_resumes_it(
+        tmp_path: Path, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas on one store: A trains to a checkpoint and stalls past its lease; B takes the
+    job over from the checkpoint and finishes it; A, waking up, drops the job without writing.
+    Every step is trained once, and a --no-jobs replica never trains."""
+    import serve.jobs.manager
+
+    monkeypatch.setattr(serve.jobs.manager, "POLL_S", 0.0)
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "hello number {i}"}}\n' for i in range(6)))
+    a, b = (Server(tmp_path, tokenizer, replica=name, lease_ms=300) for name in ("a", "b"))
+    idle = Server(tmp_path, tokenizer, replica="idle", run_jobs=False)
+    job_id = idle.create(steps=4, checkpoint_every=2)  # accepted by a replica that trains none
+    assert not idle.jobs.has_work()
+    a.run(3)  # claim, step 1, step 2 and its checkpoint
+    rec = b.job(job_id)
+    assert (rec.state, rec.step, rec.checkpoint) == (RUNNING, 2, f"jobs/{job_id}")
+    assert a.store.lease_owner(job_id) == "a"
+    b.run(1)  # A's lease is current: nothing for B
+    assert b.ranks.commands == [] and a.store.lease_owner(job_id) == "a"
+    time.sleep(0.4)  # A stalls past its lease
+    b.run(1)  # B re-queues the lapsed job and claims it, resuming at A's checkpoint
+    assert b.ranks.started[-1]["resume"] is True and b.store.lease_owner(job_id) == "b"
+    a.run(1)  # A wakes: its lease is gone, so is its job (aborted, nothing written)
+    assert a.ranks.commands[-1] == "train_abort" and a.jobs._active is None
+    assert b.job(job_id).step == 2
+    b.run(2)  # steps 3 and 4
+    rec = b.job(job_id)
+    assert (rec.state, rec.step, rec.error) == (SUCCEEDED, 4, "")
+    assert a.ranks.commands.count("train_step") + b.ranks.commands.count("train_step") == 4
+    assert idle.ranks.commands == []
 
 
 # ----------------------------------------------------------------- transitions
@@ -455,54 +495,6 @@ def test_a_restart_restores_every_succeeded_adapter(server: Callable[[], Server]
     assert [(a.id, a.source_job_id, a.tier) for a in s.adapters.list()] == [("one", ids[0], DISK), ("two", ids[1], DISK)]
 
 
-def test_jobs_created_in_one_millisecond_start_in_creation_order(tmp_path: Path) -> None:
-    """Ids are random, so within one created_ms the queue's order is the order of insertion."""
-    store = JobStore(tmp_path)
-    ids = ["job-f00", "job-a00", "job-c00", "job-b00"]
-    for job_id in ids:
-        store.create(JobRecord(id=job_id, method="full", dataset="d.jsonl", adapter_id="", created_ms=1_000))
-    started = []
-    while (rec := store.next_queued()) is not None:
-        started.append(rec.id)
-        store.update(rec.id, state=RUNNING)
-    assert started == ids
-    store.close()
-
-
-def test_adapter_id_is_claimed_once_across_store_connections(tmp_path: Path) -> None:
-    """Two stores on one database (two server processes, or one before and after a restart)."""
-    first, second = JobStore(tmp_path), JobStore(tmp_path)
-    first.create(JobRecord(id="job-a", method="lora", dataset="d.jsonl", adapter_id="shared"))
-    with pytest.raises(AdapterIdTaken):
-        second.create(JobRecord(id="job-b", method="lora", dataset="d.jsonl", adapter_id="shared"))
-    second.create(JobRecord(id="job-c", method="full", dataset="d.jsonl", adapter_id=""))  # no id to claim
-    second.create(JobRecord(id="job-d", method="full", dataset="d.jsonl", adapter_id=""))
-    first.update("job-a", state="failed")  # a failed job frees its id
-    second.create(JobRecord(id="job-e", method="lora", dataset="d.jsonl", adapter_id="shared"))
-    with pytest.raises(QueueLimit):  # jobs c, d and e wait: a bound of 1 is reached
-        second.create(JobRecord(id="job-f", method="full", dataset="d.jsonl", adapter_id=""), max_queued=1)
-    first.close()
-    second.close()
-
-
-def test_page_lists_newest_first_after_a_job(tmp_path: Path) -> None:
-    store = JobStore(tmp_path)
-    # two jobs created in the same millisecond, the later one with the smaller (random) id: insertion order decides
-    for i, created in zip((0, 2, 1, 3), (100, 200, 200, 300)):
-        store.create(JobRecord(id=f"job-{i}", method="lora", dataset="d.jsonl", adapter_id="", created_ms=created))
-    assert [r.id for r in store.page(None, 2)] == ["job-3", "job-1"]
-    assert [r.id for r in store.page("job-1", 10)] == ["job-2", "job-0"]
-    assert [r.id for r in store.select()] == ["job-3", "job-1", "job-2", "job-0"]
-    assert store.page("job-0", 10) == []
-    with pytest.raises(KeyError):
-        store.page("job-nope", 1)
-    assert [r.id for r in store.using_dataset("d.jsonl")] and store.using_dataset("other.jsonl") == []
-    store.close()
-
-
-# ----------------------------------------------------------------- a job's adapter never stops serving (issue 30)
-
-
 def test_a_finished_job_needs_no_device_slot(server: Callable[[], Server]) -> None:
     """Every device slot pinned: the job still succeeds, its adapter registered on disk; a request
     for it is refused at once (no slot would ever free)."""
@@ -607,7 +599,7 @@ def test_a_full_disk_fails_the_job_alone_and_the_next_one_runs(server: Callable[
     s = server()
     first, second = s.create(steps=5), s.create(steps=1)
     s.run(2)
-    real = s.store._db
+    real = s.store.db._db  # type: ignore[attr-defined]
     full = {"on": True}
 
     class FullDisk:  # the store's connection, whose writes fail while the disk is full
@@ -619,7 +611,7 @@ def test_a_full_disk_fails_the_job_alone_and_the_next_one_runs(server: Callable[
                 raise sqlite3.OperationalError("database or disk is full")
             return real.execute(sql, *args)
 
-    s.store._db = FullDisk()  # type: ignore[assignment]
+    s.store.db._db = FullDisk()  # type: ignore[attr-defined]
     s.jobs.step(s.ranks)  # the step's write fails: no exception reaches the scheduler
     rec = s.job(first)
     assert rec.state == FAILED and "storage (--data-dir) is full" in rec.error

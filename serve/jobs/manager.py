@@ -3,9 +3,15 @@
 One job runs at a time, one optimizer step per turn the engine loop gives it (serve/core/loop.py:
 whenever generation is idle, and at least once a second while it is busy), each step a
 command every rank executes (serve/ranks/commands.py, serve/ranks/executor.py). Jobs live in the
-SQLite store (serve/jobs/store.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
+job store (serve/jobs/store.py); each has a directory `--data-dir/jobs/<id>/` holding its inline
 dataset, its training checkpoints (every `checkpoint_every` steps and at shutdown), metrics and
 the output.
+
+Replicas sharing one store (`--store postgresql://...`) train each job once: this replica claims
+the oldest queued job with a lease it renews while it trains (`lease_ms`), and writes the job's
+progress only while it holds it; a job whose lease lapsed (its replica died or stalled) is
+re-queued from its last checkpoint, or failed without one, by whichever replica looks first.
+Replicas look for jobs queued elsewhere and lapsed leases every POLL_S.
 
 A job's failure (bad data, a failed command, a store write that a full disk refuses) fails that
 job alone: nothing a job raises reaches the engine loop's thread.
@@ -26,7 +32,10 @@ collective) to `fail`, which fails the running job alone.
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,8 +46,8 @@ from typing import Any
 from serve.adapters.pool import AdapterPool
 from serve.errors import (AlreadyExists, FailedPrecondition, NotFound, QueueFull, ServeError, Unavailable, echo,
                           is_disk_full)
-from serve.jobs.store import (CANCELLED, AdapterIdTaken, QueueLimit, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore,
-                        StoreLimit, now_ms)
+from serve.jobs.store import (CANCELLED, DEFAULT_LEASE_MS, FAILED, QUEUED, RUNNING, SUCCEEDED, AdapterIdTaken,
+                              JobRecord, JobStore, LeaseLost, QueueLimit, StoreLimit, has_checkpoint, now_ms)
 from serve.jobs.spec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
 from serve.ranks.commands import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
@@ -49,6 +58,7 @@ log = logging.getLogger("tprt.serve")
 
 BROKEN_GRACE_S = 2.0  # how long a failed command waits for the rank watcher before failing its job
 STORE_RETRY_S = 5.0  # after a job store write failed (a full disk), the next job waits this long
+POLL_S = 2.0  # a replica on a shared store looks this often for other replicas' queued jobs and lapsed leases
 
 
 @dataclass
@@ -66,8 +76,15 @@ class JobManager:
     def __init__(self, store: JobStore, data_dir: Path, metrics: Metrics, adapters: AdapterPool,
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
                  max_queued: int | None = None, redact: Callable[[str], str] = str,
-                 max_stored: int | None = None) -> None:
+                 max_stored: int | None = None, replica_id: str | None = None, shared: bool = False,
+                 lease_ms: int = DEFAULT_LEASE_MS, run_jobs: bool = True) -> None:
         self.store = store
+        self.owner = replica_id or new_replica_id()  # the lease holder's name in the store
+        self.shared = shared  # other replicas use the store: poll it, and never take their running jobs
+        self.lease_ms = lease_ms
+        self.run_jobs = run_jobs  # --no-jobs: this replica accepts jobs for the others but trains none
+        self._renewed = 0.0  # monotonic time the running job's lease was last renewed
+        self._next_poll = 0.0
         self.data_dir = Path(data_dir)
         self.metrics = metrics
         self.adapters = adapters
@@ -210,9 +227,13 @@ class JobManager:
     def has_work(self) -> bool:
         if self._active is not None:
             return True
-        if self._unrecorded and time.monotonic() >= self._retry_at:
+        now = time.monotonic()
+        if self._unrecorded and now >= self._retry_at:
             return True
-        return self._queued and self._accepting and time.monotonic() >= self._retry_at
+        if self.shared and self.run_jobs and now >= self._next_poll:  # other replicas' jobs and lapsed leases
+            self._next_poll = now + POLL_S
+            self._queued = True
+        return self._queued and self._accepting and self.run_jobs and now >= self._retry_at
 
     def step(self, ranks: RankGroup) -> None:
         """One turn: start the next job, or run one step of the running one (or end it). A job's
@@ -233,6 +254,8 @@ class JobManager:
         job = self._active
         try:
             if job is None:
+                if self.shared:
+                    self._take_over_lapsed()
                 self._start_next(ranks)
             elif self._pause.is_set():
                 self._checkpoint_and_requeue(ranks, job)
@@ -241,6 +264,11 @@ class JobManager:
                 self._end(job, CANCELLED, "")
             else:
                 self._train_step(ranks, job)
+        except LeaseLost as e:  # another replica took the job over (this one stalled past its lease)
+            log.warning("job %s: no longer trained here: %s", job.job_id if job else "?", e)
+            self._abort_quietly(ranks)
+            self._active = None
+            self._update_gauges()
         except CommandFailed as e:
             if _world_broken(ranks):  # a rank died or a collective failed: ranks_broken requeues the job
                 raise
@@ -287,16 +315,20 @@ class JobManager:
         except CommandFailed:
             pass
 
+    def _take_over_lapsed(self) -> None:
+        for rec in self.store.expire_leases(lambda r: has_checkpoint(r, self.data_dir)):
+            log.warning("job %s: %s", rec.id, rec.error)
+
     def _start_next(self, ranks: RankGroup) -> None:
-        rec = self.store.next_queued()
+        rec = self.store.claim(self.owner, self.lease_ms)
         self._queued = rec is not None
         if rec is None:
             return
+        self._renewed = time.monotonic()
         try:
             dataset = load_dataset(rec, self.data_dir, self.tokenizer)
-            resume = bool(rec.checkpoint) and (self.data_dir / rec.checkpoint).exists()
+            resume = has_checkpoint(rec, self.data_dir)
             config = finetune_config(rec, self.model_dir, self.data_dir)
-            self.store.update(rec.id, state=RUNNING, started_ms=rec.started_ms or now_ms())
             started = ranks.run(TrainStart(config, dataset, resume))
         except (TprtError, OSError) as e:  # bad data, a failed command, a full disk: the job fails, serving goes on
             self._record(rec.id, state=FAILED, finished_ms=now_ms(), error=self._shown(e))
@@ -305,9 +337,10 @@ class JobManager:
         self._active = _Active(rec.id, started.total, started.step, tokens=rec.trained_tokens)
         self._update_gauges()
         log.info("job %s: started at step %d of %d", rec.id, started.step, started.total)
-        self.store.update(rec.id, step=started.step, total_steps=started.total, error="")
+        self.store.update(rec.id, self.owner, step=started.step, total_steps=started.total, error="")
 
     def _train_step(self, ranks: RankGroup, job: _Active) -> None:
+        self._renew(job)
         out = ranks.run(TrainStep())
         job.step, job.loss = out.step, out.loss
         job.tokens += out.tokens
@@ -318,19 +351,28 @@ class JobManager:
         for name, value in (out.metrics or {}).items():  # a DPO job's rewards
             self.metrics.ft_preference.labels(name).set(value)
         measured = {} if out.eval_loss is None else {"eval_loss": out.eval_loss}
-        rec = self.store.update(job.job_id, step=job.step, loss=job.loss, tokens_per_second=tok_s,
+        rec = self.store.update(job.job_id, self.owner, step=job.step, loss=job.loss, tokens_per_second=tok_s,
                                 trained_tokens=job.tokens, **measured)
         every = int(rec.hyperparameters.get("checkpoint_every", 0))
         if job.step >= job.total:
             self._finish(ranks, job, rec)
         elif every and job.step % every == 0:
             ranks.run(TrainSave())
-            self.store.update(job.job_id, checkpoint=_job_dir(job.job_id))
+            self.store.update(job.job_id, self.owner, checkpoint=_job_dir(job.job_id))
+
+    def _renew(self, job: _Active) -> None:
+        """Extends the running job's lease once a third of it has passed; LeaseLost if it lapsed
+        and another replica has the job now."""
+        if time.monotonic() - self._renewed < self.lease_ms / 3000:
+            return
+        if not self.store.renew(job.job_id, self.owner, self.lease_ms):
+            raise LeaseLost(f"its lease lapsed and the job is now {self.store.lease_owner(job.job_id) or 'queued'}'s")
+        self._renewed = time.monotonic()
 
     def _finish(self, ranks: RankGroup, job: _Active, rec: JobRecord) -> None:
         output = Path(ranks.run(TrainFinish(job.loss)))
         rel = str(output.relative_to(self.data_dir)) if output.is_relative_to(self.data_dir) else str(output)
-        rec = self.store.update(job.job_id, output_path=rel)
+        rec = self.store.update(job.job_id, self.owner, output_path=rel)
         if rec.method == "lora":
             try:
                 self.adapters.register(rec.adapter_id, output, rec.id)
@@ -347,8 +389,9 @@ class JobManager:
         try:
             ranks.run(TrainSave())
             ranks.run(TrainAbort())
-            self.store.update(job.job_id, state=QUEUED, checkpoint=_job_dir(job.job_id),
-                              error=f"checkpointed at step {job.step} for a server shutdown; resumes at the next start")
+            self.store.update(job.job_id, self.owner, state=QUEUED, checkpoint=_job_dir(job.job_id),
+                              error=f"checkpointed at step {job.step} for a server shutdown; resumes at the next "
+                                    "start (or on another replica)")
         finally:
             self._active = None
             self._update_gauges()
@@ -365,7 +408,10 @@ class JobManager:
         """Stores how a job ended; when the store cannot take the write (a full disk), the end is
         kept here, shown by `get`, and written again at later turns, and no job starts for a while."""
         try:
-            self.store.update(job_id, **end)
+            self.store.update(job_id, self.owner, **end)  # every job it records, it claimed
+            self._unrecorded.pop(job_id, None)
+        except LeaseLost as e:  # another replica has the job now: its end is theirs to record
+            log.warning("job %s: its end (%s) is not recorded here: %s", job_id, end.get("state"), e)
             self._unrecorded.pop(job_id, None)
         except Exception as e:  # noqa: BLE001 - a full disk (InsufficientStorage), a locked database
             log.error("job %s: its end (%s) could not be stored: %s", job_id, end.get("state"), e)
@@ -390,6 +436,12 @@ class JobManager:
 def _world_broken(ranks: Any) -> bool:
     """Whether the ranks' collectives failed (a rank died): the world's fault, not the job's."""
     return getattr(ranks, "failed", None) is not None
+
+
+def new_replica_id() -> str:
+    """This server process's name as a lease holder: host, process and a random part (a restarted
+    process on the same host is another holder: it waits for the old leases to lapse)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def _job_dir(job_id: str) -> str:

@@ -24,16 +24,15 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.store.database import Database, SqliteDatabase, insertion_order, next_seq
 from serve.errors import Cancelled, FailedPrecondition, NotFound, Unavailable, echo
 from serve.openai.requests import KnownFields, ParamError
 
@@ -125,56 +124,53 @@ def _answered(path: Path) -> tuple[set[str], int]:
 
 
 class BatchStore:
-    """The batch objects, in `--data-dir/batches.sqlite` (one JSON object per row)."""
+    """The batch objects, one JSON object per row of the `batches` table (serve/store:
+    `--data-dir/batches.sqlite`, or PostgreSQL shared by replicas). With `owner` (a replica of a
+    fleet), the batches this store runs are those that replica created."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.path = Path(data_dir) / "batches.sqlite"
-        self._lock = threading.Lock()
-        with self._connect() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created REAL NOT NULL, "
-                       "status TEXT NOT NULL, object TEXT NOT NULL)")
+    MIGRATIONS = ("CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, "
+                  "status TEXT NOT NULL, object TEXT NOT NULL)",
+                  insertion_order("batches"),
+                  "ALTER TABLE batches ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
 
-    @contextmanager
-    def _connect(self) -> Iterator[sqlite3.Connection]:
-        db = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-        try:
-            yield db
-        finally:
-            db.close()
+    def __init__(self, data_dir: Path, db: Database | None = None, owner: str | None = None) -> None:
+        self.db = db if db is not None else SqliteDatabase(Path(data_dir) / "batches.sqlite")
+        self.db.migrate("batches", self.MIGRATIONS)
+        self.owner = owner
 
     def put(self, obj: dict[str, Any]) -> None:
-        with self._lock, self._connect() as db:
-            db.execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?)",
-                       (obj["id"], obj["created_at"], obj["status"], json.dumps(obj)))
+        """Stores a batch (its insertion order and owner kept from its first put)."""
+        self.db.execute("INSERT INTO batches (id, created, status, object, seq, owner) VALUES (?, ?, ?, ?, ?, ?) "
+                        "ON CONFLICT (id) DO UPDATE SET status = excluded.status, object = excluded.object",
+                        (obj["id"], obj["created_at"], obj["status"], json.dumps(obj), next_seq(), self.owner or ""))
 
     def get(self, batch_id: str, param: str = "batch_id") -> dict[str, Any]:
-        with self._connect() as db:
-            row = db.execute("SELECT object FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        row = self.db.one("SELECT object FROM batches WHERE id = ?", (batch_id,))
         if row is None:
             raise NotFound(f"no batch {echo(batch_id)}", param)
-        return dict(json.loads(row[0]))
+        return dict(json.loads(row["object"]))
 
     def page(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """Newest first: up to `limit` after the batch `after`; and whether there are more."""
-        with self._connect() as db:
+        with self.db.transaction() as tx:
             if after is not None:
-                mark = db.execute("SELECT created, rowid FROM batches WHERE id = ?", (after,)).fetchone()
+                mark = tx.one("SELECT created, seq FROM batches WHERE id = ?", (after,))
                 if mark is None:
                     raise NotFound(f"no batch {echo(after)}", "after")
-                rows = db.execute("SELECT object FROM batches WHERE created < ? OR (created = ? AND rowid < ?) "
-                                  "ORDER BY created DESC, rowid DESC LIMIT ?", (mark[0], mark[0], mark[1], limit + 1))
+                rows = tx.query("SELECT object FROM batches WHERE created < ? OR (created = ? AND seq < ?) "
+                                "ORDER BY created DESC, seq DESC LIMIT ?",
+                                (mark["created"], mark["created"], mark["seq"], limit + 1))
             else:
-                rows = db.execute("SELECT object FROM batches ORDER BY created DESC, rowid DESC LIMIT ?", (limit + 1,))
-            objs = [json.loads(r[0]) for r in rows.fetchall()]
+                rows = tx.query("SELECT object FROM batches ORDER BY created DESC, seq DESC LIMIT ?", (limit + 1,))
+        objs = [json.loads(r["object"]) for r in rows]
         return objs[:limit], len(objs) > limit
 
     def active(self) -> list[dict[str, Any]]:
-        """Unfinished batches, oldest first."""
-        with self._connect() as db:
-            rows = db.execute(f"SELECT object FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}) "
-                              "ORDER BY created, rowid", ACTIVE).fetchall()
-        return [json.loads(r[0]) for r in rows]
+        """Unfinished batches (this replica's, with an owner), oldest first."""
+        mine, args = (" AND owner = ?", (*ACTIVE, self.owner)) if self.owner else ("", ACTIVE)
+        rows = self.db.query(f"SELECT object FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}){mine} "
+                             "ORDER BY created, seq", args)
+        return [json.loads(r["object"]) for r in rows]
 
 
 def new_batch(body: BatchBody, lines: int, model: str | None) -> dict[str, Any]:
