@@ -348,6 +348,8 @@ class App:
                                cfg.max_stored_jobs, self.replica_id, self.stores.shared, int(cfg.job_lease * 1000),
                                cfg.run_jobs)
         self.loop.side = self.jobs
+        if self.stores.shared:  # an adapter another replica trained answers here too
+            pool.find_trained = self.jobs.trained_adapter
         self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),

@@ -27,7 +27,7 @@ def _bin(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -38,7 +38,7 @@ class PostgresServer:
         # A directory of its own in /tmp: the postgres user must reach it, and pytest's are root's.
         self.root = root = Path(tempfile.mkdtemp(prefix="tprt-pg-"))
         self.data = root / "pgdata"
-        self.port = _free_port()
+        self.port = free_port()
         self.as_user: dict[str, Any] = {}
         if os.geteuid() == 0:
             pw = pwd.getpwnam("postgres")

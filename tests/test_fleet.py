@@ -1,29 +1,69 @@
 """A fleet on this machine (issue 43): two `tprt serve` replicas sharing one PostgreSQL store
-(tests/pg.py starts it) and one data directory. A job created on one replica is trained once, by
-the replica that claims it; that replica is killed mid-job (SIGKILL, its ranks too) and the other
-takes the job over when the lease lapses, resumes it from its last checkpoint and finishes it with
-the loss of an uninterrupted run; the adapter it trained answers there."""
+(tests/pg.py starts it) and one data directory, SGLang's model gateway (sglang-router, cache-aware)
+in front. Chat goes through the router, and requests that share a prefix reach one replica. A job
+created on one replica is trained once, by the replica that claims it; its adapter answers on the
+other. The training replica is killed mid-job (SIGKILL, its ranks too) and the other takes the job
+over when the lease lapses, resumes it from its last checkpoint and finishes it with the loss of
+an uninterrupted run."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
-from pg import PostgresServer
+from pg import PostgresServer, free_port
 from serve.grpc.pb import finetuning_pb2 as ft_pb
 from serve.jobs.store import JobStore
 from serve.store.database import PostgresDatabase
-from servers import TOKEN, ServerProcess, data_dir, wait_for
+from servers import TOKEN, ServerProcess, data_dir, metric, wait_for
 from tiny_chat import make_tiny_chat_model
 
 JOB = {"dataset_path": "train.jsonl", "steps": 60, "batch_size": 2, "max_seq_len": 32, "lora_rank": 4,
        "checkpoint_every": 3, "seed": 7}
 LEASE_S = 3
+
+
+class Router:
+    """sglang-router in front of the replicas' HTTP APIs, cache-aware."""
+
+    def __init__(self, workers: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--worker-urls", *workers, "--policy", "cache_aware", "--log-level", "warn"],
+            stdout=log.open("w"), stderr=subprocess.STDOUT)
+        wait_for(self._healthy, 60, "the router")
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the router exited with {self.proc.returncode}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _http_base(srv: ServerProcess) -> str:
+    m = re.search(r"OpenAI API (https?://[\d.]+:\d+)/v1", srv.line)
+    assert m, srv.line
+    return m.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +78,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
     try:
         for name in ("a", "b"):
             replicas[name] = ServerProcess(
-                ["--model", str(root / "model" / "tp1"), "--port", "0", "--metrics-port", "0", "--data-dir",
+                ["--model", str(root / "model" / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
+                 "--data-dir",
                  str(shared), "--auth-token-file", str(root / "token"), "--threads", "1", "--max-seq-len", "512",
                  "--store", url, "--replica-id", name, "--job-lease", str(LEASE_S)], root / f"replica-{name}.log")
         yield replicas, url, shared
@@ -46,6 +87,38 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
         for srv in replicas.values():
             srv.kill()
         postgres.stop()
+
+
+def test_the_router_sends_shared_prefixes_to_one_replica_and_adapters_answer_anywhere(
+        fleet: tuple[dict[str, ServerProcess], str, Path], tmp_path: Path) -> None:
+    replicas, url, _ = fleet
+    router = Router([_http_base(srv) for srv in replicas.values()], tmp_path / "router.log")
+    try:
+        client = openai.OpenAI(base_url=f"{router.url}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+        chats = {name: metric(srv.metrics(), "tprt_requests_total", method="/v1/chat/completions", outcome="ok")
+                 for name, srv in replicas.items()}
+        system = "You are the support assistant of a shop that sells tea. " * 6  # the shared prefix
+        for i in range(6):
+            reply = client.chat.completions.create(
+                model="tp1", max_tokens=3, messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": f"question {i}"}])
+            assert reply.choices[0].message.content is not None and reply.usage is not None
+        served = sorted(metric(srv.metrics(), "tprt_requests_total", method="/v1/chat/completions", outcome="ok")
+                        - chats[name] for name, srv in replicas.items())
+        assert served == [0, 6], served  # cache-aware: every request where the prefix is cached
+        # A job created through one replica is trained by one; its adapter answers on the other.
+        with replicas["a"].client() as a:
+            job = a.create_job(adapter_id="fleet-small", **{**JOB, "steps": 2})
+            wait_for(lambda: a.get_job(job.id).state == ft_pb.JOB_STATE_SUCCEEDED, 120, "the small job")
+        db = PostgresDatabase(url)
+        trainer = JobStore(db).lease_owner(job.id)
+        db.close()
+        other = "b" if trainer == "a" else "a"
+        with replicas[other].client() as c:
+            assert len(c.complete("Q1: say hi", adapter_id="fleet-small", max_new_tokens=3).tokens) == 3
+            assert {x.id: x.source_job_id for x in c.list_adapters()}["fleet-small"] == job.id
+    finally:
+        router.stop()
 
 
 def _kill_replica(srv: ServerProcess) -> None:

@@ -411,6 +411,29 @@ def test_llama_calls_may_open_with_the_python_tag() -> None:
     assert calls is not None and calls[0].name == "add" and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
 
 
+def test_sglang_routers_extras_are_accepted_at_what_this_server_does() -> None:
+    """sglang-router adds SGLang's fields to every request it routes, at their defaults (captured
+    from sglang-router 0.3.2): accepted; any other value is a 400 naming the field."""
+    from serve.openai.requests import ChatBody, CompletionBody, ParamError, parse_body
+
+    chat = {"messages": [{"role": "user", "content": "hello"}], "model": "tp1", "logprobs": False,
+            "max_completion_tokens": 4, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+            "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "return_hidden_states": False}
+    completion = {"model": "tp1", "prompt": "hello", "max_tokens": 4, "stream": False, "echo": False,
+                  "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                  "return_hidden_states": False}
+    parse_body(json.dumps(chat).encode(), ChatBody)
+    parse_body(json.dumps(completion).encode(), CompletionBody)
+    for body, model, field, value in ((chat, ChatBody, "continue_final_message", True),
+                                      (chat, ChatBody, "stream_reasoning", False),
+                                      (completion, CompletionBody, "no_stop_trim", True),
+                                      (completion, CompletionBody, "skip_special_tokens", False)):
+        with pytest.raises(ParamError) as info:
+            parse_body(json.dumps({**body, field: value}).encode(), model)  # type: ignore[type-var]
+        assert info.value.param == field
+
+
 def test_unknown_fields_are_refused_unless_the_server_ignores_them() -> None:
     """OpenAI's "Unrecognized request argument supplied" for a chat or completions body with a field
     the endpoint does not know (the first one named), or the field dropped under

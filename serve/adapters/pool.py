@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,23 +71,29 @@ class AdapterPool:
         self.max_rank = max_rank
         self.reserved = frozenset(reserved)  # names no adapter may take (the served base model's)
         self._indices = itertools.count(1)
+        # A fleet's replica: where a job another replica trained keeps its adapter (id -> the
+        # directory and the job), so that it answers here too; None: only this server's jobs.
+        self.find_trained: Callable[[str], tuple[Path, str] | None] | None = None
 
     # ----------------------------------------------------------------- handler threads
 
     def acquire(self, adapter_id: str) -> AdapterInfo:
         """A request names `adapter_id`: counts it (release it when the request ends). An adapter
-        not yet registered is registered from `--data-dir/adapters/<id>/` when that exists.
-        NotFound otherwise (or while it is being unloaded); InvalidArgument when its files do not
-        fit this server or its directory leads out of --data-dir."""
+        not yet registered is registered from `--data-dir/adapters/<id>/` when that exists, or
+        from the job that trained it on another replica (`find_trained`). NotFound otherwise (or
+        while it is being unloaded); InvalidArgument when its files do not fit this server or its
+        directory leads out of --data-dir."""
         info = self.registry.acquire(adapter_id)
         if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id) \
                 and adapter_id not in self.reserved:
-            path = self._adapter_dir(adapter_id)
+            path, job_id = self._adapter_dir(adapter_id), ""
+            if path is None and self.find_trained is not None:
+                path, job_id = self.find_trained(adapter_id) or (None, "")
             if path is not None:  # the weights' values are left to the ranks' load (this may be an event loop)
                 facts = self.describe(path, "adapter_id", values=False)
                 # add_new: another request may have registered it meanwhile
-                self.registry.add_new(AdapterInfo(adapter_id, path, facts.rank, facts.alpha, targets=facts.targets,
-                                                  tier=DISK))
+                self.registry.add_new(AdapterInfo(adapter_id, path, facts.rank, facts.alpha, job_id,
+                                                  targets=facts.targets, tier=DISK))
                 info = self.registry.acquire(adapter_id)
         if info is None:
             base = " (that is the base model: leave the adapter empty)" if adapter_id in self.reserved else ""

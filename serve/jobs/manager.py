@@ -222,6 +222,12 @@ class JobManager:
                 except ServeError as e:
                     log.error("job %s: adapter %s not registered: %s", rec.id, rec.adapter_id, e)
 
+    def trained_adapter(self, adapter_id: str) -> tuple[Path, str] | None:
+        """Where the job that trained `adapter_id` (on any replica) left it, and the job's id: the
+        adapter pool's `find_trained` on a fleet's replicas."""
+        rec = self.store.trained(adapter_id)
+        return (self.data_dir / rec.output_path, rec.id) if rec is not None else None
+
     # ----------------------------------------------------------------- engine loop side
 
     def has_work(self) -> bool:

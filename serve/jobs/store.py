@@ -308,6 +308,12 @@ class JobStore:
         return self.db.one("SELECT 1 AS taken FROM jobs WHERE adapter_id = ? AND state IN (?, ?, ?) LIMIT 1",
                            (adapter_id, *_LIVE)) is not None
 
+    def trained(self, adapter_id: str) -> JobRecord | None:
+        """The succeeded LoRA job that produced `adapter_id`, if one did."""
+        row = self.db.one("SELECT * FROM jobs WHERE adapter_id = ? AND state = ? AND method = 'lora' "
+                          "AND output_path != '' ORDER BY finished_ms DESC LIMIT 1", (adapter_id, SUCCEEDED))
+        return _from_row(row) if row is not None else None
+
     def recover(self, data_dir: Path) -> list[JobRecord]:
         """After a restart of the one server on this database: every RUNNING job was its own, and
         is re-queued when its checkpoint exists (it resumes from it), otherwise marked FAILED with

@@ -233,6 +233,14 @@ class KnownFields(BaseModel):
 class _Common(KnownFields):
     """Fields both chat and completions take."""
 
+    # SGLang's extras, which its model gateway (sglang-router) sends with every request it routes,
+    # at their defaults: those defaults are what this server does; any other value is refused.
+    REFUSED = {
+        "no_stop_trim": ("the stop string is always left out of the text (OpenAI's behaviour)", (False,)),
+        "skip_special_tokens": ("special tokens are always left out of the text", (True,)),
+        "return_hidden_states": ("hidden states are not returned", (False,)),
+    }
+
     model: str
     temperature: float | None = None
     top_p: float | None = None
@@ -270,6 +278,9 @@ class _Common(KnownFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
 
 
 class CompletionBody(_Common):
@@ -310,6 +321,10 @@ class ChatMessageBody(BaseModel):
 
 class ChatBody(_Common):
     REFUSED = {
+        **_Common.REFUSED,
+        "continue_final_message": ("not supported: the reply is a new assistant message", (False,)),
+        "separate_reasoning": ("a reasoning model's thinking is always separated (reasoning_content)", (True,)),
+        "stream_reasoning": ("a reasoning model's thinking always streams as it comes", (True,)),
         "audio": ("audio output is not supported (text only)", ()),
         "modalities": ("only [\"text\"]", (["text"],)),
         "functions": ("the deprecated functions are not supported; send them as tools", ()),
@@ -342,6 +357,9 @@ class ChatBody(_Common):
     moderation: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    continue_final_message: bool | None = None  # SGLang's and vLLM's (see REFUSED)
+    separate_reasoning: bool | None = None  # SGLang's
+    stream_reasoning: bool | None = None  # SGLang's
 
 
 # ----------------------------------------------------------------- bodies -> the core's request
