@@ -77,6 +77,11 @@ def _serve_parser(sub: Any) -> None:
                         "(postgresql://user:password@host/db), shared by the replicas of a fleet: each job is "
                         "trained once, by the replica holding its lease (docs/FLEET.md). Needs "
                         "pip install 'tprt[fleet]'. Default: SQLite files under --data-dir, for one server")
+    s.add_argument("--artifacts", metavar="URL",
+                   help="share job directories (inline datasets, checkpoints, trained adapters) and uploaded files "
+                        "with the other replicas through this store: a directory, file://, or s3:// and the "
+                        "like with fsspec's package for them (s3fs); published atomically, checksummed on "
+                        "read. Default: none (the replicas share --data-dir, or there is one server)")
     s.add_argument("--replica-id", metavar="NAME",
                    help="this server's name as a job's lease holder, in the store and the logs (default: host, "
                         "process id and a random part)")

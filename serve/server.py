@@ -52,6 +52,7 @@ from serve.openai.response_store import ResponseStore
 from serve.core.generation import GenerationCore, ModelFacts, text_byte_limit
 from serve.grpc.handlers import FineTuningService, GenerationService
 from serve.jobs.store import DB_NAME, JobStore
+from serve.store.artifacts import Artifacts
 from serve.store.database import StoreError, Stores, is_postgres_url, redact_url
 from serve.grpc.limits import OpenCallLimiter
 from serve.jobs.spec import DEFAULT_MAX_DATASET_BYTES
@@ -101,6 +102,7 @@ class ServeConfig:
     tls_key: Path | None = None
     data_dir: Path = Path("tprt-data")
     store: str | None = None  # PostgreSQL URL shared by replicas (serve/store); None: SQLite under data_dir
+    artifacts: str | None = None  # the artifact store's URL (serve/store/artifacts.py); None: none
     replica_id: str | None = None  # the lease holder's name (serve/jobs/manager.py); None: host, pid, random
     job_lease: float = 30.0  # seconds a running job's lease lasts unless renewed
     run_jobs: bool = True  # --no-jobs: accept jobs, train none
@@ -261,6 +263,10 @@ class App:
         except StoreError as e:  # unreachable, or migrated by a newer tprt
             raise ConfigError(str(e)) from None
         self.replica_id = cfg.replica_id or new_replica_id()  # the lease holder's name in the shared store
+        try:
+            self.artifacts = Artifacts(cfg.artifacts, Path(cfg.data_dir)) if cfg.artifacts else None
+        except (ImportError, ValueError, OSError) as e:  # an unknown protocol, its package missing, no access
+            raise ConfigError(f"--artifacts {cfg.artifacts}: {e}") from None
         if not self.stores.shared:  # alone on its files: every running job was this server's
             for rec in self.store.recover(Path(cfg.data_dir)):
                 log.warning("job %s: %s after restart (%s)", rec.id, rec.state, rec.error)
@@ -346,7 +352,7 @@ class App:
         self.jobs = JobManager(self.store, Path(cfg.data_dir), self.metrics, pool, Path(cfg.model), tokenizer,
                                engine.max_seq_len, self.loop.wake, cfg.max_queued_jobs, self.redact,
                                cfg.max_stored_jobs, self.replica_id, self.stores.shared, int(cfg.job_lease * 1000),
-                               cfg.run_jobs)
+                               cfg.run_jobs, self.artifacts)
         self.loop.side = self.jobs
         if self.stores.shared:  # an adapter another replica trained answers here too
             pool.find_trained = self.jobs.trained_adapter
@@ -375,7 +381,7 @@ class App:
                                                   self.replica_id if self.stores.shared else None),
                                        Path(cfg.data_dir), max_batch_size(cfg))
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
-                              cfg.max_stored_bytes)
+                              cfg.max_stored_bytes, self.artifacts)
             self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
                                                 files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields,

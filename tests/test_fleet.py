@@ -1,6 +1,6 @@
 """A fleet on this machine (issue 43): two `tprt serve` replicas sharing one PostgreSQL store
-(tests/pg.py starts it) and one data directory, SGLang's model gateway (sglang-router, cache-aware)
-in front. Chat goes through the router, and requests that share a prefix reach one replica. A job
+(tests/pg.py starts it) and one artifact store (each its own data dir), SGLang's model gateway
+(sglang-router, cache-aware) in front. Chat goes through the router, and requests that share a prefix reach one replica. A job
 created on one replica is trained once, by the replica that claims it; its adapter answers on the
 other. The training replica is killed mid-job (SIGKILL, its ranks too) and the other takes the job
 over when the lease lapses, resumes it from its last checkpoint and finishes it with the loss of
@@ -71,7 +71,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
     root = tmp_path_factory.mktemp("fleet")
     make_tiny_chat_model(root / "model", (1,), max_positions=512)
     (root / "token").write_text(TOKEN + "\n")
-    shared = data_dir(root, "shared")
+    artifacts = root / "artifacts"  # what the replicas share; each has a data dir of its own
     postgres = PostgresServer()
     url = postgres.database()
     replicas: dict[str, ServerProcess] = {}
@@ -79,10 +79,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
         for name in ("a", "b"):
             replicas[name] = ServerProcess(
                 ["--model", str(root / "model" / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
-                 "--data-dir",
-                 str(shared), "--auth-token-file", str(root / "token"), "--threads", "1", "--max-seq-len", "512",
+                 "--data-dir", str(data_dir(root, f"data-{name}")), "--artifacts", str(artifacts),
+                 "--auth-token-file", str(root / "token"), "--threads", "1", "--max-seq-len", "512",
                  "--store", url, "--replica-id", name, "--job-lease", str(LEASE_S)], root / f"replica-{name}.log")
-        yield replicas, url, shared
+        yield replicas, url, artifacts
     finally:
         for srv in replicas.values():
             srv.kill()
@@ -133,7 +133,7 @@ def _kill_replica(srv: ServerProcess) -> None:
 
 def test_a_job_survives_its_replica_and_ends_as_an_uninterrupted_run(
         fleet: tuple[dict[str, ServerProcess], str, Path]) -> None:
-    replicas, url, shared = fleet
+    replicas, url, artifacts = fleet
     with replicas["a"].client() as a:
         job = a.create_job(adapter_id="fleet-tuned", **JOB)
     db = PostgresDatabase(url)
@@ -147,6 +147,7 @@ def test_a_job_survives_its_replica_and_ends_as_an_uninterrupted_run(
         _kill_replica(replicas[trainer])
         killed_at = store.get(job.id)
         assert killed_at is not None and killed_at.checkpoint == f"jobs/{job.id}" and killed_at.step < JOB["steps"]
+        assert (artifacts / f"jobs/{job.id}.manifest.json").is_file()  # its checkpoint, where the survivor finds it
         with replicas[survivor].client() as c:
             wait_for(lambda: c.get_job(job.id).state in (ft_pb.JOB_STATE_SUCCEEDED, ft_pb.JOB_STATE_FAILED), 180,
                      "the survivor to finish the job")

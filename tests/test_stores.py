@@ -253,3 +253,64 @@ def test_store_urls_are_checked_and_their_passwords_never_shown(tmp_path: Path) 
     stores = Stores(tmp_path)
     assert not stores.shared and isinstance(stores.open("jobs.sqlite3"), SqliteDatabase)
     stores.close()
+
+
+# ----------------------------------------------------------------- the artifact store
+
+
+@pytest.fixture(params=["path", "memory"])
+def artifact_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A directory (renames) and fsspec's in-memory filesystem (an object store's semantics)."""
+    if request.param == "path":
+        yield str(tmp_path / "artifacts")
+    else:
+        import fsspec
+
+        url = f"memory://tprt-{tmp_path.name}"
+        yield url
+        fsspec.filesystem("memory").rm(url.removeprefix("memory:/"), recursive=True)
+
+
+def _job_dir(data: Path, step: int) -> None:
+    (data / "jobs" / "job-x" / "checkpoints" / f"step-{step}").mkdir(parents=True, exist_ok=True)
+    (data / "jobs" / "job-x" / "checkpoints" / f"step-{step}" / "state.bin").write_bytes(bytes(range(256)) * step)
+    (data / "jobs" / "job-x" / "dataset.jsonl").write_text('{"text": "hi"}\n')
+
+
+def test_artifacts_travel_between_data_dirs_and_are_checked_on_read(artifact_url: str, tmp_path: Path) -> None:
+    from serve.store.artifacts import ArtifactError, Artifacts
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    here, there = Artifacts(artifact_url, a), Artifacts(artifact_url, b)
+    assert not there.fetch("jobs/job-x") and not there.exists("jobs/job-x")
+    _job_dir(a, 3)
+    first = here.publish("jobs/job-x")
+    assert set(first["files"]) == {"checkpoints/step-3/state.bin", "dataset.jsonl"}
+    assert there.fetch("jobs/job-x")
+    assert (b / "jobs/job-x/checkpoints/step-3/state.bin").read_bytes() == bytes(range(256)) * 3
+    # A newer version replaces the whole directory there; the older one leaves the store.
+    _job_dir(a, 6)
+    second = here.publish("jobs/job-x")
+    assert second["version"] != first["version"] and not here.fs.exists(here._remote(f"jobs/job-x@{first['version']}"))
+    assert there.fetch("jobs/job-x") and (b / "jobs/job-x/checkpoints/step-6/state.bin").exists()
+    # A single file (an upload).
+    (a / "files").mkdir()
+    (a / "files/file-1.jsonl").write_text('{"text": "upload"}\n')
+    here.publish("files/file-1.jsonl")
+    assert there.fetch("files/file-1.jsonl") and (b / "files/file-1.jsonl").read_text() == '{"text": "upload"}\n'
+    # A file changed in the store is refused, and the copy in the data dir stays as it was.
+    blob = here._remote(f"files/file-1.jsonl@{here.manifest('files/file-1.jsonl')['version']}/file-1.jsonl")  # type: ignore[index]
+    with here.fs.open(blob, "wb") as f:
+        f.write(b'{"text": "tampered"}\n')
+    (b / "files/.file-1.jsonl.artifact-version").unlink()  # as if b had never fetched it
+    with pytest.raises(ArtifactError, match="does not match its checksum"):
+        there.fetch("files/file-1.jsonl")
+    assert (b / "files/file-1.jsonl").read_text() == '{"text": "upload"}\n'
+    assert not [p for p in (b / "files").iterdir() if ".fetch-" in p.name]  # no staging left behind
+    # Files uploaded without their manifest (a publish cut short) are not an artifact.
+    here.fs.makedirs(here._remote("jobs/job-cut@1"), exist_ok=True)
+    with here.fs.open(here._remote("jobs/job-cut@1/dataset.jsonl"), "wb") as f:
+        f.write(b"{}\n")
+    assert not there.fetch("jobs/job-cut") and not (b / "jobs/job-cut").exists()

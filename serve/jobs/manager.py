@@ -50,6 +50,7 @@ from serve.jobs.store import (CANCELLED, DEFAULT_LEASE_MS, FAILED, QUEUED, RUNNI
                               JobRecord, JobStore, LeaseLost, QueueLimit, StoreLimit, has_checkpoint, now_ms)
 from serve.jobs.spec import JobSpec, finetune_config, load_dataset
 from serve.metrics import Metrics
+from serve.store.artifacts import Artifacts
 from serve.ranks.commands import TrainAbort, TrainFinish, TrainSave, TrainStart, TrainStep
 from tprt.distributed.ranks import CommandFailed, RankGroup
 from tprt.errors import TprtError
@@ -77,8 +78,10 @@ class JobManager:
                  model_dir: Path, tokenizer: Any, context_length: int, wake: Any,
                  max_queued: int | None = None, redact: Callable[[str], str] = str,
                  max_stored: int | None = None, replica_id: str | None = None, shared: bool = False,
-                 lease_ms: int = DEFAULT_LEASE_MS, run_jobs: bool = True) -> None:
+                 lease_ms: int = DEFAULT_LEASE_MS, run_jobs: bool = True,
+                 artifacts: Artifacts | None = None) -> None:
         self.store = store
+        self.artifacts = artifacts  # --artifacts: job directories shared with the other replicas
         self.owner = replica_id or new_replica_id()  # the lease holder's name in the store
         self.shared = shared  # other replicas use the store: poll it, and never take their running jobs
         self.lease_ms = lease_ms
@@ -119,6 +122,8 @@ class JobManager:
                     raise Unavailable(self._refusal)
                 if spec.record.method == "lora":
                     self.adapters.check_new_id(spec.record.adapter_id)
+                if self.artifacts is not None and (self.data_dir / _job_dir(spec.record.id)).exists():
+                    self.artifacts.publish(_job_dir(spec.record.id))  # its inline dataset, for whoever trains it
                 rec, pruned = self.store.create(spec.record, self.max_queued, self.max_stored)
             except BaseException as e:  # a refused job leaves nothing on disk
                 shutil.rmtree(self.data_dir / _job_dir(spec.record.id), ignore_errors=True)
@@ -226,7 +231,11 @@ class JobManager:
         """Where the job that trained `adapter_id` (on any replica) left it, and the job's id: the
         adapter pool's `find_trained` on a fleet's replicas."""
         rec = self.store.trained(adapter_id)
-        return (self.data_dir / rec.output_path, rec.id) if rec is not None else None
+        if rec is None:
+            return None
+        if self.artifacts is not None and not (self.data_dir / rec.output_path).exists():
+            self.artifacts.fetch(_job_dir(rec.id))
+        return self.data_dir / rec.output_path, rec.id
 
     # ----------------------------------------------------------------- engine loop side
 
@@ -322,8 +331,28 @@ class JobManager:
             pass
 
     def _take_over_lapsed(self) -> None:
-        for rec in self.store.expire_leases(lambda r: has_checkpoint(r, self.data_dir)):
+        for rec in self.store.expire_leases(self._resumable):
             log.warning("job %s: %s", rec.id, rec.error)
+
+    def _resumable(self, rec: JobRecord) -> bool:
+        """Whether the job has a checkpoint here, or in the artifact store for this replica to fetch."""
+        return has_checkpoint(rec, self.data_dir) or (
+            bool(rec.checkpoint) and self.artifacts is not None and self.artifacts.exists(_job_dir(rec.id)))
+
+    def _fetch_inputs(self, rec: JobRecord) -> None:
+        """With --artifacts: what the job reads that another replica wrote (its directory, an
+        uploaded file, another job's adapter it starts from), brought into this data dir."""
+        if self.artifacts is None:
+            return
+        self.artifacts.fetch(_job_dir(rec.id))
+        for rel in (rec.dataset, rec.validation_dataset, rec.init_adapter):
+            name = _artifact_of(rel)
+            if name and not (self.data_dir / rel).exists():
+                self.artifacts.fetch(name)
+
+    def _publish(self, job_id: str) -> None:
+        if self.artifacts is not None:
+            self.artifacts.publish(_job_dir(job_id))
 
     def _start_next(self, ranks: RankGroup) -> None:
         rec = self.store.claim(self.owner, self.lease_ms)
@@ -332,6 +361,7 @@ class JobManager:
             return
         self._renewed = time.monotonic()
         try:
+            self._fetch_inputs(rec)
             dataset = load_dataset(rec, self.data_dir, self.tokenizer)
             resume = has_checkpoint(rec, self.data_dir)
             config = finetune_config(rec, self.model_dir, self.data_dir)
@@ -364,6 +394,7 @@ class JobManager:
             self._finish(ranks, job, rec)
         elif every and job.step % every == 0:
             ranks.run(TrainSave())
+            self._publish(job.job_id)
             self.store.update(job.job_id, self.owner, checkpoint=_job_dir(job.job_id))
 
     def _renew(self, job: _Active) -> None:
@@ -378,6 +409,7 @@ class JobManager:
     def _finish(self, ranks: RankGroup, job: _Active, rec: JobRecord) -> None:
         output = Path(ranks.run(TrainFinish(job.loss)))
         rel = str(output.relative_to(self.data_dir)) if output.is_relative_to(self.data_dir) else str(output)
+        self._publish(job.job_id)  # the adapter or model, for every replica
         rec = self.store.update(job.job_id, self.owner, output_path=rel)
         if rec.method == "lora":
             try:
@@ -395,6 +427,7 @@ class JobManager:
         try:
             ranks.run(TrainSave())
             ranks.run(TrainAbort())
+            self._publish(job.job_id)
             self.store.update(job.job_id, self.owner, state=QUEUED, checkpoint=_job_dir(job.job_id),
                               error=f"checkpointed at step {job.step} for a server shutdown; resumes at the next "
                                     "start (or on another replica)")
@@ -448,6 +481,15 @@ def new_replica_id() -> str:
     """This server process's name as a lease holder: host, process and a random part (a restarted
     process on the same host is another holder: it waits for the old leases to lapse)."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _artifact_of(rel: str) -> str:
+    """The artifact that holds a path relative to the data dir: its job's directory, or an
+    uploaded file; "" for anything else (a file the operator put in every data dir)."""
+    parts = rel.split("/")
+    if len(parts) >= 2 and parts[0] == "jobs":
+        return "/".join(parts[:2])
+    return rel if len(parts) == 2 and parts[0] == "files" else ""
 
 
 def _job_dir(job_id: str) -> str:

@@ -30,6 +30,7 @@ from serve.errors import FailedPrecondition, NotFound, echo
 from serve.jobs.store import JobStore
 from serve.openai.requests import ParamError, PayloadTooLarge
 from serve.jobs.storage import ensure_quota, ensure_room
+from serve.store.artifacts import Artifacts
 from tprt.checkpoint.fsutil import write_bytes_atomic
 from tprt.errors import ValidationError
 from tprt.text.tokenizer import Tokenizer
@@ -68,8 +69,9 @@ class FileStore:
     """The uploaded files under `data_dir/files/` (thread-safe)."""
 
     def __init__(self, data_dir: Path, tokenizer: Tokenizer | None, context_length: int, max_bytes: int,
-                 jobs: JobStore, max_stored_bytes: int | None = None) -> None:
+                 jobs: JobStore, max_stored_bytes: int | None = None, artifacts: Artifacts | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
+        self.artifacts = artifacts  # --artifacts: uploads published for the other replicas' jobs
         self.dir = self.data_dir / FILES_DIR
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -113,6 +115,8 @@ class FileStore:
             os.replace(tmp, self.data_dir / dataset_path(file_id))
         finally:
             tmp.unlink(missing_ok=True)
+        if self.artifacts is not None:  # a job on another replica reads it from there
+            self.artifacts.publish(dataset_path(file_id))
         return self._keep(file_id, size, filename, purpose)
 
     def _keep(self, file_id: str, size: int, filename: str, purpose: str) -> dict[str, Any]:
