@@ -246,6 +246,70 @@ def test_a_replica_that_stalls_loses_its_job_to_another_which_resumes_it(
     assert idle.ranks.commands == []
 
 
+def test_replicas_dying_stalling_and_racing_train_20_jobs_each_step_under_one_lease(
+        tmp_path: Path, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three replicas at a time over 20 jobs, in a seeded random order of turns: now and then one
+    dies (it never runs again; a new replica takes its place) or stalls past its lease. Every
+    training step runs on the replica that holds the job's lease at that moment, a replica that
+    lost a job never trains it again (a stalled one that wakes drops it), and every job succeeds."""
+    import random
+
+    import serve.jobs.manager
+
+    monkeypatch.setattr(serve.jobs.manager, "POLL_S", 0.0)
+    (tmp_path / "train.jsonl").write_text("".join(f'{{"text": "hello number {i}"}}\n' for i in range(6)))
+    lease_ms, rng, born = 150, random.Random(43), 0
+    steps_by: dict[str, list[str]] = {}  # job -> the replicas that ran each TrainStep, in order
+
+    def replica() -> Server:
+        nonlocal born
+        born += 1
+        srv = Server(tmp_path, tokenizer, replica=f"r{born}", lease_ms=lease_ms)
+        run = srv.ranks.run
+
+        def checked(cmd: RankCommand) -> Any:
+            active = srv.jobs._active
+            if isinstance(cmd, TrainStep) and active is not None:
+                assert srv.store.lease_owner(active.job_id) == srv.jobs.owner, (active.job_id, srv.jobs.owner)
+                steps_by.setdefault(active.job_id, []).append(srv.jobs.owner)
+            return run(cmd)
+
+        srv.ranks.run = checked  # type: ignore[method-assign]
+        return srv
+
+    live = [replica() for _ in range(3)]
+    ids = [live[0].create(steps=4, checkpoint_every=2) for _ in range(20)]
+    stalled: dict[str, float] = {}  # replica -> when it may run again
+    deadline = time.monotonic() + 120
+    while any(live[0].store.get(j).state != SUCCEEDED for j in ids):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, live[0].store.counts()
+        srv = rng.choice(live)
+        roll = rng.random()
+        if roll < 0.02:  # it dies: a new replica starts in its place
+            live[live.index(srv)] = replica()
+            continue
+        if roll < 0.04 and srv.jobs._active is not None:  # it stalls past its lease
+            stalled[srv.jobs.owner] = time.monotonic() + lease_ms / 1000 * 1.5
+            continue
+        if time.monotonic() < stalled.get(srv.jobs.owner, 0.0):
+            continue
+        held = srv.jobs._active.job_id if srv.jobs._active is not None else None
+        if srv.jobs.has_work():
+            srv.jobs.step(srv.ranks)
+        if held is not None and srv.jobs._active is None and srv.store.lease_owner(held) not in ("", srv.jobs.owner):
+            assert srv.ranks.commands[-1] == "train_abort"  # woke without its lease: dropped the job
+        time.sleep(0.002)
+    for job_id in ids:
+        rec = live[0].store.get(job_id)
+        assert rec is not None and (rec.state, rec.step) == (SUCCEEDED, 4), rec
+        owners = steps_by[job_id]
+        assert len(owners) >= 4
+        runs = [o for i, o in enumerate(owners) if i == 0 or owners[i - 1] != o]
+        assert len(runs) == len(set(runs)), owners  # a replica that lost a job never trains it again
+    assert born > 3 and stalled  # the run did kill and stall replicas
+    assert any(len(set(steps_by[j])) > 1 for j in ids)  # and jobs changed hands mid-run
+
+
 # ----------------------------------------------------------------- transitions
 
 
