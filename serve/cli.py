@@ -73,21 +73,32 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--data-dir", type=Path, default=Path("tprt-data"), metavar="DIR",
                    help="job store, fine-tuning datasets and outputs (./tprt-data)")
     s.add_argument("--store", metavar="URL",
-                   help="keep jobs, stored responses and batches in this PostgreSQL database "
-                        "(postgresql://user:password@host/db), shared by the replicas of a fleet: each job is "
-                        "trained once, by the replica holding its lease (docs/FLEET.md). Needs "
+                   help="keep jobs, files, adapters, stored responses and batches in this PostgreSQL database "
+                        "(postgresql://user:password@host/db), shared by the replicas of a fleet: each job and "
+                        "batch runs once, on the replica holding its lease; an adapter loaded or unloaded "
+                        "through one replica is on all of them (docs/FLEET.md). Needs "
                         "pip install 'tprt[fleet]'. Default: SQLite files under --data-dir, for one server")
     s.add_argument("--artifacts", metavar="URL",
-                   help="share job directories (inline datasets, checkpoints, trained adapters) and uploaded files "
-                        "with the other replicas through this store: a directory, file://, or s3:// and the "
+                   help="share job directories (inline datasets, checkpoints, trained adapters), uploaded files, "
+                        "loaded adapters and batches' files with the other replicas through this store: a "
+                        "directory, file://, or s3:// and the "
                         "like with fsspec's package for them (s3fs); published atomically, checksummed on "
                         "read. Default: none (the replicas share --data-dir, or there is one server)")
     s.add_argument("--replica-id", metavar="NAME",
                    help="this server's name as a job's lease holder, in the store and the logs (default: host, "
                         "process id and a random part)")
     s.add_argument("--job-lease", type=float, default=30.0, metavar="S",
-                   help="with --store: seconds a replica's claim on a running job lasts unless renewed; a replica "
-                        "silent that long loses its job to another, which resumes it from its checkpoint (30)")
+                   help="with --store: seconds a replica's claim on a running job or batch lasts unless renewed; "
+                        "a replica silent that long loses them to another, which resumes each where it was "
+                        "saved (a job's checkpoint, a batch's answered lines) (30)")
+    s.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish KV-cache events (blocks stored and removed, with their adapter) on this ZeroMQ "
+                        "endpoint, e.g. tcp://*:5557, in the format vLLM documents, for routers that route on "
+                        "cached prefixes (llm-d, Dynamo). Needs pip install 'tprt[fleet]'. Default: off")
+    s.add_argument("--kv-events-replay", metavar="ENDPOINT",
+                   help="answer replay requests for missed KV-cache events here, e.g. tcp://*:5558")
+    s.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="the topic frame of every KV-cache event message (default: empty)")
     s.add_argument("--no-jobs", dest="run_jobs", action="store_false",
                    help="accept fine-tuning jobs (for the replicas that run them) but train none here")
     s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S", help="seconds to drain on SIGTERM (30)")

@@ -32,6 +32,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from serve.adapters.catalogue import AdapterCatalogue
+from serve.kv_events import KVEventPublisher, KVEventsError
 from serve.adapters.pool import AdapterPool
 from serve.adapters.registry import AdapterRegistry
 from serve.jobs.admission import JobAdmission
@@ -123,6 +125,9 @@ class ServeConfig:
     max_cpu_loras: int = 8  # more adapters kept in host memory
     max_lora_rank: int = 64  # adapters of a higher rank are refused
     speculative: SpeculativeConfig | None = None  # tprt.engine.speculative; None: off
+    kv_events: str | None = None  # ZeroMQ endpoint of the KV-cache events (serve/kv_events.py); None: off
+    kv_events_replay: str | None = None  # and of their replay
+    kv_events_topic: str = ""
 
 
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
@@ -159,6 +164,11 @@ def check_config(cfg: ServeConfig) -> TPCheckpoint:
                           "stores are SQLite files under --data-dir)")
     if not cfg.job_lease > 0:
         raise ConfigError(f"--job-lease must be a positive number of seconds, got {cfg.job_lease}")
+    if cfg.kv_events is not None and not cfg.cache.prefix_cache:
+        raise ConfigError("--kv-events tells routers which prefixes are cached; it needs prefix caching (drop "
+                          "--no-prefix-cache)")
+    if cfg.kv_events is None and cfg.kv_events_replay is not None:
+        raise ConfigError("--kv-events-replay replays what --kv-events publishes; give --kv-events too")
     if cfg.drain_timeout < 0 or cfg.collective_timeout <= 0:
         raise ConfigError("--drain-timeout must be >= 0 and --collective-timeout > 0")
     for flag, seconds in (("--http-header-timeout", limits.header_timeout), ("--http-body-timeout", limits.body_timeout)):
@@ -285,6 +295,8 @@ class App:
         self.serving = False  # ready for requests: started, every rank up, not draining (HTTP /ready)
         self.loop: EngineLoop | None = None
         self.jobs: JobManager | None = None
+        self.catalogue: AdapterCatalogue | None = None  # a fleet's replica: the adapters every replica serves
+        self.kv_events: KVEventPublisher | None = None  # --kv-events
 
     # ----------------------------------------------------------------- set-up
 
@@ -354,9 +366,15 @@ class App:
                                cfg.max_stored_jobs, self.replica_id, self.stores.shared, int(cfg.job_lease * 1000),
                                cfg.run_jobs, self.artifacts)
         self.loop.side = self.jobs
-        if self.stores.shared:  # an adapter another replica trained answers here too
-            pool.find_trained = self.jobs.trained_adapter
-        self.jobs.restore_adapters()  # registered on disk: each loads at its first request
+        if cfg.kv_events is not None:
+            self.kv_events = self._kv_events(engine, adapters)
+        if self.stores.shared:  # adapters loaded, unloaded or trained through any replica, followed here
+            self.catalogue = AdapterCatalogue(self.stores.open(DB_NAME), Path(cfg.data_dir), self.replica_id,
+                                              self.artifacts, self.jobs.trained_adapter)
+            pool.find_shared = self.catalogue.find
+            self.catalogue.follow(pool, self.loop.wake)
+        else:  # the fleet's are resolved at their first request instead
+            self.jobs.restore_adapters()  # registered on disk: each loads at its first request
         facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids,
@@ -371,17 +389,18 @@ class App:
             threading.Thread(target=engine.structured_outputs.warm_up, daemon=True, name="tprt-grammar-warm-up").start()
         max_text_bytes = text_byte_limit(tokenizer, facts.context_length) if tokenizer is not None else None
         core = GenerationCore(self.loop, tokenizer, facts, adapters, self.metrics, compile_constraint, max_text_bytes)
-        generation = GenerationService(core, pool, self.store)
+        generation = GenerationService(core, pool, self.store, self.catalogue)
         generation_pb2_grpc.add_GenerationServicer_to_server(generation, self.server)
         jobs = JobsCore(self.jobs, tokenizer, engine.max_seq_len, adapters, cfg.max_dataset_bytes,
                         self._job_admission(ctx, model))
         if self.http is not None:
             token = load_token(cfg.auth_token_file) if cfg.auth_token_file is not None else None
             self.batches = BatchRunner(BatchStore(Path(cfg.data_dir), self.stores.open("batches.sqlite"),
-                                                  self.replica_id if self.stores.shared else None),
-                                       Path(cfg.data_dir), max_batch_size(cfg))
+                                                  self.replica_id if self.stores.shared else None,
+                                                  int(cfg.job_lease * 1000)),
+                                       Path(cfg.data_dir), max_batch_size(cfg), self.artifacts)
             files = FileStore(Path(cfg.data_dir), tokenizer, engine.max_seq_len, cfg.max_dataset_bytes, self.store,
-                              cfg.max_stored_bytes, self.artifacts)
+                              cfg.max_stored_bytes, self.artifacts, self.stores.open("files.sqlite"), self.stores.shared)
             self.http_app = create_app(HttpDeps(core, jobs, self.metrics, token, cfg.max_message_bytes, time.time(),
                                                 files, self.redact, datasets=self.datasets,
                                                 ignore_unknown_fields=cfg.ignore_unknown_fields,
@@ -397,6 +416,26 @@ class App:
         self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
                                 "context_length": str(facts.context_length), "kv_cache_dtype": facts.kv_cache_dtype,
                                 "kv_cache_tokens": str(facts.kv_cache_tokens)})
+
+    def _kv_events(self, engine: Engine, adapters: AdapterRegistry) -> KVEventPublisher:
+        """The KV-cache events' publisher, fed by the engine loop after every step."""
+        cfg = self.cfg
+        assert cfg.kv_events is not None and self.loop is not None
+
+        def lora_name(index: int) -> str | None:
+            return next((a.id for a in adapters.list() if a.index == index), None)
+
+        medium = "GPU" if engine.runner.cache.kv.device.type == "cuda" else "CPU"
+        try:
+            publisher = KVEventPublisher(cfg.kv_events, cfg.kv_events_replay, cfg.kv_events_topic,
+                                         engine.kv_block_size, medium, lora_name)
+        except KVEventsError as e:
+            raise ConfigError(str(e)) from None
+        engine.record_kv_events()
+        self.loop.after_step = lambda: publisher.publish(engine.take_kv_events())
+        log.info("KV-cache events on %s%s", publisher.endpoint,
+                 f" (replay on {publisher.replay_endpoint})" if publisher.replay_endpoint else "")
+        return publisher
 
     def _job_admission(self, ctx: TPContext, model: TPLlamaForCausalLM) -> JobAdmission:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
@@ -441,6 +480,10 @@ class App:
             if self.http is not None:
                 self.http.stop()
             self.metrics.close()
+            if self.catalogue is not None:
+                self.catalogue.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.stores.close()
             if not self.broken:
                 shutdown()

@@ -2,7 +2,8 @@
 (tests/pg.py starts it) and one artifact store (each its own data dir), SGLang's model gateway
 (sglang-router, cache-aware) in front. Chat goes through the router, and requests that share a prefix reach one replica. A job
 created on one replica is trained once, by the replica that claims it; its adapter answers on the
-other. The training replica is killed mid-job (SIGKILL, its ranks too) and the other takes the job
+other; an adapter loaded or unloaded through one replica is loaded or unloaded on both, and a
+file uploaded through one is listed, read and deleted through the other. The training replica is killed mid-job (SIGKILL, its ranks too) and the other takes the job
 over when the lease lapses, resumes it from its last checkpoint and finishes it with the loss of
 an uninterrupted run."""
 
@@ -15,7 +16,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -81,7 +84,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, 
                 ["--model", str(root / "model" / "tp1"), "--port", "0", "--http-port", "0", "--metrics-port", "0",
                  "--data-dir", str(data_dir(root, f"data-{name}")), "--artifacts", str(artifacts),
                  "--auth-token-file", str(root / "token"), "--threads", "1", "--max-seq-len", "512",
-                 "--store", url, "--replica-id", name, "--job-lease", str(LEASE_S)], root / f"replica-{name}.log")
+                 "--store", url, "--replica-id", name, "--job-lease", str(LEASE_S),
+                 "--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*"],
+                root / f"replica-{name}.log")
         yield replicas, url, artifacts
     finally:
         for srv in replicas.values():
@@ -115,8 +120,28 @@ def test_the_router_sends_shared_prefixes_to_one_replica_and_adapters_answer_any
         db.close()
         other = "b" if trainer == "a" else "a"
         with replicas[other].client() as c:
-            assert len(c.complete("Q1: say hi", adapter_id="fleet-small", max_new_tokens=3).tokens) == 3
+            assert len(c.complete("Q1: say hi", adapter_id="fleet-small", max_new_tokens=3, ignore_eos=True).tokens) == 3
             assert {x.id: x.source_job_id for x in c.list_adapters()}["fleet-small"] == job.id
+            # Loaded under another id through the replica that did not train it: every replica serves it...
+            c.load_adapter("fleet-renamed", job_id=job.id)
+        with replicas[trainer].client() as t:
+            wait_for(lambda: "fleet-renamed" in {x.id for x in t.list_adapters()}, 30, "the trainer to follow the load")
+            assert len(t.complete("Q1: say hi", adapter_id="fleet-renamed", max_new_tokens=3, ignore_eos=True).tokens) == 3
+            t.unload_adapter("fleet-renamed")  # ...and an unload through one reaches the other
+        with replicas[other].client() as c:
+            wait_for(lambda: "fleet-renamed" not in {x.id for x in c.list_adapters()}, 30, "the unload to follow")
+            with pytest.raises(grpc.RpcError) as info:
+                c.complete("Q1: say hi", adapter_id="fleet-renamed", max_new_tokens=3, ignore_eos=True)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND and "unloaded from the fleet" in info.value.details()
+        # A file uploaded through one replica is listed, read and deleted through the other.
+        a_api, b_api = (openai.OpenAI(base_url=f"{_http_base(replicas[n])}/v1", api_key=TOKEN, max_retries=0)
+                        for n in ("a", "b"))
+        requests = b'{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+        uploaded = a_api.files.create(file=("requests.jsonl", requests), purpose="batch")
+        assert [f.id for f in b_api.files.list()] == [uploaded.id]
+        assert b_api.files.content(uploaded.id).content == requests
+        b_api.files.delete(uploaded.id)
+        assert a_api.files.list().data == []
     finally:
         router.stop()
 
@@ -160,10 +185,46 @@ def test_a_job_survives_its_replica_and_ends_as_an_uninterrupted_run(
             assert resumed, log  # from the last checkpoint, not from 0:
             assert 0 < int(resumed.group(1)) <= killed_at.step and int(resumed.group(1)) % JOB["checkpoint_every"] == 0
             # The adapter it trained answers on the replica that finished it.
-            assert len(c.complete("Q1: say hi", adapter_id="fleet-tuned", max_new_tokens=3).tokens) == 3
+            assert len(c.complete("Q1: say hi", adapter_id="fleet-tuned", max_new_tokens=3, ignore_eos=True).tokens) == 3
             # The same job uninterrupted, on the survivor: the same final loss.
             ref = c.create_job(adapter_id="fleet-ref", **JOB)
             wait_for(lambda: c.get_job(ref.id).state == ft_pb.JOB_STATE_SUCCEEDED, 180, "the reference job")
             assert abs(c.get_job(ref.id).loss - done.loss) <= 1e-5, (c.get_job(ref.id).loss, done.loss)
     finally:
         db.close()
+
+
+def test_a_replica_publishes_the_blocks_it_caches_for_prefix_routers(
+        fleet: tuple[dict[str, ServerProcess], str, Path]) -> None:
+    """--kv-events: a prompt's full blocks reach a subscriber as BlockStored events (hashes
+    chained, the prompt's own tokens), after the AllBlocksCleared of the replica's start; a
+    subscriber that joined late gets them by replay. (The stream's format: tests/test_kv_events.py.)"""
+    import msgpack
+    import zmq
+
+    srv = next(srv for srv in fleet[0].values() if srv.proc.poll() is None)  # one was killed above
+    m = re.search(r"KV-cache events on (tcp://[\d.]+:\d+) \(replay on (tcp://[\d.]+:\d+)\)", srv.log.read_text())
+    assert m, srv.tail()
+    client = openai.OpenAI(base_url=f"{_http_base(srv)}/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    prompt = list(range(20, 60))  # 40 tokens: two full blocks of 16, whatever else the replica cached
+    client.completions.create(model="tp1", prompt=prompt, max_tokens=1)
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.RCVTIMEO, 10_000)
+        replay.connect(m.group(2))
+
+        def stored() -> list[list[Any]]:
+            replay.send_multipart((b"", (0).to_bytes(8, "big")))
+            batches = []
+            while (frames := replay.recv_multipart())[1] != b"\xff" * 8:
+                batches.append(msgpack.unpackb(frames[2])[1])
+            assert batches[0] == [["AllBlocksCleared"]]
+            return [ev for batch in batches for ev in batch if ev[0] == "BlockStored"]
+
+        wait_for(lambda: any(ev[3][:32] == prompt[:32] for ev in stored()), 10, "the prompt's blocks to be published")
+        ours = next(ev for ev in stored() if ev[3][:32] == prompt[:32])
+        assert ours[2] is None and len(ours[1]) == len(ours[3]) // 16 >= 2 and ours[4] == 16  # from the root
+        assert ours[5] is None and ours[6] == "CPU" and ours[7] is None  # the base model, in host memory
+    finally:
+        ctx.destroy(linger=0)

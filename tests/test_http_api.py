@@ -951,20 +951,25 @@ def test_draining_and_broken_ranks_are_503(tmp_path: Path) -> None:
 
 
 def test_file_store_sweeps_what_a_crash_left(tmp_path: Path) -> None:
-    """A crash mid-upload leaves a temporary upload or data without its object: neither was ever
-    listed, and the next start removes both; whole files stay."""
+    """A crash mid-upload leaves a temporary upload or data without its row: neither was ever
+    listed, and the next start removes both; whole files stay, and an object an earlier release
+    kept beside its data (`<id>.json`) moves into the table."""
     from serve.jobs.store import JobStore
     from serve.openai.files import FileStore
 
     files = tmp_path / "files"
     files.mkdir()
     whole, orphan = "file-" + "a" * 24, "file-" + "b" * 24
+    obj = {"id": whole, "object": "file", "bytes": 15, "created_at": 1_700_000_000, "filename": "a.jsonl",
+           "purpose": "fine-tune", "status": "processed", "status_details": None}
     (files / f"{whole}.jsonl").write_text('{"text": "hi"}\n')
-    (files / f"{whole}.json").write_text("{}")
+    (files / f"{whole}.json").write_text(json.dumps(obj))
     (files / f"{orphan}.jsonl").write_text('{"text": "hi"}\n')
     (files / f".file-{'c' * 24}.upload").write_text("half")
-    FileStore(tmp_path, None, 64, 1 << 20, JobStore(tmp_path))
-    assert sorted(p.name for p in files.iterdir()) == [f"{whole}.json", f"{whole}.jsonl"]
+    store = FileStore(tmp_path, None, 64, 1 << 20, JobStore(tmp_path))
+    assert sorted(p.name for p in files.iterdir()) == [f"{whole}.jsonl"]
+    assert store.list() == [obj] and store.get(whole) == obj and store.stored_bytes() == 15
+    assert store.content(whole) == files / f"{whole}.jsonl"
 
 
 # ----------------------------------------------------------------- the HTTP surface in-process (issue 30)
@@ -1420,7 +1425,7 @@ def test_a_full_disk_is_507_and_job_reads_are_off_the_event_loop(tmp_path: Path,
     refused(client.files.create, file=("d.jsonl", _chat_jsonl(2)), purpose="fine-tune")
     refused(client.fine_tuning.jobs.create, model="base", training_file=kept.id)
     assert [f.id for f in client.files.list().data] == [kept.id]
-    assert sorted(p.name for p in (data / "files").iterdir()) == [f"{kept.id}.json", f"{kept.id}.jsonl"]
+    assert sorted(p.name for p in (data / "files").iterdir()) == [f"{kept.id}.jsonl"]
     assert store.select() == [] and not (data / "jobs").exists()
     monkeypatch.undo()
 

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -314,3 +315,189 @@ def test_artifacts_travel_between_data_dirs_and_are_checked_on_read(artifact_url
     with here.fs.open(here._remote("jobs/job-cut@1/dataset.jsonl"), "wb") as f:
         f.write(b"{}\n")
     assert not there.fetch("jobs/job-cut") and not (b / "jobs/job-cut").exists()
+
+
+# ----------------------------------------------------------------- files across replicas
+
+
+def test_files_uploaded_through_one_replica_are_listed_read_and_deleted_through_another(
+        connect: Connect, tmp_path: Path) -> None:
+    """Two replicas with data dirs of their own, one database and one artifact store: each lists
+    every file, reads another's upload (fetched and checked), counts every upload against
+    --max-stored-bytes, and a delete through one is a delete everywhere."""
+    import io
+    import os
+
+    from serve.errors import InsufficientStorage, Unavailable
+    from serve.openai.files import FileStore
+    from serve.store.artifacts import Artifacts
+
+    a, b, blobs = tmp_path / "a", tmp_path / "b", str(tmp_path / "artifacts")
+    jobs = JobStore(connect())
+
+    def replica(data: Path, artifacts: bool = True) -> FileStore:
+        data.mkdir(exist_ok=True)
+        return FileStore(data, None, 64, 1 << 20, jobs, max_stored_bytes=200,
+                         artifacts=Artifacts(blobs, data) if artifacts else None, db=connect(), shared=True)
+
+    here, there = replica(a), replica(b)
+    body = b'{"custom_id": "1", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+    obj = here.add(io.BytesIO(body), "requests.jsonl", "batch")
+    assert there.list() == [obj] and there.list("batch") == [obj] and there.list("fine-tune") == []
+    assert there.get(obj["id"]) == obj and there.stored_bytes() == len(body)
+    assert there.content(obj["id"]).read_bytes() == body  # fetched from the artifact store
+    with pytest.raises(InsufficientStorage, match="--max-stored-bytes"):  # both uploads count, wherever they went
+        there.add(io.BytesIO(body * 2), "more.jsonl", "batch")
+    alone = replica(tmp_path / "c", artifacts=False)  # a replica that cannot reach the upload's data says so
+    with pytest.raises(Unavailable, match="same --artifacts"):
+        alone.content(obj["id"])
+    assert there.delete(obj["id"]) == {"id": obj["id"], "object": "file", "deleted": True}
+    assert here.list() == [] and not here.artifacts.exists(f"files/{obj['id']}.jsonl")  # type: ignore[union-attr]
+    with pytest.raises(NotFound):
+        here.content(obj["id"])
+    # The deleted file's copy in a's data dir goes at a's next start, once older than an upload could be.
+    stale = a / "files" / f"{obj['id']}.jsonl"
+    assert stale.exists()
+    replica(a)
+    assert stale.exists()  # young: it might be another replica's upload in progress on a shared dir
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    replica(a)
+    assert not stale.exists()
+
+
+# ----------------------------------------------------------------- adapters across replicas
+
+
+def test_adapters_loaded_or_unloaded_through_one_replica_follow_on_the_others(
+        connect: Connect, tmp_path: Path) -> None:
+    """Two replicas' pools (the ranks' side is tests/test_fleet.py's): a load through one is
+    registered on the other (fetched from the artifact store) at its next poll or first request,
+    a reload replaces the other's copy once its requests finish, and an unload reaches every
+    replica and stays: neither a trained job nor a copy left in a data dir brings it back."""
+    import json
+
+    from serve.adapters.catalogue import AdapterCatalogue
+    from serve.adapters.pool import AdapterPool
+    from serve.adapters.registry import DISK, AdapterRegistry
+    from serve.store.artifacts import Artifacts
+    from tprt.lora.peft_io import adapter_config
+
+    def write(data: Path, name: str, rank: int) -> Path:
+        path = data / "adapters" / name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "adapter_config.json").write_text(json.dumps(adapter_config(["q"], rank, 8.0, 0.0, None)))
+        return path
+
+    trained: dict[str, tuple[Path, str]] = {}
+    blobs = str(tmp_path / "artifacts")
+    replicas = {}
+    for name in ("a", "b"):
+        data = tmp_path / name
+        data.mkdir()
+        pool = AdapterPool(AdapterRegistry(), data, max_rank=16)
+        catalogue = AdapterCatalogue(connect(), data, name, Artifacts(blobs, data), trained.get)
+        pool.find_shared = catalogue.find
+        replicas[name] = (pool, catalogue)
+    (pa, ca), (pb, cb) = replicas["a"], replicas["b"]
+
+    ca.loaded("tea", write(tmp_path / "a", "tea", rank=4))  # LoadAdapter through a
+    assert not cb.sync(pb) and pb.registry.get("tea").tier == DISK  # type: ignore[union-attr]
+    assert pb.registry.get("tea").rank == 4 and (tmp_path / "b/adapters/tea").is_dir()  # type: ignore[union-attr]
+    ca.loaded("coffee", write(tmp_path / "a", "coffee", rank=2))
+    assert pb.acquire("coffee").rank == 2  # a request before b's poll: resolved at once
+    pb.release("coffee", started=False)
+    assert not cb.sync(pb) and pb.registry.get("coffee").rank == 2  # type: ignore[union-attr]
+
+    pb.acquire("tea")  # a request in flight on b while a reloads tea with new weights
+    ca.loaded("tea", write(tmp_path / "a", "tea", rank=8))
+    assert cb.sync(pb)  # b drains its old version; new requests there are refused as during an unload
+    with pytest.raises(NotFound):
+        pb.acquire("tea")
+    pb.release("tea", started=False)
+    pb.registry.remove("tea")  # what finish_unloads does on b's engine loop once the request ended
+    assert not cb.sync(pb) and pb.registry.get("tea").rank == 8  # type: ignore[union-attr]
+
+    pa.acquire("tea")  # a serves it too
+    pa.release("tea", started=False)
+    assert cb.unloaded("tea", here=True) and pb.begin_unload("tea") is None  # UnloadAdapter through b
+    pb.registry.remove("tea")
+    assert ca.sync(pa) and "tea" in {i.id for i in pa.registry.unloadable()}  # a unloads it too
+    pa.registry.remove("tea")
+    trained["tea"] = (tmp_path / "a/adapters/tea", "job-1")  # as if a job had trained it
+    for pool in (pa, pb):  # nothing brings it back, not even the copy in each data dir
+        with pytest.raises(NotFound, match="unloaded from the fleet"):
+            pool.acquire("tea")
+    assert not cb.unloaded("nothing", here=False)  # an id nobody knew: no tombstone
+    assert cb.find("nothing") is None
+    trained["espresso"] = (write(tmp_path / "b", "espresso", rank=4), "job-2")  # trained elsewhere, no row
+    assert pa.acquire("espresso").source_job_id == "job-2"
+    ca.loaded("tea", tmp_path / "a/adapters/tea")  # loaded again: every replica serves it again
+    assert not cb.sync(pb) and pb.registry.get("tea").rank == 8  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------- batches across replicas
+
+
+def test_a_batch_whose_replica_stops_is_finished_by_another_once_per_line(connect: Connect, tmp_path: Path) -> None:
+    """Replica a runs a batch and stops midway (as its server would drain or die); once its
+    lease lapses, replica b takes the batch over with the results a published, runs the rest,
+    and the batch ends with one result per line. a, were it only stalled, can write nothing more."""
+    import json
+
+    from serve.errors import Unavailable
+    from serve.openai.batches import BatchBody, BatchRunner, BatchStore, new_batch
+    from serve.store.artifacts import Artifacts
+
+    blobs = str(tmp_path / "artifacts")
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"p{i}"}}
+             for i in range(12)]
+    source = tmp_path / "input.jsonl"
+    source.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    ran: dict[str, list[str]] = {"a": [], "b": []}
+    kept: dict[str, str] = {}
+
+    def runner(name: str) -> BatchRunner:
+        data = tmp_path / name
+        data.mkdir()
+        r = BatchRunner(BatchStore(data, connect(), owner=name, lease_ms=600), data, concurrency=1,
+                        artifacts=Artifacts(blobs, data))
+
+        def run_line(url: str, body: dict[str, Any], gone: Callable[[], str | None]) -> tuple[int, dict[str, Any]]:
+            if name == "a" and len(ran["a"]) == 6:
+                raise Unavailable("the server is shutting down")  # a stops here
+            time.sleep(0.1)
+            ran[name].append(body["prompt"])
+            return 200, {"text": name}
+
+        def publish(path: Path, filename: str) -> str:
+            kept[filename] = path.read_text()
+            return "file-" + name
+
+        r.bind(run_line, publish)
+        return r
+
+    a = runner("a")
+    obj = new_batch(BatchBody(input_file_id="file-1", endpoint="/v1/completions", completion_window="24h"), 12, None)
+    a.submit(obj, source)
+    a.start()
+    wait_for_(lambda: len(ran["a"]) == 6 and not a._thread.is_alive(), 30)  # type: ignore[union-attr]
+    b = runner("b")
+    b.start()
+    try:
+        wait_for_(lambda: b.store.get(obj["id"])["status"] == "completed", 30)
+    finally:
+        b.stop()
+    done = b.store.get(obj["id"])
+    assert done["request_counts"] == {"total": 12, "completed": 12, "failed": 0} and done["output_file_id"] == "file-b"
+    results = [json.loads(x) for x in kept[f"{obj['id']}_output.jsonl"].splitlines()]
+    assert sorted(r["custom_id"] for r in results) == sorted(x["custom_id"] for x in lines)  # each line once
+    assert 0 < len(ran["b"]) < 12 and set(ran["a"]) | set(ran["b"]) == {f"p{i}" for i in range(12)}
+    assert len([r for r in results if r["response"]["body"]["text"] == "a"]) == 12 - len(ran["b"])
+    assert not BatchStore(tmp_path / "a", connect(), owner="a").save(done)  # a stalled a writes nothing now
+
+
+def wait_for_(cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

@@ -71,24 +71,25 @@ class AdapterPool:
         self.max_rank = max_rank
         self.reserved = frozenset(reserved)  # names no adapter may take (the served base model's)
         self._indices = itertools.count(1)
-        # A fleet's replica: where a job another replica trained keeps its adapter (id -> the
-        # directory and the job), so that it answers here too; None: only this server's jobs.
-        self.find_trained: Callable[[str], tuple[Path, str] | None] | None = None
+        # A fleet's replica: the adapters the fleet serves (id -> the directory here and the job
+        # that trained it; serve/adapters/catalogue.py), so that an adapter loaded through another
+        # replica, or trained there, answers here too; None: one server alone.
+        self.find_shared: Callable[[str], tuple[Path, str] | None] | None = None
 
     # ----------------------------------------------------------------- handler threads
 
     def acquire(self, adapter_id: str) -> AdapterInfo:
         """A request names `adapter_id`: counts it (release it when the request ends). An adapter
-        not yet registered is registered from `--data-dir/adapters/<id>/` when that exists, or
-        from the job that trained it on another replica (`find_trained`). NotFound otherwise (or
-        while it is being unloaded); InvalidArgument when its files do not fit this server or its
-        directory leads out of --data-dir."""
+        not yet registered is registered from the fleet's catalogue (`find_shared`: loaded through
+        another replica, or trained there), else from `--data-dir/adapters/<id>/` when that exists.
+        NotFound otherwise (or while it is being unloaded, or when the fleet unloaded it);
+        InvalidArgument when its files do not fit this server or its directory leads out of
+        --data-dir."""
         info = self.registry.acquire(adapter_id)
         if info is None and not self.registry.has(adapter_id) and ADAPTER_ID.fullmatch(adapter_id) \
                 and adapter_id not in self.reserved:
-            path, job_id = self._adapter_dir(adapter_id), ""
-            if path is None and self.find_trained is not None:
-                path, job_id = self.find_trained(adapter_id) or (None, "")
+            found = self.find_shared(adapter_id) if self.find_shared is not None else None
+            path, job_id = found if found is not None else (self._adapter_dir(adapter_id), "")
             if path is not None:  # the weights' values are left to the ranks' load (this may be an event loop)
                 facts = self.describe(path, "adapter_id", values=False)
                 # add_new: another request may have registered it meanwhile

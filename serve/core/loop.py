@@ -157,6 +157,7 @@ class EngineLoop:
         self.keepalive_s = keepalive_s
         self.side_every_s = side_every_s
         self.side: SideWork | None = None
+        self.after_step: Callable[[], None] | None = None  # runs after each step (KV-cache events' hand-over)
         # Resolves tickets' adapters to device indices as they join (None: the ticket's own index).
         self.adapters = adapters
         self._on_broken = on_broken
@@ -484,6 +485,8 @@ class EngineLoop:
             self.metrics.adapters_per_step.observe(len(adapters))
         for ev in events:
             self._deliver(ev, now)
+        if self.after_step is not None:
+            self.after_step()
         self._update_gauges()
 
     def _deliver(self, ev: TokenEvent, now: float) -> None:

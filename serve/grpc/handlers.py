@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from serve.adapters.catalogue import AdapterCatalogue
 from serve.adapters.pool import AdapterPool
 from serve.adapters.registry import AdapterInfo
 from serve.core.generation import ChoiceEvent, Generation, GenerationCore, Prepared, TokenText
@@ -48,7 +49,8 @@ _POLL_S = 0.5
 class GenerationService(GenerationServicer):
     """tprt.v1.Generation on rank 0."""
 
-    def __init__(self, core: GenerationCore, pool: AdapterPool | None = None, store: JobStore | None = None) -> None:
+    def __init__(self, core: GenerationCore, pool: AdapterPool | None = None, store: JobStore | None = None,
+                 catalogue: AdapterCatalogue | None = None) -> None:
         self.core = core
         self.loop: EngineLoop = core.loop  # type: ignore[assignment]  # LoadAdapter's calls
         self.tokenizer = core.tokenizer
@@ -56,6 +58,7 @@ class GenerationService(GenerationServicer):
         self.adapters = core.adapters
         self.pool = pool  # the adapter tiers (LoadAdapter, UnloadAdapter); None: adapters come from jobs only
         self.store = store  # the job store, for LoadAdapter(job_id)
+        self.catalogue = catalogue  # a fleet's: loads and unloads through this replica reach the others
 
     # ----------------------------------------------------------------- RPCs
 
@@ -130,6 +133,8 @@ class GenerationService(GenerationServicer):
             if rec.method != "lora" or rec.state != SUCCEEDED or not rec.output_path:
                 raise FailedPrecondition(f"job {rec.id} has no adapter (a {rec.method} job, {rec.state})", "job_id")
             path, adapter_id, job_id = pool.data_dir / rec.output_path, adapter_id or rec.adapter_id, rec.id
+            if self.catalogue is not None:  # trained on another replica: its directory comes first
+                self.catalogue.fetch_job(rec.id)
         elif source == "path":
             path = pool.resolve_path(request.path)
         else:
@@ -145,10 +150,20 @@ class GenerationService(GenerationServicer):
             info = _wait(future, context)
         except CommandFailed as e:
             raise InvalidArgument(f"the adapter could not be loaded: {e}", "path") from None
+        if self.catalogue is not None:
+            self.catalogue.loaded(adapter_id, path, job_id)
         return adapter_pb(info)
 
     def UnloadAdapter(self, request: Any, context: grpc.ServicerContext) -> Any:
-        self._need_pool().begin_unload(request.id)
+        pool = self._need_pool()
+        # In a fleet the tombstone comes first: no replica resolves the id again meanwhile.
+        elsewhere = self.catalogue is not None and self.catalogue.unloaded(request.id, pool.registry.has(request.id))
+        try:
+            pool.begin_unload(request.id)
+        except NotFound:
+            if elsewhere:  # loaded on other replicas only: they unload it at their next poll
+                return pb.UnloadAdapterResponse()
+            raise
         self.loop.wake()
         while not self.adapters.wait_removed(request.id, _POLL_S):
             if self.loop.broken is not None:

@@ -229,7 +229,7 @@ class JobManager:
 
     def trained_adapter(self, adapter_id: str) -> tuple[Path, str] | None:
         """Where the job that trained `adapter_id` (on any replica) left it, and the job's id: the
-        adapter pool's `find_trained` on a fleet's replicas."""
+        fleet's adapter catalogue falls back on it (serve/adapters/catalogue.py)."""
         rec = self.store.trained(adapter_id)
         if rec is None:
             return None

@@ -395,7 +395,7 @@ class OpenAIApi(HttpApi):
         _check_limit(limit, 10_000)
         if order not in ("asc", "desc"):
             raise ParamError(f"{echo(order)}; 'asc' or 'desc'", "order")
-        files = await run_in_threadpool(self.d.files.list, purpose)  # a file read per upload: off the event loop
+        files = await run_in_threadpool(self.d.files.list, purpose)  # a database read: off the event loop
         listed = page(files[::-1] if order == "asc" else files, after, limit, "file")
         return self._ok(request, listed)
 
@@ -428,11 +428,11 @@ class OpenAIApi(HttpApi):
         # a fine-tuned model (adapter) to train on, e.g. DPO after SFT
         init_adapter = body.model if body.model != d.facts.name else ""
         with d.files.lock:  # the job's files stay until the job is stored
-            d.files.get(body.training_file, "training_file")
+            d.files.content(body.training_file, "training_file")  # fetched when another replica took the upload
             training = dataset_path(body.training_file)
             validation = ""
             if body.validation_file:
-                d.files.get(body.validation_file, "validation_file")
+                d.files.content(body.validation_file, "validation_file")
                 validation = dataset_path(body.validation_file)
             job.fit(self._examples(training))
 
@@ -697,7 +697,7 @@ class OpenAIApi(HttpApi):
         if file["purpose"] != "batch":
             raise ParamError(f"file {body.input_file_id} has purpose {file['purpose']!r}; upload the requests with "
                              "purpose 'batch'", "input_file_id")
-        path = self.d.files.content(body.input_file_id)
+        path = self.d.files.content(body.input_file_id, "input_file_id")
         lines = read_batch_file(path, body.endpoint)
         models = {line.body.get("model") for line in lines}
         for n, line in enumerate(lines, 1):  # every request names a model this server serves

@@ -17,6 +17,14 @@ files; a line cut by a crash is dropped) are not run again. At the end the two f
 files of purpose "batch_output" (output_file_id, error_file_id) and the batch is completed;
 cancelling stops new requests, cancels those running, and keeps what finished. A batch not done
 within its completion window (24h) expires the same way.
+
+In a fleet (replicas sharing one store), a batch is run by one replica at a time: the one that
+created it, holding a lease in its row that the runner renews (`--job-lease`, as jobs do). With
+--artifacts its input is published when it is created, and its results files as they grow (at
+each renewal). When a replica dies, its leases lapse, and another replica takes its unfinished
+batches over: it fetches their files and resumes them as a restart would, so the lines answered
+since the last publish run again (their results are written once). A replica that stalls past
+its lease and wakes up finds its next write refused, and leaves the batch to the new owner.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from serve.store.artifacts import Artifacts
 from serve.store.database import Database, SqliteDatabase, insertion_order, next_seq
 from serve.errors import Cancelled, FailedPrecondition, NotFound, Unavailable, echo
 from serve.openai.requests import KnownFields, ParamError
@@ -126,23 +135,61 @@ def _answered(path: Path) -> tuple[set[str], int]:
 class BatchStore:
     """The batch objects, one JSON object per row of the `batches` table (serve/store:
     `--data-dir/batches.sqlite`, or PostgreSQL shared by replicas). With `owner` (a replica of a
-    fleet), the batches this store runs are those that replica created."""
+    fleet), the batches this store runs are those that replica holds the lease of: those it
+    created, and those it took over from a replica whose lease lapsed (`take_over`)."""
 
     MIGRATIONS = ("CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created DOUBLE PRECISION NOT NULL, "
                   "status TEXT NOT NULL, object TEXT NOT NULL)",
                   insertion_order("batches"),
-                  "ALTER TABLE batches ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+                  "ALTER TABLE batches ADD COLUMN owner TEXT NOT NULL DEFAULT ''",
+                  "ALTER TABLE batches ADD COLUMN lease_until_ms BIGINT NOT NULL DEFAULT 0")
 
-    def __init__(self, data_dir: Path, db: Database | None = None, owner: str | None = None) -> None:
+    def __init__(self, data_dir: Path, db: Database | None = None, owner: str | None = None,
+                 lease_ms: int = 30_000) -> None:
         self.db = db if db is not None else SqliteDatabase(Path(data_dir) / "batches.sqlite")
         self.db.migrate("batches", self.MIGRATIONS)
         self.owner = owner
+        self.lease_ms = lease_ms
 
     def put(self, obj: dict[str, Any]) -> None:
-        """Stores a batch (its insertion order and owner kept from its first put)."""
-        self.db.execute("INSERT INTO batches (id, created, status, object, seq, owner) VALUES (?, ?, ?, ?, ?, ?) "
+        """Stores a batch (its insertion order, owner and lease kept from its first put)."""
+        self.db.execute("INSERT INTO batches (id, created, status, object, seq, owner, lease_until_ms) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?) "
                         "ON CONFLICT (id) DO UPDATE SET status = excluded.status, object = excluded.object",
-                        (obj["id"], obj["created_at"], obj["status"], json.dumps(obj), next_seq(), self.owner or ""))
+                        (obj["id"], obj["created_at"], obj["status"], json.dumps(obj), next_seq(), self.owner or "",
+                         _now_ms() + self.lease_ms))
+
+    def save(self, obj: dict[str, Any]) -> bool:
+        """The runner's write of a batch's progress: False when this replica no longer holds it
+        (its lease lapsed and another replica took it over); nothing is written then."""
+        if not self.owner:
+            self.put(obj)
+            return True
+        return self.db.execute("UPDATE batches SET status = ?, object = ? WHERE id = ? AND owner = ?",
+                               (obj["status"], json.dumps(obj), obj["id"], self.owner)) == 1
+
+    def renew(self) -> None:
+        """Extends the leases of this replica's unfinished batches."""
+        if self.owner:
+            self.db.execute(f"UPDATE batches SET lease_until_ms = ? WHERE owner = ? AND status IN ({_ACTIVE_SQL})",
+                            (_now_ms() + self.lease_ms, self.owner, *ACTIVE))
+
+    def take_over(self) -> list[tuple[str, str]]:
+        """Claims every unfinished batch whose owner's lease lapsed; returns (batch id, the
+        replica it was taken from) for each. A row is claimed by one replica only: the update's
+        condition is checked again under the row's lock."""
+        if not self.owner:
+            return []
+        now = _now_ms()
+        lapsed = self.db.query(f"SELECT id, owner FROM batches WHERE status IN ({_ACTIVE_SQL}) AND owner != ? "
+                               "AND lease_until_ms < ?", (*ACTIVE, self.owner, now))
+        taken = []
+        for row in lapsed:
+            if self.db.execute("UPDATE batches SET owner = ?, lease_until_ms = ? WHERE id = ? AND owner = ? "
+                               "AND lease_until_ms < ?", (self.owner, now + self.lease_ms, row["id"], row["owner"],
+                                                          now)) == 1:
+                taken.append((row["id"], row["owner"]))
+        return taken
 
     def get(self, batch_id: str, param: str = "batch_id") -> dict[str, Any]:
         row = self.db.one("SELECT object FROM batches WHERE id = ?", (batch_id,))
@@ -168,9 +215,20 @@ class BatchStore:
     def active(self) -> list[dict[str, Any]]:
         """Unfinished batches (this replica's, with an owner), oldest first."""
         mine, args = (" AND owner = ?", (*ACTIVE, self.owner)) if self.owner else ("", ACTIVE)
-        rows = self.db.query(f"SELECT object FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}){mine} "
+        rows = self.db.query(f"SELECT object FROM batches WHERE status IN ({_ACTIVE_SQL}){mine} "
                              "ORDER BY created, seq", args)
         return [json.loads(r["object"]) for r in rows]
+
+
+_ACTIVE_SQL = ",".join("?" * len(ACTIVE))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _LeaseLost(Exception):
+    """Another replica took the batch over (this one stalled past its lease)."""
 
 
 def new_batch(body: BatchBody, lines: int, model: str | None) -> dict[str, Any]:
@@ -189,9 +247,14 @@ def new_batch(body: BatchBody, lines: int, model: str | None) -> dict[str, Any]:
 class BatchRunner:
     """Runs the stored batches on a thread of its own (see the module docstring)."""
 
-    def __init__(self, store: BatchStore, data_dir: Path, concurrency: int = 4) -> None:
+    def __init__(self, store: BatchStore, data_dir: Path, concurrency: int = 4,
+                 artifacts: Artifacts | None = None) -> None:
         self.store = store
-        self.dir = Path(data_dir) / "batches"
+        self.data_dir = Path(data_dir)
+        self.dir = self.data_dir / "batches"
+        self.artifacts = artifacts  # a fleet's: inputs and results published for a takeover
+        self._renew_at = 0.0  # monotonic time of the next lease renewal (a fleet's)
+        self._published: dict[str, int] = {}  # results file -> the size last published
         self.run_line: RunLine | None = None  # `bind`
         self.publish: Callable[[Path, str], str] | None = None
         self.concurrency = max(1, concurrency)
@@ -219,6 +282,8 @@ class BatchRunner:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(input_file.read_bytes())
         tmp.replace(path)
+        if self.artifacts is not None:  # whoever takes the batch over reads it from there
+            self.artifacts.publish(self._name(path))
         self.store.put(obj)
         with self._cv:
             self._cv.notify_all()
@@ -254,24 +319,78 @@ class BatchRunner:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        idle_s = min(5.0, self.store.lease_ms / 3000) if self.store.owner else 5.0
         while True:
+            self._heartbeat(None)
+            for batch_id, owner in self.store.take_over():
+                self._taken_over(batch_id, owner)
             with self._cv:
                 if self._stop:
                     return
                 active = self.store.active()
                 if not active:
-                    self._cv.wait(5.0)
+                    self._cv.wait(idle_s)
                     continue
             try:
                 self._run_batch(active[0])
+            except _LeaseLost:
+                log.warning("batch %s: another replica took it over (this one stalled past its lease); leaving it",
+                            active[0]["id"])
             except Exception:  # noqa: BLE001 - a bug in one batch must not end the runner
                 log.exception("batch %s failed", active[0]["id"])
-                obj = self.store.get(active[0]["id"])
-                obj.update(status="failed", failed_at=int(time.time()),
-                           errors={"object": "list", "data": [{"code": "server_error", "message":
-                                                                "the batch failed on the server; see its log",
-                                                                "param": None, "line": None}]})
-                self.store.put(obj)
+                self._fail(active[0]["id"], "the batch failed on the server; see its log")
+
+    def _fail(self, batch_id: str, message: str) -> None:
+        obj = self.store.get(batch_id)
+        obj.update(status="failed", failed_at=int(time.time()),
+                   errors={"object": "list", "data": [{"code": "server_error", "message": message, "param": None,
+                                                       "line": None}]})
+        self.store.save(obj)
+
+    # ----------------------------------------------------------------- a fleet's leases
+
+    def _name(self, path: Path) -> str:
+        return path.relative_to(self.data_dir).as_posix()
+
+    def _heartbeat(self, running: str | None) -> None:
+        """Renews this replica's leases every third of the lease, and publishes the running
+        batch's results files where they grew (a fleet's; nothing for one server)."""
+        if not self.store.owner or time.monotonic() < self._renew_at:
+            return
+        self._renew_at = time.monotonic() + self.store.lease_ms / 3000
+        self.store.renew()
+        if self.artifacts is None or running is None:
+            return
+        for path in (self.dir / running / "output.jsonl", self.dir / running / "errors.jsonl"):
+            size = path.stat().st_size if path.exists() else 0
+            if size and self._published.get(str(path)) != size:
+                try:
+                    self.artifacts.publish(self._name(path))  # a line cut mid-copy is dropped on resume
+                    self._published[str(path)] = size
+                except (OSError, Unavailable) as e:
+                    log.warning("batch %s: its results were not published (%s); a takeover runs more lines again",
+                                running, e)
+
+    def _taken_over(self, batch_id: str, owner: str) -> None:
+        """Brings a batch taken over from `owner` here (its input, and the results published)."""
+        work = self.dir / batch_id
+        try:
+            if self.artifacts is not None:
+                for name in ("input.jsonl", "output.jsonl", "errors.jsonl"):
+                    self.artifacts.fetch(self._name(work / name))
+        except (OSError, Unavailable) as e:
+            log.warning("batch %s: its files could not be fetched (%s); retrying at the next poll", batch_id, e)
+            self.store.renew()  # held meanwhile
+            return
+        if not self.input_path(batch_id).exists():
+            self._fail(batch_id, f"replica {owner or '(unnamed)'} stopped, and its input is not readable here; give "
+                                 "the replicas the same --artifacts, or one shared --data-dir")
+            return
+        log.warning("batch %s: replica %s stopped renewing its lease; resuming it here", batch_id, owner or "(unnamed)")
+
+    def _save(self, obj: dict[str, Any]) -> None:
+        if not self.store.save(obj):
+            raise _LeaseLost(obj["id"])
 
     def _run_batch(self, obj: dict[str, Any]) -> None:
         batch_id = obj["id"]
@@ -317,6 +436,7 @@ class BatchRunner:
             running: set[Future[None]] = set()
             pending = iter(todo)
             while True:
+                self._heartbeat(batch_id)
                 why = self._stopped(batch_id)
                 while why is None and len(running) < self.concurrency and (line := next(pending, None)) is not None:
                     running.add(pool.submit(self._one, obj, url, line, gone, out, err, write))
@@ -327,7 +447,7 @@ class BatchRunner:
                     f.result()  # _one answers every request; what escapes is a bug
             if why == "expired":
                 obj.update(status="expired", expired_at=int(time.time()))
-            self.store.put(self._merged(obj))
+            self._save(self._merged(obj))
 
     def _one(self, obj: dict[str, Any], url: str, line: BatchLine, gone: Callable[[], str | None], out: Any,
              err: Any, write: threading.Lock) -> None:
@@ -353,7 +473,7 @@ class BatchRunner:
             obj["request_counts"]["completed" if ok else "failed"] += 1
             if ok and isinstance(body.get("usage"), dict):
                 _add_usage(obj["usage"], body["usage"])
-            self.store.put(self._merged(obj))
+            self._save(self._merged(obj))
 
     def _merged(self, obj: dict[str, Any]) -> dict[str, Any]:
         """`obj` with the stored status's changes (a cancellation made meanwhile) kept."""
@@ -369,16 +489,16 @@ class BatchRunner:
             obj.update(finalizing_at=int(time.time()))
             if end == "completed":
                 obj["status"] = "finalizing"
-            self.store.put(obj)
+            self._save(obj)
         for path, key in ((outputs, "output_file_id"), (errors, "error_file_id")):
             if obj.get(key) is None and path.exists() and path.stat().st_size > 0:
                 assert self.publish is not None, "bind() first"
                 obj[key] = self.publish(path, f"{obj['id']}_{'output' if key == 'output_file_id' else 'error'}.jsonl")
-                self.store.put(obj)
+                self._save(obj)
         now = int(time.time())
         obj["status"] = end
         obj[{"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[end]] = now
-        self.store.put(obj)
+        self._save(obj)
         with self._cv:
             self._cancel.discard(obj["id"])
         log.info("batch %s %s: %d completed, %d failed", obj["id"], end, obj["request_counts"]["completed"],

@@ -188,7 +188,11 @@ class GuardedH11Protocol(H11Protocol):
         self.lingering = True
         self._cancel_deadline()
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # the client has gone already (ENOTCONN): nothing to linger for
+                transport.close()
+                return
         self.loop.call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:

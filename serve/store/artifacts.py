@@ -98,6 +98,18 @@ class Artifacts:
         self._remember(name, manifest)
         return manifest
 
+    def remove(self, name: str) -> None:
+        """Unpublishes `name`: its manifest first (readers stop seeing it), then its files."""
+        old = self.manifest(name)
+        if old is None:
+            return
+        self.fs.rm(self._remote(f"{name}.manifest.json"))
+        try:
+            self.fs.rm(self._remote(f"{name}@{old['version']}"), recursive=True)
+        except FileNotFoundError:  # removed meanwhile by another replica
+            pass
+        self._marker(name).unlink(missing_ok=True)
+
     def fetch(self, name: str) -> bool:
         """Brings the published `name` into `data_dir/name` unless the copy there is that version
         already; False when nothing is published under it. ArtifactError when a file does not

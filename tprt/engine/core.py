@@ -55,6 +55,7 @@ from tprt.engine.outputs import OutputProcessor
 from tprt.engine.registry import RequestRegistry
 from tprt.engine.runner import ModelRunner, free_memory_tokens
 from tprt.engine.sampling import SamplingParams
+from tprt.engine.prefix_cache import KVEvent
 from tprt.engine.scheduler import KVStats, Scheduler, SchedulerConfig, Status
 from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.engine.speculative import SpecStats, SpeculativeDecoder, build_speculator
@@ -117,6 +118,22 @@ class Engine:
     @property
     def kv_stats(self) -> KVStats:
         return self.scheduler.kv_stats()
+
+    def record_kv_events(self) -> None:
+        """From now on the KV block pool records the blocks it names and evicts (`take_kv_events`)."""
+        self.scheduler.pool.events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """What the block pool recorded since the last call (nothing unless recording)."""
+        pool = self.scheduler.pool
+        if not pool.events:
+            return []
+        events, pool.events = pool.events, []
+        return events
+
+    @property
+    def kv_block_size(self) -> int:
+        return self.scheduler.pool.block_size
 
     @property
     def structured_outputs(self) -> StructuredOutputs:

@@ -14,6 +14,11 @@ named blocks under the same key points its table at them instead of computing th
 nobody references stays cached (its keys and values intact) until the pool needs room, then the
 least recently released goes first. A referenced block is never evicted, and a full block is
 never written again, so sharing needs no copies.
+
+With `events` set to a list, the pool records what a router that follows prefixes needs to know
+(serve/kv_events.py publishes it): each block named (`BlockNamed`: its digest, its parent's, its
+tokens and cache key) and each named block evicted (`BlockEvicted`). A named block that is only
+cached stays named; it is evicted when its room is taken.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from tprt.model.kv_cache import SCRATCH_BLOCK
 
@@ -40,6 +46,22 @@ def chain_digest(parent: Digest, key: Hashable, tokens: Sequence[int]) -> Digest
 ROOT: Digest = b""  # the parent of a sequence's first block
 
 
+@dataclass(frozen=True)
+class BlockNamed:
+    digest: Digest
+    parent: Digest  # ROOT for a sequence's first block
+    tokens: tuple[int, ...]
+    key: Hashable  # the cache key (the adapter's index and load generation)
+
+
+@dataclass(frozen=True)
+class BlockEvicted:
+    digest: Digest
+
+
+KVEvent = BlockNamed | BlockEvicted
+
+
 class BlockPool:
     """Free, referenced and cached blocks of one KV cache (see the module docstring)."""
 
@@ -54,6 +76,7 @@ class BlockPool:
         self._by_digest: dict[Digest, int] = {}
         self._digest_of: dict[int, Digest] = {}
         self._cached: OrderedDict[int, None] = OrderedDict()  # named, unreferenced: least recent first
+        self.events: list[KVEvent] | None = None  # a list: named and evicted blocks are recorded there
 
     @property
     def capacity(self) -> int:
@@ -105,8 +128,11 @@ class BlockPool:
         for _ in range(need):
             if not self._free:  # evict the least recently released cached block
                 victim, _ = self._cached.popitem(last=False)
-                del self._by_digest[self._digest_of.pop(victim)]
+                digest = self._digest_of.pop(victim)
+                del self._by_digest[digest]
                 self._free.append(victim)
+                if self.events is not None:
+                    self.events.append(BlockEvicted(digest))
             block = self._free.pop()
             self._refs[block] = 1
             blocks.append(block)
@@ -126,6 +152,8 @@ class BlockPool:
             if digest not in self._by_digest and blocks[i] not in self._digest_of:
                 self._by_digest[digest] = blocks[i]
                 self._digest_of[blocks[i]] = digest
+                if self.events is not None:
+                    self.events.append(BlockNamed(digest, parent, tuple(tokens[i * size : (i + 1) * size]), key))
 
     def release(self, blocks: list[int]) -> None:
         """Drops one reference to each block; an unreferenced named block is cached (most
