@@ -111,3 +111,28 @@ def test_the_objects_refer_to_each_other_by_names_that_exist() -> None:
                         assert ("Secret", ref["name"]) in named, where
             if "serviceAccountName" in spec:
                 assert ("ServiceAccount", spec["serviceAccountName"]) in named, where
+
+
+def test_each_image_the_manifests_name_is_built_by_a_dockerfile_here() -> None:
+    """Every image but the public ones has a Dockerfile under deploy/images/ that tags it, copies
+    only what exists, installs extras pyproject.toml defines, and pins what the tests run."""
+    import re
+    import tomllib
+
+    root = DEPLOY.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    named = {c["image"] for _, obj in OBJECTS for t in _pod_templates(obj) for c in t["spec"]["containers"]}
+    built = {}
+    for dockerfile in sorted((DEPLOY / "images").glob("*.Dockerfile")):
+        text = dockerfile.read_text()
+        tag = re.search(r"docker build -f deploy/images/\S+ -t (\S+) ", text)
+        assert tag, dockerfile
+        built[tag.group(1)] = text
+        for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
+            for part in src.split():
+                assert (root / part).exists(), (dockerfile.name, part)
+        for extras in re.findall(r'"\.\[([\w,]+)\]"', text):
+            assert set(extras.split(",")) <= set(project["optional-dependencies"]), (dockerfile.name, extras)
+        for pin in re.findall(r"pip install [^\n]*?([\w-]+==[\d.]+)", text):
+            assert pin in project["optional-dependencies"]["test"], (dockerfile.name, pin)  # what tests run
+    assert named - {"postgres:16"} == set(built), (named, set(built))
