@@ -66,7 +66,7 @@ def build_rank(cfg: ModelConfig, tp: int, rank: int, dtype: torch.dtype = torch.
 
 @dataclass(frozen=True)
 class Collective:
-    op: str  # "all_reduce", "all_gather", "broadcast", "gather"
+    op: str  # "all_reduce", "all_gather", "broadcast", "gather", "all_gather_single", "reduce_scatter_single"
     shape: tuple[int, ...]  # of this rank's input tensor
     dtype: torch.dtype
     reduce: str | None = None  # "SUM", "MAX" for all_reduce
@@ -92,11 +92,13 @@ class CollectiveLog:
 
     @contextmanager
     def recording(self) -> Iterator[CollectiveLog]:
-        originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast", "gather")}
+        names = ("all_reduce", "all_gather", "broadcast", "gather", "all_gather_single", "reduce_scatter_single")
+        originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}  # *_single: torch 2.13+
 
         def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def call(*args: Any, **kwargs: Any) -> Any:
-                tensor = args[1] if name == "all_gather" else args[0]
+                # the input: the second argument where the first is the output
+                tensor = args[1] if name in ("all_gather", "all_gather_single", "reduce_scatter_single") else args[0]
                 op = kwargs.get("op", dist.ReduceOp.SUM) if name == "all_reduce" else None
                 reduce = None if op is None else ("MAX" if op == dist.ReduceOp.MAX else "SUM")
                 self.calls.append(Collective(name, tuple(tensor.shape), tensor.dtype, reduce))

@@ -34,7 +34,8 @@ from tprt.parallel.sharding import hf_sources
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train.grads import clip_grad_norm, sync_gradients
 from tprt.train.optim import AdamW, WarmupCosine, warmup_cosine
-from tprt.train.step import compute_loss, dp_loss, enable_activation_checkpointing
+from tprt.train.step import (compute_loss, dp_loss, enable_activation_checkpointing, enable_sequence_parallel,
+                             enable_tp_comm_overlap)
 
 CONFIGS = ("gqa", "rope_pad", "tied")
 TP8_CONFIGS = ("gqa", "rope_pad")  # kv heads replicated 2x and 4x
@@ -152,8 +153,11 @@ def _ref(workdir: Path, name: str) -> dict[str, Any]:
     return ref
 
 
-def _model(ctx: TPContext, workdir: Path, name: str) -> TPLlamaForCausalLM:
-    return load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, requires_grad=True).train()
+def _model(ctx: TPContext, workdir: Path, name: str, sp: bool = False, overlap: bool = False) -> TPLlamaForCausalLM:
+    model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx, requires_grad=True).train()
+    enable_sequence_parallel(model, sp)
+    enable_tp_comm_overlap(model, overlap)
+    return model
 
 
 def _rows(ctx: TPContext) -> slice:
@@ -213,9 +217,11 @@ def run_steps(
 # ----------------------------------------------------------------------------- checks (every rank)
 
 
-def check_grads(ctx: TPContext, workdir: Path, name: str) -> None:
-    """Loss and every gradient equal transformers'; replicated values identical on every rank."""
-    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+def check_grads(ctx: TPContext, workdir: Path, name: str, sp: bool = False, overlap: bool = False) -> None:
+    """Loss and every gradient equal transformers'; replicated values identical on every rank
+    (`sp`: under sequence parallelism, the batch's 11 positions padded to split over TP;
+    `overlap`: the column-parallel backward's collective overlapped)."""
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name, sp, overlap)
     ids, labels = ref["batches"][0]
     loss_sum, n_tokens = compute_loss(model, ids[_rows(ctx)], labels[_rows(ctx)])
     loss, mean = dp_loss(loss_sum, n_tokens, ctx)
@@ -228,10 +234,10 @@ def check_grads(ctx: TPContext, workdir: Path, name: str) -> None:
     assert_replicas_identical(model, ctx)
 
 
-def check_steps(ctx: TPContext, workdir: Path, name: str) -> None:
+def check_steps(ctx: TPContext, workdir: Path, name: str, sp: bool = False, overlap: bool = False) -> None:
     """N_STEPS of AdamW + clipping: losses, global norms (replicated values counted once) and the
     final weights equal transformers' with torch.optim.AdamW and clip_grad_norm_."""
-    ref, model = _ref(workdir, name), _model(ctx, workdir, name)
+    ref, model = _ref(workdir, name), _model(ctx, workdir, name, sp, overlap)
     losses, norms = run_steps(model, ctx, ref["batches"])
     for i, (ours, want) in enumerate(zip(losses, ref["losses"])):
         assert abs(ours - want) <= 1e-5 * abs(want), f"step {i} loss {ours} != {want}"
@@ -258,12 +264,12 @@ def check_bf16_steps(ctx: TPContext, workdir: Path, name: str) -> None:
     assert_replicas_identical(model, ctx, "weight")
 
 
-def check_checkpointing(ctx: TPContext, workdir: Path, name: str) -> None:
+def check_checkpointing(ctx: TPContext, workdir: Path, name: str, sp: bool = False, overlap: bool = False) -> None:
     """Per-block activation checkpointing gives the same loss and gradients."""
     ids, labels = _ref(workdir, name)["batches"][1]
     grads = []
     for enabled in (False, True):
-        model = _model(ctx, workdir, name)
+        model = _model(ctx, workdir, name, sp, overlap)
         enable_activation_checkpointing(model, enabled)
         loss_sum, n_tokens = compute_loss(model, ids, labels)
         (loss_sum / n_tokens).backward()
@@ -289,11 +295,11 @@ def _mesh(world: TPContext, tp: int) -> TPContext:
     return _MESHES[key]
 
 
-def check_dp(ctx: TPContext, workdir: Path, which: str) -> None:
+def check_dp(ctx: TPContext, workdir: Path, which: str, sp: bool = False) -> None:
     """dp x tp: half the rows per DP rank; gradients (or steps) equal the whole-batch reference."""
     name, tp = DP_MESHES[ctx.world_size]
     mesh = _mesh(ctx, tp)
-    (check_grads if which == "grads" else check_steps)(mesh, workdir, name)
+    (check_grads if which == "grads" else check_steps)(mesh, workdir, name, sp)
 
 
 def _checks(world: int) -> Checks:
@@ -303,9 +309,19 @@ def _checks(world: int) -> Checks:
         *((f"{n}-steps", partial(check_steps, name=n)) for n in configs),
         ("rope_pad-checkpointing", partial(check_checkpointing, name="rope_pad")),
         ("rope_pad-bf16_steps", partial(check_bf16_steps, name="rope_pad")),
+        # Sequence parallelism (issue 44): the same references.
+        *((f"{n}-sp-grads", partial(check_grads, name=n, sp=True)) for n in configs),
+        ("gqa-sp-steps", partial(check_steps, name="gqa", sp=True)),
+        ("rope_pad-sp-checkpointing", partial(check_checkpointing, name="rope_pad", sp=True)),
+        # The backward's collectives overlapped with the weight gradients (issue 44), with and without SP.
+        *((f"{n}-overlap-grads", partial(check_grads, name=n, overlap=True)) for n in configs),
+        *((f"{n}-sp-overlap-grads", partial(check_grads, name=n, sp=True, overlap=True)) for n in configs),
+        ("gqa-sp-overlap-steps", partial(check_steps, name="gqa", sp=True, overlap=True)),
+        ("rope_pad-sp-overlap-checkpointing", partial(check_checkpointing, name="rope_pad", sp=True, overlap=True)),
     ]
     if world in DP_MESHES:
-        checks += [("dp-grads", partial(check_dp, which="grads")), ("dp-steps", partial(check_dp, which="steps"))]
+        checks += [("dp-grads", partial(check_dp, which="grads")), ("dp-steps", partial(check_dp, which="steps")),
+                   ("dp-sp-grads", partial(check_dp, which="grads", sp=True))]
     return checks
 
 

@@ -380,7 +380,8 @@ def test_lora_trainer_over_a_served_model_shares_its_weights(setup: dict[str, Pa
 def test_the_stored_run_config_keeps_its_flat_format(setup: dict[str, Path]) -> None:
     """Checkpoints store the run under the flags' flat names (and resumes compare them); the nested
     FinetuneConfig (LoRA, DPO and optimizer settings) writes exactly the keys and values the flat
-    one of 2026-11 did, so runs checkpointed by earlier versions resume."""
+    one of 2026-11 did (plus sequence_parallel and tp_comm_overlap, which a resume need not
+    match: they change no value), so runs checkpointed by earlier versions resume."""
     from tprt.lora.config import LoRASettings
     from tprt.train.dpo import DPOConfig
     from tprt.train.trainer import FinetuneConfig, OptimSettings, run_config
@@ -388,7 +389,8 @@ def test_the_stored_run_config_keeps_its_flat_format(setup: dict[str, Path]) -> 
     flat_keys = {"model", "data", "out", "full", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "steps",
                  "epochs", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "batch_size", "grad_accum", "seq_len",
                  "max_grad_norm", "save_every", "keep_checkpoints", "eval_every", "eval_fraction", "eval_data", "seed",
-                 "dtype", "activation_checkpointing", "offload_optimizer", "dp", "resume", "truncate", "progress",
+                 "dtype", "activation_checkpointing", "sequence_parallel", "tp_comm_overlap", "offload_optimizer", "dp",
+                 "resume", "truncate", "progress",
                  "objective", "beta", "dpo_loss", "label_smoothing", "rpo_alpha", "init_adapter",
                  "tp", "method", "data_digest", "model_fingerprint"}
     base = dict(model=setup["tp1"], data=setup["data"], out=Path("o"))

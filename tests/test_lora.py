@@ -45,7 +45,7 @@ from tprt.lora.config import HF_MODULES
 from tprt.lora.merge import merge_lora
 from tprt.lora.peft_io import adapter_config, load_lora_state_dict, lora_state_dict, read_adapter, read_adapter_config
 from tprt.train.optim import AdamW, WarmupCosine, warmup_cosine
-from tprt.train.step import compute_loss
+from tprt.train.step import compute_loss, enable_sequence_parallel
 
 CASES: dict[str, tuple[str, tuple[str, ...], int, float]] = {  # name -> (config, targets, rank, alpha)
     "gqa-all": ("gqa", ("q", "k", "v", "o", "gate", "up", "down"), 4, 8.0),
@@ -172,11 +172,14 @@ def _mixed_reference(hf_dir: Path, out: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- helpers (every rank)
 
 
-def _lora_model(ctx: TPContext, workdir: Path, case: str) -> tuple[TPLlamaForCausalLM, list[torch.nn.Parameter], dict[str, Any]]:
-    """The base model with the case's adapters holding PEFT's initial factors; its params; the reference."""
+def _lora_model(ctx: TPContext, workdir: Path, case: str,
+                sp: bool = False) -> tuple[TPLlamaForCausalLM, list[torch.nn.Parameter], dict[str, Any]]:
+    """The base model with the case's adapters holding PEFT's initial factors; its params; the
+    reference (`sp`: under sequence parallelism)."""
     name, targets, rank, alpha = CASES[case]
     ref: dict[str, Any] = torch.load(workdir / f"{case}-ref.pt")
     model = load_model(workdir / f"{name}-tp{ctx.world_size}", ctx).train()
+    enable_sequence_parallel(model, sp)
     params = apply_lora(model, targets, rank, alpha)
     prepack(model, tune=False)  # as the trainer does: on CPU the frozen base runs from packed copies
     load_lora_state_dict(attached(model), ref["state"], ctx)
@@ -215,10 +218,10 @@ def _compare_lora(model: TPLlamaForCausalLM, ref: dict[str, torch.Tensor], grads
 # ----------------------------------------------------------------------------- checks (every rank)
 
 
-def check_forward_backward(ctx: TPContext, workdir: Path, case: str) -> None:
+def check_forward_backward(ctx: TPContext, workdir: Path, case: str, sp: bool = False) -> None:
     """Logits, loss and every LoRA gradient equal PEFT's; the base is frozen; replicas agree;
     lora_state_dict gives back exactly the state that was loaded."""
-    model, params, ref = _lora_model(ctx, workdir, case)
+    model, params, ref = _lora_model(ctx, workdir, case, sp)
     ids, labels = ref["batches"][0]
     with torch.no_grad():
         assert_rel(model.gather_logits(model(ids)), ref["logits"], "logits", 1e-5)
@@ -319,6 +322,8 @@ CHECKS: Checks = [
     ("dpo_steps", check_dpo_steps),
     *((f"{c}-{kind}", partial(fn, case=c)) for c in CASES
       for kind, fn in (("forward_backward", check_forward_backward), ("steps", check_steps), ("merge", check_merge))),
+    # Sequence parallelism (issue 44): Llama's block, and Gemma's extra norms on the split positions.
+    *((f"{c}-sp-forward_backward", partial(check_forward_backward, case=c, sp=True)) for c in ("gqa-all", "gemma2-all")),
 ]
 
 

@@ -501,3 +501,31 @@ def test_lora_training_step(name: str, tp: int, rank: int, watched: bool) -> Non
     assert watch.widest < cfg.vocab_size  # the widest is this rank's vocabulary block
     assert watch.widest == max(layout.local_vocab, cfg.intermediate_size // tp * 2, h)
     assert watch.host_numel < h * 64  # LoRA's seeded init, drawn on the host, is [rank, features]
+
+
+def test_sequence_parallel_lora_training_step_70b_tp8() -> None:
+    """Megatron's sequence parallelism (issue 44) on 70B at TP 8: the forward's all-reduces of
+    [batch, seq, hidden] become a reduce-scatter after the embedding and each row-parallel layer
+    and an all-gather of seq / 8 before each column-parallel layer and the LM head; the backward
+    issues their conjugates, and the only all-reduce of a hidden-sized tensor left is the LM
+    head's input gradient (its vocabulary-parallel product)."""
+    from tprt.train.step import enable_sequence_parallel
+
+    cfg = real_config("llama-3.1-70b")
+    tp, batch, seq = 8, 1, 512
+    h, n_layers = cfg.hidden_size, cfg.num_hidden_layers
+    log = CollectiveLog()
+    with fake_world(tp), log.recording():
+        model = build_rank(cfg, tp, 7)
+        enable_sequence_parallel(model)
+        phases = lora_step(model, batch, seq, log)
+    scatter = Collective("reduce_scatter_single", (seq, batch, h), BF16)  # seq first: the split dimension
+    gather = Collective("all_gather_single", (seq // tp, batch, h), BF16)
+    tokens = batch * (seq - 1)
+    assert phases["forward"] == [scatter] + [gather, scatter] * (2 * n_layers) + [gather] + [
+        Collective("all_reduce", (tokens,), torch.float32, "MAX"),
+        Collective("all_reduce", (2, tokens), torch.float32, "SUM"),
+    ]
+    backward = phases["backward"]
+    assert backward[0] == Collective("all_reduce", (tokens, h), BF16, "SUM")  # the LM head's input gradient
+    assert all(c in (scatter, gather) for c in backward[1:]) and len(backward) - 1 >= 4 * n_layers - 1

@@ -87,6 +87,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     f.add_argument("--seq-len", type=int, default=512, metavar="L", help="tokens per row (512)")
     f.add_argument("--grad-accum", type=int, default=1, metavar="K", help="micro-batches per step (1)")
     f.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in the backward")
+    f.add_argument("--sequence-parallel", action="store_true",
+                   help="split the norms' and block inputs' positions over the TP ranks (Megatron's)")
     f.add_argument("--offload-optimizer", choices=("none", "cpu"), default="none",
                    help="--full: fp32 shards, gradients and AdamW state in host memory (none)")
 
@@ -123,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                                     dtype=args.dtype or ("fp32" if dev.kind == "cpu" else "bf16"),
                                     batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                                     activation_checkpointing=args.activation_checkpointing,
+                                    sequence_parallel=args.sequence_parallel,
                                     sharded=args.full, offload_optimizer=args.offload_optimizer == "cpu",
                                     dpo=args.objective == "dpo")
     plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align)

@@ -31,6 +31,7 @@ from tprt.model.kv_cache import KVCache
 from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
                                   VocabParallelEmbedding, VocabParallelLMHead, adapted)
 from tprt.model.rope import apply_rope, apply_rope_, inv_frequencies, rope_angles
+from tprt.parallel.mappings import gather_sequence
 from tprt.model.sdpa import attention_math
 
 
@@ -97,10 +98,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [batch, seq, hidden] -> [batch, seq, hidden]; all-reduces over the TP group. Over
-        the paged cache a step's tokens come as x [tokens, 1, hidden]."""
-        batch, seq, _ = x.shape
+        the paged cache a step's tokens come as x [tokens, 1, hidden]. Under sequence
+        parallelism x and the output hold this rank's seq / TP positions; q, k, v all of them."""
         nh, nkv = self.n_heads, self.n_kv
-        qkv = self.qkv_proj(x).view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
+        qkv = self.qkv_proj(x)
+        batch, seq = qkv.shape[:2]
+        qkv = qkv.view(batch, seq, nh + 2 * nkv, self.head_dim)  # [batch, seq, nh + 2 nkv, head_dim]
         cos, sin = step.angles(self.window is not None)
         if self.q_norm is not None and self.k_norm is not None:  # new q and k tensors: rotated out of place
             q, k, v = qkv.split((nh, nkv, nkv), dim=2)
@@ -223,6 +226,9 @@ class TPLlamaForCausalLM(nn.Module):
         self.local_inv_freq = None if cfg.local_rope_theta is None else inv_frequencies(cfg, ctx.device, local=True)
         # What runs the layers: the reference until training or CPU decode swaps in another (module docstring).
         self.stack: LayerStack = LayerStack()
+        # Megatron's sequence parallelism for calls without an attention step (training, scoring):
+        # between the TP blocks each rank keeps seq / TP positions (tprt.train.step.enable_sequence_parallel).
+        self.sequence_parallel = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -287,12 +293,19 @@ class TPLlamaForCausalLM(nn.Module):
             positions = torch.arange(seq, device=device).expand(batch, seq)  # [batch, seq]
         else:
             positions = positions.to(device, non_blocking=True)
-        h = self.embed_tokens(input_ids)  # [batch, seq, hidden]
+        split = self.sequence_parallel and attention is None and self.tp.world_size > 1
+        seq = input_ids.shape[1]
+        if split and seq % self.tp.world_size:  # padded at the end: causal attention keeps it out of the rest
+            pad = self.tp.world_size - seq % self.tp.world_size
+            input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
+        h = self.embed_tokens(input_ids)  # [batch, seq, hidden] (seq / TP of it under sequence parallelism)
         if self.config.gemma_block:  # scaled by sqrt(hidden), rounded to the dtype first (as transformers)
             h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
         local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
         h = self.stack(self.layers, h, Step(cos, sin, attention, local))
+        if split:
+            return gather_sequence(h, self.tp)[:, :seq]
         return h if attention is None else h[:, 0]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tprt.distributed.context import TPContext
-from tprt.parallel.mappings import copy_to_region, gather_from_region, gather_to_first, reduce_from_region
+from tprt.parallel.mappings import (copy_to_region, gather_from_region, gather_from_sequence, gather_to_first,
+                                    reduce_from_region, reduce_scatter_to_sequence)
 
 
 def copy_rows(dest: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
@@ -164,6 +165,9 @@ class ParallelLinear(nn.Module):
         self.tp = ctx
         self.method = method
         self.adapter: nn.Module | None = None
+        # Megatron's sequence parallelism (tprt.train.step.enable_sequence_parallel): the input
+        # (column-parallel) is all-gathered along the sequence, the output (row-parallel) reduce-scattered.
+        self.sequence_parallel = False
 
     def weight_matrix(self) -> torch.Tensor:
         """The dense [out, in] weight the product multiplies by."""
@@ -186,9 +190,18 @@ class ColumnParallelLinear(ParallelLinear):
         super().__init__(ctx, method)
         method.create_weights(self, local_out_features, in_features, dtype)
         self.bias = nn.Parameter(torch.empty(local_out_features, dtype=dtype)) if bias else None
+        # A trained dense weight's backward overlaps the input gradient's collective with the
+        # weight gradient's product (tprt.parallel.overlap; tprt.train.step.enable_tp_comm_overlap).
+        self.overlap_comm = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, copy_to_region(x, self.tp))
+        if self.overlap_comm and self.tp.world_size > 1 and isinstance(self.method, DenseLinear) \
+                and self.weight.requires_grad and torch.is_grad_enabled():
+            from tprt.parallel.overlap import column_parallel_dense
+
+            return column_parallel_dense(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+        x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_region(x, self.tp)
+        y = self.method.apply(self, x)
         return y if self.bias is None else y + self.bias
 
 
@@ -207,12 +220,16 @@ class RowParallelLinear(ParallelLinear):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """All-reduces the partial products over the TP group (then adds the bias)."""
-        y = reduce_from_region(self.method.apply(self, x), self.tp)
+        """All-reduces the partial products over the TP group (then adds the bias); under
+        sequence parallelism reduce-scatters them along the sequence instead."""
+        y = self.reduce(self.method.apply(self, x))
         return y if self.bias is None else y + self.bias
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """The all-reduce of `forward`, for a partial product computed elsewhere (tprt.cpu.native)."""
+        """The all-reduce (or reduce-scatter) of `forward`, also for a partial product computed
+        elsewhere (tprt.cpu.native)."""
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(partial, self.tp)
         return reduce_from_region(partial, self.tp)
 
 
@@ -229,6 +246,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = ctx.rank * self.local_vocab
         # Allocated on the ambient device: build under `torch.device("meta")` and load with assign.
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size, dtype=dtype))
+        self.sequence_parallel = False  # reduce-scatter the rows along the sequence instead
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[...] token ids -> [..., hidden]; all-reduces over the TP group."""
@@ -238,6 +256,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)  # a fresh tensor; the backward needs only the ids
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp)
         return reduce_from_region(out, self.tp)
 
 

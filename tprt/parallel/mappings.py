@@ -8,6 +8,16 @@ Each is a pair (forward collective, backward collective) over the TP group of a 
 - scatter_to_region:  fwd split(-1)      / bwd all-gather(-1)  (whole input made column-parallel)
 - gather_to_first:    fwd gather(-1) to TP rank 0, None elsewhere / no backward (rank 0 samples)
 
+and Megatron's sequence-parallel pair, over the sequence dimension (dim 1 of [batch, seq, ...]),
+for the regions between the TP blocks where each rank keeps seq / TP positions:
+
+- gather_from_sequence:   fwd all-gather(seq) / bwd reduce-scatter(seq) (input of a column-parallel
+                          layer: replaces copy_to_region)
+- reduce_scatter_to_sequence: fwd reduce-scatter(seq) / bwd all-gather(seq) (output of a
+                          row-parallel layer or the embedding: replaces reduce_from_region)
+- gather_sequence:        fwd all-gather(seq) / bwd split(seq) (the last hidden states made whole
+                          for the LM head, whose copy_to_region already sums the gradient)
+
 With one rank every operator is the identity. When autograd is off (inference) the collective
 runs directly, without the cost of an autograd.Function. Only `tprt.parallel.layers` calls these.
 """
@@ -46,6 +56,79 @@ def _split_last(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
         raise ValueError(f"last dim {size} does not split over {ctx.world_size} ranks")
     n = size // ctx.world_size
     return x[..., ctx.rank * n : (ctx.rank + 1) * n].contiguous()
+
+
+SEQ_DIM = 1  # [batch, seq, ...]
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, ctx: TPContext, async_op: bool = False) -> Any:
+    """Every rank's `x` concatenated along dim 0 into `out` (torch's all_gather_single, named
+    all_gather_into_tensor before torch 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=ctx.group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, ctx: TPContext, async_op: bool = False) -> Any:
+    """The sum over ranks of `x`, this rank's chunk of dim 0 into `out` (reduce_scatter_single,
+    named reduce_scatter_tensor before torch 2.13)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=ctx.group, async_op=async_op)
+
+
+def _all_gather_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Every rank's `x` concatenated along the sequence, in rank order."""
+    first = x.movedim(SEQ_DIM, 0).contiguous()  # the collective concatenates along dim 0
+    out = first.new_empty((ctx.world_size * first.shape[0], *first.shape[1:]))
+    all_gather_into(out, first, ctx)
+    return out.movedim(0, SEQ_DIM)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """The sum over ranks of `x`, this rank keeping its chunk of the sequence."""
+    if x.shape[SEQ_DIM] % ctx.world_size:
+        raise ValueError(f"sequence length {x.shape[SEQ_DIM]} does not split over {ctx.world_size} ranks")
+    first = x.movedim(SEQ_DIM, 0).contiguous()
+    out = first.new_empty((first.shape[0] // ctx.world_size, *first.shape[1:]))
+    reduce_scatter_into(out, first, ctx)
+    return out.movedim(0, SEQ_DIM)
+
+
+def _split_seq(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    n = x.shape[SEQ_DIM] // ctx.world_size
+    return x.narrow(SEQ_DIM, ctx.rank * n, n).contiguous()
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return _all_gather_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter_seq(grad, fctx.tp), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return _reduce_scatter_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather_seq(grad, fctx.tp), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+        fctx.tp = ctx
+        return _all_gather_seq(x, ctx)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _split_seq(grad, fctx.tp), None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -133,6 +216,39 @@ def scatter_to_region(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
     if not _tracked(x):
         return _split_last(x, ctx)
     out: torch.Tensor = _ScatterToRegion.apply(x, ctx)
+    return out
+
+
+def gather_from_sequence(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Sequence parallelism's input of a column-parallel layer. Forward: all-gather along the
+    sequence. Backward: reduce-scatter along it (each rank's layer gives a share of the gradient)."""
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _all_gather_seq(x, ctx)
+    out: torch.Tensor = _GatherFromSequence.apply(x, ctx)
+    return out
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """Sequence parallelism's output of a row-parallel layer. Forward: reduce-scatter along the
+    sequence. Backward: all-gather along it."""
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _reduce_scatter_seq(x, ctx)
+    out: torch.Tensor = _ReduceScatterToSequence.apply(x, ctx)
+    return out
+
+
+def gather_sequence(x: torch.Tensor, ctx: TPContext) -> torch.Tensor:
+    """The last sequence-parallel hidden states made whole. Forward: all-gather along the
+    sequence. Backward: this rank's chunk (the gradient arrives whole and summed)."""
+    if ctx.world_size == 1:
+        return x
+    if not _tracked(x):
+        return _all_gather_seq(x, ctx)
+    out: torch.Tensor = _GatherSequence.apply(x, ctx)
     return out
 
 

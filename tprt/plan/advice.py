@@ -88,6 +88,11 @@ def _finetune(plan: MemoryPlan, w: FinetuneWorkload) -> list[str]:
         out.append(f"--activation-checkpointing: activations {gib(parts['activations'])} -> "
                    f"{gib(ac.per_rank_bytes['activations'])}, {gib(ac.peak_bytes_per_rank)} per rank"
                    + ("" if ac.fits else " (still too much)"))
+    if not w.sequence_parallel and plan.tp > 1:
+        sp = _replan(plan, replace(w, sequence_parallel=True))
+        out.append(f"--sequence-parallel: activations {gib(parts['activations'])} -> "
+                   f"{gib(sp.per_rank_bytes['activations'])}, {gib(sp.peak_bytes_per_rank)} per rank"
+                   + ("" if sp.fits else " (still too much)"))
     if w.batch_size > 1:
         one = _replan(plan, replace(w, batch_size=1, grad_accum=w.grad_accum * w.batch_size))
         out.append(f"--batch-size 1 --grad-accum {w.grad_accum * w.batch_size} (the same global batch): "

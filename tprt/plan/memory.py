@@ -133,6 +133,7 @@ class FinetuneWorkload:
     seq_len: int = 512
     grad_accum: int = 1
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False  # --sequence-parallel: the decoder's norms and block inputs split over TP
     sharded: bool = False  # full: FSDP over dp as `tprt finetune --full` (False: replicated, the server's)
     offload_optimizer: bool = False  # sharded: fp32 shards, gradients and moments in host memory
     # DPO (tprt.train.dpo): batch_size counts preference pairs, each two rows (the preferred and the
@@ -383,11 +384,16 @@ def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWo
     q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
     t = _trainable_targets(w)
     # RMSNorm: fp32 saves its input (rms_norm), bf16 the float32 copy of it; the normed output is
-    # kept when the norm weight or the next linear needs it for a weight gradient.
-    norm_in = 4 * h
+    # kept when the norm weight or the next linear needs it for a weight gradient. Under sequence
+    # parallelism the norms see seq / TP positions, and the next linear keeps the gathered input.
+    sp = layout.tp if w.sequence_parallel else 1
+    norm_in = 4 * h // sp
     attn_in_needed = w.full or bool(t & {"q", "k", "v"})
     mlp_in_needed = w.full or bool(t & {"gate", "up"})
-    norms = 2 * norm_in + b * h * (attn_in_needed + mlp_in_needed)
+    # A trained dense weight's product keeps only this rank's chunk and gathers it again in the
+    # backward (tprt.parallel.overlap); LoRA's A keeps the gathered input.
+    linear_in = b * h // (sp if w.full else 1)
+    norms = 2 * norm_in + linear_in * (attn_in_needed + mlp_in_needed)
     # qkv output (v is a view of it), rotated q and k, SDPA's output (and its logsumexp), and the
     # o_proj input (a reshaped copy) when o gets a gradient.
     attention = b * ((q + 2 * kv) + q + kv + q + (q if "o" in t else 0)) + 4 * layout.local_heads
@@ -410,7 +416,8 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     per_layer = _saved_per_token_per_layer(cfg, layout, w)
     h = cfg.hidden_size
     if w.activation_checkpointing:  # each block keeps its input; one block is recomputed at a time
-        blocks = tokens * (cfg.num_hidden_layers * b * h + per_layer)
+        block_input = b * h // (layout.tp if w.sequence_parallel else 1)  # seq / TP positions of it under SP
+        blocks = tokens * (cfg.num_hidden_layers * block_input + per_layer)
     else:
         blocks = tokens * cfg.num_hidden_layers * per_layer
     # The loss: final norm, the local logits in the dtype and the vocab-parallel cross-entropy's

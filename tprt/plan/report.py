@@ -39,7 +39,8 @@ def _workload_line(plan: MemoryPlan) -> str:
     batch = f"batch_size {w.batch_size} pairs (DPO: {w.rows} rows)" if w.dpo else f"batch_size {w.batch_size}"
     return (f"workload: finetune ({method}), {plan.dtype}, {batch} x seq_len {w.seq_len} per "
             f"micro-batch, grad_accum {w.grad_accum}, activation checkpointing "
-            f"{'on' if w.activation_checkpointing else 'off'}; {plan.trainable_params_per_rank / 1e6:.2f} M "
+            f"{'on' if w.activation_checkpointing else 'off'}, sequence parallelism "
+            f"{'on' if w.sequence_parallel else 'off'}; {plan.trainable_params_per_rank / 1e6:.2f} M "
             "trainable parameters per rank")
 
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from tprt.distributed.context import TPContext
-from tprt.model.llama import CheckpointedStack, LayerStack, TPLlamaForCausalLM
+from tprt.model.llama import CheckpointedStack, DecoderLayer, LayerStack, TPLlamaForCausalLM
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from tprt.parallel.spec import TPSpec, set_spec
 
 
 def compute_loss(
@@ -68,6 +69,45 @@ def dp_loss(
     if group is not None and dp_size > 1:
         dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=group)
     return loss_sum * dp_size / total, mean / total
+
+
+def enable_sequence_parallel(model: TPLlamaForCausalLM, enabled: bool = True) -> None:
+    """Megatron's sequence parallelism: outside the TP blocks (the norms, residual adds and the
+    embedding's output) each TP rank keeps seq / TP of the positions. The embedding's and every
+    row-parallel layer's all-reduce becomes a reduce-scatter along the sequence, every
+    column-parallel layer's input an all-gather (and their conjugates in the backward), and the
+    last hidden states are gathered whole for the LM head: the activations kept between blocks
+    take 1 / TP of the memory for the same communication volume. A sequence that does not split
+    over TP is padded at its end inside the forward. The decoder's norms (and o_proj's bias) then
+    see a share of the positions: their gradients are summed over TP (`sync_gradients`).
+
+    Applies to calls without an attention step (training, DPO, scoring); call before attaching
+    LoRA or sharding over DP, which record the parameters' layouts."""
+    model.sequence_parallel = enabled
+    model.embed_tokens.sequence_parallel = enabled
+    for linear in model.linears():
+        linear.sequence_parallel = enabled
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm]
+        params = [n.weight for n in norms if n is not None]
+        if layer.self_attn.o_proj.bias is not None:
+            params.append(layer.self_attn.o_proj.bias)
+        for p in params:  # a share of the positions each: summed over TP (plain replicated without)
+            set_spec(p, TPSpec(replicated=True, partial_grad=enabled))
+
+
+def enable_tp_comm_overlap(model: TPLlamaForCausalLM, enabled: bool = True) -> None:
+    """Megatron's overlap of the TP backward's communication: every column-parallel layer whose
+    dense weight trains computes its input's gradient first, launches its all-reduce (under
+    sequence parallelism its reduce-scatter, and keeps only its chunk of the input) and computes
+    the weight's gradient while it travels (tprt.parallel.overlap). LoRA's frozen base has no
+    weight gradient to hide the collective behind: it keeps the plain path."""
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        layer.self_attn.qkv_proj.overlap_comm = enabled
+        layer.mlp.gate_up_proj.overlap_comm = enabled
 
 
 def enable_activation_checkpointing(model: TPLlamaForCausalLM, enabled: bool = True) -> None:

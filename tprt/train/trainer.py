@@ -90,6 +90,8 @@ class FinetuneConfig:
     seed: int = 0
     dtype: str = "fp32"
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False  # tprt.train.step.enable_sequence_parallel
+    tp_comm_overlap: bool = True  # a full fine-tune's TP backward overlapped (tprt.train.step.enable_tp_comm_overlap)
     offload_optimizer: str = "none"  # "cpu": FSDP's fp32 shards, gradients and AdamW state in host memory
     dp: int = 1  # data-parallel ranks the local launcher starts (torchrun: WORLD_SIZE / tp)
     resume: bool = False
@@ -185,7 +187,8 @@ class Trainer:
         weights the trainer uses instead of loading its own copy (`shared_twin`). `mesh`: the
         world as a [dp, tp] DeviceMesh; a full fine-tune then shards over its `dp` dimension."""
         from tprt.train.optim import AdamW, warmup_cosine
-        from tprt.train.step import enable_activation_checkpointing
+        from tprt.train.step import (enable_activation_checkpointing, enable_sequence_parallel,
+                                     enable_tp_comm_overlap)
 
         self.cfg, self.ctx, self.data = cfg, ctx, dataset
         self.out = Path(cfg.out)
@@ -202,10 +205,13 @@ class Trainer:
 
             # float32 shards are the master weights; FSDP casts to cfg.dtype for compute
             fp32 = load_model(cfg.model, ctx, dtype="fp32", requires_grad=True)
+            enable_sequence_parallel(fp32, cfg.sequence_parallel)  # before sharding records the layouts
             self.sharded = shard_model(fp32, ctx, mesh, parse_dtype(cfg.dtype), cfg.offload_optimizer)
             self.model = fp32
         else:
             self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
+        enable_sequence_parallel(self.model, cfg.sequence_parallel)
+        enable_tp_comm_overlap(self.model, cfg.full and cfg.tp_comm_overlap)
         self.shares_base = base is not None
         self.params = self._trainable()
         self.model.train()
