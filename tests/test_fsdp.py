@@ -74,13 +74,13 @@ def _reference(s: dict[str, Path], rows_per_micro: int, accum: int) -> tuple[lis
                                              (2, "none", True)])
 def test_dp2_full_finetune_equals_the_single_process_reference(setup: dict[str, Path], tp: int, offload: str,
                                                                sp: bool) -> None:
-    """(The TP backward's collectives are overlapped by default; `sp`: sequence parallelism too.)"""
+    """(`sp`: sequence parallelism, and the TP backward's collectives overlapped.)"""
     from convert.api import reshard
 
     out = setup["root"] / f"dp2-tp{tp}-{offload}{'-sp' if sp else ''}"
     assert main(["finetune", "--model", str(setup[f"tp{tp}"]), "--data", str(setup["data"]), "--out", str(out),
                  *COMMON, "--steps", str(STEPS), "--dp", "2", "--batch-size", "1", "--grad-accum", "2",
-                 "--offload-optimizer", offload, *(["--sequence-parallel"] if sp else [])]) == 0
+                 "--offload-optimizer", offload, *(["--sequence-parallel", "--tp-comm-overlap", "on"] if sp else [])]) == 0
     ref_losses, ref_params = _reference(setup, 2, 2)
     losses = _losses(out)
     assert len(losses) == STEPS and losses[-1] < losses[0]

@@ -321,3 +321,32 @@ def test_serve_plan_counts_the_cuda_graphs(capsys: pytest.CaptureFixture[str]) -
     assert main(["plan", "--model", str(CONFIGS / "llama-3.1-70b"), "--tp", "8", "--device", "h100-80gb",
                  "serve", "--max-batch-size", "64"]) == 0
     assert "CUDA graphs (--cuda-graphs all): steps of 1 to 64 tokens in 8 buckets" in capsys.readouterr().out
+
+
+def test_pipeline_stages_split_the_layers_and_405b_fits_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    """--pp (issue 44): each stage holds its layers (the first the embedding, the last the final
+    norm and LM head), its layers' KV cache, and under 1F1B stage i the activations of
+    pp - i micro-batches; 405B in bf16 does not fit one 8 x H100 node but fits two at PP 2."""
+    from tprt.plan.shapes import rank_parameters, stages
+
+    cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-405b" / "config.json")
+    layout = layout_for(cfg, 8)
+    parts = [rank_parameters(cfg, layout, st) for st in stages(cfg.num_hidden_layers, 2)]
+    assert numel(parts[0]) + numel(parts[1]) == numel(rank_parameters(cfg, layout))
+    assert "embed_tokens.weight" in parts[0] and "lm_head.weight" in parts[1] and "norm.weight" not in parts[0]
+    assert [len(st.layers) for st in stages(10, 4)] == [3, 3, 2, 2]
+    serve = ServeWorkload(dtype="bf16", max_seq_len=8192)
+    h100 = device("h100-80gb")
+    one, two = plan_memory(cfg, 8, serve, h100), plan_memory(cfg, 8, serve, h100, pp=2)
+    assert not one.fits and two.fits and two.pp == 2
+    assert two.kv_bytes_per_token_per_rank * 2 == one.kv_bytes_per_token_per_rank  # 63 of 126 layers each
+    tuned = FinetuneWorkload(lora_rank=16, dtype="bf16", batch_size=1, seq_len=4096)
+    per_stage = plan_memory(cfg, 8, tuned, h100, pp=4).extra["stages"]
+    assert [s["layers"] for s in per_stage] == [[0, 32], [32, 64], [64, 95], [95, 126]]
+    assert per_stage[0]["peak_bytes_per_rank"] > per_stage[2]["peak_bytes_per_rank"]  # 4 micro-batches in flight vs 2
+    assert main(["plan", "--model", str(CONFIGS / "llama-3.1-405b"), "--tp", "8", "--pp", "2", "--device", "h100-80gb",
+                 "serve", "--max-seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=8 x PP=2 x DP=1 (16 devices)" in out and "stage 1 (layers 63-125)" in out and "FITS" in out
+    with pytest.raises(ConfigError, match="--pp must be between 1 and the model's 126 layers"):
+        plan_memory(cfg, 8, serve, h100, pp=200)

@@ -107,9 +107,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
                    help="Megatron's sequence parallelism: between the TP blocks each rank keeps 1/TP of the "
                         "positions (norms, residuals, checkpointed block inputs); reduce-scatter and all-gather "
                         "replace the all-reduces. Same results, less activation memory per rank at TP > 1")
-    f.add_argument("--no-tp-comm-overlap", dest="tp_comm_overlap", action="store_false",
-                   help="--full at TP > 1: sum the input gradients after the weight gradients instead of "
-                        "overlapping the two (on by default; off to measure it)")
+    f.add_argument("--tp-comm-overlap", choices=("auto", "on", "off"), default="auto",
+                   help="--full at TP > 1: launch each column-parallel layer's input-gradient all-reduce before "
+                        "its weight-gradient product, so the two overlap. auto (the default): on for CUDA "
+                        "devices; off on CPU, where the ranks share the cores (docs/PERF.md)")
     f.add_argument("--dp", type=int, default=1, metavar="M",
                    help="data-parallel replicas: start M x tp local ranks (1; under torchrun: WORLD_SIZE / tp). "
                         "--full shards weights, gradients and optimizer state over them (FSDP2)")

@@ -39,6 +39,9 @@ def _common(p: argparse.ArgumentParser, suppress: bool) -> None:
     p.add_argument("--revision", metavar="R", help="for a Hub repo: branch, tag or commit (default: main)", **d)
     p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel degree", **d)
     p.add_argument("--dp", type=int, metavar="M", help="data-parallel replicas (default 1)", **d)
+    p.add_argument("--pp", type=int, metavar="P",
+                   help="pipeline stages, each TP ranks holding its share of the layers (default 1); the plan "
+                        "is the fullest stage's, every stage's peak listed", **d)
     p.add_argument("--device", metavar="{h100-80gb,h200-141gb,a100-80gb,a100-40gb,cpu}", help="one rank's device", **d)
     p.add_argument("--device-memory", type=float, metavar="GIB", help="override the device's memory (GiB)", **d)
     p.add_argument("--json", action="store_true", help="print one JSON object", **d)
@@ -104,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"tprt plan needs --{flag}")
     src = read_source(args.model, getattr(args, "revision", None))
     dp = args.dp if args.dp is not None else 1
+    pp = getattr(args, "pp", None) or 1
     dev = device(args.device, args.device_memory, ranks_per_host=args.tp * dp)
     workload: Workload
     if args.workload == "serve":
@@ -128,6 +132,6 @@ def run(args: argparse.Namespace) -> int:
                                     sequence_parallel=args.sequence_parallel,
                                     sharded=args.full, offload_optimizer=args.offload_optimizer == "cpu",
                                     dpo=args.objective == "dpo")
-    plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align)
+    plan = plan_memory(src.config, args.tp, workload, dev, dp, src.vocab_align, pp)
     print(json.dumps(as_json(plan), indent=2) if args.json else text(plan))
     return 0

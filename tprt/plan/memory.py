@@ -55,7 +55,7 @@ from tprt.errors import ConfigError
 from tprt.lora.config import TARGETS, normalize_targets
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.plan.devices import Device
-from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, numel, rank_parameters
+from tprt.plan.shapes import Stage, layout_for, linear_weight_names, lora_parameters, numel, rank_parameters, stages
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -169,6 +169,7 @@ class MemoryPlan:
     kv_bytes_per_token_per_rank: int  # one token of one sequence, every layer, this rank's kv heads
     vocab_align: int  # the vocabulary is padded to a multiple of vocab_align * tp
     extra: dict[str, Any] = field(default_factory=dict)  # workload-specific figures for the report
+    pp: int = 1  # pipeline stages: the figures are the fullest stage's (extra["stages"]: each one's)
 
     @property
     def tp(self) -> int:
@@ -204,15 +205,29 @@ class MemoryPlan:
 
 
 def plan_memory(cfg: ModelConfig, tp: int, workload: Workload, device: Device, dp: int = 1,
-                vocab_align: int = 64) -> MemoryPlan:
+                vocab_align: int = 64, pp: int = 1) -> MemoryPlan:
     """The per-rank memory of `workload` with `cfg` split over `tp` ranks on `device` (dp
-    replicas change nothing per rank). Bad TP degrees or workload values are ConfigErrors."""
+    replicas change nothing per rank). With `pp` pipeline stages, the plan of the stage that
+    needs the most (every stage's peak in extra["stages"]). Bad TP degrees or workload values
+    are ConfigErrors."""
     if dp < 1:
         raise ConfigError(f"--dp must be at least 1, got {dp}")
     layout = layout_for(cfg, tp, vocab_align)
+    if pp == 1:
+        return _plan_stage(cfg, layout, workload, device, dp, vocab_align, None)
+    plans = [_plan_stage(cfg, layout, workload, device, dp, vocab_align, st) for st in stages(cfg.num_hidden_layers, pp)]
+    fullest = max(plans, key=lambda p: p.peak_bytes_per_rank)
+    fullest.extra["stages"] = [{"stage": i, "layers": [st.layers.start, st.layers.stop],
+                                "peak_bytes_per_rank": p.peak_bytes_per_rank}
+                               for i, (st, p) in enumerate(zip(stages(cfg.num_hidden_layers, pp), plans))]
+    return replace(fullest, pp=pp)
+
+
+def _plan_stage(cfg: ModelConfig, layout: TPLayout, workload: Workload, device: Device, dp: int, vocab_align: int,
+                stage: Stage | None) -> MemoryPlan:
     if isinstance(workload, ServeWorkload):
-        return _plan_serve(cfg, layout, workload, device, dp, vocab_align)
-    return _plan_finetune(cfg, layout, workload, device, dp, vocab_align)
+        return _plan_serve(cfg, layout, workload, device, dp, vocab_align, stage)
+    return _plan_finetune(cfg, layout, workload, device, dp, vocab_align, stage)
 
 
 def _reserve(device: Device, packed: bool, trains: bool = False) -> int:
@@ -233,10 +248,11 @@ def _packed_bytes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], elem: in
     return elem * (2 * copies + max(groups.values()) if timing else copies)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, layout: TPLayout, kv_dtype: str) -> int:
-    """One token's keys and values on one rank, over every layer."""
+def kv_bytes_per_token(cfg: ModelConfig, layout: TPLayout, kv_dtype: str, stage: Stage | None = None) -> int:
+    """One token's keys and values on one rank, over every layer (of `stage`)."""
     per_head = cfg.head_dim * KV_DTYPE_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
-    return cfg.num_hidden_layers * 2 * layout.local_kv_heads * per_head
+    layers = cfg.num_hidden_layers if stage is None else len(stage.layers)
+    return layers * 2 * layout.local_kv_heads * per_head
 
 
 def _check_positive(**values: int | None) -> None:
@@ -246,7 +262,7 @@ def _check_positive(**values: int | None) -> None:
 
 
 def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: Device, dp: int,
-                vocab_align: int) -> MemoryPlan:
+                vocab_align: int, stage: Stage | None = None) -> MemoryPlan:
     _check_positive(max_batch_size=w.max_batch_size, max_seq_len=w.max_seq_len, token_budget=w.token_budget,
                     kv_cache_tokens=w.kv_cache_tokens, kv_block_size=w.kv_block_size)
     dtype = dtype_name(w.dtype or cfg.torch_dtype)
@@ -259,9 +275,11 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     # cb: attention's dtype (a quantized cache reads back as the engine's default cache dtype)
     b = DTYPE_BYTES[dtype]
     cb = DTYPE_BYTES[kv_dtype] if kv_dtype in DTYPE_BYTES else DTYPE_BYTES["fp32" if cpu else dtype]
-    shapes = rank_parameters(cfg, layout)
+    if stage is not None and (w.weight_dtype is not None or w.num_speculative_tokens or w.cpu_prepack and cpu):
+        raise ConfigError("--pp plans dense weights on GPUs, without speculation, for now")
+    shapes = rank_parameters(cfg, layout, stage)
     params = numel(shapes)
-    per_token = kv_bytes_per_token(cfg, layout, kv_dtype)
+    per_token = kv_bytes_per_token(cfg, layout, kv_dtype, stage)
     tokens = min(w.token_budget, w.max_batch_size * max_seq_len)  # the widest step
     h, inter = cfg.hidden_size, cfg.intermediate_size // layout.tp
     q, kv = layout.local_heads * cfg.head_dim, layout.local_kv_heads * cfg.head_dim
@@ -274,6 +292,8 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
     attention = tokens * (b * (2 * h + q + 2 * kv + q) + cb * (2 * q + 2 * kv + max_seq_len)) + gathered
     # float32, gathered to sample: a decode row returns logits for its token and each drafted one
     logits = w.max_batch_size * (1 + w.num_speculative_tokens) * (layout.local_vocab + cfg.vocab_size) * 4
+    if stage is not None and not stage.last:
+        logits = 0  # a stage before the last passes hidden states on
     dense_packed = _packed_bytes(cfg, shapes, b, timing=True) if cpu and w.cpu_prepack else 0
     weights, packed = params * b, dense_packed
     if w.weight_dtype is not None:
@@ -300,7 +320,7 @@ def _plan_serve(cfg: ModelConfig, layout: TPLayout, w: ServeWorkload, device: De
 
         extra["suffix_cache_host_bytes"] = DEFAULT_SUFFIX_CACHE_TOKENS * SUFFIX_BYTES_PER_TOKEN
     if kv_dtype != "bf16":  # what this KV dtype gains (or loses) against a bf16 cache in the same memory
-        bf16 = _plan_serve(cfg, layout, replace(w, kv_dtype="bf16"), device, dp, vocab_align)
+        bf16 = _plan_serve(cfg, layout, replace(w, kv_dtype="bf16"), device, dp, vocab_align, stage)
         extra["kv_bytes_per_token_per_rank_bf16"] = bf16.kv_bytes_per_token_per_rank
         extra["max_kv_tokens_bf16"] = bf16.max_kv_tokens
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, 0, dtype, kv_dtype, max_seq_len, per_token, vocab_align,
@@ -377,7 +397,7 @@ def _trainable_targets(w: FinetuneWorkload) -> set[str]:
     return set(TARGETS) if w.full else set(normalize_targets(w.lora_targets))
 
 
-def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload) -> int:
+def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, device: Device) -> int:
     """Bytes autograd keeps per token for one decoder layer's backward, as our modules save them."""
     b = DTYPE_BYTES[dtype_name(w.dtype)]
     h, inter = cfg.hidden_size, cfg.intermediate_size // layout.tp
@@ -390,9 +410,10 @@ def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWo
     norm_in = 4 * h // sp
     attn_in_needed = w.full or bool(t & {"q", "k", "v"})
     mlp_in_needed = w.full or bool(t & {"gate", "up"})
-    # A trained dense weight's product keeps only this rank's chunk and gathers it again in the
-    # backward (tprt.parallel.overlap); LoRA's A keeps the gathered input.
-    linear_in = b * h // (sp if w.full else 1)
+    # A trained dense weight's overlapped product (on GPUs: --tp-comm-overlap auto) keeps only this
+    # rank's chunk and gathers it again in the backward (tprt.parallel.overlap); LoRA's A, and the
+    # plain product, keep the gathered input.
+    linear_in = b * h // (sp if w.full and device.kind != "cpu" else 1)
     norms = 2 * norm_in + linear_in * (attn_in_needed + mlp_in_needed)
     # qkv output (v is a view of it), rotated q and k, SDPA's output (and its logsumexp), and the
     # o_proj input (a reshaped copy) when o gets a gradient.
@@ -404,27 +425,30 @@ def _saved_per_token_per_layer(cfg: ModelConfig, layout: TPLayout, w: FinetuneWo
 
 
 def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, device: Device, dp: int,
-                   vocab_align: int) -> MemoryPlan:
+                   vocab_align: int, stage: Stage | None = None) -> MemoryPlan:
     _check_positive(batch_size=w.batch_size, seq_len=w.seq_len, grad_accum=w.grad_accum)
     dtype = dtype_name(w.dtype)
     b = DTYPE_BYTES[dtype]
-    shapes = rank_parameters(cfg, layout)
+    shapes = rank_parameters(cfg, layout, stage)
     params = numel(shapes)
-    trained = shapes if w.full else lora_parameters(cfg, layout, w.lora_targets, w.lora_rank)
+    trained = shapes if w.full else lora_parameters(cfg, layout, w.lora_targets, w.lora_rank, stage)
     trainable = numel(trained)
     tokens = w.rows * w.seq_len  # one micro-batch; accumulation adds no activations
-    per_layer = _saved_per_token_per_layer(cfg, layout, w)
+    per_layer = _saved_per_token_per_layer(cfg, layout, w, device)
     h = cfg.hidden_size
+    n_layers = cfg.num_hidden_layers if stage is None else len(stage.layers)
+    # 1F1B: stage i holds the activations of up to (stages - i) micro-batches at once
+    in_flight = 1 if stage is None else stage.count - stage.index
     if w.activation_checkpointing:  # each block keeps its input; one block is recomputed at a time
         block_input = b * h // (layout.tp if w.sequence_parallel else 1)  # seq / TP positions of it under SP
-        blocks = tokens * (cfg.num_hidden_layers * block_input + per_layer)
+        blocks = tokens * (in_flight * n_layers * block_input + per_layer)
     else:
-        blocks = tokens * cfg.num_hidden_layers * per_layer
+        blocks = tokens * in_flight * n_layers * per_layer
     # The loss: final norm, the local logits in the dtype and the vocab-parallel cross-entropy's
     # float32 softmax (the logits' gradient reuses its size), over the target tokens (at most
     # every token but the last of each row).
     targets = w.rows * (w.seq_len - 1)
-    loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4))
+    loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4)) if stage is None or stage.last else 0
     cpu = device.kind == "cpu"
     packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
     extra: dict[str, Any] = {"tokens_per_micro_batch": tokens, "global_batch_rows": w.rows * w.grad_accum * dp}
@@ -432,7 +456,7 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
         parts = _sharded_state(cfg, shapes, b, dp, w.offload_optimizer, extra)
         parts.update(activations=blocks + loss, framework_reserve=_reserve(device, False, trains=True))
         return MemoryPlan(cfg, layout, dp, device, w, parts, params, params, dtype, None, None,
-                          kv_bytes_per_token(cfg, layout, dtype), vocab_align, extra=extra)
+                          kv_bytes_per_token(cfg, layout, dtype, stage), vocab_align, extra=extra)
     if w.offload_optimizer:
         raise ConfigError("--offload-optimizer needs --full (a sharded full fine-tune)")
     low = dtype != "fp32"  # float32 masters, and float32 copies of the gradients in the update
@@ -443,7 +467,7 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
                  activations=blocks + loss, gradients=trainable * b + fp32_grads, optimizer_states=trainable * 8,
                  master_weights=trainable * 4 * low, framework_reserve=_reserve(device, packed > 0, trains=True))
     return MemoryPlan(cfg, layout, dp, device, w, parts, params, trainable, dtype, None, None,
-                      kv_bytes_per_token(cfg, layout, dtype), vocab_align, extra=extra)
+                      kv_bytes_per_token(cfg, layout, dtype, stage), vocab_align, extra=extra)
 
 
 def shard_numel(shape: tuple[int, ...], dp: int) -> int:

@@ -45,9 +45,10 @@ def _workload_line(plan: MemoryPlan) -> str:
 
 
 def text(plan: MemoryPlan) -> str:
-    lines = [f"tprt plan: TP={plan.tp} x DP={plan.dp} ({plan.tp * plan.dp} devices), {plan.device.name} "
+    pp = f" x PP={plan.pp}" if plan.pp > 1 else ""
+    lines = [f"tprt plan: TP={plan.tp}{pp} x DP={plan.dp} ({plan.tp * plan.pp * plan.dp} devices), {plan.device.name} "
              f"({plan.device_bytes / GIB:.1f} GiB per rank)", _model_line(plan), _workload_line(plan), "",
-             f"  {'per rank':<28}{'GiB':>10}"]
+             f"  {'per rank' + (' (the fullest stage)' if plan.pp > 1 else ''):<28}{'GiB':>10}"]
     for kind in KINDS:
         if plan.per_rank_bytes[kind]:
             lines.append(f"  {_LABELS[kind]:<28}{plan.per_rank_bytes[kind] / GIB:>10.2f}")
@@ -57,6 +58,10 @@ def text(plan: MemoryPlan) -> str:
     if host:
         lines.append(f"  {'host memory (offloaded)':<28}{host / GIB:>10.2f}   fp32 shards, their gradients and "
                      f"AdamW state; {host * plan.tp * plan.dp / GIB:.0f} GiB over the {plan.tp * plan.dp} ranks")
+    for st in plan.extra.get("stages", ()):
+        first, stop = st["layers"]
+        label = f"stage {st['stage']} (layers {first}-{stop - 1})"
+        lines.append(f"  {label:<28}{st['peak_bytes_per_rank'] / GIB:>10.2f}")
     lines.append("")
     kv = plan.kv_bytes_per_token_per_rank
     if isinstance(plan.workload, ServeWorkload):
@@ -131,6 +136,8 @@ def as_json(plan: MemoryPlan) -> dict[str, Any]:
         "max_sequences": max_tokens // (plan.max_seq_len or 1) if serving and max_tokens is not None else None,
         "suggestions": suggestions(plan),
         "tp": plan.tp,
+        "pp": plan.pp,
+        "stages": plan.extra.get("stages"),
         "dp": plan.dp,
         "device": plan.device.name,
         "workload": {"kind": "serve" if serving else "finetune", **_workload_json(plan)},

@@ -12,6 +12,7 @@ No torch: a plan for a 405B model is arithmetic on shapes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from tprt.errors import ConfigError
 from tprt.lora.config import normalize_targets
@@ -49,12 +50,48 @@ def _local_rows(cfg: ModelConfig, layout: TPLayout) -> dict[str, int]:
     return {"q": q, "k": kv, "v": kv, "gate": inter, "up": inter}
 
 
-def rank_parameters(cfg: ModelConfig, layout: TPLayout) -> Shapes:
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: `layers` of the decoder, the embedding on the first stage, the final
+    norm and the LM head on the last (with tied embeddings the last stage holds the embedding
+    matrix as its head)."""
+
+    index: int
+    count: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def stages(n_layers: int, pp: int) -> list[Stage]:
+    """The decoder's layers split over `pp` stages as evenly as they go (the first stages take
+    the remainder's extra layers)."""
+    if pp < 1 or pp > n_layers:
+        raise ConfigError(f"--pp must be between 1 and the model's {n_layers} layers, got {pp}")
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for i in range(pp):
+        n = base + (1 if i < extra else 0)
+        out.append(Stage(i, pp, range(start, start + n)))
+        start += n
+    return out
+
+
+def rank_parameters(cfg: ModelConfig, layout: TPLayout, stage: Stage | None = None) -> Shapes:
     """Runtime parameter name -> local shape on one rank (the same on every rank), in the order
-    of `TPLlamaForCausalLM.named_parameters()`."""
+    of `TPLlamaForCausalLM.named_parameters()`; with `stage`, what one pipeline stage holds."""
     h, rows = cfg.hidden_size, _local_rows(cfg, layout)
-    out: Shapes = {"embed_tokens.weight": (layout.local_vocab, h)}
-    for i in range(cfg.num_hidden_layers):
+    first, last = stage is None or stage.first, stage is None or stage.last
+    out: Shapes = {}
+    if first or (last and cfg.tie_word_embeddings):
+        out["embed_tokens.weight"] = (layout.local_vocab, h)
+    for i in range(cfg.num_hidden_layers) if stage is None else stage.layers:
         p = f"layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "self_attn.qkv_proj.weight"] = (rows["q"] + rows["k"] + rows["v"], h)
@@ -70,20 +107,23 @@ def rank_parameters(cfg: ModelConfig, layout: TPLayout) -> Shapes:
         out[p + "mlp.down_proj.weight"] = (h, rows["gate"])
         if cfg.gemma_block:
             out[p + "pre_feedforward_layernorm.weight"] = out[p + "post_feedforward_layernorm.weight"] = (h,)
-    out["norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (layout.local_vocab, h)
+    if last:
+        out["norm.weight"] = (h,)
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = (layout.local_vocab, h)
     return out
 
 
-def lora_parameters(cfg: ModelConfig, layout: TPLayout, targets: tuple[str, ...] | list[str], rank: int) -> Shapes:
-    """LoRA factor name -> local shape on one rank, as `tprt.lora.attach.apply_lora` builds them."""
+def lora_parameters(cfg: ModelConfig, layout: TPLayout, targets: tuple[str, ...] | list[str], rank: int,
+                    stage: Stage | None = None) -> Shapes:
+    """LoRA factor name -> local shape on one rank, as `tprt.lora.attach.apply_lora` builds them
+    (with `stage`: on that pipeline stage's layers)."""
     if rank < 1:
         raise ConfigError(f"--lora-rank must be at least 1, got {rank}")
     chosen = normalize_targets(targets)
     h, rows = cfg.hidden_size, _local_rows(cfg, layout)
     out: Shapes = {}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers) if stage is None else stage.layers:
         for linear, parts in LAYER_LINEARS.items():
             for module in parts:
                 target = module.rsplit(".", 1)[1].removesuffix("_proj")

@@ -91,7 +91,10 @@ class FinetuneConfig:
     dtype: str = "fp32"
     activation_checkpointing: bool = False
     sequence_parallel: bool = False  # tprt.train.step.enable_sequence_parallel
-    tp_comm_overlap: bool = True  # a full fine-tune's TP backward overlapped (tprt.train.step.enable_tp_comm_overlap)
+    # A full fine-tune's TP backward overlapped (tprt.train.step.enable_tp_comm_overlap): "on", "off",
+    # or "auto": on for CUDA devices (NCCL runs beside the kernels), off on CPU, where the ranks
+    # share the cores and the shared-memory all-reduce beats an overlapped gloo one (docs/PERF.md).
+    tp_comm_overlap: str = "auto"
     offload_optimizer: str = "none"  # "cpu": FSDP's fp32 shards, gradients and AdamW state in host memory
     dp: int = 1  # data-parallel ranks the local launcher starts (torchrun: WORLD_SIZE / tp)
     resume: bool = False
@@ -211,7 +214,8 @@ class Trainer:
         else:
             self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
         enable_sequence_parallel(self.model, cfg.sequence_parallel)
-        enable_tp_comm_overlap(self.model, cfg.full and cfg.tp_comm_overlap)
+        overlap = cfg.tp_comm_overlap == "on" or (cfg.tp_comm_overlap == "auto" and ctx.device.type == "cuda")
+        enable_tp_comm_overlap(self.model, cfg.full and overlap)
         self.shares_base = base is not None
         self.params = self._trainable()
         self.model.train()
