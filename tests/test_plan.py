@@ -327,7 +327,7 @@ def test_pipeline_stages_split_the_layers_and_405b_fits_two_nodes(capsys: pytest
     """--pp (issue 44): each stage holds its layers (the first the embedding, the last the final
     norm and LM head), its layers' KV cache, and under 1F1B stage i the activations of
     pp - i micro-batches; 405B in bf16 does not fit one 8 x H100 node but fits two at PP 2."""
-    from tprt.plan.shapes import rank_parameters, stages
+    from tprt.parallel.stages import stages
 
     cfg = ModelConfig.from_file(CONFIGS / "llama-3.1-405b" / "config.json")
     layout = layout_for(cfg, 8)

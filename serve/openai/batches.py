@@ -160,13 +160,21 @@ class BatchStore:
                          _now_ms() + self.lease_ms))
 
     def save(self, obj: dict[str, Any]) -> bool:
-        """The runner's write of a batch's progress: False when this replica no longer holds it
-        (its lease lapsed and another replica took it over); nothing is written then."""
-        if not self.owner:
-            self.put(obj)
-            return True
-        return self.db.execute("UPDATE batches SET status = ?, object = ? WHERE id = ? AND owner = ?",
-                               (obj["status"], json.dumps(obj), obj["id"], self.owner)) == 1
+        """The runner's write of a batch's progress, read and written under the row's lock: a
+        cancellation stored meanwhile (through the API, on any replica) is kept, `obj` taking it
+        over. False when this replica no longer holds the batch (its lease lapsed and another
+        replica took it over); nothing is written then."""
+        with self.db.transaction() as tx:
+            lock = " FOR UPDATE" if tx.dialect == "postgresql" else ""  # SQLite's writers exclude each other
+            row = tx.one(f"SELECT object, owner FROM batches WHERE id = ?{lock}", (obj["id"],))
+            if row is None or (self.owner and row["owner"] != self.owner):
+                return False
+            stored = json.loads(row["object"])
+            if stored["status"] == "cancelling" and obj["status"] == "in_progress":
+                obj.update(status="cancelling", cancelling_at=stored["cancelling_at"])
+            tx.execute("UPDATE batches SET status = ?, object = ? WHERE id = ?",
+                       (obj["status"], json.dumps(obj), obj["id"]))
+        return True
 
     def renew(self) -> None:
         """Extends the leases of this replica's unfinished batches."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from tprt.checkpoint.format import MANIFEST_NAME, Manifest, RankFiles, TPCheckpoint
 from tprt.model.config import ModelConfig, TPLayout
@@ -21,6 +22,8 @@ from tprt.distributed.context import TPContext
 from tprt.errors import CheckpointError, ConfigError
 from tprt.cpu.hugepages import huge_tensors
 from tprt.model.llama import TPLlamaForCausalLM
+from tprt.model.stage import TPLlamaStage
+from tprt.parallel.stages import Stage
 from tprt.parallel.layers import WEIGHT_FORMATS, LinearMethod, ParallelLinear, copy_rows
 from tprt.checkpoint.safetensors_io import DTYPES
 from tprt.quant import methods as _quantized  # noqa: F401 - registers the quantized weight formats
@@ -101,6 +104,30 @@ def load_model(
     return model.eval()
 
 
+def load_stage(path: str | Path, ctx: TPContext, stage: Stage, dtype: str | torch.dtype | None = None,
+               requires_grad: bool = False) -> TPLlamaStage:
+    """This rank's shard of pipeline stage `stage` of TP checkpoint `path` (tprt.model.stage):
+    only the stage's tensors are read from the rank files, which every stage's TP rank r shares."""
+    ckpt = TPCheckpoint(path)
+    check_tp(ckpt, ctx)
+    target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
+    method = weight_format(ckpt)
+    with torch.device("meta"):
+        model = TPLlamaStage(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, stage, dtype=target,
+                             method=method)
+    files = ckpt.open_rank(ctx.rank)
+    try:
+        state = _rank_state(model, files, ckpt.path, ctx.device, one_block=not requires_grad)
+    finally:
+        files.close()
+    model.load_state_dict(state, strict=True, assign=True)
+    for layer in model.modules():
+        if isinstance(layer, ParallelLinear):
+            layer.method.process_after_loading(layer)
+    model.requires_grad_(requires_grad)
+    return model.eval()
+
+
 def weight_format(ckpt: TPCheckpoint) -> LinearMethod:
     """The linear method of the checkpoint's weight format (manifest `extra.weight_format`,
     "dense" when absent)."""
@@ -146,7 +173,7 @@ def _manifest_dtype(ckpt: TPCheckpoint) -> torch.dtype:
 
 
 def _rank_state(
-    model: TPLlamaForCausalLM, files: RankFiles, path: Path, device: torch.device, one_block: bool = False,
+    model: nn.Module, files: RankFiles, path: Path, device: torch.device, one_block: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Our parameter name -> a freshly allocated tensor holding this rank's values, in the dtype
     the parameter was created with (the model's for the dense format), filled by its layer's linear

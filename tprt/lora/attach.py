@@ -94,15 +94,17 @@ def build_lora(
 
     targets: a subset of q, k, v, o, gate, up, down (or q_proj, ...); anything else is a
     ValidationError naming it and listing the allowed ones. The same `seed` on every rank gives
-    every rank its slice of the same unsharded initialisation.
+    every rank its slice of the same unsharded initialisation, and each layer draws from a
+    generator of its own, so a pipeline stage's layers start as the whole model's do.
     """
     names = normalize_targets(targets)
     check_hparams(rank, alpha, dropout)
-    gen = torch.Generator().manual_seed(seed)
+    gens: dict[int, torch.Generator] = {}
     pieces = []
     for site in sites(model):
         chosen = [s for s in site.segments if s.target in names]
         if chosen:
+            gen = gens.setdefault(site.layer, torch.Generator().manual_seed(seed + 7919 * site.layer))
             pieces.append((site, _new_module(site, chosen, rank, alpha, dropout, gen, model.tp, model.dtype)))
     return LoRAAdapter(tuple(pieces))
 

@@ -47,7 +47,8 @@ def sites(model: TPLlamaForCausalLM) -> Iterator[Site]:
     targets laid out as tprt.parallel.sharding says."""
     cfg, tp, rep = model.config, model.tp.world_size, model.layout.kv_replication
     for i, layer in enumerate(model.layers):
-        assert isinstance(layer, DecoderLayer)
+        if not isinstance(layer, DecoderLayer):  # held by another pipeline stage (tprt.model.stage)
+            continue
         attn, mlp = layer.self_attn, layer.mlp
         q, kv = attn.n_heads * attn.head_dim, attn.n_kv * attn.head_dim
         inter = mlp.down_proj.weight.shape[1]

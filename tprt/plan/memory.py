@@ -55,7 +55,8 @@ from tprt.errors import ConfigError
 from tprt.lora.config import TARGETS, normalize_targets
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.plan.devices import Device
-from tprt.plan.shapes import Stage, layout_for, linear_weight_names, lora_parameters, numel, rank_parameters, stages
+from tprt.parallel.stages import Stage, stages
+from tprt.plan.shapes import layout_for, linear_weight_names, lora_parameters, numel, rank_parameters
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}

@@ -12,12 +12,12 @@ No torch: a plan for a 405B model is arithmetic on shapes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from tprt.errors import ConfigError
 from tprt.lora.config import normalize_targets
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.parallel.sharding import LAYER_LINEARS, ROW, module_rule
+from tprt.parallel.stages import Stage, stages
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -48,39 +48,6 @@ def _local_rows(cfg: ModelConfig, layout: TPLayout) -> dict[str, int]:
     kv = layout.local_kv_heads * cfg.head_dim
     inter = cfg.intermediate_size // layout.tp
     return {"q": q, "k": kv, "v": kv, "gate": inter, "up": inter}
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage: `layers` of the decoder, the embedding on the first stage, the final
-    norm and the LM head on the last (with tied embeddings the last stage holds the embedding
-    matrix as its head)."""
-
-    index: int
-    count: int
-    layers: range
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.count - 1
-
-
-def stages(n_layers: int, pp: int) -> list[Stage]:
-    """The decoder's layers split over `pp` stages as evenly as they go (the first stages take
-    the remainder's extra layers)."""
-    if pp < 1 or pp > n_layers:
-        raise ConfigError(f"--pp must be between 1 and the model's {n_layers} layers, got {pp}")
-    base, extra = divmod(n_layers, pp)
-    out, start = [], 0
-    for i in range(pp):
-        n = base + (1 if i < extra else 0)
-        out.append(Stage(i, pp, range(start, start + n)))
-        start += n
-    return out
 
 
 def rank_parameters(cfg: ModelConfig, layout: TPLayout, stage: Stage | None = None) -> Shapes:

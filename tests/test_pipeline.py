@@ -1,0 +1,154 @@
+"""Pipeline-parallel training (issue 44): stages over PP ranks, each a TP group, micro-batches on
+torch's 1F1B schedule (tprt.train.pipeline), against a single-process transformers run in fp32.
+
+Worlds of PP 2 x TP 1, PP 2 x TP 2, PP 4 x TP 1 and PP 4 x TP 2 (tests/mp.py) train the "gqa"
+model of tests/test_backward_tp.py with 5 layers (stages of uneven length; untied embeddings) on
+its batches of four uneven rows, in as many micro-batches as stages and in four:
+
+- full fine-tuning: the loss (1e-5) and every parameter's gradient on every stage (1e-4, sliced
+  by the TP rules) equal transformers'; N steps of AdamW with global-norm clipping give its
+  losses, norms and weights;
+- LoRA: each stage's adapter gradients equal those of the whole model on the same TP group
+  without stages, from the same initialisation;
+- each stage holds only its layers (the embedding on the first, the head on the last) and reads
+  only their tensors.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mp import Checks, WorldResults, names, run_world
+from test_backward_tp import (HP, MAX_NORM, MIN_LR_RATIO, N_STEPS, WARMUP, _reference, assert_rel, local_slice)
+from helpers import make_hf_llama
+from tprt.checkpoint.loading import load_model, load_stage
+from tprt.distributed.context import TPContext
+from tprt.model.config import ModelConfig
+from tprt.model.stage import AbsentLayer
+from tprt.parallel.sharding import hf_sources
+from tprt.parallel.stages import stages
+from tprt.train.optim import AdamW, warmup_cosine
+from tprt.train.pipeline import PipelineMesh, PipelineTrainer, pipeline_mesh, sync_and_clip
+from tprt.train.step import compute_loss
+
+NAME = "gqa"
+MESHES = {2: [(2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}  # world -> (pp, tp) meshes run in it
+_MESHES: dict[tuple[int, int], PipelineMesh] = {}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from convert.api import hf_to_tp
+
+    root = tmp_path_factory.mktemp("pipeline")
+    hf_dir = make_hf_llama(root / f"{NAME}-hf", NAME, seed=10, num_hidden_layers=5)  # split 3+2, 2+1+1+1
+    for tp in (1, 2):
+        hf_to_tp(hf_dir, root / f"{NAME}-tp{tp}", tp)
+    torch.save(_reference(hf_dir, ModelConfig.from_file(hf_dir / "config.json").vocab_size), root / "ref.pt")
+    return root
+
+
+def _mesh(pp: int, tp: int) -> PipelineMesh:
+    if (pp, tp) not in _MESHES:
+        _MESHES[(pp, tp)] = pipeline_mesh(tp, pp)
+    return _MESHES[(pp, tp)]
+
+
+def _stage(workdir: Path, mesh: PipelineMesh, requires_grad: bool) -> Any:
+    tp = mesh.tp.world_size
+    n_layers = ModelConfig.from_file(workdir / f"{NAME}-tp{tp}" / "config.json").num_hidden_layers
+    stage = stages(n_layers, mesh.stages)[mesh.stage_index]
+    return load_stage(workdir / f"{NAME}-tp{tp}", mesh.tp, stage, "fp32", requires_grad).train()
+
+
+def _slice(ours: Any, hf: dict[str, torch.Tensor], pname: str) -> torch.Tensor:
+    return torch.cat([local_slice(src, hf[src], ours) for src in hf_sources(pname)])
+
+
+def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> None:
+    """Full fine-tuning: the first step's loss and gradients, then N_STEPS of AdamW, equal
+    transformers' on every stage."""
+    mesh = _mesh(pp, tp)
+    ref = torch.load(workdir / "ref.pt")
+    model = _stage(workdir, mesh, requires_grad=True)
+    held = {n for n, _ in model.named_parameters()}
+    st = model.stage
+    assert ("embed_tokens.weight" in held) == st.first and ("lm_head.weight" in held) == st.last
+    assert all(isinstance(layer, AbsentLayer) == (i not in st.layers) for i, layer in enumerate(model.layers))
+    trainer = PipelineTrainer(model, mesh, micro)
+    ids, labels = ref["batches"][0]
+    loss = trainer.step(ids, labels)
+    if st.last:
+        assert loss is not None and abs(loss - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (loss, ref["loss"])
+    sync_and_clip(model, mesh, float("inf"))
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, pname
+        assert_rel(p.grad, _slice(model, ref["grads"], pname), f"stage {st.index}: grad of {pname}", 1e-4)
+    # N_STEPS from the start, as the reference took them
+    model = _stage(workdir, mesh, requires_grad=True)
+    trainer = PipelineTrainer(model, mesh, micro)
+    opt = AdamW([p for p in model.parameters()], **HP)
+    sched = warmup_cosine(opt, WARMUP, N_STEPS, MIN_LR_RATIO)
+    for i, (ids, labels) in enumerate(ref["batches"]):
+        opt.zero_grad(set_to_none=True)
+        loss = trainer.step(ids, labels)
+        norm = sync_and_clip(model, mesh, MAX_NORM)
+        assert abs(norm - ref["norms"][i]) <= 1e-5 * ref["norms"][i], (i, norm, ref["norms"][i])
+        if st.last:
+            assert loss is not None and abs(loss - ref["losses"][i]) <= 1e-5 * abs(ref["losses"][i]), (i, loss)
+        opt.step()
+        sched.step()
+    for pname, p in model.named_parameters():
+        assert_rel(p.detach(), _slice(model, ref["params"], pname), f"stage {st.index}: weight {pname}", 1e-4)
+
+
+def check_lora(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> None:
+    """LoRA on q,k,v,o,down: each stage's adapter gradients equal the whole model's on the same
+    TP group, from the same initialisation."""
+    from tprt.lora.attach import apply_lora
+
+    mesh = _mesh(pp, tp)
+    ref = torch.load(workdir / "ref.pt")
+    ids, labels = ref["batches"][1]
+    targets = ("q", "k", "v", "o", "down")
+    whole = load_model(workdir / f"{NAME}-tp{tp}", mesh.tp, "fp32").train()
+    apply_lora(whole, targets, 4, 8.0)
+    loss_sum, n = compute_loss(whole, ids, labels)
+    (loss_sum / n).backward()
+    want = {name: p.grad for name, p in whole.named_parameters() if p.grad is not None}
+    model = _stage(workdir, mesh, requires_grad=False)
+    params = apply_lora(model, targets, 4, 8.0)  # type: ignore[arg-type]
+    trainer = PipelineTrainer(model, mesh, micro)
+    loss = trainer.step(ids, labels)
+    if model.stage.last:
+        assert loss is not None and abs(loss - float(loss_sum / n)) <= 1e-5 * float(loss_sum / n)
+    assert params and all(p.grad is not None for p in params)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert_rel(p.grad, want[name], f"stage {model.stage.index}: grad of {name}", 1e-4)
+    assert sum(p.grad is not None for p in model.parameters()) == len(params)
+
+
+def _checks(world: int) -> Checks:
+    out: list[tuple[str, Any]] = []
+    for pp, tp in MESHES[world]:
+        for micro in sorted({pp, 4}):  # 1F1B takes at least one micro-batch per stage; a batch has 4 rows
+            out.append((f"pp{pp}-tp{tp}-m{micro}-full", partial(check_full, pp=pp, tp=tp, micro=micro)))
+        out.append((f"pp{pp}-tp{tp}-lora", partial(check_lora, pp=pp, tp=tp, micro=pp)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds(workdir: Path) -> dict[int, WorldResults]:
+    return {world: run_world(world, _checks(world), workdir) for world in MESHES}
+
+
+@pytest.mark.parametrize(("world", "check"), [(w, c) for w in MESHES for c in names(_checks(w))],
+                         ids=lambda v: str(v))
+def test_pipeline(worlds: dict[int, WorldResults], world: int, check: str) -> None:
+    worlds[world].assert_ok(check)

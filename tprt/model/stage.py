@@ -1,0 +1,105 @@
+"""One pipeline stage of the model: its share of the decoder's layers over its TP group, the
+embedding on the first stage, the final norm and the LM head on the last (tprt.parallel.stages).
+
+A stage keeps the whole model's parameter names (`layers.40.self_attn...` on a stage that starts
+at layer 40): the layers other stages hold are `AbsentLayer` placeholders without parameters, so
+`load_stage` (tprt.checkpoint.loading) reads exactly this stage's tensors from the same TP
+checkpoint's rank files, and LoRA, gradient sync and checkpoints name everything as for the
+whole model. Its forward takes the previous stage's hidden states (token ids on the first) and
+returns its own, [batch, seq, hidden]; the last stage's loss is `stage_loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tprt.distributed.context import TPContext
+from tprt.errors import ConfigError
+from tprt.model.config import ModelConfig, TPLayout
+from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step
+from tprt.model.rope import inv_frequencies, rope_angles
+from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
+from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
+                                  VocabParallelEmbedding, VocabParallelLMHead)
+from tprt.parallel.stages import Stage
+
+
+class AbsentLayer(nn.Module):
+    """A decoder layer another pipeline stage holds (no parameters; never run)."""
+
+    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        raise RuntimeError("a layer of another pipeline stage was run")
+
+
+class TPLlamaStage(nn.Module):
+    """See the module docstring; build on the meta device and load with `load_stage`."""
+
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, stage: Stage,
+                 dtype: torch.dtype | None = None, method: LinearMethod = DENSE) -> None:
+        super().__init__()
+        if stage.count > 1 and cfg.tie_word_embeddings:
+            raise ConfigError("config.json: tie_word_embeddings is true; pipeline stages would share the embedding "
+                              "between the first and the last stage, which tprt does not do yet (run without --pp)")
+        if layout.tp != ctx.world_size:
+            raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
+        self.config, self.layout, self.tp, self.stage = cfg, layout, ctx, stage
+        self.embed_tokens = (VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
+                             if stage.first else None)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype, method) if i in stage.layers
+                                    else AbsentLayer() for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_block) if stage.last else None
+        self.lm_head = (VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, None, dtype,
+                                            softcap=cfg.final_logit_softcapping) if stage.last else None)
+        self.inv_freq = inv_frequencies(cfg, device=ctx.device)
+        self.local_inv_freq = None if cfg.local_rope_theta is None else inv_frequencies(cfg, ctx.device, local=True)
+        self.stack: LayerStack = LayerStack()
+        self.sequence_parallel = False  # not under pipeline stages yet
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def own_layers(self) -> nn.ModuleList:
+        """This stage's decoder layers, in order."""
+        return self.layers[self.stage.layers.start : self.stage.layers.stop]
+
+    def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
+        out: list[ColumnParallelLinear | RowParallelLinear] = []
+        for layer in self.own_layers:
+            assert isinstance(layer, DecoderLayer)
+            out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: token ids [batch, seq] on the first stage, else the previous stage's hidden states
+        [batch, seq, hidden] -> this stage's hidden states [batch, seq, hidden] (before the final
+        norm on the last)."""
+        x = x.to(self.tp.device, non_blocking=True)
+        if self.embed_tokens is not None:
+            h = self.embed_tokens(x)
+            if self.config.gemma_block:
+                h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
+        else:
+            h = x
+        batch, seq = h.shape[:2]
+        positions = torch.arange(seq, device=h.device).expand(batch, seq)  # [batch, seq]
+        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
+        local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
+        return self.stack(self.own_layers, h, Step(cos, sin, None, local))
+
+
+def stage_loss(stage: TPLlamaStage, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last stage's (sum of the per-token cross-entropy, number of target tokens), as
+    `tprt.train.step.compute_loss` scores the whole model's hidden states."""
+    assert stage.norm is not None and stage.lm_head is not None, "the loss is the last stage's"
+    target = labels[:, 1:].reshape(-1).to(hidden.device)  # [batch * (seq - 1)]
+    keep = target != IGNORE_INDEX
+    n_tokens = keep.sum()
+    picked = hidden[:, :-1].reshape(-1, hidden.shape[-1])[keep]  # [n_tokens, hidden]
+    if picked.shape[0] == 0:
+        return hidden.sum() * 0.0, n_tokens
+    local_logits = stage.lm_head(stage.norm(picked))
+    loss = vocab_parallel_cross_entropy(local_logits, target[keep], stage.tp, vocab_size=stage.config.vocab_size)
+    return loss.sum(), n_tokens
