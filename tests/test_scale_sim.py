@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from bench.gpu_bench import random_model
 from convert.plan import plan_tp
-from fake_world import CONFIGS, Collective, CollectiveLog, build_rank, fake_world, real_config
+from fake_world import META, CONFIGS, Collective, CollectiveLog, build_rank, fake_world, rank_context, real_config
 from tprt.distributed.context import TPContext
 from tprt.engine.core import Engine, EngineConfig, kv_pool_blocks, run_to_completion
 from tprt.engine.runner import ModelRunner, RunnerConfig, StepResult
@@ -529,3 +529,29 @@ def test_sequence_parallel_lora_training_step_70b_tp8() -> None:
     backward = phases["backward"]
     assert backward[0] == Collective("all_reduce", (tokens, h), BF16, "SUM")  # the LM head's input gradient
     assert all(c in (scatter, gather) for c in backward[1:]) and len(backward) - 1 >= 4 * n_layers - 1
+
+
+def test_405b_pipeline_stages_at_tp8_pp2_hold_what_the_planner_says() -> None:
+    """405B at TP 8 x PP 2 (issue 44), each stage built on meta as load_stage builds it: the
+    first holds the embedding and layers 0-62, the second layers 63-125, the final norm and the
+    LM head, each exactly the planner's bytes for its stage (and together the whole model's);
+    a stage's forward runs its own layers over the previous stage's hidden states."""
+    from tprt.model.stage import AbsentLayer, TPLlamaStage
+    from tprt.parallel.stages import stages
+    from tprt.plan.shapes import layout_for, numel, rank_parameters
+
+    cfg = real_config("llama-3.1-405b")
+    layout = layout_for(cfg, 8)
+    parts = stages(cfg.num_hidden_layers, 2)
+    with fake_world(8):
+        built = []
+        for st in parts:
+            with META:
+                built.append(TPLlamaStage(cfg, TPLayout.for_model(cfg, 8), rank_context(7, 8), st, torch.bfloat16))
+        for st, model in zip(parts, built):
+            held = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            assert held == rank_parameters(cfg, layout, st)
+            assert sum(isinstance(layer, AbsentLayer) for layer in model.layers) == cfg.num_hidden_layers - 63
+        assert sum(numel(rank_parameters(cfg, layout, st)) for st in parts) == numel(rank_parameters(cfg, layout))
+        hidden = torch.empty(1, 16, cfg.hidden_size, dtype=torch.bfloat16, device=META)
+        assert built[1](hidden).shape == (1, 16, cfg.hidden_size)
