@@ -94,18 +94,28 @@ def build_lora(
 
     targets: a subset of q, k, v, o, gate, up, down (or q_proj, ...); anything else is a
     ValidationError naming it and listing the allowed ones. The same `seed` on every rank gives
-    every rank its slice of the same unsharded initialisation, and each layer draws from a
-    generator of its own, so a pipeline stage's layers start as the whole model's do.
+    every rank its slice of the same unsharded initialisation. On a pipeline stage
+    (tprt.model.stage) the draws of the layers other stages hold are made and dropped, so the
+    stage's layers start as the whole model's do.
     """
     names = normalize_targets(targets)
     check_hparams(rank, alpha, dropout)
-    gens: dict[int, torch.Generator] = {}
-    pieces = []
+    gen = torch.Generator().manual_seed(seed)
+    by_layer: dict[int, list[Site]] = {}
     for site in sites(model):
-        chosen = [s for s in site.segments if s.target in names]
-        if chosen:
-            gen = gens.setdefault(site.layer, torch.Generator().manual_seed(seed + 7919 * site.layer))
-            pieces.append((site, _new_module(site, chosen, rank, alpha, dropout, gen, model.tp, model.dtype)))
+        by_layer.setdefault(site.layer, []).append(site)
+    template = next(iter(by_layer.values()), [])  # every layer has the same sites
+    pieces = []
+    for layer in range(model.config.num_hidden_layers):
+        for site in by_layer.get(layer, template):
+            chosen = [s for s in site.segments if s.target in names]
+            if not chosen:
+                continue
+            if layer in by_layer:
+                pieces.append((site, _new_module(site, chosen, rank, alpha, dropout, gen, model.tp, model.dtype)))
+            else:  # another stage's layer: its A factors' draws
+                for _ in chosen:
+                    _kaiming_a(gen, rank, site.full_in)
     return LoRAAdapter(tuple(pieces))
 
 
