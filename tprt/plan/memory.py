@@ -440,16 +440,19 @@ def _plan_finetune(cfg: ModelConfig, layout: TPLayout, w: FinetuneWorkload, devi
     n_layers = cfg.num_hidden_layers if stage is None else len(stage.layers)
     # 1F1B: stage i holds the activations of up to (stages - i) micro-batches at once
     in_flight = 1 if stage is None else stage.count - stage.index
-    if w.activation_checkpointing:  # each block keeps its input; one block is recomputed at a time
-        block_input = b * h // (layout.tp if w.sequence_parallel else 1)  # seq / TP positions of it under SP
-        blocks = tokens * (in_flight * n_layers * block_input + per_layer)
-    else:
-        blocks = tokens * in_flight * n_layers * per_layer
     # The loss: final norm, the local logits in the dtype and the vocab-parallel cross-entropy's
     # float32 softmax (the logits' gradient reuses its size), over the target tokens (at most
     # every token but the last of each row).
     targets = w.rows * (w.seq_len - 1)
     loss = targets * (4 * h + b * h + layout.local_vocab * (b + 4)) if stage is None or stage.last else 0
+    if w.activation_checkpointing:
+        # Each block keeps its input; one block's activations are recomputed at a time, in the
+        # backward after the loss's are freed: the peak is the larger of the two (measured:
+        # bench/sp_bench.py), on top of the kept inputs.
+        block_input = b * h // (layout.tp if w.sequence_parallel else 1)  # seq / TP positions of it under SP
+        blocks = tokens * in_flight * n_layers * block_input + max(0, tokens * per_layer - loss)
+    else:
+        blocks = tokens * in_flight * n_layers * per_layer
     cpu = device.kind == "cpu"
     packed = _packed_bytes(cfg, shapes, b, timing=False) if cpu and not w.full else 0
     extra: dict[str, Any] = {"tokens_per_micro_batch": tokens, "global_batch_rows": w.rows * w.grad_accum * dp}
