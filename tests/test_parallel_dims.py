@@ -1,4 +1,4 @@
-"""One ParallelDims lays out the world: TP innermost, DP outside it, pp reserved."""
+"""One ParallelDims lays out the world: TP innermost, pipeline stages outside it, DP outermost."""
 
 from __future__ import annotations
 
@@ -24,8 +24,21 @@ def test_bad_layouts_are_one_line_errors() -> None:
         ParallelDims.for_world(8, 3)
     with pytest.raises(ConfigError, match=r"^--dp must be at least 1, got 0$"):
         ParallelDims(tp=2, dp=0)
-    with pytest.raises(ConfigError, match=r"^--pp 2: pipeline parallelism is not supported \(expected 1\)$"):
-        ParallelDims(tp=2, pp=2)
+    with pytest.raises(ConfigError, match=r"^--pp must be at least 1, got 0$"):
+        ParallelDims(tp=2, pp=0)
+
+
+def test_dp_pp_tp_mesh_of_sixteen() -> None:
+    """[dp 2, pp 2, tp 4]: TP groups of consecutive ranks, a stage's TP group after the
+    previous stage's, DP replicas outermost; every rank in exactly one group of each kind."""
+    dims = ParallelDims(tp=4, dp=2, pp=2)
+    assert dims.world == 16
+    assert dims.tp_group_ranks(0, 1) == [4, 5, 6, 7] and dims.tp_group_ranks(1, 0) == [8, 9, 10, 11]
+    assert dims.pp_group_ranks(1, 2) == [10, 14] and dims.dp_group_ranks(3, 1) == [7, 15]
+    for rank in range(16):
+        d, s, t = dims.dp_rank(rank), dims.pp_rank(rank), dims.tp_rank(rank)
+        assert rank in dims.tp_group_ranks(d, s) and rank in dims.pp_group_ranks(d, t)
+        assert rank in dims.dp_group_ranks(t, s)
 
 
 def test_a_context_gives_its_dims_back() -> None:

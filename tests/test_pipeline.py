@@ -11,7 +11,9 @@ its batches of four uneven rows, in as many micro-batches as stages and in four:
 - LoRA: each stage's adapter gradients equal those of the whole model on the same TP group
   without stages, from the same initialisation;
 - each stage holds only its layers (the embedding on the first, the head on the last) and reads
-  only their tensors.
+  only their tensors;
+- in the world of 8, a [dp 2, pp 2, tp 2] mesh: each replica trains half the rows, and the
+  averaged gradients and steps are still transformers'.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tprt.train.step import compute_loss
 
 NAME = "gqa"
 MESHES = {2: [(2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}  # world -> (pp, tp) meshes run in it
-_MESHES: dict[tuple[int, int], PipelineMesh] = {}
+_MESHES: dict[tuple[int, int, int], PipelineMesh] = {}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +55,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _mesh(pp: int, tp: int) -> PipelineMesh:
-    if (pp, tp) not in _MESHES:
-        _MESHES[(pp, tp)] = pipeline_mesh(tp, pp)
-    return _MESHES[(pp, tp)]
+def _mesh(pp: int, tp: int, dp: int = 1) -> PipelineMesh:
+    if (pp, tp, dp) not in _MESHES:
+        _MESHES[(pp, tp, dp)] = pipeline_mesh(tp, pp, dp)
+    return _MESHES[(pp, tp, dp)]
 
 
 def _stage(workdir: Path, mesh: PipelineMesh, requires_grad: bool) -> Any:
@@ -70,11 +72,13 @@ def _slice(ours: Any, hf: dict[str, torch.Tensor], pname: str) -> torch.Tensor:
     return torch.cat([local_slice(src, hf[src], ours) for src in hf_sources(pname)])
 
 
-def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> None:
+def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int, dp: int = 1) -> None:
     """Full fine-tuning: the first step's loss and gradients, then N_STEPS of AdamW, equal
-    transformers' on every stage."""
-    mesh = _mesh(pp, tp)
+    transformers' on every stage (with `dp` replicas each training its share of the rows)."""
+    mesh = _mesh(pp, tp, dp)
     ref = torch.load(workdir / "ref.pt")
+    n = len(ref["batches"][0][0]) // dp
+    rows = slice(mesh.tp.dp_rank * n, (mesh.tp.dp_rank + 1) * n)
     model = _stage(workdir, mesh, requires_grad=True)
     held = {n for n, _ in model.named_parameters()}
     st = model.stage
@@ -82,7 +86,7 @@ def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> N
     assert all(isinstance(layer, AbsentLayer) == (i not in st.layers) for i, layer in enumerate(model.layers))
     trainer = PipelineTrainer(model, mesh, micro)
     ids, labels = ref["batches"][0]
-    loss = trainer.step(ids, labels)
+    loss = trainer.step(ids[rows], labels[rows])
     if st.last:
         assert loss is not None and abs(loss - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (loss, ref["loss"])
     sync_and_clip(model, mesh, float("inf"))
@@ -96,7 +100,7 @@ def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> N
     sched = warmup_cosine(opt, WARMUP, N_STEPS, MIN_LR_RATIO)
     for i, (ids, labels) in enumerate(ref["batches"]):
         opt.zero_grad(set_to_none=True)
-        loss = trainer.step(ids, labels)
+        loss = trainer.step(ids[rows], labels[rows])
         norm = sync_and_clip(model, mesh, MAX_NORM)
         assert abs(norm - ref["norms"][i]) <= 1e-5 * ref["norms"][i], (i, norm, ref["norms"][i])
         if st.last:
@@ -140,6 +144,8 @@ def _checks(world: int) -> Checks:
         for micro in sorted({pp, 4}):  # 1F1B takes at least one micro-batch per stage; a batch has 4 rows
             out.append((f"pp{pp}-tp{tp}-m{micro}-full", partial(check_full, pp=pp, tp=tp, micro=micro)))
         out.append((f"pp{pp}-tp{tp}-lora", partial(check_lora, pp=pp, tp=tp, micro=pp)))
+    if world == 8:  # DP x PP x TP: two replicas of a [pp 2, tp 2] pipeline, two rows each
+        out.append(("dp2-pp2-tp2-full", partial(check_full, pp=2, tp=2, micro=2, dp=2)))
     return out
 
 

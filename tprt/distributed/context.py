@@ -30,9 +30,9 @@ log = logging.getLogger("tprt")
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How the world's ranks divide: `tp` ranks per tensor-parallel group (innermost: consecutive
-    global ranks), `dp` data-parallel replicas of it, `pp` pipeline stages (room for them: only 1
-    is supported)."""
+    """How the world's ranks divide, as a [dp, pp, tp] mesh: `tp` ranks per tensor-parallel group
+    (innermost: consecutive global ranks), `pp` pipeline stages of such groups
+    (tprt.train.pipeline), and `dp` data-parallel replicas of the whole."""
 
     tp: int = 1
     dp: int = 1
@@ -42,8 +42,6 @@ class ParallelDims:
         for name in ("tp", "dp", "pp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.pp != 1:
-            raise ConfigError(f"--pp {self.pp}: pipeline parallelism is not supported (expected 1)")
 
     @classmethod
     def for_world(cls, world: int, tp: int | None = None) -> ParallelDims:
@@ -65,16 +63,27 @@ class ParallelDims:
     def tp_rank(self, global_rank: int) -> int:
         return global_rank % self.tp
 
+    def pp_rank(self, global_rank: int) -> int:
+        """The pipeline stage `global_rank` belongs to."""
+        return global_rank // self.tp % self.pp
+
     def dp_rank(self, global_rank: int) -> int:
-        return global_rank // self.tp
+        return global_rank // (self.tp * self.pp)
 
-    def tp_group_ranks(self, dp_rank: int) -> list[int]:
-        """The global ranks of DP replica `dp_rank`'s TP group."""
-        return list(range(dp_rank * self.tp, (dp_rank + 1) * self.tp))
+    def _rank(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
 
-    def dp_group_ranks(self, tp_rank: int) -> list[int]:
-        """The global ranks holding TP shard `tp_rank` (one per DP replica)."""
-        return list(range(tp_rank, self.world, self.tp))
+    def tp_group_ranks(self, dp_rank: int, pp_rank: int = 0) -> list[int]:
+        """The global ranks of DP replica `dp_rank`'s TP group (of stage `pp_rank`)."""
+        return [self._rank(dp_rank, pp_rank, t) for t in range(self.tp)]
+
+    def dp_group_ranks(self, tp_rank: int, pp_rank: int = 0) -> list[int]:
+        """The global ranks holding TP shard `tp_rank` (of stage `pp_rank`), one per DP replica."""
+        return [self._rank(d, pp_rank, tp_rank) for d in range(self.dp)]
+
+    def pp_group_ranks(self, dp_rank: int, tp_rank: int) -> list[int]:
+        """One pipeline: TP rank `tp_rank` of every stage of DP replica `dp_rank`, in stage order."""
+        return [self._rank(dp_rank, s, tp_rank) for s in range(self.pp)]
 
 
 MESH_DIMS = ("dp", "tp")
@@ -189,7 +198,10 @@ def build_mesh_groups(dims: ParallelDims, rank: int) -> tuple[dist.ProcessGroup,
     """This rank's (TP group, DP group) in the [dp, tp] mesh of `dims`; collective over the world.
 
     Every rank must call this with the same arguments: `new_group` is itself collective.
+    Pipeline stages make their groups in tprt.train.pipeline.
     """
+    if dims.pp > 1:
+        raise ConfigError(f"--pp {dims.pp}: this command does not run pipeline stages (tprt.train.pipeline does)")
     if dims.tp == dims.world:
         assert dist.group.WORLD is not None
         return dist.group.WORLD, None

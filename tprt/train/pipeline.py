@@ -11,9 +11,11 @@ cross-entropy, scaled by the whole batch's target tokens so that the micro-batch
 to the whole batch's), and the gradient synchronisation and clipping, whose norm spans the
 stages.
 
-The world is [pp, tp]: stage s is the TP group of ranks s * tp .. s * tp + tp - 1, and TP rank r
-of every stage forms one pipeline (the PP group of ranks r, tp + r, ...), so each TP rank
-exchanges only its own stage neighbours' hidden states (every TP rank holds them whole).
+The world is a [dp, pp, tp] mesh (tprt.distributed.context.ParallelDims): stage s of DP replica d
+is a TP group of consecutive ranks, and TP rank r of every stage of a replica forms one pipeline,
+so each TP rank exchanges only its own stage neighbours' hidden states (every TP rank holds them
+whole). DP replicas train their own rows of each batch; the loss is scaled by the whole batch's
+target tokens, so that averaging the gradients over DP gives the whole batch's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tprt.distributed.context import TPContext
+from tprt.distributed.context import ParallelDims, TPContext
 from tprt.model.stage import TPLlamaStage, stage_loss
 from tprt.parallel.cross_entropy import IGNORE_INDEX
 from tprt.parallel.stages import Stage
@@ -32,7 +34,8 @@ from tprt.train.grads import _owned_sq_norm, _spec, sync_gradients
 
 @dataclass(frozen=True)
 class PipelineMesh:
-    """This rank's place in a [pp, tp] world: its TP context and its pipeline's group."""
+    """This rank's place in a [dp, pp, tp] world: its TP context (with its DP group), its
+    pipeline's group and its stage."""
 
     tp: TPContext
     pp_group: dist.ProcessGroup
@@ -40,18 +43,26 @@ class PipelineMesh:
     stages: int
 
 
-def pipeline_mesh(tp: int, pp: int, device: torch.device | None = None) -> PipelineMesh:
-    """The groups of a [pp, tp] world of pp * tp ranks (every rank calls it, in the same order)."""
+def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = None) -> PipelineMesh:
+    """The groups of a [dp, pp, tp] world (every rank calls it: group creation is collective)."""
+    dims = ParallelDims(tp=tp, dp=dp, pp=pp)
     world, me = dist.get_world_size(), dist.get_rank()
-    if world != pp * tp:
-        raise ValueError(f"a [pp {pp}, tp {tp}] mesh needs {pp * tp} ranks; the world has {world}")
-    tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
-    pp_groups = [dist.new_group(list(range(r, world, tp))) for r in range(tp)]
-    stage_index, tp_rank = divmod(me, tp)
-    backend = dist.get_backend()
-    ctx = TPContext(group=tp_groups[stage_index] if tp > 1 else None, rank=tp_rank, world_size=tp,
-                    device=device or torch.device("cpu"), backend=backend, global_rank=me)
-    return PipelineMesh(ctx, pp_groups[tp_rank], stage_index, pp)
+    if world != dims.world:
+        raise ValueError(f"a [dp {dp}, pp {pp}, tp {tp}] mesh needs {dims.world} ranks; the world has {world}")
+    d, s, t = dims.dp_rank(me), dims.pp_rank(me), dims.tp_rank(me)
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind, ranks_of, keys in (("tp", dims.tp_group_ranks, [(x, y) for x in range(dp) for y in range(pp)]),
+                                 ("pp", dims.pp_group_ranks, [(x, y) for x in range(dp) for y in range(tp)]),
+                                 ("dp", dims.dp_group_ranks, [(y, x) for x in range(pp) for y in range(tp)])):
+        for key in keys:
+            ranks = ranks_of(*key)
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine[kind] = group
+    ctx = TPContext(group=mine["tp"] if tp > 1 else None, rank=t, world_size=tp,
+                    device=device or torch.device("cpu"), backend=dist.get_backend(), global_rank=me,
+                    dp_group=mine["dp"] if dp > 1 else None, dp_rank=d, dp_size=dp)
+    return PipelineMesh(ctx, mine["pp"], s, pp)
 
 
 class PipelineTrainer:
@@ -72,13 +83,18 @@ class PipelineTrainer:
 
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss_sum, _ = stage_loss(self.model, hidden, labels)
-        return loss_sum / self._total
+        return loss_sum * self.mesh.tp.dp_size / self._total  # DP averages the gradients: dp / total each
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float | None:
-        """Forward and backward of one batch (every stage gets the same ids and labels; the
-        first uses the ids, the last the labels). Returns the batch's mean loss on the last
-        stage, None on the others; the gradients are this stage's, summed over the batch."""
-        self._total = (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)
+        """Forward and backward of this DP replica's rows of a batch (every stage of the replica
+        gets the same ids and labels; the first uses the ids, the last the labels). Returns the
+        whole batch's mean loss on the last stage, None on the others; the gradients are this
+        stage's (average them over DP: `sync_and_clip`)."""
+        ctx = self.mesh.tp
+        total = (labels[:, 1:] != IGNORE_INDEX).sum().to(torch.float32)
+        if ctx.dp_group is not None:  # every replica's target tokens
+            dist.all_reduce(total, group=ctx.dp_group)
+        self._total = total.clamp(min=1)
         if self.stage.first:
             self.schedule.step(input_ids)
             return None
@@ -87,12 +103,16 @@ class PipelineTrainer:
             return None
         losses: list[torch.Tensor] = []
         self.schedule.step(target=labels, losses=losses)
-        return float(sum(loss.detach() for loss in losses))
+        mean = torch.stack([loss.detach() for loss in losses]).sum() / ctx.dp_size
+        if ctx.dp_group is not None:
+            dist.all_reduce(mean, group=ctx.dp_group)
+        return float(mean)
 
 
 def sync_and_clip(model: TPLlamaStage, mesh: PipelineMesh, max_norm: float) -> float:
-    """The TP part of the gradient sync on this stage, then clipping by the global norm over
-    every stage (replicated values counted once); returns the norm before clipping."""
+    """The gradient sync on this stage (TP, then the average over DP), then clipping by the
+    global norm over every stage (replicated values counted once); returns the norm before
+    clipping."""
     ctx = mesh.tp
     sync_gradients(model, ctx)  # type: ignore[arg-type]  # a stage has the parameters sync reads
     params = [p for p in model.parameters() if p.grad is not None]
