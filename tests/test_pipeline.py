@@ -12,6 +12,7 @@ its batches of four uneven rows, in as many micro-batches as stages and in four:
   without stages, from the same initialisation;
 - each stage holds only its layers (the embedding on the first, the head on the last) and reads
   only their tensors;
+- tied embeddings: the first and the last stage each hold the matrix, their gradients summed;
 - in the world of 8, a [dp 2, pp 2, tp 2] mesh: each replica trains half the rows, and the
   averaged gradients and steps are still transformers'.
 """
@@ -39,6 +40,7 @@ from tprt.train.pipeline import PipelineMesh, PipelineTrainer, pipeline_mesh, sy
 from tprt.train.step import compute_loss
 
 NAME = "gqa"
+TIED = "tied"  # the first and the last stage each hold the embedding matrix
 MESHES = {2: [(2, 1)], 4: [(2, 2), (4, 1)], 8: [(4, 2)]}  # world -> (pp, tp) meshes run in it
 _MESHES: dict[tuple[int, int, int], PipelineMesh] = {}
 
@@ -48,10 +50,12 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from convert.api import hf_to_tp
 
     root = tmp_path_factory.mktemp("pipeline")
-    hf_dir = make_hf_llama(root / f"{NAME}-hf", NAME, seed=10, num_hidden_layers=5)  # split 3+2, 2+1+1+1
-    for tp in (1, 2):
-        hf_to_tp(hf_dir, root / f"{NAME}-tp{tp}", tp)
-    torch.save(_reference(hf_dir, ModelConfig.from_file(hf_dir / "config.json").vocab_size), root / "ref.pt")
+    for i, name in enumerate((NAME, TIED)):
+        hf_dir = make_hf_llama(root / f"{name}-hf", name, seed=10 + i, num_hidden_layers=5)  # split 3+2, 2+1+1+1
+        for tp in (1, 2):
+            hf_to_tp(hf_dir, root / f"{name}-tp{tp}", tp)
+        torch.save(_reference(hf_dir, ModelConfig.from_file(hf_dir / "config.json").vocab_size),
+                   root / f"{name}-ref.pt")
     return root
 
 
@@ -61,28 +65,30 @@ def _mesh(pp: int, tp: int, dp: int = 1) -> PipelineMesh:
     return _MESHES[(pp, tp, dp)]
 
 
-def _stage(workdir: Path, mesh: PipelineMesh, requires_grad: bool) -> Any:
+def _stage(workdir: Path, mesh: PipelineMesh, requires_grad: bool, name: str = NAME) -> Any:
     tp = mesh.tp.world_size
-    n_layers = ModelConfig.from_file(workdir / f"{NAME}-tp{tp}" / "config.json").num_hidden_layers
+    n_layers = ModelConfig.from_file(workdir / f"{name}-tp{tp}" / "config.json").num_hidden_layers
     stage = stages(n_layers, mesh.stages)[mesh.stage_index]
-    return load_stage(workdir / f"{NAME}-tp{tp}", mesh.tp, stage, "fp32", requires_grad).train()
+    return load_stage(workdir / f"{name}-tp{tp}", mesh.tp, stage, "fp32", requires_grad).train()
 
 
 def _slice(ours: Any, hf: dict[str, torch.Tensor], pname: str) -> torch.Tensor:
     return torch.cat([local_slice(src, hf[src], ours) for src in hf_sources(pname)])
 
 
-def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int, dp: int = 1) -> None:
+def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int, dp: int = 1, name: str = NAME) -> None:
     """Full fine-tuning: the first step's loss and gradients, then N_STEPS of AdamW, equal
     transformers' on every stage (with `dp` replicas each training its share of the rows)."""
     mesh = _mesh(pp, tp, dp)
-    ref = torch.load(workdir / "ref.pt")
+    ref = torch.load(workdir / f"{name}-ref.pt")
     n = len(ref["batches"][0][0]) // dp
     rows = slice(mesh.tp.dp_rank * n, (mesh.tp.dp_rank + 1) * n)
-    model = _stage(workdir, mesh, requires_grad=True)
+    model = _stage(workdir, mesh, requires_grad=True, name=name)
     held = {n for n, _ in model.named_parameters()}
     st = model.stage
-    assert ("embed_tokens.weight" in held) == st.first and ("lm_head.weight" in held) == st.last
+    tied = model.config.tie_word_embeddings
+    assert ("embed_tokens.weight" in held) == (st.first or (tied and st.last))
+    assert ("lm_head.weight" in held) == (st.last and not tied)
     assert all(isinstance(layer, AbsentLayer) == (i not in st.layers) for i, layer in enumerate(model.layers))
     trainer = PipelineTrainer(model, mesh, micro)
     ids, labels = ref["batches"][0]
@@ -94,7 +100,7 @@ def check_full(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int, dp: 
         assert p.grad is not None, pname
         assert_rel(p.grad, _slice(model, ref["grads"], pname), f"stage {st.index}: grad of {pname}", 1e-4)
     # N_STEPS from the start, as the reference took them
-    model = _stage(workdir, mesh, requires_grad=True)
+    model = _stage(workdir, mesh, requires_grad=True, name=name)
     trainer = PipelineTrainer(model, mesh, micro)
     opt = AdamW([p for p in model.parameters()], **HP)
     sched = warmup_cosine(opt, WARMUP, N_STEPS, MIN_LR_RATIO)
@@ -117,7 +123,7 @@ def check_lora(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> N
     from tprt.lora.attach import apply_lora
 
     mesh = _mesh(pp, tp)
-    ref = torch.load(workdir / "ref.pt")
+    ref = torch.load(workdir / f"{NAME}-ref.pt")
     ids, labels = ref["batches"][1]
     targets = ("q", "k", "v", "o", "down")
     whole = load_model(workdir / f"{NAME}-tp{tp}", mesh.tp, "fp32").train()
@@ -144,6 +150,7 @@ def _checks(world: int) -> Checks:
         for micro in sorted({pp, 4}):  # 1F1B takes at least one micro-batch per stage; a batch has 4 rows
             out.append((f"pp{pp}-tp{tp}-m{micro}-full", partial(check_full, pp=pp, tp=tp, micro=micro)))
         out.append((f"pp{pp}-tp{tp}-lora", partial(check_lora, pp=pp, tp=tp, micro=pp)))
+        out.append((f"pp{pp}-tp{tp}-tied-full", partial(check_full, pp=pp, tp=tp, micro=pp, name=TIED)))
     if world == 8:  # DP x PP x TP: two replicas of a [pp 2, tp 2] pipeline, two rows each
         out.append(("dp2-pp2-tp2-full", partial(check_full, pp=2, tp=2, micro=2, dp=2)))
     return out

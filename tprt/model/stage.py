@@ -1,5 +1,6 @@
 """One pipeline stage of the model: its share of the decoder's layers over its TP group, the
-embedding on the first stage, the final norm and the LM head on the last (tprt.parallel.stages).
+embedding on the first stage, the final norm and the LM head on the last (tprt.parallel.stages;
+with tied embeddings the last stage holds the embedding matrix too, as its head).
 
 A stage keeps the whole model's parameter names (`layers.40.self_attn...` on a stage that starts
 at layer 40): the layers other stages hold are `AbsentLayer` placeholders without parameters, so
@@ -38,18 +39,19 @@ class TPLlamaStage(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, stage: Stage,
                  dtype: torch.dtype | None = None, method: LinearMethod = DENSE) -> None:
         super().__init__()
-        if stage.count > 1 and cfg.tie_word_embeddings:
-            raise ConfigError("config.json: tie_word_embeddings is true; pipeline stages would share the embedding "
-                              "between the first and the last stage, which tprt does not do yet (run without --pp)")
         if layout.tp != ctx.world_size:
             raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
         self.config, self.layout, self.tp, self.stage = cfg, layout, ctx, stage
+        # Tied embeddings: the last stage holds the matrix too, as its head (`tied_embedding_grads`
+        # sums the two copies' gradients).
+        holds_embedding = stage.first or (stage.last and cfg.tie_word_embeddings)
         self.embed_tokens = (VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
-                             if stage.first else None)
+                             if holds_embedding else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype, method) if i in stage.layers
                                     else AbsentLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_block) if stage.last else None
-        self.lm_head = (VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, None, dtype,
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = (VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype,
                                             softcap=cfg.final_logit_softcapping) if stage.last else None)
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         self.local_inv_freq = None if cfg.local_rope_theta is None else inv_frequencies(cfg, ctx.device, local=True)
@@ -77,7 +79,7 @@ class TPLlamaStage(nn.Module):
         [batch, seq, hidden] -> this stage's hidden states [batch, seq, hidden] (before the final
         norm on the last)."""
         x = x.to(self.tp.device, non_blocking=True)
-        if self.embed_tokens is not None:
+        if self.stage.first and self.embed_tokens is not None:
             h = self.embed_tokens(x)
             if self.config.gemma_block:
                 h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()

@@ -35,12 +35,14 @@ from tprt.train.grads import _owned_sq_norm, _spec, sync_gradients
 @dataclass(frozen=True)
 class PipelineMesh:
     """This rank's place in a [dp, pp, tp] world: its TP context (with its DP group), its
-    pipeline's group and its stage."""
+    pipeline's group and its stage, and the group of its pipeline's first and last stage (whose
+    copies of tied embeddings are one parameter)."""
 
     tp: TPContext
     pp_group: dist.ProcessGroup
     stage_index: int
     stages: int
+    ends_group: dist.ProcessGroup | None = None  # None with one stage
 
 
 def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = None) -> PipelineMesh:
@@ -51,9 +53,14 @@ def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = N
         raise ValueError(f"a [dp {dp}, pp {pp}, tp {tp}] mesh needs {dims.world} ranks; the world has {world}")
     d, s, t = dims.dp_rank(me), dims.pp_rank(me), dims.tp_rank(me)
     mine: dict[str, dist.ProcessGroup] = {}
+    def ends(dp_rank: int, tp_rank: int) -> list[int]:
+        pipeline = dims.pp_group_ranks(dp_rank, tp_rank)
+        return [pipeline[0], pipeline[-1]]
+
     for kind, ranks_of, keys in (("tp", dims.tp_group_ranks, [(x, y) for x in range(dp) for y in range(pp)]),
                                  ("pp", dims.pp_group_ranks, [(x, y) for x in range(dp) for y in range(tp)]),
-                                 ("dp", dims.dp_group_ranks, [(y, x) for x in range(pp) for y in range(tp)])):
+                                 ("dp", dims.dp_group_ranks, [(y, x) for x in range(pp) for y in range(tp)]),
+                                 ("ends", ends, [(x, y) for x in range(dp) for y in range(tp)] if pp > 1 else [])):
         for key in keys:
             ranks = ranks_of(*key)
             group = dist.new_group(ranks)
@@ -62,7 +69,7 @@ def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = N
     ctx = TPContext(group=mine["tp"] if tp > 1 else None, rank=t, world_size=tp,
                     device=device or torch.device("cpu"), backend=dist.get_backend(), global_rank=me,
                     dp_group=mine["dp"] if dp > 1 else None, dp_rank=d, dp_size=dp)
-    return PipelineMesh(ctx, mine["pp"], s, pp)
+    return PipelineMesh(ctx, mine["pp"], s, pp, mine.get("ends"))
 
 
 class PipelineTrainer:
@@ -109,17 +116,34 @@ class PipelineTrainer:
         return float(mean)
 
 
+def tied_embedding_grads(model: TPLlamaStage, mesh: PipelineMesh) -> None:
+    """With tied embeddings over several stages, the first stage's copy (the lookup) and the
+    last's (the head) are one parameter: each gets the sum of both gradients (Megatron's
+    embedding group)."""
+    if not model.config.tie_word_embeddings or mesh.ends_group is None or model.embed_tokens is None:
+        return
+    weight = model.embed_tokens.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=mesh.ends_group)
+
+
 def sync_and_clip(model: TPLlamaStage, mesh: PipelineMesh, max_norm: float) -> float:
     """The gradient sync on this stage (TP, then the average over DP), then clipping by the
     global norm over every stage (replicated values counted once); returns the norm before
     clipping."""
     ctx = mesh.tp
+    tied_embedding_grads(model, mesh)
     sync_gradients(model, ctx)  # type: ignore[arg-type]  # a stage has the parameters sync reads
     params = [p for p in model.parameters() if p.grad is not None]
+    # a tied embedding's second copy (the last stage's head) is counted once, by the first stage
+    twin = model.embed_tokens.weight if (model.embed_tokens is not None and model.stage.last
+                                         and not model.stage.first) else None
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p in params:
         assert p.grad is not None
-        sq += _owned_sq_norm(p.grad, _spec(p, ctx), ctx.rank)
+        if p is not twin:
+            sq += _owned_sq_norm(p.grad, _spec(p, ctx), ctx.rank)
     if ctx.world_size > 1:
         dist.all_reduce(sq, group=ctx.group)
     dist.all_reduce(sq, group=mesh.pp_group)  # every stage's share
