@@ -11,7 +11,9 @@ them), so no rank ever holds more than its own shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -79,6 +81,25 @@ def load_model(
     `dtype` (fp32, bf16, fp16) casts on load; None keeps the checkpoint's. Parameters are frozen
     unless `requires_grad`. Errors (wrong TP size, missing or mis-shaped tensors) are one line.
     """
+    return _load(path, ctx, dtype, requires_grad,
+                 lambda cfg, layout, dt, method: TPLlamaForCausalLM(cfg, layout, ctx, dtype=dt, method=method))
+
+
+def load_stage(path: str | Path, ctx: TPContext, stage: Stage, dtype: str | torch.dtype | None = None,
+               requires_grad: bool = False) -> TPLlamaStage:
+    """This rank's shard of pipeline stage `stage` of TP checkpoint `path` (tprt.model.stage):
+    only the stage's tensors are read from the rank files, which every stage's TP rank r shares.
+    Otherwise as `load_model`."""
+    return _load(path, ctx, dtype, requires_grad,
+                 lambda cfg, layout, dt, method: TPLlamaStage(cfg, layout, ctx, stage, dtype=dt, method=method))
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def _load(path: str | Path, ctx: TPContext, dtype: str | torch.dtype | None, requires_grad: bool,
+          build: Callable[[ModelConfig, TPLayout, torch.dtype, LinearMethod], M]) -> M:
+    """The model `build` makes on the meta device, its parameters read from `path`'s rank file."""
     ckpt = TPCheckpoint(path)
     check_tp(ckpt, ctx)
     target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
@@ -87,36 +108,11 @@ def load_model(
         raise ConfigError(f"{ckpt.path}: its weights are {method.name} (frozen); full fine-tuning needs a "
                           "float checkpoint, or train a LoRA adapter on this one")
     with torch.device("meta"):
-        model = TPLlamaForCausalLM(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, dtype=target,
-                                   method=method)
+        model = build(ckpt.config, layout_of(ckpt.manifest, ckpt.config), target, method)
     files = ckpt.open_rank(ctx.rank)
     try:
         # Frozen weights share one huge-page block; trainable ones stay separate tensors (the
         # safetensors writer of training checkpoints refuses tensors that share storage).
-        state = _rank_state(model, files, ckpt.path, ctx.device, one_block=not requires_grad)
-    finally:
-        files.close()
-    model.load_state_dict(state, strict=True, assign=True)
-    for layer in model.modules():
-        if isinstance(layer, ParallelLinear):
-            layer.method.process_after_loading(layer)
-    model.requires_grad_(requires_grad)
-    return model.eval()
-
-
-def load_stage(path: str | Path, ctx: TPContext, stage: Stage, dtype: str | torch.dtype | None = None,
-               requires_grad: bool = False) -> TPLlamaStage:
-    """This rank's shard of pipeline stage `stage` of TP checkpoint `path` (tprt.model.stage):
-    only the stage's tensors are read from the rank files, which every stage's TP rank r shares."""
-    ckpt = TPCheckpoint(path)
-    check_tp(ckpt, ctx)
-    target = parse_dtype(dtype) if dtype is not None else _manifest_dtype(ckpt)
-    method = weight_format(ckpt)
-    with torch.device("meta"):
-        model = TPLlamaStage(ckpt.config, layout_of(ckpt.manifest, ckpt.config), ctx, stage, dtype=target,
-                             method=method)
-    files = ckpt.open_rank(ctx.rank)
-    try:
         state = _rank_state(model, files, ckpt.path, ctx.device, one_block=not requires_grad)
     finally:
         files.close()

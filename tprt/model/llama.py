@@ -170,6 +170,15 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def decoder_linears(layers: nn.ModuleList) -> list[ColumnParallelLinear | RowParallelLinear]:
+    """The projections of `layers` (DecoderLayers), in layer order: qkv, o, gate_up, down."""
+    out: list[ColumnParallelLinear | RowParallelLinear] = []
+    for layer in layers:
+        assert isinstance(layer, DecoderLayer)
+        out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return out
+
+
 class LayerStack:
     """The decoder stack: runs the layers one after another. The reference, and the base of the
     other stacks, which fall back to it for the steps they do not take. Not a module: it owns no
@@ -242,11 +251,7 @@ class TPLlamaForCausalLM(nn.Module):
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
         """Every decoder layer's projections (the layers adapters attach to), in layer order."""
-        out: list[ColumnParallelLinear | RowParallelLinear] = []
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        return out
+        return decoder_linears(self.layers)
 
     def default_cache_dtype(self) -> torch.dtype:
         """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced

@@ -18,7 +18,7 @@ from torch import nn
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig, TPLayout
-from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step
+from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step, decoder_linears
 from tprt.model.rope import inv_frequencies, rope_angles
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
@@ -68,11 +68,7 @@ class TPLlamaStage(nn.Module):
         return self.layers[self.stage.layers.start : self.stage.layers.stop]
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
-        out: list[ColumnParallelLinear | RowParallelLinear] = []
-        for layer in self.own_layers:
-            assert isinstance(layer, DecoderLayer)
-            out += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        return out
+        return decoder_linears(self.own_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: token ids [batch, seq] on the first stage, else the previous stage's hidden states

@@ -125,7 +125,8 @@ def _all_reduce_flat(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup |
         start = stop
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, ctx: TPContext) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, ctx: TPContext,
+                   across: Sequence[dist.ProcessGroup] = (), counted_elsewhere: Sequence[torch.Tensor] = ()) -> float:
     """Scales the gradients so that their global L2 norm is at most `max_norm` (as
     torch.nn.utils.clip_grad_norm_: by max_norm / (norm + 1e-6) when that is below 1) and
     returns the norm before clipping.
@@ -133,14 +134,19 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float, ctx: TPConte
     The norm is the unsharded model's: sharded values summed over the TP group, replicated ones
     (norm weights, LoRA's replicated factors, kv rows held by several ranks) counted once, by one
     owner rank. Call after `sync_gradients`, which makes the copies (and DP replicas) agree.
-    All-reduces one scalar over the TP group.
+    All-reduces one scalar over the TP group, then over each group of `across` (pipeline stages,
+    each holding other parameters); the parameters in `counted_elsewhere` are scaled but their
+    values counted by another rank (a tied embedding's second copy).
     """
     grads = [(p, _grad(p)) for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
     for p, g in grads:
-        sq += _owned_sq_norm(g, _spec(p, ctx), ctx.rank)
+        if not any(p is q for q in counted_elsewhere):
+            sq += _owned_sq_norm(g, _spec(p, ctx), ctx.rank)
     if ctx.world_size > 1:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=ctx.group)
+    for group in across:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
     total = sq.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for _, g in grads:

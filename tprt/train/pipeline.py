@@ -29,7 +29,7 @@ from tprt.distributed.context import ParallelDims, TPContext
 from tprt.model.stage import TPLlamaStage, stage_loss
 from tprt.parallel.cross_entropy import IGNORE_INDEX
 from tprt.parallel.stages import Stage
-from tprt.train.grads import _owned_sq_norm, _spec, sync_gradients
+from tprt.train.grads import clip_grad_norm, sync_gradients
 
 
 @dataclass(frozen=True)
@@ -135,21 +135,7 @@ def sync_and_clip(model: TPLlamaStage, mesh: PipelineMesh, max_norm: float) -> f
     ctx = mesh.tp
     tied_embedding_grads(model, mesh)
     sync_gradients(model, ctx)  # type: ignore[arg-type]  # a stage has the parameters sync reads
-    params = [p for p in model.parameters() if p.grad is not None]
     # a tied embedding's second copy (the last stage's head) is counted once, by the first stage
-    twin = model.embed_tokens.weight if (model.embed_tokens is not None and model.stage.last
-                                         and not model.stage.first) else None
-    sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
-    for p in params:
-        assert p.grad is not None
-        if p is not twin:
-            sq += _owned_sq_norm(p.grad, _spec(p, ctx), ctx.rank)
-    if ctx.world_size > 1:
-        dist.all_reduce(sq, group=ctx.group)
-    dist.all_reduce(sq, group=mesh.pp_group)  # every stage's share
-    total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        assert p.grad is not None
-        p.grad.mul_(coef.to(p.grad.dtype))
-    return float(total)
+    twin = [model.embed_tokens.weight] if (model.embed_tokens is not None and model.stage.last
+                                           and not model.stage.first) else []
+    return clip_grad_norm(model.parameters(), max_norm, ctx, across=[mesh.pp_group], counted_elsewhere=twin)
