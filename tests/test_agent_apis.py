@@ -185,3 +185,23 @@ def test_a_reasoning_reply_with_a_call_as_anthropic_blocks_and_events() -> None:
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 3
     deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
     assert deltas == ["thinking_delta", "thinking_delta", "text_delta", "input_json_delta", "input_json_delta"]
+
+
+def test_a_tool_use_cut_by_max_tokens_ends_the_message_as_max_tokens() -> None:
+    """A forced tool call whose arguments max_tokens cut before they closed is no call to make:
+    the message says max_tokens (not tool_use, and not a 500 from parsing half an object), the
+    block keeps {} and its stream carried the cut text."""
+    from serve.anthropic.messages import MessageBuilder
+    from serve.core.generation import ChoiceEvent
+
+    builder = MessageBuilder("m", 10)
+    cut = [(choice, ev) for choice, ev in _deltas() if "finish_reason" not in choice][:-1]
+    events = builder.opening()
+    for choice, ev in cut:
+        events += builder.feed(choice, ev)
+    events += builder.feed({"delta": {}, "finish_reason": "length"}, ChoiceEvent(0, "", finish_reason="length"))
+    msg = builder.message()
+    assert msg["stop_reason"] == "max_tokens" and msg["content"][-1] == {
+        "type": "tool_use", "id": msg["content"][-1]["id"], "name": "f", "input": {}}
+    assert [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+            and e["delta"]["type"] == "input_json_delta"] == ['{"a": ']

@@ -217,7 +217,8 @@ def test_responses_tool_calls_stored_continued_and_streamed(client: openai.OpenA
     the whole conversation again); streamed, the named events rebuild the same response the
     non-streamed request returns; stored responses are read, listed and deleted."""
     first = client.responses.create(model="tp2", input="Tell me", tools=RESPONSE_TOOLS,  # type: ignore[arg-type]
-                                    tool_choice="required", temperature=1.0, max_output_tokens=200)
+                                    tool_choice="required", parallel_tool_calls=False, temperature=1.0,
+                                    max_output_tokens=200)
     assert first.status == "completed" and first.output and first.store
     calls = [o for o in first.output if o.type == "function_call"]
     assert calls and all(c.status == "completed" and c.call_id.startswith("call_") for c in calls)
@@ -295,7 +296,8 @@ def test_anthropic_messages_tool_use_streamed_and_errors(server: ServerProcess) 
     c = anthropic.Anthropic(base_url=url, api_key=TOKEN, max_retries=0, timeout=60)
     ask = [{"role": "user", "content": "Tell me"}]
     first = c.messages.create(model="tp2", max_tokens=200, messages=ask, tools=MESSAGE_TOOLS,  # type: ignore[arg-type]
-                              tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+                              tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                              extra_body={"temperature": 1.0})  # one call: an array of them sampled at 1.0 can outrun max_tokens
     uses = [b for b in first.content if b.type == "tool_use"]
     assert first.stop_reason == "tool_use" and uses
     for u in uses:

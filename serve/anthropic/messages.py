@@ -331,7 +331,7 @@ class MessageBuilder:
         if block is None:
             return []
         if block["type"] == "tool_use":
-            block["input"] = json.loads(self.partial_json) if self.partial_json.strip() else {}
+            block["input"] = _input_object(self.partial_json)
             self.partial_json = ""
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
@@ -369,10 +369,10 @@ class MessageBuilder:
             if finish == "error":
                 raise ConstraintBroken("the output constraint could not be kept (over a limit or its time budget); "
                                        "the output was cut")
-            if any(b["type"] == "tool_use" for b in self.content):
-                self.stop_reason = "tool_use"
-            elif finish == "length":
+            if finish == "length":  # first: a tool_use block cut short is not a call to make
                 self.stop_reason = "max_tokens"
+            elif any(b["type"] == "tool_use" for b in self.content):
+                self.stop_reason = "tool_use"
             elif isinstance(ev.stop_reason, str):
                 self.stop_reason, self.stop_sequence = "stop_sequence", ev.stop_reason
             else:
@@ -387,6 +387,17 @@ class MessageBuilder:
         return [{"type": "message_delta", "delta": {"stop_reason": self.stop_reason,
                                                     "stop_sequence": self.stop_sequence},
                  "usage": {"output_tokens": self.usage["output_tokens"]}}, {"type": "message_stop"}]
+
+
+def _input_object(partial_json: str) -> dict[str, Any]:
+    """A tool_use block's input: its arguments' object, or {} where max_tokens cut them before
+    they closed (the message then says max_tokens, as Anthropic's does; its stream already
+    carried the cut text in input_json_delta events)."""
+    try:
+        value = json.loads(partial_json) if partial_json.strip() else {}
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class ConstraintBroken(ServeError):
