@@ -144,6 +144,57 @@ def check_lora(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> N
     assert sum(p.grad is not None for p in model.parameters()) == len(params)
 
 
+PROMPTS = [[3, 17, 9, 41, 5, 22, 8], [7, 1], [30, 2, 19, 4, 11], [12, 6, 25, 14, 9, 3, 18, 27, 2, 5, 40]]
+
+
+def _generate(engine: Any, params: list[Any]) -> dict[str, Any] | None:
+    """Rank 0: every prompt with each of `params` through `engine` -> its completions; the
+    other ranks follow and get None."""
+    from tprt.engine.core import run_to_completion
+
+    if not engine.is_driver:
+        engine.follow()
+        return None
+    with engine:
+        for i, prompt in enumerate(PROMPTS):
+            for j, sp in enumerate(params):
+                engine.add(prompt, sp, f"{i}-{j}")
+        return run_to_completion(engine)
+
+
+def check_generate(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int | None) -> None:
+    """Generation over pipeline stages gives the whole model's tokens: greedy (argmax ids passed
+    back) and seeded sampling with logprobs (full logits passed back), prompts prefilled in
+    chunks and decoded together, against the same TP group's engine without stages."""
+    from tprt.engine.core import Engine, EngineConfig
+    from tprt.engine.sampling import SamplingParams
+
+    mesh = _mesh(pp, tp)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=5, max_new_tokens=7, logprobs=True, top_logprobs=3,
+                             ignore_eos=True)]
+    config = EngineConfig(max_batch=8, max_seq_len=32, token_budget=12, cpu_prepack=False, pipeline_microbatches=micro)
+    whole = None
+    if mesh.stage_index == 0:  # the reference: the same TP group, the whole model, no stages
+        model = load_model(workdir / f"{NAME}-tp{tp}", mesh.tp, "fp32")
+        whole = _generate(Engine(model, None, config, eos_token_ids=[]), params)
+    torch.distributed.barrier()
+    stage = stages(ModelConfig.from_file(workdir / f"{NAME}-tp{tp}" / "config.json").num_hidden_layers, pp)
+    model = load_stage(workdir / f"{NAME}-tp{tp}", mesh.tp, stage[mesh.stage_index], "fp32")
+    engine = Engine(model, None, config, eos_token_ids=[], pipeline=mesh)
+    assert engine.runner.cache.kv.shape[0] == len(stage[mesh.stage_index].layers)  # its layers' cache only
+    piped = _generate(engine, params)
+    if whole is None or piped is None:
+        return
+    assert sorted(piped) == sorted(whole) and len(whole) == len(PROMPTS) * len(params)
+    for rid, want in whole.items():
+        got = piped[rid]
+        assert got.token_ids == want.token_ids, (rid, got.token_ids, want.token_ids)
+        assert len(want.token_ids) == (9 if rid.endswith("-0") else 7)
+        assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4), rid
+        assert [[t for t, _ in row] for row in got.top_logprobs] == [[t for t, _ in row] for row in want.top_logprobs]
+
+
 def _checks(world: int) -> Checks:
     out: list[tuple[str, Any]] = []
     for pp, tp in MESHES[world]:
@@ -151,6 +202,8 @@ def _checks(world: int) -> Checks:
             out.append((f"pp{pp}-tp{tp}-m{micro}-full", partial(check_full, pp=pp, tp=tp, micro=micro)))
         out.append((f"pp{pp}-tp{tp}-lora", partial(check_lora, pp=pp, tp=tp, micro=pp)))
         out.append((f"pp{pp}-tp{tp}-tied-full", partial(check_full, pp=pp, tp=tp, micro=pp, name=TIED)))
+        for micro in (None, 1, 3):  # None: one micro-batch per stage
+            out.append((f"pp{pp}-tp{tp}-generate-m{micro}", partial(check_generate, pp=pp, tp=tp, micro=micro)))
     if world == 8:  # DP x PP x TP: two replicas of a [pp 2, tp 2] pipeline, two rows each
         out.append(("dp2-pp2-tp2-full", partial(check_full, pp=2, tp=2, micro=2, dp=2)))
     return out

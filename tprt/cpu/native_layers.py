@@ -77,10 +77,10 @@ class NativeAttention(Attention):
             qkv[:, :, :nh] = self.q_norm(qkv[:, :, :nh])
             qkv[:, :, nh : nh + nkv] = self.k_norm(qkv[:, :, nh : nh + nkv])
         cos, sin = step.angles(self.window is not None)
-        q32 = self.rope_cache(qkv, cos, sin, attention.cache, attention.token_rows, self.layer)
+        q32 = self.rope_cache(qkv, cos, sin, attention.cache, attention.token_rows, self.cache_layer)
         if self.query_scale != 1.0:  # Gemma's query_pre_attn_scalar, as the reference scales q
             q32 = q32 * self.query_scale
-        out = attention.attend_cached(self.layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
+        out = attention.attend_cached(self.cache_layer, q32[:, :, 0], x.dtype)  # [tokens, nh, head_dim]
         return self.o_proj(out.reshape(tokens, 1, self.n_heads * self.head_dim))
 
 
@@ -116,7 +116,7 @@ class NativeDecoderLayer(DecoderLayer):
         if (one_row and self.attention_half is not None and attention is not None
                 and native.supports_cache(attention.cache) and not adapted(attn.qkv_proj, attn.o_proj)):
             cos, sin = step.angles(attn.window is not None)
-            partial = self.attention_half(x, cos, sin, attention.cache, attention.token_rows, attn.layer)
+            partial = self.attention_half(x, cos, sin, attention.cache, attention.token_rows, attn.cache_layer)
             out = attn.o_proj.reduce(partial)
             out = out if attn.o_proj.bias is None else out + attn.o_proj.bias
         else:

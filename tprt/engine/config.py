@@ -53,6 +53,9 @@ class EngineConfig:
     # Attention over the paged cache (tprt.model.attention.ATTENTION_BACKENDS): auto picks tprt's
     # compiled CPU kernels where they run, else the torch reference.
     attention_backend: str = "auto"
+    # Pipeline stages (tprt.engine.stage_runner): each step's rows in this many micro-batches
+    # passed along the stages; None: as many as stages.
+    pipeline_microbatches: int | None = None
 
     def runner(self) -> RunnerConfig:
         """What the runner takes of these settings."""

@@ -53,7 +53,9 @@ from tprt.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SEQ_LEN, EngineCo
 from tprt.engine.constraints import StructuredOutputs
 from tprt.engine.outputs import OutputProcessor
 from tprt.engine.registry import RequestRegistry
+from tprt.distributed.pipeline_mesh import PipelineMesh
 from tprt.engine.runner import ModelRunner, free_memory_tokens
+from tprt.engine.stage_runner import StageRunner
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.prefix_cache import KVEvent
 from tprt.engine.scheduler import KVStats, Scheduler, SchedulerConfig, Status
@@ -61,6 +63,7 @@ from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.engine.speculative import SpecStats, SpeculativeDecoder, build_speculator
 from tprt.engine.structured import StructuredOutputManager
 from tprt.model.llama import TPLlamaForCausalLM
+from tprt.model.stage import TPLlamaStage
 from tprt.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MAX_SEQ_LEN", "Completion", "Engine", "EngineConfig", "KVStats",
@@ -72,17 +75,27 @@ class Engine:
     every rank runs it, rank 0 chooses the tokens (see the module docstring)."""
 
     def __init__(self, model: TPLlamaForCausalLM, tokenizer: Tokenizer | None = None,
-                 config: EngineConfig = EngineConfig(), eos_token_ids: Seq[int] | None = None) -> None:
-        self.config, self.tp, self.tokenizer = config, model.tp, tokenizer
+                 config: EngineConfig = EngineConfig(), eos_token_ids: Seq[int] | None = None,
+                 pipeline: PipelineMesh | None = None) -> None:
+        """`pipeline`: `model` is this rank's stage (tprt.model.stage) of a pipeline on this
+        mesh; steps and commands then go to every rank of the pipeline (tprt.engine.stage_runner)."""
+        # The group rank 0 sends steps and commands to: the TP group, or the whole pipeline.
+        self.tp = model.tp if pipeline is None or pipeline.stages == 1 else pipeline.replica()
+        self.config, self.tokenizer = config, tokenizer
         self.vocab_size = model.config.vocab_size
         self.max_seq_len = context_length(config, model.config.max_position_embeddings)
-        n_blocks = kv_pool_blocks(config, self.max_seq_len, free_memory_tokens(model, config))
+        n_blocks = kv_pool_blocks(config, self.max_seq_len, free_memory_tokens(model, config, self.tp))
         windows = set(model.config.windows)  # one window on every layer (Mistral): blocks behind it are freed
         self.scheduler: Scheduler[Sequence] = Scheduler(SchedulerConfig(
             config.max_batch, config.token_budget, n_blocks, config.kv_block_size, config.prefix_cache,
             windows.pop() if len(windows) == 1 else None))
-        self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
-                                  config.runner())
+        if pipeline is not None and pipeline.stages > 1:
+            assert isinstance(model, TPLlamaStage), "a pipeline's rank serves its stage"
+            self.runner: ModelRunner = StageRunner(model, pipeline, n_blocks, config.kv_block_size, config.max_batch,
+                                                   self.max_seq_len, config.runner(), config.pipeline_microbatches)
+        else:
+            self.runner = ModelRunner(model, n_blocks, config.kv_block_size, config.max_batch, self.max_seq_len,
+                                      config.runner())
         self.eos_token_ids = tuple((tokenizer or model.config).eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, self.vocab_size, self.eos_token_ids, config.mask_threads)
         self.speculative = None if config.speculative is None or not self.is_driver else SpeculativeDecoder(
@@ -96,7 +109,8 @@ class Engine:
 
     @property
     def is_driver(self) -> bool:
-        """True on TP rank 0, which schedules, samples and reports; the others `follow()`."""
+        """True on TP rank 0 (of the first stage), which schedules, samples and reports; the
+        others `follow()`."""
         return self.tp.rank == 0
 
     @property

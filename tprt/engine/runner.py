@@ -176,19 +176,19 @@ class ModelRunner:
         return StepResult(self.model.greedy(local), None)
 
 
-def free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig) -> int | None:
+def free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig, ranks: TPContext | None = None) -> int | None:
     """With a gpu_memory_fraction on CUDA and no kv_cache_tokens: the KV positions that fit in
-    that share of the device memory free now (after the weights), the smallest over the TP ranks
-    so every rank's pool is the same (collective: every rank sizes its pool with it). None
-    otherwise."""
-    tp, fraction = model.tp, config.gpu_memory_fraction
+    that share of the device memory free now (after the weights), the smallest over `ranks` (the
+    TP group by default; a pipeline's every rank) so every rank's pool is the same (collective:
+    every rank sizes its pool with it). None otherwise."""
+    tp, fraction = ranks or model.tp, config.gpu_memory_fraction
     if config.kv_cache_tokens is not None or fraction is None or tp.device.type != "cuda":
         return None
     if not 0 < fraction <= 1:
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
     per_head = kv_bytes_per_position(dtype, cfg.head_dim, config.kv_scales is not None)
-    per_token = cfg.num_hidden_layers * 2 * model.layout.local_kv_heads * per_head
+    per_token = len(model.cache_layers) * 2 * model.layout.local_kv_heads * per_head
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:

@@ -109,6 +109,26 @@ class TokenBatch:
             return ()
         return tuple(a for a, n in zip(self.adapters, self.lens) for _ in range(n))
 
+    def split(self, parts: int) -> list[TokenBatch]:
+        """The batch as at most `parts` batches of consecutive rows with about as many tokens
+        each (pipeline stages pass one along while the next is computed); their results, in
+        order, are this batch's."""
+        if parts <= 1 or self.num_rows == 1:
+            return [self]
+        target, bounds, total = self.num_tokens / min(parts, self.num_rows), [0], 0
+        for row, n in enumerate(self.lens[:-1]):
+            total += n
+            rows_left, parts_left = self.num_rows - row - 1, min(parts, self.num_rows) - len(bounds)
+            if parts_left > 0 and (total >= target * len(bounds) or rows_left == parts_left):
+                bounds.append(row + 1)
+        bounds.append(self.num_rows)
+        return [self._rows(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _rows(self, a: int, b: int) -> TokenBatch:
+        q = self.query_starts
+        return TokenBatch(self.tokens[q[a]:q[b]], self.starts[a:b], self.lens[a:b], self.tables[a:b],
+                          self.logits[a:b], self.full_logits, self.adapters[a:b] if self.adapters else ())
+
     def encode(self) -> list[int]:
         n = self.num_rows
         out = [n, int(self.full_logits), int(bool(self.adapters)), *self.starts, *self.lens, *self.logits,

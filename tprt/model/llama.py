@@ -80,6 +80,7 @@ class Attention(nn.Module):
                  method: LinearMethod = DENSE):
         super().__init__()
         self.layer = layer
+        self.cache_layer = layer  # its index in the KV cache (a pipeline stage's cache holds its layers only)
         self.n_heads = layout.local_heads
         self.n_kv = layout.local_kv_heads
         self.head_dim = cfg.head_dim
@@ -127,7 +128,7 @@ class Attention(nn.Module):
                 out = attention_math(q, k, v, causal=seq > 1, gqa=self.gqa, softcap=self.softcap)
             out = out.transpose(1, 2)
         else:  # the step's tokens: [tokens, heads, head_dim] each
-            out = step.attention.attend(self.layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
+            out = step.attention.attend(self.cache_layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
         return self.o_proj(out.reshape(batch, seq, nh * self.head_dim))
 
 
@@ -249,9 +250,19 @@ class TPLlamaForCausalLM(nn.Module):
         (`LinearMethod.adapts`)."""
         return adapted(*self.linears())
 
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers this rank runs, in order (a pipeline stage's are a slice)."""
+        return self.layers
+
+    @property
+    def cache_layers(self) -> range:
+        """The layers whose keys and values this rank's KV cache holds, in its order."""
+        return range(self.config.num_hidden_layers)
+
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
         """Every decoder layer's projections (the layers adapters attach to), in layer order."""
-        return decoder_linears(self.layers)
+        return decoder_linears(self.decoder_layers)
 
     def default_cache_dtype(self) -> torch.dtype:
         """The model's dtype, except float32 for bf16/fp16 on CPU: CPU attention in reduced
@@ -268,12 +279,12 @@ class TPLlamaForCausalLM(nn.Module):
         dtype (int8, FP8: tprt.model.kv_cache.QUANTIZED) stores that with scales and reads as
         `default_cache_dtype()`. kv_scales: static int8 scales, model-wide [layers, 2,
         num_key_value_heads] (tprt.model.kv_scales); this rank keeps its heads'."""
-        heads = self.layout.kv_heads_of(self.tp.rank)
-        fixed = None if kv_scales is None else kv_scales[:, :, heads.start : heads.stop]
+        heads, layers = self.layout.kv_heads_of(self.tp.rank), self.cache_layers
+        fixed = None if kv_scales is None else kv_scales[layers.start : layers.stop, :, heads.start : heads.stop]
         return KVCache(
-            self.config.num_hidden_layers, n_blocks, self.layout.local_kv_heads, block_size,
+            len(layers), n_blocks, self.layout.local_kv_heads, block_size,
             self.config.head_dim, dtype or self.default_cache_dtype(), self.tp.device, self.default_cache_dtype(),
-            fixed, self.config.windows, self.config.attn_logit_softcapping,
+            fixed, self.config.windows[layers.start : layers.stop], self.config.attn_logit_softcapping,
         )
 
     def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -18,11 +18,11 @@ from torch import nn
 from tprt.distributed.context import TPContext
 from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig, TPLayout
-from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step, decoder_linears
+from tprt.model.attention import AttentionStep
+from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
 from tprt.model.rope import inv_frequencies, rope_angles
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from tprt.parallel.layers import (DENSE, ColumnParallelLinear, LinearMethod, RowParallelLinear,
-                                  VocabParallelEmbedding, VocabParallelLMHead)
+from tprt.parallel.layers import DENSE, LinearMethod, VocabParallelEmbedding, VocabParallelLMHead
 from tprt.parallel.stages import Stage
 
 
@@ -33,26 +33,34 @@ class AbsentLayer(nn.Module):
         raise RuntimeError("a layer of another pipeline stage was run")
 
 
-class TPLlamaStage(nn.Module):
-    """See the module docstring; build on the meta device and load with `load_stage`."""
+class TPLlamaStage(TPLlamaForCausalLM):
+    """See the module docstring; build on the meta device and load with `load_stage`. Generation
+    runs it as the whole model runs (tprt.engine.stage_runner): its KV cache holds its own layers,
+    its LM head (the last stage's) gives the logits."""
 
     def __init__(self, cfg: ModelConfig, layout: TPLayout, ctx: TPContext, stage: Stage,
                  dtype: torch.dtype | None = None, method: LinearMethod = DENSE) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # the whole model's parts, but only this stage's of them
         if layout.tp != ctx.world_size:
             raise ConfigError(f"the TP layout is for {layout.tp} ranks but the TP group has {ctx.world_size}")
-        self.config, self.layout, self.tp, self.stage = cfg, layout, ctx, stage
-        # Tied embeddings: the last stage holds the matrix too, as its head (`tied_embedding_grads`
+        self.config, self.layout, self.tp, self.stage, self.weight_method = cfg, layout, ctx, stage, method
+        # The embedding, the final norm and the head exist on the stages that run them, None on the
+        # others (the whole model's methods that use them are the first's or the last's). Tied
+        # embeddings: the last stage holds the matrix too, as its head (`tied_embedding_grads`
         # sums the two copies' gradients).
         holds_embedding = stage.first or (stage.last and cfg.tie_word_embeddings)
-        self.embed_tokens = (VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype)
-                             if holds_embedding else None)
+        embed = VocabParallelEmbedding(layout.padded_vocab_size, cfg.hidden_size, ctx, dtype) if holds_embedding else None
+        self.embed_tokens = embed  # type: ignore[assignment]
         self.layers = nn.ModuleList(DecoderLayer(cfg, layout, ctx, i, dtype, method) if i in stage.layers
                                     else AbsentLayer() for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_block) if stage.last else None
-        tied = self.embed_tokens if cfg.tie_word_embeddings else None
-        self.lm_head = (VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx, tied, dtype,
-                                            softcap=cfg.final_logit_softcapping) if stage.last else None)
+        for layer in self.own_layers:  # the stage's cache holds its layers only, from index 0
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.cache_layer -= stage.layers.start
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma_block) if stage.last else None
+        head = (VocabParallelLMHead(cfg.hidden_size, layout.padded_vocab_size, cfg.vocab_size, ctx,
+                                    embed if cfg.tie_word_embeddings else None, dtype,
+                                    softcap=cfg.final_logit_softcapping) if stage.last else None)
+        self.norm, self.lm_head = norm, head  # type: ignore[assignment]
         self.inv_freq = inv_frequencies(cfg, device=ctx.device)
         self.local_inv_freq = None if cfg.local_rope_theta is None else inv_frequencies(cfg, ctx.device, local=True)
         self.stack: LayerStack = LayerStack()
@@ -67,25 +75,44 @@ class TPLlamaStage(nn.Module):
         """This stage's decoder layers, in order."""
         return self.layers[self.stage.layers.start : self.stage.layers.stop]
 
-    def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
-        return decoder_linears(self.own_layers)
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.own_layers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: token ids [batch, seq] on the first stage, else the previous stage's hidden states
-        [batch, seq, hidden] -> this stage's hidden states [batch, seq, hidden] (before the final
-        norm on the last)."""
+    @property
+    def cache_layers(self) -> range:
+        return self.stage.layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Training: x token ids [batch, seq] on the first stage, else the previous stage's hidden
+        states [batch, seq, hidden] -> this stage's hidden states [batch, seq, hidden] (before the
+        final norm on the last)."""
+        return self.forward_hidden(x)
+
+    def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                       attention: AttentionStep | None = None) -> torch.Tensor:
+        """As the whole model's, but from the previous stage's hidden states on every stage but
+        the first: x [batch, seq] ids or [batch, seq, hidden] -> [batch, seq, hidden]; over the
+        paged cache a step's [tokens] ids or [tokens, hidden] -> [tokens, hidden]."""
         x = x.to(self.tp.device, non_blocking=True)
+        if attention is not None:
+            if positions is not None:
+                raise ValueError("positions come from the attention step")
+            x = x.reshape(-1, 1, *x.shape[1:])  # [tokens, 1] ids or [tokens, 1, hidden]
+            positions = attention.positions[:, None]
+        elif positions is None:
+            batch, seq = x.shape[:2]
+            positions = torch.arange(seq, device=x.device).expand(batch, seq)  # [batch, seq]
         if self.stage.first and self.embed_tokens is not None:
             h = self.embed_tokens(x)
             if self.config.gemma_block:
                 h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
         else:
             h = x
-        batch, seq = h.shape[:2]
-        positions = torch.arange(seq, device=h.device).expand(batch, seq)  # [batch, seq]
         cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
         local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
-        return self.stack(self.own_layers, h, Step(cos, sin, None, local))
+        h = self.stack(self.own_layers, h, Step(cos, sin, attention, local))
+        return h if attention is None else h[:, 0]
 
 
 def stage_loss(stage: TPLlamaStage, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

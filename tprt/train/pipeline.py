@@ -20,56 +20,16 @@ target tokens, so that averaging the gradients over DP gives the whole batch's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from tprt.distributed.context import ParallelDims, TPContext
+from tprt.distributed.pipeline_mesh import PipelineMesh, pipeline_mesh
 from tprt.model.stage import TPLlamaStage, stage_loss
 from tprt.parallel.cross_entropy import IGNORE_INDEX
 from tprt.parallel.stages import Stage
 from tprt.train.grads import clip_grad_norm, sync_gradients
 
-
-@dataclass(frozen=True)
-class PipelineMesh:
-    """This rank's place in a [dp, pp, tp] world: its TP context (with its DP group), its
-    pipeline's group and its stage, and the group of its pipeline's first and last stage (whose
-    copies of tied embeddings are one parameter)."""
-
-    tp: TPContext
-    pp_group: dist.ProcessGroup
-    stage_index: int
-    stages: int
-    ends_group: dist.ProcessGroup | None = None  # None with one stage
-
-
-def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = None) -> PipelineMesh:
-    """The groups of a [dp, pp, tp] world (every rank calls it: group creation is collective)."""
-    dims = ParallelDims(tp=tp, dp=dp, pp=pp)
-    world, me = dist.get_world_size(), dist.get_rank()
-    if world != dims.world:
-        raise ValueError(f"a [dp {dp}, pp {pp}, tp {tp}] mesh needs {dims.world} ranks; the world has {world}")
-    d, s, t = dims.dp_rank(me), dims.pp_rank(me), dims.tp_rank(me)
-    mine: dict[str, dist.ProcessGroup] = {}
-    def ends(dp_rank: int, tp_rank: int) -> list[int]:
-        pipeline = dims.pp_group_ranks(dp_rank, tp_rank)
-        return [pipeline[0], pipeline[-1]]
-
-    for kind, ranks_of, keys in (("tp", dims.tp_group_ranks, [(x, y) for x in range(dp) for y in range(pp)]),
-                                 ("pp", dims.pp_group_ranks, [(x, y) for x in range(dp) for y in range(tp)]),
-                                 ("dp", dims.dp_group_ranks, [(y, x) for x in range(pp) for y in range(tp)]),
-                                 ("ends", ends, [(x, y) for x in range(dp) for y in range(tp)] if pp > 1 else [])):
-        for key in keys:
-            ranks = ranks_of(*key)
-            group = dist.new_group(ranks)
-            if me in ranks:
-                mine[kind] = group
-    ctx = TPContext(group=mine["tp"] if tp > 1 else None, rank=t, world_size=tp,
-                    device=device or torch.device("cpu"), backend=dist.get_backend(), global_rank=me,
-                    dp_group=mine["dp"] if dp > 1 else None, dp_rank=d, dp_size=dp)
-    return PipelineMesh(ctx, mine["pp"], s, pp, mine.get("ends"))
+__all__ = ["PipelineMesh", "PipelineTrainer", "pipeline_mesh", "sync_and_clip", "tied_embedding_grads"]
 
 
 class PipelineTrainer:

@@ -1,0 +1,107 @@
+"""Executes a step's `TokenBatch` on one rank of a pipeline stage (tprt.model.stage).
+
+Every rank of the pipeline receives the step from rank 0 (stage 0's TP rank 0, which schedules
+and samples: the engine's control group is the whole pipeline, `PipelineMesh.replica`). The
+step is split into micro-batches of consecutive rows (`TokenBatch.split`, as many as stages by
+default); each stage runs them in order over its own layers and its own KV cache (the scheduler's
+block tables are the same on every stage, the cache of each holds its layers only): the first
+embeds their tokens, every stage but the last sends its hidden states to the same TP rank of
+the next stage (asynchronously: it goes on with the next micro-batch while its neighbour
+computes this one, so with m micro-batches and p stages each stage idles (p - 1) / (m + p - 1)
+of a step), and the last computes the logits. Its TP rank 0 sends the step's result (argmax ids,
+or full-vocabulary logits) to rank 0 in one message.
+
+A row's tokens are computed as without stages: the same layers in the same order, its attention
+over its own cache positions; a step's result is identical to the whole model's.
+
+Not taken on a stage: CPU prepacking and the compiled decode layers, and CUDA graphs (they
+capture the whole model's step); the runner says so at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tprt.distributed.context import log0
+from tprt.distributed.pipeline_mesh import PipelineMesh
+from tprt.engine.runner import ModelRunner, RunnerConfig, StepResult
+from tprt.errors import ConfigError
+from tprt.model.batch import TokenBatch
+from tprt.model.stage import TPLlamaStage
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+
+class StageRunner(ModelRunner):
+    """This rank's stage of the model and its KV cache, driven by the pipeline's token batches."""
+
+    def __init__(self, model: TPLlamaStage, mesh: PipelineMesh, n_blocks: int, block_size: int, max_batch: int,
+                 max_seq_len: int, config: RunnerConfig = RunnerConfig(), microbatches: int | None = None) -> None:
+        if mesh.stages < 2:
+            raise ConfigError("a stage runner serves a pipeline of at least two stages; one is the ModelRunner's")
+        if microbatches is not None and microbatches < 1:
+            raise ConfigError(f"pipeline micro-batches must be at least 1, got {microbatches}")
+        if config.cpu_prepack or config.cuda_graphs not in ("auto", "off"):
+            log0(model.tp, "pipeline stages run eagerly: no CPU prepacking, compiled decode layers or CUDA graphs")
+        super().__init__(model, n_blocks, block_size, max_batch, max_seq_len,
+                         replace(config, cpu_prepack=False, cuda_graphs="off"))
+        self.stage_model = model
+        stage, pipeline = mesh.stage_index, mesh.pipeline
+        self.previous = pipeline[stage - 1] if stage > 0 else None
+        self.next = pipeline[stage + 1] if stage + 1 < mesh.stages else None
+        self.driver, self.reporter = mesh.stage_rank(0), mesh.stage_rank(mesh.stages - 1)
+        self.me = mesh.tp.global_rank
+        self.microbatches = microbatches or mesh.stages
+        # gloo sends host tensors; NCCL the device's
+        self.wire = model.tp.device if model.tp.backend == "nccl" else torch.device("cpu")
+
+    @torch.inference_mode()
+    def execute(self, batch: TokenBatch) -> StepResult:
+        """Runs this stage's part of the step (see the module docstring); rank 0 gets the result,
+        the other ranks StepResult(None, None). Collective over the pipeline."""
+        model = self.stage_model
+        sending: list[tuple[Work, torch.Tensor]] = []
+        results: list[StepResult] = []
+        for part in batch.split(self.microbatches):
+            self._route(part)
+            step = self.attention.prepare(part, self.cache)
+            if self.previous is None:
+                x = torch.tensor(part.tokens, dtype=torch.long, device=self.device)  # [tokens]
+            else:
+                x = torch.empty(part.num_tokens, model.config.hidden_size, dtype=model.dtype, device=self.wire)
+                dist.recv(x, self.previous)
+            hidden = model.forward_hidden(x, attention=step)  # [tokens, hidden]
+            if self.next is not None:
+                out = hidden.to(self.wire).contiguous()
+                work = dist.isend(out, self.next)
+                assert work is not None  # None only for ranks outside the group
+                sending.append((work, out))
+            elif part.num_logits:
+                if part.num_logits != part.num_tokens:
+                    hidden = hidden.index_select(0, torch.tensor(part.logits_indices, device=self.device))
+                results.append(self._finish(model.logits(hidden), batch.full_logits))
+        for work, _ in sending:
+            work.wait()
+        return self._report(batch, results)
+
+    def _report(self, batch: TokenBatch, parts: list[StepResult]) -> StepResult:
+        """The last stage's TP rank 0 sends the step's ids or logits to rank 0, which returns them."""
+        if not batch.num_logits or self.me not in (self.driver, self.reporter):
+            return StepResult(None, None)
+        vocab = self.model.config.vocab_size
+        if self.me == self.reporter:
+            out = torch.cat([t for p in parts for t in ((p.logits,) if batch.full_logits else (p.ids,)) if t is not None])
+            dist.send(out.to(self.wire).contiguous(), self.driver)
+            return StepResult(None, None)
+        if batch.full_logits:
+            logits = torch.empty(batch.num_logits, vocab, dtype=torch.float32, device=self.wire)
+            dist.recv(logits, self.reporter)
+            return StepResult(None, logits.to(self.device))
+        ids = torch.empty(batch.num_logits, dtype=torch.long, device=self.wire)
+        dist.recv(ids, self.reporter)
+        return StepResult(ids.to(self.device), None)
