@@ -91,6 +91,22 @@ def test_generate_json_tp2(root: Path, hf: Any, tmp_path: Path) -> None:
     assert "TP=2" in proc.stderr
 
 
+def test_generate_over_pipeline_stages(root: Path, hf: Any) -> None:
+    """--pp 2 on the TP=2 checkpoint (4 local ranks, two stages of two): the same ids and
+    logprobs as transformers, and the stderr line says the layout."""
+    proc = _tprt("generate", "--model", str(root / "tp2"), "--pp", "2", "--prompt", *PROMPTS, "--max-new-tokens",
+                 str(N_NEW), "--logprobs", "--json", "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    tok = Tokenizer.from_dir(root / "tp2")
+    for r, text in zip([json.loads(line) for line in proc.stdout.splitlines()], PROMPTS, strict=True):
+        ids = tok.encode(text)
+        want = _hf_greedy(hf, ids)
+        assert r["token_ids"] == want, (text, r["token_ids"], want)
+        torch.testing.assert_close(torch.tensor(r["logprobs"]), _hf_logprobs(hf, ids + want)[len(ids) - 1:],
+                                   atol=1e-4, rtol=0)
+    assert "TP=2 x PP=2" in proc.stderr, proc.stderr
+
+
 def test_generate_speculative_tp2(root: Path, hf: Any) -> None:
     """--speculative ngram: the same greedy ids as transformers, and a line on what was drafted."""
     prompts = ("ab ab ab ab ab", PROMPTS[1])
@@ -249,6 +265,8 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
     (["calibrate-kv", "--model", "{root}/tp2", "--file", "{root}/not.schema.json", "--out", "{root}/no/x.st"],
      ["--out", "does not exist"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--pp", "0"], ["--pp", "between 1 and", "got 0"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--pp", "99"], ["--pp", "layers", "got 99"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
     (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--regex", "(x"], ["--regex", "unclosed"]),

@@ -25,7 +25,10 @@ from tprt.cpu.threads import spare_cores
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
 from tprt.errors import ConfigError, ValidationError
-from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.checkpoint.loading import load_model, load_stage, parse_dtype
+from tprt.distributed.pipeline_mesh import PipelineMesh, init_pipeline
+from tprt.model.llama import TPLlamaForCausalLM
+from tprt.parallel.stages import stages
 from tprt.model.kv_cache import kv_cache_dtype
 from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.engine.sampling import SamplingParams
@@ -65,6 +68,7 @@ class GenerateArgs:
     json: bool = False
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
+    pp: int = 1  # pipeline stages of the checkpoint's TP ranks each (tprt.engine.stage_runner)
     # Output constraint, at most one (tprt.engine.constraints): a JSON Schema file, a regular
     # expression, a choice among strings, or a Lark grammar file.
     json_schema: Path | None = None
@@ -95,6 +99,7 @@ class GenerateJob:
     kv_scales: str | None = None
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
+    pp: int = 1
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -199,6 +204,7 @@ def _sampling(args: GenerateArgs, prompts: list[list[int]], context: int, vocab_
 def prepare_generate(args: GenerateArgs) -> GenerateJob:
     """Reads and checks everything; raises ConfigError/CheckpointError with one line."""
     ckpt = TPCheckpoint(args.model)
+    stages(ckpt.config.num_hidden_layers, args.pp)  # refuses a --pp the layers cannot take
     if args.dtype is not None:
         parse_dtype(args.dtype)
     kv_dtype = kv_cache_flags(args.kv_cache_dtype, args.kv_scales, ckpt.config)
@@ -215,27 +221,37 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
                        kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales),
-                       args.attention_backend, args.cuda_graphs)
+                       args.attention_backend, args.cuda_graphs, args.pp)
 
 
 def run_generate(args: GenerateArgs) -> int:
     job = prepare_generate(args)
-    run_on_ranks(job.model, generate_rank, (job,), threads=args.threads, tp1_in_process=True)
+    run_on_ranks(job.model, generate_rank, (job,), threads=args.threads, tp1_in_process=True, pp=job.pp)
     return 0
+
+
+def _load(job: GenerateJob) -> tuple[TPLlamaForCausalLM, PipelineMesh | None]:
+    """This rank's model (its pipeline stage's, with --pp) and its pipeline's groups."""
+    if job.pp == 1:
+        return load_model(job.model, init_distributed(), job.dtype), None
+    ckpt = TPCheckpoint(job.model)
+    mesh = init_pipeline(ckpt.tp_size, job.pp)
+    stage = stages(ckpt.config.num_hidden_layers, job.pp)[mesh.stage_index]
+    return load_stage(job.model, mesh.tp, stage, job.dtype), mesh
 
 
 def generate_rank(job: GenerateJob) -> None:
     """One rank's part of `tprt generate`: rank 0 drives the engine and prints, the others follow."""
-    ctx = init_distributed()
-    model = load_model(job.model, ctx, job.dtype)
-    tok = Tokenizer.from_dir(job.model) if ctx.rank == 0 else None
+    model, mesh = _load(job)
+    ctx = model.tp
+    tok = Tokenizer.from_dir(job.model) if ctx.global_rank == 0 else None
     config = EngineConfig(max_batch=min(len(job.prompts), MAX_BATCH), max_seq_len=job.max_seq_len,
                           token_budget=max(2048, MAX_BATCH + 1), speculative=job.speculative,
                           cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
                           kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config),
                           mask_threads=spare_cores(ctx.device), attention_backend=job.attention_backend,
                           cuda_graphs=job.cuda_graphs)
-    engine = Engine(model, tok, config)
+    engine = Engine(model, tok, config, pipeline=mesh)
     adapter = 0
     if job.adapter is not None:  # installed like a server's (every request routed to it), so steps keep their graphs
         from tprt.lora.peft_io import read_adapter
@@ -259,7 +275,7 @@ def generate_rank(job: GenerateJob) -> None:
             print(json.dumps(_completion_json(i, c, tok)), flush=True)
     n_tokens = sum(len(c.token_ids) for c in results)
     print(f"tprt: {len(results)} sequence(s), {n_tokens} tokens in {seconds:.2f}s "
-          f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, TP={ctx.world_size})", file=sys.stderr, flush=True)
+          f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, TP={ctx.world_size}{f' x PP={job.pp}' if job.pp > 1 else ''})", file=sys.stderr, flush=True)
     spec = engine.spec_stats
     if spec is not None:
         print(f"tprt: speculative: {spec.drafted} tokens drafted, {spec.accepted} accepted "

@@ -33,9 +33,10 @@ GENERATE_EPILOG = """examples:
   tprt generate --model ./smollm2-tp3 --chat --prompt "Invent a person" --json-schema person.schema.json
   tprt generate --model ./smollm2-tp3 --chat --prompt "Is the sky green?" --choice yes no
   torchrun --nproc-per-node 3 -m tprt.cli generate --model ./smollm2-tp3 --prompt "Hello"
+  tprt generate --model ./smollm2-tp3 --pp 2 --prompt "Hello"   # 6 ranks: 2 stages of 15 layers
 
-Without torchrun, the checkpoint's TP number of local ranks is started automatically; under
-torchrun (one or more nodes) the world size must equal the checkpoint's TP size. Several prompts
+Without torchrun, the checkpoint's TP number of local ranks (times --pp) is started
+automatically; under torchrun (one or more nodes) the world size must equal that. Several prompts
 run as one batch; text is streamed in prompt order. --temperature 0 (the default) is greedy.
 With --seed S, prompt i (counting from 0) is sampled with seed S + i, whatever else is in the
 batch. --json prints one JSON object per prompt (text, token_ids, finish_reason, stop_reason,
@@ -94,6 +95,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")
     g.add_argument("--adapter", type=Path, metavar="DIR", help="LoRA adapter directory, applied without merging")
+    g.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="pipeline stages: the layers split over N stages of the checkpoint's TP ranks each "
+                        "(TP x N ranks; default 1); the tokens are the same as without")
     c = g.add_argument_group("output constraints (at most one; the output always matches it)")
     c.add_argument("--json-schema", type=Path, metavar="FILE", help="JSON that validates against this JSON Schema")
     c.add_argument("--regex", metavar="RE", help="text that fully matches this regular expression")

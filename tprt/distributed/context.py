@@ -163,18 +163,7 @@ def init_distributed(
     if not in_distributed_env():
         use_cuda = torch.cuda.is_available() and backend != "gloo"
         return TPContext.single(device or (torch.device("cuda", 0) if use_cuda else torch.device("cpu")))
-    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    local_rank = _env_int("LOCAL_RANK", rank)
-    use_cuda = torch.cuda.is_available() and backend != "gloo"
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
-    if device.type == "cuda" and device.index is None:  # "cuda": this rank's GPU, shared when there are fewer
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    rank, world, backend, device = join_world(backend, timeout_s, device)
     dims = ParallelDims.for_world(world, tp_size)
     tp_group, dp_group = build_mesh_groups(dims, rank)
     tp_rank = dims.tp_rank(rank)
@@ -194,14 +183,34 @@ def init_distributed(
     )
 
 
+def join_world(backend: str | None = None, timeout_s: float = 600.0,
+               device: str | torch.device | None = None) -> tuple[int, int, str, torch.device]:
+    """Joins the world the environment describes (once; RANK and WORLD_SIZE set) with the
+    backend and device `init_distributed` says; returns (rank, world size, backend, device)."""
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", local_rank) if use_cuda else torch.device("cpu"))
+    if device.type == "cuda" and device.index is None:  # "cuda": this rank's GPU, shared when there are fewer
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return rank, world, backend, device
+
+
 def build_mesh_groups(dims: ParallelDims, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """This rank's (TP group, DP group) in the [dp, tp] mesh of `dims`; collective over the world.
 
     Every rank must call this with the same arguments: `new_group` is itself collective.
-    Pipeline stages make their groups in tprt.train.pipeline.
+    Pipeline stages make theirs in tprt.distributed.pipeline_mesh.
     """
     if dims.pp > 1:
-        raise ConfigError(f"--pp {dims.pp}: this command does not run pipeline stages (tprt.train.pipeline does)")
+        raise ConfigError(f"--pp {dims.pp}: this command does not run pipeline stages "
+                          "(tprt.distributed.pipeline_mesh makes their groups)")
     if dims.tp == dims.world:
         assert dist.group.WORLD is not None
         return dist.group.WORLD, None

@@ -252,33 +252,35 @@ def stop_followers(procs: list[Any], grace_s: float = 10.0) -> None:
 
 
 def run_on_ranks(model: str | Path, fn: Callable[..., T], args: Sequence[Any] = (), *, threads: int | None = None,
-                 dp: bool = False, tp1_in_process: bool = False) -> T:
+                 dp: bool = False, tp1_in_process: bool = False, pp: int = 1) -> T:
     """Runs `fn(*args)` on every rank of the world that serves the TP checkpoint `model`.
 
     Under torchrun (or inside a launched rank): here, on this rank, leaving the world afterwards;
     returns this rank's result. The world must be the checkpoint's TP size, or with `dp` any
     world the ranks can lay out as dp x tp (`init_distributed(tp_size=...)` checks it).
     Otherwise: on the checkpoint's TP number of local ranks (`launch_local`; in this process when
-    TP is 1 and `tp1_in_process`); returns rank 0's result. `threads`: torch threads per rank
+    TP is 1 and `tp1_in_process`); returns rank 0's result. `pp`: pipeline stages of TP ranks
+    each (the world is TP x PP ranks). `threads`: torch threads per rank
     (None: local ranks share the cores, torchrun's ranks and this process keep their own count).
     """
-    tp = TPCheckpoint(model).tp_size
+    ranks = TPCheckpoint(model).tp_size * pp
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be at least 1, got {threads}")
     local = not in_distributed_env()
-    in_process = not local or (tp == 1 and tp1_in_process)
+    in_process = not local or (ranks == 1 and tp1_in_process)
     if threads is not None and in_process:
         torch.set_num_threads(threads)
     if not local:
         world = int(os.environ["WORLD_SIZE"])
-        if not dp and world != tp:
-            raise ConfigError(f"{Path(model) / MANIFEST_NAME}: the checkpoint is sharded for tp_size={tp} but "
-                              f"torchrun started WORLD_SIZE={world} ranks; start {tp} (e.g. --nproc-per-node {tp})")
+        if not dp and world != ranks:
+            layout = f"tp_size={ranks // pp}" + (f", by --pp {pp} stages ({ranks} ranks)" if pp > 1 else "")
+            raise ConfigError(f"{Path(model) / MANIFEST_NAME}: the checkpoint is sharded for {layout} but "
+                              f"torchrun started WORLD_SIZE={world} ranks; start {ranks} (e.g. --nproc-per-node {ranks})")
         try:
             return fn(*args)
         finally:
             shutdown()
     if in_process:
         return fn(*args)
-    results: list[T] = launch_local(tp, fn, args, threads_per_rank=threads)
+    results: list[T] = launch_local(ranks, fn, args, threads_per_rank=threads)
     return results[0]

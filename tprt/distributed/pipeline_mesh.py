@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tprt.distributed.context import ParallelDims, TPContext
+from tprt.distributed.context import ParallelDims, TPContext, join_world
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,10 @@ def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = N
                     device=device or torch.device("cpu"), backend=dist.get_backend(), global_rank=me,
                     dp_group=mine["dp"] if dp > 1 else None, dp_rank=d, dp_size=dp)
     return PipelineMesh(ctx, mine["pp"], s, pp, mine.get("ends"), mine["replica"] if tp * pp > 1 else None, dims)
+
+
+def init_pipeline(tp: int, pp: int, backend: str | None = None, timeout_s: float = 600.0) -> PipelineMesh:
+    """Joins the world the environment describes (torchrun's, or tprt's local launcher's) and
+    lays it out as one pipeline of `pp` stages of `tp` ranks each."""
+    _, _, _, device = join_world(backend, timeout_s)
+    return pipeline_mesh(tp, pp, device=device)
