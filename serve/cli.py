@@ -106,7 +106,11 @@ def _serve_parser(sub: Any) -> None:
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, metavar="N", help="gRPC message size limit")
     s.add_argument("--collective-timeout", type=float, default=120.0, metavar="S",
                    help="seconds before a stuck collective marks the ranks broken (120)")
-    s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / TP)")
+    s.add_argument("--threads", type=int, metavar="N", help="torch threads per rank (default: cores / ranks)")
+    s.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="pipeline stages: the layers split over N stages of the checkpoint's TP ranks each (TP x N "
+                        "ranks; each holds 1/N of the weights and of the KV cache); they generate, fine-tuning "
+                        "jobs need a replica without --pp (give --no-jobs). Default 1")
     s.add_argument("--max-dataset-bytes", type=int, default=64 << 20, metavar="N",
                    help="largest fine-tuning dataset, inline or a file under --data-dir (64 MiB)")
     s.add_argument("--max-queued-jobs", type=int, default=64, metavar="N",

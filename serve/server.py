@@ -71,7 +71,9 @@ from tprt.engine.constraints import StructuredOutputs
 from tprt.engine.core import Engine, EngineConfig
 from tprt.engine.settings import CacheSettings, SchedulerSettings
 from tprt.errors import ConfigError
-from tprt.checkpoint.loading import load_model, parse_dtype
+from tprt.checkpoint.loading import load_model, load_stage, parse_dtype
+from tprt.distributed.pipeline_mesh import PipelineMesh, init_pipeline
+from tprt.parallel.stages import stages
 from tprt.model.kv_cache import kv_cache_dtype
 from tprt.model.kv_scales import kv_cache_flags, load_kv_scales
 from tprt.model.llama import TPLlamaForCausalLM
@@ -113,6 +115,7 @@ class ServeConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     collective_timeout: float = 120.0
     threads: int | None = None  # torch threads per rank
+    pp: int = 1  # pipeline stages of the checkpoint's TP ranks each (generation only: tprt.engine.stage_runner)
     max_dataset_bytes: int = DEFAULT_MAX_DATASET_BYTES  # inline JSONL or a dataset file of CreateJob
     ignore_unknown_fields: bool = False  # the HTTP APIs: drop fields the endpoint does not know
     max_queued_jobs: int = 64  # more CreateJobs are refused with RESOURCE_EXHAUSTED
@@ -133,6 +136,10 @@ class ServeConfig:
 def check_config(cfg: ServeConfig) -> TPCheckpoint:
     """Every flag and file, checked before anything starts; one-line ConfigErrors."""
     ckpt = TPCheckpoint(cfg.model)
+    stages(ckpt.config.num_hidden_layers, cfg.pp)  # refuses a --pp the layers cannot take
+    if cfg.pp > 1 and cfg.run_jobs:
+        raise ConfigError(f"--pp {cfg.pp}: pipeline stages generate but do not train here; add --no-jobs (the "
+                          "fine-tuning jobs are then accepted for a replica without --pp)")
     if cfg.dtype is not None:
         parse_dtype(cfg.dtype)
     draft = cfg.speculative.validate().draft_model if cfg.speculative is not None else None
@@ -223,13 +230,14 @@ def run_serve(cfg: ServeConfig) -> int:
     cfg = replace(cfg, model=Path(cfg.model).resolve(), data_dir=Path(cfg.data_dir).resolve())
     if in_distributed_env():
         return serve_rank(cfg, [])
+    ranks = ckpt.tp_size * cfg.pp
     if cfg.threads is None:  # the machine's cores shared by the local ranks (rank 0 included)
-        cfg = replace(cfg, threads=max(1, (os.cpu_count() or 1) // ckpt.tp_size))
+        cfg = replace(cfg, threads=max(1, (os.cpu_count() or 1) // ranks))
     app = App(cfg)  # binds the ports before any rank starts: a busy port fails fast
     procs: list[Any] = []
     try:
-        if ckpt.tp_size > 1:
-            procs = start_followers(ckpt.tp_size, follower_main, (cfg,), cfg.threads or 1)
+        if ranks > 1:
+            procs = start_followers(ranks, follower_main, (cfg,), cfg.threads or 1)
         return app.run(procs)
     finally:
         stop_followers(procs, grace_s=0 if app.broken else 10)
@@ -248,14 +256,34 @@ def serve_rank(cfg: ServeConfig, procs: list[Any]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    ctx = init_distributed(timeout_s=cfg.collective_timeout)
+    mesh = join_ranks(cfg)
     try:
-        model = load_model(cfg.model, ctx, cfg.dtype)
-        engine = Engine(model, None, engine_config(cfg))  # a follower: no masks to compute
-        follower_loop(engine.follow, ctx, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)))
+        model, engine = load_rank(cfg, mesh, None, driver=False)  # no tokenizer, no masks to compute
+        follower_loop(engine.follow, engine.tp, RankExecutor(model, engine, cfg.model, Path(cfg.data_dir)))
     finally:
         shutdown()
     return 0
+
+
+def join_ranks(cfg: ServeConfig) -> TPContext | PipelineMesh:
+    """Joins the world: its TP context, or with --pp the groups of its pipeline."""
+    if cfg.pp == 1:
+        return init_distributed(timeout_s=cfg.collective_timeout)
+    return init_pipeline(TPCheckpoint(cfg.model).tp_size, cfg.pp, timeout_s=cfg.collective_timeout)
+
+
+def load_rank(cfg: ServeConfig, joined: TPContext | PipelineMesh, tokenizer: Tokenizer | None,
+              driver: bool) -> tuple[TPLlamaForCausalLM, Engine]:
+    """This rank's model (its stage's, with --pp) and engine; the `driver` (rank 0) computes
+    masks on the cores the ranks leave."""
+    ctx = joined if isinstance(joined, TPContext) else joined.tp
+    config = engine_config(cfg, ctx.device if driver else None)
+    if isinstance(joined, TPContext):
+        model = load_model(cfg.model, ctx, cfg.dtype)
+        return model, Engine(model, tokenizer, config)
+    stage = stages(TPCheckpoint(cfg.model).config.num_hidden_layers, cfg.pp)[joined.stage_index]
+    stage_model = load_stage(cfg.model, ctx, stage, cfg.dtype)
+    return stage_model, Engine(stage_model, tokenizer, config, pipeline=joined)
 
 
 class App:
@@ -344,10 +372,9 @@ class App:
         if self.jobs is not None:
             self.jobs.ranks_broken(self.redact(reason))  # a job's error is shown to callers
 
-    def _load(self, ctx: TPContext) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
-        model = load_model(self.cfg.model, ctx, self.cfg.dtype)
+    def _load(self, joined: TPContext | PipelineMesh) -> tuple[TPLlamaForCausalLM, Engine, Tokenizer | None]:
         tokenizer = _tokenizer(Path(self.cfg.model))
-        engine = Engine(model, tokenizer, engine_config(self.cfg, ctx.device))
+        model, engine = load_rank(self.cfg, joined, tokenizer, driver=True)
         return model, engine, tokenizer
 
     def _services(self, ctx: TPContext, model: TPLlamaForCausalLM, engine: Engine, tokenizer: Tokenizer | None) -> None:
@@ -375,7 +402,7 @@ class App:
             self.catalogue.follow(pool, self.loop.wake)
         else:  # the fleet's are resolved at their first request instead
             self.jobs.restore_adapters()  # registered on disk: each loads at its first request
-        facts = ModelFacts(name=name, config=model.config, tp_size=ctx.world_size,
+        facts = ModelFacts(name=name, config=model.config, tp_size=model.tp.world_size,
                            context_length=engine.max_seq_len, max_batch_size=max_batch_size(cfg),
                            dtype=str(model.dtype).removeprefix("torch."), eos_token_ids=engine.eos_token_ids,
                            kv_cache_dtype=engine.runner.cache.format_name,
@@ -413,7 +440,7 @@ class App:
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         loop = self.loop
         self.metrics.registry.register(RouterContract(lambda: loop.router_facts(cfg.max_loras), facts.name))
-        self.metrics.info.info({"model": facts.name, "tp_size": str(ctx.world_size), "dtype": facts.dtype,
+        self.metrics.info.info({"model": facts.name, "tp_size": str(model.tp.world_size), "dtype": facts.dtype,
                                 "context_length": str(facts.context_length), "kv_cache_dtype": facts.kv_cache_dtype,
                                 "kv_cache_tokens": str(facts.kv_cache_tokens)})
 
@@ -441,7 +468,7 @@ class App:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))  # they share this host's memory
         device = next(model.parameters()).device
         served = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
-        return JobAdmission(model.config, ctx.world_size, local_ranks, device, self.cfg.job_memory_limit, served,
+        return JobAdmission(model.config, model.tp.world_size, local_ranks, device, self.cfg.job_memory_limit, served,
                             self.cfg.max_lora_rank)
 
     # ----------------------------------------------------------------- life
@@ -454,11 +481,12 @@ class App:
         stop_watch = threading.Event()
         if procs:
             watch(procs, self._rank_died, stop_watch)
-        ctx = init_distributed(timeout_s=self.cfg.collective_timeout)
+        joined = join_ranks(self.cfg)
         try:
             # The torch work of set-up (loading, prepacking, restoring adapters) on a thread that
             # ends, so the engine loop's thread's OpenMP pool is the only one (tprt.cpu.threads).
-            model, engine, tokenizer = run_on_exiting_thread(lambda: self._load(ctx))
+            model, engine, tokenizer = run_on_exiting_thread(lambda: self._load(joined))
+            ctx = engine.tp  # the ranks rank 0 sends commands to: the TP group, or the whole pipeline
             run_on_exiting_thread(lambda: self._services(ctx, model, engine, tokenizer))
             assert self.loop is not None and self.jobs is not None
             self.loop.start()
@@ -470,7 +498,7 @@ class App:
             if self.batches is not None:
                 self.batches.start()  # resumes the batches a restart interrupted
             self._set_health(not self.broken)
-            _announce(self.cfg.host, self.port, metrics_port, ctx, procs, self.http)
+            _announce(self.cfg.host, self.port, metrics_port, model.tp.world_size, self.cfg.pp, procs, self.http)
             while not self.stop.wait(0.5):
                 pass
             return self._drain()
@@ -548,13 +576,14 @@ def _tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_dir(path)
 
 
-def _announce(host: str, port: int, metrics_port: int, ctx: TPContext, procs: list[Any],
+def _announce(host: str, port: int, metrics_port: int, tp: int, pp: int, procs: list[Any],
               http: HttpServer | None) -> None:
     """The one line scripts and tests wait for (stdout), plus the ranks' pids (log)."""
     pids = [os.getpid(), *(p.pid for p in procs)]
     log.info("rank pids: %s", pids)
     api = f", OpenAI API {http.scheme}://{host}:{http.port}/v1" if http is not None else ""
     metrics = f", metrics http://{host}:{metrics_port}/metrics" if metrics_port >= 0 else ""
-    print(f"tprt serve: listening on {host}:{port} (TP {ctx.world_size}{api}{metrics}; rank pids {pids})",
+    layout = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
+    print(f"tprt serve: listening on {host}:{port} ({layout}{api}{metrics}; rank pids {pids})",
           flush=True)
     sys.stdout.flush()

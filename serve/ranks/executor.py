@@ -174,8 +174,17 @@ class RankExecutor:
         """One causal pass over the prompt (no KV cache: the engine's blocks stay its own), the LM
         head over PROMPT_HEAD_CHUNK positions at a time; rank 0 gathers each chunk's logits and
         returns the result (the others None)."""
+        from tprt.engine.stage_runner import StageRunner
+
+        runner = self.engine.runner
+        if isinstance(runner, StageRunner):  # over pipeline stages: the last one scores, rank 0 returns it
+            hidden = runner.forward_whole(list(ids))
+            return runner.to_driver(None if hidden is None else self._score(hidden, ids, top))
+        return self._score(self.model.forward_hidden(torch.tensor([ids]))[0], ids, top)
+
+    def _score(self, hidden: torch.Tensor, ids: tuple[int, ...], top: int) -> PromptTokenLogprobs | None:
+        """The prompt's hidden states [n, hidden] -> its logprobs on TP rank 0 (None elsewhere)."""
         model = self.model
-        hidden = model.forward_hidden(torch.tensor([ids]))[0]  # [n, hidden]
         chosen: list[float] = []
         ranks: list[int] = []
         tops: list[tuple[tuple[int, float], ...]] = []

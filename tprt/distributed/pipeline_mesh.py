@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tprt.distributed.context import ParallelDims, TPContext, join_world
+from tprt.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = N
     dims = ParallelDims(tp=tp, dp=dp, pp=pp)
     world, me = dist.get_world_size(), dist.get_rank()
     if world != dims.world:
-        raise ValueError(f"a [dp {dp}, pp {pp}, tp {tp}] mesh needs {dims.world} ranks; the world has {world}")
+        raise ConfigError(f"a [dp {dp}, pp {pp}, tp {tp}] mesh needs {dims.world} ranks; the world has {world}")
     d, s, t = dims.dp_rank(me), dims.pp_rank(me), dims.tp_rank(me)
     mine: dict[str, dist.ProcessGroup] = {}
     def ends(dp_rank: int, tp_rank: int) -> list[int]:

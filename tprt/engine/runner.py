@@ -188,7 +188,7 @@ def free_memory_tokens(model: TPLlamaForCausalLM, config: EngineConfig, ranks: T
         raise ConfigError(f"gpu_memory_fraction must be in (0, 1], got {fraction}")
     cfg, dtype = model.config, config.cache_dtype or model.default_cache_dtype()
     per_head = kv_bytes_per_position(dtype, cfg.head_dim, config.kv_scales is not None)
-    per_token = len(model.cache_layers) * 2 * model.layout.local_kv_heads * per_head
+    per_token = len(model.held_layers) * 2 * model.layout.local_kv_heads * per_head
     free, _ = torch.cuda.mem_get_info(tp.device)
     tokens = torch.tensor([int(free * fraction) // per_token], device=tp.device)
     if tp.world_size > 1:

@@ -21,7 +21,7 @@ capture the whole model's step); the runner says so at start-up.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ from tprt.model.stage import TPLlamaStage
 
 if TYPE_CHECKING:
     from torch.distributed import Work
+
+T = TypeVar("T")
 
 
 class StageRunner(ModelRunner):
@@ -105,3 +107,32 @@ class StageRunner(ModelRunner):
         ids = torch.empty(batch.num_logits, dtype=torch.long, device=self.wire)
         dist.recv(ids, self.reporter)
         return StepResult(ids.to(self.device), None)
+
+    @torch.inference_mode()
+    def forward_whole(self, ids: list[int]) -> torch.Tensor | None:
+        """One uncached causal pass of a sequence through the stages (scoring a prompt between
+        steps): the last stage's hidden states [len(ids), hidden] there, None on the others.
+        Collective over the pipeline."""
+        model = self.stage_model
+        if self.previous is None:
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
+        else:
+            x = torch.empty(1, len(ids), model.config.hidden_size, dtype=model.dtype, device=self.wire)
+            dist.recv(x, self.previous)
+        hidden = model.forward_hidden(x)
+        if self.next is not None:
+            dist.send(hidden.to(self.wire).contiguous(), self.next)
+            return None
+        return hidden[0]
+
+    def to_driver(self, value: T | None) -> T | None:
+        """The last stage's TP rank 0's `value` on rank 0 (None on the other ranks): what a
+        command computed on the last stage, returned by rank 0."""
+        box: list[object] = [value]
+        device = self.wire if self.wire.type == "cuda" else None
+        if self.me == self.reporter:
+            dist.send_object_list(box, self.driver, device=device)
+        elif self.me == self.driver:
+            dist.recv_object_list(box, self.reporter, device=device)
+            return box[0]  # type: ignore[return-value]
+        return None

@@ -8,6 +8,8 @@ save_pretrained writes it, without attaching it to the model.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -171,6 +173,10 @@ def read_adapter(model: TPLlamaForCausalLM, path: str | Path, ctx: TPContext) ->
     cfg = read_config_file(path, str(path / ADAPTER_CONFIG), CheckpointError)
     targets, rank, alpha, dropout = read_adapter_config(cfg, str(path / ADAPTER_CONFIG))
     state = read_adapter_weights(path, str(path / ADAPTER_WEIGHTS))
+    if len(model.decoder_layers) < model.config.num_hidden_layers:  # a pipeline stage: its layers' factors
+        held = set(model.held_layers)
+        state = {k: v for k, v in state.items()
+                 if (m := re.search(r"\.layers\.(\d+)\.", k)) is None or int(m.group(1)) in held}
     adapter = build_lora(model, targets, rank, alpha, dropout)
     load_lora_state_dict(adapter, state, ctx)
     return adapter

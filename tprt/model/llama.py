@@ -256,8 +256,8 @@ class TPLlamaForCausalLM(nn.Module):
         return self.layers
 
     @property
-    def cache_layers(self) -> range:
-        """The layers whose keys and values this rank's KV cache holds, in its order."""
+    def held_layers(self) -> range:
+        """The indices of the decoder layers this rank holds (its KV cache's layers, in order)."""
         return range(self.config.num_hidden_layers)
 
     def linears(self) -> list[ColumnParallelLinear | RowParallelLinear]:
@@ -279,7 +279,7 @@ class TPLlamaForCausalLM(nn.Module):
         dtype (int8, FP8: tprt.model.kv_cache.QUANTIZED) stores that with scales and reads as
         `default_cache_dtype()`. kv_scales: static int8 scales, model-wide [layers, 2,
         num_key_value_heads] (tprt.model.kv_scales); this rank keeps its heads'."""
-        heads, layers = self.layout.kv_heads_of(self.tp.rank), self.cache_layers
+        heads, layers = self.layout.kv_heads_of(self.tp.rank), self.held_layers
         fixed = None if kv_scales is None else kv_scales[layers.start : layers.stop, :, heads.start : heads.stop]
         return KVCache(
             len(layers), n_blocks, self.layout.local_kv_heads, block_size,

@@ -80,7 +80,7 @@ class TPLlamaStage(TPLlamaForCausalLM):
         return self.own_layers
 
     @property
-    def cache_layers(self) -> range:
+    def held_layers(self) -> range:
         return self.stage.layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
