@@ -276,6 +276,46 @@ def test_dp2_x_tp2_equals_tp2_with_accumulation(setup: dict[str, Path]) -> None:
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
 
 
+def test_pp2_x_tp2_equals_tp2(setup: dict[str, Path]) -> None:
+    """--pp 2 (two stages of TP 2: four local ranks, micro-batches on 1F1B) against the same run
+    without stages: the same losses, eval losses and adapter (LoRA), the same exported model
+    (--full); a pipeline run resumed from its step-2 checkpoint logs the uninterrupted losses."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    common = ["--lr", "1e-2", "--steps", "4", "--batch-size", "1", "--grad-accum", "2", "--save-every", "2",
+              "--eval-fraction", "0.3", "--eval-every", "2"]
+    runs = {}
+    for name, extra in (("pp-lora", ["--pp", "2"]), ("lora", []), ("pp-full", ["--pp", "2", "--full"]),
+                        ("full", ["--full"])):
+        runs[name] = setup["root"] / f"stages-{name}"
+        lora = [] if "--full" in extra else ["--lora-rank", "4", "--lora-targets", "q,v,down"]
+        assert main(_args(setup, runs[name], *common, *lora, *extra)) == 0, name
+    for pp, whole in (("pp-lora", "lora"), ("pp-full", "full")):
+        a, b = (read_metrics(runs[n] / "metrics.jsonl") for n in (pp, whole))
+        for key in ("loss", "eval_loss", "grad_norm"):
+            got, want = ([r[key] for r in rows if r[key] is not None] for rows in (a, b))
+            assert len(got) == len(want) == (4 if key != "eval_loss" else 2), key
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0), (pp, key, got, want)
+    a, b = (load_file(str(runs[n] / "adapter" / "adapter_model.safetensors")) for n in ("pp-lora", "lora"))
+    assert a.keys() == b.keys() and len(a) == 2 * 3 * 2  # every layer's q, v and down factors, from both stages
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    for rank in range(2):  # the full fine-tune's rank files hold every stage's tensors
+        name = f"rank-{rank:05d}-of-00002.safetensors"
+        a, b = (load_file(str(runs[n] / "model" / name)) for n in ("pp-full", "full"))
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    resumed = setup["root"] / "pp-resumed"
+    shutil.copytree(runs["pp-lora"], resumed)
+    shutil.rmtree(resumed / "adapter")
+    shutil.rmtree(resumed / "checkpoints" / ckpt.step_name(4))
+    assert {p.name for p in (resumed / "checkpoints" / ckpt.step_name(2)).iterdir()} >= {
+        "weights-tp00000-pp000.safetensors", "weights-tp00001-pp001.safetensors", "optim-tp00000-pp001.pt"}
+    assert main(_args(setup, resumed, *common, "--lora-rank", "4", "--lora-targets", "q,v,down", "--pp", "2",
+                      "--resume")) == 0
+    assert _losses(resumed) == _losses(runs["pp-lora"])
+
+
 # ----------------------------------------------------------------------------- checkpoint files
 
 
@@ -381,7 +421,8 @@ def test_the_stored_run_config_keeps_its_flat_format(setup: dict[str, Path]) -> 
     """Checkpoints store the run under the flags' flat names (and resumes compare them); the nested
     FinetuneConfig (LoRA, DPO and optimizer settings) writes exactly the keys and values the flat
     one of 2026-11 did (plus sequence_parallel and tp_comm_overlap, which a resume need not
-    match: they change no value), so runs checkpointed by earlier versions resume."""
+    match: they change no value, and pp, which a run without it matches as 1), so runs
+    checkpointed by earlier versions resume."""
     from tprt.lora.config import LoRASettings
     from tprt.train.dpo import DPOConfig
     from tprt.train.trainer import FinetuneConfig, OptimSettings, run_config
@@ -390,7 +431,7 @@ def test_the_stored_run_config_keeps_its_flat_format(setup: dict[str, Path]) -> 
                  "epochs", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "batch_size", "grad_accum", "seq_len",
                  "max_grad_norm", "save_every", "keep_checkpoints", "eval_every", "eval_fraction", "eval_data", "seed",
                  "dtype", "activation_checkpointing", "sequence_parallel", "tp_comm_overlap", "offload_optimizer", "dp",
-                 "resume", "truncate", "progress",
+                 "pp", "resume", "truncate", "progress",
                  "objective", "beta", "dpo_loss", "label_smoothing", "rpo_alpha", "init_adapter",
                  "tp", "method", "data_digest", "model_fingerprint"}
     base = dict(model=setup["tp1"], data=setup["data"], out=Path("o"))

@@ -114,6 +114,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     f.add_argument("--dp", type=int, default=1, metavar="M",
                    help="data-parallel replicas: start M x tp local ranks (1; under torchrun: WORLD_SIZE / tp). "
                         "--full shards weights, gradients and optimizer state over them (FSDP2)")
+    f.add_argument("--pp", type=int, default=1, metavar="N",
+                   help="pipeline stages: the layers split over N stages of tp ranks each (tp x N x dp ranks), "
+                        "micro-batches on a 1F1B schedule (--grad-accum N or more: one per stage at least); "
+                        "LoRA and --full, SFT only (1)")
     f.add_argument("--offload-optimizer", choices=("none", "cpu"), default="none",
                    help="--full: keep the fp32 weight shards, gradients and AdamW state in host memory and "
                         "step there (none)")
@@ -208,7 +212,7 @@ def config_from_args(a: argparse.Namespace) -> FinetuneConfig:
         dtype=a.dtype or ("bf16" if torch.cuda.is_available() else "fp32"),
         activation_checkpointing=a.activation_checkpointing, sequence_parallel=a.sequence_parallel,
         tp_comm_overlap=a.tp_comm_overlap,
-        offload_optimizer=a.offload_optimizer, dp=a.dp,
+        offload_optimizer=a.offload_optimizer, dp=a.dp, pp=a.pp,
         resume=a.resume, truncate=not a.no_truncate, progress=not a.no_progress,
     )
     validate(cfg)
@@ -253,6 +257,11 @@ def validate(c: FinetuneConfig) -> None:
     _check(c.keep_checkpoints >= 1, "--keep-checkpoints", f"must be at least 1, got {c.keep_checkpoints}")
     _check(c.eval_every >= 0, "--eval-every", f"must be >= 0, got {c.eval_every}")
     _check(c.dp >= 1, "--dp", f"must be at least 1, got {c.dp}")
+    _check(c.pp >= 1, "--pp", f"must be at least 1, got {c.pp}")
+    if c.pp > 1:
+        from tprt.train.trainer import check_pipeline
+
+        check_pipeline(c, c.pp)
     _check(c.offload_optimizer == "none" or c.full, "--offload-optimizer", "needs --full (LoRA keeps no large state)")
     if dpo is not None:
         _check(math.isfinite(dpo.beta) and dpo.beta > 0, "--beta", f"must be a positive number, got {dpo.beta}")
@@ -294,6 +303,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     returns rank 0's summary (None-valued fields on other torchrun ranks)."""
     from tprt.distributed.context import ParallelDims, in_distributed_env
     from tprt.distributed.launcher import run_on_ranks
+    from tprt.parallel.stages import stages
     from tprt.text.tokenizer import Tokenizer
     from tprt.train.data import prepare_data
     from tprt.train.preference import prepare_preferences
@@ -304,9 +314,11 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     tok = Tokenizer.from_dir(cfg.model)
     prepare = prepare_preferences if cfg.objective == "dpo" else prepare_data
     dataset = prepare(cfg.data, tok, cfg.seq_len, cfg.seed, cfg.eval_fraction, cfg.eval_data, cfg.truncate)
-    world_dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // ckpt.tp_size)
-    dims = ParallelDims(tp=ckpt.tp_size, dp=world_dp if in_distributed_env() else cfg.dp)
-    _check(cfg.dp in (1, dims.dp), "--dp", f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / tp = {dims.dp}")
+    stages(ckpt.config.num_hidden_layers, cfg.pp)  # refuses a --pp the layers cannot take
+    world_dp = max(1, int(os.environ.get("WORLD_SIZE", ckpt.tp_size)) // (ckpt.tp_size * cfg.pp))
+    dims = ParallelDims(tp=ckpt.tp_size, dp=world_dp if in_distributed_env() else cfg.dp, pp=cfg.pp)
+    _check(cfg.dp in (1, dims.dp), "--dp",
+           f"{cfg.dp} disagrees with torchrun's world: WORLD_SIZE / (tp x pp) = {dims.dp}")
     steps = total_steps(cfg, dataset.n_examples, dims.dp)
     _check(cfg.optim.warmup_steps <= steps, "--warmup-steps",
            f"{cfg.optim.warmup_steps} exceeds the run's {steps} steps")
@@ -315,7 +327,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
              r["documents"], r["truncated"], r["train_rows"], r["eval_rows"], cfg.seq_len, steps)
     _check_resume_early(cfg, ckpt.tp_size, dataset.digest)
     launcher_pid = None if in_distributed_env() else os.getpid()  # local ranks exit if this process dies
-    if not in_distributed_env() and dims.dp > 1:
+    if not in_distributed_env() and dims.world > ckpt.tp_size:  # DP replicas or pipeline stages
         from tprt.distributed.launcher import launch_local
 
         return dict(launch_local(dims.world, train_rank, (cfg, dataset, launcher_pid))[0])

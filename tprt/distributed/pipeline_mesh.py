@@ -38,6 +38,21 @@ class PipelineMesh:
         me = self.tp.global_rank
         return self.dims.pp_group_ranks(self.dims.dp_rank(me), self.dims.tp_rank(me))
 
+    @property
+    def previous(self) -> int | None:
+        """The global rank this one receives hidden states from (None on the first stage)."""
+        return self.pipeline[self.stage_index - 1] if self.stage_index > 0 else None
+
+    @property
+    def next(self) -> int | None:
+        """The global rank this one sends hidden states to (None on the last stage)."""
+        return self.pipeline[self.stage_index + 1] if self.stage_index + 1 < self.stages else None
+
+    @property
+    def wire(self) -> torch.device:
+        """Where tensors passed between ranks live: gloo sends host tensors, NCCL the device's."""
+        return self.tp.device if self.tp.backend == "nccl" else torch.device("cpu")
+
     def stage_rank(self, stage: int, tp_rank: int = 0) -> int:
         """The global rank of TP rank `tp_rank` of stage `stage` of this DP replica."""
         return self.dims.pp_group_ranks(self.dims.dp_rank(self.tp.global_rank), tp_rank)[stage]
@@ -84,6 +99,6 @@ def pipeline_mesh(tp: int, pp: int, dp: int = 1, device: torch.device | None = N
 
 def init_pipeline(tp: int, pp: int, backend: str | None = None, timeout_s: float = 600.0) -> PipelineMesh:
     """Joins the world the environment describes (torchrun's, or tprt's local launcher's) and
-    lays it out as one pipeline of `pp` stages of `tp` ranks each."""
-    _, _, _, device = join_world(backend, timeout_s)
-    return pipeline_mesh(tp, pp, device=device)
+    lays it out as pipelines of `pp` stages of `tp` ranks each, one per DP replica."""
+    _, world, _, device = join_world(backend, timeout_s)
+    return pipeline_mesh(tp, pp, max(1, world // (tp * pp)), device=device)

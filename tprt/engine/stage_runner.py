@@ -31,7 +31,7 @@ from tprt.distributed.pipeline_mesh import PipelineMesh
 from tprt.engine.runner import ModelRunner, RunnerConfig, StepResult
 from tprt.errors import ConfigError
 from tprt.model.batch import TokenBatch
-from tprt.model.stage import TPLlamaStage
+from tprt.model.stage import TPLlamaStage, forward_through
 
 if TYPE_CHECKING:
     from torch.distributed import Work
@@ -52,15 +52,11 @@ class StageRunner(ModelRunner):
             log0(model.tp, "pipeline stages run eagerly: no CPU prepacking, compiled decode layers or CUDA graphs")
         super().__init__(model, n_blocks, block_size, max_batch, max_seq_len,
                          replace(config, cpu_prepack=False, cuda_graphs="off"))
-        self.stage_model = model
-        stage, pipeline = mesh.stage_index, mesh.pipeline
-        self.previous = pipeline[stage - 1] if stage > 0 else None
-        self.next = pipeline[stage + 1] if stage + 1 < mesh.stages else None
+        self.stage_model, self.mesh = model, mesh
+        self.previous, self.next, self.wire = mesh.previous, mesh.next, mesh.wire
         self.driver, self.reporter = mesh.stage_rank(0), mesh.stage_rank(mesh.stages - 1)
         self.me = mesh.tp.global_rank
         self.microbatches = microbatches or mesh.stages
-        # gloo sends host tensors; NCCL the device's
-        self.wire = model.tp.device if model.tp.backend == "nccl" else torch.device("cpu")
 
     @torch.inference_mode()
     def execute(self, batch: TokenBatch) -> StepResult:
@@ -113,17 +109,8 @@ class StageRunner(ModelRunner):
         """One uncached causal pass of a sequence through the stages (scoring a prompt between
         steps): the last stage's hidden states [len(ids), hidden] there, None on the others.
         Collective over the pipeline."""
-        model = self.stage_model
-        if self.previous is None:
-            x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
-        else:
-            x = torch.empty(1, len(ids), model.config.hidden_size, dtype=model.dtype, device=self.wire)
-            dist.recv(x, self.previous)
-        hidden = model.forward_hidden(x)
-        if self.next is not None:
-            dist.send(hidden.to(self.wire).contiguous(), self.next)
-            return None
-        return hidden[0]
+        hidden = forward_through(self.stage_model, self.mesh, torch.tensor([ids], device=self.device))
+        return None if hidden is None else hidden[0]
 
     def to_driver(self, value: T | None) -> T | None:
         """The last stage's TP rank 0's `value` on rank 0 (None on the other ranks): what a

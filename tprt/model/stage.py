@@ -15,7 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from tprt.distributed.context import TPContext
+from tprt.distributed.pipeline_mesh import PipelineMesh
 from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.model.attention import AttentionStep
@@ -128,3 +131,19 @@ def stage_loss(stage: TPLlamaStage, hidden: torch.Tensor, labels: torch.Tensor) 
     local_logits = stage.lm_head(stage.norm(picked))
     loss = vocab_parallel_cross_entropy(local_logits, target[keep], stage.tp, vocab_size=stage.config.vocab_size)
     return loss.sum(), n_tokens
+
+
+def forward_through(model: TPLlamaStage, mesh: PipelineMesh, ids: torch.Tensor) -> torch.Tensor | None:
+    """A whole-sequence forward of rows `ids` [batch, seq] through the pipeline (no KV cache, no
+    autograd across stages: evaluation, scoring): the last stage's hidden states [batch, seq,
+    hidden] there, None on the others. Every stage needs `ids`' shape; only the first reads them."""
+    if mesh.previous is None:
+        x = ids
+    else:
+        x = torch.empty(*ids.shape, model.config.hidden_size, dtype=model.dtype, device=mesh.wire)
+        dist.recv(x, mesh.previous)
+    hidden = model.forward_hidden(x)
+    if mesh.next is not None:
+        dist.send(hidden.to(mesh.wire).contiguous(), mesh.next)
+        return None
+    return hidden

@@ -7,6 +7,7 @@ Layout under the run's output directory:
         trainer.pt                    scheduler state (rank 0)
         weights-tp00000.safetensors   trainable parameters of TP rank 0 (full: its shard; LoRA: its
         optim-tp00000.pt              adapter shard) and its optimizer state; DP rank 0 writes them
+                                      (over pipeline stages, each stage's: weights-tp00000-pp001...)
         rng-00000.pt                  torch and Python RNG states of global rank 0, one per rank
         dcp-tp00000/                  a sharded full fine-tune (FSDP, `tprt.train.fsdp`) instead of
                                       weights-/optim-: TP rank 0's parameters and optimizer state
@@ -46,7 +47,7 @@ STATE_FILE = "train_state.json"
 PREFIX = "step-"
 TMP_PREFIX = ".tmp-step-"
 # Run-config fields a resume must share with the checkpoint, in the order they are checked.
-MUST_MATCH = ("tp", "model_fingerprint", "method", "lora_rank", "lora_alpha", "lora_targets",
+MUST_MATCH = ("tp", "pp", "model_fingerprint", "method", "lora_rank", "lora_alpha", "lora_targets",
               "seq_len", "data_digest", "seed", "dtype", "objective", "beta", "dpo_loss", "label_smoothing",
               "rpo_alpha", "init_adapter")
 
@@ -130,13 +131,18 @@ class TrainState:
     scheduler: dict[str, Any]
 
 
+def shard_suffix(ctx: TPContext, stage: int | None) -> str:
+    """The name part of a TP rank's (and pipeline stage's) weights and optimizer files."""
+    return f"tp{ctx.rank:05d}" + ("" if stage is None else f"-pp{stage:03d}")
+
+
 def save_checkpoint(
     out: Path, ctx: TPContext, state: TrainState, weights: Mapping[str, torch.Tensor],
-    optimizer_state: Mapping[str, Any], keep: int, sharded: ShardedState | None = None,
+    optimizer_state: Mapping[str, Any], keep: int, sharded: ShardedState | None = None, stage: int | None = None,
 ) -> Path:
     """Writes checkpoint `state.step`; collective over the world (every rank must call it).
     With `sharded`, every rank writes its DCP shards instead of DP rank 0 writing `weights` and
-    `optimizer_state`."""
+    `optimizer_state`. `stage`: this rank's pipeline stage, whose files these are."""
     from safetensors.torch import save_file
 
     root = out / CHECKPOINTS
@@ -157,10 +163,10 @@ def save_checkpoint(
             # DCP's file writer fsyncs each file it writes (sync_files defaults to True).
             dcp.save(sharded.state, checkpoint_id=dcp_dir(tmp, ctx.rank), process_group=sharded.dp_group)
         elif ctx.dp_rank == 0:
-            wpath = tmp / f"weights-tp{ctx.rank:05d}.safetensors"
+            wpath = tmp / f"weights-{shard_suffix(ctx, stage)}.safetensors"
             save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(wpath))
             _fsync_file(wpath)
-            _torch_save(dict(optimizer_state), tmp / f"optim-tp{ctx.rank:05d}.pt")
+            _torch_save(dict(optimizer_state), tmp / f"optim-{shard_suffix(ctx, stage)}.pt")
 
     def complete() -> None:
         if ctx.is_main:
@@ -212,6 +218,7 @@ def check_resume(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any
     for key in MUST_MATCH:
         # a DPO run saved before --rpo-alpha existed ran without the term
         old = 0.0 if key == "rpo_alpha" and saved.get("objective") == "dpo" else None
+        old = 1 if key == "pp" else old  # runs before pipeline stages had one
         if saved.get(key, old) == current.get(key):
             continue
         if key == "model_fingerprint":
@@ -223,13 +230,14 @@ def check_resume(path: Path, saved: Mapping[str, Any], current: Mapping[str, Any
         raise ConfigError(f"--resume: {path} was written with {flag} {saved.get(key)!r}, this run has {current.get(key)!r}")
 
 
-def load_rank_state(path: Path, ctx: TPContext) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any] | None]:
+def load_rank_state(path: Path, ctx: TPContext, stage: int | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any] | None]:
     """This rank's (trainable weights, optimizer state, RNG state or None when the checkpoint was
-    written by a world without this global rank)."""
+    written by a world without this global rank); `stage`: its pipeline stage's."""
     from safetensors.torch import load_file
 
-    wpath = path / f"weights-tp{ctx.rank:05d}.safetensors"
-    opath = path / f"optim-tp{ctx.rank:05d}.pt"
+    wpath = path / f"weights-{shard_suffix(ctx, stage)}.safetensors"
+    opath = path / f"optim-{shard_suffix(ctx, stage)}.pt"
     for p in (wpath, opath):
         if not p.is_file():
             raise CheckpointError(f"{p}: missing from the checkpoint (needed by TP rank {ctx.rank})")

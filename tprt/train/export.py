@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from tprt.checkpoint.format import TOKENIZER_FILES, FileEntry, Manifest, TPCheckpoint, rank_file_name, write_manifest
 from tprt.distributed.context import TPContext
+from tprt.distributed.pipeline_mesh import PipelineMesh
 from tprt.errors import CheckpointError
 from tprt.checkpoint.fsutil import fsync_dir, write_text_atomic
 from tprt.parallel.sharding import hf_sources
@@ -118,20 +119,26 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, out: Path,
                         provenance: Mapping[str, Any] | None = None,
-                        tensors: Mapping[str, torch.Tensor] | None = None) -> Path:
+                        tensors: Mapping[str, torch.Tensor] | None = None,
+                        stages: PipelineMesh | None = None) -> Path:
     """Writes the model as a TP checkpoint shaped like `base` (same TP, dtype, manifest format).
     `tensors`: the values to write instead of `model.state_dict()` (a sharded model's, gathered).
+    `stages`: `model` is a pipeline stage; the first stage gathers its pipeline's tensors (the
+    whole TP rank's) and writes the rank file.
 
-    Collective over the world: the TP ranks of DP rank 0 each write their rank file."""
+    Collective over the world: the TP ranks of DP rank 0 (and of the first stage) each write
+    their rank file."""
     ckpt = TPCheckpoint(base)
     manifest = ckpt.manifest
     tmp = _staging_dir(out, ctx)
+    own = tensors if tensors is not None else model.state_dict()
+    state = _gather_stages(own, stages) if stages is not None and ctx.dp_rank == 0 else own
     try:
         def write_shard() -> tuple[str, FileEntry] | None:
-            if ctx.dp_rank != 0:
+            if ctx.dp_rank != 0 or state is None:
                 return None
             fname = rank_file_name(ctx.rank, manifest.tp_size)
-            size, sha = _write_rank_file(tmp / fname, _rank_tensors(tensors if tensors is not None else model.state_dict(), manifest), manifest)
+            size, sha = _write_rank_file(tmp / fname, _rank_tensors(state, manifest), manifest)
             return fname, FileEntry(ctx.rank, size, sha)
 
         entry = run_together(write_shard, f"writing {out}")
@@ -159,15 +166,34 @@ def write_tp_checkpoint(model: TPLlamaForCausalLM, ctx: TPContext, base: Path, o
     return out
 
 
-def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: Mapping[str, Any]) -> Path:
+def _gather_stages(state: Mapping[str, torch.Tensor], stages: PipelineMesh) -> dict[str, torch.Tensor] | None:
+    """Every stage's `state` of this pipeline (host copies), merged on its first stage (a
+    tensor two stages hold, tied embeddings, taken from the first); None on the other stages.
+    Collective over the pipeline."""
+    host = {k: v.detach().to("cpu") for k, v in state.items()}
+    parts: list[Any] = [None] * stages.stages if stages.stage_index == 0 else []
+    dist.gather_object(host, parts or None, dst=stages.pipeline[0], group=stages.pp_group)
+    if stages.stage_index != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update({k: v for k, v in part.items() if k not in merged})
+    return merged
+
+
+def write_adapter(model: TPLlamaForCausalLM, ctx: TPContext, out: Path, config: Mapping[str, Any],
+                  stages: PipelineMesh | None = None) -> Path:
     """adapter_model.safetensors + adapter_config.json in `out` (PEFT layout); collective (the
-    full A/B matrices are gathered to rank 0, which writes them)."""
+    full A/B matrices are gathered to rank 0, which writes them; `stages`: from every pipeline
+    stage's layers)."""
     from safetensors.torch import save_file
 
     from tprt.lora.attach import attached
     from tprt.lora.peft_io import lora_state_dict
 
     state = lora_state_dict(attached(model), ctx)
+    if stages is not None and ctx.rank == 0 and ctx.dp_rank == 0:
+        state = _gather_stages(state, stages) or {}
 
     def write() -> None:
         if not ctx.is_main:

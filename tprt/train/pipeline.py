@@ -24,12 +24,15 @@ import torch
 import torch.distributed as dist
 
 from tprt.distributed.pipeline_mesh import PipelineMesh, pipeline_mesh
-from tprt.model.stage import TPLlamaStage, stage_loss
+from tprt.model.stage import TPLlamaStage, forward_through, stage_loss
 from tprt.parallel.cross_entropy import IGNORE_INDEX
 from tprt.parallel.stages import Stage
+from tprt.train.data import rank_share
 from tprt.train.grads import clip_grad_norm, sync_gradients
+from tprt.train.objective import EvalOutcome, StepOutcome, TrainRun
 
-__all__ = ["PipelineMesh", "PipelineTrainer", "pipeline_mesh", "sync_and_clip", "tied_embedding_grads"]
+__all__ = ["PipelineMesh", "PipelineSupervised", "PipelineTrainer", "pipeline_mesh", "sync_and_clip",
+           "tied_embedding_grads"]
 
 
 class PipelineTrainer:
@@ -99,3 +102,54 @@ def sync_and_clip(model: TPLlamaStage, mesh: PipelineMesh, max_norm: float) -> f
     twin = [model.embed_tokens.weight] if (model.embed_tokens is not None and model.stage.last
                                            and not model.stage.first) else []
     return clip_grad_norm(model.parameters(), max_norm, ctx, across=[mesh.pp_group], counted_elsewhere=twin)
+
+
+class PipelineSupervised:
+    """The supervised objective (tprt.train.objective.Supervised) over pipeline stages: a step's
+    rows of this DP replica go through the 1F1B schedule in `n_microbatches` micro-batches; the
+    loss, known on the last stage, is handed to every rank. Evaluation passes the held-out rows
+    forward through the stages (`forward_through`)."""
+
+    def __init__(self, mesh: PipelineMesh, n_microbatches: int) -> None:
+        self.mesh, self.n_microbatches = mesh, n_microbatches
+        self.trainer: PipelineTrainer | None = None
+
+    def prepare(self, run: TrainRun) -> None:
+        assert isinstance(run.model, TPLlamaStage)
+        self.trainer = PipelineTrainer(run.model, self.mesh, self.n_microbatches)
+
+    def forward_backward(self, run: TrainRun, rows: list[int]) -> StepOutcome:
+        assert self.trainer is not None, "prepare() first"
+        train, ctx = run.data.train, run.ctx
+        mine = torch.tensor([r for micro in rank_share(rows, ctx.dp_rank, ctx.dp_size, run.batch_size) for r in micro])
+        loss = self.trainer.step(train.input_ids[mine].to(ctx.device), train.labels[mine].to(ctx.device))
+        return StepOutcome(self._from_last_stage(loss), train.n_tokens(rows))
+
+    def evaluate(self, run: TrainRun) -> EvalOutcome | None:
+        """Mean loss per target token over the eval rows (each DP replica its share)."""
+        rows = run.data.eval
+        if rows is None:
+            return None
+        ctx, model = run.ctx, run.model
+        assert isinstance(model, TPLlamaStage)
+        idx = list(range(ctx.dp_rank, len(rows), ctx.dp_size))
+        sums = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i in range(0, len(idx), run.batch_size):
+                    micro = torch.tensor(idx[i : i + run.batch_size])
+                    hidden = forward_through(model, self.mesh, rows.input_ids[micro].to(ctx.device))
+                    if hidden is not None:
+                        loss_sum, n = stage_loss(model, hidden, rows.labels[micro])
+                        sums += torch.stack((loss_sum.double(), n.double()))
+        finally:
+            model.train()
+        dist.all_reduce(sums, group=self.mesh.pp_group)  # the last stage's sums, on every stage
+        run.dp_sum(sums)
+        return EvalOutcome(float(sums[0] / sums[1].clamp(min=1)))
+
+    def _from_last_stage(self, value: float | None) -> float:
+        t = torch.tensor([value or 0.0], dtype=torch.float64, device=self.mesh.tp.device)
+        dist.all_reduce(t, group=self.mesh.pp_group)  # only the last stage's is non-zero
+        return float(t)

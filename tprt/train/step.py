@@ -87,7 +87,7 @@ def enable_sequence_parallel(model: TPLlamaForCausalLM, enabled: bool = True) ->
     model.embed_tokens.sequence_parallel = enabled
     for linear in model.linears():
         linear.sequence_parallel = enabled
-    for layer in model.layers:
+    for layer in model.decoder_layers:
         assert isinstance(layer, DecoderLayer)
         norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm]
@@ -104,7 +104,7 @@ def enable_tp_comm_overlap(model: TPLlamaForCausalLM, enabled: bool = True) -> N
     sequence parallelism its reduce-scatter, and keeps only its chunk of the input) and computes
     the weight's gradient while it travels (tprt.parallel.overlap). LoRA's frozen base has no
     weight gradient to hide the collective behind: it keeps the plain path."""
-    for layer in model.layers:
+    for layer in model.decoder_layers:
         assert isinstance(layer, DecoderLayer)
         layer.self_attn.qkv_proj.overlap_comm = enabled
         layer.mlp.gate_up_proj.overlap_comm = enabled

@@ -37,7 +37,10 @@ from tprt.checkpoint.format import TPCheckpoint
 from tprt.distributed.context import TPContext, init_distributed
 from tprt.distributed.together import run_together
 from tprt.errors import ConfigError, TprtError
-from tprt.checkpoint.loading import load_model, parse_dtype, shared_twin
+from tprt.checkpoint.loading import load_model, load_stage, parse_dtype, shared_twin
+from tprt.distributed.pipeline_mesh import PipelineMesh
+from tprt.model.stage import TPLlamaStage
+from tprt.parallel.stages import stages
 from tprt.lora.config import LoRASettings
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.train import checkpointing as ckpt
@@ -45,6 +48,7 @@ from tprt.train.data import BatchStream, Dataset
 from tprt.train.dpo import DPOConfig, Preference, load_initial_adapter
 from tprt.train.fsdp import ShardedModel
 from tprt.train.objective import Objective, Supervised
+from tprt.train.pipeline import PipelineSupervised, sync_and_clip
 from tprt.train.plot import METRICS_FILE, PLOT_FILE, MetricsLog, plot_loss
 
 log = logging.getLogger("tprt")
@@ -97,6 +101,7 @@ class FinetuneConfig:
     tp_comm_overlap: str = "auto"
     offload_optimizer: str = "none"  # "cpu": FSDP's fp32 shards, gradients and AdamW state in host memory
     dp: int = 1  # data-parallel ranks the local launcher starts (torchrun: WORLD_SIZE / tp)
+    pp: int = 1  # pipeline stages of tp ranks each (tprt.train.pipeline)
     resume: bool = False
     truncate: bool = True
     progress: bool = True
@@ -140,6 +145,19 @@ def run_config(cfg: FinetuneConfig, tp: int, data_digest: str) -> dict[str, Any]
     return d
 
 
+def check_pipeline(cfg: FinetuneConfig, pp: int) -> None:
+    """What a pipeline-parallel run cannot do, refused naming the flag."""
+    if cfg.dpo is not None:
+        raise ConfigError(f"--pp {pp}: preference tuning (--objective dpo) does not run over pipeline stages")
+    if cfg.sequence_parallel:
+        raise ConfigError(f"--pp {pp}: --sequence-parallel does not run over pipeline stages yet")
+    if cfg.offload_optimizer != "none":
+        raise ConfigError(f"--pp {pp}: --offload-optimizer shards over DP with FSDP, which stages do not use")
+    if cfg.grad_accum < pp:
+        raise ConfigError(f"--pp {pp}: the 1F1B schedule needs at least one micro-batch per stage; "
+                          f"give --grad-accum {pp} or more (got {cfg.grad_accum})")
+
+
 def total_steps(cfg: FinetuneConfig, n_examples: int, dp_size: int) -> int:
     """--steps, else ceil(--epochs (default 1) x examples / examples per step); an example is a
     row, or with DPO a pair."""
@@ -172,6 +190,11 @@ def train_rank(cfg: FinetuneConfig, dataset: Dataset, launcher_pid: int | None =
     """One rank of `tprt finetune` (under torchrun or tprt's launcher); returns a summary."""
     watch_parent(launcher_pid)
     tp = TPCheckpoint(cfg.model).tp_size
+    if cfg.pp > 1:
+        from tprt.distributed.pipeline_mesh import init_pipeline
+
+        pipeline = init_pipeline(tp, cfg.pp)
+        return Trainer(cfg, pipeline.tp, dataset, pipeline=pipeline).run()
     ctx = init_distributed(tp_size=tp)
     mesh = None
     if cfg.full:
@@ -185,21 +208,27 @@ class Trainer:
     """The training state of one rank and the loop over it."""
 
     def __init__(self, cfg: FinetuneConfig, ctx: TPContext, dataset: Dataset,
-                 base: TPLlamaForCausalLM | None = None, mesh: DeviceMesh | None = None) -> None:
+                 base: TPLlamaForCausalLM | None = None, mesh: DeviceMesh | None = None,
+                 pipeline: PipelineMesh | None = None) -> None:
         """`base`: for LoRA, a loaded model of cfg.model in cfg.dtype (the server's) whose frozen
         weights the trainer uses instead of loading its own copy (`shared_twin`). `mesh`: the
-        world as a [dp, tp] DeviceMesh; a full fine-tune then shards over its `dp` dimension."""
+        world as a [dp, tp] DeviceMesh; a full fine-tune then shards over its `dp` dimension.
+        `pipeline`: this rank trains its stage of the model (tprt.train.pipeline) over this mesh."""
         from tprt.train.optim import AdamW, warmup_cosine
         from tprt.train.step import (enable_activation_checkpointing, enable_sequence_parallel,
                                      enable_tp_comm_overlap)
 
-        self.cfg, self.ctx, self.data = cfg, ctx, dataset
+        self.cfg, self.ctx, self.data, self.pipeline = cfg, ctx, dataset, pipeline
         self.out = Path(cfg.out)
         self.run_cfg = run_config(cfg, ctx.world_size, dataset.digest)
         self.sharded: ShardedModel | None = None
         if cfg.offload_optimizer != "none" and (mesh is None or not cfg.full):
             raise ConfigError("--offload-optimizer needs --full (a sharded full fine-tune)")
-        if base is not None:
+        if pipeline is not None:
+            check_pipeline(cfg, pipeline.stages)
+            stage = stages(TPCheckpoint(cfg.model).config.num_hidden_layers, pipeline.stages)[pipeline.stage_index]
+            self.model: TPLlamaForCausalLM = load_stage(cfg.model, ctx, stage, dtype=cfg.dtype, requires_grad=cfg.full)
+        elif base is not None:
             if cfg.full or base.dtype != parse_dtype(cfg.dtype) or base.tp != ctx:
                 raise ConfigError("only a LoRA job in the base model's dtype and TP context can share its weights")
             self.model = shared_twin(base)
@@ -213,7 +242,8 @@ class Trainer:
             self.model = fp32
         else:
             self.model = load_model(cfg.model, ctx, dtype=cfg.dtype, requires_grad=cfg.full)
-        enable_sequence_parallel(self.model, cfg.sequence_parallel)
+        if pipeline is None:  # (refused over stages: check_pipeline)
+            enable_sequence_parallel(self.model, cfg.sequence_parallel)
         overlap = cfg.tp_comm_overlap == "on" or (cfg.tp_comm_overlap == "auto" and ctx.device.type == "cuda")
         enable_tp_comm_overlap(self.model, cfg.full and overlap)
         self.shares_base = base is not None
@@ -232,7 +262,8 @@ class Trainer:
         self.eval_metrics: dict[str, float] = {}  # beyond the eval loss: DPO's of the last evaluation
         self.last_saved: Path | None = None
         self.metrics = MetricsLog(self.out)
-        self.objective = cfg.objective_of()
+        self.objective: Objective = (cfg.objective_of() if pipeline is None
+                                     else PipelineSupervised(pipeline, cfg.grad_accum))
         self.objective.prepare(self)
         torch.manual_seed(cfg.seed + 7919 * (1 + ctx.dp_rank))  # dropout: the same over TP, not over DP
 
@@ -285,7 +316,7 @@ class Trainer:
             log.info("resumed from %s (step %d)", path, self.step)
 
     def _load_replicated(self, path: Path) -> dict[str, Any] | None:
-        weights, optim, rng = ckpt.load_rank_state(path, self.ctx)
+        weights, optim, rng = ckpt.load_rank_state(path, self.ctx, self.stage_index)
         with torch.no_grad():
             for name, p in self.named_trainable().items():
                 if name not in weights:
@@ -315,7 +346,13 @@ class Trainer:
                                                    sharded)
             return
         self.last_saved = ckpt.save_checkpoint(self.out, self.ctx, state, self.named_trainable(),
-                                               self.optimizer.state_dict(), self.cfg.keep_checkpoints)
+                                               self.optimizer.state_dict(), self.cfg.keep_checkpoints,
+                                               stage=self.stage_index)
+
+    @property
+    def stage_index(self) -> int | None:
+        """This rank's pipeline stage (None without stages): its checkpoint files carry it."""
+        return None if self.pipeline is None else self.pipeline.stage_index
 
     # ------------------------------------------------------------------ steps
 
@@ -341,6 +378,9 @@ class Trainer:
 
             sync_tp_gradients(self.sharded)
             grad_norm = clip_sharded_grad_norm(self.sharded, self.cfg.optim.max_grad_norm)
+        elif self.pipeline is not None:  # the norm spans the stages; tied embeddings' copies summed
+            assert isinstance(self.model, TPLlamaStage)
+            grad_norm = sync_and_clip(self.model, self.pipeline, self.cfg.optim.max_grad_norm)
         else:
             sync_gradients(self.model, self.ctx)
             grad_norm = clip_grad_norm(self.params, self.cfg.optim.max_grad_norm, self.ctx)
@@ -429,9 +469,10 @@ class Trainer:
 
             tensors = full_state(self.sharded) if self.sharded is not None else None  # all-gathered over DP
             output = write_tp_checkpoint(self.model, self.ctx, Path(self.cfg.model), self.out / "model",
-                                         {"finetune": {"steps": self.step, "lr": self.cfg.optim.lr}}, tensors)
+                                         {"finetune": {"steps": self.step, "lr": self.cfg.optim.lr}}, tensors,
+                                         self.pipeline)
         else:
-            output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config())
+            output = write_adapter(self.model, self.ctx, self.out / "adapter", self.adapter_config(), self.pipeline)
         summary = {"steps": self.step, "loss": loss, "eval_loss": eval_loss, "output": str(output),
                    "metrics": str(self.out / METRICS_FILE), "plot": None, **self.step_metrics, **self.eval_metrics}
         if self.ctx.is_main:
