@@ -214,7 +214,8 @@ def engine_config(cfg: ServeConfig, device: torch.device | None = None) -> Engin
                         speculative=cfg.speculative,
                         cache_dtype=torch.int8 if kv_scales is not None else kv_cache_dtype(cache.dtype),
                         kv_scales=kv_scales, mask_threads=0 if device is None else spare_cores(device),
-                        attention_backend=cache.attention, cuda_graphs=scheduler.cuda_graphs)
+                        attention_backend=cache.attention, cuda_graphs=scheduler.cuda_graphs,
+                        sequence_parallel_tokens=scheduler.sequence_parallel)
 
 
 def max_batch_size(cfg: ServeConfig) -> int:

@@ -91,10 +91,13 @@ def test_generate_json_tp2(root: Path, hf: Any, tmp_path: Path) -> None:
     assert "TP=2" in proc.stderr
 
 
-def test_generate_over_pipeline_stages(root: Path, hf: Any) -> None:
-    """--pp 2 on the TP=2 checkpoint (4 local ranks, two stages of two): the same ids and
-    logprobs as transformers, and the stderr line says the layout."""
-    proc = _tprt("generate", "--model", str(root / "tp2"), "--pp", "2", "--prompt", *PROMPTS, "--max-new-tokens",
+@pytest.mark.parametrize(("flags", "layout"), [(["--pp", "2"], "TP=2 x PP=2"),
+                                              (["--sequence-parallel", "4"], "TP=2, sequence-parallel")])
+def test_generate_over_stages_or_sequence_parallel(root: Path, hf: Any, flags: list[str], layout: str) -> None:
+    """--pp 2 on the TP=2 checkpoint (4 local ranks, two stages of two), and prefill steps of 4
+    tokens or more split over the TP ranks (--sequence-parallel 4): the same ids and logprobs as
+    transformers, and the stderr line says the layout."""
+    proc = _tprt("generate", "--model", str(root / "tp2"), *flags, "--prompt", *PROMPTS, "--max-new-tokens",
                  str(N_NEW), "--logprobs", "--json", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
     tok = Tokenizer.from_dir(root / "tp2")
@@ -104,7 +107,7 @@ def test_generate_over_pipeline_stages(root: Path, hf: Any) -> None:
         assert r["token_ids"] == want, (text, r["token_ids"], want)
         torch.testing.assert_close(torch.tensor(r["logprobs"]), _hf_logprobs(hf, ids + want)[len(ids) - 1:],
                                    atol=1e-4, rtol=0)
-    assert "TP=2 x PP=2" in proc.stderr, proc.stderr
+    assert layout in proc.stderr, proc.stderr
 
 
 def test_generate_speculative_tp2(root: Path, hf: Any) -> None:
@@ -266,6 +269,7 @@ def test_score_txt_tp1(root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
      ["--out", "does not exist"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--threads", "0"], ["--threads"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--pp", "0"], ["--pp", "between 1 and", "got 0"]),
+    (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--sequence-parallel", "-1"], ["--sequence-parallel", "-1"]),
     (["generate", "--model", "{root}/tp2", "--prompt", "hi", "--pp", "99"], ["--pp", "layers", "got 99"]),
     (["score", "--model", "{root}/tp2", "--file", "{root}/bad.jsonl"], ["bad.jsonl:2", '"text"']),
     (["score", "--model", "{root}/tp2", "--file", "{root}/missing.txt"], ["missing.txt"]),

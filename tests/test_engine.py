@@ -328,6 +328,36 @@ def check_logprobs(ctx: TPContext, wd: Path) -> None:
         assert out[f"rp{i}"].token_ids == ref["penalised"][i], f"repetition penalty, prompt {i}"
 
 
+def check_sequence_parallel_prefill(ctx: TPContext, wd: Path, prepack: bool) -> None:
+    """Prefill steps under sequence parallelism (each TP rank normalising 1/TP of a step's
+    tokens, padded where they do not split): the tokens and logprobs of transformers, prompt
+    chunks and decode rows mixed in steps of a small budget; on CPU with and without the packed
+    weights and compiled layers. At TP 1 there is nothing to split."""
+    ref = _ref(wd)
+    model = load_model(wd / f"tp{ctx.world_size}", ctx)
+    split: list[int] = []
+    whole_step = model._sequence_parallel_step
+    model._sequence_parallel_step = lambda ids, attention: (split.append(attention.tokens),  # type: ignore[method-assign]
+                                                            whole_step(ids, attention))[1]
+
+    def fn(engine: Engine) -> dict[str, Completion]:
+        for i, p in enumerate(ref["prompts"]):
+            engine.add(p, _greedy(logprobs=True), str(i))
+        return run_to_completion(engine)
+
+    config = EngineConfig(max_batch=4, max_seq_len=64, token_budget=7, sequence_parallel_tokens=3, cpu_prepack=prepack)
+    out = _drive(ctx, wd, config, fn, model=model)
+    for i, lp in enumerate(ref["logprobs"]):
+        c = out[str(i)]
+        assert c.token_ids == ref["greedy"][i], f"prompt {i}"
+        torch.testing.assert_close(torch.tensor(c.logprobs), lp.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1),
+                                   atol=1e-4, rtol=0)
+    if ctx.world_size > 1:  # steps of 3..7 tokens were split, odd counts padded
+        assert split and min(split) >= 3 and any(n % ctx.world_size for n in split), split
+    else:
+        assert not split
+
+
 def check_seeded(ctx: TPContext, wd: Path) -> None:
     """Seeded sampling is reproducible and independent of the rest of the batch; every rank feeds
     the model the ids rank 0 sampled."""
@@ -883,6 +913,8 @@ CHECKS: Checks = [
     ("stops", check_stops),
     ("logprobs", check_logprobs),
     ("seeded", check_seeded),
+    ("sequence_parallel_prefill", partial(check_sequence_parallel_prefill, prepack=True)),
+    ("sequence_parallel_prefill_eager", partial(check_sequence_parallel_prefill, prepack=False)),
     ("step_graphs", check_step_graphs),
     ("fused_one_row", check_fused_one_row),
     ("prefix_reuse", check_prefix_reuse),

@@ -47,7 +47,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             "--data-dir", str(data_dir(root, "data")), "--auth-token-file", str(root / "token"),
             "--max-batch-size", "4", "--max-queue", "8", "--max-seq-len", str(CONTEXT), "--threads", "1",
             "--collective-timeout", "30", "--max-message-bytes", str(256 << 10), "--max-dataset-bytes", "4096",
-            "--max-queued-jobs", "2", "--max-loras", "2", "--max-lora-rank", "8"]
+            "--max-queued-jobs", "2", "--max-loras", "2", "--max-lora-rank", "8",
+            "--sequence-parallel", "8"]  # prefill steps of 8 tokens or more split over the two ranks
     srv = ServerProcess(args, root / "server.log")
     try:
         yield srv

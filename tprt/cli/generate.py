@@ -24,6 +24,7 @@ from tprt.engine.constraints import ConstraintSpec, StructuredOutputs
 from tprt.cpu.threads import spare_cores
 from tprt.engine.core import Completion, Engine, EngineConfig, run_to_completion
 from tprt.engine.request import ContextLengthError, resolve_sampling
+from tprt.engine.settings import check_sequence_parallel
 from tprt.errors import ConfigError, ValidationError
 from tprt.checkpoint.loading import load_model, load_stage, parse_dtype
 from tprt.distributed.pipeline_mesh import PipelineMesh, init_pipeline
@@ -69,6 +70,7 @@ class GenerateArgs:
     adapter: Path | None = None  # LoRA adapter directory (tprt finetune or PEFT), applied unmerged
     threads: int | None = None  # torch threads per rank; None: cores / TP
     pp: int = 1  # pipeline stages of the checkpoint's TP ranks each (tprt.engine.stage_runner)
+    sequence_parallel: int = 0  # prefill steps of at least this many tokens split over TP; 0: off
     # Output constraint, at most one (tprt.engine.constraints): a JSON Schema file, a regular
     # expression, a choice among strings, or a Lark grammar file.
     json_schema: Path | None = None
@@ -100,6 +102,7 @@ class GenerateJob:
     attention_backend: str = "auto"
     cuda_graphs: str = "auto"
     pp: int = 1
+    sequence_parallel: int = 0
 
 
 def flag_error(e: ValidationError, prefix: str = "") -> ConfigError:
@@ -205,6 +208,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     """Reads and checks everything; raises ConfigError/CheckpointError with one line."""
     ckpt = TPCheckpoint(args.model)
     stages(ckpt.config.num_hidden_layers, args.pp)  # refuses a --pp the layers cannot take
+    check_sequence_parallel(args.sequence_parallel)
     if args.dtype is not None:
         parse_dtype(args.dtype)
     kv_dtype = kv_cache_flags(args.kv_cache_dtype, args.kv_scales, ckpt.config)
@@ -221,7 +225,7 @@ def prepare_generate(args: GenerateArgs) -> GenerateJob:
     spec = speculative_from_flags({f: getattr(args, f) for f in SPECULATIVE_FLAGS}, ckpt.config.vocab_size)
     return GenerateJob(str(args.model), args.dtype, prompts, params, max_seq_len, args.json, adapter, spec,
                        kv_dtype or "auto", None if args.kv_scales is None else str(args.kv_scales),
-                       args.attention_backend, args.cuda_graphs, args.pp)
+                       args.attention_backend, args.cuda_graphs, args.pp, args.sequence_parallel)
 
 
 def run_generate(args: GenerateArgs) -> int:
@@ -250,7 +254,7 @@ def generate_rank(job: GenerateJob) -> None:
                           cache_dtype=kv_cache_dtype(job.kv_cache_dtype),
                           kv_scales=None if job.kv_scales is None else load_kv_scales(job.kv_scales, model.config),
                           mask_threads=spare_cores(ctx.device), attention_backend=job.attention_backend,
-                          cuda_graphs=job.cuda_graphs)
+                          cuda_graphs=job.cuda_graphs, sequence_parallel_tokens=job.sequence_parallel)
     engine = Engine(model, tok, config, pipeline=mesh)
     adapter = 0
     if job.adapter is not None:  # installed like a server's (every request routed to it), so steps keep their graphs
@@ -275,11 +279,19 @@ def generate_rank(job: GenerateJob) -> None:
             print(json.dumps(_completion_json(i, c, tok)), flush=True)
     n_tokens = sum(len(c.token_ids) for c in results)
     print(f"tprt: {len(results)} sequence(s), {n_tokens} tokens in {seconds:.2f}s "
-          f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, TP={ctx.world_size}{f' x PP={job.pp}' if job.pp > 1 else ''})", file=sys.stderr, flush=True)
+          f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s, {_layout(ctx.world_size, job)})", file=sys.stderr, flush=True)
     spec = engine.spec_stats
     if spec is not None:
         print(f"tprt: speculative: {spec.drafted} tokens drafted, {spec.accepted} accepted "
               f"({spec.accepted / max(spec.drafted, 1):.0%}) in {spec.rows} rows", file=sys.stderr, flush=True)
+
+
+def _layout(tp: int, job: GenerateJob) -> str:
+    """How the ranks ran it, for the summary line."""
+    out = f"TP={tp}" + (f" x PP={job.pp}" if job.pp > 1 else "")
+    if job.sequence_parallel and tp > 1 and job.pp == 1:
+        out += f", sequence-parallel steps of {job.sequence_parallel}+ tokens"
+    return out
 
 
 def _completion_json(index: int, c: Completion, tok: Tokenizer) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tprt.engine.settings import add_attention_flag, add_graphs_flag, add_kv_cache_flags
+from tprt.engine.settings import add_attention_flag, add_graphs_flag, add_kv_cache_flags, add_sequence_parallel_flag
 from tprt.errors import TprtError
 
 DEMO_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -91,6 +91,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     add_kv_cache_flags(g)
     add_attention_flag(g)
     add_graphs_flag(g)
+    add_sequence_parallel_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     g.add_argument("--threads", type=int, metavar="N",
                    help="torch threads per rank (default: cores / TP; 1 is faster on a busy machine)")

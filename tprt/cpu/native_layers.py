@@ -147,7 +147,7 @@ class NativeDecodeStack(LayerStack):
 
     def __call__(self, layers: nn.ModuleList, h: torch.Tensor, step: Step) -> torch.Tensor:
         attention = step.attention
-        if (attention is None or h.shape[0] > self.max_rows or torch.is_grad_enabled()
+        if (attention is None or h.shape[0] > self.max_rows or h.shape[1] != 1 or torch.is_grad_enabled()
                 or not native.supports_cache(attention.cache) or adapted(*self.linears)):
             return super().__call__(layers, h, step)
         return self.kernel(h, step.cos, step.sin, attention.cache, attention.token_rows, step.local)

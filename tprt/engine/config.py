@@ -56,12 +56,16 @@ class EngineConfig:
     # Pipeline stages (tprt.engine.stage_runner): each step's rows in this many micro-batches
     # passed along the stages; None: as many as stages.
     pipeline_microbatches: int | None = None
+    # Megatron's sequence parallelism in steps of at least this many tokens (prefill): between the
+    # TP blocks each rank keeps 1/TP of the step's tokens (tprt.model.llama); 0: off.
+    sequence_parallel_tokens: int = 0
 
     def runner(self) -> RunnerConfig:
         """What the runner takes of these settings."""
         return RunnerConfig(self.cache_dtype, self.kv_scales, self.cpu_prepack, self.one_row_threads,
                             self.attention_backend, self.cuda_graphs,
-                            self.speculative.num_tokens if self.speculative is not None else 0)
+                            self.speculative.num_tokens if self.speculative is not None else 0,
+                            self.sequence_parallel_tokens)
 
 
 def kv_pool_blocks(config: EngineConfig, max_seq_len: int, free_memory_tokens: int | None = None) -> int:

@@ -74,6 +74,7 @@ class RunnerConfig:
     # elsewhere; elsewhere decode and all run the static steps eagerly (how the tests check them).
     cuda_graphs: str = "auto"
     max_draft: int = 0  # drafted tokens per verifying row at most (its graphs' row width is 1 + this)
+    sequence_parallel_tokens: int = 0  # steps of at least this many tokens run sequence-parallel; 0: none
 
 
 class ModelRunner:
@@ -82,6 +83,7 @@ class ModelRunner:
     def __init__(self, model: TPLlamaForCausalLM, n_blocks: int, block_size: int, max_batch: int, max_seq_len: int,
                  config: RunnerConfig = RunnerConfig()) -> None:
         self.model = model
+        model.sequence_parallel_tokens = config.sequence_parallel_tokens
         if config.cpu_prepack:  # no-ops off CPU: packed matmuls, then the compiled decode layers
             prepack(model, one_row_threads=config.one_row_threads)
             install_native_layers(model)

@@ -44,6 +44,18 @@ def add_graphs_flag(group: Any) -> None:
                             "(auto elsewhere). Steps with prompt chunks, or wider than 512 tokens, run eagerly")
 
 
+SEQUENCE_PARALLEL_TOKENS = 256  # --sequence-parallel without a count: steps of at least this many tokens
+
+
+def add_sequence_parallel_flag(group: Any) -> None:
+    """--sequence-parallel [N] (tprt generate, tprt serve)."""
+    group.add_argument("--sequence-parallel", type=int, nargs="?", const=SEQUENCE_PARALLEL_TOKENS, default=0,
+                       metavar="N",
+                       help="Megatron's sequence parallelism in prefill: steps of at least N tokens (default "
+                            f"{SEQUENCE_PARALLEL_TOKENS}) keep 1/TP of their tokens per rank between the TP blocks "
+                            "(reduce-scatter and all-gather instead of all-reduce); the same outputs. Off by default")
+
+
 @dataclass(frozen=True)
 class CacheSettings:
     """The paged KV cache: its storage, its pool and prefix sharing."""
@@ -95,8 +107,9 @@ class SchedulerSettings:
     max_seq_len: int | None = None  # --max-seq-len; None: min(the model's, 2048)
     token_budget: int = 2048  # --token-budget
     cuda_graphs: str = "auto"  # --cuda-graphs (tprt.engine.step_graphs)
+    sequence_parallel: int = 0  # --sequence-parallel: steps of at least this many tokens split; 0: off
 
-    FLAGS = ("max_batch_size", "max_seq_len", "token_budget", "cuda_graphs")
+    FLAGS = ("max_batch_size", "max_seq_len", "token_budget", "cuda_graphs", "sequence_parallel")
 
     @staticmethod
     def add_flags(group: Any) -> None:
@@ -105,14 +118,21 @@ class SchedulerSettings:
         group.add_argument("--max-seq-len", type=int, metavar="N", help="tokens per request (default: min(model's, 2048))")
         group.add_argument("--token-budget", type=int, default=2048, metavar="N", help="tokens per engine step (2048)")
         add_graphs_flag(group)
+        add_sequence_parallel_flag(group)
 
     def check(self) -> None:
         """One-line ConfigErrors naming the flag (max_seq_len against the model: the engine)."""
         _at_least_one(("--max-batch-size", self.max_batch_size), ("--token-budget", self.token_budget))
+        check_sequence_parallel(self.sequence_parallel)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SchedulerSettings:
-        return cls(args.max_batch_size, args.max_seq_len, args.token_budget, args.cuda_graphs)
+        return cls(args.max_batch_size, args.max_seq_len, args.token_budget, args.cuda_graphs, args.sequence_parallel)
+
+
+def check_sequence_parallel(tokens: int) -> None:
+    if tokens < 0:
+        raise ConfigError(f"--sequence-parallel takes a number of tokens of at least 1 (0: off), got {tokens}")
 
 
 def _at_least_one(*flags: tuple[str, int | None]) -> None:

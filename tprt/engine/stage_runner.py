@@ -14,8 +14,8 @@ or full-vocabulary logits) to rank 0 in one message.
 A row's tokens are computed as without stages: the same layers in the same order, its attention
 over its own cache positions; a step's result is identical to the whole model's.
 
-Not taken on a stage: CPU prepacking and the compiled decode layers, and CUDA graphs (they
-capture the whole model's step); the runner says so at start-up.
+Not taken on a stage: CPU prepacking and the compiled decode layers, CUDA graphs (they capture
+the whole model's step) and prefill's sequence parallelism; the runner says so at start-up.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ class StageRunner(ModelRunner):
             raise ConfigError("a stage runner serves a pipeline of at least two stages; one is the ModelRunner's")
         if microbatches is not None and microbatches < 1:
             raise ConfigError(f"pipeline micro-batches must be at least 1, got {microbatches}")
-        if config.cpu_prepack or config.cuda_graphs not in ("auto", "off"):
-            log0(model.tp, "pipeline stages run eagerly: no CPU prepacking, compiled decode layers or CUDA graphs")
+        if config.cpu_prepack or config.cuda_graphs not in ("auto", "off") or config.sequence_parallel_tokens:
+            log0(model.tp, "pipeline stages run eagerly: no CPU prepacking, compiled decode layers, CUDA graphs "
+                 "or sequence parallelism")
         super().__init__(model, n_blocks, block_size, max_batch, max_seq_len,
-                         replace(config, cpu_prepack=False, cuda_graphs="off"))
+                         replace(config, cpu_prepack=False, cuda_graphs="off", sequence_parallel_tokens=0))
         self.stage_model, self.mesh = model, mesh
         self.previous, self.next, self.wire = mesh.previous, mesh.next, mesh.wire
         self.driver, self.reporter = mesh.stage_rank(0), mesh.stage_rank(mesh.stages - 1)

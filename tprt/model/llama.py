@@ -127,8 +127,12 @@ class Attention(nn.Module):
             else:
                 out = attention_math(q, k, v, causal=seq > 1, gqa=self.gqa, softcap=self.softcap)
             out = out.transpose(1, 2)
-        else:  # the step's tokens: [tokens, heads, head_dim] each
-            out = step.attention.attend(self.cache_layer, q[:, 0], k[:, 0], v[:, 0]).to(x.dtype)
+        else:  # the step's tokens: [tokens, heads, head_dim] each ([1, tokens] under sequence parallelism)
+            n = step.attention.tokens  # a sequence-parallel step's padding (if any) is left out
+            q, k, v = q.flatten(0, 1)[:n], k.flatten(0, 1)[:n], v.flatten(0, 1)[:n]
+            out = step.attention.attend(self.cache_layer, q, k, v).to(x.dtype)
+            if n < batch * seq:
+                out = F.pad(out, (0, 0, 0, 0, 0, batch * seq - n))
         return self.o_proj(out.reshape(batch, seq, nh * self.head_dim))
 
 
@@ -239,6 +243,9 @@ class TPLlamaForCausalLM(nn.Module):
         # Megatron's sequence parallelism for calls without an attention step (training, scoring):
         # between the TP blocks each rank keeps seq / TP positions (tprt.train.step.enable_sequence_parallel).
         self.sequence_parallel = False
+        # And for inference steps over the paged cache of at least this many tokens (prefill; 0:
+        # never): the step's tokens split over the TP ranks between the blocks the same way.
+        self.sequence_parallel_tokens = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -300,6 +307,8 @@ class TPLlamaForCausalLM(nn.Module):
         # are; a no-op when they are there already.
         device = self.tp.device
         input_ids = input_ids.to(device, non_blocking=True)
+        if attention is not None and self._split_step(attention):
+            return self._sequence_parallel_step(input_ids, attention)
         if attention is not None:
             if positions is not None:
                 raise ValueError("positions come from the attention step")
@@ -323,6 +332,39 @@ class TPLlamaForCausalLM(nn.Module):
         if split:
             return gather_sequence(h, self.tp)[:, :seq]
         return h if attention is None else h[:, 0]
+
+    def _split_step(self, attention: AttentionStep) -> bool:
+        """Whether this step over the paged cache runs sequence-parallel: an eager step (not a
+        static one replayed from a graph) of prompt tokens or several-token rows, of at least
+        `sequence_parallel_tokens` tokens. The same on every rank (the same batch)."""
+        return (0 < self.sequence_parallel_tokens <= attention.tokens and self.tp.world_size > 1
+                and attention.batch is not None and not attention.single_tokens
+                and not self.has_adapters())  # (adapters route the step's tokens unsplit)
+
+    def _sequence_parallel_step(self, input_ids: torch.Tensor, attention: AttentionStep) -> torch.Tensor:
+        """A step's tokens as one sequence [1, tokens], padded to split over TP, through the
+        layers with Megatron's sequence parallelism (each rank normalises and adds residuals for
+        1/TP of the tokens; attention and the KV cache see every token, the padding left out):
+        the step's hidden states [tokens, hidden], gathered whole."""
+        n, tp = attention.tokens, self.tp.world_size
+        pad = -n % tp
+        ids = F.pad(input_ids.reshape(1, -1), (0, pad))
+        positions = F.pad(attention.positions[None, :], (0, pad))
+        split = [self.embed_tokens, *self.linears()]
+        before = [module.sequence_parallel for module in split]
+        for module in split:
+            module.sequence_parallel = True
+        try:
+            h = self.embed_tokens(ids)  # [1, (tokens + pad) / TP, hidden]
+            if self.config.gemma_block:
+                h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
+            cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
+            local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
+            h = self.stack(self.layers, h, Step(cos, sin, attention, local))
+        finally:
+            for module, was in zip(split, before):
+                module.sequence_parallel = was
+        return gather_sequence(h, self.tp)[0, :n]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 attention: AttentionStep | None = None) -> torch.Tensor:
