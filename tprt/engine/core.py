@@ -1,6 +1,7 @@
 """The generation engine: a set of live sequences of different lengths, advanced one step at a time.
 
-API (rank 0 drives, every other TP rank follows):
+API (rank 0 drives, every other TP rank follows; over pipeline stages, every rank of the
+pipeline: `Engine(stage_model, ..., pipeline=mesh)`, tprt.engine.stage_runner):
 
     engine = Engine(model, tokenizer, EngineConfig(max_batch=16))
     if engine.is_driver:                        # TP rank 0

@@ -7,7 +7,10 @@ at layer 40): the layers other stages hold are `AbsentLayer` placeholders withou
 `load_stage` (tprt.checkpoint.loading) reads exactly this stage's tensors from the same TP
 checkpoint's rank files, and LoRA, gradient sync and checkpoints name everything as for the
 whole model. Its forward takes the previous stage's hidden states (token ids on the first) and
-returns its own, [batch, seq, hidden]; the last stage's loss is `stage_loss`.
+returns its own, [batch, seq, hidden]; the last stage's loss is `stage_loss`. Over the paged KV
+cache it runs a step's tokens as the whole model does (tprt.engine.stage_runner), its cache
+holding its own layers; `forward_through` passes whole rows through every stage (evaluation,
+scoring).
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ is a TP group of consecutive ranks, and TP rank r of every stage of a replica fo
 so each TP rank exchanges only its own stage neighbours' hidden states (every TP rank holds them
 whole). DP replicas train their own rows of each batch; the loss is scaled by the whole batch's
 target tokens, so that averaging the gradients over DP gives the whole batch's.
+
+`tprt finetune --pp` runs it through the trainer (tprt.train.trainer) as `PipelineSupervised`,
+the objective that hands each step's rows to the schedule and evaluates through the stages.
 """
 
 from __future__ import annotations
