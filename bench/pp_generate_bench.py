@@ -5,7 +5,8 @@
 A random Llama (hidden 512, 8 layers, fp32) in --pp stages of TP 1, one rank and one thread per
 stage on this machine. --rows greedy requests of --prompt tokens each generate --new tokens
 through the engine (tprt.engine.stage_runner), each step's rows passed along the stages in m
-micro-batches, for each m of --micro. The same requests through the whole model on one rank
+micro-batches, for each m of --micro ("auto": the runner's default, as many as stages while
+each holds 256 tokens or more, at most 4 per stage). The same requests through the whole model on one rank
 (one thread, eager like the stages) give the reference time W; the model's time for p stages is
 W / p x (m + p - 1) / m (each stage does 1/p of the work; the pipeline fills and drains once a
 step). Printed: the measured time, the model's, and the speed-up over the whole model.
@@ -63,14 +64,16 @@ def rank(tp1: Path, pp: int, micro: list[int], rows: int, prompt: int, new: int,
     mesh = init_pipeline(1, pp)
     prompts = _requests(rows, prompt)
     out: dict[str, float] = {}
-    base = dict(max_batch=rows, max_seq_len=prompt + new, token_budget=rows * prompt, cpu_prepack=False)
+    base = dict(max_batch=rows, max_seq_len=prompt + new, token_budget=rows * prompt, cpu_prepack=False,
+                prefix_cache=False)  # every repeat prefills its prompts again
     if mesh.tp.global_rank == 0:  # the whole model alone, on one rank and thread
         whole = Engine(load_model(tp1, TPContext.single(), "fp32"), None, EngineConfig(**base), eos_token_ids=[])
         out["whole"] = _time(whole, prompts, new, repeats)
     dist.barrier()
     model = load_stage(tp1, mesh.tp, stages(SHAPE["num_hidden_layers"], pp)[mesh.stage_index], "fp32")
     for m in micro:
-        engine = Engine(model, None, EngineConfig(**base, pipeline_microbatches=m), eos_token_ids=[], pipeline=mesh)
+        config = EngineConfig(**base, pipeline_microbatches=m or None)
+        engine = Engine(model, None, config, eos_token_ids=[], pipeline=mesh)
         if engine.is_driver:
             with engine:
                 out[f"m{m}"] = _time(engine, prompts, new, repeats)
@@ -85,22 +88,25 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--micro", default="1,2,4")
+    p.add_argument("--micro", default="1,2,4,auto")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    micro = [int(x) for x in a.micro.split(",")]
+    micro = [0 if x == "auto" else int(x) for x in a.micro.split(",")]  # 0: the runner's default
     r = launch_local(a.pp, rank, (prepare(), a.pp, micro, a.rows, a.prompt, a.new, a.repeats), timeout_s=1800)[0]
     whole = r["whole"]
     print(f"random Llama {SHAPE}, fp32, PP {a.pp} x TP 1 (one rank and thread per stage); {a.rows} greedy requests "
           f"of {a.prompt} prompt tokens, {a.new} new tokens each; whole model on one rank: {whole * 1e3:.0f} ms")
-    print(f"{'m':>3} | {'measured ms':>11} | {'model ms':>8} | {'measured/model':>14} | {'speed-up vs whole':>17}")
+    print(f"{'m':>4} | {'measured ms':>11} | {'model ms':>8} | {'measured/model':>14} | {'speed-up vs whole':>17}")
     for m in micro:
-        model = whole / a.pp * (m + a.pp - 1) / m
         got = r[f"m{m}"]
-        print(f"{m:>3} | {got * 1e3:11.0f} | {model * 1e3:8.0f} | {got / model:14.2f} | {whole / got:17.2f}")
+        if not m:  # the default: as many as stages of 256+ tokens each (m varies per step)
+            print(f"{'auto':>4} | {got * 1e3:11.0f} | {'-':>8} | {'-':>14} | {whole / got:17.2f}")
+            continue
+        model = whole / a.pp * (m + a.pp - 1) / m
+        print(f"{m:>4} | {got * 1e3:11.0f} | {model * 1e3:8.0f} | {got / model:14.2f} | {whole / got:17.2f}")
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def _checks(world: int) -> Checks:
             out.append((f"pp{pp}-tp{tp}-m{micro}-full", partial(check_full, pp=pp, tp=tp, micro=micro)))
         out.append((f"pp{pp}-tp{tp}-lora", partial(check_lora, pp=pp, tp=tp, micro=pp)))
         out.append((f"pp{pp}-tp{tp}-tied-full", partial(check_full, pp=pp, tp=tp, micro=pp, name=TIED)))
-        for micro in (None, 1, 3):  # None: one micro-batch per stage
+        for micro in (None, 1, 3):  # None: the default (these small steps stay whole)
             out.append((f"pp{pp}-tp{tp}-generate-m{micro}", partial(check_generate, pp=pp, tp=tp, micro=micro)))
     if world == 8:  # DP x PP x TP: two replicas of a [pp 2, tp 2] pipeline, two rows each
         out.append(("dp2-pp2-tp2-full", partial(check_full, pp=2, tp=2, micro=2, dp=2)))

@@ -114,3 +114,21 @@ def test_executor_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(CommandFailed, match="^unknown command _Unknown$"):
         ranks.run(_Unknown())
     assert executor.trainer is None  # abandoned
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 9])
+def test_a_batch_splits_into_micro_batches_of_its_rows(parts: int) -> None:
+    """Pipeline stages pass a step along in micro-batches (tprt.engine.stage_runner): consecutive
+    rows, every row in exactly one, about as many tokens each, at most one per row, and their
+    tokens, logits and adapters in the batch's order."""
+    rows = [BatchRow((1, 2), 0, tuple(range(9)), 1, 1), BatchRow((3,), 5, (7,), 1),
+            BatchRow((4,), 2, (8, 9), 2, 2), BatchRow((5, 6), 0, tuple(range(12)), 0)]
+    batch = TokenBatch.of(rows, full_logits=True)
+    split = batch.split(parts)
+    assert len(split) == min(parts, batch.num_rows) and all(p.num_rows for p in split)
+    assert sum((p.tokens for p in split), ()) == batch.tokens
+    assert sum((p.starts for p in split), ()) == batch.starts and sum((p.tables for p in split), ()) == batch.tables
+    assert sum((p.adapters or (0,) * p.num_rows for p in split), ()) == batch.adapters
+    assert sum(p.num_logits for p in split) == batch.num_logits and all(p.full_logits for p in split)
+    if parts == 2:  # 12 of 24 tokens before the cut: the first two rows and the third
+        assert [p.lens for p in split] == [(9, 1, 2), (12,)]

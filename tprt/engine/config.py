@@ -54,7 +54,7 @@ class EngineConfig:
     # compiled CPU kernels where they run, else the torch reference.
     attention_backend: str = "auto"
     # Pipeline stages (tprt.engine.stage_runner): each step's rows in this many micro-batches
-    # passed along the stages; None: as many as stages.
+    # passed along the stages; None: up to 4 per stage while each holds 256 tokens or more.
     pipeline_microbatches: int | None = None
     # Megatron's sequence parallelism in steps of at least this many tokens (prefill): between the
     # TP blocks each rank keeps 1/TP of the step's tokens (tprt.model.llama); 0: off.

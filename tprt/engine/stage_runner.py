@@ -2,8 +2,8 @@
 
 Every rank of the pipeline receives the step from rank 0 (stage 0's TP rank 0, which schedules
 and samples: the engine's control group is the whole pipeline, `PipelineMesh.replica`). The
-step is split into micro-batches of consecutive rows (`TokenBatch.split`, as many as stages by
-default); each stage runs them in order over its own layers and its own KV cache (the scheduler's
+step is split into micro-batches of consecutive rows (`TokenBatch.split`; by default up to four
+per stage while each keeps MIN_MICROBATCH_TOKENS, so decode steps stay whole); each stage runs them in order over its own layers and its own KV cache (the scheduler's
 block tables are the same on every stage, the cache of each holds its layers only): the first
 embeds their tokens, every stage but the last sends its hidden states to the same TP rank of
 the next stage (asynchronously: it goes on with the next micro-batch while its neighbour
@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# A step is split into micro-batches of at least this many tokens by default: below it a
+# micro-batch's per-call costs (its weights read again, its dispatch, its transfer) outweigh
+# the overlap it buys (bench/pp_generate_bench.py: decode steps lose, prefill gains; PERF.md).
+MIN_MICROBATCH_TOKENS = 256
+# ... and into at most this many per stage: the bubble (p - 1) / (m + p - 1) is small by then.
+MAX_MICROBATCHES_PER_STAGE = 4
+
 
 class StageRunner(ModelRunner):
     """This rank's stage of the model and its KV cache, driven by the pipeline's token batches."""
@@ -57,7 +64,7 @@ class StageRunner(ModelRunner):
         self.previous, self.next, self.wire = mesh.previous, mesh.next, mesh.wire
         self.driver, self.reporter = mesh.stage_rank(0), mesh.stage_rank(mesh.stages - 1)
         self.me = mesh.tp.global_rank
-        self.microbatches = microbatches or mesh.stages
+        self.microbatches = microbatches  # None: `_parts` decides per step
 
     @torch.inference_mode()
     def execute(self, batch: TokenBatch) -> StepResult:
@@ -66,7 +73,7 @@ class StageRunner(ModelRunner):
         model = self.stage_model
         sending: list[tuple[Work, torch.Tensor]] = []
         results: list[StepResult] = []
-        for part in batch.split(self.microbatches):
+        for part in batch.split(self._parts(batch)):
             self._route(part)
             step = self.attention.prepare(part, self.cache)
             if self.previous is None:
@@ -87,6 +94,13 @@ class StageRunner(ModelRunner):
         for work, _ in sending:
             work.wait()
         return self._report(batch, results)
+
+    def _parts(self, batch: TokenBatch) -> int:
+        """The step's micro-batches: the configured count, else up to MAX_MICROBATCHES_PER_STAGE
+        per stage of MIN_MICROBATCH_TOKENS tokens or more each."""
+        if self.microbatches is not None:
+            return self.microbatches
+        return max(1, min(MAX_MICROBATCHES_PER_STAGE * self.mesh.stages, batch.num_tokens // MIN_MICROBATCH_TOKENS))
 
     def _report(self, batch: TokenBatch, parts: list[StepResult]) -> StepResult:
         """The last stage's TP rank 0 sends the step's ids or logits to rank 0, which returns them."""
