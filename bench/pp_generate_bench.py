@@ -4,12 +4,13 @@
 
 A random Llama (hidden 512, 8 layers, fp32) in --pp stages of TP 1, one rank and one thread per
 stage on this machine. --rows greedy requests of --prompt tokens each generate --new tokens
-through the engine (tprt.engine.stage_runner), each step's rows passed along the stages in m
-micro-batches, for each m of --micro ("auto": the runner's default, as many as stages while
-each holds 256 tokens or more, at most 4 per stage). The same requests through the whole model on one rank
-(one thread, eager like the stages) give the reference time W; the model's time for p stages is
-W / p x (m + p - 1) / m (each stage does 1/p of the work; the pipeline fills and drains once a
-step). Printed: the measured time, the model's, and the speed-up over the whole model.
+through the engine (tprt.engine.stage_runner). First with one step in flight, each step's rows
+passed along the stages in m micro-batches, for each m of --micro: the model's time for p stages
+is then W / p x (m + p - 1) / m, W being the same requests' time through the whole model on one
+rank (one thread, eager like the stages): each stage does 1/p of the work, and the pipeline
+fills and drains once a step. Then with the engine's defaults ("default"): one step in flight
+per stage, and steps of 256+ tokens per micro-batch split (at most 4 per stage). Printed: the
+measured time, the model's, and the speed-up over the whole model.
 
 Not part of CI: figures go to docs/PERF.md.
 """
@@ -71,8 +72,8 @@ def rank(tp1: Path, pp: int, micro: list[int], rows: int, prompt: int, new: int,
         out["whole"] = _time(whole, prompts, new, repeats)
     dist.barrier()
     model = load_stage(tp1, mesh.tp, stages(SHAPE["num_hidden_layers"], pp)[mesh.stage_index], "fp32")
-    for m in micro:
-        config = EngineConfig(**base, pipeline_microbatches=m or None)
+    for m in micro:  # 0: the defaults
+        config = EngineConfig(**base, pipeline_microbatches=m or None, pipeline_steps_in_flight=1 if m else None)
         engine = Engine(model, None, config, eos_token_ids=[], pipeline=mesh)
         if engine.is_driver:
             with engine:
@@ -88,25 +89,25 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--micro", default="1,2,4,auto")
+    p.add_argument("--micro", default="1,2,4")
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
-    micro = [0 if x == "auto" else int(x) for x in a.micro.split(",")]  # 0: the runner's default
+    micro = [*(int(x) for x in a.micro.split(",")), 0]  # 0: the engine's defaults
     r = launch_local(a.pp, rank, (prepare(), a.pp, micro, a.rows, a.prompt, a.new, a.repeats), timeout_s=1800)[0]
     whole = r["whole"]
     print(f"random Llama {SHAPE}, fp32, PP {a.pp} x TP 1 (one rank and thread per stage); {a.rows} greedy requests "
           f"of {a.prompt} prompt tokens, {a.new} new tokens each; whole model on one rank: {whole * 1e3:.0f} ms")
-    print(f"{'m':>4} | {'measured ms':>11} | {'model ms':>8} | {'measured/model':>14} | {'speed-up vs whole':>17}")
+    print(f"{'m':>7} | {'measured ms':>11} | {'model ms':>8} | {'measured/model':>14} | {'speed-up vs whole':>17}")
     for m in micro:
         got = r[f"m{m}"]
-        if not m:  # the default: as many as stages of 256+ tokens each (m varies per step)
-            print(f"{'auto':>4} | {got * 1e3:11.0f} | {'-':>8} | {'-':>14} | {whole / got:17.2f}")
+        if not m:  # the defaults: steps in flight, m per step
+            print(f"{'default':>7} | {got * 1e3:11.0f} | {'-':>8} | {'-':>14} | {whole / got:17.2f}")
             continue
         model = whole / a.pp * (m + a.pp - 1) / m
-        print(f"{m:>4} | {got * 1e3:11.0f} | {model * 1e3:8.0f} | {got / model:14.2f} | {whole / got:17.2f}")
+        print(f"{m:>7} | {got * 1e3:11.0f} | {model * 1e3:8.0f} | {got / model:14.2f} | {whole / got:17.2f}")
 
 
 if __name__ == "__main__":

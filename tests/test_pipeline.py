@@ -147,25 +147,46 @@ def check_lora(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int) -> N
 PROMPTS = [[3, 17, 9, 41, 5, 22, 8], [7, 1], [30, 2, 19, 4, 11], [12, 6, 25, 14, 9, 3, 18, 27, 2, 5, 40]]
 
 
-def _generate(engine: Any, params: list[Any]) -> dict[str, Any] | None:
-    """Rank 0: every prompt with each of `params` through `engine` -> its completions; the
-    other ranks follow and get None."""
-    from tprt.engine.core import run_to_completion
+CANCELLED = "1-1"  # cancelled after the third step, in flight where steps are
+
+
+def _generate(engine: Any, params: list[Any]) -> tuple[dict[str, Any], int] | None:
+    """Rank 0: every prompt with each of `params` through `engine` -> its completions and the
+    most steps it had in flight; the other ranks follow and get None."""
+    from tprt.engine.core import Completion
 
     if not engine.is_driver:
         engine.follow()
         return None
+    done: dict[str, Completion] = {}
+    most = 0
+    launch = engine._launch
+
+    def launch_counted(schedule: Any) -> Any:
+        nonlocal most
+        most = max(most, len(engine._in_flight) + 1)  # in flight once this one is launched
+        return launch(schedule)
+
+    engine._launch = launch_counted
     with engine:
         for i, prompt in enumerate(PROMPTS):
             for j, sp in enumerate(params):
                 engine.add(prompt, sp, f"{i}-{j}")
-        return run_to_completion(engine)
+        steps = 0
+        while engine.has_work:
+            for event in engine.step():
+                done.setdefault(event.request_id, Completion(event.request_id)).add(event)
+            steps += 1
+            if steps == 3:
+                assert engine.cancel(CANCELLED)
+    return done, most
 
 
 def check_generate(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int | None) -> None:
     """Generation over pipeline stages gives the whole model's tokens: greedy (argmax ids passed
     back) and seeded sampling with logprobs (full logits passed back), prompts prefilled in
-    chunks and decoded together, against the same TP group's engine without stages."""
+    chunks and decoded together, one step in flight per stage (a request cancelled while its
+    step is in flight ends there), against the same TP group's engine without stages."""
     from tprt.engine.core import Engine, EngineConfig
     from tprt.engine.sampling import SamplingParams
 
@@ -183,12 +204,20 @@ def check_generate(ctx: TPContext, workdir: Path, pp: int, tp: int, micro: int |
     model = load_stage(workdir / f"{NAME}-tp{tp}", mesh.tp, stage[mesh.stage_index], "fp32")
     engine = Engine(model, None, config, eos_token_ids=[], pipeline=mesh)
     assert engine.runner.cache.kv.shape[0] == len(stage[mesh.stage_index].layers)  # its layers' cache only
-    piped = _generate(engine, params)
-    if whole is None or piped is None:
+    assert engine.steps_in_flight == pp
+    out = _generate(engine, params)
+    if whole is None or out is None:
         return
+    (whole, _), (piped, in_flight) = whole, out
+    assert in_flight >= 2, in_flight  # stages worked on different steps (as many as the rows allow)
     assert sorted(piped) == sorted(whole) and len(whole) == len(PROMPTS) * len(params)
+    assert piped[CANCELLED].finish_reason == "cancelled" and whole[CANCELLED].finish_reason == "cancelled"
     for rid, want in whole.items():
         got = piped[rid]
+        if rid == CANCELLED:  # cancelled at another point of its life: what it got is the same prefix
+            n = min(len(got.token_ids), len(want.token_ids))
+            assert got.token_ids[:n] == want.token_ids[:n]
+            continue
         assert got.token_ids == want.token_ids, (rid, got.token_ids, want.token_ids)
         assert len(want.token_ids) == (9 if rid.endswith("-0") else 7)
         assert torch.allclose(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4), rid

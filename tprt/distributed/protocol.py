@@ -93,6 +93,23 @@ def send_step(plan: IntEncodable, ctx: TPContext) -> None:
     dist.broadcast(data, group=ctx.group, group_src=0)
 
 
+def post_step(plan: IntEncodable, ctx: TPContext) -> list[tuple[Any, torch.Tensor]]:
+    """Rank 0: `send_step` without waiting for the followers to take it (a pipeline's later
+    stages are still busy with earlier steps); returns the sends and their buffers, to be kept
+    until `wait_sent`. Messages still arrive in the order they were sent."""
+    if ctx.world_size == 1:
+        return []
+    data = torch.tensor(plan.encode(), dtype=torch.int64, device=_device(ctx))
+    header = torch.tensor(Header(Tag.STEP, data.numel()).encode(), dtype=torch.int64, device=_device(ctx))
+    return [(dist.broadcast(t, group=ctx.group, group_src=0, async_op=True), t) for t in (header, data)]
+
+
+def wait_sent(sends: list[tuple[Any, torch.Tensor]]) -> None:
+    """Waits for `post_step`'s sends."""
+    for work, _ in sends:
+        work.wait()
+
+
 def send_command(cmd: Command[Any], ctx: TPContext) -> None:
     """Rank 0: a COMMAND message. Collective over the TP group."""
     if ctx.world_size == 1:

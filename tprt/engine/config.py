@@ -56,6 +56,9 @@ class EngineConfig:
     # Pipeline stages (tprt.engine.stage_runner): each step's rows in this many micro-batches
     # passed along the stages; None: up to 4 per stage while each holds 256 tokens or more.
     pipeline_microbatches: int | None = None
+    # Steps launched before the oldest is collected (tprt.engine.core); None: one per stage (one
+    # with speculative decoding).
+    pipeline_steps_in_flight: int | None = None
     # Megatron's sequence parallelism in steps of at least this many tokens (prefill): between the
     # TP blocks each rank keeps 1/TP of the step's tokens (tprt.model.llama); 0: off.
     sequence_parallel_tokens: int = 0

@@ -45,24 +45,27 @@ per token instead of gathering the full-vocabulary logits.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
-from tprt.distributed.protocol import Tag, send_signal, send_step
+from tprt.distributed.protocol import Tag, post_step, send_signal, send_step, wait_sent
 from tprt.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_SEQ_LEN, EngineConfig, context_length, kv_pool_blocks
 from tprt.engine.constraints import StructuredOutputs
 from tprt.engine.outputs import OutputProcessor
 from tprt.engine.registry import RequestRegistry
 from tprt.distributed.pipeline_mesh import PipelineMesh
 from tprt.engine.runner import ModelRunner, free_memory_tokens
-from tprt.engine.stage_runner import StageRunner
+from tprt.engine.stage_runner import Launched, StageRunner
 from tprt.engine.sampling import SamplingParams
 from tprt.engine.prefix_cache import KVEvent
-from tprt.engine.scheduler import KVStats, Scheduler, SchedulerConfig, Status
+from tprt.engine.scheduler import KVStats, Schedule, Scheduler, SchedulerConfig, Status
 from tprt.engine.sequence import Sequence, TokenEvent, Usage
 from tprt.engine.speculative import SpecStats, SpeculativeDecoder, build_speculator
-from tprt.engine.structured import StructuredOutputManager
+from tprt.engine.structured import RowMasks, StructuredOutputManager
 from tprt.model.llama import TPLlamaForCausalLM
 from tprt.model.stage import TPLlamaStage
 from tprt.text.tokenizer import Tokenizer
@@ -107,6 +110,13 @@ class Engine:
                                         self.tp.device, config.seed, self.structured)
         self._closed = False
         self._forward_s = 0.0  # decayed average of a step's forward pass (the mask throttle's yardstick)
+        # Over pipeline stages, steps launched and not yet collected (oldest first): one per stage
+        # keeps every stage busy (see `_pipelined_step`); speculative decoding drafts from each
+        # row's newest token, so it keeps one.
+        self.steps_in_flight = 1
+        if isinstance(self.runner, StageRunner) and self.speculative is None:
+            self.steps_in_flight = config.pipeline_steps_in_flight or self.runner.mesh.stages
+        self._in_flight: deque[_InFlight] = deque()
 
     @property
     def is_driver(self) -> bool:
@@ -116,7 +126,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(len(self.requests) or self.requests.pending)
+        return bool(len(self.requests) or self.requests.pending or self._in_flight)
 
     @property
     def max_batch(self) -> int:
@@ -202,6 +212,8 @@ class Engine:
         """Schedules one step, has every rank execute it, chooses its tokens; returns its events.
         Collective over the TP group when there is model work (every follower in `follow()`)."""
         self._require_driver()
+        if self.steps_in_flight > 1:
+            return self._pipelined_step()
         events, self.requests.pending = self.requests.pending, []
         running = [s for s in self.scheduler.running if s.status is Status.RUNNING]
         if self.speculative is not None:
@@ -224,6 +236,49 @@ class Engine:
                 self.speculative.observe_step(schedule.batch.num_tokens, not schedule.prefill, seconds)
             return events + self.outputs.process(schedule, result, masks.result() if masks is not None else {})
 
+    def _pipelined_step(self) -> list[TokenEvent]:
+        """`step` over pipeline stages with up to `steps_in_flight` steps launched: a new step
+        takes the rows not in flight (the others sit out, never preempted) and goes to the
+        stages without waiting for them; the oldest step is collected (its tokens chosen, its
+        events returned) once the pipeline is full or nothing new can start. Each stage works on
+        a different step, and a row's tokens are still those of one step at a time."""
+        events, self.requests.pending = self.requests.pending, []
+        launched = False
+        if len(self._in_flight) < self.steps_in_flight:
+            running = [s for s in self.scheduler.running if s.status is Status.RUNNING and not s.in_flight]
+            self.structured.throttle(running, self._forward_s)
+            schedule = self.scheduler.schedule()
+            if schedule.batch is not None:
+                launched = True
+                self._in_flight.append(self._launch(schedule))
+        if self._in_flight and (len(self._in_flight) >= self.steps_in_flight or not launched):
+            events += self._collect(self._in_flight.popleft())
+        return events
+
+    def _launch(self, schedule: Schedule[Sequence]) -> _InFlight:
+        assert schedule.batch is not None and isinstance(self.runner, StageRunner)
+        sends = post_step(schedule.batch, self.tp)
+        constrained = [(s, list(s.draft[: n - 1])) for s, n in zip(schedule.decode, schedule.batch.lens)
+                       if s.matcher is not None]
+        constrained += [(s, []) for s, n in schedule.prefill if schedule.ends_prompt(s, n) and s.matcher is not None]
+        masks = self.structured.start(constrained) if constrained else None
+        rows = [*schedule.decode, *(s for s, _ in schedule.prefill)]
+        for seq in rows:
+            seq.in_flight = True
+        started = time.perf_counter()
+        launched = self.runner.launch(schedule.batch)
+        return _InFlight(schedule, masks, launched, rows, sends, started)
+
+    def _collect(self, step: _InFlight) -> list[TokenEvent]:
+        assert isinstance(self.runner, StageRunner)
+        result = self.runner.collect(step.launched)
+        wait_sent(step.sends)
+        seconds = (time.perf_counter() - step.started) / self.steps_in_flight  # a stage's share
+        self._forward_s = seconds if not self._forward_s else 0.8 * self._forward_s + 0.2 * seconds
+        for seq in step.rows:
+            seq.in_flight = False
+        return self.outputs.process(step.schedule, result, step.masks.result() if step.masks is not None else {})
+
     def follow(self) -> Tag:
         """On ranks other than 0: executes rank 0's batches (and waits through its keepalives)
         until it sends anything else; returns that message's tag: EXIT after `close()`, or
@@ -235,6 +290,8 @@ class Engine:
     def close(self) -> None:
         """Rank 0: releases the followers, whose `follow()` returns EXIT (collective; once, idempotent)."""
         if self.is_driver and not self._closed:
+            while self._in_flight:  # every launched step collected before the followers leave
+                self._collect(self._in_flight.popleft())
             send_signal(Tag.EXIT, self.tp)
         self._closed = True
 
@@ -255,6 +312,18 @@ class Engine:
         self.requests.remove(seq)
         if self.speculative is not None:
             self.speculative.finish(seq, completed)
+
+
+@dataclass
+class _InFlight:
+    """A step launched over pipeline stages and not yet collected."""
+
+    schedule: Schedule[Sequence]
+    masks: Future[dict[str, RowMasks]] | None
+    launched: Launched
+    rows: list[Sequence]
+    sends: list[tuple[Any, Any]]
+    started: float
 
 
 @dataclass

@@ -72,15 +72,24 @@ class OutputProcessor:
         """The events of a step whose batch `schedule.batch` produced `result`."""
         assert schedule.batch is not None
         rows, first = [], 0
+        kept: list[int] = []  # the result rows of the rows that choose
+        # A sequence that ended while its step was in flight (cancelled) has nothing to choose.
         for seq, n in zip(schedule.decode, schedule.batch.lens):
-            rows.append(_Row(seq, list(seq.draft[: n - 1]), first, True))
+            if seq.status is not Status.FINISHED:
+                rows.append(_Row(seq, list(seq.draft[: n - 1]), len(kept), True))
+                kept += range(first, first + n)
             first += n
         for seq, n in schedule.prefill:
-            if self.scheduler.prefilled(seq, n):  # its prompt is done: the last token's logits choose
-                rows.append(_Row(seq, [], first, False))
+            if seq.status is Status.FINISHED:
+                first += int(schedule.ends_prompt(seq, n))
+            elif self.scheduler.prefilled(seq, n):  # its prompt is done: the last token's logits choose
+                rows.append(_Row(seq, [], len(kept), False))
+                kept.append(first)
                 first += 1
         if not rows:
             return []
+        if len(kept) < first:
+            result = _rows_of(result, kept)
         choices = self._choose(rows, result, masks)
         self._force(rows, choices, result)
         return [event for row in rows for event in self._keep(row, choices)]
@@ -164,6 +173,13 @@ class OutputProcessor:
         if finished:
             self._end(seq, True)
         return event
+
+
+def _rows_of(result: StepResult, index: list[int]) -> StepResult:
+    """The result's rows `index`, in order."""
+    pick = torch.tensor(index)
+    return StepResult(None if result.ids is None else result.ids[pick.to(result.ids.device)],
+                      None if result.logits is None else result.logits[pick.to(result.logits.device)])
 
 
 def _histories(row: _Row) -> list[torch.Tensor | list[int]]:

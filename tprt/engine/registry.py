@@ -67,8 +67,8 @@ class RequestRegistry:
 
     def propose(self, request_id: str, draft: Seq[int]) -> int:
         """A draft for a running request's next row (tprt.engine.core.Engine.propose): trimmed to
-        what it may still generate and what its grammar accepts; dropped unless it is decoding.
-        Returns the tokens taken."""
+        what it may still generate and what its grammar accepts; dropped unless it is decoding
+        (and not in a step in flight). Returns the tokens taken."""
         seq = self._live.get(request_id)
         if seq is None:
             raise ValidationError("request_id", f"request_id {request_id!r} is not a running request")
@@ -77,6 +77,8 @@ class RequestRegistry:
             raise ValidationError("draft", f"draft token ids must be in [0, {self.vocab_size - 1}]")
         room = seq.params.max_new_tokens - len(seq.output) - 1
         running = seq.status is Status.RUNNING
+        if seq.in_flight:  # its row in a step not yet collected verifies the draft it was launched with
+            return 0
         seq.draft = self.structured.grammar_prefix(seq, ids[: max(0, room)]) if running else []
         return len(seq.draft)
 

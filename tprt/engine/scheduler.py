@@ -68,6 +68,7 @@ class Scheduled(Protocol):
     output: list[int]
     draft: list[int]  # tokens proposed after its last one, verified in its next decode row
     held: bool  # sits out the coming decode step (the engine's throttle on costly output constraints)
+    in_flight: bool  # in a step whose tokens are not chosen yet: sits out, never a victim
     priority: int  # 0: interactive; higher: background (see the module docstring)
 
     @property
@@ -185,7 +186,7 @@ class Scheduler(Generic[S]):
         urgent = self._interactive_prefill()  # background rows sit this step out
 
         def sits_out(seq: S) -> bool:
-            return seq.held or (urgent and seq.priority > 0)
+            return seq.held or seq.in_flight or (urgent and seq.priority > 0)
 
         decoding = [s for s in self.running if s.status is Status.RUNNING and not sits_out(s)]
         spare = self.config.token_budget - len(decoding)  # for draft tokens, oldest rows first
@@ -305,18 +306,21 @@ class Scheduler(Generic[S]):
         return bool(self.waiting and self.waiting[0].priority == 0) or any(
             s.priority == 0 and s.status is Status.PREFILLING for s in self.running)
 
-    def _victim(self) -> S:
+    def _victim(self) -> S | None:
         """The admitted sequence to preempt first: the most recently admitted of the lowest
-        priority (highest value)."""
-        worst = max(s.priority for s in self.running)
-        return next(s for s in reversed(self.running) if s.priority == worst)
+        priority (highest value), of those not in a step in flight; None when every one is."""
+        free = [s for s in self.running if not s.in_flight]
+        if not free:
+            return None
+        worst = max(s.priority for s in free)
+        return next(s for s in reversed(free) if s.priority == worst)
 
     def _make_room(self) -> None:
         """Preempts background sequences for a waiting one of a higher priority that would not
         otherwise be admitted: max_batch is taken, or the pool lacks the blocks of its first chunk."""
         while self.waiting and self.running:
             head, victim = self.waiting[0], self._victim()
-            if victim.priority <= head.priority:
+            if victim is None or victim.priority <= head.priority:
                 return
             chunk = min(head.prefill_target, self.config.token_budget)
             need = -(-chunk // self.pool.block_size) + 1
@@ -327,9 +331,12 @@ class Scheduler(Generic[S]):
     def _grow(self, seq: S, tokens: int) -> bool:
         """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
         recently admitted sequences of the lowest priority while the pool is short; False when seq
-        itself was the one preempted (it then waits at the head of its priority in the queue)."""
+        itself was the one preempted (it then waits at the head of its priority in the queue), or
+        when every other sequence is in a step in flight (seq then sits this step out)."""
         while not self.pool.grow(seq.blocks, tokens):
             victim = self._victim()
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is seq:
                 return False

@@ -82,6 +82,9 @@ class Sequence:
         # more than their share of a step (Engine._throttle_masks); mask_credit is that share, saved.
         self.held = False
         self.mask_credit = 0.0
+        # In a step not yet finished (pipeline stages keep several in flight: tprt.engine.core):
+        # it sits out later steps and is never preempted until that step's tokens are chosen.
+        self.in_flight = False
         self.generator = make_generator(seed, device) if seed is not None else None
         detok = IncrementalDetokenizer(tokenizer, prompt) if tokenizer is not None else None
         self.stop = StopChecker(params, eos_token_ids, detok)

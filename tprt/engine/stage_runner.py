@@ -14,13 +14,17 @@ or full-vocabulary logits) to rank 0 in one message.
 A row's tokens are computed as without stages: the same layers in the same order, its attention
 over its own cache positions; a step's result is identical to the whole model's.
 
+Rank 0 `launch`es a step (its own stage's part, the result's receive posted) and `collect`s it
+later, so it can launch the next step, for other rows, while later stages still work on this
+one (tprt.engine.core keeps one step in flight per stage); every stage takes the steps in order.
+
 Not taken on a stage: CPU prepacking and the compiled decode layers, CUDA graphs (they capture
 the whole model's step) and prefill's sequence parallelism; the runner says so at start-up.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -37,6 +41,16 @@ if TYPE_CHECKING:
     from torch.distributed import Work
 
 T = TypeVar("T")
+
+
+@dataclass
+class Launched:
+    """A step this rank has launched: its sends to the next stage and, on rank 0, the posted
+    receive of its result (with their buffers, kept alive until `StageRunner.collect`)."""
+
+    full_logits: bool
+    sending: list[tuple[Work, torch.Tensor]]
+    receiving: tuple[Work, torch.Tensor] | None
 
 # A step is split into micro-batches of at least this many tokens by default: below it a
 # micro-batch's per-call costs (its weights read again, its dispatch, its transfer) outweigh
@@ -70,6 +84,13 @@ class StageRunner(ModelRunner):
     def execute(self, batch: TokenBatch) -> StepResult:
         """Runs this stage's part of the step (see the module docstring); rank 0 gets the result,
         the other ranks StepResult(None, None). Collective over the pipeline."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: TokenBatch) -> Launched:
+        """This stage's part of the step, its hidden states on their way to the next stage; on
+        rank 0 the receive of the step's result is posted. `collect` finishes it. Rank 0 can
+        launch further steps before collecting this one (they reach every stage in order)."""
         model = self.stage_model
         sending: list[tuple[Work, torch.Tensor]] = []
         results: list[StepResult] = []
@@ -91,9 +112,29 @@ class StageRunner(ModelRunner):
                 if part.num_logits != part.num_tokens:
                     hidden = hidden.index_select(0, torch.tensor(part.logits_indices, device=self.device))
                 results.append(self._finish(model.logits(hidden), batch.full_logits))
-        for work, _ in sending:
+        if self.me == self.reporter and batch.num_logits:  # the last stage's TP rank 0 reports
+            out = torch.cat([t for p in results for t in ((p.logits,) if batch.full_logits else (p.ids,))
+                             if t is not None])
+            dist.send(out.to(self.wire).contiguous(), self.driver)
+        receiving = None
+        if self.me == self.driver and batch.num_logits:
+            shape = (batch.num_logits, self.model.config.vocab_size) if batch.full_logits else (batch.num_logits,)
+            buffer = torch.empty(shape, dtype=torch.float32 if batch.full_logits else torch.long, device=self.wire)
+            work = dist.irecv(buffer, self.reporter)
+            assert work is not None
+            receiving = (work, buffer)
+        return Launched(batch.full_logits, sending, receiving)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Waits for a launched step's sends and, on rank 0, for its result."""
+        for work, _ in launched.sending:
             work.wait()
-        return self._report(batch, results)
+        if launched.receiving is None:
+            return StepResult(None, None)
+        work, buffer = launched.receiving
+        work.wait()
+        result = buffer.to(self.device)
+        return StepResult(None, result) if launched.full_logits else StepResult(result, None)
 
     def _parts(self, batch: TokenBatch) -> int:
         """The step's micro-batches: the configured count, else up to MAX_MICROBATCHES_PER_STAGE
@@ -101,23 +142,6 @@ class StageRunner(ModelRunner):
         if self.microbatches is not None:
             return self.microbatches
         return max(1, min(MAX_MICROBATCHES_PER_STAGE * self.mesh.stages, batch.num_tokens // MIN_MICROBATCH_TOKENS))
-
-    def _report(self, batch: TokenBatch, parts: list[StepResult]) -> StepResult:
-        """The last stage's TP rank 0 sends the step's ids or logits to rank 0, which returns them."""
-        if not batch.num_logits or self.me not in (self.driver, self.reporter):
-            return StepResult(None, None)
-        vocab = self.model.config.vocab_size
-        if self.me == self.reporter:
-            out = torch.cat([t for p in parts for t in ((p.logits,) if batch.full_logits else (p.ids,)) if t is not None])
-            dist.send(out.to(self.wire).contiguous(), self.driver)
-            return StepResult(None, None)
-        if batch.full_logits:
-            logits = torch.empty(batch.num_logits, vocab, dtype=torch.float32, device=self.wire)
-            dist.recv(logits, self.reporter)
-            return StepResult(None, logits.to(self.device))
-        ids = torch.empty(batch.num_logits, dtype=torch.long, device=self.wire)
-        dist.recv(ids, self.reporter)
-        return StepResult(ids.to(self.device), None)
 
     @torch.inference_mode()
     def forward_whole(self, ids: list[int]) -> torch.Tensor | None:
