@@ -36,6 +36,7 @@ class Seq:
     output: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
     held: bool = False
+    in_flight: bool = False
     priority: int = 0
 
     def __post_init__(self) -> None:
@@ -166,6 +167,28 @@ def test_preempted_sequence_resumes_with_its_output_prefilled() -> None:
     run_all(s)
     assert b.output == [100, 101] and a.output == [100 + i for i in range(4)]
     assert s.pool.used == 0
+
+
+def test_a_sequence_in_a_step_in_flight_sits_out_and_is_never_preempted() -> None:
+    """Pipeline stages keep steps in flight (tprt.engine.core): their rows get no row in later
+    steps and are no victims; one that needs a block while every other is in flight sits out."""
+    s = make(n_blocks=5, block_size=2, prefix_cache=False)
+    a, b = Seq("a", [1, 2, 3, 4], max_new=4), Seq("b", [5, 6, 7, 8], max_new=2)
+    s.add(a)
+    s.add(b)
+    finish_step(s, s.schedule())  # both prefilled: 2 blocks each, the pool is full
+    b.in_flight = True
+    step = s.schedule()  # a needs a 3rd block, but b (its victim before) is in flight
+    assert step.batch is None and s.preemptions == 0 and len(b.blocks) == 2 and len(a.blocks) == 2
+    a.in_flight, b.in_flight = True, False
+    step = s.schedule()  # b needs one too, and would be its own victim: it sits out
+    assert step.batch is None and s.preemptions == 0
+    a.in_flight = False
+    step = s.schedule()  # nothing in flight: b, the most recent, gives its blocks back as before
+    assert step.decode == [a] and s.preemptions == 1
+    finish_step(s, step)
+    run_all(s)
+    assert a.output == [100 + i for i in range(4)] and b.output == [100, 101]
 
 
 def test_prefix_sharing_refcounts_and_cache_after_the_end() -> None:

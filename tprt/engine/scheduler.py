@@ -332,10 +332,11 @@ class Scheduler(Generic[S]):
         """Gives an admitted sequence the blocks for `tokens` positions, preempting the most
         recently admitted sequences of the lowest priority while the pool is short; False when seq
         itself was the one preempted (it then waits at the head of its priority in the queue), or
-        when every other sequence is in a step in flight (seq then sits this step out)."""
+        when it would be the victim while steps are in flight (their blocks come back soon: it
+        sits this step out instead)."""
         while not self.pool.grow(seq.blocks, tokens):
             victim = self._victim()
-            if victim is None:
+            if victim is None or (victim is seq and any(s.in_flight for s in self.running)):
                 return False
             self._preempt(victim)
             if victim is seq:
