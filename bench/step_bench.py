@@ -18,6 +18,7 @@ run_to_completion), which both trees have. Workloads (greedy, EOS ignored, threa
   embedding, the same in both), mean per step.
 
 Reported per tree: the best of its rounds, and after / before ratios (each should be >= 0.97).
+`--only NAME ...` runs just those workloads (e.g. `--only spec_grounded_fp32` to recheck one).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def _host_ms(engine: Any, model: Any, prompts: list[list[int]], new: int) -> flo
     return 1000 * (total - stack.seconds - head.seconds) / steps
 
 
-def worker(workdir: Path, threads: int) -> dict[str, float]:
+def worker(workdir: Path, threads: int, only: set[str] | None = None) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(threads)
@@ -116,7 +117,6 @@ def worker(workdir: Path, threads: int) -> dict[str, float]:
     from tprt.distributed.context import TPContext
     from tprt.engine.constraints import ConstraintSpec
     from tprt.engine.core import Engine, EngineConfig
-    from tprt.engine.speculative import SpeculativeConfig
     from tprt.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(workdir / "hf")
@@ -127,13 +127,33 @@ def worker(workdir: Path, threads: int) -> dict[str, float]:
         model = load_model(workdir / path, TPContext.single(), dtype)
         return Engine(model, tok, EngineConfig(max_seq_len=512, **kw), eos_token_ids=()), model
 
+    def wanted(*names: str) -> bool:
+        return only is None or bool(only & set(names))
+
     for name, path, dtype in (("b1_fp32", "tp1", "fp32"), ("b1_bf16", "tp1", "bf16"), ("b1_int8", "int8", "bf16")):
-        e, _ = engine(path, dtype, max_batch=1)
-        out[name] = _rate(e, [prompt], 64)
-    e, model = engine("tp1", "fp32", max_batch=64)
-    out["b16_fp32"] = _rate(e, [prompt] * 16, 24)
-    out["host_ms_b1"] = min(_host_ms(e, model, [prompt], 32) for _ in range(3))
-    out["host_ms_b64"] = min(_host_ms(e, model, [prompt] * 64, 12) for _ in range(2))
+        if wanted(name):
+            e, _ = engine(path, dtype, max_batch=1)
+            out[name] = _rate(e, [prompt], 64)
+    if wanted("b16_fp32", "host_ms_b1", "host_ms_b64"):
+        e, model = engine("tp1", "fp32", max_batch=64)
+        out["b16_fp32"] = _rate(e, [prompt] * 16, 24)
+        out["host_ms_b1"] = min(_host_ms(e, model, [prompt], 32) for _ in range(3))
+        out["host_ms_b64"] = min(_host_ms(e, model, [prompt] * 64, 12) for _ in range(2))
+    if wanted("spec_grounded_fp32"):
+        out["spec_grounded_fp32"] = _spec_rate(engine, tok)
+    if wanted("constrained_bf16"):
+        e, _ = engine("tp1", "bf16", max_batch=1)
+        spec = ConstraintSpec.json_schema(SCHEMA, "schema")
+        e.structured_outputs.compile(spec)
+        ask = tok.encode_chat([{"role": "user", "content": "A shopping list as JSON."}])
+        out["constrained_bf16"] = _rate_constrained(e, ask, spec)
+    return out
+
+
+def _spec_rate(engine: Any, tok: Any) -> float:
+    """Speculative decoding (ngram, k 4) on six grounded prompts: tokens/s."""
+    from tprt.engine.speculative import SpeculativeConfig
+
     grounded = [tok.encode_chat([{"role": "user", "content": p}])
                 for p in json.loads((ROOT / "bench" / "spec_prompts.json").read_text())["grounded"][:6]]
     e, _ = engine("tp1", "fp32", max_batch=1, speculative=SpeculativeConfig("ngram", num_tokens=4))
@@ -144,14 +164,7 @@ def worker(workdir: Path, threads: int) -> dict[str, float]:
     for i, p in enumerate(grounded):
         e.add(p, SamplingParams(temperature=0.0, max_new_tokens=48), str(i))
         tokens += sum(len(c.token_ids) for c in run_to_completion(e).values())
-    out["spec_grounded_fp32"] = tokens / (time.perf_counter() - start)
-    e, _ = engine("tp1", "bf16", max_batch=1)
-    spec = ConstraintSpec.json_schema(SCHEMA, "schema")
-    e.structured_outputs.compile(spec)
-    ask = tok.encode_chat([{"role": "user", "content": "A shopping list as JSON."}])
-    rate = _rate_constrained(e, ask, spec)
-    out["constrained_bf16"] = rate
-    return out
+    return tokens / (time.perf_counter() - start)
 
 
 def _rate_constrained(engine: Any, prompt: list[int], spec: Any) -> float:
@@ -173,10 +186,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/tprt-step-bench"))
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these workloads (their names as printed)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.workdir, args.threads)))
+        print(json.dumps(worker(args.workdir, args.threads, set(args.only) if args.only else None)))
         return
     sys.path.insert(0, str(ROOT))
     prepare(args.workdir)
@@ -184,8 +198,9 @@ def main() -> None:
     for r in range(args.rounds):
         for tree in args.trees:
             env = {**os.environ, "PYTHONPATH": f"{tree.resolve()}:{ROOT / 'tests'}"}
+            only = ["--only", *args.only] if args.only else []
             proc = subprocess.run([sys.executable, __file__, "--worker", "--workdir", str(args.workdir),
-                                   "--threads", str(args.threads)], env=env, cwd=tree, capture_output=True,
+                                   "--threads", str(args.threads), *only], env=env, cwd=tree, capture_output=True,
                                   text=True, timeout=1800)
             if proc.returncode:
                 sys.exit(f"{tree}: {proc.stderr[-2000:]}")
