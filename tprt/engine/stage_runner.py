@@ -3,8 +3,9 @@
 Every rank of the pipeline receives the step from rank 0 (stage 0's TP rank 0, which schedules
 and samples: the engine's control group is the whole pipeline, `PipelineMesh.replica`). The
 step is split into micro-batches of consecutive rows (`TokenBatch.split`; by default up to four
-per stage while each keeps MIN_MICROBATCH_TOKENS, so decode steps stay whole); each stage runs them in order over its own layers and its own KV cache (the scheduler's
-block tables are the same on every stage, the cache of each holds its layers only): the first
+per stage while each keeps MIN_MICROBATCH_TOKENS, so decode steps stay whole); each stage runs
+them in order over its own layers and its own KV cache (the scheduler's block tables are the
+same on every stage, the cache of each holds its layers only): the first
 embeds their tokens, every stage but the last sends its hidden states to the same TP rank of
 the next stage (asynchronously: it goes on with the next micro-batch while its neighbour
 computes this one, so with m micro-batches and p stages each stage idles (p - 1) / (m + p - 1)
@@ -51,6 +52,7 @@ class Launched:
     full_logits: bool
     sending: list[tuple[Work, torch.Tensor]]
     receiving: tuple[Work, torch.Tensor] | None
+
 
 # A step is split into micro-batches of at least this many tokens by default: below it a
 # micro-batch's per-call costs (its weights read again, its dispatch, its transfer) outweigh

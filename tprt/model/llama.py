@@ -323,15 +323,25 @@ class TPLlamaForCausalLM(nn.Module):
         if split and seq % self.tp.world_size:  # padded at the end: causal attention keeps it out of the rest
             pad = self.tp.world_size - seq % self.tp.world_size
             input_ids, positions = F.pad(input_ids, (0, pad)), F.pad(positions, (0, pad))
-        h = self.embed_tokens(input_ids)  # [batch, seq, hidden] (seq / TP of it under sequence parallelism)
-        if self.config.gemma_block:  # scaled by sqrt(hidden), rounded to the dtype first (as transformers)
-            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
-        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
-        h = self.stack(self.layers, h, Step(cos, sin, attention, local))
+        h = self._embed(input_ids)  # [batch, seq, hidden] (seq / TP of it under sequence parallelism)
+        h = self._run_layers(h, positions, attention)
         if split:
             return gather_sequence(h, self.tp)[:, :seq]
         return h if attention is None else h[:, 0]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's hidden states; Gemma's scaled by sqrt(hidden), rounded to the dtype
+        first (as transformers)."""
+        h = self.embed_tokens(input_ids)
+        if self.config.gemma_block:
+            h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
+        return h
+
+    def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, attention: AttentionStep | None) -> torch.Tensor:
+        """h through this rank's decoder layers, their RoPE angles at `positions` computed once."""
+        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
+        local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
+        return self.stack(self.decoder_layers, h, Step(cos, sin, attention, local))
 
     def _split_step(self, attention: AttentionStep) -> bool:
         """Whether this step over the paged cache runs sequence-parallel: an eager step (not a
@@ -355,12 +365,7 @@ class TPLlamaForCausalLM(nn.Module):
         for module in split:
             module.sequence_parallel = True
         try:
-            h = self.embed_tokens(ids)  # [1, (tokens + pad) / TP, hidden]
-            if self.config.gemma_block:
-                h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
-            cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-            local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
-            h = self.stack(self.layers, h, Step(cos, sin, attention, local))
+            h = self._run_layers(self._embed(ids), positions, attention)  # [1, (tokens + pad) / TP, hidden]
         finally:
             for module, was in zip(split, before):
                 module.sequence_parallel = was

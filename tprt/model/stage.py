@@ -16,9 +16,8 @@ scoring).
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import torch.distributed as dist
+from torch import nn
 
 from tprt.distributed.context import TPContext
 from tprt.distributed.pipeline_mesh import PipelineMesh
@@ -26,7 +25,7 @@ from tprt.errors import ConfigError
 from tprt.model.config import ModelConfig, TPLayout
 from tprt.model.attention import AttentionStep
 from tprt.model.llama import DecoderLayer, LayerStack, RMSNorm, Step, TPLlamaForCausalLM
-from tprt.model.rope import inv_frequencies, rope_angles
+from tprt.model.rope import inv_frequencies
 from tprt.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
 from tprt.parallel.layers import DENSE, LinearMethod, VocabParallelEmbedding, VocabParallelLMHead
 from tprt.parallel.stages import Stage
@@ -109,15 +108,7 @@ class TPLlamaStage(TPLlamaForCausalLM):
         elif positions is None:
             batch, seq = x.shape[:2]
             positions = torch.arange(seq, device=x.device).expand(batch, seq)  # [batch, seq]
-        if self.stage.first and self.embed_tokens is not None:
-            h = self.embed_tokens(x)
-            if self.config.gemma_block:
-                h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
-        else:
-            h = x
-        cos, sin = rope_angles(positions, self.inv_freq, h.dtype)
-        local = None if self.local_inv_freq is None else rope_angles(positions, self.local_inv_freq, h.dtype)
-        h = self.stack(self.own_layers, h, Step(cos, sin, attention, local))
+        h = self._run_layers(self._embed(x) if self.stage.first else x, positions, attention)
         return h if attention is None else h[:, 0]
 
 
